@@ -1,0 +1,46 @@
+"""What every aggregation rule sees: the current weights and a list of updates.
+
+Aggregators are pure functions: no I/O, no clocks. *When* updates are applied and
+how many at a time is the coordinator's policy (``Coordinator._aggregate``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+StateDict = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Update:
+    """One worker's delta, as the aggregator needs it."""
+
+    delta: StateDict
+    num_samples: int
+    staleness: int
+    """Expert versions made since the worker pulled the weights it trained from."""
+
+
+@dataclass(frozen=True)
+class AggregationParams:
+    server_lr: float = 1.0
+    """Global step size applied to every aggregated delta."""
+    staleness_decay: float = 0.1
+    """Stale updates are weighted by 1 / (1 + staleness_decay * staleness)."""
+
+    def __post_init__(self) -> None:
+        if not self.server_lr > 0:
+            raise ValueError(f"server_lr must be > 0, got {self.server_lr}")
+        if not self.staleness_decay >= 0:
+            raise ValueError(f"staleness_decay must be >= 0, got {self.staleness_decay}")
+
+
+def staleness_weight(staleness: int, decay: float) -> float:
+    """The original system's rule: older updates count less, smoothly."""
+    return 1.0 / (1.0 + decay * staleness)
+
+
+class Aggregator(Protocol):
+    def __call__(self, current: StateDict, updates: list[Update], params: AggregationParams) -> StateDict: ...

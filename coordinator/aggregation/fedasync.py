@@ -1,0 +1,19 @@
+"""FedAsync (Xie et al., 2019): apply each update as soon as it arrives.
+
+    w <- w + server_lr / (1 + staleness_decay * staleness) * delta
+
+This is the rule of the original FedMoE tool. Given several updates it applies
+them one after another, each with its own staleness weight.
+"""
+from __future__ import annotations
+
+from coordinator.aggregation.base import AggregationParams, StateDict, Update, staleness_weight
+
+
+def fedasync(current: StateDict, updates: list[Update], params: AggregationParams) -> StateDict:
+    result = {name: t.clone() for name, t in current.items()}
+    for update in updates:
+        weight = params.server_lr * staleness_weight(update.staleness, params.staleness_decay)
+        for name, t in result.items():
+            t.add_(update.delta[name], alpha=weight)
+    return result

@@ -1,0 +1,139 @@
+"""HTTP API v1: a thin mapping from requests to ``Coordinator`` calls.
+
+Bodies that carry tensors are streamed to a fsynced temp file first (never
+held whole in memory, never unpickled); JSON metadata rides in one header.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from flask import Blueprint, Response, current_app, jsonify, request, send_file
+
+from coordinator.gateway_builder import npz_bytes
+from coordinator.service import Coordinator
+from protocol.errors import BadRequest, PayloadTooLarge
+from protocol.schemas import (API_PREFIX, EXPERT_HEADER, UPDATE_HEADER, VERSION_HEADER, BaseModelSpec,
+                              ExpertSpec, UpdateMeta, check_name, parse_header_json)
+from protocol.tensors import load_file
+
+bp = Blueprint("api", __name__, url_prefix=API_PREFIX)
+
+
+def coordinator() -> Coordinator:
+    return current_app.extensions["fedmoe"]
+
+
+def json_body() -> dict[str, Any]:
+    data = request.get_json(silent=True)
+    if not isinstance(data, dict):
+        raise BadRequest("request body must be a JSON object (Content-Type: application/json)")
+    return data
+
+
+def receive_body() -> Path:
+    """Stream the request body into a fsynced temp file, enforcing the size limit up front."""
+    c = coordinator()
+    limit = c.config.max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise PayloadTooLarge(f"body of {request.content_length} bytes is over the limit of {limit} bytes "
+                              "(coordinator flag --max-body-mb)", limit=limit)
+    return c.blobs.receive(request.stream, limit)
+
+
+@bp.get("/health")
+def health() -> Response:
+    return jsonify({"status": "ok", "experts": len(coordinator().db.experts())})
+
+
+@bp.post("/workers")
+def register_worker() -> tuple[Response, int]:
+    body = json_body()
+    worker_id = check_name(body.get("worker_id"), "worker_id")
+    specialty = check_name(body.get("specialty"), "specialty")
+    info = coordinator().register_worker(worker_id, specialty, BaseModelSpec.from_json(body.get("base_model")))
+    return jsonify(info), 200
+
+
+@bp.post("/workers/<worker_id>/heartbeat")
+def heartbeat(worker_id: str) -> Response:
+    coordinator().heartbeat(worker_id)
+    return jsonify({"worker_id": worker_id, "status": "ok"})
+
+
+@bp.get("/workers")
+def list_workers() -> Response:
+    return jsonify({"workers": coordinator().list_workers()})
+
+
+@bp.get("/experts")
+def list_experts() -> Response:
+    return jsonify({"experts": coordinator().list_experts()})
+
+
+@bp.put("/experts/<name>")
+def create_expert(name: str) -> tuple[Response, int]:
+    check_name(name, "expert name")
+    spec = ExpertSpec.from_json(parse_header_json(request.headers.get(EXPERT_HEADER), EXPERT_HEADER))
+    info, created = coordinator().create_expert(name, spec, receive_body())
+    return jsonify(info), 201 if created else 200
+
+
+@bp.get("/experts/<name>")
+def expert_info(name: str) -> Response:
+    c = coordinator()
+    return jsonify(c.expert_info(name) | {"versions": c.versions(name)})
+
+
+@bp.get("/experts/<name>/weights")
+def expert_weights(name: str) -> Response:
+    version = request.args.get("version")
+    if version is not None and not version.isdigit():
+        raise BadRequest(f"version must be a non-negative integer, got {version!r}")
+    ref = coordinator().weights(name, None if version is None else int(version))
+    response = send_file(ref.path, mimetype="application/octet-stream", etag=ref.digest,
+                         conditional=True, download_name=f"{name}-v{ref.version}.safetensors",
+                         max_age=0)
+    response.headers[VERSION_HEADER] = str(ref.version)
+    return response
+
+
+@bp.post("/experts/<name>/updates")
+def push_update(name: str) -> tuple[Response, int]:
+    meta = UpdateMeta.from_json(parse_header_json(request.headers.get(UPDATE_HEADER), UPDATE_HEADER))
+    c = coordinator()
+    c.expert_info(name)  # 404 before reading a body we would throw away
+    status, is_new = c.submit_update(name, meta, receive_body())
+    return jsonify(status), 202 if is_new else 200
+
+
+@bp.get("/updates/<update_id>")
+def update_status(update_id: str) -> Response:
+    return jsonify(coordinator().update_status(update_id))
+
+
+@bp.get("/gateway")
+def gateway_info() -> Response:
+    info = coordinator().gateway.current()
+    return jsonify({k: v for k, v in info.items() if k != "blob"} | {"digest": info["blob"]})
+
+
+@bp.get("/gateway/weights")
+def gateway_weights() -> Response:
+    fmt = request.args.get("format", "safetensors")
+    c = coordinator()
+    info = c.gateway.current()
+    path = c.blobs.path(info["blob"])
+    if fmt == "safetensors":
+        response = send_file(path, mimetype="application/octet-stream", etag=info["blob"], conditional=True,
+                             download_name="gateway.safetensors", max_age=0)
+    elif fmt == "npz":
+        public = {k: v for k, v in info.items() if k != "blob"}
+        response = Response(npz_bytes(load_file(path), public), mimetype="application/octet-stream")
+        response.headers["Content-Disposition"] = "attachment; filename=gateway.npz"
+    else:
+        raise BadRequest(f"format must be 'npz' or 'safetensors', got {fmt!r}")
+    response.headers[VERSION_HEADER] = str(info["version"])
+    response.headers["X-FedMoE-Gateway"] = json.dumps({"version": info["version"], "sources": info["sources"]})
+    return response

@@ -1,0 +1,41 @@
+"""Flask application factory."""
+from __future__ import annotations
+
+import logging
+
+from flask import Flask, Response, jsonify
+from werkzeug.exceptions import HTTPException
+
+from coordinator.api import bp as api_bp
+from coordinator.config import CoordinatorConfig
+from coordinator.service import Coordinator
+from protocol.errors import FedMoEError
+
+log = logging.getLogger(__name__)
+
+
+def create_app(config: CoordinatorConfig | None = None) -> Flask:
+    """Build the coordinator app; its state lives in ``config.data_dir``."""
+    config = config or CoordinatorConfig()
+    app = Flask(__name__)
+    app.config.update(MAX_CONTENT_LENGTH=config.max_body_bytes, **dict(config.extra))
+    app.extensions["fedmoe"] = Coordinator(config)
+    app.register_blueprint(api_bp)
+    _register_error_handlers(app)
+    return app
+
+
+def _register_error_handlers(app: Flask) -> None:
+    @app.errorhandler(FedMoEError)
+    def domain_error(exc: FedMoEError) -> tuple[Response, int]:
+        return jsonify(exc.to_json()), exc.status
+
+    @app.errorhandler(HTTPException)
+    def http_error(exc: HTTPException) -> tuple[Response, int]:
+        code = (exc.name or "error").lower().replace(" ", "_")
+        return jsonify({"error": {"code": code, "message": exc.description}}), exc.code or 500
+
+    @app.errorhandler(Exception)
+    def unexpected(exc: Exception) -> tuple[Response, int]:
+        log.exception("unhandled error (a bug): %s", exc)
+        return jsonify({"error": {"code": "internal", "message": "internal error; see the coordinator log"}}), 500

@@ -1,0 +1,115 @@
+"""Immutable content-addressed blobs on disk.
+
+A blob's file name is the SHA-256 of its bytes. Every write goes to a temp file
+in the same directory tree, is fsynced, renamed into place and the directory is
+fsynced, so a crash leaves either the whole blob or nothing under its name.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+from protocol.errors import PayloadTooLarge
+
+CHUNK = 1 << 20
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class BlobStore:
+    """Blobs under ``root/<aa>/<sha256>``, temp files under ``root/tmp``."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.tmp_dir = self.root / "tmp"
+        self.tmp_dir.mkdir(parents=True, exist_ok=True)
+        # Leftovers of a crash mid-write were never acknowledged: drop them.
+        for leftover in self.tmp_dir.iterdir():
+            leftover.unlink(missing_ok=True)
+
+    def path(self, digest: str) -> Path:
+        return self.root / digest[:2] / digest
+
+    def exists(self, digest: str) -> bool:
+        return self.path(digest).is_file()
+
+    def new_temp(self) -> Path:
+        fd, name = tempfile.mkstemp(dir=self.tmp_dir, suffix=".part")
+        os.close(fd)
+        return Path(name)
+
+    def receive(self, stream: BinaryIO, limit: int) -> Path:
+        """Copy a request body to a fsynced temp file, failing past ``limit`` bytes."""
+        tmp = self.new_temp()
+        total = 0
+        try:
+            with open(tmp, "wb") as out:
+                while chunk := stream.read(CHUNK):
+                    total += len(chunk)
+                    if total > limit:
+                        raise PayloadTooLarge(f"body is larger than the limit of {limit} bytes "
+                                              "(coordinator flag --max-body-mb)", limit=limit)
+                    out.write(chunk)
+                out.flush()
+                os.fsync(out.fileno())
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return tmp
+
+    def adopt(self, tmp: Path) -> str:
+        """Move a fsynced temp file into the store under its digest; return the digest."""
+        digest = file_sha256(tmp)
+        dest = self.path(digest)
+        dest.parent.mkdir(exist_ok=True)
+        if dest.exists():
+            tmp.unlink()
+        else:
+            os.replace(tmp, dest)
+            fsync_dir(dest.parent)
+        return digest
+
+    def put_file(self, write: Callable[[Path], None]) -> str:
+        """Let ``write(path)`` fill a temp file, then fsync and adopt it."""
+        tmp = self.new_temp()
+        try:
+            write(tmp)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return self.adopt(tmp)
+
+    def put_bytes(self, data: bytes) -> str:
+        return self.put_file(lambda p: p.write_bytes(data))
+
+    def delete(self, digest: str) -> None:
+        self.path(digest).unlink(missing_ok=True)
+
+    def digests(self) -> Iterator[str]:
+        for sub in self.root.iterdir():
+            if sub.is_dir() and sub.name != "tmp":
+                yield from (p.name for p in sub.iterdir() if p.is_file())
+
+    def verify(self, digest: str) -> bool:
+        return file_sha256(self.path(digest)) == digest
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+

@@ -1,0 +1,74 @@
+"""Coordinator settings, validated once when built (the CLI and tests build them)."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from coordinator.aggregation import AGGREGATORS
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    data_dir: Path = Path("fedmoe-data")
+    """Where blobs and the SQLite manifest live; restart on it to resume."""
+    aggregation: str = "fedasync"
+    """Aggregation rule: fedasync (apply each update) or fedbuff (buffer K)."""
+    server_lr: float = 1.0
+    """Global step size on aggregated deltas."""
+    staleness_decay: float = 0.1
+    """Stale updates weigh 1 / (1 + staleness_decay * staleness)."""
+    buffer_size: int = 3
+    """K, the number of updates fedbuff waits for before one aggregated step."""
+    keep_versions: int = 20
+    """Weights of the newest N versions of each expert stay downloadable."""
+    gateway_weights: Mapping[str, float] | None = None
+    """Per-expert gateway weights; None = proportional to samples each expert saw."""
+    gateway_strategy: str = "weighted_average"
+    """Merge used for the gateway model."""
+    max_body_mb: float = 1024.0
+    """Largest request body accepted, in MiB (413 above it)."""
+    extra: Mapping[str, object] = field(default_factory=dict)
+    """Flask config overrides (tests)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "data_dir", Path(self.data_dir))
+        if self.aggregation not in AGGREGATORS:
+            raise ValueError(f"aggregation must be one of {sorted(AGGREGATORS)}, got {self.aggregation!r}")
+        if not self.server_lr > 0:
+            raise ValueError(f"server_lr must be > 0, got {self.server_lr}")
+        if not self.staleness_decay >= 0:
+            raise ValueError(f"staleness_decay must be >= 0, got {self.staleness_decay}")
+        if self.buffer_size < 1:
+            raise ValueError(f"buffer_size must be >= 1, got {self.buffer_size}")
+        if self.keep_versions < 1:
+            raise ValueError(f"keep_versions must be >= 1, got {self.keep_versions}")
+        if not self.max_body_mb > 0:
+            raise ValueError(f"max_body_mb must be > 0, got {self.max_body_mb}")
+        for name, weight in (self.gateway_weights or {}).items():
+            if not weight >= 0:
+                raise ValueError(f"gateway weight of {name!r} must be >= 0, got {weight}")
+
+    @property
+    def max_body_bytes(self) -> int:
+        return int(self.max_body_mb * (1 << 20))
+
+    @property
+    def updates_per_step(self) -> int:
+        return self.buffer_size if self.aggregation == "fedbuff" else 1
+
+
+def parse_gateway_weights(text: str) -> dict[str, float]:
+    """Parse ``python_expert=2,sql_expert=1`` into a dict, with an error naming the bad part."""
+    weights: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, value = part.partition("=")
+        try:
+            if not sep or not name.strip():
+                raise ValueError
+            weights[name.strip()] = float(value)
+        except ValueError:
+            raise ValueError(f"expected NAME=WEIGHT pairs separated by commas, got {part!r}") from None
+    if not weights:
+        raise ValueError(f"expected NAME=WEIGHT pairs separated by commas, got {text!r}")
+    return weights

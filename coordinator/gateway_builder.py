@@ -1,0 +1,96 @@
+"""The gateway model: every expert merged into one adapter, rebuilt when one changes.
+
+Built lazily on request and cached by a key over (strategy, weights, source
+versions), so asking twice costs nothing and a restart reuses the stored blob.
+The default merge (``weighted_average``) concatenates ranks and is exact:
+B_g @ A_g == sum_i w_i * B_i @ A_i * scale_i.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import threading
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from gateway.lora import split_modules
+from gateway.merges import merge
+from protocol.errors import Conflict, NotFound
+from protocol.schemas import ExpertSpec
+from protocol.tensors import StateDict, load_file, save_file
+
+if TYPE_CHECKING:
+    from coordinator.service import Coordinator
+    from coordinator.store import ExpertRow
+
+NPZ_META_KEY = "__fedmoe__"
+
+
+def gateway_weights(experts: list["ExpertRow"], configured: dict[str, float] | None) -> dict[str, float]:
+    """Normalised per-expert weights: configured ones, else proportional to samples seen."""
+    if configured:
+        raw = {e.name: float(configured.get(e.name, 0.0)) for e in experts}
+    else:
+        raw = {e.name: float(e.samples_seen) for e in experts}
+    total = sum(raw.values())
+    if total <= 0:  # nothing trained yet, or weights for absent experts only: equal weights
+        return {name: 1.0 / len(raw) for name in raw}
+    return {name: w / total for name, w in raw.items()}
+
+
+class GatewayBuilder:
+    def __init__(self, coordinator: "Coordinator") -> None:
+        self._c = coordinator
+        self._lock = threading.Lock()
+
+    def current(self) -> dict[str, Any]:
+        """The gateway for the experts as they are now, building it if needed."""
+        experts = self._c.db.experts()
+        if not experts:
+            raise NotFound("there is no gateway yet: no expert exists (start a worker first)")
+        weights = gateway_weights(experts, dict(self._c.config.gateway_weights or {}))
+        strategy = self._c.config.gateway_strategy
+        sources = {e.name: e.version for e in experts}
+        key = hashlib.sha256(json.dumps([strategy, weights, sources], sort_keys=True).encode()).hexdigest()
+        with self._lock:
+            stored = self._c.db.gateway(key)
+            if stored is None:
+                self._build(key, strategy, weights, experts)
+                stored = self._c.db.gateway(key)
+        assert stored is not None
+        return stored
+
+    def _build(self, key: str, strategy: str, weights: dict[str, float], experts: list["ExpertRow"]) -> None:
+        used = [e for e in experts if weights[e.name] > 0]
+        specs = {e.name: ExpertSpec.from_json(e.spec) for e in used}
+        fingerprints = {s.base_model.fingerprint for s in specs.values()}
+        if len(fingerprints) > 1:
+            raise Conflict("experts were trained from different base models and cannot be merged: "
+                           + ", ".join(f"{n}: {s.base_model.id}" for n, s in specs.items()))
+        modules = [split_modules(load_file(self._c.weights(e.name).path), specs[e.name].lora.alpha,
+                                 specs[e.name].lora.rank) for e in used]
+        result = merge(strategy, modules, [weights[e.name] for e in used])
+        tensors, alpha, rank = result.state_dict()
+        first = next(iter(specs.values()))
+        info = {"strategy": strategy, "weights": weights,
+                "sources": {e.name: e.version for e in experts},
+                "lora": {"rank": rank, "alpha": alpha, "target_modules": list(first.lora.target_modules)},
+                "base_model": {"id": first.base_model.id, "fingerprint": first.base_model.fingerprint},
+                "truncation_error": result.truncation_error}
+        meta = {"fedmoe_gateway": json.dumps(info)}
+        digest = self._c.blobs.put_file(lambda p: save_file(tensors, p, meta))
+        self._c.db.add_gateway(key, digest, info)
+
+
+def npz_bytes(tensors: StateDict, info: dict[str, Any]) -> bytes:
+    """The gateway as .npz: one float32 array per tensor name, plus JSON info under NPZ_META_KEY.
+
+    The info is a 0-d unicode array, so ``np.load(path)`` reads it without pickle.
+    """
+    arrays = {name: t.numpy() for name, t in tensors.items()}
+    arrays[NPZ_META_KEY] = np.array(json.dumps(info))
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    return buf.getvalue()

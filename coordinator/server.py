@@ -1,0 +1,85 @@
+"""Serving the app: gunicorn (threaded, one process) in production, werkzeug with --debug.
+
+We bind the listening socket ourselves, so ``--port 0`` works (the chosen port
+is logged), a port in use is one clear error, and gunicorn only adopts the fd.
+One worker process on purpose: the coordinator keeps per-expert locks in
+memory, and SQLite has one writer anyway; threads give the concurrency.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+from dataclasses import dataclass
+
+from flask import Flask
+from gunicorn.app.base import BaseApplication
+
+from coordinator.app import create_app
+from coordinator.config import CoordinatorConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    host: str = "0.0.0.0"
+    port: int = 5000
+    debug: bool = False
+    threads: int = 16
+    """Request threads in the gunicorn worker (pushes and pulls in flight at once)."""
+    timeout: int = 120
+    """Seconds gunicorn lets a silent worker live before restarting it."""
+
+
+class ServerStartError(Exception):
+    """The server could not start (port in use, bad address)."""
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        hint = " (is another coordinator running? pick another --port)" if port else ""
+        raise ServerStartError(f"cannot listen on {host}:{port}: {exc.strerror}{hint}") from None
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+class _Gunicorn(BaseApplication):
+    def __init__(self, config: CoordinatorConfig, options: ServeOptions, fd: int) -> None:
+        self._config, self._options, self._fd = config, options, fd
+        super().__init__()
+
+    def load_config(self) -> None:
+        settings = {
+            "bind": [f"fd://{self._fd}"], "workers": 1, "worker_class": "gthread",
+            "threads": self._options.threads, "timeout": self._options.timeout,
+            "graceful_timeout": 10, "keepalive": 30, "accesslog": None, "errorlog": "-",
+            "loglevel": "warning", "proc_name": "fedmoe-coordinator",
+        }
+        for key, value in settings.items():
+            self.cfg.set(key, value)
+
+    def load(self) -> Flask:
+        return create_app(self._config)
+
+
+def serve(config: CoordinatorConfig, options: ServeOptions) -> None:
+    """Run until interrupted. Opens the store once up front so errors surface here, not in a fork."""
+    create_app(config).extensions["fedmoe"].close()
+    sock = bind(options.host, options.port)
+    host, port = sock.getsockname()[:2]
+    log.info("FedMoE coordinator listening on http://%s:%d (data dir %s, aggregation %s)",
+             host, port, config.data_dir, config.aggregation)
+    if options.debug:
+        from werkzeug.serving import make_server
+
+        log.warning("--debug: serving with Flask's development server; not for production")
+        make_server(host, port, create_app(config), threaded=True, fd=sock.fileno()).serve_forever()
+    else:
+        _Gunicorn(config, options, sock.fileno()).run()

@@ -1,0 +1,251 @@
+"""The coordinator's domain logic, free of HTTP: experts, updates, aggregation.
+
+Flow of a push: the body is already in a fsynced temp file (the API put it
+there); we decode and check it, move it into the blob store, record it as
+pending in SQLite (that commit is the point of no loss: only then is 202 sent),
+then aggregate whatever the policy says is ready. Aggregation runs under a
+per-expert lock, writes the new version's blob, then commits the version row
+and marks the applied updates in one transaction. A restart re-runs
+aggregation over the pending rows, so nothing acknowledged is lost and nothing
+is applied twice.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from coordinator.adapters import check_lora_adapter, decode_update, read_adapter
+from coordinator.aggregation import AGGREGATORS, AggregationParams, StateDict, Update
+from coordinator.blobs import BlobStore
+from coordinator.config import CoordinatorConfig
+from coordinator.gateway_builder import GatewayBuilder
+from coordinator.store import ExpertRow, ManifestStore, UpdateRow
+from protocol.errors import Conflict, NotFound
+from protocol.schemas import BaseModelSpec, ExpertSpec, LoraSpec, UpdateMeta, check_name
+from protocol.tensors import manifest_from_json, manifest_to_json, save_file
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WeightsRef:
+    path: Path
+    version: int
+    digest: str
+
+
+class Coordinator:
+    def __init__(self, config: CoordinatorConfig) -> None:
+        self.config = config
+        config.data_dir.mkdir(parents=True, exist_ok=True)
+        self.blobs = BlobStore(config.data_dir / "blobs")
+        self.db = ManifestStore(config.data_dir / "manifest.sqlite")
+        self.params = AggregationParams(config.server_lr, config.staleness_decay)
+        self._aggregate_fn = AGGREGATORS[config.aggregation]
+        self._locks: dict[str, threading.Lock] = {}
+        self._locks_guard = threading.Lock()
+        self._decoded: dict[str, StateDict] = {}  # update_id -> deltas checked at receipt
+        self.gateway = GatewayBuilder(self)
+        self._remove_orphan_blobs()
+        for expert in self.db.experts():  # finish what a crash interrupted
+            self._aggregate(expert.name)
+
+    def close(self) -> None:
+        self.db.close()
+
+    def _lock(self, name: str) -> threading.Lock:
+        with self._locks_guard:
+            return self._locks.setdefault(name, threading.Lock())
+
+    # experts ------------------------------------------------------------------
+
+    def create_expert(self, name: str, spec: ExpertSpec, body: Path) -> tuple[dict[str, Any], bool]:
+        """Create an expert from its first adapter; (info, created). Same spec again is a no-op."""
+        check_name(name, "expert name")
+        try:
+            with self._lock(name):
+                existing = self.db.expert(name)
+                if existing is not None:
+                    self._check_compatible(existing, spec)
+                    return self.expert_info(name), False
+                manifest = check_lora_adapter(read_adapter(body), spec.lora)
+                digest = self.blobs.adopt(body)
+                self.db.create_expert(name, spec.to_json(), manifest_to_json(manifest), digest)
+        finally:
+            body.unlink(missing_ok=True)
+        log.info("created expert %s (rank %d)", name, spec.lora.rank)
+        return self.expert_info(name), True
+
+    def _check_compatible(self, expert: ExpertRow, spec: ExpertSpec) -> None:
+        stored = ExpertSpec.from_json(expert.spec)
+        diffs = [f"{field} {getattr(spec.lora, field)!r} != expert's {getattr(stored.lora, field)!r}"
+                 for field in ("rank", "alpha", "target_modules")
+                 if getattr(spec.lora, field) != getattr(stored.lora, field)]
+        if spec.base_model.fingerprint != stored.base_model.fingerprint:
+            diffs.append(f"base model {spec.base_model.id!r} (fingerprint {spec.base_model.fingerprint[:12]}) "
+                         f"!= expert's {stored.base_model.id!r} ({stored.base_model.fingerprint[:12]})")
+        if diffs:
+            raise Conflict(f"expert {expert.name!r} exists with a different setup: " + "; ".join(diffs),
+                           differences=diffs)
+
+    def _expert(self, name: str) -> ExpertRow:
+        expert = self.db.expert(name)
+        if expert is None:
+            known = [e.name for e in self.db.experts()]
+            raise NotFound(f"no expert named {name!r}; known experts: {known}")
+        return expert
+
+    def expert_info(self, name: str) -> dict[str, Any]:
+        return self._info(self._expert(name))
+
+    def list_experts(self) -> list[dict[str, Any]]:
+        return [self._info(e) for e in self.db.experts()]
+
+    def _info(self, e: ExpertRow) -> dict[str, Any]:
+        return {"name": e.name, "version": e.version, **e.spec, "updates_applied": e.updates_applied,
+                "samples_seen": e.samples_seen, "last_train_loss": e.last_train_loss,
+                "pending_updates": len(self.db.pending_updates(e.name)),
+                "created_at": e.created_at, "updated_at": e.updated_at}
+
+    def versions(self, name: str) -> list[dict[str, Any]]:
+        self._expert(name)
+        return self.db.versions(name)
+
+    def weights(self, name: str, version: int | None = None) -> WeightsRef:
+        expert = self._expert(name)
+        version = expert.version if version is None else version
+        exists, digest = self.db.version_blob(name, version)
+        if not exists:
+            raise NotFound(f"expert {name!r} has no version {version} (current: {expert.version})")
+        if digest is None:
+            raise NotFound(f"version {version} of {name!r} was pruned; the newest "
+                           f"{self.config.keep_versions} versions are kept (--keep-versions)")
+        return WeightsRef(self.blobs.path(digest), version, digest)
+
+    def manifest(self, name: str) -> list[tuple[str, tuple[int, ...]]]:
+        return manifest_from_json(self._expert(name).manifest)
+
+    def lora_spec(self, name: str) -> LoraSpec:
+        return ExpertSpec.from_json(self._expert(name).spec).lora
+
+    # updates ------------------------------------------------------------------
+
+    def submit_update(self, name: str, meta: UpdateMeta, body: Path) -> tuple[dict[str, Any], bool]:
+        """Record and (policy permitting) apply an update; (status, is_new). Retries are no-ops."""
+        try:
+            expert = self._expert(name)
+            known = self.db.update(meta.update_id)
+            if known is not None:
+                return self._seen_before(known, name), False
+            if meta.base_version > expert.version:
+                raise Conflict(f"base_version {meta.base_version} is ahead of expert {name!r}, "
+                               f"which is at version {expert.version}")
+            deltas = decode_update(body, meta.codec, meta.codec_config, manifest_from_json(expert.manifest))
+            size = body.stat().st_size
+            with self._lock(name):
+                known = self.db.update(meta.update_id)  # a concurrent retry may have won
+                if known is not None:
+                    return self._seen_before(known, name), False
+                digest = self.blobs.adopt(body)
+                row = self.db.add_update(name, meta.to_json(), digest, size)
+                self._decoded[row.update_id] = deltas
+                self._aggregate_locked(name)
+        finally:
+            body.unlink(missing_ok=True)
+        return self.update_status(meta.update_id), True
+
+    def _seen_before(self, known: UpdateRow, name: str) -> dict[str, Any]:
+        if known.expert != name:
+            raise Conflict(f"update_id {known.update_id!r} was already used for expert {known.expert!r}")
+        return self.update_status(known.update_id)
+
+    def update_status(self, update_id: str) -> dict[str, Any]:
+        row = self.db.update(update_id)
+        if row is None:
+            raise NotFound(f"no update with id {update_id!r}")
+        expert = self._expert(row.expert)
+        return {"update_id": row.update_id, "expert": row.expert, "status": row.status,
+                "applied_version": row.applied_version, "expert_version": expert.version}
+
+    def _aggregate(self, name: str) -> None:
+        with self._lock(name):
+            self._aggregate_locked(name)
+
+    def _aggregate_locked(self, name: str) -> None:
+        pending = self.db.pending_updates(name)
+        k = self.config.updates_per_step
+        while len(pending) >= k:
+            self._apply(name, pending[:k])
+            pending = pending[k:]
+
+    def _apply(self, name: str, batch: list[UpdateRow]) -> None:
+        expert = self._expert(name)
+        manifest = manifest_from_json(expert.manifest)
+        current = read_adapter(self.weights(name).path)
+        updates = [Update(delta=self._deltas(u, manifest), num_samples=u.meta["num_samples"],
+                          staleness=max(0, expert.version - u.meta["base_version"])) for u in batch]
+        new = self._aggregate_fn(current, updates, self.params)
+        digest = self.blobs.put_file(lambda p: save_file(new, p))
+        self.db.commit_version(name, expert.version + 1, digest, batch, _mean_loss(batch))
+        for u in batch:
+            self._decoded.pop(u.update_id, None)
+        self._drop_unreferenced([u.blob for u in batch if u.blob]
+                                + self.db.prune_versions(name, self.config.keep_versions))
+        log.info("expert %s -> version %d (%d update(s), staleness %s)", name, expert.version + 1,
+                 len(batch), [u.staleness for u in updates])
+
+    def _deltas(self, row: UpdateRow, manifest: list[tuple[str, tuple[int, ...]]]) -> StateDict:
+        cached = self._decoded.get(row.update_id)
+        if cached is not None:
+            return cached
+        assert row.blob is not None, "a pending update always has its payload"
+        return decode_update(self.blobs.path(row.blob), row.meta["codec"], row.meta["codec_config"], manifest)
+
+    def _drop_unreferenced(self, digests: list[str]) -> None:
+        if not digests:
+            return
+        referenced = self.db.referenced_blobs()
+        for digest in set(digests) - referenced:
+            self.blobs.delete(digest)
+
+    def _remove_orphan_blobs(self) -> None:
+        """Blobs written just before a crash, never recorded: safe to delete."""
+        orphans = set(self.blobs.digests()) - self.db.referenced_blobs()
+        for digest in orphans:
+            self.blobs.delete(digest)
+        if orphans:
+            log.info("removed %d unrecorded blob(s) left by an interrupted write", len(orphans))
+
+    # workers ------------------------------------------------------------------
+
+    def register_worker(self, worker_id: str, specialty: str, base_model: BaseModelSpec) -> dict[str, Any]:
+        check_name(worker_id, "worker_id")
+        check_name(specialty, "specialty")
+        expert = self.db.expert(specialty)
+        if expert is not None:
+            stored = ExpertSpec.from_json(expert.spec).base_model
+            if stored.fingerprint != base_model.fingerprint:
+                raise Conflict(f"worker {worker_id!r} runs base model {base_model.id!r} (fingerprint "
+                               f"{base_model.fingerprint[:12]}) but expert {specialty!r} was trained from "
+                               f"{stored.id!r} ({stored.fingerprint[:12]}); use the same --base-model")
+        self.db.upsert_worker(worker_id, specialty, {"id": base_model.id, "fingerprint": base_model.fingerprint})
+        return {"worker_id": worker_id, "specialty": specialty,
+                "expert": None if expert is None else self._info(expert)}
+
+    def heartbeat(self, worker_id: str) -> None:
+        if not self.db.touch_worker(worker_id):
+            raise NotFound(f"no worker {worker_id!r}; register first (POST /api/v1/workers)")
+
+    def list_workers(self) -> list[dict[str, Any]]:
+        return self.db.workers()
+
+
+def _mean_loss(batch: list[UpdateRow]) -> float | None:
+    pairs = [(u.meta.get("train_loss"), max(1, u.meta["num_samples"])) for u in batch]
+    pairs = [(loss, n) for loss, n in pairs if loss is not None]
+    if not pairs:
+        return None
+    return sum(loss * n for loss, n in pairs) / sum(n for _, n in pairs)

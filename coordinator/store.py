@@ -1,0 +1,265 @@
+"""The durable manifest: experts, versions, received updates, workers, gateways.
+
+SQLite in WAL mode with ``synchronous=FULL``: a committed transaction survives
+power loss. Tensor data lives in the ``BlobStore``; rows only name blobs by
+digest. The order of every write is blob first (fsynced), then the row, so a
+row never points at a missing blob; a crash in between leaves an orphan blob
+that ``orphan_blobs`` finds at the next start.
+"""
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS experts (
+    name TEXT PRIMARY KEY,
+    spec TEXT NOT NULL,              -- ExpertSpec JSON: lora config + base model
+    manifest TEXT NOT NULL,          -- [[tensor name, shape], ...]
+    version INTEGER NOT NULL,        -- current version
+    updates_applied INTEGER NOT NULL DEFAULT 0,
+    samples_seen INTEGER NOT NULL DEFAULT 0,
+    last_train_loss REAL,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS versions (
+    expert TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    blob TEXT,                       -- NULL once pruned (--keep-versions)
+    num_updates INTEGER NOT NULL,
+    samples INTEGER NOT NULL,
+    train_loss REAL,
+    created_at REAL NOT NULL,
+    PRIMARY KEY (expert, version)
+);
+CREATE TABLE IF NOT EXISTS updates (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,   -- arrival order
+    update_id TEXT NOT NULL UNIQUE,
+    expert TEXT NOT NULL,
+    worker_id TEXT,
+    meta TEXT NOT NULL,              -- UpdateMeta JSON
+    blob TEXT,                       -- received payload; NULL once applied
+    body_bytes INTEGER NOT NULL,
+    status TEXT NOT NULL,            -- pending | applied
+    applied_version INTEGER,
+    received_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS updates_pending ON updates (expert, status, seq);
+CREATE TABLE IF NOT EXISTS workers (
+    worker_id TEXT PRIMARY KEY,
+    specialty TEXT NOT NULL,
+    base_model TEXT NOT NULL,
+    registered_at REAL NOT NULL,
+    last_seen REAL NOT NULL,
+    updates_sent INTEGER NOT NULL DEFAULT 0,
+    bytes_sent INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS gateways (
+    version INTEGER PRIMARY KEY AUTOINCREMENT,
+    key TEXT NOT NULL UNIQUE,        -- hash of strategy, weights and source versions
+    blob TEXT NOT NULL,
+    info TEXT NOT NULL,
+    created_at REAL NOT NULL
+);
+"""
+
+
+@dataclass(frozen=True)
+class ExpertRow:
+    name: str
+    spec: dict[str, Any]
+    manifest: str
+    version: int
+    updates_applied: int
+    samples_seen: int
+    last_train_loss: float | None
+    created_at: float
+    updated_at: float
+
+
+@dataclass(frozen=True)
+class UpdateRow:
+    seq: int
+    update_id: str
+    expert: str
+    worker_id: str | None
+    meta: dict[str, Any]
+    blob: str | None
+    body_bytes: int
+    status: str
+    applied_version: int | None
+    received_at: float
+
+
+class ManifestStore:
+    """All SQLite access. One connection, serialised by a lock (writes are tiny)."""
+
+    def __init__(self, path: Path) -> None:
+        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        self._db.row_factory = sqlite3.Row
+        self._lock = threading.RLock()
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def _all(self, sql: str, *args: Any) -> list[sqlite3.Row]:
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
+    def _one(self, sql: str, *args: Any) -> sqlite3.Row | None:
+        with self._lock:
+            return self._db.execute(sql, args).fetchone()
+
+    # experts and versions -------------------------------------------------
+
+    def create_expert(self, name: str, spec: dict[str, Any], manifest: str, blob: str) -> None:
+        now = time.time()
+        with self.transaction() as db:
+            db.execute("INSERT INTO experts (name, spec, manifest, version, created_at, updated_at) "
+                       "VALUES (?, ?, ?, 0, ?, ?)", (name, json.dumps(spec), manifest, now, now))
+            db.execute("INSERT INTO versions VALUES (?, 0, ?, 0, 0, NULL, ?)", (name, blob, now))
+
+    def expert(self, name: str) -> ExpertRow | None:
+        row = self._one("SELECT * FROM experts WHERE name = ?", name)
+        return _expert(row) if row else None
+
+    def experts(self) -> list[ExpertRow]:
+        return [_expert(r) for r in self._all("SELECT * FROM experts ORDER BY name")]
+
+    def version_blob(self, name: str, version: int) -> tuple[bool, str | None]:
+        """(exists, blob digest or None if pruned) of one version."""
+        row = self._one("SELECT blob FROM versions WHERE expert = ? AND version = ?", name, version)
+        return (row is not None, row["blob"] if row else None)
+
+    def versions(self, name: str) -> list[dict[str, Any]]:
+        rows = self._all("SELECT version, blob IS NOT NULL AS stored, num_updates, samples, train_loss, "
+                         "created_at FROM versions WHERE expert = ? ORDER BY version", name)
+        return [dict(r) | {"stored": bool(r["stored"])} for r in rows]
+
+    def commit_version(self, name: str, version: int, blob: str, applied: list[UpdateRow],
+                       train_loss: float | None) -> None:
+        """Record a new version and mark the updates it applied, atomically."""
+        samples = sum(u.meta["num_samples"] for u in applied)
+        now = time.time()
+        with self.transaction() as db:
+            db.execute("INSERT INTO versions VALUES (?, ?, ?, ?, ?, ?, ?)",
+                       (name, version, blob, len(applied), samples, train_loss, now))
+            db.execute("UPDATE experts SET version = ?, updates_applied = updates_applied + ?, "
+                       "samples_seen = samples_seen + ?, last_train_loss = COALESCE(?, last_train_loss), "
+                       "updated_at = ? WHERE name = ?",
+                       (version, len(applied), samples, train_loss, now, name))
+            db.executemany("UPDATE updates SET status = 'applied', applied_version = ?, blob = NULL "
+                           "WHERE seq = ?", [(version, u.seq) for u in applied])
+
+    def prune_versions(self, name: str, keep: int) -> list[str]:
+        """Forget the blobs of all but the newest ``keep`` versions; return their digests."""
+        with self.transaction() as db:
+            rows = db.execute("SELECT version, blob FROM versions WHERE expert = ? AND blob IS NOT NULL "
+                              "ORDER BY version DESC LIMIT -1 OFFSET ?", (name, keep)).fetchall()
+            db.executemany("UPDATE versions SET blob = NULL WHERE expert = ? AND version = ?",
+                           [(name, r["version"]) for r in rows])
+        return [r["blob"] for r in rows]
+
+    # updates ----------------------------------------------------------------
+
+    def add_update(self, name: str, meta: dict[str, Any], blob: str, body_bytes: int) -> UpdateRow:
+        with self.transaction() as db:
+            db.execute("INSERT INTO updates (update_id, expert, worker_id, meta, blob, body_bytes, status, "
+                       "received_at) VALUES (?, ?, ?, ?, ?, ?, 'pending', ?)",
+                       (meta["update_id"], name, meta.get("worker_id"), json.dumps(meta), blob,
+                        body_bytes, time.time()))
+            if meta.get("worker_id"):
+                db.execute("UPDATE workers SET updates_sent = updates_sent + 1, bytes_sent = bytes_sent + ?, "
+                           "last_seen = ? WHERE worker_id = ?", (body_bytes, time.time(), meta["worker_id"]))
+        row = self.update(meta["update_id"])
+        assert row is not None
+        return row
+
+    def update(self, update_id: str) -> UpdateRow | None:
+        row = self._one("SELECT * FROM updates WHERE update_id = ?", update_id)
+        return _update(row) if row else None
+
+    def pending_updates(self, name: str) -> list[UpdateRow]:
+        rows = self._all("SELECT * FROM updates WHERE expert = ? AND status = 'pending' ORDER BY seq", name)
+        return [_update(r) for r in rows]
+
+    # workers ----------------------------------------------------------------
+
+    def upsert_worker(self, worker_id: str, specialty: str, base_model: dict[str, Any]) -> None:
+        now = time.time()
+        with self.transaction() as db:
+            db.execute("INSERT INTO workers (worker_id, specialty, base_model, registered_at, last_seen) "
+                       "VALUES (?, ?, ?, ?, ?) ON CONFLICT(worker_id) DO UPDATE SET "
+                       "specialty = excluded.specialty, base_model = excluded.base_model, "
+                       "last_seen = excluded.last_seen",
+                       (worker_id, specialty, json.dumps(base_model), now, now))
+
+    def touch_worker(self, worker_id: str) -> bool:
+        with self.transaction() as db:
+            cur = db.execute("UPDATE workers SET last_seen = ? WHERE worker_id = ?", (time.time(), worker_id))
+        return cur.rowcount == 1
+
+    def workers(self) -> list[dict[str, Any]]:
+        rows = self._all("SELECT * FROM workers ORDER BY worker_id")
+        return [dict(r) | {"base_model": json.loads(r["base_model"])} for r in rows]
+
+    # gateways ---------------------------------------------------------------
+
+    def gateway(self, key: str | None = None) -> dict[str, Any] | None:
+        row = (self._one("SELECT * FROM gateways WHERE key = ?", key) if key
+               else self._one("SELECT * FROM gateways ORDER BY version DESC LIMIT 1"))
+        if row is None:
+            return None
+        return {"version": row["version"], "blob": row["blob"], "created_at": row["created_at"],
+                **json.loads(row["info"])}
+
+    def add_gateway(self, key: str, blob: str, info: dict[str, Any]) -> int:
+        with self.transaction() as db:
+            cur = db.execute("INSERT INTO gateways (key, blob, info, created_at) VALUES (?, ?, ?, ?)",
+                             (key, blob, json.dumps(info), time.time()))
+        return int(cur.lastrowid)
+
+    # housekeeping -----------------------------------------------------------
+
+    def referenced_blobs(self) -> set[str]:
+        rows = self._all("SELECT blob FROM versions WHERE blob IS NOT NULL UNION "
+                         "SELECT blob FROM updates WHERE blob IS NOT NULL UNION "
+                         "SELECT blob FROM gateways")
+        return {r["blob"] for r in rows}
+
+
+def _expert(row: sqlite3.Row) -> ExpertRow:
+    return ExpertRow(name=row["name"], spec=json.loads(row["spec"]), manifest=row["manifest"],
+                     version=row["version"], updates_applied=row["updates_applied"],
+                     samples_seen=row["samples_seen"], last_train_loss=row["last_train_loss"],
+                     created_at=row["created_at"], updated_at=row["updated_at"])
+
+
+def _update(row: sqlite3.Row) -> UpdateRow:
+    return UpdateRow(seq=row["seq"], update_id=row["update_id"], expert=row["expert"],
+                     worker_id=row["worker_id"], meta=json.loads(row["meta"]), blob=row["blob"],
+                     body_bytes=row["body_bytes"], status=row["status"],
+                     applied_version=row["applied_version"], received_at=row["received_at"])

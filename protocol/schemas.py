@@ -1,0 +1,175 @@
+"""Request metadata both sides build and parse, validated once at the edge.
+
+Tensor bodies travel as raw bytes; the small JSON metadata that goes with them
+travels in one request header (``UPDATE_HEADER`` / ``EXPERT_HEADER``), so a
+body can be streamed to disk without a multipart parser.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from protocol.errors import BadRequest
+from protocol.tensors import is_finite_number
+
+API_PREFIX = "/api/v1"
+UPDATE_HEADER = "X-FedMoE-Update"
+EXPERT_HEADER = "X-FedMoE-Expert"
+VERSION_HEADER = "X-FedMoE-Version"
+RAW_CODEC = "safetensors"  # an uncompressed update: the body is a safetensors file
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+UPDATE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
+
+
+def check_name(value: object, what: str) -> str:
+    if not isinstance(value, str) or not NAME_RE.match(value):
+        raise BadRequest(f"{what} must be 1-64 characters of letters, digits, '_', '.', '-' "
+                         f"starting with a letter or digit, got {value!r}")
+    return value
+
+
+def parse_header_json(raw: str | None, header: str) -> dict[str, Any]:
+    if raw is None:
+        raise BadRequest(f"missing header {header} (JSON metadata for this request)")
+    try:
+        value = json.loads(raw)
+    except ValueError as exc:
+        raise BadRequest(f"header {header} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise BadRequest(f"header {header} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _require(obj: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    if key not in obj:
+        raise BadRequest(f"{where}: missing field {key!r}")
+    value = obj[key]
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+        raise BadRequest(f"{where}: field {key!r} must be {names}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """The adapter's shape; every worker of an expert must use the same one."""
+
+    rank: int
+    """LoRA rank r (0 would mean a full-parameter expert; not supported yet)."""
+    alpha: float
+    """LoRA alpha; the update applied to a weight is B @ A * alpha / rank."""
+    target_modules: tuple[str, ...]
+    """Module names LoRA is attached to, e.g. ("q_proj", "v_proj")."""
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "LoraSpec":
+        if not isinstance(obj, dict):
+            raise BadRequest(f"lora must be an object, got {obj!r}")
+        rank = _require(obj, "rank", int, "lora")
+        alpha = _require(obj, "alpha", (int, float), "lora")
+        modules = _require(obj, "target_modules", list, "lora")
+        if rank < 1:
+            raise BadRequest(f"lora: rank must be >= 1, got {rank}")
+        if not is_finite_number(alpha) or alpha <= 0:
+            raise BadRequest(f"lora: alpha must be a positive number, got {alpha!r}")
+        if not modules or not all(isinstance(m, str) and m for m in modules):
+            raise BadRequest(f"lora: target_modules must be a non-empty list of names, got {modules!r}")
+        return cls(rank=rank, alpha=float(alpha), target_modules=tuple(sorted(set(modules))))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "alpha": self.alpha, "target_modules": list(self.target_modules)}
+
+
+@dataclass(frozen=True)
+class BaseModelSpec:
+    """Which base model an adapter belongs to: an id for people, a fingerprint for checks."""
+
+    id: str
+    fingerprint: str
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "BaseModelSpec":
+        if not isinstance(obj, dict):
+            raise BadRequest(f"base_model must be an object, got {obj!r}")
+        model_id = _require(obj, "id", str, "base_model")
+        fingerprint = _require(obj, "fingerprint", str, "base_model")
+        if not model_id or len(model_id) > 256:
+            raise BadRequest(f"base_model: id must be 1-256 characters, got {model_id!r}")
+        if not re.fullmatch(r"[0-9a-f]{16,128}", fingerprint):
+            raise BadRequest(f"base_model: fingerprint must be lowercase hex, got {fingerprint!r}")
+        return cls(id=model_id, fingerprint=fingerprint)
+
+
+@dataclass(frozen=True)
+class ExpertSpec:
+    """What the first worker of a specialty sends to create the expert."""
+
+    lora: LoraSpec
+    base_model: BaseModelSpec
+    worker_id: str | None = None
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> "ExpertSpec":
+        worker_id = obj.get("worker_id")
+        if worker_id is not None:
+            check_name(worker_id, "worker_id")
+        return cls(lora=LoraSpec.from_json(obj.get("lora")),
+                   base_model=BaseModelSpec.from_json(obj.get("base_model")), worker_id=worker_id)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"lora": self.lora.to_json(), "base_model": asdict(self.base_model), "worker_id": self.worker_id}
+
+
+@dataclass(frozen=True)
+class UpdateMeta:
+    """Metadata of one pushed update (the delta itself is the request body)."""
+
+    update_id: str
+    """Unique per update; a retried push reuses it so it is applied once."""
+    base_version: int
+    """Expert version the worker started from; staleness = current - base_version."""
+    num_samples: int
+    """Training examples behind this update (weights buffered aggregation)."""
+    train_loss: float | None = None
+    codec: str = RAW_CODEC
+    codec_config: dict[str, Any] = field(default_factory=dict)
+    worker_id: str | None = None
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> "UpdateMeta":
+        where = "update metadata"
+        update_id = _require(obj, "update_id", str, where)
+        if not UPDATE_ID_RE.match(update_id):
+            raise BadRequest(f"{where}: update_id must be 1-128 characters of letters, digits, "
+                             f"'_', '.', ':', '-', got {update_id!r}")
+        base_version = _require(obj, "base_version", int, where)
+        num_samples = _require(obj, "num_samples", int, where)
+        if base_version < 0:
+            raise BadRequest(f"{where}: base_version must be >= 0, got {base_version}")
+        if num_samples < 0:
+            raise BadRequest(f"{where}: num_samples must be >= 0, got {num_samples}")
+        loss = obj.get("train_loss")
+        if loss is not None and not is_finite_number(loss):
+            raise BadRequest(f"{where}: train_loss must be a finite number or null, got {loss!r}")
+        codec = obj.get("codec", RAW_CODEC)
+        if not isinstance(codec, str) or not codec:
+            raise BadRequest(f"{where}: codec must be a non-empty string, got {codec!r}")
+        config = obj.get("codec_config") or {}
+        if not isinstance(config, dict):
+            raise BadRequest(f"{where}: codec_config must be an object, got {config!r}")
+        worker_id = obj.get("worker_id")
+        if worker_id is not None:
+            check_name(worker_id, "worker_id")
+        return cls(update_id=update_id, base_version=base_version, num_samples=num_samples,
+                   train_loss=None if loss is None else float(loss), codec=codec,
+                   codec_config=config, worker_id=worker_id)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
