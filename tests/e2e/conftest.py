@@ -1,0 +1,75 @@
+"""Real processes on loopback: the coordinator as users start it, on a port it picks."""
+from __future__ import annotations
+
+import os
+import queue
+import re
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+LISTENING = re.compile(r"listening on (http://[\d.]+:\d+)")
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+
+
+@dataclass
+class Process:
+    proc: subprocess.Popen
+    lines: "queue.Queue[str]" = field(default_factory=queue.Queue)
+    log: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self.log.append(line)
+            self.lines.put(line)
+
+    def wait_for(self, pattern: re.Pattern, timeout: float = 60.0) -> re.Match:
+        while True:
+            try:
+                line = self.lines.get(timeout=timeout)
+            except queue.Empty:
+                raise AssertionError(f"no line matching {pattern.pattern!r}; output:\n{''.join(self.log)}")
+            if m := pattern.search(line):
+                return m
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.wait()
+
+
+def spawn(*args: str, cwd: Path = ROOT) -> Process:
+    proc = subprocess.Popen([sys.executable, *args], cwd=cwd, env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    return Process(proc)
+
+
+@pytest.fixture
+def start_coordinator(tmp_path) -> Iterator:
+    started: list[Process] = []
+
+    def start(*extra: str, data_dir: Path | None = None) -> tuple[Process, str]:
+        p = spawn(str(ROOT / "run_coordinator.py"), "--host", "127.0.0.1", "--port", "0",
+                  "--data-dir", str(data_dir or tmp_path / "coordinator"), *extra)
+        started.append(p)
+        return p, p.wait_for(LISTENING).group(1)
+
+    yield start
+    for p in started:
+        p.stop()

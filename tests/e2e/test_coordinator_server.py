@@ -1,0 +1,115 @@
+"""The coordinator as users run it: gunicorn on a loopback port, real HTTP, the gateway CLI."""
+import subprocess
+import sys
+
+import numpy as np
+import requests
+import torch
+
+from protocol.client import CoordinatorClient, RetryPolicy
+from protocol.errors import InvalidPayload, NotFound, Unavailable
+from protocol.tensors import dumps
+from tests.e2e.conftest import ROOT, env
+from tests.helpers import expert_spec, make_adapter, random_like, update_meta
+
+
+def run_gateway_tool(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "get_gateway_model.py"), *args], cwd=ROOT, env=env(),
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_push_pull_and_save_gateway_over_real_http(start_coordinator, tmp_path):
+    proc, url = start_coordinator()
+    client = CoordinatorClient(url)
+    adapter = make_adapter()
+    assert client.create_expert("python_expert", adapter, expert_spec())["version"] == 0
+    delta = random_like(adapter, 1)
+    meta = update_meta(num_samples=5)
+    assert client.push_update("python_expert", dumps(delta), meta)["applied_version"] == 1
+    assert client.push_update("python_expert", dumps(delta), meta)["applied_version"] == 1  # retry: once
+
+    pulled = client.pull_weights("python_expert")
+    assert pulled.version == 1
+    assert all(torch.allclose(pulled.tensors[k], adapter[k] + delta[k]) for k in adapter)
+    assert client.pull_weights("python_expert", etag=pulled.etag).tensors is None  # 304
+
+    listing = run_gateway_tool("--coordinator-url", url, "--list-experts")
+    assert listing.returncode == 0
+    header, row = listing.stdout.splitlines()
+    assert header.split()[:3] == ["name", "version", "updates"] and row.split()[:4] == ["python_expert", "1", "1", "5"]
+
+    out = tmp_path / "gateway_model.npz"
+    saved = run_gateway_tool("--coordinator-url", url, "--save-gateway", str(out))
+    assert saved.returncode == 0, saved.stderr
+    npz = np.load(out, allow_pickle=False)
+    key = next(iter(adapter))
+    assert npz[key].shape[0] == 2  # one expert of rank 2: the exact gateway keeps rank 2
+    assert not list(tmp_path.glob(".*.part"))
+
+
+def test_bad_input_over_http_is_4xx_and_server_survives(start_coordinator):
+    proc, url = start_coordinator()
+    client = CoordinatorClient(url)
+    client.create_expert("e", make_adapter(), expert_spec())
+    try:
+        client.push_update("e", b"\x80\x04not safetensors", update_meta())
+    except InvalidPayload as exc:
+        assert "safetensors" in str(exc)
+    else:
+        raise AssertionError("a pickle-like body was accepted")
+    try:
+        client.pull_weights("nobody")
+    except NotFound as exc:
+        assert "nobody" in str(exc)
+    else:
+        raise AssertionError("unknown expert answered")
+    r = requests.post(f"{url}/api/v1/experts/e/updates", data=b"x" * 100, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_request"
+    assert client.health()["status"] == "ok"
+
+
+def test_restart_on_the_same_data_dir_keeps_everything(start_coordinator, tmp_path):
+    proc, url = start_coordinator()
+    client = CoordinatorClient(url)
+    adapter = make_adapter()
+    client.create_expert("e", adapter, expert_spec())
+    client.push_update("e", dumps(random_like(adapter, 1)), update_meta())
+    before = client.pull_weights("e")
+    proc.stop()
+
+    _, url = start_coordinator()
+    after = CoordinatorClient(url).pull_weights("e")
+    assert after.version == before.version == 1 and after.etag == before.etag
+
+
+def test_gateway_tool_gives_one_clear_line_when_unreachable():
+    result = run_gateway_tool("--coordinator-url", "http://127.0.0.1:9", "--list-experts")
+    assert result.returncode == 1
+    assert result.stderr.startswith("error: cannot reach the coordinator at http://127.0.0.1:9")
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_gateway_tool_rejects_unknown_extension(start_coordinator, tmp_path):
+    _, url = start_coordinator()
+    CoordinatorClient(url).create_expert("e", make_adapter(), expert_spec())
+    result = run_gateway_tool("--coordinator-url", url, "--save-gateway", str(tmp_path / "g.pt"))
+    assert result.returncode == 1 and ".npz" in result.stderr and not (tmp_path / "g.pt").exists()
+
+
+def test_client_gives_up_with_unavailable():
+    client = CoordinatorClient("http://127.0.0.1:9", retry=RetryPolicy(attempts=2, base_delay=0.01))
+    try:
+        client.health()
+    except Unavailable as exc:
+        assert "gave up after 2 tries" in str(exc)
+    else:
+        raise AssertionError("no error from a closed port")
+
+
+def test_port_in_use_is_one_clear_error(start_coordinator, tmp_path):
+    _, url = start_coordinator()
+    port = url.rsplit(":", 1)[1]
+    result = subprocess.run([sys.executable, str(ROOT / "run_coordinator.py"), "--host", "127.0.0.1",
+                             "--port", port, "--data-dir", str(tmp_path / "other")],
+                            cwd=ROOT, env=env(), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "cannot listen" in result.stderr and "Traceback" not in result.stderr
