@@ -1,0 +1,1 @@
+"""One module per compression algorithm; see ``compression.registry`` for names."""
