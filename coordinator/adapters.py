@@ -5,6 +5,9 @@ from pathlib import Path
 
 import torch
 
+from compression import wire
+from compression.errors import CompressionError
+from compression.registry import make_codec
 from protocol.errors import BadRequest, InvalidPayload, InvalidUpdate
 from protocol.schemas import RAW_CODEC, LoraSpec
 from protocol.tensors import Manifest, StateDict, check_against_manifest, load_file, manifest_of
@@ -42,16 +45,19 @@ def read_adapter(path: Path) -> StateDict:
 
 
 def decode_update(path: Path, codec: str, codec_config: dict, manifest: Manifest) -> StateDict:
-    """Turn a received update body into checked float32 deltas, or raise a 4xx error."""
-    decoder = DECODERS.get(codec)
-    if decoder is None:
-        raise BadRequest(f"unknown codec {codec!r}; this coordinator accepts {sorted(DECODERS)}")
-    tensors = decoder(path, codec_config, manifest)
+    """Turn a received update body into checked float32 deltas, or raise a 4xx error.
+
+    ``safetensors`` bodies are plain tensors; any other codec name is a
+    ``compression`` spec (e.g. ``topk+int8``) whose payload is decoded against
+    the expert's manifest, so its size can never exceed the expert's.
+    """
+    tensors = _decode_raw(path, codec_config) if codec == RAW_CODEC else _decode_compressed(
+        path, codec, codec_config, manifest)
     check_against_manifest(tensors, manifest)
     return tensors
 
 
-def _decode_raw(path: Path, codec_config: dict, manifest: Manifest) -> StateDict:
+def _decode_raw(path: Path, codec_config: dict) -> StateDict:
     if codec_config:
         raise BadRequest(f"codec {RAW_CODEC!r} takes no codec_config, got {codec_config!r}")
     try:
@@ -61,4 +67,12 @@ def _decode_raw(path: Path, codec_config: dict, manifest: Manifest) -> StateDict
                              + str(exc).split(": ", 1)[-1]) from None
 
 
-DECODERS = {RAW_CODEC: _decode_raw}
+def _decode_compressed(path: Path, codec: str, codec_config: dict, manifest: Manifest) -> StateDict:
+    try:
+        decoder = make_codec(codec, codec_config)
+    except CompressionError as exc:
+        raise BadRequest(f"codec {codec!r}: {exc} (or {RAW_CODEC!r} for uncompressed tensors)") from None
+    try:
+        return wire.decode_update(path.read_bytes(), manifest, decoder)
+    except CompressionError as exc:
+        raise InvalidPayload(f"update body is not a valid {codec!r} payload for this expert: {exc}") from None

@@ -342,3 +342,45 @@ def test_configured_gateway_weights(make_app):
     put_expert(client, "a", make_adapter(seed=1))
     put_expert(client, "b", make_adapter(seed=2))
     assert client.get("/api/v1/gateway").get_json()["weights"] == {"a": 0.75, "b": 0.25}
+
+
+# --- compressed updates -----------------------------------------------------------------------------
+
+def test_compressed_update_is_decoded_against_the_manifest(client):
+    from compression import decode_update, encode_update, make_codec
+    from protocol.tensors import manifest_of
+
+    adapter = make_adapter()
+    put_expert(client, "e", adapter)
+    delta = random_like(adapter, 1)
+    manifest = manifest_of(delta)
+    config = {"ratio": 0.25, "block_size": 8}
+    codec = make_codec("topk+int8", config)
+    body = encode_update(delta, manifest, codec, seed=3)
+    meta = update_meta(codec="topk+int8", codec_config=config)
+    assert push(client, "e", None, meta, body=body).status_code == 202
+    sent = decode_update(body, manifest, codec)
+    got = loads(client.get("/api/v1/experts/e/weights").data)
+    assert all(torch.allclose(got[k], adapter[k] + sent[k]) for k in adapter)
+    assert any(not torch.allclose(sent[k], delta[k]) for k in delta)  # it really was lossy
+
+
+@pytest.mark.parametrize("cut", [lambda b: b[:-3], lambda b: b + b"\0", lambda b: b"FMC1" + b[4:20]])
+def test_truncated_or_padded_compressed_payload_is_400(client, cut):
+    from compression import encode_update, make_codec
+    from protocol.tensors import manifest_of
+
+    adapter = make_adapter()
+    put_expert(client, "e", adapter)
+    delta = random_like(adapter, 1)
+    body = encode_update(delta, manifest_of(delta), make_codec("int8"))
+    r = push(client, "e", None, update_meta(codec="int8"), body=cut(body))
+    assert r.status_code == 400 and error_code(r) == "invalid_payload"
+    assert client.get("/api/v1/experts/e").get_json()["version"] == 0
+
+
+def test_unknown_codec_lists_the_valid_ones(client):
+    put_expert(client, "e", make_adapter())
+    r = push(client, "e", None, update_meta(codec="zstd"), body=b"\0" * 10)
+    message = r.get_json()["error"]["message"]
+    assert r.status_code == 400 and "topk" in message and "int8" in message and "safetensors" in message

@@ -1,0 +1,28 @@
+# Everything runs inside .venv, created and filled from requirements.txt on first use.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cksum < requirements.txt | cut -d' ' -f1)
+export HF_HUB_DISABLE_PROGRESS_BARS := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install test demo bench clean
+
+$(STAMP): requirements.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --disable-pip-version-check -q -r requirements.txt
+	rm -f $(VENV)/.installed-* && touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)  ## the whole test suite (offline)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+
+demo: $(STAMP)  ## a local federation: coordinator + 3 workers on tiny-qwen2, then a loss table
+	HF_HUB_OFFLINE=1 $(PY) scripts/demo.py
+
+bench: $(STAMP)  ## benchmarks: tables on stdout, JSON in bench/results/
+	HF_HUB_OFFLINE=1 $(PY) bench/run_all.py
+
+clean:
+	rm -rf demo-runs fedmoe-data .pytest_cache
