@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from coordinator.aggregation import AGGREGATORS
+from gateway.merges import MERGES
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,8 @@ class CoordinatorConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir))
+        if self.gateway_strategy not in MERGES:
+            raise ValueError(f"gateway_strategy must be one of {sorted(MERGES)}, got {self.gateway_strategy!r}")
         if self.aggregation not in AGGREGATORS:
             raise ValueError(f"aggregation must be one of {sorted(AGGREGATORS)}, got {self.aggregation!r}")
         if not self.server_lr > 0:

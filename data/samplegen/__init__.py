@@ -1,0 +1,1 @@
+"""Generators for FedMoE's sample datasets (run through data/make_samples.py)."""

@@ -1,0 +1,113 @@
+#!/usr/bin/env python3
+"""Run a FedMoE worker: fine-tune one expert on local data, syncing with the coordinator.
+
+Examples:
+  python run_worker.py --specialty python_expert
+  python run_worker.py --specialty sql_expert --base-model tiny-qwen2 --duration 120 --sync-interval 5
+  python run_worker.py --specialty docs_expert --dataset my_docs.jsonl --coordinator-url http://10.0.0.5:5000
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import socket
+import sys
+from pathlib import Path
+
+from protocol.errors import FedMoEError
+from worker.data import DatasetError, sample_dataset_path
+from worker.encoding import CompressionSettings
+from worker.federation import SyncSettings
+from worker.models import ModelLoadError
+from worker.runner import WorkerConfig, run_worker
+from worker.trainer import LoraSettings, TrainSettings
+
+DEFAULT_BASE_MODEL = "qwen/Qwen2-0.5B-Instruct"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--coordinator-url", default="http://127.0.0.1:5000", help="coordinator address (default: %(default)s)")
+    p.add_argument("--worker-id", default=None, help="unique worker name (default: <hostname>-<specialty>)")
+    p.add_argument("--specialty", required=True, help="expert to train, e.g. python_expert")
+    p.add_argument("--dataset", type=Path, default=None,
+                   help="JSONL with 'prompt' and 'reference_code' (default: data/<specialty>.jsonl if shipped)")
+    p.add_argument("--base-model", default=DEFAULT_BASE_MODEL,
+                   help="ModelScope id, Hugging Face id (with --use-huggingface), local directory, "
+                        "or the offline preset tiny-qwen2 (default: %(default)s)")
+    p.add_argument("--use-huggingface", action="store_true", help="download --base-model from Hugging Face")
+    p.add_argument("--speed-factor", type=float, default=1.0,
+                   help="relative speed in (0, 1]; 0.5 simulates a machine half as fast (default: %(default)s)")
+    p.add_argument("--duration", type=float, default=3600, help="seconds to train (default: %(default)s)")
+    p.add_argument("--sync-interval", type=float, default=10, help="seconds between syncs (default: %(default)s)")
+    p.add_argument("--use-proxy", action="store_true", help="honour HTTP(S)_PROXY for coordinator and hub")
+    c = p.add_argument_group("compression")
+    c.add_argument("--compression", default="safetensors",
+                   help="update codec: safetensors (uncompressed) or a compression spec such as int8, "
+                        "topk+int8 (default: %(default)s)")
+    c.add_argument("--compression-config", default="{}", metavar="JSON",
+                   help='codec options, e.g. \'{"ratio": 0.01}\' (default: %(default)s)')
+    c.add_argument("--no-error-feedback", action="store_true", help="drop what a lossy codec loses")
+    t = p.add_argument_group("training")
+    t.add_argument("--lora-rank", type=int, default=8, help="LoRA rank (default: %(default)s)")
+    t.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA alpha (default: %(default)s)")
+    t.add_argument("--target-modules", default=None,
+                   help="comma-separated module names (default: all attention and MLP projections)")
+    t.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default: the trainer's)")
+    t.add_argument("--batch-size", type=int, default=8, help="examples per step (default: %(default)s)")
+    t.add_argument("--max-seq-len", type=int, default=256, help="tokens per example (default: %(default)s)")
+    t.add_argument("--seed", type=int, default=0, help="seed for init and shuffling (default: %(default)s)")
+    t.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+    t.add_argument("--results", type=Path, default=None, help="append one JSON line per sync to this file")
+    return p.parse_args(argv)
+
+
+def default_worker_id(specialty: str) -> str:
+    host = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname()) or "worker"
+    return f"{host}-{specialty}"[:64]
+
+
+def build_config(args: argparse.Namespace) -> WorkerConfig:
+    dataset = args.dataset or sample_dataset_path(args.specialty)
+    if dataset is None:
+        raise ValueError(f"no --dataset given and the project ships no sample data for {args.specialty!r}; "
+                         "pass --dataset PATH.jsonl")
+    if not Path(dataset).is_file():
+        raise ValueError(f"--dataset {str(dataset)!r} does not exist")
+    modules = tuple(m.strip() for m in args.target_modules.split(",") if m.strip()) if args.target_modules else ()
+    train_kwargs = {"batch_size": args.batch_size, "max_seq_len": args.max_seq_len, "seed": args.seed}
+    if args.lr is not None:
+        train_kwargs["lr"] = args.lr
+    try:
+        codec_config = json.loads(args.compression_config)
+    except ValueError as exc:
+        raise ValueError(f"--compression-config is not valid JSON: {exc}") from None
+    if not isinstance(codec_config, dict):
+        raise ValueError(f"--compression-config must be a JSON object, got {args.compression_config!r}")
+    compression = CompressionSettings(codec=args.compression, config=codec_config,
+                                      error_feedback=not args.no_error_feedback)
+    return WorkerConfig(
+        coordinator_url=args.coordinator_url, dataset=Path(dataset), base_model=args.base_model,
+        sync=SyncSettings(specialty=args.specialty, worker_id=args.worker_id or default_worker_id(args.specialty),
+                          duration=args.duration, sync_interval=args.sync_interval,
+                          speed_factor=args.speed_factor, results_path=args.results),
+        lora=LoraSettings(rank=args.lora_rank, alpha=args.lora_alpha, target_modules=modules),
+        train=TrainSettings(**train_kwargs), use_huggingface=args.use_huggingface,
+        use_proxy=args.use_proxy, device=args.device, compression=compression)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        run_worker(build_config(args))
+    except (ValueError, DatasetError, ModelLoadError, FedMoEError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""Held-out loss of the base model with any adapter (an expert, the gateway) applied."""
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+
+from protocol.tensors import StateDict
+from worker.data import Example
+from worker.models import BaseModel
+from worker.trainer import evaluate_loss
+
+
+def adapter_loss(base: BaseModel, examples: Sequence[Example], adapter: StateDict | None = None,
+                 lora: Mapping[str, Any] | None = None, max_seq_len: int = 256) -> float:
+    """Mean answer-token loss on ``examples``; ``adapter=None`` measures the base model itself.
+
+    ``lora`` is the adapter's {"rank", "alpha", "target_modules"} as the coordinator reports it.
+    The base model is copied, so ``base`` stays clean for the next call.
+    """
+    model = base.model
+    if adapter is not None:
+        if lora is None:
+            raise ValueError("an adapter needs its lora config (rank, alpha, target_modules)")
+        config = LoraConfig(r=int(lora["rank"]), lora_alpha=float(lora["alpha"]),
+                            target_modules=list(lora["target_modules"]), init_lora_weights=False)
+        model = get_peft_model(copy.deepcopy(base.model), config)
+        result = set_peft_model_state_dict(model, dict(adapter))
+        if result.unexpected_keys:
+            raise ValueError(f"adapter has keys this model lacks: {result.unexpected_keys[:3]}")
+    return evaluate_loss(model, base.tokenizer, examples, max_seq_len=max_seq_len)

@@ -1,0 +1,208 @@
+"""The worker's federated loop: train for an interval, push the delta, pull, repeat.
+
+Exactly-once delivery without losing work: every interval's delta (local
+weights minus the weights it was computed from) goes into an *outbox* with a
+fresh ``update_id``. The outbox is flushed in order at each sync; a push that
+fails for lack of a coordinator stays queued (same id, same bytes) and training
+goes on, so when the coordinator is back every delta arrives once, however
+many retries it took. Only after the outbox is empty do we pull the latest
+expert weights and continue from them.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from protocol.client import CoordinatorClient
+from protocol.errors import FedMoEError, Unavailable
+from protocol.tensors import StateDict, manifest_of
+from worker.encoding import CompressionSettings, UpdateEncoder
+
+log = logging.getLogger(__name__)
+
+
+class Trainer(Protocol):
+    """What the loop needs from a trainer (``worker.trainer.LoraTrainer``)."""
+
+    def train_steps(self, n: int) -> Any: ...
+    def adapter_state(self) -> StateDict: ...
+    def load_adapter_state(self, state: StateDict) -> None: ...
+
+
+@dataclass(frozen=True)
+class SyncSettings:
+    specialty: str
+    """Expert this worker trains."""
+    worker_id: str
+    duration: float = 3600.0
+    """Seconds to run before the final push."""
+    sync_interval: float = 10.0
+    """Seconds of training between syncs."""
+    speed_factor: float = 1.0
+    """Relative speed in (0, 1]: 0.5 sleeps as long as each step took, simulating a slower machine."""
+    steps_per_check: int = 1
+    """Training steps between clock checks."""
+    results_path: Path | None = None
+    """Append one JSON line per sync here."""
+
+    def __post_init__(self) -> None:
+        if not self.duration > 0:
+            raise ValueError(f"--duration must be > 0 seconds, got {self.duration}")
+        if not self.sync_interval > 0:
+            raise ValueError(f"--sync-interval must be > 0 seconds, got {self.sync_interval}")
+        if not 0 < self.speed_factor <= 1:
+            raise ValueError(f"--speed-factor must be in (0, 1] (1 = full speed), got {self.speed_factor}")
+
+
+@dataclass
+class Outgoing:
+    """An update waiting in the outbox: its bytes and metadata never change once queued."""
+
+    body: bytes
+    meta: dict[str, Any]
+
+
+@dataclass
+class IntervalStats:
+    steps: int = 0
+    samples: int = 0
+    tokens: int = 0
+    loss_sum: float = 0.0
+    seconds: float = 0.0
+
+    def add(self, s: Any) -> None:
+        self.steps += s.steps
+        self.samples += s.samples
+        self.tokens += s.tokens
+        self.loss_sum += s.loss * s.steps
+        self.seconds += s.seconds
+
+    @property
+    def loss(self) -> float | None:
+        return self.loss_sum / self.steps if self.steps else None
+
+
+@dataclass
+class FederatedWorker:
+    settings: SyncSettings
+    client: CoordinatorClient
+    trainer: Trainer
+    expert_spec: dict[str, Any]
+    """{"lora": ..., "base_model": {"id", "fingerprint"}} sent when creating the expert."""
+    encoder: UpdateEncoder = field(default_factory=lambda: UpdateEncoder(CompressionSettings()))
+    base_version: int = -1
+    etag: str | None = None
+    reference: StateDict = field(default_factory=dict)
+    outbox: deque[Outgoing] = field(default_factory=deque)
+    interval: IntervalStats = field(default_factory=IntervalStats)
+    syncs: int = 0
+
+    # joining ------------------------------------------------------------------
+
+    def join(self) -> dict[str, Any]:
+        """Register, create the expert if this is its first worker, and start from its weights."""
+        s = self.settings
+        self.client.register_worker(s.worker_id, s.specialty, self.expert_spec["base_model"])
+        info = self.client.create_expert(s.specialty, self.trainer.adapter_state(), self.expert_spec)
+        self._pull()
+        log.info("joined expert %s at version %d as %s", s.specialty, self.base_version, s.worker_id)
+        return info
+
+    # the loop -----------------------------------------------------------------
+
+    def run(self) -> None:
+        """Train and sync until ``duration`` is over or Ctrl-C; always ends with a final push."""
+        s = self.settings
+        end = time.monotonic() + s.duration
+        try:
+            while time.monotonic() < end:
+                self._train_until(min(end, time.monotonic() + s.sync_interval))
+                self.sync()
+        except KeyboardInterrupt:
+            log.info("interrupted: pushing what was trained before exiting")
+        finally:
+            self.sync(final=True)
+
+    def _train_until(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            stats = self.trainer.train_steps(self.settings.steps_per_check)
+            self.interval.add(stats)
+            if self.settings.speed_factor < 1:
+                time.sleep(stats.seconds * (1 / self.settings.speed_factor - 1))
+
+    def sync(self, final: bool = False) -> dict[str, Any]:
+        started = time.perf_counter()
+        record: dict[str, Any] = {"time": time.time(), "sync": self.syncs, "final": final,
+                                  "worker_id": self.settings.worker_id, "base_version": self.base_version}
+        record |= self._queue_interval()
+        record["delivered"] = self._flush_outbox()
+        record["pulled"] = self._pull_quietly() if record["delivered"] and not final else False
+        record |= {"version": self.base_version, "outbox": len(self.outbox),
+                   "sync_seconds": round(time.perf_counter() - started, 4)}
+        self.syncs += 1
+        self._write_result(record)
+        return record
+
+    def _queue_interval(self) -> dict[str, Any]:
+        """Turn the interval's training into an outgoing update; returns its metrics."""
+        stats = self.interval
+        if stats.samples == 0:
+            return {}
+        snapshot = self.trainer.adapter_state()
+        delta = {k: snapshot[k] - self.reference[k] for k in snapshot}
+        encoded = self.encoder.encode(delta, manifest_of(delta), seed=self.syncs)
+        meta = {"update_id": f"{self.settings.worker_id}-{uuid.uuid4().hex[:16]}",
+                "base_version": self.base_version, "num_samples": stats.samples, "train_loss": stats.loss,
+                "worker_id": self.settings.worker_id, **self.encoder.codec_meta}
+        self.outbox.append(Outgoing(encoded.body, meta))
+        self.reference = snapshot
+        self.interval = IntervalStats()
+        m = encoded.metrics
+        log.info("sync %d: %d steps, loss %.4f, %.0f tokens/s; update %d bytes (%.1fx smaller than fp32)",
+                 self.syncs, stats.steps, stats.loss or float("nan"), stats.tokens / max(stats.seconds, 1e-9),
+                 m["bytes_sent"], m["ratio"])
+        return {"steps": stats.steps, "samples": stats.samples, "tokens": stats.tokens, "train_loss": stats.loss,
+                "train_seconds": round(stats.seconds, 4), **m}
+
+    def _flush_outbox(self) -> bool:
+        """Push queued updates in order; False if the coordinator is unreachable (kept for later)."""
+        while self.outbox:
+            update = self.outbox[0]
+            try:
+                self.client.push_update(self.settings.specialty, update.body, update.meta)
+            except Unavailable as exc:
+                log.warning("%s; keeping %d update(s) queued and training on", exc, len(self.outbox))
+                return False
+            except FedMoEError as exc:  # refused for good (e.g. NaN after divergence): drop, resync
+                log.error("coordinator refused update %s: %s; dropping it", update.meta["update_id"], exc)
+            self.outbox.popleft()
+        return True
+
+    def _pull(self) -> None:
+        pulled = self.client.pull_weights(self.settings.specialty, etag=self.etag)
+        if pulled.tensors is not None:
+            self.trainer.load_adapter_state(pulled.tensors)
+            self.reference = {k: v.clone() for k, v in pulled.tensors.items()}
+            self.base_version, self.etag = pulled.version, pulled.etag
+
+    def _pull_quietly(self) -> bool:
+        try:
+            self._pull()
+            return True
+        except Unavailable as exc:
+            log.warning("%s; training on from local weights", exc)
+            return False
+
+    def _write_result(self, record: dict[str, Any]) -> None:
+        path = self.settings.results_path
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+

@@ -1,0 +1,54 @@
+"""Wires a worker together: base model, data, trainer, client, federated loop."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from protocol.client import CoordinatorClient
+from worker.data import load_examples, split_examples
+from worker.encoding import CompressionSettings, UpdateEncoder
+from worker.federation import FederatedWorker, SyncSettings
+from worker.models import load_base_model
+from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    coordinator_url: str
+    dataset: Path
+    base_model: str
+    sync: SyncSettings
+    lora: LoraSettings
+    train: TrainSettings
+    use_huggingface: bool = False
+    use_proxy: bool = False
+    device: str = "cpu"
+    compression: CompressionSettings = CompressionSettings()
+
+
+def build_worker(config: WorkerConfig) -> tuple[FederatedWorker, LoraTrainer, list]:
+    """Load everything a worker needs; returns (worker, trainer, held-out examples)."""
+    train_examples, heldout = split_examples(load_examples(config.dataset))
+    base = load_base_model(config.base_model, use_huggingface=config.use_huggingface,
+                           device=config.device, use_proxy=config.use_proxy)
+    trainer = LoraTrainer(base, config.lora, config.train, train_examples, device=config.device)
+    spec = {"lora": trainer.lora_config, "base_model": {"id": base.model_id, "fingerprint": base.fingerprint}}
+    client = CoordinatorClient(config.coordinator_url, use_proxy=config.use_proxy)
+    log.info("%s: %d training and %d held-out examples from %s; base model %s (%s)",
+             config.sync.worker_id, len(train_examples), len(heldout), config.dataset, base.model_id,
+             base.fingerprint[:12])
+    worker = FederatedWorker(config.sync, client, trainer, spec, encoder=UpdateEncoder(config.compression))
+    return worker, trainer, heldout
+
+
+def run_worker(config: WorkerConfig) -> None:
+    worker, trainer, heldout = build_worker(config)
+    worker.join()
+    before = trainer.eval_loss(heldout)
+    log.info("held-out loss at start: %.4f", before)
+    worker.run()
+    log.info("held-out loss at end: %.4f (start %.4f); %d sync(s)", trainer.eval_loss(heldout), before,
+             worker.syncs)

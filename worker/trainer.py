@@ -1,0 +1,238 @@
+"""LoRA fine-tuning of a base model on one expert's examples (PEFT LoRA, AdamW, answer-only loss)."""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from worker.data import (IGNORE_INDEX, Batch, BatchStream, Example, StreamPosition, collate, encode_example,
+                         pad_token_id)
+from worker.models import BaseModel, default_target_modules
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    rank: int = 8
+    """LoRA rank r: inner dimension of B @ A."""
+    alpha: float = 16.0
+    """LoRA alpha; the update is scaled by alpha / rank."""
+    target_modules: tuple[str, ...] = ()
+    """Module names to adapt; empty means every Qwen/Llama projection the model has."""
+    dropout: float = 0.0
+    """Dropout on the LoRA input during training."""
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"LoRA rank must be at least 1, got {self.rank!r}")
+        if not self.alpha > 0:
+            raise ValueError(f"LoRA alpha must be positive, got {self.alpha!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"LoRA dropout must be in [0, 1), got {self.dropout!r}")
+        object.__setattr__(self, "target_modules", tuple(self.target_modules))
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    lr: float = 2e-4
+    """AdamW learning rate: 2e-4 suits pretrained models; the random-init tiny-qwen2 preset learns best near 1e-2."""
+    batch_size: int = 8
+    """Examples per optimiser step."""
+    max_seq_len: int = 256
+    """Longest tokenised example; longer ones are truncated (see worker.data.encode_example)."""
+    seed: int = 0
+    """Seeds the LoRA A initialisation, the data order and dropout."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm of the LoRA parameters to this value."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay on the LoRA parameters."""
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"learning rate must be positive, got {self.lr!r}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {self.batch_size!r}")
+        if self.max_seq_len < 2:
+            raise ValueError(f"max_seq_len must be at least 2, got {self.max_seq_len!r}")
+        if not self.max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be positive, got {self.max_grad_norm!r}")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay must be non-negative, got {self.weight_decay!r}")
+
+
+@dataclass(frozen=True)
+class StepStats:
+    loss: float
+    """Mean over the steps of each step's mean answer-token loss (NaN if no step had answer tokens)."""
+    tokens: int
+    """Non-padding tokens processed (prompt and answer)."""
+    samples: int
+    """Examples processed."""
+    steps: int
+    """Optimiser steps taken."""
+    seconds: float
+    """Wall-clock time of the steps."""
+
+    @property
+    def steps_per_second(self) -> float:
+        return self.steps / self.seconds if self.seconds > 0 else math.inf
+
+
+def batch_loss_sum(model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, int]:
+    """(sum of next-token cross-entropy over labelled positions, number of labelled positions).
+
+    Logits are computed only from the first position that predicts a label onwards: prompts are
+    often long and the vocabulary projection is a large share of the cost.
+    """
+    targets = batch.labels[:, 1:]
+    labelled = (targets != IGNORE_INDEX).any(dim=0).nonzero()
+    if labelled.numel() == 0:
+        return batch.labels.new_zeros((), dtype=torch.float32), 0
+    start = int(labelled[0])  # logits at position start predict labels at start + 1
+    keep = batch.input_ids.shape[1] - start
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=keep).logits
+    logits = logits[:, :-1, :].float()
+    targets = targets[:, start:]
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+    return loss, int((targets != IGNORE_INDEX).sum())
+
+
+@torch.no_grad()
+def evaluate_loss(model: PreTrainedModel | torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
+                  examples: Sequence[Example], *, max_seq_len: int = 256, batch_size: int = 8,
+                  device: str | torch.device = "cpu") -> float:
+    """Mean cross-entropy per answer token over the examples (in order, no grad, eval mode)."""
+    if not examples:
+        raise ValueError("evaluate_loss needs at least one example")
+    was_training = model.training
+    model.eval()
+    encoded = [encode_example(tokenizer, ex, max_seq_len) for ex in examples]
+    total, count = 0.0, 0
+    try:
+        for i in range(0, len(encoded), batch_size):
+            loss, n = batch_loss_sum(model, collate(encoded[i:i + batch_size], pad_token_id(tokenizer)).to(device))
+            total += float(loss)
+            count += n
+    finally:
+        model.train(was_training)
+    return total / count if count else math.nan
+
+
+class LoraTrainer:
+    """Trains a LoRA adapter on base.model, which it wraps in place (one trainer per BaseModel)."""
+
+    def __init__(self, base: BaseModel, lora: LoraSettings, train: TrainSettings,
+                 train_examples: Sequence[Example], device: str = "cpu"):
+        if not train_examples:
+            raise ValueError("no training examples; check --dataset (every example may have been held out)")
+        if hasattr(base.model, "peft_config"):
+            raise ValueError("this base model already carries a LoRA adapter; load a fresh BaseModel per trainer")
+        self.base = base
+        self.lora = lora
+        self.settings = train
+        self.device = device
+        self.target_modules = lora.target_modules or tuple(default_target_modules(base.model))
+        config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(self.target_modules),
+                            lora_dropout=lora.dropout, init_lora_weights=True, bias="none", task_type="CAUSAL_LM")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(train.seed)  # A is drawn from the seeded CPU RNG; B starts at zero
+            self.model = get_peft_model(base.model, config)
+        self.model.to(device)
+        self._adapter = get_peft_model_state_dict(self.model)  # live views of the LoRA parameters
+        self._params = [p for p in self.model.parameters() if p.requires_grad]
+        self._optimizer = torch.optim.AdamW(self._params, lr=train.lr, weight_decay=train.weight_decay)
+        encoded = [encode_example(base.tokenizer, ex, train.max_seq_len) for ex in train_examples]
+        self._stream = BatchStream(encoded, train.batch_size, seed=train.seed, pad_id=pad_token_id(base.tokenizer))
+        self.global_step = 0
+
+    @property
+    def lora_config(self) -> dict:
+        """What the coordinator needs to know about the adapter's shape and scale."""
+        return {"rank": self.lora.rank, "alpha": self.lora.alpha, "target_modules": list(self.target_modules)}
+
+    @property
+    def data_position(self) -> StreamPosition:
+        """Where the training data stream stands, for checkpointing."""
+        return self._stream.position
+
+    def seek(self, position: StreamPosition) -> None:
+        """Resume the training data stream from a checkpointed position."""
+        self._stream.seek(position)
+
+    def train_steps(self, n: int) -> StepStats:
+        """Take n optimiser steps on the next n batches of the training stream."""
+        if n < 1:
+            raise ValueError(f"number of steps must be at least 1, got {n}")
+        self.model.train()
+        started = time.perf_counter()
+        losses, tokens, samples = [], 0, 0
+        for _ in range(n):
+            batch = next(self._stream).to(self.device)
+            losses.append(self._step(batch))
+            tokens += batch.num_tokens
+            samples += batch.num_samples
+        self.model.eval()
+        seconds = time.perf_counter() - started
+        counted = [loss for loss in losses if not math.isnan(loss)]
+        mean_loss = sum(counted) / len(counted) if counted else math.nan
+        return StepStats(loss=mean_loss, tokens=tokens, samples=samples, steps=n, seconds=seconds)
+
+    def _step(self, batch: Batch) -> float:
+        with torch.random.fork_rng(devices=[], enabled=self.lora.dropout > 0):
+            if self.lora.dropout > 0:
+                torch.manual_seed(self.settings.seed * 1_000_003 + self.global_step)  # reproducible dropout
+            loss_sum, count = batch_loss_sum(self.model, batch)
+            if count == 0:  # every answer was truncated away; nothing to learn from this batch
+                self.global_step += 1
+                return math.nan
+            loss = loss_sum / count
+            self._optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(self._params, self.settings.max_grad_norm)
+        self._optimizer.step()
+        self.global_step += 1
+        return float(loss.detach())
+
+    def eval_loss(self, examples: Sequence[Example], batch_size: int = 8) -> float:
+        """Mean answer-token loss of the current adapter on examples (deterministic, no grad)."""
+        return evaluate_loss(self.model, self.base.tokenizer, examples, max_seq_len=self.settings.max_seq_len,
+                             batch_size=batch_size, device=self.device)
+
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        """The adapter weights as float32 CPU copies, keyed as peft.get_peft_model_state_dict keys them."""
+        return {key: value.detach().to("cpu", torch.float32).clone().contiguous() for key, value in self._adapter.items()}
+
+    def load_adapter_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Overwrite the adapter with state; keys and shapes must match exactly and values be finite.
+
+        The optimiser's moments are kept: a pulled adapter continues the same expert's trajectory.
+        """
+        _check_adapter_state(self._adapter, state)
+        with torch.no_grad():
+            for key, target in self._adapter.items():
+                target.copy_(state[key])
+
+
+def _check_adapter_state(expected: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> None:
+    missing = sorted(expected.keys() - state.keys())
+    unexpected = sorted(state.keys() - expected.keys())
+    if missing or unexpected:
+        raise ValueError(f"adapter state does not match this model: {len(missing)} missing keys "
+                         f"{missing[:3]}, {len(unexpected)} unexpected keys {unexpected[:3]}")
+    for key, target in expected.items():
+        value = state[key]
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            raise ValueError(f"adapter state {key}: expected a floating-point tensor, got {type(value).__name__}")
+        if tuple(value.shape) != tuple(target.shape):
+            raise ValueError(f"adapter state {key}: shape {tuple(value.shape)} != expected {tuple(target.shape)}")
+        if not bool(torch.isfinite(value).all()):
+            raise ValueError(f"adapter state {key}: contains NaN or infinity")
