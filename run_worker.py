@@ -21,6 +21,7 @@ from worker.data import DatasetError, sample_dataset_path
 from worker.encoding import CompressionSettings
 from worker.federation import SyncSettings
 from worker.models import ModelLoadError
+from worker.presets import RECOMMENDED_LR
 from worker.runner import WorkerConfig, run_worker
 from worker.trainer import LoraSettings, TrainSettings
 
@@ -55,7 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     t.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA alpha (default: %(default)s)")
     t.add_argument("--target-modules", default=None,
                    help="comma-separated module names (default: all attention and MLP projections)")
-    t.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default: the trainer's)")
+    t.add_argument("--lr", type=float, default=None,
+                   help="AdamW learning rate (default: 2e-4; 1e-2 for the random tiny-qwen2 preset)")
     t.add_argument("--batch-size", type=int, default=8, help="examples per step (default: %(default)s)")
     t.add_argument("--max-seq-len", type=int, default=256, help="tokens per example (default: %(default)s)")
     t.add_argument("--seed", type=int, default=0, help="seed for init and shuffling (default: %(default)s)")
@@ -78,8 +80,9 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         raise ValueError(f"--dataset {str(dataset)!r} does not exist")
     modules = tuple(m.strip() for m in args.target_modules.split(",") if m.strip()) if args.target_modules else ()
     train_kwargs = {"batch_size": args.batch_size, "max_seq_len": args.max_seq_len, "seed": args.seed}
-    if args.lr is not None:
-        train_kwargs["lr"] = args.lr
+    lr = args.lr if args.lr is not None else RECOMMENDED_LR.get(args.base_model)
+    if lr is not None:
+        train_kwargs["lr"] = lr
     try:
         codec_config = json.loads(args.compression_config)
     except ValueError as exc:

@@ -73,7 +73,7 @@ def _drain(proc: subprocess.Popen, log) -> None:
 
 def start_worker(run: Path, url: str, specialty: str, args: argparse.Namespace) -> subprocess.Popen:
     cmd = [sys.executable, str(ROOT / "run_worker.py"), "--coordinator-url", url, "--specialty", specialty,
-           "--worker-id", f"demo-{specialty}", "--base-model", "tiny-qwen2", "--lr", "2e-3",
+           "--worker-id", f"demo-{specialty}", "--base-model", "tiny-qwen2",
            "--duration", str(args.duration), "--sync-interval", str(args.sync_interval),
            "--compression", args.compression, "--compression-config", args.compression_config,
            "--results", str(run / f"{specialty}.results.jsonl")]

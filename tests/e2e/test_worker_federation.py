@@ -30,7 +30,7 @@ def test_two_worker_processes_train_their_experts_and_the_gateway_loads(start_co
     workers = {}
     for specialty in ("python_expert", "sql_expert"):
         cmd = [sys.executable, str(ROOT / "run_worker.py"), "--coordinator-url", url, "--specialty", specialty,
-               "--base-model", "tiny-qwen2", "--duration", "14", "--sync-interval", "4", "--lr", "2e-3",
+               "--base-model", "tiny-qwen2", "--duration", "14", "--sync-interval", "4",
                "--lora-rank", "4", "--results", str(tmp_path / f"{specialty}.jsonl")]
         workers[specialty] = subprocess.Popen(cmd, env=env() | {"OMP_NUM_THREADS": "1"}, cwd=ROOT,
                                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

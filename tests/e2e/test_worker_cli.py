@@ -1,0 +1,39 @@
+"""run_worker.py answers bad flags and files with one readable line, never a traceback."""
+import subprocess
+import sys
+
+import pytest
+
+from tests.e2e.conftest import ROOT, env
+
+
+def run_worker(*args: str, timeout: float = 90) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "run_worker.py"), *args], cwd=ROOT, env=env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--specialty", "cooking_expert", "--base-model", "tiny-qwen2"], "pass --dataset"),
+    (["--specialty", "python_expert", "--dataset", "nowhere.jsonl"], "does not exist"),
+    (["--specialty", "python_expert", "--compression", "zip"], "valid codecs"),
+    (["--specialty", "python_expert", "--compression", "topk", "--compression-config", "{bad"], "not valid JSON"),
+    (["--specialty", "python_expert", "--compression", "topk", "--compression-config", '{"ratio": 7}'],
+     "ratio must be in (0, 1]"),
+    (["--specialty", "python_expert", "--speed-factor", "3"], "--speed-factor"),
+    (["--specialty", "python_expert", "--base-model", "qwen/Qwen2-0.5B-Instruct"], "--base-model tiny-qwen2"),
+    (["--specialty", "python_expert", "--base-model", "tiny-qwen2", "--coordinator-url", "http://127.0.0.1:9"],
+     "cannot reach the coordinator"),
+])
+def test_bad_input_is_one_clear_line(args, message):
+    result = run_worker(*args)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and message in errors[0], result.stderr
+
+
+def test_bad_dataset_line_names_the_line(tmp_path):
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"prompt": "a", "reference_code": "b"}\n{"prompt": "c"}\n')
+    result = run_worker("--specialty", "x", "--dataset", str(data), "--base-model", "tiny-qwen2")
+    assert result.returncode == 1 and "line 2" in result.stderr and "Traceback" not in result.stderr

@@ -1,0 +1,69 @@
+import math
+
+import pytest
+import torch
+
+from gateway.lora import LoraModule
+from gateway.lowrank import concatenate, factorise, truncate
+
+
+def svd_tail_error(dense: torch.Tensor, rank: int) -> float:
+    """Eckart-Young: relative Frobenius error of the best rank-k approximation."""
+    s = torch.linalg.svdvals(dense.double())
+    return math.sqrt((s[rank:] ** 2).sum() / (s**2).sum())
+
+
+def random_module(out_features, in_features, rank, scale, seed) -> LoraModule:
+    g = torch.Generator().manual_seed(seed)
+    return LoraModule(
+        A=torch.randn(rank, in_features, generator=g),
+        B=torch.randn(out_features, rank, generator=g),
+        scale=scale,
+    )
+
+
+def test_concatenate_is_the_exact_weighted_sum():
+    ranks_and_scales = [(3, 2.0), (1, 0.5), (2, 1.0)]
+    modules = [random_module(9, 7, r, s, seed) for seed, (r, s) in enumerate(ranks_and_scales)]
+    cat = concatenate(modules, [0.2, -1.0, 0.7])
+    assert cat.rank == 6 and cat.scale == 1.0
+    expected = sum(c * m.delta() for c, m in zip([0.2, -1.0, 0.7], modules))
+    torch.testing.assert_close(cat.delta(), expected)
+
+
+def test_concatenate_leaves_out_zero_coefficients():
+    modules = [random_module(9, 7, 3, 2.0, 0), random_module(9, 7, 4, 1.0, 1)]
+    assert concatenate(modules, [0.0, 1.0]).rank == 4
+    assert concatenate(modules, [0.0, 0.0]).delta().abs().max() == 0
+
+
+@pytest.mark.parametrize("shape", [(30, 12), (12, 30)])
+def test_truncate_matches_svd_of_the_dense_update(shape):
+    module = concatenate([random_module(*shape, 4, 1.5, s) for s in range(3)], [0.5, 0.3, 0.2])
+    dense = module.delta()
+    for rank in (12, 5, 1):
+        cut = truncate(module, rank)
+        assert cut.module.rank == min(rank, 12)
+        expected = svd_tail_error(dense, rank)
+        assert cut.relative_error == pytest.approx(expected, abs=1e-6)
+        measured = torch.linalg.norm(dense - cut.module.delta()) / torch.linalg.norm(dense)
+        assert measured.item() == pytest.approx(expected, abs=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(40, 15), (15, 40), (16, 16)])
+def test_factorise_matches_svd_of_the_dense_update(shape):
+    g = torch.Generator().manual_seed(0)
+    dense = torch.randn(*shape, generator=g) * torch.logspace(0, -2, shape[1])  # decaying spectrum
+    full = factorise(dense, 100)
+    torch.testing.assert_close(full.module.delta(), dense, rtol=1e-5, atol=1e-5)
+    assert full.relative_error < 1e-5
+    for rank in (6, 1):
+        cut = factorise(dense, rank)
+        assert cut.module.rank == rank
+        assert cut.relative_error == pytest.approx(svd_tail_error(dense, rank), abs=1e-5)
+
+
+def test_factorise_of_zero_is_zero():
+    cut = factorise(torch.zeros(5, 4), 2)
+    assert cut.relative_error == 0.0 and cut.norm == 0.0
+    assert not cut.module.delta().any()

@@ -1,0 +1,83 @@
+import pytest
+import torch
+
+from gateway.lora import LoraModule
+from gateway.merges import merge
+from gateway.merges.ties import kth_largest, trim
+
+NAME = "m"
+
+
+def expert_with_delta(delta: list[list[float]]) -> dict[str, LoraModule]:
+    """An expert whose update is exactly `delta` (A = identity)."""
+    B = torch.tensor(delta)
+    return {NAME: LoraModule(A=torch.eye(B.shape[1]), B=B, scale=1.0)}
+
+
+D1 = [[4.0, -1.0], [0.5, 2.0]]
+D2 = [[-3.0, 2.0], [1.0, -0.2]]
+D3 = [[1.0, -5.0], [-0.1, -3.0]]
+
+# Hand-worked:
+# density 0.5 keeps 2 of 4 entries each:  [[4, 0], [0, 2]]   [[-3, 2], [0, 0]]   [[0, -5], [0, -3]]
+#   sums [[1, -3], [0, -1]] -> signs [[+, -], [0, -]]
+#   agreeing entries: (0,0) 4; (0,1) -5; (1,0) none; (1,1) -3           -> [[4, -5], [0, -3]]
+# density 0.75 keeps 3 of 4:  [[4, -1], [0, 2]]   [[-3, 2], [1, 0]]   [[1, -5], [0, -3]]
+#   sums [[2, -4], [1, -1]] -> signs [[+, -], [+, -]]
+#   disjoint means: (0,0) (4+1)/2; (0,1) (-1-5)/2; (1,0) 1/1; (1,1) -3/1  -> [[2.5, -3], [1, -3]]
+# weights [1, 2, 1], density 0.5: D2 doubled keeps [[-6, 4], [0, 0]]
+#   sums [[-2, -1], [0, -1]] -> (0,0) -6; (0,1) -5; (1,1) -3             -> [[-6, -5], [0, -3]]
+CASES = [
+    ([1, 1, 1], {"density": 0.5}, [[4.0, -5.0], [0.0, -3.0]]),
+    ([1, 1, 1], {"density": 0.75}, [[2.5, -3.0], [1.0, -3.0]]),
+    ([1, 1, 1], {"density": 0.75, "lam": 0.5}, [[1.25, -1.5], [0.5, -1.5]]),
+    ([1, 2, 1], {"density": 0.5}, [[-6.0, -5.0], [0.0, -3.0]]),
+]
+
+
+@pytest.mark.parametrize(("weights", "config", "expected"), CASES)
+def test_ties_matches_the_hand_computed_merge(weights, config, expected):
+    experts = [expert_with_delta(d) for d in (D1, D2, D3)]
+    result = merge("ties", experts, weights, **config)
+    torch.testing.assert_close(result.modules[NAME].delta(), torch.tensor(expected))
+    assert result.truncation_error == pytest.approx(0.0, abs=1e-6)  # rank 2 of 2x2 is exact
+
+
+def test_trim_keeps_the_largest_magnitudes_and_all_ties_at_the_cut():
+    delta = torch.tensor([[0.1, -0.9, 0.5], [-0.5, 0.2, 0.0]])
+    assert torch.equal(trim(delta, 1 / 6), torch.tensor([[0.0, -0.9, 0.0], [0.0, 0.0, 0.0]]))
+    # keeping 2 of 6: 0.5 and -0.5 tie for second place, both stay
+    assert torch.equal(trim(delta, 2 / 6), torch.tensor([[0.0, -0.9, 0.5], [-0.5, 0.0, 0.0]]))
+    assert torch.equal(trim(delta, 1.0), delta)
+
+
+def test_kth_largest_agrees_with_kthvalue():
+    g = torch.Generator().manual_seed(0)
+    for values in (
+        torch.randn(100_000, generator=g).abs() ** 4,
+        torch.cat([torch.zeros(5000), torch.rand(500, generator=g)]),
+        torch.tensor([2.0, 2.0, 2.0, 1.0]),
+        torch.zeros(3),
+    ):
+        n = values.numel()
+        for k in {1, 2, n // 5 or 1, n // 2 or 1, n}:
+            assert kth_largest(values, k) == values.kthvalue(n - k + 1).values
+
+
+def test_ties_reports_the_error_of_refactorising_its_dense_result(experts):
+    full = merge("ties", experts, [0.5, 0.3, 0.2], rank=1000)  # 20x12 at most: exact
+    cut = merge("ties", experts, [0.5, 0.3, 0.2], rank=2)
+    assert full.truncation_error == pytest.approx(0.0, abs=1e-5)
+    for name, module in full.modules.items():
+        dense = module.delta()
+        s = torch.linalg.svdvals(dense.double())
+        eckart_young = ((s[2:] ** 2).sum() / (s**2).sum()).sqrt().item()
+        assert cut.modules[name].rank == 2
+        assert cut.module_errors[name] == pytest.approx(eckart_young, abs=1e-5)
+
+
+def test_ties_default_rank_is_the_sum_of_expert_ranks(experts):
+    result = merge("ties", experts, [1, 1, 1])
+    # ranks 4 + 2 + 6 = 12, capped by each module's smaller side (4 for the 4x12 k_proj)
+    assert {m.rank for m in result.modules.values()} == {12, 4}
+    assert result.state_dict()[2] == 12
