@@ -18,7 +18,7 @@ from pathlib import Path
 
 from protocol.errors import FedMoEError
 from worker.data import DatasetError, sample_dataset_path
-from worker.encoding import CompressionSettings
+from worker.encoding import CompressionSettings, PullSettings
 from worker.federation import SyncSettings
 from worker.models import ModelLoadError
 from worker.presets import RECOMMENDED_LR
@@ -51,6 +51,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     c.add_argument("--compression-config", default="{}", metavar="JSON",
                    help='codec options, e.g. \'{"ratio": 0.01}\' (default: %(default)s)')
     c.add_argument("--no-error-feedback", action="store_true", help="drop what a lossy codec loses")
+    c.add_argument("--pull-compression", default=None, metavar="CODEC",
+                   help="pull only the compressed difference since our version, e.g. fp16 (default: full weights)")
+    c.add_argument("--pull-compression-config", default="{}", metavar="JSON", help="options of --pull-compression")
+    c.add_argument("--full-pull-every", type=int, default=10,
+                   help="with --pull-compression, every N-th pull is a full one (default: %(default)s)")
     t = p.add_argument_group("training")
     t.add_argument("--lora-rank", type=int, default=8, help="LoRA rank (default: %(default)s)")
     t.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA alpha (default: %(default)s)")
@@ -71,6 +76,16 @@ def default_worker_id(specialty: str) -> str:
     return f"{host}-{specialty}"[:64]
 
 
+def json_object(text: str, flag: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"{flag} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object, got {text!r}")
+    return value
+
+
 def build_config(args: argparse.Namespace) -> WorkerConfig:
     dataset = args.dataset or sample_dataset_path(args.specialty)
     if dataset is None:
@@ -83,14 +98,11 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
     lr = args.lr if args.lr is not None else RECOMMENDED_LR.get(args.base_model)
     if lr is not None:
         train_kwargs["lr"] = lr
-    try:
-        codec_config = json.loads(args.compression_config)
-    except ValueError as exc:
-        raise ValueError(f"--compression-config is not valid JSON: {exc}") from None
-    if not isinstance(codec_config, dict):
-        raise ValueError(f"--compression-config must be a JSON object, got {args.compression_config!r}")
-    compression = CompressionSettings(codec=args.compression, config=codec_config,
+    compression = CompressionSettings(codec=args.compression, config=json_object(args.compression_config,
+                                                                                "--compression-config"),
                                       error_feedback=not args.no_error_feedback)
+    pull = PullSettings(codec=args.pull_compression, full_every=args.full_pull_every,
+                        config=json_object(args.pull_compression_config, "--pull-compression-config"))
     return WorkerConfig(
         coordinator_url=args.coordinator_url, dataset=Path(dataset), base_model=args.base_model,
         sync=SyncSettings(specialty=args.specialty, worker_id=args.worker_id or default_worker_id(args.specialty),
@@ -98,7 +110,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
                           speed_factor=args.speed_factor, results_path=args.results),
         lora=LoraSettings(rank=args.lora_rank, alpha=args.lora_alpha, target_modules=modules),
         train=TrainSettings(**train_kwargs), use_huggingface=args.use_huggingface,
-        use_proxy=args.use_proxy, device=args.device, compression=compression)
+        use_proxy=args.use_proxy, device=args.device, compression=compression, pull=pull)
 
 
 def main(argv: list[str] | None = None) -> int:

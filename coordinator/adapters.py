@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from compression import wire
+from compression import Codec, wire
 from compression.errors import CompressionError
 from compression.registry import make_codec
 from protocol.errors import BadRequest, InvalidPayload, InvalidUpdate
@@ -67,11 +67,15 @@ def _decode_raw(path: Path, codec_config: dict) -> StateDict:
                              + str(exc).split(": ", 1)[-1]) from None
 
 
-def _decode_compressed(path: Path, codec: str, codec_config: dict, manifest: Manifest) -> StateDict:
+def make_codec_or_400(codec: str, codec_config: dict) -> Codec:
     try:
-        decoder = make_codec(codec, codec_config)
+        return make_codec(codec, codec_config)
     except CompressionError as exc:
         raise BadRequest(f"codec {codec!r}: {exc} (or {RAW_CODEC!r} for uncompressed tensors)") from None
+
+
+def _decode_compressed(path: Path, codec: str, codec_config: dict, manifest: Manifest) -> StateDict:
+    decoder = make_codec_or_400(codec, codec_config)
     try:
         return wire.decode_update(path.read_bytes(), manifest, decoder)
     except CompressionError as exc:

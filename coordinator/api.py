@@ -14,8 +14,8 @@ from flask import Blueprint, Response, current_app, jsonify, request, send_file
 from coordinator.gateway_builder import npz_bytes
 from coordinator.service import Coordinator
 from protocol.errors import BadRequest, PayloadTooLarge
-from protocol.schemas import (API_PREFIX, EXPERT_HEADER, UPDATE_HEADER, VERSION_HEADER, BaseModelSpec,
-                              ExpertSpec, UpdateMeta, check_name, parse_header_json)
+from protocol.schemas import (API_PREFIX, EXPERT_HEADER, UPDATE_HEADER, VERSION_HEADER, WORKER_HEADER,
+                              BaseModelSpec, ExpertSpec, UpdateMeta, check_name, parse_header_json)
 from protocol.tensors import load_file
 
 bp = Blueprint("api", __name__, url_prefix=API_PREFIX)
@@ -88,15 +88,44 @@ def expert_info(name: str) -> Response:
 
 @bp.get("/experts/<name>/weights")
 def expert_weights(name: str) -> Response:
-    version = request.args.get("version")
-    if version is not None and not version.isdigit():
-        raise BadRequest(f"version must be a non-negative integer, got {version!r}")
-    ref = coordinator().weights(name, None if version is None else int(version))
+    """Full weights (safetensors, ETag), or with ?since=V&codec=C the compressed difference from V."""
+    c = coordinator()
+    if "since" in request.args:
+        return _weights_diff(c, name)
+    ref = c.weights(name, _int_arg("version"))
     response = send_file(ref.path, mimetype="application/octet-stream", etag=ref.digest,
                          conditional=True, download_name=f"{name}-v{ref.version}.safetensors",
                          max_age=0)
     response.headers[VERSION_HEADER] = str(ref.version)
+    if response.status_code == 200:
+        c.record_pull(request.headers.get(WORKER_HEADER), name, ref.path.stat().st_size)
     return response
+
+
+def _weights_diff(c: Coordinator, name: str) -> Response:
+    since = _int_arg("since")
+    codec = request.args.get("codec", "fp16")
+    try:
+        config = json.loads(request.args.get("codec_config", "{}"))
+    except ValueError:
+        raise BadRequest("codec_config must be a JSON object") from None
+    if not isinstance(config, dict):
+        raise BadRequest(f"codec_config must be a JSON object, got {config!r}")
+    payload, version = c.weights_diff(name, since, codec, config)
+    response = Response(payload, status=200 if payload else 304, mimetype="application/octet-stream")
+    response.headers[VERSION_HEADER] = str(version)
+    if payload:
+        c.record_pull(request.headers.get(WORKER_HEADER), name, len(payload))
+    return response
+
+
+def _int_arg(key: str) -> int | None:
+    value = request.args.get(key)
+    if value is None:
+        return None
+    if not value.isdigit():
+        raise BadRequest(f"{key} must be a non-negative integer, got {value!r}")
+    return int(value)
 
 
 @bp.post("/experts/<name>/updates")

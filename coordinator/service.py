@@ -11,13 +11,16 @@ is applied twice.
 """
 from __future__ import annotations
 
+import json
 import logging
+import math
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from coordinator.adapters import check_lora_adapter, decode_update, read_adapter
+from compression.wire import encode_update
+from coordinator.adapters import check_lora_adapter, decode_update, make_codec_or_400, read_adapter
 from coordinator.aggregation import AGGREGATORS, AggregationParams, StateDict, Update
 from coordinator.blobs import BlobStore
 from coordinator.config import CoordinatorConfig
@@ -48,6 +51,7 @@ class Coordinator:
         self._locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
         self._decoded: dict[str, StateDict] = {}  # update_id -> deltas checked at receipt
+        self._diffs: dict[tuple, bytes] = {}  # (expert, since, version, codec, config) -> encoded diff
         self.gateway = GatewayBuilder(self)
         self._remove_orphan_blobs()
         for expert in self.db.experts():  # finish what a crash interrupted
@@ -125,6 +129,35 @@ class Coordinator:
                            f"{self.config.keep_versions} versions are kept (--keep-versions)")
         return WeightsRef(self.blobs.path(digest), version, digest)
 
+    def weights_diff(self, name: str, since: int, codec: str, codec_config: dict[str, Any]) -> tuple[bytes, int]:
+        """The current weights minus version ``since``, encoded with a compression codec.
+
+        Lets a worker that holds version ``since`` catch up for a fraction of the bytes of a full
+        pull. Returns (payload, current version); the payload is empty when nothing changed.
+        """
+        current = self.weights(name)
+        if since == current.version:
+            return b"", current.version
+        old = self.weights(name, since)
+        key = (name, since, current.version, codec, json.dumps(codec_config, sort_keys=True))
+        with self._locks_guard:
+            cached = self._diffs.get(key)
+        if cached is None:
+            encoder = make_codec_or_400(codec, codec_config)
+            new, base = read_adapter(current.path), read_adapter(old.path)
+            diff = {k: new[k] - base[k] for k in new}
+            cached = encode_update(diff, manifest_from_json(self._expert(name).manifest), encoder, seed=current.version)
+            with self._locks_guard:
+                self._diffs[key] = cached
+                while len(self._diffs) > 16:  # a handful of (since, codec) pairs cover a fleet
+                    self._diffs.pop(next(iter(self._diffs)))
+        return cached, current.version
+
+    def record_pull(self, worker_id: str | None, name: str, body_bytes: int) -> None:
+        if worker_id:
+            raw = 4 * sum(math.prod(shape) for _, shape in self.manifest(name))
+            self.db.record_pull(worker_id, body_bytes, raw)
+
     def manifest(self, name: str) -> list[tuple[str, tuple[int, ...]]]:
         return manifest_from_json(self._expert(name).manifest)
 
@@ -150,7 +183,7 @@ class Coordinator:
                 if known is not None:
                     return self._seen_before(known, name), False
                 digest = self.blobs.adopt(body)
-                row = self.db.add_update(name, meta.to_json(), digest, size)
+                row = self.db.add_update(name, meta.to_json(), digest, size, _fp32_bytes(deltas))
                 self._decoded[row.update_id] = deltas
                 self._aggregate_locked(name)
         finally:
@@ -241,6 +274,10 @@ class Coordinator:
 
     def list_workers(self) -> list[dict[str, Any]]:
         return self.db.workers()
+
+
+def _fp32_bytes(tensors: StateDict) -> int:
+    return 4 * sum(t.numel() for t in tensors.values())
 
 
 def _mean_loss(batch: list[UpdateRow]) -> float | None:

@@ -60,7 +60,11 @@ CREATE TABLE IF NOT EXISTS workers (
     registered_at REAL NOT NULL,
     last_seen REAL NOT NULL,
     updates_sent INTEGER NOT NULL DEFAULT 0,
-    bytes_sent INTEGER NOT NULL DEFAULT 0
+    bytes_up INTEGER NOT NULL DEFAULT 0,       -- update bodies as received
+    bytes_up_raw INTEGER NOT NULL DEFAULT 0,   -- the same updates as fp32 tensors
+    pulls INTEGER NOT NULL DEFAULT 0,
+    bytes_down INTEGER NOT NULL DEFAULT 0,     -- weight and diff bodies sent
+    bytes_down_raw INTEGER NOT NULL DEFAULT 0  -- the same as fp32 tensors
 );
 CREATE TABLE IF NOT EXISTS gateways (
     version INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -185,15 +189,16 @@ class ManifestStore:
 
     # updates ----------------------------------------------------------------
 
-    def add_update(self, name: str, meta: dict[str, Any], blob: str, body_bytes: int) -> UpdateRow:
+    def add_update(self, name: str, meta: dict[str, Any], blob: str, body_bytes: int, raw_bytes: int) -> UpdateRow:
         with self.transaction() as db:
             db.execute("INSERT INTO updates (update_id, expert, worker_id, meta, blob, body_bytes, status, "
                        "received_at) VALUES (?, ?, ?, ?, ?, ?, 'pending', ?)",
                        (meta["update_id"], name, meta.get("worker_id"), json.dumps(meta), blob,
                         body_bytes, time.time()))
             if meta.get("worker_id"):
-                db.execute("UPDATE workers SET updates_sent = updates_sent + 1, bytes_sent = bytes_sent + ?, "
-                           "last_seen = ? WHERE worker_id = ?", (body_bytes, time.time(), meta["worker_id"]))
+                db.execute("UPDATE workers SET updates_sent = updates_sent + 1, bytes_up = bytes_up + ?, "
+                           "bytes_up_raw = bytes_up_raw + ?, last_seen = ? WHERE worker_id = ?",
+                           (body_bytes, raw_bytes, time.time(), meta["worker_id"]))
         row = self.update(meta["update_id"])
         assert row is not None
         return row
@@ -216,6 +221,12 @@ class ManifestStore:
                        "specialty = excluded.specialty, base_model = excluded.base_model, "
                        "last_seen = excluded.last_seen",
                        (worker_id, specialty, json.dumps(base_model), now, now))
+
+    def record_pull(self, worker_id: str, body_bytes: int, raw_bytes: int) -> None:
+        with self.transaction() as db:
+            db.execute("UPDATE workers SET pulls = pulls + 1, bytes_down = bytes_down + ?, "
+                       "bytes_down_raw = bytes_down_raw + ?, last_seen = ? WHERE worker_id = ?",
+                       (body_bytes, raw_bytes, time.time(), worker_id))
 
     def touch_worker(self, worker_id: str) -> bool:
         with self.transaction() as db:

@@ -22,7 +22,7 @@ from typing import Any
 import requests
 
 from protocol.errors import FedMoEError, Unavailable, error_from_response
-from protocol.schemas import API_PREFIX, EXPERT_HEADER, UPDATE_HEADER, VERSION_HEADER
+from protocol.schemas import API_PREFIX, EXPERT_HEADER, UPDATE_HEADER, VERSION_HEADER, WORKER_HEADER
 from protocol.tensors import StateDict, dumps, loads
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,8 @@ class Pulled:
     tensors: StateDict | None
     version: int
     etag: str | None
+    nbytes: int = 0
+    """Body bytes received."""
 
 
 class CoordinatorClient:
@@ -111,12 +113,27 @@ class CoordinatorClient:
         return self._json("PUT", f"/experts/{name}", data=dumps(adapter),
                           headers={EXPERT_HEADER: json.dumps(spec)})
 
-    def pull_weights(self, name: str, etag: str | None = None, version: int | None = None) -> Pulled:
+    def pull_weights(self, name: str, etag: str | None = None, version: int | None = None,
+                     worker_id: str | None = None) -> Pulled:
         headers = {"If-None-Match": etag} if etag else {}
+        if worker_id:
+            headers[WORKER_HEADER] = worker_id
         params = {"version": version} if version is not None else {}
         r = self._request("GET", f"/experts/{name}/weights", headers=headers, params=params)
         tensors = None if r.status_code == 304 else loads(r.content)
-        return Pulled(tensors, int(r.headers.get(VERSION_HEADER, -1)), r.headers.get("ETag"))
+        return Pulled(tensors, int(r.headers.get(VERSION_HEADER, -1)), r.headers.get("ETag"), len(r.content))
+
+    def pull_diff(self, name: str, since: int, codec: str, codec_config: dict[str, Any] | None = None,
+                  worker_id: str | None = None) -> tuple[bytes, int]:
+        """The compressed difference between the current weights and version ``since``.
+
+        Returns (payload, current version); the payload is empty when nothing changed. Decode it
+        with ``compression.decode_update(payload, manifest, make_codec(codec, codec_config))``.
+        """
+        params = {"since": since, "codec": codec, "codec_config": json.dumps(codec_config or {})}
+        headers = {WORKER_HEADER: worker_id} if worker_id else {}
+        r = self._request("GET", f"/experts/{name}/weights", params=params, headers=headers)
+        return (b"" if r.status_code == 304 else r.content), int(r.headers.get(VERSION_HEADER, -1))
 
     def push_update(self, name: str, body: bytes, meta: dict[str, Any]) -> dict[str, Any]:
         return self._json("POST", f"/experts/{name}/updates", data=body,

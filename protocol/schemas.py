@@ -18,6 +18,7 @@ API_PREFIX = "/api/v1"
 UPDATE_HEADER = "X-FedMoE-Update"
 EXPERT_HEADER = "X-FedMoE-Expert"
 VERSION_HEADER = "X-FedMoE-Version"
+WORKER_HEADER = "X-FedMoE-Worker"  # optional on pulls: lets the coordinator tally bytes per worker
 RAW_CODEC = "safetensors"  # an uncompressed update: the body is a safetensors file
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")

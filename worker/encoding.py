@@ -32,6 +32,24 @@ class CompressionSettings:
 
 
 @dataclass(frozen=True)
+class PullSettings:
+    codec: str | None = None
+    """Codec for pulling only the difference since our version (e.g. 'fp16', 'int8'); None = full weights."""
+    config: dict[str, Any] = field(default_factory=dict)
+    full_every: int = 10
+    """Every N-th pull fetches the full weights, so lossy diff pulls cannot drift far."""
+
+    def __post_init__(self) -> None:
+        if self.codec is not None:
+            make_codec(self.codec, self.config)
+        if self.full_every < 1:
+            raise ValueError(f"--full-pull-every must be >= 1, got {self.full_every}")
+
+    def decoder(self):
+        return make_codec(self.codec, self.config) if self.codec else None
+
+
+@dataclass(frozen=True)
 class EncodedUpdate:
     body: bytes
     sent: StateDict

@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from protocol.client import CoordinatorClient
-from protocol.errors import FedMoEError, Unavailable
+from compression.wire import decode_update
+from protocol.errors import FedMoEError, NotFound, Unavailable
 from protocol.tensors import StateDict, manifest_of
-from worker.encoding import CompressionSettings, UpdateEncoder
+from worker.encoding import CompressionSettings, PullSettings, UpdateEncoder
 
 log = logging.getLogger(__name__)
 
@@ -96,9 +97,15 @@ class FederatedWorker:
     expert_spec: dict[str, Any]
     """{"lora": ..., "base_model": {"id", "fingerprint"}} sent when creating the expert."""
     encoder: UpdateEncoder = field(default_factory=lambda: UpdateEncoder(CompressionSettings()))
+    pull: PullSettings = field(default_factory=PullSettings)
     base_version: int = -1
+    """Expert version our weights came from."""
     etag: str | None = None
+    pulled: StateDict = field(default_factory=dict)
+    """Weights as of the last pull (exact after a full pull, approximate after a lossy diff pull)."""
     reference: StateDict = field(default_factory=dict)
+    """Weights the next delta is measured from: the last pull, or the last queued snapshot."""
+    pulls: int = 0
     outbox: deque[Outgoing] = field(default_factory=deque)
     interval: IntervalStats = field(default_factory=IntervalStats)
     syncs: int = 0
@@ -142,7 +149,8 @@ class FederatedWorker:
                                   "worker_id": self.settings.worker_id, "base_version": self.base_version}
         record |= self._queue_interval()
         record["delivered"] = self._flush_outbox()
-        record["pulled"] = self._pull_quietly() if record["delivered"] and not final else False
+        received = self._pull_quietly() if record["delivered"] and not final else None
+        record |= {"pulled": received is not None, "bytes_down": received or 0}
         record |= {"version": self.base_version, "outbox": len(self.outbox),
                    "sync_seconds": round(time.perf_counter() - started, 4)}
         self.syncs += 1
@@ -184,20 +192,40 @@ class FederatedWorker:
             self.outbox.popleft()
         return True
 
-    def _pull(self) -> None:
-        pulled = self.client.pull_weights(self.settings.specialty, etag=self.etag)
+    def _pull(self) -> int:
+        """Bring the local adapter to the expert's latest version; returns the bytes received."""
+        name, worker_id = self.settings.specialty, self.settings.worker_id
+        decoder = self.pull.decoder()
+        self.pulls += 1
+        if decoder is not None and self.pulled and self.pulls % self.pull.full_every != 0:
+            try:
+                payload, version = self.client.pull_diff(name, self.base_version, self.pull.codec,
+                                                         self.pull.config, worker_id)
+            except NotFound:  # our version was pruned on the coordinator: fall back to full weights
+                log.info("version %d is no longer kept; pulling full weights", self.base_version)
+            else:
+                if payload:
+                    diff = decode_update(payload, manifest_of(self.pulled), decoder)
+                    self._adopt({k: self.pulled[k] + diff[k] for k in self.pulled}, version, etag=None)
+                return len(payload)
+        pulled = self.client.pull_weights(name, etag=self.etag, worker_id=worker_id)
         if pulled.tensors is not None:
-            self.trainer.load_adapter_state(pulled.tensors)
-            self.reference = {k: v.clone() for k, v in pulled.tensors.items()}
-            self.base_version, self.etag = pulled.version, pulled.etag
+            self._adopt(pulled.tensors, pulled.version, pulled.etag)
+        return pulled.nbytes
 
-    def _pull_quietly(self) -> bool:
+    def _adopt(self, weights: StateDict, version: int, etag: str | None) -> None:
+        self.trainer.load_adapter_state(weights)
+        self.pulled = weights
+        self.reference = {k: v.clone() for k, v in weights.items()}
+        self.base_version, self.etag = version, etag
+
+    def _pull_quietly(self) -> int | None:
+        """Like _pull, but an unreachable coordinator is logged and gives None."""
         try:
-            self._pull()
-            return True
+            return self._pull()
         except Unavailable as exc:
             log.warning("%s; training on from local weights", exc)
-            return False
+            return None
 
     def _write_result(self, record: dict[str, Any]) -> None:
         path = self.settings.results_path

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from protocol.client import CoordinatorClient
 from worker.data import load_examples, split_examples
-from worker.encoding import CompressionSettings, UpdateEncoder
+from worker.encoding import CompressionSettings, PullSettings, UpdateEncoder
 from worker.federation import FederatedWorker, SyncSettings
 from worker.models import load_base_model
 from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
@@ -27,6 +27,7 @@ class WorkerConfig:
     use_proxy: bool = False
     device: str = "cpu"
     compression: CompressionSettings = CompressionSettings()
+    pull: PullSettings = PullSettings()
 
 
 def build_worker(config: WorkerConfig) -> tuple[FederatedWorker, LoraTrainer, list]:
@@ -40,7 +41,8 @@ def build_worker(config: WorkerConfig) -> tuple[FederatedWorker, LoraTrainer, li
     log.info("%s: %d training and %d held-out examples from %s; base model %s (%s)",
              config.sync.worker_id, len(train_examples), len(heldout), config.dataset, base.model_id,
              base.fingerprint[:12])
-    worker = FederatedWorker(config.sync, client, trainer, spec, encoder=UpdateEncoder(config.compression))
+    worker = FederatedWorker(config.sync, client, trainer, spec, encoder=UpdateEncoder(config.compression),
+                             pull=config.pull)
     return worker, trainer, heldout
 
 

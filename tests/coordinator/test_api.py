@@ -384,3 +384,41 @@ def test_unknown_codec_lists_the_valid_ones(client):
     r = push(client, "e", None, update_meta(codec="zstd"), body=b"\0" * 10)
     message = r.get_json()["error"]["message"]
     assert r.status_code == 400 and "topk" in message and "int8" in message and "safetensors" in message
+
+
+# --- compressed pulls and per-worker byte tallies -------------------------------------------------
+
+def test_diff_pull_gives_the_compressed_difference_since_a_version(client):
+    from compression import decode_update, make_codec
+    from protocol.tensors import manifest_of
+
+    adapter = make_adapter()
+    put_expert(client, "e", adapter)
+    for i in range(2):
+        push(client, "e", random_like(adapter, i), update_meta(base_version=i))
+    v0 = loads(client.get("/api/v1/experts/e/weights?version=0").data)
+    v2 = loads(client.get("/api/v1/experts/e/weights").data)
+    r = client.get("/api/v1/experts/e/weights?since=0&codec=fp16")
+    assert r.status_code == 200 and r.headers["X-FedMoE-Version"] == "2"
+    diff = decode_update(r.data, manifest_of(adapter), make_codec("fp16"))
+    assert all(torch.allclose(v0[k] + diff[k], v2[k], atol=1e-3) for k in adapter)
+    assert len(r.data) < len(dumps(v2)) * 0.6  # half the bytes of a full fp32 pull, plus framing
+
+    assert client.get("/api/v1/experts/e/weights?since=2&codec=fp16").status_code == 304
+    assert client.get("/api/v1/experts/e/weights?since=9&codec=fp16").status_code == 404
+    assert client.get("/api/v1/experts/e/weights?since=0&codec=nope").status_code == 400
+    assert client.get("/api/v1/experts/e/weights?since=0&codec_config=[1]").status_code == 400
+
+
+def test_bytes_up_and_down_are_tallied_per_worker(client):
+    adapter = make_adapter()
+    base = {"id": "tiny-test", "fingerprint": FINGERPRINT}
+    client.post("/api/v1/workers", json={"worker_id": "w1", "specialty": "e", "base_model": base})
+    put_expert(client, "e", adapter)
+    body = dumps(random_like(adapter, 1))
+    push(client, "e", None, update_meta(worker_id="w1"), body=body)
+    pulled = client.get("/api/v1/experts/e/weights", headers={"X-FedMoE-Worker": "w1"})
+    (w,) = client.get("/api/v1/workers").get_json()["workers"]
+    numel = sum(t.numel() for t in adapter.values())
+    assert (w["updates_sent"], w["bytes_up"], w["bytes_up_raw"]) == (1, len(body), 4 * numel)
+    assert (w["pulls"], w["bytes_down"], w["bytes_down_raw"]) == (1, len(pulled.data), 4 * numel)

@@ -92,3 +92,35 @@ def test_worker_keeps_training_while_the_coordinator_is_down_and_delivers_once(s
     assert info["version"] == 3 and info["updates_applied"] == 3 and info["samples_seen"] == 12
     pulled = loads(client._request("GET", "/experts/sql_expert/weights").content)
     assert all(torch.allclose(pulled[k], local[k], atol=1e-6) for k in local)  # nothing lost, nothing doubled
+
+
+def test_compressed_pushes_and_diff_pulls_stay_close_to_the_experts_weights(start_coordinator):
+    from worker.encoding import CompressionSettings, PullSettings, UpdateEncoder
+
+    _, url = start_coordinator()
+    train, _ = split_examples(load_examples(sample_dataset_path("docs_expert")))
+    base = load_base_model("tiny-qwen2")
+    trainer = LoraTrainer(base, LoraSettings(rank=2), TrainSettings(lr=1e-2, batch_size=2, max_seq_len=64), train)
+    client = CoordinatorClient(url)
+    spec = {"lora": trainer.lora_config, "base_model": {"id": base.model_id, "fingerprint": base.fingerprint}}
+    worker = FederatedWorker(SyncSettings(specialty="docs_expert", worker_id="w1"), client, trainer, spec,
+                             encoder=UpdateEncoder(CompressionSettings("topk+int8", {"ratio": 0.1})),
+                             pull=PullSettings(codec="fp16", full_every=3))
+    worker.join()
+    records = []
+    for _ in range(5):
+        worker.interval.add(trainer.train_steps(1))
+        records.append(worker.sync())
+    assert [r["version"] for r in records] == [1, 2, 3, 4, 5]
+    assert all(r["ratio"] > 10 for r in records)  # topk 10% + int8 of the fp32 delta
+    full = records[1]["bytes_down"]  # pulls 2..6: diff, full (3rd), diff, diff, full (6th)
+    assert records[0]["bytes_down"] < full * 0.6 and records[2]["bytes_down"] < full * 0.6
+    server = client.pull_weights("docs_expert").tensors
+    local = trainer.adapter_state()
+    assert all(torch.allclose(local[k], server[k], atol=1e-6) for k in local)  # the last pull was full
+    worker.interval.add(trainer.train_steps(1))
+    worker.sync()  # a diff pull: close to the server's weights, within fp16 rounding
+    server, local = client.pull_weights("docs_expert").tensors, trainer.adapter_state()
+    assert all(torch.allclose(local[k], server[k], atol=1e-3) for k in local)
+    (w,) = client.list_workers()
+    assert w["bytes_up_raw"] > 10 * w["bytes_up"] and w["pulls"] == 7
