@@ -121,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, DatasetError, ModelLoadError, FedMoEError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # before training started: nothing to push
+        return 130
     return 0
 
 

@@ -135,6 +135,9 @@ class FederatedWorker:
             log.info("interrupted: pushing what was trained before exiting")
         finally:
             self.sync(final=True)
+            if self.outbox:
+                log.error("%d update(s) could not be delivered before exit (coordinator unreachable); "
+                          "their training is lost", len(self.outbox))
 
     def _train_until(self, deadline: float) -> None:
         while time.monotonic() < deadline:

@@ -5,6 +5,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -124,3 +125,21 @@ def test_compressed_pushes_and_diff_pulls_stay_close_to_the_experts_weights(star
     assert all(torch.allclose(local[k], server[k], atol=1e-3) for k in local)
     (w,) = client.list_workers()
     assert w["bytes_up_raw"] > 10 * w["bytes_up"] and w["pulls"] == 7
+
+
+def test_ctrl_c_pushes_what_was_trained_then_exits(start_coordinator, tmp_path):
+    import signal
+
+    from tests.e2e.conftest import spawn
+
+    _, url = start_coordinator()
+    worker = spawn(str(ROOT / "run_worker.py"), "--coordinator-url", url, "--specialty", "sql_expert",
+                   "--base-model", "tiny-qwen2", "--duration", "600", "--sync-interval", "600",
+                   "--batch-size", "2", "--max-seq-len", "64")
+    worker.wait_for(re.compile(r"held-out loss at start"), timeout=120)
+    time.sleep(2)  # some training steps
+    worker.proc.send_signal(signal.SIGINT)
+    assert worker.proc.wait(timeout=60) == 0, "".join(worker.log)
+    info = CoordinatorClient(url).expert("sql_expert")
+    assert info["version"] == 1 and info["samples_seen"] > 0
+    assert "Traceback" not in "".join(worker.log)
