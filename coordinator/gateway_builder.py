@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from gateway.errors import MergeError
 from gateway.lora import split_modules
 from gateway.merges import merge
 from protocol.errors import Conflict, NotFound
@@ -69,9 +70,12 @@ class GatewayBuilder:
         if len(fingerprints) > 1:
             raise Conflict("experts were trained from different base models and cannot be merged: "
                            + ", ".join(f"{n}: {s.base_model.id}" for n, s in specs.items()))
-        modules = [split_modules(load_file(self._c.weights(e.name).path), specs[e.name].lora.alpha,
-                                 specs[e.name].lora.rank) for e in used]
-        result = merge(strategy, modules, [weights[e.name] for e in used])
+        try:
+            modules = [split_modules(load_file(self._c.weights(e.name).path), specs[e.name].lora.alpha,
+                                     specs[e.name].lora.rank) for e in used]
+            result = merge(strategy, modules, [weights[e.name] for e in used])
+        except MergeError as exc:
+            raise Conflict(f"cannot build the gateway with {strategy!r}: {exc}") from None
         tensors, alpha, rank = result.state_dict()
         first = next(iter(specs.values()))
         info = {"strategy": strategy, "weights": weights,

@@ -3,7 +3,7 @@ trim, then TIES's sign election and disjoint mean (Yadav et al. 2023), as in mer
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -13,40 +13,19 @@ from gateway.merges.base import (
     Expert,
     MergeResult,
     check_experts,
-    check_finite,
-    check_rank,
     check_weights,
     merge_densely,
     parse_config,
 )
-from gateway.merges.dare import check_dare_settings, drop_and_rescale, mask_generator
+from gateway.merges.dare import DareConfig, drop_and_rescale, mask_generator
 from gateway.merges.ties import elect_and_merge
 
 NAME = "dare_ties"
 
 
-@dataclass(frozen=True)
-class DareTiesConfig:
-    """Settings of DARE-TIES."""
-
-    p: float = 0.5
-    """Drop probability per entry, in [0, 1) (DARE's default, see gateway.merges.dare)."""
-    seed: int = 0
-    """Seed of the drop masks; the same seed gives the same merge."""
-    lam: float = 1.0
-    """Scaling lambda of the merged update (`lambda` is a Python keyword)."""
-    rank: int | None = None
-    """Rank of the re-factorised result; None means the sum of the experts' ranks."""
-
-    def __post_init__(self) -> None:
-        check_dare_settings(self.p, self.seed)
-        check_finite("lam", self.lam)
-        check_rank(self.rank)
-
-
 def dare_ties(experts: list[Expert], weights: list[float], **config: Any) -> MergeResult:
     """lam * disjoint-mean(DARE(w_i * dW_i)) under the elected signs; weights not normalised."""
-    cfg = parse_config(DareTiesConfig, config, NAME)
+    cfg = parse_config(DareConfig, config, NAME)  # same settings as DARE
     check_experts(experts)
     applied = check_weights(weights, len(experts))
 

@@ -422,3 +422,18 @@ def test_bytes_up_and_down_are_tallied_per_worker(client):
     numel = sum(t.numel() for t in adapter.values())
     assert (w["updates_sent"], w["bytes_up"], w["bytes_up_raw"]) == (1, len(body), 4 * numel)
     assert (w["pulls"], w["bytes_down"], w["bytes_down_raw"]) == (1, len(pulled.data), 4 * numel)
+
+
+@pytest.mark.parametrize("strategy", ["ties", "dare", "task_arithmetic"])
+def test_gateway_strategy_is_configurable(make_app, strategy):
+    client = make_app(gateway_strategy=strategy).test_client()
+    put_expert(client, "a", make_adapter(seed=1))
+    put_expert(client, "b", make_adapter(seed=2))
+    info = client.get("/api/v1/gateway").get_json()
+    assert info["strategy"] == strategy and info["lora"]["rank"] >= 2
+    assert client.get("/api/v1/gateway/weights").status_code == 200
+
+
+def test_unknown_gateway_strategy_is_refused_at_start(make_app):
+    with pytest.raises(ValueError, match="gateway_strategy must be one of"):
+        make_app(gateway_strategy="median")
