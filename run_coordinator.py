@@ -14,8 +14,9 @@ import sys
 
 from coordinator.aggregation import AGGREGATORS
 from coordinator.config import CoordinatorConfig, parse_gateway_weights
-from gateway.merges import MERGES
 from coordinator.server import ServeOptions, ServerStartError, serve
+from gateway.merges import MERGES
+from gateway.router import DEFAULT_THRESHOLD
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -36,6 +37,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="per-expert gateway weights (default: proportional to samples trained)")
     p.add_argument("--gateway-strategy", choices=sorted(MERGES), default="weighted_average",
                    help="merge used for the gateway (default: %(default)s, exact)")
+    p.add_argument("--route-threshold", type=float, default=DEFAULT_THRESHOLD,
+                   help="router confidence below which prompts go to the gateway (default: %(default)s)")
     p.add_argument("--max-body-mb", type=float, default=1024.0, help="largest accepted request body (default: %(default)s)")
     p.add_argument("--threads", type=int, default=16, help="request threads (default: %(default)s)")
     return p.parse_args(argv)
@@ -51,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             data_dir=args.data_dir, aggregation=args.aggregation, server_lr=args.server_lr,
             staleness_decay=args.staleness_decay, buffer_size=args.buffer_size,
             keep_versions=args.keep_versions, gateway_weights=weights,
-            gateway_strategy=args.gateway_strategy, max_body_mb=args.max_body_mb)
+            gateway_strategy=args.gateway_strategy, route_threshold=args.route_threshold, max_body_mb=args.max_body_mb)
         if not 0 <= args.port <= 65535:
             raise ValueError(f"--port must be 0-65535, got {args.port}")
         serve(config, ServeOptions(host=args.host, port=args.port, debug=args.debug, threads=args.threads))

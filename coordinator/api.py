@@ -16,7 +16,7 @@ from coordinator.service import Coordinator
 from protocol.errors import BadRequest, PayloadTooLarge
 from protocol.schemas import (API_PREFIX, EXPERT_HEADER, UPDATE_HEADER, VERSION_HEADER, WORKER_HEADER,
                               BaseModelSpec, ExpertSpec, UpdateMeta, check_name, parse_header_json)
-from protocol.tensors import load_file
+from protocol.tensors import is_finite_number, load_file
 
 bp = Blueprint("api", __name__, url_prefix=API_PREFIX)
 
@@ -140,6 +140,22 @@ def push_update(name: str) -> tuple[Response, int]:
 @bp.get("/updates/<update_id>")
 def update_status(update_id: str) -> Response:
     return jsonify(coordinator().update_status(update_id))
+
+
+@bp.put("/experts/<name>/profiles/<worker_id>")
+def put_profile(name: str, worker_id: str) -> Response:
+    return jsonify(coordinator().put_profile(name, worker_id, json_body()))
+
+
+@bp.post("/route")
+def route() -> Response:
+    body = json_body()
+    prompt, threshold = body.get("prompt"), body.get("threshold")
+    if not isinstance(prompt, str) or not prompt:
+        raise BadRequest(f"'prompt' must be a non-empty string, got {prompt!r}")
+    if threshold is not None and (not is_finite_number(threshold) or not 0 <= threshold <= 1):
+        raise BadRequest(f"'threshold' must be a number in [0, 1], got {threshold!r}")
+    return jsonify(coordinator().route(prompt, threshold))
 
 
 @bp.get("/gateway")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from coordinator.aggregation import AGGREGATORS
 from gateway.merges import MERGES
+from gateway.router import DEFAULT_THRESHOLD
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,8 @@ class CoordinatorConfig:
     """Per-expert gateway weights; None = proportional to samples each expert saw."""
     gateway_strategy: str = "weighted_average"
     """Merge used for the gateway model."""
+    route_threshold: float = DEFAULT_THRESHOLD
+    """Router confidence below which a prompt goes to the gateway instead of one expert."""
     max_body_mb: float = 1024.0
     """Largest request body accepted, in MiB (413 above it)."""
     extra: Mapping[str, object] = field(default_factory=dict)
@@ -46,6 +49,8 @@ class CoordinatorConfig:
             raise ValueError(f"buffer_size must be >= 1, got {self.buffer_size}")
         if self.keep_versions < 1:
             raise ValueError(f"keep_versions must be >= 1, got {self.keep_versions}")
+        if not 0 <= self.route_threshold <= 1:
+            raise ValueError(f"route_threshold must be in [0, 1], got {self.route_threshold}")
         if not self.max_body_mb > 0:
             raise ValueError(f"max_body_mb must be > 0, got {self.max_body_mb}")
         for name, weight in (self.gateway_weights or {}).items():

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from compression.wire import encode_update
 from coordinator.adapters import check_lora_adapter, decode_update, make_codec_or_400, read_adapter
 from coordinator.aggregation import AGGREGATORS, AggregationParams, StateDict, Update
@@ -26,7 +28,9 @@ from coordinator.blobs import BlobStore
 from coordinator.config import CoordinatorConfig
 from coordinator.gateway_builder import GatewayBuilder
 from coordinator.store import ExpertRow, ManifestStore, UpdateRow
-from protocol.errors import Conflict, NotFound
+from gateway.router import ProfileError, combine_profiles, profile_from_json
+from gateway.router import route as route_prompt
+from protocol.errors import BadRequest, Conflict, NotFound
 from protocol.schemas import BaseModelSpec, ExpertSpec, LoraSpec, UpdateMeta, check_name
 from protocol.tensors import manifest_from_json, manifest_to_json, save_file
 
@@ -251,6 +255,34 @@ class Coordinator:
             self.blobs.delete(digest)
         if orphans:
             log.info("removed %d unrecorded blob(s) left by an interrupted write", len(orphans))
+
+    # routing ------------------------------------------------------------------
+
+    def put_profile(self, name: str, worker_id: str, profile: dict[str, Any]) -> dict[str, Any]:
+        """Store one worker's summary of its data (n-gram statistics, no examples) for routing."""
+        self._expert(name)
+        check_name(worker_id, "worker_id")
+        try:
+            vector, count = profile_from_json(profile)
+        except ProfileError as exc:
+            raise BadRequest(str(exc)) from None
+        self.db.put_profile(name, worker_id, vector.astype("<f4").tobytes(), count)
+        return {"expert": name, "worker_id": worker_id, "num_examples": count}
+
+    def route(self, prompt: str, threshold: float | None = None) -> dict[str, Any]:
+        """Pick the expert whose data the prompt resembles, or the gateway when unsure."""
+        stored = self.db.profiles()
+        if not stored:
+            raise NotFound("no expert has a routing profile yet (workers send one when they join)")
+        profiles = {name: combine_profiles([(np.frombuffer(v, dtype="<f4"), n) for v, n in rows])
+                    for name, rows in stored.items()}
+        threshold = self.config.route_threshold if threshold is None else threshold
+        try:
+            result = route_prompt(prompt, profiles, threshold)
+        except ProfileError as exc:
+            raise BadRequest(str(exc)) from None
+        return {"expert": result.expert, "target": result.expert or "gateway", "confidence": result.confidence,
+                "threshold": threshold, "scores": result.scores}
 
     # workers ------------------------------------------------------------------
 

@@ -66,6 +66,14 @@ CREATE TABLE IF NOT EXISTS workers (
     bytes_down INTEGER NOT NULL DEFAULT 0,     -- weight and diff bodies sent
     bytes_down_raw INTEGER NOT NULL DEFAULT 0  -- the same as fp32 tensors
 );
+CREATE TABLE IF NOT EXISTS profiles (   -- routing summaries of each worker's data (gateway.router)
+    expert TEXT NOT NULL,
+    worker_id TEXT NOT NULL,
+    vector BLOB NOT NULL,            -- float32 little-endian
+    num_examples INTEGER NOT NULL,
+    updated_at REAL NOT NULL,
+    PRIMARY KEY (expert, worker_id)
+);
 CREATE TABLE IF NOT EXISTS gateways (
     version INTEGER PRIMARY KEY AUTOINCREMENT,
     key TEXT NOT NULL UNIQUE,        -- hash of strategy, weights and source versions
@@ -236,6 +244,21 @@ class ManifestStore:
     def workers(self) -> list[dict[str, Any]]:
         rows = self._all("SELECT * FROM workers ORDER BY worker_id")
         return [dict(r) | {"base_model": json.loads(r["base_model"])} for r in rows]
+
+    # routing profiles -------------------------------------------------------
+
+    def put_profile(self, expert: str, worker_id: str, vector: bytes, num_examples: int) -> None:
+        with self.transaction() as db:
+            db.execute("INSERT INTO profiles VALUES (?, ?, ?, ?, ?) ON CONFLICT(expert, worker_id) DO UPDATE "
+                       "SET vector = excluded.vector, num_examples = excluded.num_examples, "
+                       "updated_at = excluded.updated_at", (expert, worker_id, vector, num_examples, time.time()))
+
+    def profiles(self) -> dict[str, list[tuple[bytes, int]]]:
+        """Per expert, every worker's (vector bytes, num_examples)."""
+        out: dict[str, list[tuple[bytes, int]]] = {}
+        for r in self._all("SELECT expert, vector, num_examples FROM profiles ORDER BY expert, worker_id"):
+            out.setdefault(r["expert"], []).append((r["vector"], r["num_examples"]))
+        return out
 
     # gateways ---------------------------------------------------------------
 

@@ -142,6 +142,17 @@ class CoordinatorClient:
     def update_status(self, update_id: str) -> dict[str, Any]:
         return self._json("GET", f"/updates/{update_id}")
 
+    def put_profile(self, name: str, worker_id: str, profile: dict[str, Any]) -> dict[str, Any]:
+        """Send this worker's routing profile (gateway.router.profile_to_json) for its expert."""
+        return self._json("PUT", f"/experts/{name}/profiles/{worker_id}", json=profile)
+
+    def route(self, prompt: str, threshold: float | None = None) -> dict[str, Any]:
+        """Which expert (or "gateway") should answer ``prompt``, with the scores."""
+        body: dict[str, Any] = {"prompt": prompt}
+        if threshold is not None:
+            body["threshold"] = threshold
+        return self._json("POST", "/route", json=body)
+
     def gateway_info(self) -> dict[str, Any]:
         return self._json("GET", "/gateway")
 

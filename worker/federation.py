@@ -106,6 +106,8 @@ class FederatedWorker:
     reference: StateDict = field(default_factory=dict)
     """Weights the next delta is measured from: the last pull, or the last queued snapshot."""
     pulls: int = 0
+    profile: dict[str, Any] | None = None
+    """Routing summary of our training prompts (gateway.router), sent when joining."""
     outbox: deque[Outgoing] = field(default_factory=deque)
     interval: IntervalStats = field(default_factory=IntervalStats)
     syncs: int = 0
@@ -117,6 +119,8 @@ class FederatedWorker:
         s = self.settings
         self.client.register_worker(s.worker_id, s.specialty, self.expert_spec["base_model"])
         info = self.client.create_expert(s.specialty, self.trainer.adapter_state(), self.expert_spec)
+        if self.profile is not None:
+            self.client.put_profile(s.specialty, s.worker_id, self.profile)
         self._pull()
         log.info("joined expert %s at version %d as %s", s.specialty, self.base_version, s.worker_id)
         return info

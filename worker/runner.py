@@ -5,6 +5,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from gateway.router import profile_to_json, text_profile
 from protocol.client import CoordinatorClient
 from worker.data import load_examples, split_examples
 from worker.encoding import CompressionSettings, PullSettings, UpdateEncoder
@@ -41,8 +42,9 @@ def build_worker(config: WorkerConfig) -> tuple[FederatedWorker, LoraTrainer, li
     log.info("%s: %d training and %d held-out examples from %s; base model %s (%s)",
              config.sync.worker_id, len(train_examples), len(heldout), config.dataset, base.model_id,
              base.fingerprint[:12])
+    profile = profile_to_json(text_profile(e.prompt for e in train_examples), len(train_examples))
     worker = FederatedWorker(config.sync, client, trainer, spec, encoder=UpdateEncoder(config.compression),
-                             pull=config.pull)
+                             pull=config.pull, profile=profile)
     return worker, trainer, heldout
 
 

@@ -53,6 +53,11 @@ def test_two_worker_processes_train_their_experts_and_the_gateway_loads(start_co
         expert_loss = adapter_loss(tiny_base, heldout, trained, experts[specialty]["lora"])
         assert expert_loss < base_loss - 0.1, (specialty, base_loss, expert_loss)
 
+    for specialty in workers:  # each worker sent a profile of its data when it joined
+        heldout = split_examples(load_examples(sample_dataset_path(specialty)))[1]
+        routed = [client.route(e.prompt)["target"] for e in heldout]
+        assert routed.count(specialty) >= 0.9 * len(heldout), routed
+
     out = tmp_path / "gateway.npz"
     saved = subprocess.run([sys.executable, str(ROOT / "get_gateway_model.py"), "--coordinator-url", url,
                             "--save-gateway", str(out)], env=env(), cwd=ROOT, capture_output=True, text=True)
