@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
-"""Inspect the federation and download the gateway model.
+"""Inspect the federation, download the gateway (or one expert), or answer a prompt with it.
 
 Examples:
   python get_gateway_model.py                                  # gateway info
   python get_gateway_model.py --list-experts
   python get_gateway_model.py --save-gateway gateway_model.npz
-  python get_gateway_model.py --save-gateway gateway.safetensors --coordinator-url http://10.0.0.5:5000
+  python get_gateway_model.py --save-gateway gw.safetensors --strategy ties --strategy-config '{"density": 0.3}'
+  python get_gateway_model.py --save-gateway sql_adapter --format peft --expert sql_expert
+  python get_gateway_model.py --save-gateway merged_model --format merged
+  python get_gateway_model.py --generate "Write a SQL query that counts orders per customer"
 """
 from __future__ import annotations
 
@@ -18,19 +21,40 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gateway.download import Adapter, fetch_expert, fetch_gateway, merge_experts
+from gateway.errors import GatewayError
+from gateway.files import npz_bytes, safetensors_bytes
+from gateway.merges import MERGES
 from protocol.client import CoordinatorClient, RetryPolicy
-from protocol.errors import FedMoEError
+from protocol.errors import FedMoEError, NotFound
 
-FORMATS = {".npz": "npz", ".safetensors": "safetensors"}
+FILE_FORMATS = {".npz": "npz", ".safetensors": "safetensors"}
+FORMATS = ("npz", "safetensors", "peft", "merged")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--coordinator-url", default="http://127.0.0.1:5000",
                    help="coordinator address (default: %(default)s)")
-    p.add_argument("--save-gateway", metavar="PATH", type=Path,
-                   help="save the gateway adapter; format from the extension: .npz or .safetensors")
     p.add_argument("--list-experts", action="store_true", help="print a table of experts")
+    p.add_argument("--save-gateway", metavar="PATH", type=Path,
+                   help="save the gateway (or --expert) to PATH: a file for npz/safetensors, a directory for "
+                        "peft/merged")
+    p.add_argument("--format", choices=FORMATS, default=None,
+                   help="npz, safetensors (default: from PATH's extension), peft (adapter directory for "
+                        "PeftModel.from_pretrained) or merged (full model directory)")
+    p.add_argument("--expert", metavar="NAME", help="use this expert instead of the gateway")
+    p.add_argument("--strategy", choices=sorted(MERGES), default=None,
+                   help="merge the experts here with this strategy instead of using the coordinator's gateway")
+    p.add_argument("--strategy-config", default="{}", metavar="JSON", help='options, e.g. \'{"density": 0.3}\'')
+    p.add_argument("--generate", metavar="PROMPT",
+                   help="answer PROMPT locally with the expert the coordinator routes it to (or the gateway)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="length of a --generate answer")
+    p.add_argument("--base-model", default=None,
+                   help="base model for --format merged / --generate (default: the one the experts were "
+                        "trained from, e.g. tiny-qwen2 or a hub id); a local directory works too")
+    p.add_argument("--use-huggingface", action="store_true", help="load --base-model from the Hugging Face hub")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output")
     p.add_argument("--use-proxy", action="store_true", help="honour HTTP(S)_PROXY for the coordinator")
     return p.parse_args(argv)
 
@@ -61,16 +85,78 @@ def experts_table(experts: list[dict[str, Any]]) -> str:
     return "\n".join(lines) if rows else "no experts yet"
 
 
-def save_gateway(client: CoordinatorClient, path: Path) -> str:
-    fmt = FORMATS.get(path.suffix.lower())
+def choose_adapter(client: CoordinatorClient, args: argparse.Namespace, expert: str | None) -> Adapter:
+    if expert:
+        return fetch_expert(client, expert)
+    if args.strategy:
+        return merge_experts(client, args.strategy, json_object(args.strategy_config, "--strategy-config"))
+    return fetch_gateway(client)
+
+
+def output_format(args: argparse.Namespace) -> str:
+    if args.format:
+        return args.format
+    fmt = FILE_FORMATS.get(args.save_gateway.suffix.lower())
     if fmt is None:
-        raise ValueError(f"--save-gateway: unknown extension {path.suffix!r}; use one of {sorted(FORMATS)}")
+        raise ValueError(f"--save-gateway: cannot tell the format from {str(args.save_gateway)!r}; use a .npz or "
+                         f".safetensors name, or --format {{{','.join(FORMATS)}}}")
+    return fmt
+
+
+def save(adapter: Adapter, path: Path, fmt: str, args: argparse.Namespace) -> None:
     if not path.parent.is_dir():
         raise ValueError(f"--save-gateway: directory {str(path.parent)!r} does not exist")
-    info = client.gateway_info()
-    write_atomically(path, client.gateway_weights(fmt))
-    sources = ", ".join(f"{n} v{v} (w={info['weights'][n]:.3f})" for n, v in info["sources"].items())
-    return f"saved gateway v{info['version']} ({info['strategy']}, rank {info['lora']['rank']}) to {path}: {sources}"
+    if fmt in FILE_FORMATS.values():
+        if path.exists() and not args.overwrite:
+            raise ValueError(f"--save-gateway: {str(path)!r} exists; pass --overwrite to replace it")
+        write_atomically(path, (npz_bytes if fmt == "npz" else safetensors_bytes)(adapter.tensors, adapter.info))
+        return
+    from gateway.export import save_merged_model, save_peft_adapter
+
+    if fmt == "peft":
+        save_peft_adapter(path, adapter.tensors, adapter.lora, adapter.base_model["id"], overwrite=args.overwrite)
+    else:
+        base = load_base(adapter, args)
+        save_merged_model(path, base.model, base.tokenizer, adapter.tensors, adapter.lora, overwrite=args.overwrite)
+
+
+def load_base(adapter: Adapter, args: argparse.Namespace):
+    from worker.models import ModelLoadError, load_base_model
+
+    try:
+        base = load_base_model(args.base_model or adapter.base_model["id"], use_huggingface=args.use_huggingface)
+    except ModelLoadError as exc:
+        raise ValueError(f"{exc} (or pass --base-model)") from None
+    if base.fingerprint != adapter.base_model["fingerprint"]:
+        raise ValueError(f"base model {base.model_id!r} is not the one the experts were trained from "
+                         f"({adapter.base_model['id']!r}); fix --base-model")
+    return base
+
+
+def generate(client: CoordinatorClient, args: argparse.Namespace) -> str:
+    from gateway.generate import generate as answer
+
+    expert = args.expert
+    if expert is None and not args.strategy:
+        try:
+            routed = client.route(args.generate)
+        except NotFound:  # no routing profiles yet: the gateway answers
+            routed = {"expert": None, "confidence": 0.0}
+        expert = routed["expert"]
+        print(f"[routed to {expert or 'the gateway'} (confidence {routed['confidence']:.2f})]", file=sys.stderr)
+    adapter = choose_adapter(client, args, expert)
+    base = load_base(adapter, args)
+    return answer(base.model, base.tokenizer, args.generate, adapter.tensors, adapter.lora, args.max_new_tokens)
+
+
+def json_object(text: str, flag: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"{flag} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object, got {text!r}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,10 +167,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.list_experts:
             print(experts_table(client.list_experts()))
         if args.save_gateway:
-            print(save_gateway(client, args.save_gateway))
-        if not (args.list_experts or args.save_gateway):
+            fmt = output_format(args)
+            adapter = choose_adapter(client, args, args.expert)
+            save(adapter, args.save_gateway, fmt, args)
+            what = f"expert {args.expert}" if args.expert else f"gateway ({adapter.info.get('strategy')})"
+            print(f"saved {what}, rank {adapter.lora['rank']}, as {fmt} to {args.save_gateway}")
+        if args.generate:
+            print(generate(client, args))
+        if not (args.list_experts or args.save_gateway or args.generate):
             print(json.dumps(client.gateway_info(), indent=2))
-    except (FedMoEError, ValueError, OSError) as exc:
+    except (FedMoEError, GatewayError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -11,8 +11,8 @@ from typing import Any
 
 from flask import Blueprint, Response, current_app, jsonify, request, send_file
 
-from coordinator.gateway_builder import npz_bytes
 from coordinator.service import Coordinator
+from gateway.files import npz_bytes
 from protocol.errors import BadRequest, PayloadTooLarge
 from protocol.schemas import (API_PREFIX, EXPERT_HEADER, UPDATE_HEADER, VERSION_HEADER, WORKER_HEADER,
                               BaseModelSpec, ExpertSpec, UpdateMeta, check_name, parse_header_json)

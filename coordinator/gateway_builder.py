@@ -8,26 +8,21 @@ B_g @ A_g == sum_i w_i * B_i @ A_i * scale_i.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import threading
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from gateway.errors import MergeError
+from gateway.files import SAFETENSORS_META_KEY
 from gateway.lora import split_modules
 from gateway.merges import merge
 from protocol.errors import Conflict, NotFound
 from protocol.schemas import ExpertSpec
-from protocol.tensors import StateDict, load_file, save_file
+from protocol.tensors import load_file, save_file
 
 if TYPE_CHECKING:
     from coordinator.service import Coordinator
     from coordinator.store import ExpertRow
-
-NPZ_META_KEY = "__fedmoe__"
-
 
 def gateway_weights(experts: list["ExpertRow"], configured: dict[str, float] | None) -> dict[str, float]:
     """Normalised per-expert weights: configured ones, else proportional to samples seen."""
@@ -83,18 +78,7 @@ class GatewayBuilder:
                 "lora": {"rank": rank, "alpha": alpha, "target_modules": list(first.lora.target_modules)},
                 "base_model": {"id": first.base_model.id, "fingerprint": first.base_model.fingerprint},
                 "truncation_error": result.truncation_error}
-        meta = {"fedmoe_gateway": json.dumps(info)}
+        meta = {SAFETENSORS_META_KEY: json.dumps(info)}
         digest = self._c.blobs.put_file(lambda p: save_file(tensors, p, meta))
         self._c.db.add_gateway(key, digest, info)
 
-
-def npz_bytes(tensors: StateDict, info: dict[str, Any]) -> bytes:
-    """The gateway as .npz: one float32 array per tensor name, plus JSON info under NPZ_META_KEY.
-
-    The info is a 0-d unicode array, so ``np.load(path)`` reads it without pickle.
-    """
-    arrays = {name: t.numpy() for name, t in tensors.items()}
-    arrays[NPZ_META_KEY] = np.array(json.dumps(info))
-    buf = io.BytesIO()
-    np.savez(buf, **arrays)
-    return buf.getvalue()

@@ -1,4 +1,5 @@
 """The coordinator as users run it: gunicorn on a loopback port, real HTTP, the gateway CLI."""
+import json
 import subprocess
 import sys
 
@@ -113,3 +114,36 @@ def test_port_in_use_is_one_clear_error(start_coordinator, tmp_path):
                              "--port", port, "--data-dir", str(tmp_path / "other")],
                             cwd=ROOT, env=env(), capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "cannot listen" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_gateway_tool_exports_experts_and_local_merges(start_coordinator, tmp_path):
+    _, url = start_coordinator()
+    client = CoordinatorClient(url)
+    a, b = make_adapter(seed=1), make_adapter(seed=2)
+    client.create_expert("a", a, expert_spec())
+    client.create_expert("b", b, expert_spec())
+
+    out = tmp_path / "a.safetensors"
+    result = run_gateway_tool("--coordinator-url", url, "--save-gateway", str(out), "--expert", "a")
+    assert result.returncode == 0, result.stderr
+    from protocol.tensors import load_file
+    got = load_file(out)
+    assert all(torch.equal(got[k], a[k]) for k in a)
+
+    out = tmp_path / "ties.npz"
+    result = run_gateway_tool("--coordinator-url", url, "--save-gateway", str(out), "--strategy", "ties",
+                              "--strategy-config", '{"density": 0.5}')
+    assert result.returncode == 0, result.stderr
+    meta = json.loads(str(np.load(out, allow_pickle=False)["__fedmoe__"]))
+    assert meta["strategy"] == "ties" and meta["config"]["density"] == 0.5 and meta["merged_locally"]
+
+    again = run_gateway_tool("--coordinator-url", url, "--save-gateway", str(out))
+    assert again.returncode == 1 and "--overwrite" in again.stderr
+
+    peft_dir = tmp_path / "peft"
+    result = run_gateway_tool("--coordinator-url", url, "--save-gateway", str(peft_dir), "--format", "peft")
+    assert result.returncode == 0, result.stderr
+    assert (peft_dir / "adapter_config.json").is_file() and (peft_dir / "adapter_model.safetensors").is_file()
+
+    bad = run_gateway_tool("--coordinator-url", url, "--save-gateway", str(tmp_path / "x.npz"), "--expert", "nobody")
+    assert bad.returncode == 1 and "nobody" in bad.stderr and "Traceback" not in bad.stderr

@@ -148,3 +148,39 @@ def test_ctrl_c_pushes_what_was_trained_then_exits(start_coordinator, tmp_path):
     info = CoordinatorClient(url).expert("sql_expert")
     assert info["version"] == 1 and info["samples_seen"] > 0
     assert "Traceback" not in "".join(worker.log)
+
+
+def test_generate_and_merged_export_with_the_tiny_base_model(start_coordinator, tmp_path, tiny_base):
+    from transformers import AutoModelForCausalLM
+
+    _, url = start_coordinator()
+    train, heldout = split_examples(load_examples(sample_dataset_path("sql_expert")))
+    trainer = LoraTrainer(load_base_model("tiny-qwen2"), LoraSettings(rank=2), TrainSettings(lr=1e-2), train)
+    from gateway.router import profile_to_json, text_profile
+    spec = {"lora": trainer.lora_config, "base_model": {"id": "tiny-qwen2", "fingerprint": tiny_base.fingerprint}}
+    worker = FederatedWorker(SyncSettings(specialty="sql_expert", worker_id="w1"), CoordinatorClient(url), trainer,
+                             spec, profile=profile_to_json(text_profile(e.prompt for e in train), len(train)))
+    worker.join()
+    worker.interval.add(trainer.train_steps(3))
+    worker.sync()
+
+    tool = [sys.executable, str(ROOT / "get_gateway_model.py"), "--coordinator-url", url]
+    answer = subprocess.run([*tool, "--generate", heldout[0].prompt, "--max-new-tokens", "8"], env=env(), cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert answer.returncode == 0, answer.stderr
+    assert "[routed to sql_expert" in answer.stderr and answer.stdout.strip()
+
+    merged = tmp_path / "merged"
+    saved = subprocess.run([*tool, "--save-gateway", str(merged), "--format", "merged"], env=env(), cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+    assert saved.returncode == 0, saved.stderr
+    model = AutoModelForCausalLM.from_pretrained(merged)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    from gateway.export import merged_copy
+    reference = merged_copy(tiny_base.model, client_gateway_tensors(url), CoordinatorClient(url).gateway_info()["lora"])
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, reference(ids).logits, atol=1e-4)
+
+
+def client_gateway_tensors(url: str):
+    return loads(CoordinatorClient(url).gateway_weights("safetensors"))
