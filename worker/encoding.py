@@ -12,7 +12,7 @@ from typing import Any
 from compression import ErrorFeedback, make_codec, measure
 from compression.wire import decode_update, encode_update
 from protocol.schemas import RAW_CODEC
-from protocol.tensors import Manifest, StateDict, dumps
+from protocol.tensors import Manifest, StateDict, dumps, loads
 
 
 @dataclass(frozen=True)
@@ -69,17 +69,24 @@ class UpdateEncoder:
         return {"codec": self.settings.codec, "codec_config": dict(self.settings.config)}
 
     def encode(self, delta: StateDict, manifest: Manifest, seed: int) -> EncodedUpdate:
+        """Encode ``delta`` (plus the carried residual); metrics compare it with what will be decoded.
+
+        ``encode_ms`` covers encoding (and, with error feedback, the residual update);
+        ``decode_ms`` is a separate timing of what the coordinator will do with the body.
+        """
         started = time.perf_counter()
         if self._codec is None:
-            body, sent = dumps(delta), delta
+            body = dumps(delta)
         elif self._feedback is not None:
-            body, sent = self._feedback.compress(delta, manifest, seed)
+            body, _ = self._feedback.compress(delta, manifest, seed)
         else:
             body = encode_update(delta, manifest, self._codec, seed)
-            sent = decode_update(body, manifest, self._codec)
         encode_ms = (time.perf_counter() - started) * 1000
-        metrics = measure(delta, sent, body, encode_ms, 0.0, codec=self._codec, manifest=manifest
-                          if self._codec is not None else None)
+        started = time.perf_counter()
+        sent = loads(body) if self._codec is None else decode_update(body, manifest, self._codec)
+        decode_ms = (time.perf_counter() - started) * 1000
+        metrics = measure(delta, sent, body, encode_ms, decode_ms, codec=self._codec,
+                          manifest=manifest if self._codec is not None else None)
         metrics["residual_norm"] = self.residual_norm()
         return EncodedUpdate(body, sent, metrics)
 
