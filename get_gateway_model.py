@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -27,6 +25,7 @@ from gateway.files import npz_bytes, safetensors_bytes
 from gateway.merges import MERGES
 from protocol.client import CoordinatorClient, RetryPolicy
 from protocol.errors import FedMoEError, NotFound
+from protocol.files import write_atomically
 
 FILE_FORMATS = {".npz": "npz", ".safetensors": "safetensors"}
 FORMATS = ("npz", "safetensors", "peft", "merged")
@@ -57,20 +56,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
     p.add_argument("--use-proxy", action="store_true", help="honour HTTP(S)_PROXY for the coordinator")
     return p.parse_args(argv)
-
-
-def write_atomically(path: Path, data: bytes) -> None:
-    """Write to a temp file beside ``path`` and rename: never a half-written file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def experts_table(experts: list[dict[str, Any]]) -> str:

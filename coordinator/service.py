@@ -266,6 +266,8 @@ class Coordinator:
             vector, count = profile_from_json(profile)
         except ProfileError as exc:
             raise BadRequest(str(exc)) from None
+        if count < 1:
+            raise BadRequest("profile num_examples must be >= 1: a profile of no examples cannot route")
         self.db.put_profile(name, worker_id, vector.astype("<f4").tobytes(), count)
         return {"expert": name, "worker_id": worker_id, "num_examples": count}
 

@@ -66,7 +66,9 @@ def check_adapter(tensors: Mapping[str, Tensor], lora: Mapping[str, Any]) -> Lor
                 f"{prefix!r} does not start with {PEFT_PREFIX!r}; keys must be named as "
                 "peft.get_peft_model_state_dict names them"
             )
-        if prefix.rsplit(".", 1)[-1] not in targets:
+        module = prefix[len(PEFT_PREFIX):]
+        # PEFT's rule for a list of names: the module's full name or its dotted tail matches.
+        if not any(module == t or module.endswith("." + t) for t in targets):
             raise ExportError(f"{prefix!r} adapts a module not in target_modules {targets}")
     for key, tensor in tensors.items():
         if not bool(torch.isfinite(tensor).all()):

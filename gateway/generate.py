@@ -28,7 +28,7 @@ def generate(
     """
     if (tensors is None) != (lora is None):
         raise ExportError("give both tensors and their lora config, or neither")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if type(max_new_tokens) is not int or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     if not isinstance(prompt, str):
         raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")

@@ -90,30 +90,31 @@ def text_profile(
     """
     _check_config(dim, ngrams)
     if isinstance(texts, str):
-        raise ProfileError("text_profile takes an iterable of texts; wrap a single prompt in a list")
+        raise ProfileError("text_profile takes an iterable of texts; wrap one prompt in a list")
     counts = np.zeros(dim, dtype=np.float64)
     for text in texts:
         if not isinstance(text, str):
             raise ProfileError(f"texts must be strings, got {type(text).__name__}")
         data = np.frombuffer(text.lower().encode("utf-8"), dtype=np.uint8)
-        for buckets in _ngram_buckets(data, dim, ngrams):
-            counts += np.bincount(buckets, minlength=dim)
+        counts += np.bincount(_ngram_buckets(data, dim, ngrams), minlength=dim)
     return _normalised(counts)
 
 
-def _ngram_buckets(data: np.ndarray, dim: int, ngrams: Sequence[int]) -> Iterable[np.ndarray]:
-    """Bucket of every n-gram of `data` for each n in `ngrams`, by one rolling pass."""
+def _ngram_buckets(data: np.ndarray, dim: int, ngrams: Sequence[int]) -> np.ndarray:
+    """The bucket of every n-gram of `data`, for every n in `ngrams`, from one rolling pass."""
     values = data.astype(np.uint64)
-    # h_n[i] = sum_k data[i + k] * BASE^(n-1-k); h_{n+1} extends h_n by one byte. uint64 wraps.
+    # h_n[i] = sum_k data[i + k] * BASE^(n-1-k): h_{n+1} extends h_n by one byte (uint64 wraps).
+    # Adding n before mixing keeps n-grams of different lengths apart.
     rolling = np.zeros(len(values), dtype=np.uint64)
-    wanted = set(ngrams)
+    hashes = []
     with np.errstate(over="ignore"):
-        for n in range(1, max(ngrams) + 1):
-            if len(values) < n:
-                return
+        for n in range(1, min(max(ngrams), len(values)) + 1):
             rolling = rolling[: len(values) - n + 1] * _BASE + values[n - 1 :]
-            if n in wanted:
-                yield (_finalise(rolling + np.uint64(n)) % np.uint64(dim)).astype(np.intp)
+            if n in ngrams:
+                hashes.append(rolling + np.uint64(n))
+        if not hashes:
+            return np.zeros(0, dtype=np.intp)
+        return (_finalise(np.concatenate(hashes)) % np.uint64(dim)).astype(np.intp)
 
 
 def _finalise(x: np.ndarray) -> np.ndarray:
@@ -130,7 +131,10 @@ def _normalised(vector: np.ndarray) -> np.ndarray:
 
 
 def combine_profiles(profiles: Sequence[tuple[np.ndarray, int]]) -> np.ndarray:
-    """Mean of profiles weighted by their example counts, renormalised (one expert, many workers)."""
+    """Mean of (profile, num_examples) pairs weighted by the counts, renormalised.
+
+    The coordinator uses it to merge the profiles that several workers of one expert sent.
+    """
     if not profiles:
         raise ProfileError("no profiles to combine")
     dim = np.shape(profiles[0][0])[0] if np.ndim(profiles[0][0]) == 1 else -1
@@ -164,8 +168,10 @@ def route(
         raise ProfileError(f"threshold must be a number in [0, 1], got {threshold!r}")
     if not _is_number(temperature) or not 0 < temperature < math.inf:
         raise ProfileError(f"temperature must be a positive finite number, got {temperature!r}")
-    query = _unit_rows(np.cbrt(text_profile([prompt], dim=matrix.shape[1], ngrams=ngrams)))
-    damped = _unit_rows(np.cbrt(matrix))
+    # float64: centring subtracts nearly equal numbers (see _centred_cosines)
+    profile = text_profile([prompt], dim=matrix.shape[1], ngrams=ngrams)
+    query = _unit_rows(np.cbrt(profile, dtype=np.float64))
+    damped = _unit_rows(np.cbrt(matrix, dtype=np.float64))
     cosines = damped @ query
     scores = {name: float(c) for name, c in zip(names, cosines)}
     if not query.any():  # nothing to compare: shorter than the shortest n-gram
@@ -173,7 +179,7 @@ def route(
     if len(names) == 1:  # nothing to centre against; the gateway of one expert is that expert
         best, confidence = 0, float(cosines[0] > 0)
     else:
-        centred = _centred_cosines(damped, query)
+        centred = _centred_cosines(damped @ damped.T, cosines, float(query @ query))
         best, confidence = int(np.argmax(centred)), _softmax_best(centred, temperature)
     expert = names[best] if confidence >= threshold else None
     return RouteResult(expert, scores, confidence)
@@ -197,10 +203,23 @@ def _unit_rows(x: np.ndarray) -> np.ndarray:
     return np.divide(x, norms, out=np.zeros_like(x), where=norms > 0)
 
 
-def _centred_cosines(rows: np.ndarray, query: np.ndarray) -> np.ndarray:
-    """Cosines after removing the mean expert profile from both sides."""
-    centre = rows.mean(axis=0)
-    return _unit_rows(rows - centre) @ _unit_rows(query - centre)
+def _centred_cosines(gram: np.ndarray, dots: np.ndarray, query_sq: float) -> np.ndarray:
+    """Cosines of (r_i - c) and (q - c), c the mean of the rows r_i, q the query.
+
+    Expanded into dot products so that only the k x k Gram matrix r_i . r_j, the k dots r_i . q
+    and q . q are needed, never a dim-sized difference: with c = mean_j r_j,
+    (r_i - c).(q - c) = r_i.q - r_i.c - c.q + c.c, |r_i - c|^2 = r_i.r_i - 2 r_i.c + c.c and
+    |q - c|^2 = q.q - 2 q.c + c.c.
+    """
+    row_dot_centre = gram.mean(axis=1)
+    centre_sq = float(gram.mean())
+    query_dot_centre = float(dots.mean())
+    numerators = dots - row_dot_centre - query_dot_centre + centre_sq
+    row_norms = np.sqrt(np.maximum(np.diag(gram) - 2 * row_dot_centre + centre_sq, 0.0))
+    query_norm = math.sqrt(max(query_sq - 2 * query_dot_centre + centre_sq, 0.0))
+    norms = row_norms * query_norm
+    # Identical profiles leave nothing after centring (rounding leaves ~1e-8, not 0).
+    return np.divide(numerators, norms, out=np.zeros_like(numerators), where=norms > 1e-6)
 
 
 def _softmax_best(scores: np.ndarray, temperature: float) -> float:
@@ -285,7 +304,8 @@ def _check_count(count: Any, what: str) -> None:
 
 
 def _check_dim(dim: Any) -> None:
-    if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or not MIN_DIM <= dim <= MAX_DIM:
+    integer = isinstance(dim, (int, np.integer)) and not isinstance(dim, bool)
+    if not integer or not MIN_DIM <= dim <= MAX_DIM:
         raise ProfileError(f"dim must be an integer in [{MIN_DIM}, {MAX_DIM}], got {dim!r}")
 
 
@@ -294,7 +314,7 @@ def _check_config(dim: Any, ngrams: Any) -> None:
     if (
         not isinstance(ngrams, (list, tuple))
         or not ngrams
-        or any(isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_NGRAM for n in ngrams)
+        or any(type(n) is not int or not 1 <= n <= MAX_NGRAM for n in ngrams)
         or list(ngrams) != sorted(set(ngrams))
     ):
         raise ProfileError(

@@ -54,6 +54,7 @@ def test_route_without_profiles_is_404(client):
     lambda p: {**p, "vector": ["x"] * len(p["vector"])},
     lambda p: {**p, "dim": 7},
     lambda p: {**p, "num_examples": -1},
+    lambda p: {**p, "num_examples": 0},
     lambda p: {"format": "pickle"},
 ])
 def test_bad_profiles_are_400(client, mangle):

@@ -173,6 +173,17 @@ def test_missing_lora_key_and_bad_tensors_are_refused(gateway, tmp_path):
     assert not (tmp_path / "a").exists()
 
 
+def test_an_adapter_for_another_model_is_refused(gateway, tmp_path):
+    tensors, lora = gateway
+    # tiny-qwen2 has layers 0 and 1; an adapter naming layer 7 was made for a deeper model
+    deeper = {key.replace("layers.1.", "layers.7."): value for key, value in tensors.items()}
+    base = load_base_model("tiny-qwen2")
+    with pytest.raises(ExportError, match="does not fit this model"):
+        save_merged_model(tmp_path / "merged", base.model, base.tokenizer, deeper, lora)
+    assert not (tmp_path / "merged").exists()
+    assert list(tmp_path.iterdir()) == []  # the temp directory went too
+
+
 def test_generate_returns_only_the_new_text(gateway):
     tensors, lora = gateway
     base = load_base_model("tiny-qwen2")

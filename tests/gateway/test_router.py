@@ -145,7 +145,7 @@ def test_text_profile_validation(kwargs, message):
 
 
 def test_text_profile_wants_an_iterable_of_strings():
-    with pytest.raises(ProfileError, match="wrap a single prompt"):
+    with pytest.raises(ProfileError, match="wrap one prompt"):
         text_profile("a bare string")
     with pytest.raises(ProfileError, match="strings"):
         text_profile([b"bytes"])
@@ -161,6 +161,29 @@ def test_routes_unseen_prompts_of_separated_domains_to_their_expert(profiles):
             assert result.confidence >= DEFAULT_THRESHOLD
             assert max(result.scores, key=result.scores.get) == domain
             assert set(result.scores) == set(TEMPLATES)
+
+
+def unit(x: np.ndarray) -> np.ndarray:
+    return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def test_scores_and_confidence_are_the_documented_formulas(profiles):
+    """Cube-root damped cosines; softmax at temperature 0.03 of the centred cosines."""
+    prompt = toy_prompts("sql", 1, seed=5)[0] + " " + toy_prompts("cooking", 1, seed=5)[0]
+    rows = unit(np.cbrt(np.stack([profiles[d] for d in TEMPLATES]).astype(np.float64)))
+    query = unit(np.cbrt(text_profile([prompt]).astype(np.float64)))
+    centre = rows.mean(axis=0)
+    centred = unit(rows - centre) @ unit(query - centre)
+    softmax = np.exp(centred / 0.03) / np.exp(centred / 0.03).sum()
+
+    result = route(prompt, profiles, threshold=0.0)
+    assert list(result.scores.values()) == pytest.approx(list(rows @ query), abs=1e-9)
+    assert result.confidence == pytest.approx(softmax.max(), abs=1e-9)
+    assert 0.4 < result.confidence < 0.99  # a mixed prompt: the formula is not trivially 1
+    assert result.expert == list(TEMPLATES)[int(np.argmax(centred))]
+    # the threshold is inclusive
+    assert route(prompt, profiles, threshold=result.confidence).expert == result.expert
+    assert route(prompt, profiles, threshold=min(1.0, result.confidence + 1e-6)).expert is None
 
 
 def test_an_unlike_or_ambiguous_prompt_goes_to_the_gateway(profiles):
