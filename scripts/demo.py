@@ -20,6 +20,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+# One torch thread for the evaluation here: on 2 busy cores, 2-thread torch was measured 4-15x slower.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from protocol.client import CoordinatorClient  # noqa: E402
 from protocol.tensors import loads  # noqa: E402
@@ -81,9 +83,11 @@ def start_worker(run: Path, url: str, specialty: str, args: argparse.Namespace) 
                             stderr=subprocess.STDOUT)
 
 
-def evaluate(client: CoordinatorClient, run: Path) -> dict[str, dict[str, float]]:
-    """Held-out loss per domain of the base model, each expert and the gateway."""
-    os.environ["OMP_NUM_THREADS"] = "2"
+def evaluate(client: CoordinatorClient) -> dict[str, dict[str, float]]:
+    """Held-out loss per domain of the base model, each expert, the gateway and the router."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
     from worker.data import load_examples, sample_dataset_path, split_examples
     from worker.evaluation import adapter_loss
     from worker.models import load_base_model
@@ -94,10 +98,18 @@ def evaluate(client: CoordinatorClient, run: Path) -> dict[str, dict[str, float]
     models = {"base model": (None, None)}
     for name in SPECIALTIES:
         models[name] = (client.pull_weights(name).tensors, experts[name]["lora"])
-    gateway = client.gateway_info()
-    models["gateway"] = (loads(client.gateway_weights("safetensors")), gateway["lora"])
-    return {label: {d: adapter_loss(base, heldout[d], adapter, lora) for d in SPECIALTIES}
-            for label, (adapter, lora) in models.items()}
+    models["gateway"] = (loads(client.gateway_weights("safetensors")), client.gateway_info()["lora"])
+    losses = {label: {d: adapter_loss(base, heldout[d], adapter, lora) for d in SPECIALTIES}
+              for label, (adapter, lora) in models.items()}
+    # The router: each held-out prompt answered by the expert (or gateway) the coordinator picks;
+    # a domain's loss is the example-weighted mean over the groups of prompts sent to each target.
+    losses["routed"] = {}
+    for d in SPECIALTIES:
+        groups: dict[str, list] = {}
+        for example in heldout[d]:
+            groups.setdefault(client.route(example.prompt)["target"], []).append(example)
+        losses["routed"][d] = sum(len(g) * adapter_loss(base, g, *models[t]) for t, g in groups.items()) / len(heldout[d])
+    return losses
 
 
 def print_table(losses: dict[str, dict[str, float]], versions: dict[str, int]) -> None:
@@ -128,7 +140,7 @@ def main() -> int:
                         "--save-gateway", str(run / "gateway_model.npz")], env=child_env(), check=True)
         client = CoordinatorClient(url)
         versions = {e["name"]: e["version"] for e in client.list_experts()}
-        losses = evaluate(client, run)
+        losses = evaluate(client)
         print_table(losses, versions)
         (run / "losses.json").write_text(json.dumps(losses, indent=2))
         print(f"\nwrote {run / 'losses.json'} and {run / 'gateway_model.npz'}")
