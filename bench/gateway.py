@@ -41,7 +41,7 @@ for _var, _value in (("HF_HUB_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false"
     os.environ.setdefault(_var, _value)
 
 import argparse  # noqa: E402
-import json  # noqa: E402
+
 import logging  # noqa: E402
 import math  # noqa: E402
 import statistics  # noqa: E402
@@ -58,7 +58,7 @@ import torch  # noqa: E402
 from gateway.lora import split_modules  # noqa: E402
 from gateway.merges import MERGES, merge  # noqa: E402
 from gateway.router import DEFAULT_THRESHOLD, route, text_profile  # noqa: E402
-from protocol.files import write_atomically  # noqa: E402
+from bench.common import write_json_atomic  # noqa: E402
 from worker.data import IGNORE_INDEX, Example, encode_example, load_examples, sample_dataset_path, \
     split_examples  # noqa: E402
 from worker.evaluation import adapter_loss  # noqa: E402
@@ -390,12 +390,6 @@ def format_table(losses: Mapping[str, Mapping[str, float]], gains: Mapping[str, 
         return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
 
     return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, rows)])
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Readers see the old file or the whole new one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomically(path, (json.dumps(data, indent=2) + "\n").encode())
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -74,10 +74,13 @@ class UpdateEncoder:
         ``encode_ms`` covers encoding (and, with error feedback, the residual update);
         ``decode_ms`` is a separate timing of what the coordinator will do with the body.
         """
+        target = delta  # what this update means to carry: the delta plus what earlier ones dropped
         started = time.perf_counter()
         if self._codec is None:
             body = dumps(delta)
         elif self._feedback is not None:
+            carried = self._feedback.state_dict()
+            target = {k: v + carried[k] for k, v in delta.items()} if carried else delta
             body, _ = self._feedback.compress(delta, manifest, seed)
         else:
             body = encode_update(delta, manifest, self._codec, seed)
@@ -85,10 +88,15 @@ class UpdateEncoder:
         started = time.perf_counter()
         sent = loads(body) if self._codec is None else decode_update(body, manifest, self._codec)
         decode_ms = (time.perf_counter() - started) * 1000
-        metrics = measure(delta, sent, body, encode_ms, decode_ms, codec=self._codec,
+        metrics = measure(target, sent, body, encode_ms, decode_ms, codec=self._codec,
                           manifest=manifest if self._codec is not None else None)
         metrics["residual_norm"] = self.residual_norm()
         return EncodedUpdate(body, sent, metrics)
+
+    def reset(self) -> None:
+        """Forget the carried residual (after a failed encode, or when weights were replaced)."""
+        if self._feedback is not None:
+            self._feedback.reset()
 
     def residual_norm(self) -> float:
         if self._feedback is None:

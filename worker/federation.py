@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from protocol.client import CoordinatorClient
+from compression.errors import CompressionError
 from compression.wire import decode_update
 from protocol.errors import FedMoEError, NotFound, Unavailable
 from protocol.tensors import StateDict, manifest_of
@@ -171,7 +172,14 @@ class FederatedWorker:
             return {}
         snapshot = self.trainer.adapter_state()
         delta = {k: snapshot[k] - self.reference[k] for k in snapshot}
-        encoded = self.encoder.encode(delta, manifest_of(delta), seed=self.syncs)
+        try:
+            encoded = self.encoder.encode(delta, manifest_of(delta), seed=self.syncs)
+        except CompressionError as exc:  # e.g. training diverged to NaN: skip it, resync from the expert
+            log.error("cannot encode this interval's update (%s); dropping it and the carried residual", exc)
+            self.encoder.reset()
+            self.reference, self.interval = snapshot, IntervalStats()
+            self.etag = None  # force a full pull, replacing the local weights
+            return {"dropped": True}
         meta = {"update_id": f"{self.settings.worker_id}-{uuid.uuid4().hex[:16]}",
                 "base_version": self.base_version, "num_samples": stats.samples, "train_loss": stats.loss,
                 "worker_id": self.settings.worker_id, **self.encoder.codec_meta}

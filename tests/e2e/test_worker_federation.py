@@ -184,3 +184,24 @@ def test_generate_and_merged_export_with_the_tiny_base_model(start_coordinator, 
 
 def client_gateway_tensors(url: str):
     return loads(CoordinatorClient(url).gateway_weights("safetensors"))
+
+
+@pytest.mark.parametrize("codec", ["int8", "safetensors"])
+def test_a_nan_update_is_dropped_and_the_worker_resyncs(start_coordinator, codec):
+    from worker.encoding import CompressionSettings, UpdateEncoder
+
+    _, url = start_coordinator()
+    train, _ = split_examples(load_examples(sample_dataset_path("sql_expert")))
+    base = load_base_model("tiny-qwen2")
+    trainer = LoraTrainer(base, LoraSettings(rank=2), TrainSettings(batch_size=2, max_seq_len=64), train)
+    client = CoordinatorClient(url)
+    spec = {"lora": trainer.lora_config, "base_model": {"id": base.model_id, "fingerprint": base.fingerprint}}
+    worker = FederatedWorker(SyncSettings(specialty="sql_expert", worker_id="w1"), client, trainer, spec,
+                             encoder=UpdateEncoder(CompressionSettings(codec)))
+    worker.join()
+    worker.interval.add(trainer.train_steps(1))
+    worker.reference = {k: torch.full_like(v, float("nan")) for k, v in worker.reference.items()}  # diverged
+    worker.sync()
+    assert client.expert("sql_expert")["version"] == 0  # nothing poisoned the expert
+    worker.interval.add(trainer.train_steps(1))
+    assert worker.sync()["delivered"] and client.expert("sql_expert")["version"] == 1  # and it goes on

@@ -1,0 +1,187 @@
+"""What the benchmarks share: data suites, a real coordinator on loopback, tables and result files.
+
+A *suite* is one federated job's data: three domains, each with its own train and held-out
+examples (one worker and one expert per domain). ``sample`` is the project's own data/;
+``ds1000`` is the pandas/numpy/sklearn split of DS-1000, read from ../shared/datasets/ds1000/
+when it is there and skipped (with a log line saying so) when it is not.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import multiprocessing
+import os
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor, as_completed
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from werkzeug.serving import make_server
+
+from coordinator.app import create_app
+from coordinator.config import CoordinatorConfig
+from protocol.files import write_atomically
+from worker.data import Example, load_examples, sample_dataset_path, split_examples
+
+log = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = ROOT / "bench" / "results"
+DS1000_DIR = ROOT.parent / "shared" / "datasets" / "ds1000"
+# The coordinator fsyncs every update; on a virtual disk that is ~40% of a compression job's time,
+# and durability is not what the benchmarks measure. Their data dirs go to RAM when there is one.
+SCRATCH_DIR = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+SAMPLE_DOMAINS = ("python_expert", "sql_expert", "docs_expert")
+DS1000_DOMAINS = ("pandas", "numpy", "sklearn")
+
+
+@dataclass(frozen=True)
+class Domain:
+    """One specialty: the examples its worker trains on and those its expert is judged on."""
+
+    name: str
+    """Expert name on the coordinator."""
+    train: tuple[Example, ...]
+    """Examples the worker trains on."""
+    heldout: tuple[Example, ...]
+    """Examples never trained on (the dataset's own hash split, ``worker.data.split_examples``)."""
+
+
+@dataclass(frozen=True)
+class Suite:
+    """The data of one federated job: one domain per worker."""
+
+    name: str
+    """``sample`` or ``ds1000``."""
+    domains: tuple[Domain, ...]
+
+
+def load_domain(name: str, path: Path) -> Domain:
+    train, heldout = split_examples(load_examples(path))
+    return Domain(name, tuple(train), tuple(heldout))
+
+
+def sample_suite() -> Suite:
+    """The project's sample data (python_expert, sql_expert, docs_expert)."""
+    domains = []
+    for name in SAMPLE_DOMAINS:
+        path = sample_dataset_path(name)
+        if path is None:
+            raise FileNotFoundError(f"sample dataset data/{name}.jsonl is missing; run `python data/make_samples.py`")
+        domains.append(load_domain(name, path))
+    return Suite("sample", tuple(domains))
+
+
+def ds1000_suite(directory: Path = DS1000_DIR) -> Suite | None:
+    """DS-1000's pandas, numpy and sklearn domains, or None (logged) when the files are absent."""
+    paths = {name: directory / f"{name}.jsonl" for name in DS1000_DOMAINS}
+    missing = [str(p) for p in paths.values() if not p.is_file()]
+    if missing:
+        log.warning("DS-1000 not found (%s); skipping the ds1000 suite", ", ".join(missing))
+        return None
+    return Suite("ds1000", tuple(load_domain(name, path) for name, path in paths.items()))
+
+
+SUITES: dict[str, Callable[[], Suite | None]] = {"sample": sample_suite, "ds1000": ds1000_suite}
+
+
+def load_suites(names: Sequence[str]) -> list[Suite]:
+    """The named suites that are available, in the order given."""
+    unknown = [n for n in names if n not in SUITES]
+    if unknown:
+        raise ValueError(f"unknown suite(s) {unknown}; choose from {sorted(SUITES)}")
+    return [suite for suite in (SUITES[n]() for n in names) if suite is not None]
+
+
+@contextmanager
+def running_coordinator(**settings: Any) -> Iterator[str]:
+    """A real coordinator (threaded werkzeug server) on a free loopback port, on a fresh data dir.
+
+    Yields its base URL; ``settings`` go to ``CoordinatorConfig``. Everything is torn down on exit.
+    The data dir is in ``SCRATCH_DIR`` (RAM) when there is one.
+    """
+    with tempfile.TemporaryDirectory(prefix="fedmoe-bench-", dir=SCRATCH_DIR) as data_dir:
+        app = create_app(CoordinatorConfig(data_dir=Path(data_dir), **settings))
+        server = make_server("127.0.0.1", 0, app, threaded=True)
+        thread = threading.Thread(target=server.serve_forever, name="bench-coordinator", daemon=True)
+        thread.start()
+        try:
+            yield f"http://127.0.0.1:{server.server_port}"
+        finally:
+            server.shutdown()
+            thread.join()
+            server.server_close()
+            app.extensions["fedmoe"].close()
+
+
+Task = tuple[Callable[..., Any], tuple[Any, ...]]
+
+
+def run_parallel(tasks: Sequence[Task], jobs: int, on_result: Callable[[int, Any], None],
+                 initializer: Callable[..., None] | None = None, initargs: tuple[Any, ...] = ()) -> list[Any]:
+    """``[fn(*args) for fn, args in tasks]``, ``jobs`` at a time in fresh processes (here if jobs == 1).
+
+    Processes are spawned, not forked: torch's thread pools do not survive a fork. ``on_result``
+    sees (number finished so far, result) as each task ends; results come back in task order.
+    """
+    if jobs == 1:
+        results = []
+        for fn, args in tasks:
+            results.append(fn(*args))
+            on_result(len(results), results[-1])
+        return results
+    results: list[Any] = [None] * len(tasks)
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=context, initializer=initializer,
+                             initargs=initargs) as pool:
+        futures: dict[Future, int] = {pool.submit(fn, *args): i for i, (fn, args) in enumerate(tasks)}
+        for done, future in enumerate(as_completed(futures), start=1):
+            results[futures[future]] = future.result()
+            on_result(done, results[futures[future]])
+    return results
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: str | None = None) -> str:
+    """A plain aligned table. ``align`` has one 'l' or 'r' per column; by default numbers go right."""
+    if align is None:
+        align = "".join("r" if all(isinstance(row[i], (int, float)) or row[i] is None for row in rows) else "l"
+                        for i in range(len(headers)))
+    if len(align) != len(headers) or set(align) - {"l", "r"}:
+        raise ValueError(f"align must be one 'l' or 'r' per column ({len(headers)}), got {align!r}")
+    cells = [[_cell(v) for v in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+
+    def line(values: Sequence[str]) -> str:
+        return "  ".join(v.rjust(w) if a == "r" else v.ljust(w) for v, w, a in zip(values, widths, align)).rstrip()
+
+    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in cells])
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float) and math.isfinite(value):
+        return f"{value:.4g}" if abs(value) < 1e4 else f"{value:.0f}"
+    return str(value)
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write JSON so that readers see the old file or the whole new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(path, (json.dumps(data, indent=2) + "\n").encode())
+
+
+def configure_logging(verbose: bool = False) -> None:
+    """Progress on stderr; the libraries' own INFO chatter (per-sync, per-request) stays quiet."""
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    if not verbose:
+        for noisy in ("coordinator", "worker", "protocol", "werkzeug", "httpx", "urllib3"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
+
