@@ -26,6 +26,7 @@ from gateway.merges import MERGES
 from protocol.client import CoordinatorClient, RetryPolicy
 from protocol.errors import FedMoEError, NotFound
 from protocol.files import write_atomically
+from protocol.schemas import parse_json_flag
 
 FILE_FORMATS = {".npz": "npz", ".safetensors": "safetensors"}
 FORMATS = ("npz", "safetensors", "peft", "merged")
@@ -74,7 +75,7 @@ def choose_adapter(client: CoordinatorClient, args: argparse.Namespace, expert: 
     if expert:
         return fetch_expert(client, expert)
     if args.strategy:
-        return merge_experts(client, args.strategy, json_object(args.strategy_config, "--strategy-config"))
+        return merge_experts(client, args.strategy, parse_json_flag(args.strategy_config, "--strategy-config"))
     return fetch_gateway(client)
 
 
@@ -132,16 +133,6 @@ def generate(client: CoordinatorClient, args: argparse.Namespace) -> str:
     adapter = choose_adapter(client, args, expert)
     base = load_base(adapter, args)
     return answer(base.model, base.tokenizer, args.generate, adapter.tensors, adapter.lora, args.max_new_tokens)
-
-
-def json_object(text: str, flag: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise ValueError(f"{flag} is not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{flag} must be a JSON object, got {text!r}")
-    return value
 
 
 def main(argv: list[str] | None = None) -> int:

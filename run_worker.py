@@ -9,7 +9,6 @@ Examples:
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import re
 import socket
@@ -17,6 +16,7 @@ import sys
 from pathlib import Path
 
 from protocol.errors import FedMoEError
+from protocol.schemas import parse_json_flag
 from worker.data import DatasetError, sample_dataset_path
 from worker.encoding import CompressionSettings, PullSettings
 from worker.federation import SyncSettings
@@ -76,16 +76,6 @@ def default_worker_id(specialty: str) -> str:
     return f"{host}-{specialty}"[:64]
 
 
-def json_object(text: str, flag: str) -> dict:
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise ValueError(f"{flag} is not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{flag} must be a JSON object, got {text!r}")
-    return value
-
-
 def build_config(args: argparse.Namespace) -> WorkerConfig:
     dataset = args.dataset or sample_dataset_path(args.specialty)
     if dataset is None:
@@ -98,11 +88,11 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
     lr = args.lr if args.lr is not None else RECOMMENDED_LR.get(args.base_model)
     if lr is not None:
         train_kwargs["lr"] = lr
-    compression = CompressionSettings(codec=args.compression, config=json_object(args.compression_config,
+    compression = CompressionSettings(codec=args.compression, config=parse_json_flag(args.compression_config,
                                                                                 "--compression-config"),
                                       error_feedback=not args.no_error_feedback)
     pull = PullSettings(codec=args.pull_compression, full_every=args.full_pull_every,
-                        config=json_object(args.pull_compression_config, "--pull-compression-config"))
+                        config=parse_json_flag(args.pull_compression_config, "--pull-compression-config"))
     return WorkerConfig(
         coordinator_url=args.coordinator_url, dataset=Path(dataset), base_model=args.base_model,
         sync=SyncSettings(specialty=args.specialty, worker_id=args.worker_id or default_worker_id(args.specialty),

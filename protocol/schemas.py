@@ -44,6 +44,17 @@ def parse_header_json(raw: str | None, header: str) -> dict[str, Any]:
     return value
 
 
+def parse_json_flag(text: str, flag: str) -> dict[str, Any]:
+    """A command-line flag holding a JSON object; ValueError naming the flag otherwise."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"{flag} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object, got {text!r}")
+    return value
+
+
 def _require(obj: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
     if key not in obj:
         raise BadRequest(f"{where}: missing field {key!r}")
