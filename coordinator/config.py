@@ -38,24 +38,24 @@ class CoordinatorConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(self.data_dir))
         if self.gateway_strategy not in MERGES:
-            raise ValueError(f"gateway_strategy must be one of {sorted(MERGES)}, got {self.gateway_strategy!r}")
+            raise ValueError(f"--gateway-strategy must be one of {sorted(MERGES)}, got {self.gateway_strategy!r}")
         if self.aggregation not in AGGREGATORS:
-            raise ValueError(f"aggregation must be one of {sorted(AGGREGATORS)}, got {self.aggregation!r}")
+            raise ValueError(f"--aggregation must be one of {sorted(AGGREGATORS)}, got {self.aggregation!r}")
         if not self.server_lr > 0:
-            raise ValueError(f"server_lr must be > 0, got {self.server_lr}")
+            raise ValueError(f"--server-lr must be > 0, got {self.server_lr}")
         if not self.staleness_decay >= 0:
-            raise ValueError(f"staleness_decay must be >= 0, got {self.staleness_decay}")
+            raise ValueError(f"--staleness-decay must be >= 0, got {self.staleness_decay}")
         if self.buffer_size < 1:
-            raise ValueError(f"buffer_size must be >= 1, got {self.buffer_size}")
+            raise ValueError(f"--buffer-size must be >= 1, got {self.buffer_size}")
         if self.keep_versions < 1:
-            raise ValueError(f"keep_versions must be >= 1, got {self.keep_versions}")
+            raise ValueError(f"--keep-versions must be >= 1, got {self.keep_versions}")
         if not 0 <= self.route_threshold <= 1:
-            raise ValueError(f"route_threshold must be in [0, 1], got {self.route_threshold}")
+            raise ValueError(f"--route-threshold must be in [0, 1], got {self.route_threshold}")
         if not self.max_body_mb > 0:
-            raise ValueError(f"max_body_mb must be > 0, got {self.max_body_mb}")
+            raise ValueError(f"--max-body-mb must be > 0, got {self.max_body_mb}")
         for name, weight in (self.gateway_weights or {}).items():
             if not weight >= 0:
-                raise ValueError(f"gateway weight of {name!r} must be >= 0, got {weight}")
+                raise ValueError(f"--gateway-weights: weight of {name!r} must be >= 0, got {weight}")
 
     @property
     def max_body_bytes(self) -> int:

@@ -435,5 +435,5 @@ def test_gateway_strategy_is_configurable(make_app, strategy):
 
 
 def test_unknown_gateway_strategy_is_refused_at_start(make_app):
-    with pytest.raises(ValueError, match="gateway_strategy must be one of"):
+    with pytest.raises(ValueError, match="--gateway-strategy must be one of"):
         make_app(gateway_strategy="median")
