@@ -59,16 +59,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def experts_table(experts: list[dict[str, Any]]) -> str:
-    header = ("name", "version", "updates", "samples", "rank", "last loss", "last update")
-    rows = [(e["name"], str(e["version"]), str(e["updates_applied"]), str(e["samples_seen"]),
-             str(e["lora"]["rank"]),
-             "-" if e.get("last_train_loss") is None else f"{e['last_train_loss']:.4f}",
-             time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e["updated_at"])))
-            for e in experts]
+def table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows]]
-    return "\n".join(lines) if rows else "no experts yet"
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows])
+
+
+def when(timestamp: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(timestamp))
+
+
+def experts_table(experts: list[dict[str, Any]]) -> str:
+    if not experts:
+        return "no experts yet"
+    return table(("name", "version", "updates", "samples", "rank", "last loss", "last update"),
+                 [(e["name"], str(e["version"]), str(e["updates_applied"]), str(e["samples_seen"]),
+                   str(e["lora"]["rank"]),
+                   "-" if e.get("last_train_loss") is None else f"{e['last_train_loss']:.4f}", when(e["updated_at"]))
+                  for e in experts])
+
+
+def workers_table(workers: list[dict[str, Any]]) -> str:
+    if not workers:
+        return "no workers yet"
+    return table(("worker", "expert", "status", "last seen", "updates", "MB up", "MB down"),
+                 [(w["worker_id"], w["specialty"], w["status"], when(w["last_seen"]), str(w["updates_sent"]),
+                   f"{w['bytes_up'] / 1e6:.2f}", f"{w['bytes_down'] / 1e6:.2f}") for w in workers])
 
 
 def choose_adapter(client: CoordinatorClient, args: argparse.Namespace, expert: str | None) -> Adapter:
@@ -142,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.list_experts:
             print(experts_table(client.list_experts()))
+            print()
+            print(workers_table(client.list_workers()))
         if args.save_gateway:
             fmt = output_format(args)
             adapter = choose_adapter(client, args, args.expert)

@@ -52,7 +52,11 @@ def register_worker() -> tuple[Response, int]:
     body = json_body()
     worker_id = check_name(body.get("worker_id"), "worker_id")
     specialty = check_name(body.get("specialty"), "specialty")
-    info = coordinator().register_worker(worker_id, specialty, BaseModelSpec.from_json(body.get("base_model")))
+    interval = body.get("sync_interval")
+    if interval is not None and (not is_finite_number(interval) or interval <= 0):
+        raise BadRequest(f"'sync_interval' must be a positive number of seconds, got {interval!r}")
+    info = coordinator().register_worker(worker_id, specialty, BaseModelSpec.from_json(body.get("base_model")),
+                                         interval)
     return jsonify(info), 200
 
 

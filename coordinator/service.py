@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -288,7 +289,8 @@ class Coordinator:
 
     # workers ------------------------------------------------------------------
 
-    def register_worker(self, worker_id: str, specialty: str, base_model: BaseModelSpec) -> dict[str, Any]:
+    def register_worker(self, worker_id: str, specialty: str, base_model: BaseModelSpec,
+                        sync_interval: float | None = None) -> dict[str, Any]:
         check_name(worker_id, "worker_id")
         check_name(specialty, "specialty")
         expert = self.db.expert(specialty)
@@ -298,7 +300,8 @@ class Coordinator:
                 raise Conflict(f"worker {worker_id!r} runs base model {base_model.id!r} (fingerprint "
                                f"{base_model.fingerprint[:12]}) but expert {specialty!r} was trained from "
                                f"{stored.id!r} ({stored.fingerprint[:12]}); use the same --base-model")
-        self.db.upsert_worker(worker_id, specialty, {"id": base_model.id, "fingerprint": base_model.fingerprint})
+        self.db.upsert_worker(worker_id, specialty, {"id": base_model.id, "fingerprint": base_model.fingerprint},
+                              sync_interval)
         return {"worker_id": worker_id, "specialty": specialty,
                 "expert": None if expert is None else self._info(expert)}
 
@@ -307,7 +310,18 @@ class Coordinator:
             raise NotFound(f"no worker {worker_id!r}; register first (POST /api/v1/workers)")
 
     def list_workers(self) -> list[dict[str, Any]]:
-        return self.db.workers()
+        now = time.time()
+        return [w | {"status": liveness(now - w["last_seen"], w["sync_interval"])} for w in self.db.workers()]
+
+
+def liveness(silent_for: float, sync_interval: float | None) -> str:
+    """alive: heard from within 3 sync intervals (30 s at least); stale: within 20 (5 min); else gone."""
+    interval = sync_interval or 10.0
+    if silent_for <= max(3 * interval, 30.0):
+        return "alive"
+    if silent_for <= max(20 * interval, 300.0):
+        return "stale"
+    return "gone"
 
 
 def _fp32_bytes(tensors: StateDict) -> int:

@@ -59,6 +59,7 @@ CREATE TABLE IF NOT EXISTS workers (
     base_model TEXT NOT NULL,
     registered_at REAL NOT NULL,
     last_seen REAL NOT NULL,
+    sync_interval REAL,                        -- seconds, as the worker reported it
     updates_sent INTEGER NOT NULL DEFAULT 0,
     bytes_up INTEGER NOT NULL DEFAULT 0,       -- update bodies as received
     bytes_up_raw INTEGER NOT NULL DEFAULT 0,   -- the same updates as fp32 tensors
@@ -221,14 +222,15 @@ class ManifestStore:
 
     # workers ----------------------------------------------------------------
 
-    def upsert_worker(self, worker_id: str, specialty: str, base_model: dict[str, Any]) -> None:
+    def upsert_worker(self, worker_id: str, specialty: str, base_model: dict[str, Any],
+                      sync_interval: float | None) -> None:
         now = time.time()
         with self.transaction() as db:
-            db.execute("INSERT INTO workers (worker_id, specialty, base_model, registered_at, last_seen) "
-                       "VALUES (?, ?, ?, ?, ?) ON CONFLICT(worker_id) DO UPDATE SET "
+            db.execute("INSERT INTO workers (worker_id, specialty, base_model, registered_at, last_seen, "
+                       "sync_interval) VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(worker_id) DO UPDATE SET "
                        "specialty = excluded.specialty, base_model = excluded.base_model, "
-                       "last_seen = excluded.last_seen",
-                       (worker_id, specialty, json.dumps(base_model), now, now))
+                       "last_seen = excluded.last_seen, sync_interval = excluded.sync_interval",
+                       (worker_id, specialty, json.dumps(base_model), now, now, sync_interval))
 
     def record_pull(self, worker_id: str, body_bytes: int, raw_bytes: int) -> None:
         with self.transaction() as db:

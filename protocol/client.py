@@ -92,9 +92,12 @@ class CoordinatorClient:
     def health(self) -> dict[str, Any]:
         return self._json("GET", "/health")
 
-    def register_worker(self, worker_id: str, specialty: str, base_model: dict[str, str]) -> dict[str, Any]:
-        return self._json("POST", "/workers", json={"worker_id": worker_id, "specialty": specialty,
-                                                     "base_model": base_model})
+    def register_worker(self, worker_id: str, specialty: str, base_model: dict[str, str],
+                        sync_interval: float | None = None) -> dict[str, Any]:
+        body = {"worker_id": worker_id, "specialty": specialty, "base_model": base_model}
+        if sync_interval is not None:
+            body["sync_interval"] = sync_interval  # lets the coordinator tell alive from stale
+        return self._json("POST", "/workers", json=body)
 
     def heartbeat(self, worker_id: str) -> None:
         self._request("POST", f"/workers/{worker_id}/heartbeat")

@@ -118,7 +118,7 @@ class FederatedWorker:
     def join(self) -> dict[str, Any]:
         """Register, create the expert if this is its first worker, and start from its weights."""
         s = self.settings
-        self.client.register_worker(s.worker_id, s.specialty, self.expert_spec["base_model"])
+        self.client.register_worker(s.worker_id, s.specialty, self.expert_spec["base_model"], s.sync_interval)
         info = self.client.create_expert(s.specialty, self.trainer.adapter_state(), self.expert_spec)
         if self.profile is not None:
             self.client.put_profile(s.specialty, s.worker_id, self.profile)
@@ -158,6 +158,8 @@ class FederatedWorker:
         record |= self._queue_interval()
         record["delivered"] = self._flush_outbox()
         received = self._pull_quietly() if record["delivered"] and not final else None
+        if received is not None:
+            self._heartbeat()
         record |= {"pulled": received is not None, "bytes_down": received or 0}
         record |= {"version": self.base_version, "outbox": len(self.outbox),
                    "sync_seconds": round(time.perf_counter() - started, 4)}
@@ -241,6 +243,12 @@ class FederatedWorker:
         except Unavailable as exc:
             log.warning("%s; training on from local weights", exc)
             return None
+
+    def _heartbeat(self) -> None:
+        try:
+            self.client.heartbeat(self.settings.worker_id)
+        except FedMoEError as exc:  # liveness is best effort; the next sync tries again
+            log.debug("heartbeat failed: %s", exc)
 
     def _write_result(self, record: dict[str, Any]) -> None:
         path = self.settings.results_path

@@ -134,6 +134,23 @@ def test_workers_register_and_heartbeat(client):
     assert [w["worker_id"] for w in workers] == ["w1"]
 
 
+def test_workers_are_alive_stale_or_gone():
+    from coordinator.service import liveness
+
+    assert [liveness(t, 10) for t in (5, 29, 31, 299, 301)] == ["alive", "alive", "stale", "stale", "gone"]
+    assert [liveness(t, 60) for t in (179, 181, 1199, 1201)] == ["alive", "stale", "stale", "gone"]
+    assert liveness(20, None) == "alive"
+
+
+def test_worker_list_shows_liveness_and_bad_interval_is_400(client):
+    base = {"id": "tiny-test", "fingerprint": FINGERPRINT}
+    body = {"worker_id": "w1", "specialty": "e", "base_model": base, "sync_interval": 5}
+    assert client.post("/api/v1/workers", json=body).status_code == 200
+    (w,) = client.get("/api/v1/workers").get_json()["workers"]
+    assert w["status"] == "alive" and w["sync_interval"] == 5
+    assert client.post("/api/v1/workers", json=body | {"sync_interval": -1}).status_code == 400
+
+
 def test_worker_with_other_base_model_is_refused(client):
     put_expert(client, "e", make_adapter())
     base = {"id": "other", "fingerprint": "cd" * 32}

@@ -36,8 +36,9 @@ def test_push_pull_and_save_gateway_over_real_http(start_coordinator, tmp_path):
 
     listing = run_gateway_tool("--coordinator-url", url, "--list-experts")
     assert listing.returncode == 0
-    header, row = listing.stdout.splitlines()
+    header, row, _, workers = listing.stdout.splitlines()
     assert header.split()[:3] == ["name", "version", "updates"] and row.split()[:4] == ["python_expert", "1", "1", "5"]
+    assert workers == "no workers yet"
 
     out = tmp_path / "gateway_model.npz"
     saved = run_gateway_tool("--coordinator-url", url, "--save-gateway", str(out))

@@ -40,6 +40,9 @@ def test_two_worker_processes_train_their_experts_and_the_gateway_loads(start_co
         assert proc.returncode == 0, out
 
     client = CoordinatorClient(url)
+    listed = {w["specialty"]: w for w in client.list_workers()}
+    assert {s: (w["status"], w["sync_interval"]) for s, w in listed.items()} == {s: ("alive", 4) for s in workers}
+    assert all(w["bytes_up"] > 0 and w["bytes_down"] > 0 for w in listed.values())
     experts = {e["name"]: e for e in client.list_experts()}
     for specialty in workers:
         records = [json.loads(line) for line in (tmp_path / f"{specialty}.jsonl").read_text().splitlines()]
