@@ -2,16 +2,19 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
-from flask import Flask, Response, jsonify
+from flask import Flask, Response, jsonify, send_from_directory
 from werkzeug.exceptions import HTTPException
 
 from coordinator.api import bp as api_bp
 from coordinator.config import CoordinatorConfig
+from coordinator.metrics import CoordinatorMetrics
 from coordinator.service import Coordinator
 from protocol.errors import FedMoEError
 
 log = logging.getLogger(__name__)
+STATIC = Path(__file__).resolve().parent / "static"
 
 
 def create_app(config: CoordinatorConfig | None = None) -> Flask:
@@ -19,8 +22,13 @@ def create_app(config: CoordinatorConfig | None = None) -> Flask:
     config = config or CoordinatorConfig()
     app = Flask(__name__)
     app.config.update(MAX_CONTENT_LENGTH=config.max_body_bytes, **dict(config.extra))
-    app.extensions["fedmoe"] = Coordinator(config)
+    coordinator = Coordinator(config)
+    app.extensions["fedmoe"] = coordinator
     app.register_blueprint(api_bp)
+    metrics = CoordinatorMetrics(coordinator)
+    coordinator.on_aggregated = metrics.aggregation.observe
+    metrics.install(app)
+    app.add_url_rule("/", "dashboard", lambda: send_from_directory(STATIC, "dashboard.html", max_age=0))
     _register_error_handlers(app)
     return app
 

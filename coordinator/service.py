@@ -16,6 +16,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,8 @@ class Coordinator:
         self._decoded: dict[str, StateDict] = {}  # update_id -> deltas checked at receipt
         self._diffs: dict[tuple, bytes] = {}  # (expert, since, version, codec, config) -> encoded diff
         self.gateway = GatewayBuilder(self)
+        self.on_aggregated: Callable[[float], None] = lambda seconds: None
+        """Called with the seconds each aggregation step took (metrics hook)."""
         self._remove_orphan_blobs()
         for expert in self.db.experts():  # finish what a crash interrupted
             self._aggregate(expert.name)
@@ -220,6 +223,7 @@ class Coordinator:
             pending = pending[k:]
 
     def _apply(self, name: str, batch: list[UpdateRow]) -> None:
+        started = time.perf_counter()
         expert = self._expert(name)
         manifest = manifest_from_json(expert.manifest)
         current = read_adapter(self.weights(name).path)
@@ -232,6 +236,7 @@ class Coordinator:
             self._decoded.pop(u.update_id, None)
         self._drop_unreferenced([u.blob for u in batch if u.blob]
                                 + self.db.prune_versions(name, self.config.keep_versions))
+        self.on_aggregated(time.perf_counter() - started)
         log.info("expert %s -> version %d (%d update(s), staleness %s)", name, expert.version + 1,
                  len(batch), [u.staleness for u in updates])
 
