@@ -49,9 +49,6 @@ class Reader:
         """Up to ``n`` next bytes without consuming them."""
         return self._buf[self._pos : self._pos + max(n, 0)]
 
-    def rest(self) -> memoryview:
-        return self.take(self.remaining, "rest")
-
     def finish(self, what: str) -> None:
         if self.remaining:
             raise PayloadError(f"{what}: {self.remaining} unexpected trailing bytes")

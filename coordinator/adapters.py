@@ -40,10 +40,6 @@ def check_lora_adapter(tensors: StateDict, lora: LoraSpec) -> Manifest:
     return manifest
 
 
-def read_adapter(path: Path) -> StateDict:
-    return load_file(path)
-
-
 def decode_update(path: Path, codec: str, codec_config: dict, manifest: Manifest) -> StateDict:
     """Turn a received update body into checked float32 deltas, or raise a 4xx error.
 

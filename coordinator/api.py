@@ -136,7 +136,7 @@ def _int_arg(key: str) -> int | None:
 def push_update(name: str) -> tuple[Response, int]:
     meta = UpdateMeta.from_json(parse_header_json(request.headers.get(UPDATE_HEADER), UPDATE_HEADER))
     c = coordinator()
-    c.expert_info(name)  # 404 before reading a body we would throw away
+    c.require_expert(name)  # 404 before reading a body we would throw away
     status, is_new = c.submit_update(name, meta, receive_body())
     return jsonify(status), 202 if is_new else 200
 

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from compression.wire import encode_update
-from coordinator.adapters import check_lora_adapter, decode_update, make_codec_or_400, read_adapter
+from coordinator.adapters import check_lora_adapter, decode_update, make_codec_or_400
 from coordinator.aggregation import AGGREGATORS, AggregationParams, StateDict, Update
 from coordinator.blobs import BlobStore
 from coordinator.config import CoordinatorConfig
@@ -33,8 +33,8 @@ from coordinator.store import ExpertRow, ManifestStore, UpdateRow
 from gateway.router import ProfileError, combine_profiles, profile_from_json
 from gateway.router import route as route_prompt
 from protocol.errors import BadRequest, Conflict, NotFound
-from protocol.schemas import BaseModelSpec, ExpertSpec, LoraSpec, UpdateMeta, check_name
-from protocol.tensors import manifest_from_json, manifest_to_json, save_file
+from protocol.schemas import BaseModelSpec, ExpertSpec, UpdateMeta, check_name
+from protocol.tensors import load_file, manifest_from_json, manifest_to_json, save_file
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class Coordinator:
                 if existing is not None:
                     self._check_compatible(existing, spec)
                     return self.expert_info(name), False
-                manifest = check_lora_adapter(read_adapter(body), spec.lora)
+                manifest = check_lora_adapter(load_file(body), spec.lora)
                 digest = self.blobs.adopt(body)
                 self.db.create_expert(name, spec.to_json(), manifest_to_json(manifest), digest)
         finally:
@@ -103,7 +103,8 @@ class Coordinator:
             raise Conflict(f"expert {expert.name!r} exists with a different setup: " + "; ".join(diffs),
                            differences=diffs)
 
-    def _expert(self, name: str) -> ExpertRow:
+    def require_expert(self, name: str) -> ExpertRow:
+        """The expert's row, or NotFound listing the known experts."""
         expert = self.db.expert(name)
         if expert is None:
             known = [e.name for e in self.db.experts()]
@@ -111,7 +112,7 @@ class Coordinator:
         return expert
 
     def expert_info(self, name: str) -> dict[str, Any]:
-        return self._info(self._expert(name))
+        return self._info(self.require_expert(name))
 
     def list_experts(self) -> list[dict[str, Any]]:
         return [self._info(e) for e in self.db.experts()]
@@ -119,15 +120,15 @@ class Coordinator:
     def _info(self, e: ExpertRow) -> dict[str, Any]:
         return {"name": e.name, "version": e.version, **e.spec, "updates_applied": e.updates_applied,
                 "samples_seen": e.samples_seen, "last_train_loss": e.last_train_loss,
-                "pending_updates": len(self.db.pending_updates(e.name)),
+                "pending_updates": self.db.pending_count(e.name),
                 "created_at": e.created_at, "updated_at": e.updated_at}
 
     def versions(self, name: str) -> list[dict[str, Any]]:
-        self._expert(name)
+        self.require_expert(name)
         return self.db.versions(name)
 
     def weights(self, name: str, version: int | None = None) -> WeightsRef:
-        expert = self._expert(name)
+        expert = self.require_expert(name)
         version = expert.version if version is None else version
         exists, digest = self.db.version_blob(name, version)
         if not exists:
@@ -152,9 +153,9 @@ class Coordinator:
             cached = self._diffs.get(key)
         if cached is None:
             encoder = make_codec_or_400(codec, codec_config)
-            new, base = read_adapter(current.path), read_adapter(old.path)
+            new, base = load_file(current.path), load_file(old.path)
             diff = {k: new[k] - base[k] for k in new}
-            cached = encode_update(diff, manifest_from_json(self._expert(name).manifest), encoder, seed=current.version)
+            cached = encode_update(diff, self.manifest(name), encoder, seed=current.version)
             with self._locks_guard:
                 self._diffs[key] = cached
                 while len(self._diffs) > 16:  # a handful of (since, codec) pairs cover a fleet
@@ -167,17 +168,14 @@ class Coordinator:
             self.db.record_pull(worker_id, body_bytes, raw)
 
     def manifest(self, name: str) -> list[tuple[str, tuple[int, ...]]]:
-        return manifest_from_json(self._expert(name).manifest)
-
-    def lora_spec(self, name: str) -> LoraSpec:
-        return ExpertSpec.from_json(self._expert(name).spec).lora
+        return manifest_from_json(self.require_expert(name).manifest)
 
     # updates ------------------------------------------------------------------
 
     def submit_update(self, name: str, meta: UpdateMeta, body: Path) -> tuple[dict[str, Any], bool]:
         """Record and (policy permitting) apply an update; (status, is_new). Retries are no-ops."""
         try:
-            expert = self._expert(name)
+            expert = self.require_expert(name)
             known = self.db.update(meta.update_id)
             if known is not None:
                 return self._seen_before(known, name), False
@@ -207,7 +205,7 @@ class Coordinator:
         row = self.db.update(update_id)
         if row is None:
             raise NotFound(f"no update with id {update_id!r}")
-        expert = self._expert(row.expert)
+        expert = self.require_expert(row.expert)
         return {"update_id": row.update_id, "expert": row.expert, "status": row.status,
                 "applied_version": row.applied_version, "expert_version": expert.version}
 
@@ -224,9 +222,9 @@ class Coordinator:
 
     def _apply(self, name: str, batch: list[UpdateRow]) -> None:
         started = time.perf_counter()
-        expert = self._expert(name)
+        expert = self.require_expert(name)
         manifest = manifest_from_json(expert.manifest)
-        current = read_adapter(self.weights(name).path)
+        current = load_file(self.weights(name).path)
         updates = [Update(delta=self._deltas(u, manifest), num_samples=u.meta["num_samples"],
                           staleness=max(0, expert.version - u.meta["base_version"])) for u in batch]
         new = self._aggregate_fn(current, updates, self.params)
@@ -266,7 +264,7 @@ class Coordinator:
 
     def put_profile(self, name: str, worker_id: str, profile: dict[str, Any]) -> dict[str, Any]:
         """Store one worker's summary of its data (n-gram statistics, no examples) for routing."""
-        self._expert(name)
+        self.require_expert(name)
         check_name(worker_id, "worker_id")
         try:
             vector, count = profile_from_json(profile)

@@ -216,6 +216,10 @@ class ManifestStore:
         row = self._one("SELECT * FROM updates WHERE update_id = ?", update_id)
         return _update(row) if row else None
 
+    def pending_count(self, name: str) -> int:
+        row = self._one("SELECT COUNT(*) AS n FROM updates WHERE expert = ? AND status = 'pending'", name)
+        return int(row["n"]) if row else 0
+
     def pending_updates(self, name: str) -> list[UpdateRow]:
         rows = self._all("SELECT * FROM updates WHERE expert = ? AND status = 'pending' ORDER BY seq", name)
         return [_update(r) for r in rows]

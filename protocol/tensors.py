@@ -49,11 +49,6 @@ def load_file(path: Path) -> StateDict:
         raise InvalidPayload(f"{path} is not a valid safetensors file: {exc}") from None
 
 
-def read_metadata(path: Path) -> dict[str, str]:
-    with safe_open(str(path), framework="pt") as f:
-        return dict(f.metadata() or {})
-
-
 def manifest_of(tensors: Mapping[str, torch.Tensor]) -> Manifest:
     """Ordered (name, shape) pairs: what both sides know about an expert's tensors."""
     return [(name, tuple(tensors[name].shape)) for name in sorted(tensors)]

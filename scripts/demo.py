@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -63,8 +64,6 @@ def start_coordinator(run: Path) -> tuple[subprocess.Popen, str]:
 
 
 def _drain(proc: subprocess.Popen, log) -> None:
-    import threading
-
     def copy() -> None:
         for line in proc.stdout:
             log.write(line)

@@ -5,8 +5,7 @@ import copy
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
-
+from gateway.export import attach_adapter
 from protocol.tensors import StateDict
 from worker.data import Example
 from worker.models import BaseModel
@@ -24,10 +23,5 @@ def adapter_loss(base: BaseModel, examples: Sequence[Example], adapter: StateDic
     if adapter is not None:
         if lora is None:
             raise ValueError("an adapter needs its lora config (rank, alpha, target_modules)")
-        config = LoraConfig(r=int(lora["rank"]), lora_alpha=float(lora["alpha"]),
-                            target_modules=list(lora["target_modules"]), init_lora_weights=False)
-        model = get_peft_model(copy.deepcopy(base.model), config)
-        result = set_peft_model_state_dict(model, dict(adapter))
-        if result.unexpected_keys:
-            raise ValueError(f"adapter has keys this model lacks: {result.unexpected_keys[:3]}")
+        model = attach_adapter(copy.deepcopy(base.model), adapter, lora)
     return evaluate_loss(model, base.tokenizer, examples, max_seq_len=max_seq_len)
