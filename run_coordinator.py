@@ -5,6 +5,7 @@ Examples:
   python run_coordinator.py --port 5000
   python run_coordinator.py --aggregation fedbuff --buffer-size 4 --data-dir /srv/fedmoe
   python run_coordinator.py --gateway-weights python_expert=2,sql_expert=1
+  python run_coordinator.py --port 0 --log-format json     # a free port; JSON log lines for machines
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from coordinator.config import CoordinatorConfig, parse_gateway_weights
 from coordinator.server import ServeOptions, ServerStartError, serve
 from gateway.merges import MERGES
 from gateway.router import DEFAULT_THRESHOLD
+from protocol.cli import add_common_flags, report_error, setup_logging
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -41,15 +43,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="router confidence below which prompts go to the gateway (default: %(default)s)")
     p.add_argument("--max-body-mb", type=float, default=1024.0, help="largest accepted request body (default: %(default)s)")
     p.add_argument("--threads", type=int, default=16, help="request threads (default: %(default)s)")
+    add_common_flags(p)
     return p.parse_args(argv)
+
+
+def _gateway_weights(text: str | None) -> dict[str, float] | None:
+    try:
+        return parse_gateway_weights(text) if text else None
+    except ValueError as exc:
+        raise ValueError(f"--gateway-weights: {exc} (e.g. python_expert=2,sql_expert=1)") from None
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args, logging.DEBUG if args.debug else logging.INFO)
     try:
-        weights = parse_gateway_weights(args.gateway_weights) if args.gateway_weights else None
+        weights = _gateway_weights(args.gateway_weights)
         config = CoordinatorConfig(
             data_dir=args.data_dir, aggregation=args.aggregation, server_lr=args.server_lr,
             staleness_decay=args.staleness_decay, buffer_size=args.buffer_size,
@@ -59,8 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--port must be 0-65535, got {args.port}")
         serve(config, ServeOptions(host=args.host, port=args.port, debug=args.debug, threads=args.threads))
     except (ValueError, ServerStartError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return report_error(args, exc)
     except KeyboardInterrupt:
         return 0
     return 0

@@ -36,4 +36,4 @@ def test_bad_dataset_line_names_the_line(tmp_path):
     data = tmp_path / "bad.jsonl"
     data.write_text('{"prompt": "a", "reference_code": "b"}\n{"prompt": "c"}\n')
     result = run_worker("--specialty", "x", "--dataset", str(data), "--base-model", "tiny-qwen2")
-    assert result.returncode == 1 and "line 2" in result.stderr and "Traceback" not in result.stderr
+    assert result.returncode == 2 and "line 2" in result.stderr and "Traceback" not in result.stderr
