@@ -20,7 +20,7 @@ EXIT_USAGE = 2
 
 
 def add_common_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--version", action="version", version=f"%(prog)s (FedMoE) {__version__}")
+    parser.add_argument("--version", action="version", version=f"FedMoE {__version__}")
     parser.add_argument("--log-format", choices=LOG_FORMATS, default="text",
                         help="text lines for people, or one JSON object per line for machines (default: %(default)s)")
 

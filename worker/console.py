@@ -77,7 +77,8 @@ def sync_line(r: dict[str, Any]) -> str:
     if "steps" in r:
         tokens_per_s = r.get("tokens", 0) / max(r.get("train_seconds") or 0.0, 1e-9)
         parts.append(f"{r['steps']} steps, loss {_fmt(r.get('train_loss'), 4)}, {tokens_per_s:.0f} tokens/s;")
-        parts.append(f"sent {_size(r.get('bytes_sent'))} ({_fmt(r.get('ratio'), 1)}x smaller than fp32);")
+        ratio = "-" if r.get("ratio") is None else f"{r['ratio']:.3g}"
+        parts.append(f"sent {_size(r.get('bytes_sent'))} (compression {ratio}x);")
     elif r.get("dropped"):
         parts.append("update dropped (could not be encoded);")
     else:

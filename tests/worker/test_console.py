@@ -25,8 +25,8 @@ def interval(steps: int) -> IntervalStats:
 
 
 def test_sync_line_says_what_was_trained_sent_and_pulled():
-    assert sync_line(RECORD) == ("sync 3: 12 steps, loss 2.3457, 3000 tokens/s; sent 123.46 kB (8.0x smaller than "
-                                 "fp32); pulled v9 (2.50 MB); sync took 0.12 s")
+    assert sync_line(RECORD) == ("sync 3: 12 steps, loss 2.3457, 3000 tokens/s; sent 123.46 kB (compression 7.95x); "
+                                 "pulled v9 (2.50 MB); sync took 0.12 s")
     offline = RECORD | {"delivered": False, "pulled": False, "outbox": 2}
     assert "coordinator unreachable, 2 update(s) queued" in sync_line(offline)
     idle = {"sync": 0, "final": True, "delivered": True, "pulled": False, "sync_seconds": 0.01}
