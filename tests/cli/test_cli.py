@@ -47,12 +47,13 @@ def test_version_and_help_with_examples(script, capsys):
     assert "Examples:" in text and f"python {script} --" in text and "--log-format {text,json}" in text
 
 
-def test_port_in_use_names_the_flag():
+def test_port_in_use_names_the_flag(tmp_path):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        line = one_error_line(run("run_coordinator.py", "--host", "127.0.0.1", "--port", str(port)))
+        line = one_error_line(run("run_coordinator.py", "--host", "127.0.0.1", "--port", str(port),
+                                  "--data-dir", str(tmp_path / "data")))
     assert line == (f"error: cannot listen on 127.0.0.1:{port}: Address already in use "
                     "(is another coordinator running? pick another --port)")
 
