@@ -150,9 +150,9 @@ def push_update(name: str) -> tuple[Response, int]:
 def _record_rejection(c: Coordinator, name: str, exc: FedMoEError | HTTPException) -> None:
     if isinstance(exc, FedMoEError):
         status, code, message, details = exc.status, exc.code, exc.message, exc.details
-    else:
-        status, code, message, details = exc.code or 400, (exc.name or "error").lower().replace(" ", "_"), \
-            exc.description or "", {}
+    else:  # werkzeug's own refusals, e.g. a body over MAX_CONTENT_LENGTH
+        status, code, message, details = exc.code or 400, str(exc.name).lower().replace(" ", "_"), \
+            str(exc.description), {}
     c.record_event(rejection_event(name, status, code, message, details, request.headers.get(UPDATE_HEADER),
                                    request.headers.get(WORKER_HEADER), request.remote_addr))
 

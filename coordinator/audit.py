@@ -16,7 +16,11 @@ import math
 import sqlite3
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from coordinator.norm_check import NormVerdict
+    from protocol.schemas import UpdateMeta
 
 AUDIT_SCHEMA = """
 CREATE TABLE IF NOT EXISTS events (
@@ -111,6 +115,47 @@ def _finite(value: Any) -> Any:
 
 def _short(text: str | None) -> str | None:
     return None if text is None else str(text)[:_TEXT_LIMIT]
+
+
+# the events the coordinator writes -----------------------------------------------------------
+
+
+def expert_created(name: str, rank: int, base_model: str) -> Event:
+    return Event("expert_created", f"expert {name} created (LoRA rank {rank}, base model {base_model})",
+                 expert=name, detail={"rank": rank, "base_model": base_model})
+
+
+def worker_registered(worker_id: str, specialty: str, base_model: str, sync_interval: float | None) -> Event:
+    return Event("worker_registered", f"worker {worker_id} registered for {specialty}", expert=specialty,
+                 worker_id=worker_id, detail={"base_model": base_model, "sync_interval": sync_interval})
+
+
+def update_accepted(name: str, meta: "UpdateMeta", verdict: "NormVerdict", size: int) -> tuple[Event, ...]:
+    """update_accepted, plus update_clipped when the norm check scaled it down."""
+    who = dict(expert=name, worker_id=meta.worker_id, update_id=meta.update_id)
+    accepted = Event("update_accepted", f"update {meta.update_id} accepted ({meta.num_samples} samples, "
+                     f"base version {meta.base_version}, norm {verdict.norm:.4g})", **who,
+                     detail={"norm": verdict.norm, "limit": verdict.limit, "num_samples": meta.num_samples,
+                             "base_version": meta.base_version, "codec": meta.codec, "body_bytes": size,
+                             "train_loss": meta.train_loss})
+    if not verdict.clipped:
+        return (accepted,)
+    return accepted, Event("update_clipped", f"update {meta.update_id} clipped from norm {verdict.norm:.4g} to "
+                           f"{verdict.limit:.4g} (--norm-factor x median of {verdict.history} recent norms)", **who,
+                           detail={"norm": verdict.norm, "limit": verdict.limit, "history": verdict.history,
+                                   "scale": verdict.scale})
+
+
+def update_duplicate(name: str, worker_id: str | None, update_id: str, status: str) -> Event:
+    return Event("update_duplicate", f"update {update_id} was received before ({status}); not applied again",
+                 expert=name, worker_id=worker_id, update_id=update_id, detail={"status": status})
+
+
+def version_applied(name: str, version: int, update_ids: list[str], staleness: list[int],
+                    train_loss: float | None) -> Event:
+    return Event("version_applied", f"expert {name} -> version {version} from {len(update_ids)} update(s)",
+                 expert=name, detail={"version": version, "num_updates": len(update_ids), "train_loss": train_loss,
+                                      "update_ids": update_ids, "staleness": staleness})
 
 
 def rejection_event(expert: str, status: int, code: str, message: str, details: dict[str, Any],

@@ -26,11 +26,12 @@ import numpy as np
 from compression.wire import encode_update
 from coordinator.adapters import check_lora_adapter, decode_update, make_codec_or_400
 from coordinator.aggregation import AGGREGATORS, AggregationParams, StateDict, Update, l2_norm, robust_aggregator
+from coordinator import audit
 from coordinator.audit import Event
 from coordinator.blobs import BlobStore
 from coordinator.config import CoordinatorConfig
 from coordinator.gateway_builder import GatewayBuilder
-from coordinator.norm_check import NormVerdict, judge_norm
+from coordinator.norm_check import judge_norm
 from coordinator.store import ExpertRow, ManifestStore, UpdateRow
 from gateway.router import ProfileError, combine_profiles, profile_from_json
 from gateway.router import route as route_prompt
@@ -89,10 +90,8 @@ class Coordinator:
                     return self.expert_info(name), False
                 manifest = check_lora_adapter(load_file(body), spec.lora)
                 digest = self.blobs.adopt(body)
-                self.db.create_expert(name, spec.to_json(), manifest_to_json(manifest), digest, events=(Event(
-                    "expert_created", f"expert {name} created (LoRA rank {spec.lora.rank}, base model "
-                    f"{spec.base_model.id})", expert=name, detail={"rank": spec.lora.rank,
-                                                                    "base_model": spec.base_model.id}),))
+                self.db.create_expert(name, spec.to_json(), manifest_to_json(manifest), digest,
+                                      events=(audit.expert_created(name, spec.lora.rank, spec.base_model.id),))
         finally:
             body.unlink(missing_ok=True)
         log.info("created expert %s (rank %d)", name, spec.lora.rank)
@@ -203,7 +202,7 @@ class Coordinator:
                 stored = meta.to_json() | ({"norm_scale": verdict.scale} if verdict.clipped else {})
                 digest = self.blobs.adopt(body)
                 row = self.db.add_update(name, stored, digest, size, _fp32_bytes(deltas), norm=verdict.accepted_norm,
-                                         events=_accepted_events(name, meta, verdict, size))
+                                         events=audit.update_accepted(name, meta, verdict, size))
                 self._decoded[row.update_id] = deltas
                 self._aggregate_locked(name)
         finally:
@@ -213,9 +212,7 @@ class Coordinator:
     def _seen_before(self, known: UpdateRow, name: str, meta: UpdateMeta) -> dict[str, Any]:
         if known.expert != name:
             raise Conflict(f"update_id {known.update_id!r} was already used for expert {known.expert!r}")
-        self.record_event(Event("update_duplicate", f"update {known.update_id} was received before "
-                                f"({known.status}); not applied again", expert=name, worker_id=meta.worker_id,
-                                update_id=known.update_id, detail={"status": known.status}))
+        self.record_event(audit.update_duplicate(name, meta.worker_id, known.update_id, known.status))
         return self.update_status(known.update_id)
 
     def record_event(self, event: Event) -> None:
@@ -258,11 +255,8 @@ class Coordinator:
         new = self._aggregate_fn(current, updates, self.params)
         digest = self.blobs.put_file(lambda p: save_file(new, p))
         loss = _mean_loss(batch)
-        self.db.commit_version(name, expert.version + 1, digest, batch, loss, events=(Event(
-            "version_applied", f"expert {name} -> version {expert.version + 1} from {len(batch)} update(s)",
-            expert=name, detail={"version": expert.version + 1, "num_updates": len(batch), "train_loss": loss,
-                                 "update_ids": [u.update_id for u in batch],
-                                 "staleness": [u.staleness for u in updates]}),))
+        self.db.commit_version(name, expert.version + 1, digest, batch, loss, events=(audit.version_applied(
+            name, expert.version + 1, [u.update_id for u in batch], [u.staleness for u in updates], loss),))
         for u in batch:
             self._decoded.pop(u.update_id, None)
         self._drop_unreferenced([u.blob for u in batch if u.blob]
@@ -339,10 +333,8 @@ class Coordinator:
                                f"{base_model.fingerprint[:12]}) but expert {specialty!r} was trained from "
                                f"{stored.id!r} ({stored.fingerprint[:12]}); use the same --base-model")
         self.db.upsert_worker(worker_id, specialty, {"id": base_model.id, "fingerprint": base_model.fingerprint},
-                              sync_interval, events=(Event(
-                                  "worker_registered", f"worker {worker_id} registered for {specialty}",
-                                  expert=specialty, worker_id=worker_id,
-                                  detail={"base_model": base_model.id, "sync_interval": sync_interval}),))
+                              sync_interval,
+                              events=(audit.worker_registered(worker_id, specialty, base_model.id, sync_interval),))
         return {"worker_id": worker_id, "specialty": specialty,
                 "expert": None if expert is None else self._info(expert)}
 
@@ -363,21 +355,6 @@ def liveness(silent_for: float, sync_interval: float | None) -> str:
     if silent_for <= max(20 * interval, 300.0):
         return "stale"
     return "gone"
-
-
-def _accepted_events(name: str, meta: UpdateMeta, verdict: NormVerdict, size: int) -> tuple[Event, ...]:
-    who = dict(expert=name, worker_id=meta.worker_id, update_id=meta.update_id)
-    accepted = Event("update_accepted", f"update {meta.update_id} accepted ({meta.num_samples} samples, "
-                     f"base version {meta.base_version}, norm {verdict.norm:.4g})", **who,
-                     detail={"norm": verdict.norm, "limit": verdict.limit, "num_samples": meta.num_samples,
-                             "base_version": meta.base_version, "codec": meta.codec, "body_bytes": size,
-                             "train_loss": meta.train_loss})
-    if not verdict.clipped:
-        return (accepted,)
-    return accepted, Event("update_clipped", f"update {meta.update_id} clipped from norm {verdict.norm:.4g} to "
-                           f"{verdict.limit:.4g} (--norm-factor x median of {verdict.history} recent norms)", **who,
-                           detail={"norm": verdict.norm, "limit": verdict.limit, "history": verdict.history,
-                                   "scale": verdict.scale})
 
 
 def _fp32_bytes(tensors: StateDict) -> int:
