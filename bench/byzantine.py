@@ -15,7 +15,7 @@ norm clipping, coordinate-wise median or trimmed mean (``--robust``), or plain a
 the coordinator's norm check (``--norm-check reject``). The score is the expert's held-out loss
 relative to the honest-only run; the target is within 2%.
 
-    python bench/byzantine.py            # 11 jobs, ~2-3 min on 2 cores
+    python bench/byzantine.py            # 11 jobs, ~2 min of CPU (1 torch thread)
     python bench/byzantine.py --quick    # 3 short jobs (smoke test)
 
 Table on stdout, progress on stderr, results in bench/results/byzantine.json.
@@ -99,7 +99,8 @@ class Settings:
     """AdamW steps per worker per round."""
     batch_size: int = 4
     max_seq_len: int = 128
-    lr: float = 2e-3
+    lr: float = 1e-2
+    """AdamW learning rate; near the best for the random-init tiny-qwen2, so a larger step is not a free gain."""
     lora_rank: int = 8
     norm_factor: float = 3.0
     """--norm-factor of the norm-check runs."""
@@ -191,7 +192,18 @@ def summarize(records: list[dict[str, Any]], untrained: float, s: Settings, seco
         r["within_target"] = r["loss_vs_honest_pct"] <= TARGET_PCT
     return {"benchmark": "byzantine", "base_model": BASE_MODEL, "domain": DOMAIN,
             "settings": dataclasses.asdict(s), "target_pct": TARGET_PCT, "untrained_eval_loss": untrained,
-            "honest_eval_loss": reference, "records": records, "seconds": round(seconds, 1)}
+            "honest_eval_loss": reference, "targets": targets(records), "records": records,
+            "seconds": round(seconds, 1)}
+
+
+def targets(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per defence: its loss vs honest-only under each attack, and whether all are within the target."""
+    out: dict[str, dict[str, Any]] = {}
+    for r in records:
+        if r["attack"] is not None:
+            key = r["robust"] if r["norm_check"] == "off" else f"{r['robust']}+norm-check {r['norm_check']}"
+            out.setdefault(key, {})[r["attack"]] = r["loss_vs_honest_pct"]
+    return {key: pcts | {"met": all(p <= TARGET_PCT for p in pcts.values())} for key, pcts in out.items()}
 
 
 def render(report: dict[str, Any]) -> str:
