@@ -18,7 +18,7 @@ from coordinator.aggregation import AggregationParams, Update, fedbuff
 from coordinator.aggregation.robust import ROBUST_RULES, RobustParams, robust_fedbuff, trim_count
 
 SHAPES = {"a": (2, 3), "b": (4,)}
-FAST = settings(max_examples=40, deadline=None)
+FAST = settings(max_examples=40, deadline=None, database=None)  # no .hypothesis/ left in the checkout
 
 
 @st.composite
