@@ -6,6 +6,7 @@ Examples:
   python run_coordinator.py --aggregation fedbuff --buffer-size 4 --data-dir /srv/fedmoe
   python run_coordinator.py --gateway-weights python_expert=2,sql_expert=1
   python run_coordinator.py --port 0 --log-format json     # a free port; JSON log lines for machines
+  python run_coordinator.py --aggregation fedbuff --buffer-size 5 --robust trimmed_mean --norm-check reject
 """
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import argparse
 import logging
 import sys
 
-from coordinator.aggregation import AGGREGATORS
+from coordinator.aggregation import AGGREGATORS, ROBUST_RULES
 from coordinator.config import CoordinatorConfig, parse_gateway_weights
+from coordinator.norm_check import NORM_CHECK_MODES
 from coordinator.server import ServeOptions, ServerStartError, serve
 from gateway.merges import MERGES
 from gateway.router import DEFAULT_THRESHOLD
@@ -43,6 +45,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="router confidence below which prompts go to the gateway (default: %(default)s)")
     p.add_argument("--max-body-mb", type=float, default=1024.0, help="largest accepted request body (default: %(default)s)")
     p.add_argument("--threads", type=int, default=16, help="request threads (default: %(default)s)")
+    p.add_argument("--norm-check", choices=NORM_CHECK_MODES, default="off",
+                   help="reject (422) or clip updates whose L2 norm is over --norm-factor x the median of the "
+                        "expert's recent accepted norms (default: %(default)s)")
+    p.add_argument("--norm-factor", type=float, default=10.0, help="norm limit multiple (default: %(default)s)")
+    p.add_argument("--norm-history", type=int, default=20,
+                   help="recent accepted norms the median is taken over (default: %(default)s)")
+    p.add_argument("--norm-warmup", type=int, default=5,
+                   help="accepted updates before the norm check applies (default: %(default)s)")
+    p.add_argument("--robust", choices=["none", *sorted(ROBUST_RULES)], default="none",
+                   help="robust combination of each fedbuff buffer (default: %(default)s = weighted mean)")
+    p.add_argument("--trim-fraction", type=float, default=0.2,
+                   help="share of values trimmed at each end by --robust trimmed_mean (default: %(default)s)")
     add_common_flags(p)
     return p.parse_args(argv)
 
@@ -63,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
             data_dir=args.data_dir, aggregation=args.aggregation, server_lr=args.server_lr,
             staleness_decay=args.staleness_decay, buffer_size=args.buffer_size,
             keep_versions=args.keep_versions, gateway_weights=weights,
-            gateway_strategy=args.gateway_strategy, route_threshold=args.route_threshold, max_body_mb=args.max_body_mb)
+            gateway_strategy=args.gateway_strategy, route_threshold=args.route_threshold, max_body_mb=args.max_body_mb,
+            norm_check=args.norm_check, norm_factor=args.norm_factor, norm_history=args.norm_history,
+            norm_warmup=args.norm_warmup, robust=args.robust, trim_fraction=args.trim_fraction)
         if not 0 <= args.port <= 65535:
             raise ValueError(f"--port must be 0-65535, got {args.port}")
         serve(config, ServeOptions(host=args.host, port=args.port, debug=args.debug, threads=args.threads))
