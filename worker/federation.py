@@ -51,6 +51,7 @@ from worker.checkpoint import (CheckpointError, WorkerCheckpoint, clone_optimize
                                load_checkpoint, save_checkpoint)
 from worker.data import StreamPosition
 from worker.encoding import CompressionSettings, PullSettings, UpdateEncoder
+from worker.sync_state import Fetched, IntervalStats, Outgoing, RunSummary, SyncJob
 
 log = logging.getLogger(__name__)
 
@@ -99,79 +100,6 @@ class SyncSettings:
             raise ValueError(f"--sync-interval must be > 0 seconds, got {self.sync_interval}")
         if not 0 < self.speed_factor <= 1:
             raise ValueError(f"--speed-factor must be in (0, 1] (1 = full speed), got {self.speed_factor}")
-
-
-@dataclass
-class Outgoing:
-    """An update waiting in the outbox: its bytes and metadata never change once queued."""
-
-    body: bytes
-    meta: dict[str, Any]
-
-
-@dataclass
-class IntervalStats:
-    steps: int = 0
-    samples: int = 0
-    tokens: int = 0
-    loss_sum: float = 0.0
-    seconds: float = 0.0
-
-    def add(self, s: Any) -> None:
-        self.steps += s.steps
-        self.samples += s.samples
-        self.tokens += s.tokens
-        self.loss_sum += s.loss * s.steps
-        self.seconds += s.seconds
-
-    @property
-    def loss(self) -> float | None:
-        return self.loss_sum / self.steps if self.steps else None
-
-
-@dataclass
-class Fetched:
-    """A pull's result before it is adopted: weights is None when nothing changed."""
-
-    weights: StateDict | None
-    version: int
-    etag: str | None
-    nbytes: int
-
-
-@dataclass
-class SyncJob:
-    """One sync in progress: what begin_sync captured, then what exchange found."""
-
-    number: int
-    final: bool
-    stats: IntervalStats
-    """The training this sync sends."""
-    snapshot: StateDict
-    """Local adapter at the sync point."""
-    delta_from: StateDict | None
-    """Weights the delta is measured from; None when there is nothing to send."""
-    checkpoint: WorkerCheckpoint | None
-    record: dict[str, Any]
-    started: float = field(default_factory=time.perf_counter)
-    blocked: float = 0.0
-    """Seconds the training thread spent on this sync."""
-    background: float = 0.0
-    """Seconds exchange ran on the background thread."""
-    fetched: Fetched | None = None
-    dropped: bool = False
-    """The delta could not be encoded (e.g. NaN): local weights get replaced, not carried."""
-
-
-@dataclass(frozen=True)
-class RunSummary:
-    """What run() did before the final sync: the figures bench/overhead.py compares."""
-
-    seconds: float
-    steps: int
-    tokens: int
-    blocked_seconds: float
-    syncs: int
 
 
 @dataclass
@@ -283,7 +211,7 @@ class FederatedWorker:
     def run(self) -> RunSummary:
         """Train and sync until ``duration`` is over or Ctrl-C; always ends with a final push."""
         s = self.settings
-        started = time.monotonic()
+        started, cpu_started = time.monotonic(), time.process_time()
         end, due = started + s.duration, started + s.sync_interval
         steps_before, tokens_before, blocked_before = self.totals.steps, self.totals.tokens, self.blocked_seconds
         try:
@@ -296,7 +224,8 @@ class FederatedWorker:
         except KeyboardInterrupt:
             log.info("interrupted: pushing what was trained before exiting")
         finally:
-            summary = RunSummary(time.monotonic() - started, self.totals.steps - steps_before,
+            summary = RunSummary(time.monotonic() - started, time.process_time() - cpu_started,
+                                 self.totals.steps - steps_before,
                                  self.totals.tokens - tokens_before, self.blocked_seconds - blocked_before, self.syncs)
             self.wait_sync()
             self.sync(final=True)

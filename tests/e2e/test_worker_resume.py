@@ -137,3 +137,31 @@ def test_a_checkpoint_of_another_setup_is_one_clear_error_until_fresh(tmp_path, 
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "cannot reach the coordinator" in errors[0]
     assert list(state.iterdir()) == []
+
+
+def test_resuming_against_a_coordinator_that_lost_the_expert_counts_nothing_twice(start_coordinator, tmp_path):
+    train, _ = split_examples(load_examples(sample_dataset_path("sql_expert")))
+    settings = SyncSettings(specialty="sql_expert", worker_id="w1", state_dir=tmp_path / "state")
+
+    def new_worker(url: str) -> FederatedWorker:
+        base = load_base_model("tiny-qwen2")
+        trainer = LoraTrainer(base, LoraSettings(rank=2), TrainSettings(lr=1e-2, batch_size=2, max_seq_len=64), train)
+        spec = {"lora": trainer.lora_config, "base_model": {"id": base.model_id, "fingerprint": base.fingerprint}}
+        return FederatedWorker(settings, CoordinatorClient(url), trainer, spec)
+
+    _, old_url = start_coordinator(data_dir=tmp_path / "old")
+    first = new_worker(old_url)
+    first.join()
+    for _ in range(2):
+        first.train_step()
+        first.sync()  # checkpoint at version 1 holding the update of sync 1 (delivered, as far as it knows)
+    trained = first.trainer.adapter_state()
+
+    _, new_url = start_coordinator(data_dir=tmp_path / "new")  # an empty data dir: no expert, no history
+    second = new_worker(new_url)
+    second.join()
+    info = second.client.expert("sql_expert")
+    assert info["version"] == 0 and info["updates_applied"] == 0 and not second.outbox
+    created = second.client.pull_weights("sql_expert").tensors
+    assert all(torch.allclose(created[k], trained[k], atol=1e-6) for k in trained)  # from our checkpoint
+    assert second.trainer.global_step == first.trainer.global_step and second.base_version == 0
