@@ -209,14 +209,16 @@ def render(report: dict[str, Any]) -> str:
                           "cpu overhead %"], rows)
     verdict = "met" if report["target"]["met"] else "NOT met"
     rounds = ", ".join(f"{v:.1f}" for v in report["overhead_pct_per_round"])
-    return (f"{table}\n\noverlap vs local per round (%, load noise): {rounds}\nsync every {report['config']['sync_interval']:g} s, background push/pull: "
+    return (f"{table}\n\noverlap vs local per round (%, load noise): {rounds}\n"
+            f"sync every {report['config']['sync_interval']:g} s, background push/pull: "
             f"{report['sync_overhead_pct']:.2f}% fewer tokens/s than no coordinator "
             f"(target <= {TARGET_PCT:g}%: {verdict}); per CPU-second {report['cpu_overhead_pct']:.2f}%")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--phase-seconds", type=float, default=12.0, help="length of each timed phase (default: %(default)s)")
+    p.add_argument("--phase-seconds", type=float, default=12.0,
+                   help="length of each timed phase (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=4, help="rounds of one phase per mode (default: %(default)s)")
     p.add_argument("--sync-interval", type=float, default=10.0, help="seconds between syncs (default: %(default)s)")
     p.add_argument("--modes", nargs="+", default=["local", "overlap"], choices=MODES,

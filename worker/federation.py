@@ -163,6 +163,8 @@ class FederatedWorker:
         s = self.settings
         if s.state_dir is None:
             return False
+        if s.state_dir.exists() and not s.state_dir.is_dir():
+            raise CheckpointError(f"--state-dir {s.state_dir} is a file; give a directory for the worker's checkpoints")
         if not s.resume:
             if dropped := discard_checkpoint(s.state_dir):
                 log.warning("--fresh: discarded the checkpoint in %s and its %d undelivered update(s)",

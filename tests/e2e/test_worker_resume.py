@@ -138,6 +138,10 @@ def test_a_checkpoint_of_another_setup_is_one_clear_error_until_fresh(tmp_path, 
     assert len(errors) == 1 and "cannot reach the coordinator" in errors[0]
     assert list(state.iterdir()) == []
 
+    (tmp_path / "file").write_text("")
+    assert run_worker.main([*args, "--state-dir", str(tmp_path / "file")]) == 1  # the last --state-dir wins
+    assert "is a file" in capsys.readouterr().err
+
 
 def test_resuming_against_a_coordinator_that_lost_the_expert_counts_nothing_twice(start_coordinator, tmp_path):
     train, _ = split_examples(load_examples(sample_dataset_path("sql_expert")))
