@@ -46,6 +46,7 @@ import logging  # noqa: E402
 import re  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
 from collections.abc import Iterator, Sequence  # noqa: E402
@@ -107,7 +108,7 @@ def coordinator_process(data_dir: Path) -> Iterator[str]:
                 break
         else:
             raise RuntimeError("the coordinator did not start:\n" + "".join(lines))
-        subprocess_drain(proc)
+        threading.Thread(target=proc.stdout.read, daemon=True).start()  # a full pipe would block it
         yield m.group(1)
     finally:
         proc.terminate()
@@ -115,13 +116,6 @@ def coordinator_process(data_dir: Path) -> Iterator[str]:
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             proc.kill()
-
-
-def subprocess_drain(proc: subprocess.Popen) -> None:
-    """Keep reading the coordinator's output so a full pipe never blocks it."""
-    import threading
-
-    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
 
 
 def local_phase(trainer: LoraTrainer, seconds: float, round_: int) -> Phase:
