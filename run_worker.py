@@ -47,6 +47,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--duration", type=float, default=3600, help="seconds to train (default: %(default)s)")
     p.add_argument("--sync-interval", type=float, default=10, help="seconds between syncs (default: %(default)s)")
     p.add_argument("--use-proxy", action="store_true", help="honour HTTP(S)_PROXY for coordinator and hub")
+    r = p.add_argument_group("checkpoint and sync")
+    r.add_argument("--state-dir", type=Path, default=None,
+                   help="checkpoint at every sync here and resume from it on restart "
+                        "(default: worker-state/<worker-id>)")
+    r.add_argument("--fresh", action="store_true", help="discard the checkpoint in --state-dir and start over")
+    r.add_argument("--no-overlap", action="store_true",
+                   help="pause training during each push and pull (default: sync in the background)")
     c = p.add_argument_group("compression")
     c.add_argument("--compression", default="safetensors",
                    help="update codec: safetensors (uncompressed) or a compression spec such as int8, "
@@ -80,6 +87,11 @@ def default_worker_id(specialty: str) -> str:
     return f"{host}-{specialty}"[:64]
 
 
+def default_state_dir(worker_id: str) -> Path:
+    """worker-state/<worker id>: stable for a stable --worker-id, so a plain restart resumes."""
+    return Path("worker-state") / re.sub(r"[^A-Za-z0-9_.-]", "-", worker_id)
+
+
 def build_config(args: argparse.Namespace) -> WorkerConfig:
     _check_names(args)
     check_coordinator_url(args.coordinator_url)
@@ -100,11 +112,14 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
                                       error_feedback=not args.no_error_feedback)
     pull = PullSettings(codec=args.pull_compression, full_every=args.full_pull_every,
                         config=parse_json_flag(args.pull_compression_config, "--pull-compression-config"))
+    worker_id = args.worker_id or default_worker_id(args.specialty)
     return WorkerConfig(
         coordinator_url=args.coordinator_url, dataset=Path(dataset), base_model=args.base_model,
-        sync=SyncSettings(specialty=args.specialty, worker_id=args.worker_id or default_worker_id(args.specialty),
+        sync=SyncSettings(specialty=args.specialty, worker_id=worker_id,
                           duration=args.duration, sync_interval=args.sync_interval,
-                          speed_factor=args.speed_factor, results_path=args.results),
+                          speed_factor=args.speed_factor, results_path=args.results,
+                          state_dir=args.state_dir or default_state_dir(worker_id), resume=not args.fresh,
+                          overlap=not args.no_overlap),
         lora=LoraSettings(rank=args.lora_rank, alpha=args.lora_alpha, target_modules=modules),
         train=TrainSettings(**train_kwargs), use_huggingface=args.use_huggingface,
         use_proxy=args.use_proxy, device=args.device, compression=compression, pull=pull,

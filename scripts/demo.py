@@ -78,7 +78,8 @@ def start_worker(run: Path, url: str, specialty: str, args: argparse.Namespace) 
            "--worker-id", f"demo-{specialty}", "--base-model", "tiny-qwen2",
            "--duration", str(args.duration), "--sync-interval", str(args.sync_interval),
            "--compression", args.compression, "--compression-config", args.compression_config,
-           "--results", str(run / f"{specialty}.results.jsonl")]
+           "--results", str(run / f"{specialty}.results.jsonl"),
+           "--state-dir", str(run / f"{specialty}.state")]
     return subprocess.Popen(cmd, env=child_env(), stdout=open(run / f"{specialty}.log", "wb"),
                             stderr=subprocess.STDOUT)
 

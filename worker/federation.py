@@ -1,4 +1,4 @@
-"""The worker's federated loop: train for an interval, push the delta, pull, repeat.
+"""The worker's federated loop: train, and every interval push the delta and pull the expert.
 
 Exactly-once delivery without losing work: every interval's delta (local
 weights minus the weights it was computed from) goes into an *outbox* with a
@@ -7,6 +7,26 @@ fails for lack of a coordinator stays queued (same id, same bytes) and training
 goes on, so when the coordinator is back every delta arrives once, however
 many retries it took. Only after the outbox is empty do we pull the latest
 expert weights and continue from them.
+
+Overlapped sync. A sync has three parts, so that training need not wait for the network:
+
+- ``begin_sync`` (training thread, at a step boundary): snapshot the adapter; the next delta is
+  measured from that snapshot; capture what a checkpoint needs (optimiser moments, data position).
+- ``exchange`` (a background thread while training goes on): encode the delta into the outbox,
+  save the checkpoint, push the outbox, pull the expert. This is *the* network step of a sync.
+- ``finish_sync`` (training thread, at the first step boundary after ``exchange`` ended): adopt
+  the pulled weights W as ``W + (local_now - snapshot)``, so steps taken meanwhile are kept, and
+  measure the next delta from W, so they are sent once (in the next update).
+
+One sync is in flight at a time: a sync that falls due meanwhile starts when the previous one
+ends. ``sync()`` runs the three parts in a row; the final sync (duration over, or Ctrl-C) does.
+
+Checkpoint and resume. With a state dir, ``exchange`` saves a checkpoint (worker.checkpoint)
+*before* it pushes: adapter, reference, pulled weights, error-feedback residual, optimiser state,
+data position, counters and the outbox with its update ids. A worker killed at any moment and
+started again resumes from its last checkpoint: updates it had queued are pushed again under the
+same ids (the coordinator applies an id once), and the training after the checkpoint was never
+pushed, so it is redone rather than counted twice.
 """
 from __future__ import annotations
 
@@ -15,17 +35,24 @@ import logging
 import time
 import uuid
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from protocol.client import CoordinatorClient
+import torch
+
 from compression.errors import CompressionError
 from compression.wire import decode_update
+from protocol.client import CoordinatorClient
 from protocol.errors import FedMoEError, NotFound, Unavailable
 from protocol.tensors import StateDict, manifest_of
 from worker.console import SyncConsole
+from worker.checkpoint import (CheckpointError, WorkerCheckpoint, clone_optimizer_state, discard_checkpoint,
+                               load_checkpoint, save_checkpoint)
+from worker.data import StreamPosition
 from worker.encoding import CompressionSettings, PullSettings, UpdateEncoder
+from worker.sync_state import Fetched, IntervalStats, Outgoing, RunSummary, SyncJob
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +60,16 @@ log = logging.getLogger(__name__)
 class Trainer(Protocol):
     """What the loop needs from a trainer (``worker.trainer.LoraTrainer``)."""
 
+    global_step: int
+
     def train_steps(self, n: int) -> Any: ...
     def adapter_state(self) -> StateDict: ...
     def load_adapter_state(self, state: StateDict) -> None: ...
+    @property
+    def data_position(self) -> StreamPosition: ...
+    def seek(self, position: StreamPosition) -> None: ...
+    def optimizer_state(self) -> dict: ...
+    def load_optimizer_state(self, state: dict) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -53,6 +87,12 @@ class SyncSettings:
     """Training steps between clock checks."""
     results_path: Path | None = None
     """Append one JSON line per sync here."""
+    state_dir: Path | None = None
+    """Checkpoint here at every sync and resume from here (None: no checkpoints)."""
+    resume: bool = True
+    """Resume from the checkpoint in state_dir if there is one; False discards it (--fresh)."""
+    overlap: bool = True
+    """Push and pull on a background thread while training goes on (False: training waits)."""
 
     def __post_init__(self) -> None:
         if not self.duration > 0:
@@ -61,34 +101,6 @@ class SyncSettings:
             raise ValueError(f"--sync-interval must be > 0 seconds, got {self.sync_interval}")
         if not 0 < self.speed_factor <= 1:
             raise ValueError(f"--speed-factor must be in (0, 1] (1 = full speed), got {self.speed_factor}")
-
-
-@dataclass
-class Outgoing:
-    """An update waiting in the outbox: its bytes and metadata never change once queued."""
-
-    body: bytes
-    meta: dict[str, Any]
-
-
-@dataclass
-class IntervalStats:
-    steps: int = 0
-    samples: int = 0
-    tokens: int = 0
-    loss_sum: float = 0.0
-    seconds: float = 0.0
-
-    def add(self, s: Any) -> None:
-        self.steps += s.steps
-        self.samples += s.samples
-        self.tokens += s.tokens
-        self.loss_sum += s.loss * s.steps
-        self.seconds += s.seconds
-
-    @property
-    def loss(self) -> float | None:
-        return self.loss_sum / self.steps if self.steps else None
 
 
 @dataclass
@@ -106,101 +118,256 @@ class FederatedWorker:
     pulled: StateDict = field(default_factory=dict)
     """Weights as of the last pull (exact after a full pull, approximate after a lossy diff pull)."""
     reference: StateDict = field(default_factory=dict)
-    """Weights the next delta is measured from: the last pull, or the last queued snapshot."""
+    """Weights the next delta is measured from: the last pull, or the last sync's snapshot."""
     pulls: int = 0
     profile: dict[str, Any] | None = None
     """Routing summary of our training prompts (gateway.router), sent when joining."""
     outbox: deque[Outgoing] = field(default_factory=deque)
     interval: IntervalStats = field(default_factory=IntervalStats)
+    """Training since the last sync point (what the next update will carry)."""
     syncs: int = 0
     console: SyncConsole | None = None
     """Progress bar and the one log line per sync (worker.console); None: no console output."""
+    totals: IntervalStats = field(default_factory=IntervalStats)
+    """All training steps of this process."""
+    blocked_seconds: float = 0.0
+    """Training-thread seconds spent syncing (all syncs of this process)."""
+    _inflight: tuple[SyncJob, Future] | None = field(default=None, repr=False)
+    _executor: ThreadPoolExecutor | None = field(default=None, repr=False)
 
     # joining ------------------------------------------------------------------
 
+    @property
+    def identity(self) -> dict[str, Any]:
+        """What a checkpoint must match to be resumed by this worker."""
+        return {"specialty": self.settings.specialty, "worker_id": self.settings.worker_id,
+                "base_model": self.expert_spec["base_model"], "lora": self.expert_spec["lora"]}
+
     def join(self) -> dict[str, Any]:
-        """Register, create the expert if this is its first worker, and start from its weights."""
+        """Resume a checkpoint if any, register, create the expert if we are its first worker, pull it."""
         s = self.settings
+        resumed = self._resume()
         self.client.register_worker(s.worker_id, s.specialty, self.expert_spec["base_model"], s.sync_interval)
         info = self.client.create_expert(s.specialty, self.trainer.adapter_state(), self.expert_spec)
+        if resumed and info["version"] < self.base_version:
+            self._forget_history(info["version"])
         if self.profile is not None:
             self.client.put_profile(s.specialty, s.worker_id, self.profile)
-        self._pull()
+        if self.outbox and not self._flush_outbox():
+            raise Unavailable("cannot deliver the updates saved in the checkpoint; is the coordinator up?")
+        fetched = self._fetch()
+        if fetched.weights is not None:
+            self._adopt(fetched)
         log.info("joined expert %s at version %d as %s", s.specialty, self.base_version, s.worker_id)
         return info
 
+    def _resume(self) -> bool:
+        """Load the checkpoint in the state dir into trainer, encoder and loop; False if there is none."""
+        s = self.settings
+        if s.state_dir is None:
+            return False
+        if s.state_dir.exists() and not s.state_dir.is_dir():
+            raise CheckpointError(f"--state-dir {s.state_dir} is a file; give a directory for the worker's checkpoints")
+        if not s.resume:
+            if dropped := discard_checkpoint(s.state_dir):
+                log.warning("--fresh: discarded the checkpoint in %s and its %d undelivered update(s)",
+                            s.state_dir, dropped)
+            return False
+        checkpoint = load_checkpoint(s.state_dir, self.identity)
+        if checkpoint is None:
+            return False
+        progress = checkpoint.progress
+        optimizer = checkpoint.optimizer
+        current = self.trainer.optimizer_state()["param_groups"]  # today's --lr etc. win over the saved ones
+        optimizer["param_groups"] = [{**now, "params": saved["params"]}
+                                     for now, saved in zip(current, optimizer["param_groups"], strict=True)]
+        try:
+            self.trainer.load_adapter_state(checkpoint.adapter)
+            self.trainer.load_optimizer_state(optimizer)
+            self.trainer.seek(StreamPosition.from_dict(progress["data_position"]))
+            self.encoder.load_state_dict(checkpoint.residual)
+        except (ValueError, KeyError, CompressionError) as exc:
+            raise CheckpointError(f"--state-dir {s.state_dir}: cannot resume this checkpoint ({exc}); "
+                                  "pass --fresh to discard it") from None
+        self.trainer.global_step = progress["global_step"]
+        self.reference, self.pulled = checkpoint.reference, checkpoint.pulled
+        self.base_version, self.etag = progress["base_version"], progress["etag"]
+        self.pulls, self.syncs = progress["pulls"], progress["syncs"]
+        self.outbox = deque(Outgoing(body, meta) for body, meta in checkpoint.outbox)
+        log.info("resuming from the checkpoint in %s: %d sync(s), step %d, data %s, expert version %d, "
+                 "%d queued update(s)", s.state_dir, self.syncs, self.trainer.global_step,
+                 progress["data_position"], self.base_version, len(self.outbox))
+        return True
+
+    def _forget_history(self, version: int) -> None:
+        """The coordinator lacks the versions our checkpoint builds on (a new data dir?): start from it.
+
+        Our queued updates are deltas on versions it never had, so they are dropped (if the expert
+        was just created, it was created from our adapter, which already contains them).
+        """
+        log.warning("the coordinator has expert %s at version %d, behind this worker's checkpoint (version %d): "
+                    "dropping %d queued update(s) and starting from the coordinator's weights",
+                    self.settings.specialty, version, self.base_version, len(self.outbox))
+        self.outbox.clear()
+        self.pulled, self.etag, self.base_version = {}, None, version
+
     # the loop -----------------------------------------------------------------
 
-    def run(self) -> None:
+    def run(self) -> RunSummary:
         """Train and sync until ``duration`` is over or Ctrl-C; always ends with a final push."""
         s = self.settings
-        end = time.monotonic() + s.duration
+        started, cpu_started = time.monotonic(), time.process_time()
+        end, due = started + s.duration, started + s.sync_interval
+        steps_before, tokens_before, blocked_before = self.totals.steps, self.totals.tokens, self.blocked_seconds
         try:
             while time.monotonic() < end:
-                self._train_until(min(end, time.monotonic() + s.sync_interval))
-                self.sync()
+                self.train_step()
+                self.poll_sync()
+                if time.monotonic() >= due and self._inflight is None:
+                    self.start_sync() if s.overlap else self.sync()
+                    due = time.monotonic() + s.sync_interval
         except KeyboardInterrupt:
             log.info("interrupted: pushing what was trained before exiting")
         finally:
+            summary = RunSummary(time.monotonic() - started, time.process_time() - cpu_started,
+                                 self.totals.steps - steps_before,
+                                 self.totals.tokens - tokens_before, self.blocked_seconds - blocked_before, self.syncs)
+            self.wait_sync()
             self.sync(final=True)
-            if self.outbox:
-                log.error("%d update(s) could not be delivered before exit (coordinator unreachable); "
-                          "their training is lost", len(self.outbox))
+            self._report_undelivered()
+        return summary
 
-    def _train_until(self, deadline: float) -> None:
-        while time.monotonic() < deadline:
-            stats = self.trainer.train_steps(self.settings.steps_per_check)
-            self.interval.add(stats)
-            if self.console is not None:
-                self.console.on_train_chunk(self.interval)
-            if self.settings.speed_factor < 1:
-                time.sleep(stats.seconds * (1 / self.settings.speed_factor - 1))
+    def train_step(self) -> None:
+        """Train ``steps_per_check`` steps (the loop's per-step point)."""
+        stats = self.trainer.train_steps(self.settings.steps_per_check)
+        self.interval.add(stats)
+        self.totals.add(stats)
+        if self.console is not None:
+            self.console.on_train_chunk(self.interval)
+        if self.settings.speed_factor < 1:
+            time.sleep(stats.seconds * (1 / self.settings.speed_factor - 1))
+
+    def _report_undelivered(self) -> None:
+        if not self.outbox:
+            return
+        if self.settings.state_dir is not None:
+            log.warning("%d update(s) could not be delivered before exit (coordinator unreachable); they are saved "
+                        "in %s and will be pushed when this worker starts again", len(self.outbox),
+                        self.settings.state_dir)
+        else:
+            log.error("%d update(s) could not be delivered before exit (coordinator unreachable); "
+                      "their training is lost", len(self.outbox))
+
+    # syncing ------------------------------------------------------------------
 
     def sync(self, final: bool = False) -> dict[str, Any]:
+        """A whole sync, waiting for the network (the final sync, tests, --no-overlap)."""
+        self.wait_sync()
+        job = self.begin_sync(final)
+        return self.finish_sync(self.exchange(job), overlapped=False)
+
+    def start_sync(self) -> None:
+        """Begin a sync and leave its exchange to the background thread."""
+        if self._inflight is not None:
+            raise RuntimeError("a sync is already in flight")
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedmoe-sync")
+        job = self.begin_sync()
+        self._inflight = job, self._executor.submit(self.exchange, job)
+
+    def poll_sync(self) -> dict[str, Any] | None:
+        """Finish the background sync if it is done (call at a step boundary); its record, or None."""
+        if self._inflight is None or not self._inflight[1].done():
+            return None
+        return self.wait_sync()
+
+    def wait_sync(self) -> dict[str, Any] | None:
+        """Wait for the background sync, if any, and finish it; its record, or None."""
+        if self._inflight is None:
+            return None
+        job, future = self._inflight
         started = time.perf_counter()
-        record: dict[str, Any] = {"time": time.time(), "sync": self.syncs, "final": final,
-                                  "worker_id": self.settings.worker_id, "base_version": self.base_version}
-        record |= self._queue_interval()
-        record["delivered"] = self._flush_outbox()
-        received = self._pull_quietly() if record["delivered"] and not final else None
-        if received is not None:
-            self._heartbeat()
-        record |= {"pulled": received is not None, "bytes_down": received or 0}
-        record |= {"version": self.base_version, "outbox": len(self.outbox),
-                   "sync_seconds": round(time.perf_counter() - started, 4)}
+        try:
+            future.result()
+        finally:
+            self._inflight = None
+        job.blocked += time.perf_counter() - started
+        return self.finish_sync(job, overlapped=True)
+
+    def begin_sync(self, final: bool = False) -> SyncJob:
+        """Snapshot the adapter and what a checkpoint needs; from here the next delta starts."""
+        started = time.perf_counter()
+        stats, self.interval = self.interval, IntervalStats()
+        snapshot = self.trainer.adapter_state()
+        delta_from = None
+        if stats.samples:
+            delta_from, self.reference = self.reference, snapshot
+        record = {"time": time.time(), "sync": self.syncs, "final": final, "worker_id": self.settings.worker_id,
+                  "base_version": self.base_version, "global_step": self.trainer.global_step}
         self.syncs += 1
+        checkpoint = self._capture(snapshot) if self.settings.state_dir is not None else None
+        job = SyncJob(record["sync"], final, stats, snapshot, delta_from, checkpoint, record, started=started)
+        job.blocked = time.perf_counter() - started
+        return job
+
+    def exchange(self, job: SyncJob) -> SyncJob:
+        """The network step of a sync: queue the delta, checkpoint, push the outbox, pull the expert.
+
+        Runs on the background thread when overlapping; the training thread does not touch the
+        outbox, encoder, etag or pulled weights until finish_sync.
+        """
+        started = time.perf_counter()
+        if job.delta_from is not None:
+            job.record |= self._queue_update(job)
+        if job.checkpoint is not None:
+            job.record["checkpoint_seconds"] = self._save_checkpoint(job.checkpoint)
+        job.record["delivered"] = self._flush_outbox()
+        job.fetched = self._fetch_quietly() if job.record["delivered"] and not job.final else None
+        if job.fetched is not None:
+            self._heartbeat()
+        job.record |= {"pulled": job.fetched is not None, "bytes_down": job.fetched.nbytes if job.fetched else 0}
+        job.background = time.perf_counter() - started
+        return job
+
+    def finish_sync(self, job: SyncJob, overlapped: bool) -> dict[str, Any]:
+        """Adopt what the sync pulled, write its result line (the loop's per-sync point)."""
+        started = time.perf_counter()
+        if job.fetched is not None and job.fetched.weights is not None:
+            self._adopt(job.fetched, carry_from=None if job.dropped else job.snapshot)
+        seconds = time.perf_counter() - job.started
+        blocked = job.blocked + time.perf_counter() - started if overlapped else seconds
+        self.blocked_seconds += blocked
+        record = job.record | {"version": self.base_version, "outbox": len(self.outbox),
+                               "sync_seconds": round(seconds, 4), "blocked_seconds": round(blocked, 4),
+                               "background_seconds": round(job.background if overlapped else 0.0, 4),
+                               "steps_during_sync": self.interval.steps}
         self._write_result(record)
         if self.console is not None:
             self.console.on_sync(record)
         return record
 
-    def _queue_interval(self) -> dict[str, Any]:
-        """Turn the interval's training into an outgoing update; returns its metrics."""
-        stats = self.interval
-        if stats.samples == 0:
-            return {}
-        snapshot = self.trainer.adapter_state()
-        delta = {k: snapshot[k] - self.reference[k] for k in snapshot}
+    def _queue_update(self, job: SyncJob) -> dict[str, Any]:
+        """Turn the job's interval into an outgoing update; returns its metrics."""
+        stats, snapshot = job.stats, job.snapshot
+        delta = {k: snapshot[k] - job.delta_from[k] for k in snapshot}
         try:
-            encoded = self.encoder.encode(delta, manifest_of(delta), seed=self.syncs)
+            encoded = self.encoder.encode(delta, manifest_of(delta), seed=job.number)
         except CompressionError as exc:  # e.g. training diverged to NaN: skip it, resync from the expert
             log.error("cannot encode this interval's update (%s); dropping it and the carried residual", exc)
             self.encoder.reset()
-            self.reference, self.interval = snapshot, IntervalStats()
             self.etag = None  # force a full pull, replacing the local weights
+            job.dropped = True
             return {"dropped": True}
         meta = {"update_id": f"{self.settings.worker_id}-{uuid.uuid4().hex[:16]}",
-                "base_version": self.base_version, "num_samples": stats.samples, "train_loss": stats.loss,
-                "worker_id": self.settings.worker_id, **self.encoder.codec_meta}
+                "base_version": job.record["base_version"], "num_samples": stats.samples,
+                "train_loss": stats.loss, "worker_id": self.settings.worker_id, **self.encoder.codec_meta}
         self.outbox.append(Outgoing(encoded.body, meta))
-        self.reference = snapshot
-        self.interval = IntervalStats()
         m = encoded.metrics
         log.debug("sync %d: %d steps, loss %.4f, %.0f tokens/s; update %d bytes (%.1fx smaller than fp32)",
-                  self.syncs, stats.steps, stats.loss or float("nan"), stats.tokens / max(stats.seconds, 1e-9),
+                  job.number, stats.steps, stats.loss or float("nan"), stats.tokens / max(stats.seconds, 1e-9),
                   m["bytes_sent"], m["ratio"])
         return {"steps": stats.steps, "samples": stats.samples, "tokens": stats.tokens, "train_loss": stats.loss,
-                "train_seconds": round(stats.seconds, 4), **m}
+                "train_seconds": round(stats.seconds, 4), "update_id": meta["update_id"], **m}
 
     def _flush_outbox(self) -> bool:
         """Push queued updates in order; False if the coordinator is unreachable (kept for later)."""
@@ -216,8 +383,10 @@ class FederatedWorker:
             self.outbox.popleft()
         return True
 
-    def _pull(self) -> int:
-        """Bring the local adapter to the expert's latest version; returns the bytes received."""
+    # pulling ------------------------------------------------------------------
+
+    def _fetch(self) -> Fetched:
+        """The expert's latest weights (a diff pull when configured); does not change local weights."""
         name, worker_id = self.settings.specialty, self.settings.worker_id
         decoder = self.pull.decoder()
         self.pulls += 1
@@ -228,28 +397,36 @@ class FederatedWorker:
             except NotFound:  # our version was pruned on the coordinator: fall back to full weights
                 log.info("version %d is no longer kept; pulling full weights", self.base_version)
             else:
+                weights = None
                 if payload:
                     diff = decode_update(payload, manifest_of(self.pulled), decoder)
-                    self._adopt({k: self.pulled[k] + diff[k] for k in self.pulled}, version, etag=None)
-                return len(payload)
+                    weights = {k: self.pulled[k] + diff[k] for k in self.pulled}
+                return Fetched(weights, version, None, len(payload))
         pulled = self.client.pull_weights(name, etag=self.etag, worker_id=worker_id)
-        if pulled.tensors is not None:
-            self._adopt(pulled.tensors, pulled.version, pulled.etag)
-        return pulled.nbytes
+        return Fetched(pulled.tensors, pulled.version, pulled.etag, pulled.nbytes)
 
-    def _adopt(self, weights: StateDict, version: int, etag: str | None) -> None:
-        self.trainer.load_adapter_state(weights)
-        self.pulled = weights
-        self.reference = {k: v.clone() for k, v in weights.items()}
-        self.base_version, self.etag = version, etag
-
-    def _pull_quietly(self) -> int | None:
-        """Like _pull, but an unreachable coordinator is logged and gives None."""
+    def _fetch_quietly(self) -> Fetched | None:
+        """Like _fetch, but an unreachable coordinator is logged and gives None."""
         try:
-            return self._pull()
+            return self._fetch()
         except Unavailable as exc:
             log.warning("%s; training on from local weights", exc)
             return None
+
+    def _adopt(self, fetched: Fetched, carry_from: StateDict | None = None) -> None:
+        """Take the expert's weights W; with ``carry_from`` keep what was trained since: W + (local - carry_from)."""
+        weights = local = fetched.weights
+        if carry_from is not None and self.interval.steps:
+            now = self.trainer.adapter_state()
+            carried = {k: weights[k] + (now[k] - carry_from[k]) for k in weights}
+            if all(bool(torch.isfinite(v).all()) for v in carried.values()):
+                local = carried
+            else:  # diverged meanwhile: start over from the expert, forget that training
+                log.error("local training diverged while syncing; continuing from the expert's weights")
+                self.interval = IntervalStats()
+        self.trainer.load_adapter_state(local)
+        self.pulled = self.reference = weights
+        self.base_version, self.etag = fetched.version, fetched.etag
 
     def _heartbeat(self) -> None:
         try:
@@ -257,10 +434,31 @@ class FederatedWorker:
         except FedMoEError as exc:  # liveness is best effort; the next sync tries again
             log.debug("heartbeat failed: %s", exc)
 
+    # checkpoints and results --------------------------------------------------
+
+    def _capture(self, snapshot: StateDict) -> WorkerCheckpoint:
+        """The checkpoint of this sync point; exchange adds the residual and outbox after encoding."""
+        progress = {"syncs": self.syncs, "base_version": self.base_version, "etag": self.etag, "pulls": self.pulls,
+                    "global_step": self.trainer.global_step, "data_position": self.trainer.data_position.to_dict(),
+                    "time": time.time()}
+        return WorkerCheckpoint(self.identity, progress, adapter=snapshot, reference=self.reference,
+                                pulled=self.pulled, residual={},
+                                optimizer=clone_optimizer_state(self.trainer.optimizer_state()))
+
+    def _save_checkpoint(self, checkpoint: WorkerCheckpoint) -> float:
+        started = time.perf_counter()
+        checkpoint.residual = self.encoder.state_dict()
+        checkpoint.outbox = [(o.body, o.meta) for o in self.outbox]
+        try:
+            save_checkpoint(self.settings.state_dir, checkpoint)
+        except OSError as exc:  # never push what we could not checkpoint: a restart would send it twice
+            raise CheckpointError(f"cannot write a checkpoint to --state-dir {self.settings.state_dir}: "
+                                  f"{exc}") from None
+        return round(time.perf_counter() - started, 4)
+
     def _write_result(self, record: dict[str, Any]) -> None:
         path = self.settings.results_path
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")
-

@@ -168,6 +168,14 @@ class LoraTrainer:
         """Resume the training data stream from a checkpointed position."""
         self._stream.seek(position)
 
+    def optimizer_state(self) -> dict:
+        """The optimiser's state_dict, for checkpointing (its tensors are live: clone before training on)."""
+        return self._optimizer.state_dict()
+
+    def load_optimizer_state(self, state: dict) -> None:
+        """Restore a checkpointed optimiser state (AdamW moments and step counts)."""
+        self._optimizer.load_state_dict(state)
+
     def train_steps(self, n: int) -> StepStats:
         """Take n optimiser steps on the next n batches of the training stream."""
         if n < 1:

@@ -43,7 +43,8 @@ def test_two_worker_processes_train_their_experts_and_the_gateway_loads(start_co
     for specialty in ("python_expert", "sql_expert"):
         cmd = [sys.executable, str(ROOT / "run_worker.py"), "--coordinator-url", url, "--specialty", specialty,
                "--base-model", "tiny-qwen2", "--duration", "14", "--sync-interval", "4",
-               "--lora-rank", "4", "--results", str(tmp_path / f"{specialty}.jsonl")]
+               "--lora-rank", "4", "--results", str(tmp_path / f"{specialty}.jsonl"),
+               "--state-dir", str(tmp_path / f"{specialty}.state")]
         cmd += ["--log-format", "json"] if specialty == "sql_expert" else []
         workers[specialty] = subprocess.Popen(cmd, env=env() | {"OMP_NUM_THREADS": "1"}, cwd=ROOT,
                                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -157,7 +158,7 @@ def test_ctrl_c_pushes_what_was_trained_then_exits(start_coordinator, tmp_path):
     _, url = start_coordinator()
     worker = spawn(str(ROOT / "run_worker.py"), "--coordinator-url", url, "--specialty", "sql_expert",
                    "--base-model", "tiny-qwen2", "--duration", "600", "--sync-interval", "600",
-                   "--batch-size", "2", "--max-seq-len", "64")
+                   "--batch-size", "2", "--max-seq-len", "64", "--state-dir", str(tmp_path / "state"))
     worker.wait_for(re.compile(r"held-out loss at start"), timeout=120)
     time.sleep(2)  # some training steps
     worker.proc.send_signal(signal.SIGINT)

@@ -1,0 +1,245 @@
+#!/usr/bin/env python3
+"""Sync overhead: a worker's training throughput with a sync every 10 s versus no coordinator at all.
+
+One process, one tiny-qwen2 LoRA trainer, torch pinned to one thread. Phases of equal length
+alternate between two modes on the same trainer:
+
+- ``local``: plain training steps, no coordinator anywhere;
+- ``overlap``: ``FederatedWorker.run`` against a real coordinator process on loopback, syncing
+  every ``--sync-interval`` seconds the way run_worker.py does by default (background push and
+  pull, a checkpoint in a state dir at every sync);
+- ``blocking`` (optional, ``--modes``): the same with ``--no-overlap``, training waiting for each sync.
+
+Rounds run the modes in ABBA order (local, overlap, overlap, local, ...) so that a drift in the
+machine's load hits both alike. A mode's throughput is its tokens over its phases' seconds;
+``sync_overhead_pct`` = 100 * (1 - overlap / local). The final push a worker makes on exit is a
+one-off, not part of the steady state, and is left out of the phase's time.
+
+On a shared machine wall-clock throughput swings by tens of percent from one phase to the next
+with other processes' load, far more than the effect measured. Two figures do not depend on it:
+``cpu_overhead_pct`` compares tokens per CPU-second of this process (training plus the sync
+thread: encoding, checkpoint, HTTP, decoding; the coordinator runs in its own process), and
+``blocked_pct`` is the share of the phase the training thread spent on syncs (snapshot, adopting
+the pull, waiting).
+
+    python bench/overhead.py                      # 4 rounds of 12 s phases, ~2 min
+    python bench/overhead.py --modes local overlap blocking --rounds 1
+
+Table on stdout, progress on stderr, results in bench/results/overhead.json.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# Run as a script, this file's own directory would head sys.path and shadow the `compression` package.
+sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != ROOT / "bench"]
+sys.path.insert(0, str(ROOT))
+for _var, _value in (("HF_HUB_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false"), ("OMP_NUM_THREADS", "1"),
+                     ("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1"), ("HF_HUB_DISABLE_PROGRESS_BARS", "1")):
+    os.environ.setdefault(_var, _value)
+
+import argparse  # noqa: E402
+import logging  # noqa: E402
+import re  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+import warnings  # noqa: E402
+from collections.abc import Iterator, Sequence  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
+from dataclasses import asdict, dataclass, replace  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+
+from bench.common import RESULTS_DIR, SCRATCH_DIR, configure_logging, format_table, write_json_atomic  # noqa: E402
+from protocol.client import CoordinatorClient  # noqa: E402
+from worker.data import load_examples, sample_dataset_path, split_examples  # noqa: E402
+from worker.federation import FederatedWorker, SyncSettings  # noqa: E402
+from worker.models import load_base_model  # noqa: E402
+from worker.trainer import LoraSettings, LoraTrainer, TrainSettings  # noqa: E402
+
+log = logging.getLogger("bench.overhead")
+warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+
+BASE_MODEL = "tiny-qwen2"
+SPECIALTY = "python_expert"
+TARGET_PCT = 2.0
+MODES = ("local", "overlap", "blocking")
+LISTENING = re.compile(r"listening on (http://[\d.]+:\d+)")
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One timed stretch of training in one mode."""
+
+    round: int
+    mode: str
+    seconds: float
+    cpu_seconds: float
+    """CPU time of this process (training and sync threads) during the phase."""
+    steps: int
+    tokens: int
+    syncs: int
+    """Syncs begun during the phase (the final push on exit not counted)."""
+    blocked_seconds: float
+    """Training-thread time spent on syncs during the phase."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+
+@contextmanager
+def coordinator_process(data_dir: Path) -> Iterator[str]:
+    """run_coordinator.py on a free loopback port, as users start it; yields its URL."""
+    proc = subprocess.Popen([sys.executable, str(ROOT / "run_coordinator.py"), "--host", "127.0.0.1", "--port", "0",
+                             "--data-dir", str(data_dir)], cwd=ROOT, env=os.environ.copy(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if m := LISTENING.search(line):
+                break
+        else:
+            raise RuntimeError("the coordinator did not start:\n" + "".join(lines))
+        threading.Thread(target=proc.stdout.read, daemon=True).start()  # a full pipe would block it
+        yield m.group(1)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def local_phase(trainer: LoraTrainer, seconds: float, round_: int) -> Phase:
+    steps = tokens = 0
+    started, cpu_started = time.monotonic(), time.process_time()
+    while time.monotonic() - started < seconds:
+        stats = trainer.train_steps(1)
+        steps, tokens = steps + stats.steps, tokens + stats.tokens
+    return Phase(round_, "local", time.monotonic() - started, time.process_time() - cpu_started, steps, tokens,
+                 0, 0.0)
+
+
+def federated_phase(worker: FederatedWorker, mode: str, seconds: float, round_: int) -> Phase:
+    worker.settings = replace(worker.settings, duration=seconds, overlap=mode == "overlap")
+    syncs_before = worker.syncs
+    summary = worker.run()
+    return Phase(round_, mode, summary.seconds, summary.cpu_seconds, summary.steps, summary.tokens,
+                 summary.syncs - syncs_before, summary.blocked_seconds)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    train, _ = split_examples(load_examples(sample_dataset_path(SPECIALTY)))
+    base = load_base_model(BASE_MODEL)
+    trainer = LoraTrainer(base, LoraSettings(rank=args.lora_rank),
+                          TrainSettings(lr=1e-2, batch_size=args.batch_size, max_seq_len=args.max_seq_len), train)
+    spec = {"lora": trainer.lora_config, "base_model": {"id": base.model_id, "fingerprint": base.fingerprint}}
+    phases: list[Phase] = []
+    with tempfile.TemporaryDirectory(prefix="fedmoe-overhead-", dir=SCRATCH_DIR) as scratch, \
+            coordinator_process(Path(scratch) / "coordinator") as url:
+        settings = SyncSettings(specialty=SPECIALTY, worker_id="overhead-bench", sync_interval=args.sync_interval,
+                                duration=args.phase_seconds, state_dir=Path(scratch) / "worker-state")
+        worker = FederatedWorker(settings, CoordinatorClient(url), trainer, spec)
+        worker.join()
+        trainer.train_steps(2)  # warm-up: first steps allocate
+        for r in range(args.rounds):
+            order = list(args.modes) if r % 2 == 0 else list(reversed(args.modes))
+            for mode in order:
+                phase = (local_phase(trainer, args.phase_seconds, r) if mode == "local"
+                         else federated_phase(worker, mode, args.phase_seconds, r))
+                phases.append(phase)
+                log.info("round %d %-8s %6.0f tokens/s, %d sync(s), %.3f s blocked", r, mode, phase.tokens_per_s,
+                         phase.syncs, phase.blocked_seconds)
+        expert = CoordinatorClient(url).expert(SPECIALTY)
+    return summarize(phases, args, expert, time.perf_counter() - started)
+
+
+def summarize(phases: Sequence[Phase], args: argparse.Namespace, expert: dict[str, Any],
+              seconds: float) -> dict[str, Any]:
+    modes: dict[str, dict[str, Any]] = {}
+    for mode in args.modes:
+        mine = [p for p in phases if p.mode == mode]
+        total, cpu = sum(p.seconds for p in mine), sum(p.cpu_seconds for p in mine)
+        tokens = sum(p.tokens for p in mine)
+        modes[mode] = {"tokens_per_s": tokens / total, "tokens_per_cpu_s": tokens / cpu, "seconds": round(total, 3),
+                       "steps": sum(p.steps for p in mine), "syncs": sum(p.syncs for p in mine),
+                       "blocked_pct": 100 * sum(p.blocked_seconds for p in mine) / total}
+    local = modes["local"]["tokens_per_s"]
+    for mode, m in modes.items():
+        m["overhead_pct"] = 100 * (1 - m["tokens_per_s"] / local)
+        m["cpu_overhead_pct"] = 100 * (1 - m["tokens_per_cpu_s"] / modes["local"]["tokens_per_cpu_s"])
+    overhead, cpu_overhead = modes["overlap"]["overhead_pct"], modes["overlap"]["cpu_overhead_pct"]
+    per_round = []
+    for r in range(args.rounds):
+        by_mode = {p.mode: p.tokens_per_s for p in phases if p.round == r}
+        per_round.append(round(100 * (1 - by_mode["overlap"] / by_mode["local"]), 3))
+    return {"config": {"base_model": BASE_MODEL, "lora_rank": args.lora_rank, "batch_size": args.batch_size,
+                       "max_seq_len": args.max_seq_len, "sync_interval": args.sync_interval,
+                       "phase_seconds": args.phase_seconds, "rounds": args.rounds, "torch_threads": 1},
+            "phases": [asdict(p) | {"tokens_per_s": p.tokens_per_s} for p in phases],
+            "modes": modes, "sync_overhead_pct": overhead, "overhead_pct_per_round": per_round,
+            "cpu_overhead_pct": cpu_overhead,
+            "target": {"max_overhead_pct": TARGET_PCT, "met": overhead <= TARGET_PCT,
+                       "cpu_met": cpu_overhead <= TARGET_PCT},
+            "expert": {"version": expert["version"], "updates_applied": expert["updates_applied"]},
+            "seconds": round(seconds, 1)}
+
+
+def render(report: dict[str, Any]) -> str:
+    rows = [[mode, round(m["tokens_per_s"], 1), round(m["tokens_per_cpu_s"], 1), m["steps"], m["syncs"],
+             round(m["blocked_pct"], 3), round(m["overhead_pct"], 2), round(m["cpu_overhead_pct"], 2)]
+            for mode, m in report["modes"].items()]
+    table = format_table(["mode", "tokens/s", "tokens/cpu-s", "steps", "syncs", "blocked %", "overhead %",
+                          "cpu overhead %"], rows)
+    verdict = "met" if report["target"]["met"] else "NOT met"
+    rounds = ", ".join(f"{v:.1f}" for v in report["overhead_pct_per_round"])
+    return (f"{table}\n\noverlap vs local per round (%, load noise): {rounds}\n"
+            f"sync every {report['config']['sync_interval']:g} s, background push/pull: "
+            f"{report['sync_overhead_pct']:.2f}% fewer tokens/s than no coordinator "
+            f"(target <= {TARGET_PCT:g}%: {verdict}); per CPU-second {report['cpu_overhead_pct']:.2f}%")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--phase-seconds", type=float, default=12.0,
+                   help="length of each timed phase (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=4, help="rounds of one phase per mode (default: %(default)s)")
+    p.add_argument("--sync-interval", type=float, default=10.0, help="seconds between syncs (default: %(default)s)")
+    p.add_argument("--modes", nargs="+", default=["local", "overlap"], choices=MODES,
+                   help="modes to compare; local and overlap are required (default: %(default)s)")
+    p.add_argument("--lora-rank", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-seq-len", type=int, default=128)
+    p.add_argument("--out", type=Path, default=RESULTS_DIR / "overhead.json")
+    p.add_argument("--verbose", action="store_true")
+    args = p.parse_args(argv)
+    if not {"local", "overlap"} <= set(args.modes):
+        p.error("--modes must include local and overlap")
+    if args.rounds < 1 or not args.phase_seconds > 0 or not args.sync_interval > 0:
+        p.error("--rounds must be >= 1, --phase-seconds and --sync-interval > 0")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    configure_logging(args.verbose)
+    logging.getLogger("bench").setLevel(logging.INFO)
+    report = run(args)
+    write_json_atomic(args.out, report)
+    print(render(report))
+    log.info("wrote %s in %.0f s", args.out, report["seconds"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
