@@ -117,7 +117,7 @@ class CoordinatorClient:
 
     def create_expert(self, name: str, adapter: StateDict, spec: dict[str, Any]) -> dict[str, Any]:
         """Create the expert, or get it if it exists with the same setup (409 if not)."""
-        return self._json("PUT", f"/experts/{name}", data=dumps(adapter),
+        return self._json("PUT", f"/experts/{name}", data=Chunks(dumps(adapter)),
                           headers={EXPERT_HEADER: json.dumps(spec)})
 
     def pull_weights(self, name: str, etag: str | None = None, version: int | None = None,
@@ -144,7 +144,7 @@ class CoordinatorClient:
         return (b"" if r.status_code == 304 else r.content), int(r.headers.get(VERSION_HEADER, -1))
 
     def push_update(self, name: str, body: bytes, meta: dict[str, Any]) -> dict[str, Any]:
-        return self._json("POST", f"/experts/{name}/updates", data=body,
+        return self._json("POST", f"/experts/{name}/updates", data=Chunks(body),
                           headers={UPDATE_HEADER: json.dumps(meta), "Content-Type": "application/octet-stream"})
 
     def update_status(self, update_id: str) -> dict[str, Any]:
@@ -171,6 +171,25 @@ class CoordinatorClient:
         """The gateway's tensors, streamed into one buffer (views into it, no further copies)."""
         r = self._request("GET", "/gateway/weights", params={"format": "safetensors"}, stream=True)
         return tensors_from_buffer(_read_body(r, self.base_url))
+
+
+class Chunks:
+    """A request body sent as 4 MiB views of one buffer, with its Content-Length.
+
+    Python's ``sendall`` applies the socket timeout to the *whole* call, so one ``sendall`` of
+    a 1 GiB body failed with "timed out" whenever the coordinator took longer than the 5 s
+    connect timeout to take it all; per chunk, the timeout means "no progress for 5 s". The
+    views copy nothing, and iterating again (a retry) starts from the first byte.
+    """
+
+    def __init__(self, body: bytes) -> None:
+        self._view = memoryview(body).cast("B")
+
+    def __len__(self) -> int:
+        return len(self._view)
+
+    def __iter__(self):
+        return (self._view[i:i + PULL_CHUNK] for i in range(0, len(self._view), PULL_CHUNK))
 
 
 def _read_body(response: requests.Response, base_url: str) -> bytearray:
