@@ -32,7 +32,6 @@ sys.path.insert(0, str(ROOT))
 
 import argparse  # noqa: E402
 import base64  # noqa: E402
-import json  # noqa: E402
 import logging  # noqa: E402
 import re  # noqa: E402
 import socket  # noqa: E402
@@ -244,7 +243,8 @@ def measure(size_mb: int, repeats: int, concurrency: int) -> dict[str, Any]:
     push_gbps, base64_gbps = nbytes / best(pushes) / 1e9, small_bytes / base64_s / 1e9
     return {
         "size_bytes": nbytes, "repeats": repeats, "concurrent_pulls": concurrency,
-        "socket_seconds": socket_s, "socket_runs": sockets, "pull_runs": pulls, "push_runs": pushes, "pull_seconds": best(pulls), "push_seconds": best(pushes),
+        "socket_seconds": socket_s, "pull_seconds": best(pulls), "push_seconds": best(pushes),
+        "socket_runs": sockets, "pull_runs": pulls, "push_runs": pushes,
         "socket_gbps": nbytes / socket_s / 1e9, "pull_gbps": nbytes / best(pulls) / 1e9, "push_gbps": push_gbps,
         "pull_vs_socket": socket_s / best(pulls), "push_vs_socket": socket_s / best(pushes),
         "base64_json_bytes": small_bytes, "base64_json_seconds": base64_s, "base64_json_gbps": base64_gbps,

@@ -60,6 +60,7 @@ class Coordinator:
         self._locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
         self._diffs: dict[tuple, bytes] = {}  # (expert, since, version, codec, config) -> encoded diff
+        self._diff_lock = threading.Lock()
         self.gateway = GatewayBuilder(self)
         self.on_aggregated: Callable[[float], None] = lambda seconds: None
         """Called with the seconds each aggregation step took (metrics hook)."""
@@ -157,19 +158,20 @@ class Coordinator:
             return b"", current.version
         old = self.weights(name, since)
         key = (name, since, current.version, codec, json.dumps(codec_config, sort_keys=True))
-        with self._locks_guard:
-            cached = self._diffs.get(key)
-        if cached is None:
-            encoder = make_codec_or_400(codec, codec_config)
-            diff, base = load_file(current.path), FileTensors(old.path)  # one model in memory, not three
-            for k, t in diff.items():
-                t.sub_(base[k])
-            cached = encode_update(diff, self.manifest(name), encoder, seed=current.version)
+        with self._diff_lock:  # concurrent pulls of one diff wait for it: one model copy in memory, not N
             with self._locks_guard:
-                self._diffs[key] = cached
-                # a handful of (since, codec) pairs cover a fleet; bounded in bytes for full experts
-                while len(self._diffs) > 16 or sum(map(len, self._diffs.values())) > DIFF_CACHE_BYTES:
-                    self._diffs.pop(next(iter(self._diffs)))
+                cached = self._diffs.get(key)
+            if cached is None:
+                encoder = make_codec_or_400(codec, codec_config)
+                diff, base = load_file(current.path), FileTensors(old.path)
+                for k, t in diff.items():
+                    t.sub_(base[k])
+                cached = encode_update(diff, self.manifest(name), encoder, seed=current.version)
+                with self._locks_guard:
+                    self._diffs[key] = cached
+                    # a handful of (since, codec) pairs cover a fleet; bounded in bytes for full experts
+                    while len(self._diffs) > 16 or sum(map(len, self._diffs.values())) > DIFF_CACHE_BYTES:
+                        self._diffs.pop(next(iter(self._diffs)))
         return cached, current.version
 
     def record_pull(self, worker_id: str | None, name: str, body_bytes: int) -> None:
