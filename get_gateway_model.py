@@ -91,7 +91,7 @@ def experts_table(experts: list[dict[str, Any]]) -> str:
         return "no experts yet"
     return table(("name", "version", "updates", "samples", "rank", "last loss", "last update"),
                  [(e["name"], str(e["version"]), str(e["updates_applied"]), str(e["samples_seen"]),
-                   str(e["lora"]["rank"]),
+                   "full" if e.get("kind") == "full" else str(e["lora"]["rank"]),
                    "-" if e.get("last_train_loss") is None else f"{e['last_train_loss']:.4f}", when(e["updated_at"]))
                   for e in experts])
 
@@ -132,11 +132,23 @@ def save(adapter: Adapter, path: Path, fmt: str, args: argparse.Namespace) -> No
         return
     from gateway.export import save_merged_model, save_peft_adapter
 
-    if fmt == "peft":
+    if adapter.lora is None:  # a full-parameter expert, or a gateway averaged from them
+        save_full(adapter, path, fmt, args)
+    elif fmt == "peft":
         save_peft_adapter(path, adapter.tensors, adapter.lora, adapter.base_model["id"], overwrite=args.overwrite)
     else:
         base = load_base(adapter, args)
         save_merged_model(path, base.model, base.tokenizer, adapter.tensors, adapter.lora, overwrite=args.overwrite)
+
+
+def save_full(adapter: Adapter, path: Path, fmt: str, args: argparse.Namespace) -> None:
+    from gateway.full import save_full_model
+
+    if fmt == "peft":
+        raise ValueError("--format peft: this is a full-parameter model (every weight, no LoRA factors), not a "
+                         "PEFT adapter; use --format merged for a model directory, or a .safetensors/.npz file")
+    base = load_base(adapter, args)
+    save_full_model(path, base.model, base.tokenizer, adapter.tensors, overwrite=args.overwrite)
 
 
 def load_base(adapter: Adapter, args: argparse.Namespace):
@@ -165,6 +177,11 @@ def generate(client: CoordinatorClient, args: argparse.Namespace) -> str:
         print(f"[routed to {expert or 'the gateway'} (confidence {routed['confidence']:.2f})]", file=sys.stderr)
     adapter = choose_adapter(client, args, expert)
     base = load_base(adapter, args)
+    if adapter.lora is None:  # full-parameter weights: answer with the model holding them
+        from gateway.full import with_full_weights
+
+        return answer(with_full_weights(base.model, adapter.tensors), base.tokenizer, args.generate,
+                      max_new_tokens=args.max_new_tokens)
     return answer(base.model, base.tokenizer, args.generate, adapter.tensors, adapter.lora, args.max_new_tokens)
 
 
@@ -183,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
             adapter = choose_adapter(client, args, args.expert)
             save(adapter, args.save_gateway, fmt, args)
             what = f"expert {args.expert}" if args.expert else f"gateway ({adapter.info.get('strategy')})"
-            print(f"saved {what}, rank {adapter.lora['rank']}, as {fmt} to {args.save_gateway}")
+            shape = "full-parameter" if adapter.lora is None else f"rank {adapter.lora['rank']}"
+            print(f"saved {what}, {shape}, as {fmt} to {args.save_gateway}")
         if args.generate:
             print(generate(client, args))
         if not (args.list_experts or args.save_gateway or args.generate):

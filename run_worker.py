@@ -67,7 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     c.add_argument("--full-pull-every", type=int, default=10,
                    help="with --pull-compression, every N-th pull is a full one (default: %(default)s)")
     t = p.add_argument_group("training")
-    t.add_argument("--lora-rank", type=int, default=8, help="LoRA rank (default: %(default)s)")
+    t.add_argument("--lora-rank", type=int, default=8,
+                   help="LoRA rank; 0 trains every weight (a full-parameter expert) (default: %(default)s)")
     t.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA alpha (default: %(default)s)")
     t.add_argument("--target-modules", default=None,
                    help="comma-separated module names (default: all attention and MLP projections)")

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHMARKS = ("compression.py", "gateway.py", "byzantine.py", "overhead.py")
+BENCHMARKS = ("compression.py", "gateway.py", "byzantine.py", "overhead.py", "transport.py", "aggregation.py")
 
 
 def main() -> int:

@@ -1,6 +1,8 @@
-"""Checks on the LoRA adapters and update payloads the coordinator accepts."""
+"""Checks on the adapters, full weights and update payloads the coordinator accepts."""
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -9,7 +11,8 @@ from compression import Codec, wire
 from compression.errors import CompressionError
 from compression.registry import make_codec
 from protocol.errors import BadRequest, InvalidPayload, InvalidUpdate
-from protocol.schemas import RAW_CODEC, LoraSpec
+from protocol.schemas import RAW_CODEC, FullSpec, LoraSpec
+from protocol.streaming import FileTensors, check_file, read_header
 from protocol.tensors import Manifest, StateDict, check_against_manifest, load_file, manifest_of
 
 LORA_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
@@ -40,6 +43,44 @@ def check_lora_adapter(tensors: StateDict, lora: LoraSpec) -> Manifest:
     return manifest
 
 
+def check_full_weights(path: Path, full: FullSpec) -> Manifest:
+    """Validate a full-parameter expert's initial weights (read in chunks); return their manifest.
+
+    The manifest is the header's own (names, shapes); what is checked against the spec is that
+    the weights are a whole model's (no LoRA factors) and hold exactly ``num_parameters`` values,
+    so a worker that meant to send a LoRA adapter, or a truncated model, is refused at once.
+    """
+    manifest = read_header(path).manifest
+    if not manifest:
+        raise InvalidUpdate("the full-parameter weights have no tensors")
+    lora = [name for name, _ in manifest if name.endswith(LORA_SUFFIXES)]
+    if lora:
+        raise InvalidUpdate(f"tensor {lora[0]!r} is a LoRA factor, but this expert is full-parameter "
+                            "(kind 'full'); send the model's own weights, or create a LoRA expert")
+    total = sum(math.prod(shape) for _, shape in manifest)
+    if total != full.num_parameters:
+        raise InvalidUpdate(f"the weights hold {total} parameters, but the spec says num_parameters "
+                            f"{full.num_parameters}")
+    check_file(path, manifest)
+    return manifest
+
+
+def check_update(path: Path, codec: str, codec_config: dict, manifest: Manifest) -> None:
+    """Refuse (4xx) an update body that does not fit the expert; raw bodies are checked in chunks."""
+    if codec == RAW_CODEC:
+        _check_raw_config(codec_config)
+        check_file(path, manifest)
+    else:
+        decode_update(path, codec, codec_config, manifest)
+
+
+def stored_deltas(path: Path, codec: str, codec_config: dict, manifest: Manifest) -> Mapping[str, torch.Tensor]:
+    """An accepted update's deltas for aggregation: raw ones read tensor by tensor from the blob."""
+    if codec == RAW_CODEC:
+        return FileTensors(path)
+    return decode_update(path, codec, codec_config, manifest)
+
+
 def decode_update(path: Path, codec: str, codec_config: dict, manifest: Manifest) -> StateDict:
     """Turn a received update body into checked float32 deltas, or raise a 4xx error.
 
@@ -53,9 +94,13 @@ def decode_update(path: Path, codec: str, codec_config: dict, manifest: Manifest
     return tensors
 
 
-def _decode_raw(path: Path, codec_config: dict) -> StateDict:
+def _check_raw_config(codec_config: dict) -> None:
     if codec_config:
         raise BadRequest(f"codec {RAW_CODEC!r} takes no codec_config, got {codec_config!r}")
+
+
+def _decode_raw(path: Path, codec_config: dict) -> StateDict:
+    _check_raw_config(codec_config)
     try:
         return load_file(path)
     except InvalidPayload as exc:

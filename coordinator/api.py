@@ -41,7 +41,9 @@ def receive_body() -> Path:
     if request.content_length is not None and request.content_length > limit:
         raise PayloadTooLarge(f"body of {request.content_length} bytes is over the limit of {limit} bytes "
                               "(coordinator flag --max-body-mb)", limit=limit)
-    return c.blobs.receive(request.stream, limit)
+    if request.content_length is None:  # chunked: let werkzeug find the end
+        return c.blobs.receive(request.stream, limit)
+    return c.blobs.receive(request.environ["wsgi.input"], limit, request.content_length)
 
 
 @bp.get("/health")

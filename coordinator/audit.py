@@ -120,8 +120,10 @@ def _short(text: str | None) -> str | None:
 # the events the coordinator writes -----------------------------------------------------------
 
 
-def expert_created(name: str, rank: int, base_model: str) -> Event:
-    return Event("expert_created", f"expert {name} created (LoRA rank {rank}, base model {base_model})",
+def expert_created(name: str, rank: int | None, base_model: str) -> Event:
+    """``rank`` None: a full-parameter expert."""
+    kind = "full-parameter" if rank is None else f"LoRA rank {rank}"
+    return Event("expert_created", f"expert {name} created ({kind}, base model {base_model})",
                  expert=name, detail={"rank": rank, "base_model": base_model})
 
 

@@ -3,7 +3,9 @@
 Built lazily on request and cached by a key over (strategy, weights, source
 versions), so asking twice costs nothing and a restart reuses the stored blob.
 The default merge (``weighted_average``) concatenates ranks and is exact:
-B_g @ A_g == sum_i w_i * B_i @ A_i * scale_i.
+B_g @ A_g == sum_i w_i * B_i @ A_i * scale_i. Full-parameter experts are averaged
+exactly too (sum_i w_i W_i, weights summing to 1), one tensor at a time; a mix of full
+and LoRA experts is refused with a 409 that says how to pick one kind.
 """
 from __future__ import annotations
 
@@ -12,12 +14,15 @@ import json
 import threading
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from gateway.errors import MergeError
 from gateway.files import SAFETENSORS_META_KEY
 from gateway.lora import split_modules
 from gateway.merges import merge
 from protocol.errors import Conflict, NotFound
 from protocol.schemas import ExpertSpec
+from protocol.streaming import FileTensors
 from protocol.tensors import load_file, save_file
 
 if TYPE_CHECKING:
@@ -65,6 +70,8 @@ class GatewayBuilder:
         if len(fingerprints) > 1:
             raise Conflict("experts were trained from different base models and cannot be merged: "
                            + ", ".join(f"{n}: {s.base_model.id}" for n, s in specs.items()))
+        if any(s.kind == "full" for s in specs.values()):
+            return self._build_full(key, strategy, weights, experts, used, specs)
         try:
             modules = [split_modules(load_file(self._c.weights(e.name).path), specs[e.name].lora.alpha,
                                      specs[e.name].lora.rank) for e in used]
@@ -73,7 +80,7 @@ class GatewayBuilder:
             raise Conflict(f"cannot build the gateway with {strategy!r}: {exc}") from None
         tensors, alpha, rank = result.state_dict()
         first = next(iter(specs.values()))
-        info = {"strategy": strategy, "weights": weights,
+        info = {"strategy": strategy, "weights": weights, "kind": "lora",
                 "sources": {e.name: e.version for e in experts},
                 "lora": {"rank": rank, "alpha": alpha, "target_modules": list(first.lora.target_modules)},
                 "base_model": {"id": first.base_model.id, "fingerprint": first.base_model.fingerprint},
@@ -82,3 +89,33 @@ class GatewayBuilder:
         digest = self._c.blobs.put_file(lambda p: save_file(tensors, p, meta))
         self._c.db.add_gateway(key, digest, info)
 
+
+    def _build_full(self, key: str, strategy: str, weights: dict[str, float], experts: list["ExpertRow"],
+                    used: list["ExpertRow"], specs: dict[str, ExpertSpec]) -> None:
+        """The exact weighted average of full-parameter experts, accumulated in place."""
+        lora = sorted(n for n, s in specs.items() if s.kind == "lora")
+        if lora:
+            full = sorted(n for n, s in specs.items() if s.kind == "full")
+            raise Conflict(f"cannot merge full-parameter experts {full} with LoRA experts {lora}; give one kind "
+                           "zero weight with the coordinator flag --gateway-weights (e.g. "
+                           f"--gateway-weights {','.join(f'{n}=1' for n in full)}), or use one expert "
+                           "(get_gateway_model.py --expert NAME)")
+        if strategy != "weighted_average":
+            raise Conflict(f"gateway strategy {strategy!r} needs LoRA experts; full-parameter experts are "
+                           "merged with --gateway-strategy weighted_average")
+        total: dict[str, torch.Tensor] = {}
+        for e in used:  # one model in memory plus one tensor, however many experts
+            tensors = FileTensors(self._c.weights(e.name).path)
+            for name in tensors:
+                if name in total:
+                    total[name].add_(tensors[name], alpha=weights[e.name])
+                else:
+                    total[name] = tensors[name].mul_(weights[e.name])
+        first = specs[used[0].name]
+        info = {"strategy": strategy, "weights": weights, "kind": "full",
+                "sources": {e.name: e.version for e in experts}, "lora": None,
+                "full": {"num_parameters": first.full.num_parameters if first.full else 0},
+                "base_model": {"id": first.base_model.id, "fingerprint": first.base_model.fingerprint},
+                "truncation_error": 0.0}
+        digest = self._c.blobs.put_file(lambda p: save_file(total, p, {SAFETENSORS_META_KEY: json.dumps(info)}))
+        self._c.db.add_gateway(key, digest, info)

@@ -11,6 +11,7 @@ import logging
 import socket
 from dataclasses import dataclass
 
+import torch
 from flask import Flask
 from gunicorn.app.base import BaseApplication
 
@@ -71,6 +72,10 @@ class _Gunicorn(BaseApplication):
 
 def serve(config: CoordinatorConfig, options: ServeOptions) -> None:
     """Run until interrupted. Opens the store once up front so errors surface here, not in a fork."""
+    # The coordinator's tensor work (finiteness checks, in-place aggregation) is memory-bound, and
+    # on a busy machine torch's second thread stalls it: checking a 1 GiB update took 13.7 s with
+    # 2 threads and 2.4 s with 1 on 2 loaded cores (bench/transport.py). The fork inherits this.
+    torch.set_num_threads(1)
     create_app(config).extensions["fedmoe"].close()
     sock = bind(options.host, options.port)
     host, port = sock.getsockname()[:2]

@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 
 from compression.wire import encode_update
-from coordinator.adapters import check_lora_adapter, decode_update, make_codec_or_400
+from coordinator.adapters import (check_full_weights, check_lora_adapter, check_update, make_codec_or_400,
+                                  stored_deltas)
 from coordinator.aggregation import AGGREGATORS, AggregationParams, StateDict, Update, l2_norm, robust_aggregator
 from coordinator import audit
 from coordinator.audit import Event
@@ -37,9 +38,11 @@ from gateway.router import ProfileError, combine_profiles, profile_from_json
 from gateway.router import route as route_prompt
 from protocol.errors import BadRequest, Conflict, NotFound
 from protocol.schemas import BaseModelSpec, ExpertSpec, UpdateMeta, check_name
+from protocol.streaming import FileTensors
 from protocol.tensors import load_file, manifest_from_json, manifest_to_json, save_file
 
 log = logging.getLogger(__name__)
+DIFF_CACHE_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -61,8 +64,8 @@ class Coordinator:
             self._aggregate_fn = robust_aggregator(config.robust, config.trim_fraction)
         self._locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
-        self._decoded: dict[str, StateDict] = {}  # update_id -> deltas checked at receipt
         self._diffs: dict[tuple, bytes] = {}  # (expert, since, version, codec, config) -> encoded diff
+        self._diff_lock = threading.Lock()
         self.gateway = GatewayBuilder(self)
         self.on_aggregated: Callable[[float], None] = lambda seconds: None
         """Called with the seconds each aggregation step took (metrics hook)."""
@@ -88,20 +91,26 @@ class Coordinator:
                 if existing is not None:
                     self._check_compatible(existing, spec)
                     return self.expert_info(name), False
-                manifest = check_lora_adapter(load_file(body), spec.lora)
+                manifest = (check_full_weights(body, spec.full) if spec.full is not None
+                            else check_lora_adapter(load_file(body), spec.lora))
                 digest = self.blobs.adopt(body)
                 self.db.create_expert(name, spec.to_json(), manifest_to_json(manifest), digest,
-                                      events=(audit.expert_created(name, spec.lora.rank, spec.base_model.id),))
+                                      events=(audit.expert_created(name, spec.lora.rank if spec.lora else None, spec.base_model.id),))
         finally:
-            body.unlink(missing_ok=True)
-        log.info("created expert %s (rank %d)", name, spec.lora.rank)
+            self.blobs.forget(body)
+        log.info("created expert %s (%s)", name, "full-parameter" if spec.lora is None else f"rank {spec.lora.rank}")
         return self.expert_info(name), True
 
     def _check_compatible(self, expert: ExpertRow, spec: ExpertSpec) -> None:
         stored = ExpertSpec.from_json(expert.spec)
-        diffs = [f"{field} {getattr(spec.lora, field)!r} != expert's {getattr(stored.lora, field)!r}"
-                 for field in ("rank", "alpha", "target_modules")
-                 if getattr(spec.lora, field) != getattr(stored.lora, field)]
+        if spec.kind != stored.kind:
+            diffs = [f"kind {spec.kind!r} != expert's {stored.kind!r} (--lora-rank 0 makes a full-parameter expert)"]
+        elif spec.lora is not None and stored.lora is not None:
+            diffs = [f"{field} {getattr(spec.lora, field)!r} != expert's {getattr(stored.lora, field)!r}"
+                     for field in ("rank", "alpha", "target_modules")
+                     if getattr(spec.lora, field) != getattr(stored.lora, field)]
+        else:
+            diffs = [] if spec.full == stored.full else [f"full {spec.full} != expert's {stored.full}"]
         if spec.base_model.fingerprint != stored.base_model.fingerprint:
             diffs.append(f"base model {spec.base_model.id!r} (fingerprint {spec.base_model.fingerprint[:12]}) "
                          f"!= expert's {stored.base_model.id!r} ({stored.base_model.fingerprint[:12]})")
@@ -155,17 +164,20 @@ class Coordinator:
             return b"", current.version
         old = self.weights(name, since)
         key = (name, since, current.version, codec, json.dumps(codec_config, sort_keys=True))
-        with self._locks_guard:
-            cached = self._diffs.get(key)
-        if cached is None:
-            encoder = make_codec_or_400(codec, codec_config)
-            new, base = load_file(current.path), load_file(old.path)
-            diff = {k: new[k] - base[k] for k in new}
-            cached = encode_update(diff, self.manifest(name), encoder, seed=current.version)
+        with self._diff_lock:  # concurrent pulls of one diff wait for it: one model copy in memory, not N
             with self._locks_guard:
-                self._diffs[key] = cached
-                while len(self._diffs) > 16:  # a handful of (since, codec) pairs cover a fleet
-                    self._diffs.pop(next(iter(self._diffs)))
+                cached = self._diffs.get(key)
+            if cached is None:
+                encoder = make_codec_or_400(codec, codec_config)
+                diff, base = load_file(current.path), FileTensors(old.path)
+                for k, t in diff.items():
+                    t.sub_(base[k])
+                cached = encode_update(diff, self.manifest(name), encoder, seed=current.version)
+                with self._locks_guard:
+                    self._diffs[key] = cached
+                    # a handful of (since, codec) pairs cover a fleet; bounded in bytes for full experts
+                    while len(self._diffs) > 16 or sum(map(len, self._diffs.values())) > DIFF_CACHE_BYTES:
+                        self._diffs.pop(next(iter(self._diffs)))
         return cached, current.version
 
     def record_pull(self, worker_id: str | None, name: str, body_bytes: int) -> None:
@@ -188,25 +200,24 @@ class Coordinator:
             if meta.base_version > expert.version:
                 raise Conflict(f"base_version {meta.base_version} is ahead of expert {name!r}, "
                                f"which is at version {expert.version}")
-            deltas = decode_update(body, meta.codec, meta.codec_config, manifest_from_json(expert.manifest))
+            manifest = manifest_from_json(expert.manifest)
+            check_update(body, meta.codec, meta.codec_config, manifest)
             size = body.stat().st_size
-            norm = l2_norm(deltas)
+            # A second read of the body (tensor by tensor for raw bodies): memory stays bounded.
+            norm = l2_norm(stored_deltas(body, meta.codec, meta.codec_config, manifest))
             with self._lock(name):
                 known = self.db.update(meta.update_id)  # a concurrent retry may have won
                 if known is not None:
                     return self._seen_before(known, name, meta), False
                 verdict = judge_norm(norm, self.db.recent_norms(name, self.config.norm_history),
                                      self.config.norm_policy)  # InvalidUpdate (422) in reject mode
-                if verdict.clipped:
-                    deltas = {k: t * verdict.scale for k, t in deltas.items()}
                 stored = meta.to_json() | ({"norm_scale": verdict.scale} if verdict.clipped else {})
                 digest = self.blobs.adopt(body)
-                row = self.db.add_update(name, stored, digest, size, _fp32_bytes(deltas), norm=verdict.accepted_norm,
-                                         events=audit.update_accepted(name, meta, verdict, size))
-                self._decoded[row.update_id] = deltas
+                self.db.add_update(name, stored, digest, size, _fp32_bytes(manifest), norm=verdict.accepted_norm,
+                                   events=audit.update_accepted(name, meta, verdict, size))
                 self._aggregate_locked(name)
         finally:
-            body.unlink(missing_ok=True)
+            self.blobs.forget(body)
         return self.update_status(meta.update_id), True
 
     def _seen_before(self, known: UpdateRow, name: str, meta: UpdateMeta) -> dict[str, Any]:
@@ -249,7 +260,7 @@ class Coordinator:
         started = time.perf_counter()
         expert = self.require_expert(name)
         manifest = manifest_from_json(expert.manifest)
-        current = load_file(self.weights(name).path)
+        current = load_file(self.weights(name).path)  # our own copy: the aggregator updates it in place
         updates = [Update(delta=self._deltas(u, manifest), num_samples=u.meta["num_samples"],
                           staleness=max(0, expert.version - u.meta["base_version"])) for u in batch]
         new = self._aggregate_fn(current, updates, self.params)
@@ -257,8 +268,6 @@ class Coordinator:
         loss = _mean_loss(batch)
         self.db.commit_version(name, expert.version + 1, digest, batch, loss, events=(audit.version_applied(
             name, expert.version + 1, [u.update_id for u in batch], [u.staleness for u in updates], loss),))
-        for u in batch:
-            self._decoded.pop(u.update_id, None)
         self._drop_unreferenced([u.blob for u in batch if u.blob]
                                 + self.db.prune_versions(name, self.config.keep_versions))
         self.on_aggregated(time.perf_counter() - started)
@@ -266,11 +275,9 @@ class Coordinator:
                  len(batch), [u.staleness for u in updates])
 
     def _deltas(self, row: UpdateRow, manifest: list[tuple[str, tuple[int, ...]]]) -> StateDict:
-        cached = self._decoded.get(row.update_id)
-        if cached is not None:
-            return cached
+        """Deltas read from the update's blob when aggregated (not kept in memory while pending)."""
         assert row.blob is not None, "a pending update always has its payload"
-        deltas = decode_update(self.blobs.path(row.blob), row.meta["codec"], row.meta["codec_config"], manifest)
+        deltas = stored_deltas(self.blobs.path(row.blob), row.meta["codec"], row.meta["codec_config"], manifest)
         scale = row.meta.get("norm_scale", 1.0)  # clipped at receipt (--norm-check clip)
         return deltas if scale == 1.0 else {k: t * scale for k, t in deltas.items()}
 
@@ -357,8 +364,8 @@ def liveness(silent_for: float, sync_interval: float | None) -> str:
     return "gone"
 
 
-def _fp32_bytes(tensors: StateDict) -> int:
-    return 4 * sum(t.numel() for t in tensors.values())
+def _fp32_bytes(manifest: list[tuple[str, tuple[int, ...]]]) -> int:
+    return 4 * sum(math.prod(shape) for _, shape in manifest)
 
 
 def _mean_loss(batch: list[UpdateRow]) -> float | None:

@@ -8,7 +8,7 @@ from gateway.lora import split_modules
 from gateway.merges import merge
 from protocol.client import CoordinatorClient
 from protocol.errors import NotFound
-from protocol.tensors import StateDict, loads
+from protocol.tensors import StateDict
 
 
 @dataclass(frozen=True)
@@ -16,8 +16,9 @@ class Adapter:
     """LoRA tensors plus everything needed to use them."""
 
     tensors: StateDict
-    lora: dict[str, Any]
-    """{"rank", "alpha", "target_modules"}; the update is B @ A * alpha / rank."""
+    lora: dict[str, Any] | None
+    """{"rank", "alpha", "target_modules"}; the update is B @ A * alpha / rank. None: full-parameter
+    weights (every weight of the model, keyed as ``named_parameters`` names them)."""
     base_model: dict[str, str]
     """{"id", "fingerprint"} of the model the adapter belongs to."""
     info: dict[str, Any] = field(default_factory=dict)
@@ -26,7 +27,7 @@ class Adapter:
 
 def fetch_gateway(client: CoordinatorClient) -> Adapter:
     info = client.gateway_info()
-    tensors = loads(client.gateway_weights("safetensors"))
+    tensors = client.gateway_tensors()
     return Adapter(tensors, info["lora"], info["base_model"], {"kind": "gateway", **info})
 
 
@@ -41,6 +42,9 @@ def fetch_expert(client: CoordinatorClient, name: str) -> Adapter:
 def merge_experts(client: CoordinatorClient, strategy: str, config: dict[str, Any] | None = None) -> Adapter:
     """Merge the experts here with ``strategy``, using the coordinator's gateway weights."""
     gateway = client.gateway_info()
+    if gateway.get("lora") is None:
+        raise ValueError(f"--strategy {strategy}: the experts are full-parameter; their gateway is their exact "
+                       "weighted average (drop --strategy), or pick one with --expert")
     used = [name for name, w in gateway["weights"].items() if w > 0]
     if not used:
         raise NotFound("no expert has a positive gateway weight")

@@ -20,10 +20,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import requests
+import urllib3
 
 from protocol.errors import FedMoEError, Unavailable, error_from_response
 from protocol.schemas import API_PREFIX, EXPERT_HEADER, UPDATE_HEADER, VERSION_HEADER, WORKER_HEADER
-from protocol.tensors import StateDict, dumps, loads
+from protocol.streaming import tensors_from_buffer
+from protocol.tensors import StateDict, dumps
+
+PULL_CHUNK = 4 << 20  # bytes read from the socket at a time into a pull's preallocated buffer
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +117,7 @@ class CoordinatorClient:
 
     def create_expert(self, name: str, adapter: StateDict, spec: dict[str, Any]) -> dict[str, Any]:
         """Create the expert, or get it if it exists with the same setup (409 if not)."""
-        return self._json("PUT", f"/experts/{name}", data=dumps(adapter),
+        return self._json("PUT", f"/experts/{name}", data=Chunks(dumps(adapter)),
                           headers={EXPERT_HEADER: json.dumps(spec)})
 
     def pull_weights(self, name: str, etag: str | None = None, version: int | None = None,
@@ -122,9 +126,10 @@ class CoordinatorClient:
         if worker_id:
             headers[WORKER_HEADER] = worker_id
         params = {"version": version} if version is not None else {}
-        r = self._request("GET", f"/experts/{name}/weights", headers=headers, params=params)
-        tensors = None if r.status_code == 304 else loads(r.content)
-        return Pulled(tensors, int(r.headers.get(VERSION_HEADER, -1)), r.headers.get("ETag"), len(r.content))
+        r = self._request("GET", f"/experts/{name}/weights", headers=headers, params=params, stream=True)
+        body = bytearray() if r.status_code == 304 else _read_body(r, self.base_url)
+        tensors = None if r.status_code == 304 else tensors_from_buffer(body)
+        return Pulled(tensors, int(r.headers.get(VERSION_HEADER, -1)), r.headers.get("ETag"), len(body))
 
     def pull_diff(self, name: str, since: int, codec: str, codec_config: dict[str, Any] | None = None,
                   worker_id: str | None = None) -> tuple[bytes, int]:
@@ -139,7 +144,7 @@ class CoordinatorClient:
         return (b"" if r.status_code == 304 else r.content), int(r.headers.get(VERSION_HEADER, -1))
 
     def push_update(self, name: str, body: bytes, meta: dict[str, Any]) -> dict[str, Any]:
-        return self._json("POST", f"/experts/{name}/updates", data=body,
+        return self._json("POST", f"/experts/{name}/updates", data=Chunks(body),
                           headers={UPDATE_HEADER: json.dumps(meta), "Content-Type": "application/octet-stream"})
 
     def update_status(self, update_id: str) -> dict[str, Any]:
@@ -161,6 +166,54 @@ class CoordinatorClient:
 
     def gateway_weights(self, fmt: str = "safetensors") -> bytes:
         return self._request("GET", "/gateway/weights", params={"format": fmt}).content
+
+    def gateway_tensors(self) -> StateDict:
+        """The gateway's tensors, streamed into one buffer (views into it, no further copies)."""
+        r = self._request("GET", "/gateway/weights", params={"format": "safetensors"}, stream=True)
+        return tensors_from_buffer(_read_body(r, self.base_url))
+
+
+class Chunks:
+    """A request body sent as 4 MiB views of one buffer, with its Content-Length.
+
+    Python's ``sendall`` applies the socket timeout to the *whole* call, so one ``sendall`` of
+    a 1 GiB body failed with "timed out" whenever the coordinator took longer than the 5 s
+    connect timeout to take it all; per chunk, the timeout means "no progress for 5 s". The
+    views copy nothing, and iterating again (a retry) starts from the first byte.
+    """
+
+    def __init__(self, body: bytes) -> None:
+        self._view = memoryview(body).cast("B")
+
+    def __len__(self) -> int:
+        return len(self._view)
+
+    def __iter__(self):
+        return (self._view[i:i + PULL_CHUNK] for i in range(0, len(self._view), PULL_CHUNK))
+
+
+def _read_body(response: requests.Response, base_url: str) -> bytearray:
+    """A response body read straight into one buffer of its Content-Length, chunk by chunk.
+
+    ``response.content`` joins a list of chunks (twice the body at its peak) and the safetensors
+    loader then copies every tensor out of it; here the bytes land once and stay where they land.
+    """
+    try:
+        length = response.headers.get("Content-Length")
+        if length is None or not length.isdigit() or response.headers.get("Content-Encoding"):
+            return bytearray(response.content)
+        body = bytearray(int(length))
+        view, got = memoryview(body), 0
+        while got < len(body):
+            n = response.raw.readinto(view[got:got + PULL_CHUNK])
+            if not n:
+                raise Unavailable(f"connection to {base_url} closed after {got} of {len(body)} body bytes")
+            got += n
+        return body
+    except (requests.RequestException, urllib3.exceptions.HTTPError, OSError) as exc:
+        raise Unavailable(f"cannot read a response from {base_url}: {_reason(exc)}") from None
+    finally:
+        response.close()
 
 
 def _json(response: requests.Response) -> Any:

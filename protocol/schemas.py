@@ -70,7 +70,7 @@ class LoraSpec:
     """The adapter's shape; every worker of an expert must use the same one."""
 
     rank: int
-    """LoRA rank r (0 would mean a full-parameter expert; not supported yet)."""
+    """LoRA rank r >= 1 (a full-parameter expert has no LoraSpec: see ExpertSpec.kind)."""
     alpha: float
     """LoRA alpha; the update applied to a weight is B @ A * alpha / rank."""
     target_modules: tuple[str, ...]
@@ -88,7 +88,8 @@ class LoraSpec:
         alpha = _require(obj, "alpha", (int, float), "lora")
         modules = _require(obj, "target_modules", list, "lora")
         if rank < 1:
-            raise BadRequest(f"lora: rank must be >= 1, got {rank}")
+            raise BadRequest(f"lora: rank must be >= 1, got {rank} (a full-parameter expert is "
+                             '{"kind": "full", "full": {"num_parameters": N}} with no "lora")')
         if not is_finite_number(alpha) or alpha <= 0:
             raise BadRequest(f"lora: alpha must be a positive number, got {alpha!r}")
         if not modules or not all(isinstance(m, str) and m for m in modules):
@@ -120,23 +121,70 @@ class BaseModelSpec:
 
 
 @dataclass(frozen=True)
-class ExpertSpec:
-    """What the first worker of a specialty sends to create the expert."""
+class FullSpec:
+    """A full-parameter expert: its tensors are the whole model's weights, not an adapter."""
 
-    lora: LoraSpec
+    num_parameters: int
+    """Values over all tensors; the initial weights must hold exactly this many."""
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "FullSpec":
+        if not isinstance(obj, dict):
+            raise BadRequest(f"full must be an object, got {obj!r}")
+        count = _require(obj, "num_parameters", int, "full")
+        if count < 1:
+            raise BadRequest(f"full: num_parameters must be >= 1, got {count}")
+        return cls(num_parameters=count)
+
+
+EXPERT_KINDS = ("lora", "full")
+
+
+@dataclass(frozen=True)
+class ExpertSpec:
+    """What the first worker of a specialty sends to create the expert.
+
+    Two kinds, never mixed: ``lora`` (the expert is an adapter: ``lora`` is set, ``full`` is
+    None) and ``full`` (the expert is every weight of the model: ``full`` is set, ``lora`` None).
+    """
+
+    lora: LoraSpec | None
     base_model: BaseModelSpec
     worker_id: str | None = None
+    full: FullSpec | None = None
+
+    def __post_init__(self) -> None:
+        if (self.lora is None) == (self.full is None):
+            raise ValueError("an ExpertSpec has exactly one of lora (a LoRA expert) and full (a full one)")
+
+    @property
+    def kind(self) -> str:
+        return "full" if self.full is not None else "lora"
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> "ExpertSpec":
         worker_id = obj.get("worker_id")
         if worker_id is not None:
             check_name(worker_id, "worker_id")
-        return cls(lora=LoraSpec.from_json(obj.get("lora")),
-                   base_model=BaseModelSpec.from_json(obj.get("base_model")), worker_id=worker_id)
+        kind = obj.get("kind", "lora")
+        if kind not in EXPERT_KINDS:
+            raise BadRequest(f"kind must be one of {list(EXPERT_KINDS)}, got {kind!r}")
+        base_model = BaseModelSpec.from_json(obj.get("base_model"))
+        if kind == "full":
+            if obj.get("lora") is not None:
+                raise BadRequest('a full-parameter expert (kind "full") takes no "lora" settings')
+            return cls(lora=None, full=FullSpec.from_json(obj.get("full")), base_model=base_model,
+                       worker_id=worker_id)
+        if obj.get("full") is not None:
+            raise BadRequest('a LoRA expert takes no "full" settings; set "kind": "full" for a full-parameter one')
+        return cls(lora=LoraSpec.from_json(obj.get("lora")), base_model=base_model, worker_id=worker_id)
 
     def to_json(self) -> dict[str, Any]:
-        return {"lora": self.lora.to_json(), "base_model": asdict(self.base_model), "worker_id": self.worker_id}
+        out: dict[str, Any] = {"kind": self.kind, "lora": None if self.lora is None else self.lora.to_json(),
+                               "base_model": asdict(self.base_model), "worker_id": self.worker_id}
+        if self.full is not None:
+            out["full"] = asdict(self.full)
+        return out
 
 
 @dataclass(frozen=True)

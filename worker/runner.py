@@ -40,7 +40,7 @@ def build_worker(config: WorkerConfig) -> tuple[FederatedWorker, LoraTrainer, li
     base = load_base_model(config.base_model, use_huggingface=config.use_huggingface,
                            device=config.device, use_proxy=config.use_proxy)
     trainer = LoraTrainer(base, config.lora, config.train, train_examples, device=config.device)
-    spec = {"lora": trainer.lora_config, "base_model": {"id": base.model_id, "fingerprint": base.fingerprint}}
+    spec = {**trainer.expert_config, "base_model": {"id": base.model_id, "fingerprint": base.fingerprint}}
     client = CoordinatorClient(config.coordinator_url, use_proxy=config.use_proxy)
     log.info("%s: %d training and %d held-out examples from %s; base model %s (%s)",
              config.sync.worker_id, len(train_examples), len(heldout), config.dataset, base.model_id,

@@ -14,6 +14,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from worker.data import (IGNORE_INDEX, Batch, BatchStream, Example, StreamPosition, collate, encode_example,
                          pad_token_id)
+from worker.full_params import full_expert_config, trainable_weights
 from worker.models import BaseModel, default_target_modules
 
 logger = logging.getLogger(__name__)
@@ -22,7 +23,7 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class LoraSettings:
     rank: int = 8
-    """LoRA rank r: inner dimension of B @ A."""
+    """LoRA rank r: inner dimension of B @ A; 0 trains every weight instead (a full-parameter expert)."""
     alpha: float = 16.0
     """LoRA alpha; the update is scaled by alpha / rank."""
     target_modules: tuple[str, ...] = ()
@@ -31,8 +32,8 @@ class LoraSettings:
     """Dropout on the LoRA input during training."""
 
     def __post_init__(self) -> None:
-        if self.rank < 1:
-            raise ValueError(f"LoRA rank must be at least 1, got {self.rank!r}")
+        if self.rank < 0:
+            raise ValueError(f"LoRA rank must be at least 1 (or 0 for a full-parameter expert), got {self.rank!r}")
         if not self.alpha > 0:
             raise ValueError(f"LoRA alpha must be positive, got {self.alpha!r}")
         if not 0.0 <= self.dropout < 1.0:
@@ -128,7 +129,10 @@ def evaluate_loss(model: PreTrainedModel | torch.nn.Module, tokenizer: PreTraine
 
 
 class LoraTrainer:
-    """Trains a LoRA adapter on base.model, which it wraps in place (one trainer per BaseModel)."""
+    """Trains a LoRA adapter on base.model, which it wraps in place (one trainer per BaseModel).
+
+    With rank 0 it trains every weight of base.model instead (a full-parameter expert).
+    """
 
     def __init__(self, base: BaseModel, lora: LoraSettings, train: TrainSettings,
                  train_examples: Sequence[Example], device: str = "cpu"):
@@ -140,14 +144,20 @@ class LoraTrainer:
         self.lora = lora
         self.settings = train
         self.device = device
-        self.target_modules = lora.target_modules or tuple(default_target_modules(base.model))
-        config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(self.target_modules),
-                            lora_dropout=lora.dropout, init_lora_weights=True, bias="none", task_type="CAUSAL_LM")
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(train.seed)  # A is drawn from the seeded CPU RNG; B starts at zero
-            self.model = get_peft_model(base.model, config)
-        self.model.to(device)
-        self._adapter = get_peft_model_state_dict(self.model)  # live views of the LoRA parameters
+        if lora.rank == 0:  # a full-parameter expert: every weight trains, no adapter (worker/full_params.py)
+            self.target_modules: tuple[str, ...] = ()
+            self.model = base.model.to(device)
+            self._adapter = trainable_weights(self.model)
+        else:
+            self.target_modules = lora.target_modules or tuple(default_target_modules(base.model))
+            config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(self.target_modules),
+                                lora_dropout=lora.dropout, init_lora_weights=True, bias="none",
+                                task_type="CAUSAL_LM")
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(train.seed)  # A is drawn from the seeded CPU RNG; B starts at zero
+                self.model = get_peft_model(base.model, config)
+            self.model.to(device)
+            self._adapter = get_peft_model_state_dict(self.model)  # live views of the LoRA parameters
         self._params = [p for p in self.model.parameters() if p.requires_grad]
         self._optimizer = torch.optim.AdamW(self._params, lr=train.lr, weight_decay=train.weight_decay)
         encoded = [encode_example(base.tokenizer, ex, train.max_seq_len) for ex in train_examples]
@@ -158,6 +168,11 @@ class LoraTrainer:
     def lora_config(self) -> dict:
         """What the coordinator needs to know about the adapter's shape and scale."""
         return {"rank": self.lora.rank, "alpha": self.lora.alpha, "target_modules": list(self.target_modules)}
+
+    @property
+    def expert_config(self) -> dict:
+        """The expert spec's kind-specific part: {"kind": "lora", "lora": ...} or {"kind": "full", "full": ...}."""
+        return full_expert_config(self._adapter) if self.lora.rank == 0 else {"kind": "lora", "lora": self.lora_config}
 
     @property
     def data_position(self) -> StreamPosition:

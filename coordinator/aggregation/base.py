@@ -1,10 +1,14 @@
 """What every aggregation rule sees: the current weights and a list of updates.
 
-Aggregators are pure functions: no I/O, no clocks. *When* updates are applied and
+Aggregators are pure maths: no I/O, no clocks. *When* updates are applied and
 how many at a time is the coordinator's policy (``Coordinator._aggregate``).
+``current`` is the aggregator's to update in place and return (the coordinator loads
+a fresh copy for each step), so a step never holds two copies of a full model; a
+delta may be a lazy mapping that reads one tensor at a time.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -17,7 +21,7 @@ StateDict = dict[str, torch.Tensor]
 class Update:
     """One worker's delta, as the aggregator needs it."""
 
-    delta: StateDict
+    delta: Mapping[str, torch.Tensor]
     num_samples: int
     staleness: int
     """Expert versions made since the worker pulled the weights it trained from."""

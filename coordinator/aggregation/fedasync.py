@@ -3,7 +3,7 @@
     w <- w + server_lr / (1 + staleness_decay * staleness) * delta
 
 This is the rule of the original FedMoE tool. Given several updates it applies
-them one after another, each with its own staleness weight.
+them one after another, each with its own staleness weight, in place on ``current`` (no copy of the model).
 """
 from __future__ import annotations
 
@@ -11,9 +11,8 @@ from coordinator.aggregation.base import AggregationParams, StateDict, Update, s
 
 
 def fedasync(current: StateDict, updates: list[Update], params: AggregationParams) -> StateDict:
-    result = {name: t.clone() for name, t in current.items()}
     for update in updates:
         weight = params.server_lr * staleness_weight(update.staleness, params.staleness_decay)
-        for name, t in result.items():
+        for name, t in current.items():
             t.add_(update.delta[name], alpha=weight)
-    return result
+    return current

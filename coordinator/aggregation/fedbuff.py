@@ -5,6 +5,8 @@
 with n_i the samples behind update i, N = sum n_i, and s(tau) = 1 / (1 + decay * tau)
 the same staleness weight as FedAsync. A buffer whose updates all report zero
 samples falls back to equal weights. The result does not depend on arrival order.
+Updated in place on ``current``, tensor by tensor, so a lazily loaded delta (one tensor
+at a time) keeps memory at one model plus one tensor.
 """
 from __future__ import annotations
 
@@ -20,11 +22,10 @@ def sample_weights(updates: list[Update]) -> list[float]:
 
 def fedbuff(current: StateDict, updates: list[Update], params: AggregationParams) -> StateDict:
     if not updates:
-        return {name: t.clone() for name, t in current.items()}
+        return current
     weights = [params.server_lr * w * staleness_weight(u.staleness, params.staleness_decay)
                for w, u in zip(sample_weights(updates), updates)]
-    result = {name: t.clone() for name, t in current.items()}
-    for name, t in result.items():
+    for name, t in current.items():
         for weight, update in zip(weights, updates):
             t.add_(update.delta[name], alpha=weight)
-    return result
+    return current

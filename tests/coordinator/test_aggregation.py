@@ -22,10 +22,14 @@ def test_fedasync_applies_each_update_with_its_staleness_weight():
     assert torch.allclose(result["w"], torch.full((2, 3), 3.0))
 
 
-def test_fedasync_does_not_modify_its_inputs():
-    current = state(1.0)
-    AGGREGATORS["fedasync"](current, [Update(state(2.0), 1, 0)], AggregationParams())
-    assert torch.equal(current["w"], state(1.0)["w"])
+@pytest.mark.parametrize("name", ["fedasync", "fedbuff"])
+def test_aggregators_update_current_in_place_and_leave_deltas_alone(name):
+    """No copy of the model per step: the result is ``current`` itself, its tensors updated in place."""
+    current, delta = state(1.0), state(2.0)
+    storage = current["w"].data_ptr()
+    result = AGGREGATORS[name](current, [Update(delta, 1, 0)], AggregationParams(staleness_decay=0.0))
+    assert result is current and result["w"].data_ptr() == storage
+    assert torch.equal(result["w"], state(3.0)["w"]) and torch.equal(delta["w"], state(2.0)["w"])
 
 
 def test_fedbuff_is_the_sample_and_staleness_weighted_mean():
@@ -47,8 +51,8 @@ def test_fedbuff_does_not_depend_on_arrival_order():
     g = torch.Generator().manual_seed(0)
     updates = [Update({"w": torch.randn(4, 4, generator=g)}, n, s) for n, s in [(3, 0), (7, 2), (1, 5)]]
     current = {"w": torch.randn(4, 4, generator=g)}
-    a = AGGREGATORS["fedbuff"](current, updates, AggregationParams())
-    b = AGGREGATORS["fedbuff"](current, updates[::-1], AggregationParams())
+    a = AGGREGATORS["fedbuff"]({"w": current["w"].clone()}, updates, AggregationParams())
+    b = AGGREGATORS["fedbuff"]({"w": current["w"].clone()}, updates[::-1], AggregationParams())
     assert torch.allclose(a["w"], b["w"], atol=1e-6)
 
 

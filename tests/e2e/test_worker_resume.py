@@ -127,7 +127,7 @@ def test_a_checkpoint_of_another_setup_is_one_clear_error_until_fresh(tmp_path, 
     args = ["--specialty", "docs_expert", "--worker-id", "w1", *SMALL, "--state-dir", str(state),
             "--coordinator-url", "http://127.0.0.1:9"]  # nothing listens there
 
-    assert run_worker.main(args) == 1
+    assert run_worker.main(args) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and 'specialty "sql_expert" in the checkpoint, "docs_expert" now' in errors[0]
     assert "base_model.fingerprint" in errors[0] and "--fresh" in errors[0]

@@ -136,8 +136,8 @@ def test_seek_replays_the_same_batches(sql_split):
 
 
 def test_settings_and_inputs_are_validated(sql_split):
-    with pytest.raises(ValueError, match="rank must be at least 1, got 0"):
-        LoraSettings(rank=0)
+    with pytest.raises(ValueError, match="rank must be at least 1 .or 0 for a full-parameter expert., got -1"):
+        LoraSettings(rank=-1)
     with pytest.raises(ValueError, match="dropout"):
         LoraSettings(dropout=1.0)
     with pytest.raises(ValueError, match="learning rate must be positive, got -1"):

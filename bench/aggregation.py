@@ -1,0 +1,152 @@
+#!/usr/bin/env python3
+"""Aggregation benchmark: GB/s of parameter data the coordinator's aggregators apply on one core.
+
+Throughput counts the update data folded into the expert: K updates of an S-byte float32
+model applied in t seconds is K * S / t. ``fedasync`` applies one update, ``fedbuff`` a
+buffer of K = 3 (sample- and staleness-weighted). The aggregators update the current weights
+in place (no copy of the model per step), reading each delta's tensors as they are needed.
+
+Two figures per rule, best of ``--repeats``:
+
+- ``gbps``: the aggregator alone, on tensors in memory (what the target is about);
+- ``step_gbps``: a whole coordinator step as ``Coordinator._apply`` runs it, deltas read one
+  tensor at a time from their stored blobs, the current version loaded, the new one written,
+  fsynced and hashed (data dir in RAM when there is one), so it shows what the I/O around the
+  maths costs.
+
+    python bench/aggregation.py              # a 256 MiB model, about 30 s
+    python bench/aggregation.py --size-mb 4  # smoke test
+
+Table on stdout, results in bench/results/aggregation.json.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != ROOT / "bench"]
+sys.path.insert(0, str(ROOT))
+
+import argparse  # noqa: E402
+import logging  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+import uuid  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+
+from bench.common import RESULTS_DIR, SCRATCH_DIR, configure_logging, format_table, write_json_atomic  # noqa: E402
+from coordinator.aggregation import AGGREGATORS, AggregationParams, Update  # noqa: E402
+from coordinator.config import CoordinatorConfig  # noqa: E402
+from coordinator.service import Coordinator  # noqa: E402
+from protocol.schemas import ExpertSpec, UpdateMeta  # noqa: E402
+from protocol.tensors import save_file  # noqa: E402
+
+log = logging.getLogger("bench.aggregation")
+MiB = 1 << 20
+TARGET_GBPS = 1.0
+BUFFER = 3
+
+
+def model(size_mb: int, seed: int) -> dict[str, torch.Tensor]:
+    """``size_mb`` MiB of float32 in 16 tensors."""
+    g = torch.Generator().manual_seed(seed)
+    per = size_mb * MiB // 4 // 16
+    return {f"model.layers.{i}.mlp.weight": torch.randn(per, generator=g) * 0.01 for i in range(16)}
+
+
+def in_memory_seconds(rule: str, size_mb: int, k: int, repeats: int) -> float:
+    updates = [Update(model(size_mb, seed=1 + i), num_samples=10 + i, staleness=i) for i in range(k)]
+    current = model(size_mb, seed=0)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        current = AGGREGATORS[rule](current, updates, AggregationParams())
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
+def coordinator_step_seconds(rule: str, size_mb: int, k: int, repeats: int) -> float:
+    """Seconds of ``Coordinator._apply`` for k stored updates, as reported by its metrics hook."""
+    times: list[float] = []
+    with tempfile.TemporaryDirectory(dir=SCRATCH_DIR) as scratch:
+        config = CoordinatorConfig(data_dir=Path(scratch) / "data", aggregation=rule, buffer_size=k)
+        c = Coordinator(config)
+        c.on_aggregated = times.append
+        try:
+            weights = model(size_mb, seed=0)
+            spec = ExpertSpec.from_json({"kind": "full", "base_model": {"id": "bench", "fingerprint": "ab" * 32},
+                                         "full": {"num_parameters": sum(t.numel() for t in weights.values())}})
+            c.create_expert("x", spec, write(c, weights))
+            deltas = [write(c, model(size_mb, seed=1 + i)) for i in range(k * repeats)]
+            for i, body in enumerate(deltas):
+                version = c.require_expert("x").version
+                meta = UpdateMeta(update_id=uuid.uuid4().hex, base_version=version, num_samples=10 + i % k)
+                c.submit_update("x", meta, body)
+        finally:
+            c.close()
+    return min(times)
+
+
+def write(c: Coordinator, tensors: dict[str, torch.Tensor]) -> Path:
+    path = c.blobs.new_temp()
+    save_file(tensors, path)
+    return path
+
+
+def measure(size_mb: int, repeats: int) -> dict[str, Any]:
+    size = size_mb * MiB
+    records = []
+    for rule, k in (("fedasync", 1), ("fedbuff", BUFFER)):
+        seconds = in_memory_seconds(rule, size_mb, k, repeats)
+        step = coordinator_step_seconds(rule, size_mb, k, repeats)
+        records.append({"rule": rule, "updates_per_step": k, "model_bytes": size, "seconds": seconds,
+                        "gbps": k * size / seconds / 1e9, "step_seconds": step, "step_gbps": k * size / step / 1e9})
+        log.info("%s: %.3f s in memory, %.3f s as a coordinator step", rule, seconds, step)
+    return {"records": records, "threads": torch.get_num_threads(), "repeats": repeats,
+            "gbps": min(r["gbps"] for r in records), "target_gbps": TARGET_GBPS,
+            "data_dir": SCRATCH_DIR or "tmp"}
+
+
+def render(report: dict[str, Any]) -> str:
+    rows = [(r["rule"], r["updates_per_step"], r["model_bytes"] // MiB, r["gbps"], r["step_gbps"])
+            for r in report["records"]]
+    table = format_table(("rule", "updates", "model MiB", "GB/s (aggregator)", "GB/s (coordinator step)"), rows)
+    met = "met" if report["gbps"] >= report["target_gbps"] else "NOT met"
+    return (f"aggregation on {report['threads']} thread(s)\n\n{table}\n\n"
+            f"slowest rule {report['gbps']:.2f} GB/s (target >= {report['target_gbps']}: {met})")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size-mb", type=int, default=256, help="model size in MiB (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=3, help="timed steps per rule, best of (default: %(default)s)")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR / "aggregation.json", help="results JSON")
+    p.add_argument("--quick", action="store_true", help="--size-mb 16 --repeats 1 (bench/run_all.py --quick)")
+    p.add_argument("-v", "--verbose", action="store_true", help="library logs too")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.size_mb, args.repeats = 16, 1
+    if args.size_mb < 1 or args.repeats < 1:
+        p.error("--size-mb and --repeats must be at least 1")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    configure_logging(args.verbose)
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    report = measure(args.size_mb, args.repeats)
+    report["seconds"] = round(time.perf_counter() - started, 1)
+    write_json_atomic(args.out, report)
+    print(render(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

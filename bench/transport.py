@@ -1,0 +1,307 @@
+#!/usr/bin/env python3
+"""Transport benchmark: a 1 GiB full-parameter expert pushed and pulled through a real coordinator.
+
+The coordinator runs as users start it (``run_coordinator.py``: gunicorn, one process, a
+separate OS process from this one), its data dir in RAM when there is one (durability's fsync
+is not what this measures). Every figure is a ratio to a baseline measured in the same run:
+
+- ``pull_vs_socket`` / ``push_vs_socket``: the time to send the same number of bytes over a raw
+  loopback TCP socket (sendall into recv_into a preallocated buffer) over the time of
+  ``CoordinatorClient.pull_weights`` (body into tensors) / ``push_update`` (202 once the update is
+  received, hashed, checked and durable; aggregation is deferred with fedbuff). Best of N each.
+- ``speedup_vs_base64_json``: the original tool's way, every tensor base64-encoded inside a JSON
+  body, decoded by a Flask endpoint, in GB/s, against the push rate. (Measured on a quarter of the
+  payload: at 1 GiB its copies alone would need ~8 GiB of RAM.)
+- ``rss_growth_per_model_size``: the coordinator process's peak RSS (sampled every 5 ms, and its
+  VmHWM) during 8 concurrent pulls of the expert, minus its idle RSS, over the expert's size.
+
+    python bench/transport.py              # 1 GiB, about a minute
+    python bench/transport.py --size-mb 16 --repeats 1   # smoke test
+
+Table on stdout, progress on stderr, results in bench/results/transport.json.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != ROOT / "bench"]
+sys.path.insert(0, str(ROOT))
+
+import argparse  # noqa: E402
+import base64  # noqa: E402
+import logging  # noqa: E402
+import re  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+import uuid  # noqa: E402
+from collections.abc import Callable, Iterator, Sequence  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
+from typing import Any  # noqa: E402
+
+import numpy as np  # noqa: E402
+import requests  # noqa: E402
+import torch  # noqa: E402
+from flask import Flask, jsonify, request  # noqa: E402
+from werkzeug.serving import make_server  # noqa: E402
+
+from bench.common import RESULTS_DIR, SCRATCH_DIR, configure_logging, format_table, write_json_atomic  # noqa: E402
+from protocol.client import CoordinatorClient, RetryPolicy  # noqa: E402
+from protocol.tensors import dumps  # noqa: E402
+
+log = logging.getLogger("bench.transport")
+MiB = 1 << 20
+TARGETS = {"pull_vs_socket": 0.5, "push_vs_socket": 0.5, "rss_growth_per_model_size": 1.5}
+FINGERPRINT = "fe" * 32
+
+
+def expert_tensors(size_mb: int) -> dict[str, torch.Tensor]:
+    """``size_mb`` MiB of float32 in 16 tensors, like the layers of a model."""
+    per = size_mb * MiB // 4 // 16
+    g = torch.Generator().manual_seed(0)
+    return {f"model.layers.{i}.mlp.weight": torch.randn(per, generator=g) * 0.02 for i in range(16)}
+
+
+def best(times: Sequence[float]) -> float:
+    return min(times)
+
+
+# baselines ------------------------------------------------------------------
+
+def socket_copy_seconds(payload: memoryview) -> float:
+    """Loopback TCP: sendall the payload into a preallocated buffer on another thread."""
+    server = socket.create_server(("127.0.0.1", 0))
+    received = bytearray(len(payload))
+
+    def receive() -> None:
+        conn, _ = server.accept()
+        view, got = memoryview(received), 0
+        with conn:
+            while got < len(received):
+                got += conn.recv_into(view[got:got + 4 * MiB])
+            conn.sendall(b"k")
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    started = time.perf_counter()
+    with socket.create_connection(server.getsockname()) as sock:
+        sock.sendall(payload)
+        sock.recv(1)
+    seconds = time.perf_counter() - started
+    thread.join()
+    server.close()
+    return seconds
+
+
+def base64_json_seconds(tensors: dict[str, torch.Tensor]) -> float:
+    """The original tool's transport: JSON with base64 tensors, POSTed to a Flask endpoint that decodes it."""
+    app = Flask("base64_json")
+
+    @app.post("/update")
+    def update() -> Any:
+        body = request.get_json()
+        decoded = {k: np.frombuffer(base64.b64decode(v["data"]), dtype=np.float32).reshape(v["shape"])
+                   for k, v in body["weights"].items()}
+        return jsonify({"tensors": len(decoded)})
+
+    server = make_server("127.0.0.1", 0, app, threaded=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        started = time.perf_counter()
+        body = {"weights": {k: {"shape": list(t.shape), "data": base64.b64encode(t.numpy().tobytes()).decode()}
+                            for k, t in tensors.items()}}
+        r = requests.post(f"http://127.0.0.1:{server.port}/update", json=body, timeout=600)
+        r.raise_for_status()
+        return time.perf_counter() - started
+    finally:
+        server.shutdown()
+
+
+# the coordinator ----------------------------------------------------------------
+
+@contextmanager
+def coordinator_process(data_dir: Path, max_body_mb: int) -> Iterator[tuple[str, int]]:
+    """run_coordinator.py as a separate process; yields (url, pid of the process serving requests)."""
+    cmd = [sys.executable, str(ROOT / "run_coordinator.py"), "--host", "127.0.0.1", "--port", "0",
+           "--data-dir", str(data_dir), "--aggregation", "fedbuff", "--buffer-size", "1000",
+           "--max-body-mb", str(max_body_mb)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = None
+        for line in proc.stdout:
+            if m := re.search(r"listening on (http://[\d.]+:\d+)", line):
+                url = m.group(1)
+                break
+        if url is None:
+            raise SystemExit("the coordinator did not start")
+        output: list[str] = []
+        threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True).start()
+        client = CoordinatorClient(url, retry=RetryPolicy(attempts=20, base_delay=0.1, max_delay=0.5))
+        client.health()  # gunicorn's worker is up
+        try:
+            yield url, serving_pid(proc.pid)
+        except BaseException:
+            sys.stderr.write("coordinator output:\n" + "".join(output[-30:]))
+            raise
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def serving_pid(master: int) -> int:
+    """gunicorn serves from a forked worker: the master's only child (the master itself with --debug)."""
+    children = Path(f"/proc/{master}/task/{master}/children").read_text().split()
+    return int(children[0]) if children else master
+
+
+def status_kib(pid: int, field: str) -> int:
+    text = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(rf"^{field}:\s+(\d+) kB", text, re.M).group(1))
+
+
+def peak_rss_during(pid: int, action: Callable[[], None]) -> tuple[int, int, int]:
+    """(idle VmRSS, peak sampled VmRSS, VmHWM after) in bytes around ``action``."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+    idle = status_kib(pid, "VmRSS")
+    peak, done = idle, threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, status_kib(pid, "VmRSS"))
+            time.sleep(0.005)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        action()
+    finally:
+        done.set()
+        sampler.join()
+    return idle * 1024, peak * 1024, status_kib(pid, "VmHWM") * 1024
+
+
+def concurrent_pulls(url: str, name: str, n: int, size: int) -> Callable[[], None]:
+    """n simultaneous full pulls, each read through a small buffer (the client's RAM is not measured)."""
+    def pull() -> None:
+        with requests.get(f"{url}/api/v1/experts/{name}/weights", stream=True, timeout=600) as r:
+            r.raise_for_status()
+            got = sum(len(chunk) for chunk in r.iter_content(4 * MiB))
+        if got != size:
+            raise RuntimeError(f"pulled {got} bytes, expected {size}")
+
+    def run() -> None:
+        threads = [threading.Thread(target=pull) for _ in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    return run
+
+
+# the benchmark ------------------------------------------------------------------
+
+def measure(size_mb: int, repeats: int, concurrency: int) -> dict[str, Any]:
+    tensors = expert_tensors(size_mb)
+    body = dumps(tensors)
+    nbytes = len(body)
+    spec = {"kind": "full", "full": {"num_parameters": sum(t.numel() for t in tensors.values())},
+            "base_model": {"id": "bench", "fingerprint": FINGERPRINT}}
+    with tempfile.TemporaryDirectory(dir=SCRATCH_DIR) as scratch, \
+            coordinator_process(Path(scratch) / "data", 2 * size_mb + 64) as (url, pid):
+        client = CoordinatorClient(url, timeout=(5.0, 600.0))
+        client.create_expert("big", tensors, spec)
+        del tensors
+        sockets, pulls, pushes = [], [], []
+        for _ in range(repeats):  # interleaved, so that a change in the machine's load hits all three
+            sockets.append(socket_copy_seconds(memoryview(body)))
+            started = time.perf_counter()
+            pulled = client.pull_weights("big")
+            pulls.append(time.perf_counter() - started)
+            assert pulled.nbytes == nbytes
+            del pulled
+            meta = {"update_id": uuid.uuid4().hex, "base_version": 0, "num_samples": 1}
+            started = time.perf_counter()
+            client.push_update("big", body, meta)
+            pushes.append(time.perf_counter() - started)
+        socket_s = best(sockets)
+        log.info("socket %.3f s, pull %.3f s, push %.3f s (best of %d)", socket_s, best(pulls), best(pushes),
+                 repeats)
+        idle, peak, hwm = peak_rss_during(pid, concurrent_pulls(url, "big", concurrency, nbytes))
+        log.info("coordinator RSS idle %d MiB, peak %d MiB (VmHWM %d MiB) during %d pulls",
+                 idle // MiB, peak // MiB, hwm // MiB, concurrency)
+    del body
+    small = expert_tensors(max(1, size_mb // 4))
+    small_bytes = sum(t.numel() * 4 for t in small.values())
+    base64_s = base64_json_seconds(small)
+    log.info("base64 JSON: %.3f s for %d MiB", base64_s, small_bytes // MiB)
+    push_gbps, base64_gbps = nbytes / best(pushes) / 1e9, small_bytes / base64_s / 1e9
+    return {
+        "size_bytes": nbytes, "repeats": repeats, "concurrent_pulls": concurrency,
+        "socket_seconds": socket_s, "pull_seconds": best(pulls), "push_seconds": best(pushes),
+        "socket_runs": sockets, "pull_runs": pulls, "push_runs": pushes,
+        "socket_gbps": nbytes / socket_s / 1e9, "pull_gbps": nbytes / best(pulls) / 1e9, "push_gbps": push_gbps,
+        "pull_vs_socket": socket_s / best(pulls), "push_vs_socket": socket_s / best(pushes),
+        "base64_json_bytes": small_bytes, "base64_json_seconds": base64_s, "base64_json_gbps": base64_gbps,
+        "speedup_vs_base64_json": push_gbps / base64_gbps,
+        "rss_idle_bytes": idle, "rss_peak_bytes": max(peak, hwm), "rss_peak_sampled_bytes": peak,
+        "rss_vmhwm_bytes": hwm, "rss_growth_per_model_size": (max(peak, hwm) - idle) / nbytes,
+        "server": "gunicorn gthread, 1 process, 16 threads, sendfile", "data_dir": SCRATCH_DIR or "tmp",
+        "push_aggregation": "deferred (fedbuff, buffer 1000)", "targets": TARGETS,
+    }
+
+
+def render(r: dict[str, Any]) -> str:
+    rows = [
+        ("raw loopback socket", r["socket_gbps"], 1.0, "-"),
+        ("pull (coordinator -> tensors)", r["pull_gbps"], r["pull_vs_socket"], f">= {TARGETS['pull_vs_socket']}"),
+        ("push (bytes -> durable 202)", r["push_gbps"], r["push_vs_socket"], f">= {TARGETS['push_vs_socket']}"),
+        ("base64 inside JSON (original)", r["base64_json_gbps"], r["base64_json_gbps"] * 1e9 * r["socket_seconds"]
+         / r["size_bytes"], "-"),
+    ]
+    table = format_table(("transfer", "GB/s", "vs socket", "target"), rows, align="lrrl")
+    return "\n".join([
+        f"transport of a {r['size_bytes'] / MiB:.0f} MiB expert ({r['server']})", "", table, "",
+        f"push is {r['speedup_vs_base64_json']:.1f}x faster than base64 inside JSON",
+        f"coordinator RSS during {r['concurrent_pulls']} concurrent pulls: idle {r['rss_idle_bytes'] / MiB:.0f} MiB, "
+        f"peak {r['rss_peak_bytes'] / MiB:.0f} MiB: growth {r['rss_growth_per_model_size']:.3f} x model size "
+        f"(target <= {TARGETS['rss_growth_per_model_size']})",
+    ])
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size-mb", type=int, default=1024, help="expert size in MiB (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=3, help="timed pulls, pushes and socket copies (best of)")
+    p.add_argument("--concurrency", type=int, default=8, help="simultaneous pulls for the RSS figure")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR / "transport.json", help="results JSON")
+    p.add_argument("--quick", action="store_true", help="--size-mb 64 --repeats 1 (bench/run_all.py --quick)")
+    p.add_argument("-v", "--verbose", action="store_true", help="library logs too")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.size_mb, args.repeats = 64, 1
+    if args.size_mb < 1 or args.repeats < 1 or args.concurrency < 1:
+        p.error("--size-mb, --repeats and --concurrency must be at least 1")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    configure_logging(args.verbose)
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    result = measure(args.size_mb, args.repeats, args.concurrency)
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    write_json_atomic(args.out, result)
+    print(render(result))
+    log.info("wrote %s in %.0f s", args.out, result["seconds"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""bench/transport.py and bench/aggregation.py end to end at a tiny size: schema and arithmetic."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(script: str, out: Path, *args: str) -> tuple[dict, str]:
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--out", str(out), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_transport_smoke(tmp_path):
+    r, stdout = run("transport.py", tmp_path / "t.json", "--size-mb", "8", "--repeats", "1", "--concurrency", "2")
+    # 16 tensors of 8 MiB / 16 float32 values each, plus the safetensors header
+    assert 8 << 20 < r["size_bytes"] < (8 << 20) + 4096
+    assert r["pull_vs_socket"] == pytest.approx(r["socket_seconds"] / r["pull_seconds"])
+    assert r["push_vs_socket"] == pytest.approx(r["socket_seconds"] / r["push_seconds"])
+    assert r["speedup_vs_base64_json"] == pytest.approx(r["push_gbps"] / r["base64_json_gbps"])
+    assert r["base64_json_bytes"] == 2 << 20  # a quarter of the payload
+    assert r["rss_peak_bytes"] >= r["rss_idle_bytes"] > 50 << 20  # a real coordinator process, torch loaded
+    assert r["rss_growth_per_model_size"] == pytest.approx(
+        (r["rss_peak_bytes"] - r["rss_idle_bytes"]) / r["size_bytes"])
+    assert "pull_vs_socket" in json.dumps(r["targets"]) and "raw loopback socket" in stdout
+
+
+def test_aggregation_smoke(tmp_path):
+    r, stdout = run("aggregation.py", tmp_path / "a.json", "--size-mb", "2", "--repeats", "1")
+    rules = {rec["rule"]: rec for rec in r["records"]}
+    assert sorted(rules) == ["fedasync", "fedbuff"] and rules["fedbuff"]["updates_per_step"] == 3
+    for rec in r["records"]:
+        assert rec["model_bytes"] == 2 << 20
+        assert rec["gbps"] == pytest.approx(rec["updates_per_step"] * rec["model_bytes"] / rec["seconds"] / 1e9)
+        assert 0 < rec["step_gbps"] < rec["gbps"]  # a whole step (I/O, hashing) costs more than the maths
+    assert r["threads"] == 1 and r["gbps"] == min(rec["gbps"] for rec in r["records"])
+    assert "slowest rule" in stdout
