@@ -141,7 +141,8 @@ class FederatedWorker:
     def identity(self) -> dict[str, Any]:
         """What a checkpoint must match to be resumed by this worker."""
         return {"specialty": self.settings.specialty, "worker_id": self.settings.worker_id,
-                "base_model": self.expert_spec["base_model"], "lora": self.expert_spec["lora"]}
+                "base_model": self.expert_spec["base_model"],
+                **{k: v for k, v in self.expert_spec.items() if k in ("kind", "lora", "full")}}
 
     def join(self) -> dict[str, Any]:
         """Resume a checkpoint if any, register, create the expert if we are its first worker, pull it."""

@@ -56,7 +56,7 @@ def test_full_parameter_expert_trains_compressed_syncs_and_exports(start_coordin
     assert evaluate_loss(merged, base.tokenizer, heldout, max_seq_len=128) < base_loss - 1.0
 
     assert get_gateway_model.main(["--coordinator-url", url, "--save-gateway", str(tmp_path / "peft"),
-                                   "--format", "peft"]) == 1
+                                   "--format", "peft"]) == 2
     assert not (tmp_path / "peft").exists()
     assert capsys.readouterr().err.strip().splitlines() == [
         "error: --format peft: this is a full-parameter model (every weight, no LoRA factors), not a PEFT adapter; "

@@ -133,13 +133,13 @@ def test_a_checkpoint_of_another_setup_is_one_clear_error_until_fresh(tmp_path, 
     assert "base_model.fingerprint" in errors[0] and "--fresh" in errors[0]
     assert (state / MANIFEST).is_file()  # refused, not touched
 
-    assert run_worker.main([*args, "--fresh"]) == 1  # discarded, then on to the (unreachable) coordinator
+    assert run_worker.main([*args, "--fresh"]) == 2  # discarded, then on to the (unreachable) coordinator
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "cannot reach the coordinator" in errors[0]
     assert list(state.iterdir()) == []
 
     (tmp_path / "file").write_text("")
-    assert run_worker.main([*args, "--state-dir", str(tmp_path / "file")]) == 1  # the last --state-dir wins
+    assert run_worker.main([*args, "--state-dir", str(tmp_path / "file")]) == 2  # the last --state-dir wins
     assert "is a file" in capsys.readouterr().err
 
 
