@@ -79,8 +79,8 @@ class BlobStore:
             fsync_dir(dest.parent)
         return digest
 
-    def put_file(self, write: Callable[[Path], None]) -> str:
-        """Let ``write(path)`` fill a temp file, then fsync and adopt it."""
+    def write_temp(self, write: Callable[[Path], None]) -> Path:
+        """Let ``write(path)`` fill a temp file and fsync it; ``adopt`` it to store it."""
         tmp = self.new_temp()
         try:
             write(tmp)
@@ -89,7 +89,11 @@ class BlobStore:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        return self.adopt(tmp)
+        return tmp
+
+    def put_file(self, write: Callable[[Path], None]) -> str:
+        """Let ``write(path)`` fill a temp file, then fsync and adopt it."""
+        return self.adopt(self.write_temp(write))
 
     def put_bytes(self, data: bytes) -> str:
         return self.put_file(lambda p: p.write_bytes(data))

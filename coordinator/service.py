@@ -26,13 +26,13 @@ import numpy as np
 from compression.wire import encode_update
 from coordinator.adapters import check_lora_adapter, decode_update, make_codec_or_400
 from coordinator.aggregation import AGGREGATORS, AggregationParams, StateDict, Update
-from coordinator.blobs import BlobStore
+from coordinator.blobs import BlobStore, file_sha256
 from coordinator.config import CoordinatorConfig
 from coordinator.gateway_builder import GatewayBuilder
-from coordinator.store import ExpertRow, ManifestStore, UpdateRow
+from coordinator.store import ExpertRow, ManifestStore, StaleAggregation, UpdateRow
 from gateway.router import ProfileError, combine_profiles, profile_from_json
 from gateway.router import route as route_prompt
-from protocol.errors import BadRequest, Conflict, NotFound
+from protocol.errors import BadRequest, Conflict, InvalidPayload, NotFound
 from protocol.schemas import BaseModelSpec, ExpertSpec, UpdateMeta, check_name
 from protocol.tensors import load_file, manifest_from_json, manifest_to_json, save_file
 
@@ -56,6 +56,9 @@ class Coordinator:
         self._aggregate_fn = AGGREGATORS[config.aggregation]
         self._locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
+        # Blobs are shared by digest across experts: adopting one and recording its row must not
+        # interleave with dropping "unreferenced" blobs, or a new row could point at a deleted file.
+        self.blobs_guard = threading.RLock()
         self._decoded: dict[str, StateDict] = {}  # update_id -> deltas checked at receipt
         self._diffs: dict[tuple, bytes] = {}  # (expert, since, version, codec, config) -> encoded diff
         self.gateway = GatewayBuilder(self)
@@ -84,8 +87,9 @@ class Coordinator:
                     self._check_compatible(existing, spec)
                     return self.expert_info(name), False
                 manifest = check_lora_adapter(load_file(body), spec.lora)
-                digest = self.blobs.adopt(body)
-                self.db.create_expert(name, spec.to_json(), manifest_to_json(manifest), digest)
+                with self.blobs_guard:
+                    digest = self.blobs.adopt(body)
+                    self.db.create_expert(name, spec.to_json(), manifest_to_json(manifest), digest)
         finally:
             body.unlink(missing_ok=True)
         log.info("created expert %s (rank %d)", name, spec.lora.rank)
@@ -173,12 +177,17 @@ class Coordinator:
     # updates ------------------------------------------------------------------
 
     def submit_update(self, name: str, meta: UpdateMeta, body: Path) -> tuple[dict[str, Any], bool]:
-        """Record and (policy permitting) apply an update; (status, is_new). Retries are no-ops."""
+        """Record and (policy permitting) apply an update; (status, is_new).
+
+        A retry (same update_id, same bytes) is a no-op answered with the stored status; the same
+        update_id with different bytes is a 409, never silently taken for the first one.
+        """
         try:
             expert = self.require_expert(name)
+            body_digest = file_sha256(body)
             known = self.db.update(meta.update_id)
             if known is not None:
-                return self._seen_before(known, name), False
+                return self._seen_before(known, name, body_digest), False
             if meta.base_version > expert.version:
                 raise Conflict(f"base_version {meta.base_version} is ahead of expert {name!r}, "
                                f"which is at version {expert.version}")
@@ -187,18 +196,23 @@ class Coordinator:
             with self._lock(name):
                 known = self.db.update(meta.update_id)  # a concurrent retry may have won
                 if known is not None:
-                    return self._seen_before(known, name), False
-                digest = self.blobs.adopt(body)
-                row = self.db.add_update(name, meta.to_json(), digest, size, _fp32_bytes(deltas))
+                    return self._seen_before(known, name, body_digest), False
+                with self.blobs_guard:
+                    digest = self.blobs.adopt(body)
+                    row = self.db.add_update(name, meta.to_json(), digest, size, _fp32_bytes(deltas))
                 self._decoded[row.update_id] = deltas
                 self._aggregate_locked(name)
         finally:
             body.unlink(missing_ok=True)
         return self.update_status(meta.update_id), True
 
-    def _seen_before(self, known: UpdateRow, name: str) -> dict[str, Any]:
+    def _seen_before(self, known: UpdateRow, name: str, body_digest: str) -> dict[str, Any]:
         if known.expert != name:
             raise Conflict(f"update_id {known.update_id!r} was already used for expert {known.expert!r}")
+        if known.body_sha256 is not None and known.body_sha256 != body_digest:
+            raise Conflict(f"update_id {known.update_id!r} was already used for a different body; a retry "
+                           "must resend the same bytes, and a new update needs a new update_id",
+                           update_id=known.update_id)
         return self.update_status(known.update_id)
 
     def update_status(self, update_id: str) -> dict[str, Any]:
@@ -217,19 +231,34 @@ class Coordinator:
         pending = self.db.pending_updates(name)
         k = self.config.updates_per_step
         while len(pending) >= k:
-            self._apply(name, pending[:k])
+            if not self._apply(name, pending[:k]):
+                return
             pending = pending[k:]
 
-    def _apply(self, name: str, batch: list[UpdateRow]) -> None:
+    def _apply(self, name: str, batch: list[UpdateRow]) -> bool:
+        """One aggregation step; False if another process sharing the data dir got there first."""
         started = time.perf_counter()
         expert = self.require_expert(name)
         manifest = manifest_from_json(expert.manifest)
         current = load_file(self.weights(name).path)
-        updates = [Update(delta=self._deltas(u, manifest), num_samples=u.meta["num_samples"],
-                          staleness=max(0, expert.version - u.meta["base_version"])) for u in batch]
+        try:
+            updates = [Update(delta=self._deltas(u, manifest), num_samples=u.meta["num_samples"],
+                              staleness=max(0, expert.version - u.meta["base_version"])) for u in batch]
+        except InvalidPayload:
+            if all(self.db.update(u.update_id).status == "pending" for u in batch):
+                raise
+            log.warning("dropped an aggregation step of %s: its updates were applied meanwhile", name)
+            return False  # another process applied them and dropped their payloads
         new = self._aggregate_fn(current, updates, self.params)
-        digest = self.blobs.put_file(lambda p: save_file(new, p))
-        self.db.commit_version(name, expert.version + 1, digest, batch, _mean_loss(batch))
+        written = self.blobs.write_temp(lambda p: save_file(new, p))
+        with self.blobs_guard:
+            digest = self.blobs.adopt(written)
+            try:
+                self.db.commit_version(name, expert.version + 1, digest, batch, _mean_loss(batch))
+            except StaleAggregation as exc:
+                log.warning("dropped an aggregation step of %s: %s", name, exc)
+                self._drop_unreferenced([digest])
+                return False
         for u in batch:
             self._decoded.pop(u.update_id, None)
         self._drop_unreferenced([u.blob for u in batch if u.blob]
@@ -237,6 +266,7 @@ class Coordinator:
         self.on_aggregated(time.perf_counter() - started)
         log.info("expert %s -> version %d (%d update(s), staleness %s)", name, expert.version + 1,
                  len(batch), [u.staleness for u in updates])
+        return True
 
     def _deltas(self, row: UpdateRow, manifest: list[tuple[str, tuple[int, ...]]]) -> StateDict:
         cached = self._decoded.get(row.update_id)
@@ -248,9 +278,10 @@ class Coordinator:
     def _drop_unreferenced(self, digests: list[str]) -> None:
         if not digests:
             return
-        referenced = self.db.referenced_blobs()
-        for digest in set(digests) - referenced:
-            self.blobs.delete(digest)
+        with self.blobs_guard:
+            referenced = self.db.referenced_blobs()
+            for digest in set(digests) - referenced:
+                self.blobs.delete(digest)
 
     def _remove_orphan_blobs(self) -> None:
         """Blobs written just before a crash, never recorded: safe to delete."""
