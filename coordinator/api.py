@@ -6,11 +6,13 @@ held whole in memory, never unpickled); JSON metadata rides in one header.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 from flask import Blueprint, Response, current_app, jsonify, request, send_file
 
+from coordinator.openapi import OPENAPI
 from coordinator.service import Coordinator
 from gateway.files import npz_bytes
 from protocol.errors import BadRequest, PayloadTooLarge
@@ -127,8 +129,8 @@ def _int_arg(key: str) -> int | None:
     value = request.args.get(key)
     if value is None:
         return None
-    if not value.isdigit():
-        raise BadRequest(f"{key} must be a non-negative integer, got {value!r}")
+    if not re.fullmatch(r"[0-9]{1,18}", value):  # ASCII digits only, and within SQLite's 64-bit integers
+        raise BadRequest(f"{key} must be a non-negative integer below 10**18, got {value!r}")
     return int(value)
 
 
@@ -186,3 +188,9 @@ def gateway_weights() -> Response:
     response.headers[VERSION_HEADER] = str(info["version"])
     response.headers["X-FedMoE-Gateway"] = json.dumps({"version": info["version"], "sources": info["sources"]})
     return response
+
+
+@bp.get("/openapi.json")
+def openapi() -> Response:
+    """This API's OpenAPI 3 description (coordinator/openapi.py)."""
+    return jsonify(OPENAPI)

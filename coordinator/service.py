@@ -33,7 +33,7 @@ from coordinator.store import ExpertRow, ManifestStore, StaleAggregation, Update
 from gateway.router import ProfileError, combine_profiles, profile_from_json
 from gateway.router import route as route_prompt
 from protocol.errors import BadRequest, Conflict, InvalidPayload, NotFound
-from protocol.schemas import BaseModelSpec, ExpertSpec, UpdateMeta, check_name
+from protocol.schemas import MAX_COUNT, BaseModelSpec, ExpertSpec, UpdateMeta, check_name
 from protocol.tensors import load_file, manifest_from_json, manifest_to_json, save_file
 
 log = logging.getLogger(__name__)
@@ -301,8 +301,9 @@ class Coordinator:
             vector, count = profile_from_json(profile)
         except ProfileError as exc:
             raise BadRequest(str(exc)) from None
-        if count < 1:
-            raise BadRequest("profile num_examples must be >= 1: a profile of no examples cannot route")
+        if not 1 <= count <= MAX_COUNT:
+            raise BadRequest(f"profile num_examples must be in [1, {MAX_COUNT}], got {count}: "
+                             "a profile of no examples cannot route")
         self.db.put_profile(name, worker_id, vector.astype("<f4").tobytes(), count)
         return {"expert": name, "worker_id": worker_id, "num_examples": count}
 
