@@ -67,9 +67,9 @@ class BlobStore:
             raise
         return tmp
 
-    def adopt(self, tmp: Path) -> str:
-        """Move a fsynced temp file into the store under its digest; return the digest."""
-        digest = file_sha256(tmp)
+    def adopt(self, tmp: Path, digest: str | None = None) -> str:
+        """Move a fsynced temp file into the store under its digest (computed unless given); return it."""
+        digest = digest or file_sha256(tmp)
         dest = self.path(digest)
         dest.parent.mkdir(exist_ok=True)
         if dest.exists():

@@ -198,7 +198,7 @@ class Coordinator:
                 if known is not None:
                     return self._seen_before(known, name, body_digest), False
                 with self.blobs_guard:
-                    digest = self.blobs.adopt(body)
+                    digest = self.blobs.adopt(body, body_digest)
                     row = self.db.add_update(name, meta.to_json(), digest, size, _fp32_bytes(deltas))
                 self._decoded[row.update_id] = deltas
                 self._aggregate_locked(name)
