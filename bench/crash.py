@@ -332,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     log.setLevel(logging.INFO)
     torch.set_num_threads(1)
     report = run(5 if args.quick else args.kills, args.clients, args.seed, args.max_uptime)
-    write_json_atomic(args.out, {k: v for k, v in report.items()})
+    write_json_atomic(args.out, report)
     rows = [[report["kills"], report["clients"], report["pushes_acknowledged"], report["updates_applied"],
              report["restart_s"]["p50"], report["restart_s"]["max"], len(report["problems"]),
              len(report["server_errors"]), report["seconds"]]]

@@ -63,6 +63,7 @@ EXPERT_NAME = _path_param("name", NAME_PATTERN, EXAMPLE_EXPERT, "Expert name (th
 WORKER_ID = _path_param("worker_id", NAME_PATTERN, "worker-1", "Worker id.")
 UPDATE_ID = _path_param("update_id", UPDATE_ID_PATTERN, "worker-1:0001", "The update_id a worker chose.")
 VERSION_HEADERS = {VERSION_HEADER: {"description": "Expert version of the body.", "schema": {"type": "string"}}}
+VERSION_QUERY = {"type": "string", "pattern": "^[0-9]{1,18}$"}  # ASCII digits within SQLite's 64-bit integers
 TENSOR_BODY = {"required": True, "content": {"application/octet-stream": {"schema": {"type": "string",
                                                                                   "format": "binary"}}}}
 BAD_REQUEST = _error("Malformed request: a field, header, query parameter or body is wrong.")
@@ -184,7 +185,8 @@ _api: dict[str, Any] = {
                 "parameters": [EXPERT_NAME],
                 "responses": {"200": _json(_ref("Expert"), "The expert."), "404": NOT_FOUND}},
         "put": {"operationId": "createExpert", "summary": "Create an expert from its first LoRA adapter.",
-                "parameters": [EXPERT_NAME, _json_param(EXPERT_HEADER, "header", _ref("ExpertSpec"), "The expert's setup.")],
+                "parameters": [EXPERT_NAME,
+                               _json_param(EXPERT_HEADER, "header", _ref("ExpertSpec"), "The expert's setup.")],
                 "requestBody": TENSOR_BODY | {"description": "The initial adapter as a safetensors file."},
                 "responses": {"200": _json(_ref("Expert"), "It existed with the same setup."),
                               "201": _json(_ref("Expert"), "Created."), "400": BAD_REQUEST,
@@ -196,8 +198,8 @@ _api: dict[str, Any] = {
         "operationId": "expertWeights",
         "summary": "Full weights (safetensors), or with since= the compressed difference from that version.",
         "parameters": [EXPERT_NAME,
-                       _query("version", {"type": "string", "pattern": "^[0-9]{1,18}$"}, "Version (default: current)."),
-                       _query("since", {"type": "string", "pattern": "^[0-9]{1,18}$"}, "Send current minus this version."),
+                       _query("version", VERSION_QUERY, "Version (default: current)."),
+                       _query("since", VERSION_QUERY, "Send current minus this version."),
                        _query("codec", {"type": "string"}, "Codec of the difference (default fp16)."),
                        _json_param("codec_config", "query", {"type": "object"}, "Codec options as a JSON object."),
                        _header("If-None-Match", "ETag held by the caller."),

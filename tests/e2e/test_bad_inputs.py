@@ -68,6 +68,16 @@ def delta(**changes: torch.Tensor) -> dict[str, torch.Tensor]:
 FIRST = sorted(ADAPTER)[0]
 
 
+def first_as(fill: float | None = None, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """A delta whose first tensor is replaced: filled with ``fill`` (zeros by default) in ``dtype``."""
+    shape = ADAPTER[FIRST].shape
+    return delta(**{FIRST: torch.zeros(shape, dtype=dtype) if fill is None else torch.full(shape, fill, dtype=dtype)})
+
+
+def raw_post(s: "Server", headers: dict[str, str]) -> requests.Response:
+    return requests.post(f"{s.url}/api/v1/experts/e/updates", data=FIRST_BODY, headers=headers, timeout=60)
+
+
 def pickled(tensors: dict[str, torch.Tensor]) -> bytes:
     buffer = io.BytesIO()
     torch.save(tensors, buffer)  # what a careless client would send: must never be unpickled
@@ -122,15 +132,15 @@ CASES: list[tuple[str, Case, int]] = [
     ("unknown tensor name", lambda s: s.push(dumps(delta(**{"evil.weight": torch.zeros(2, 2)}))), 422),
     ("missing tensor", lambda s: s.push(dumps(delta(**{FIRST: None}))), 422),
     ("wrong shape", lambda s: s.push(dumps(delta(**{FIRST: torch.zeros(3, 3)}))), 422),
-    ("float16 dtype", lambda s: s.push(dumps(delta(**{FIRST: torch.zeros(ADAPTER[FIRST].shape, dtype=torch.float16)}))), 422),
-    ("int64 dtype", lambda s: s.push(dumps(delta(**{FIRST: torch.zeros(ADAPTER[FIRST].shape, dtype=torch.int64)}))), 422),
-    ("NaN", lambda s: s.push(dumps(delta(**{FIRST: torch.full(ADAPTER[FIRST].shape, float("nan"))}))), 422),
-    ("Inf", lambda s: s.push(dumps(delta(**{FIRST: torch.full(ADAPTER[FIRST].shape, float("-inf"))}))), 422),
+    ("float16 dtype", lambda s: s.push(dumps(first_as(dtype=torch.float16))), 422),
+    ("int64 dtype", lambda s: s.push(dumps(first_as(dtype=torch.int64))), 422),
+    ("NaN", lambda s: s.push(dumps(first_as(float("nan")))), 422),
+    ("Inf", lambda s: s.push(dumps(first_as(float("-inf")))), 422),
     ("adapter of the wrong rank", lambda s: s.put_expert("r3", dumps(ADAPTER), expert_spec(rank=3)), 422),
-    ("adapter with NaN", lambda s: s.put_expert("nan", dumps(delta(**{FIRST: torch.full(ADAPTER[FIRST].shape, float("nan"))})), expert_spec()), 422),
+    ("adapter with NaN", lambda s: s.put_expert("nan", dumps(first_as(float("nan"))), expert_spec()), 422),
     # metadata
-    ("missing update header", lambda s: requests.post(f"{s.url}/api/v1/experts/e/updates", data=FIRST_BODY, timeout=60), 400),
-    ("update header not JSON", lambda s: requests.post(f"{s.url}/api/v1/experts/e/updates", data=FIRST_BODY, headers={UPDATE_HEADER: "{"}, timeout=60), 400),
+    ("missing update header", lambda s: raw_post(s, {}), 400),
+    ("update header not JSON", lambda s: raw_post(s, {UPDATE_HEADER: "{"}), 400),
     ("negative num_samples", lambda s: s.push(dumps(delta()), update_meta(num_samples=-1)), 400),
     ("num_samples past 64 bits", lambda s: s.push(dumps(delta()), update_meta(num_samples=2**70)), 400),
     ("bad update_id", lambda s: s.push(dumps(delta()), update_meta() | {"update_id": "../../etc/passwd"}), 400),
@@ -141,7 +151,8 @@ CASES: list[tuple[str, Case, int]] = [
     ("replayed update_id, different body", lambda s: s.push(dumps(delta()), REPLAYED), 409),
     ("replayed update_id, other expert", lambda s: s.push(FIRST_BODY, REPLAYED, expert="other"), 409),
     ("base_version ahead", lambda s: s.push(dumps(delta()), update_meta(base_version=99)), 409),
-    ("expert exists with other rank", lambda s: s.put_expert("e", dumps(make_adapter(rank=3)), expert_spec(rank=3)), 409),
+    ("expert exists with other rank",
+     lambda s: s.put_expert("e", dumps(make_adapter(rank=3)), expert_spec(rank=3)), 409),
     # size
     ("oversized body", lambda s: s.push(b"\0" * (LIMIT + 1)), 413),
     ("oversized chunked body", lambda s: post_chunked(s.url, "/api/v1/experts/e/updates",
