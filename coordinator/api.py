@@ -98,13 +98,19 @@ def expert_weights(name: str) -> Response:
     c = coordinator()
     if "since" in request.args:
         return _weights_diff(c, name)
-    ref = c.weights(name, _int_arg("version"))
-    response = send_file(ref.path, mimetype="application/octet-stream", etag=ref.digest,
-                         conditional=True, download_name=f"{name}-v{ref.version}.safetensors",
-                         max_age=0)
+    for attempt in range(3):  # a version pruned between the lookup and the open is looked up again
+        ref = c.weights(name, _int_arg("version"))
+        try:
+            response = send_file(ref.path, mimetype="application/octet-stream", etag=ref.digest,
+                                 conditional=True, download_name=f"{name}-v{ref.version}.safetensors",
+                                 max_age=0)
+            break
+        except FileNotFoundError:
+            if attempt == 2:
+                raise
     response.headers[VERSION_HEADER] = str(ref.version)
     if response.status_code == 200:
-        c.record_pull(request.headers.get(WORKER_HEADER), name, ref.path.stat().st_size)
+        c.record_pull(request.headers.get(WORKER_HEADER), name, response.content_length or 0)
     return response
 
 

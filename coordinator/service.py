@@ -132,9 +132,13 @@ class Coordinator:
         return self.db.versions(name)
 
     def weights(self, name: str, version: int | None = None) -> WeightsRef:
+        """Where version ``version`` (default: the current one) is stored; NotFound if absent or pruned."""
         expert = self.require_expert(name)
+        exists, digest = self.db.version_blob(name, expert.version if version is None else version)
+        while version is None and digest is None:  # replaced and pruned between the two reads
+            expert = self.require_expert(name)
+            exists, digest = self.db.version_blob(name, expert.version)
         version = expert.version if version is None else version
-        exists, digest = self.db.version_blob(name, version)
         if not exists:
             raise NotFound(f"expert {name!r} has no version {version} (current: {expert.version})")
         if digest is None:
