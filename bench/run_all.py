@@ -8,7 +8,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHMARKS = ("compression.py", "gateway.py", "byzantine.py", "overhead.py", "transport.py", "aggregation.py")
+BENCHMARKS = ("compression.py", "gateway.py", "byzantine.py", "overhead.py", "transport.py",
+              "aggregation.py", "load.py", "crash.py")
 
 
 def main() -> int:

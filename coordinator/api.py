@@ -6,6 +6,7 @@ held whole in memory, never unpickled); JSON metadata rides in one header.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ from flask import Blueprint, Response, current_app, jsonify, request, send_file
 from werkzeug.exceptions import HTTPException
 
 from coordinator.audit import rejection_event
+from coordinator.openapi import OPENAPI
 from coordinator.service import Coordinator
 from gateway.files import npz_bytes
 from protocol.errors import BadRequest, FedMoEError, PayloadTooLarge
@@ -100,13 +102,19 @@ def expert_weights(name: str) -> Response:
     c = coordinator()
     if "since" in request.args:
         return _weights_diff(c, name)
-    ref = c.weights(name, _int_arg("version"))
-    response = send_file(ref.path, mimetype="application/octet-stream", etag=ref.digest,
-                         conditional=True, download_name=f"{name}-v{ref.version}.safetensors",
-                         max_age=0)
+    for attempt in range(3):  # a version pruned between the lookup and the open is looked up again
+        ref = c.weights(name, _int_arg("version"))
+        try:
+            response = send_file(ref.path, mimetype="application/octet-stream", etag=ref.digest,
+                                 conditional=True, download_name=f"{name}-v{ref.version}.safetensors",
+                                 max_age=0)
+            break
+        except FileNotFoundError:
+            if attempt == 2:
+                raise
     response.headers[VERSION_HEADER] = str(ref.version)
     if response.status_code == 200:
-        c.record_pull(request.headers.get(WORKER_HEADER), name, ref.path.stat().st_size)
+        c.record_pull(request.headers.get(WORKER_HEADER), name, response.content_length or 0)
     return response
 
 
@@ -131,8 +139,8 @@ def _int_arg(key: str) -> int | None:
     value = request.args.get(key)
     if value is None:
         return None
-    if not value.isdigit():
-        raise BadRequest(f"{key} must be a non-negative integer, got {value!r}")
+    if not re.fullmatch(r"[0-9]{1,18}", value):  # ASCII digits only, and within SQLite's 64-bit integers
+        raise BadRequest(f"{key} must be a non-negative integer below 10**18, got {value!r}")
     return int(value)
 
 
@@ -218,3 +226,9 @@ def gateway_weights() -> Response:
     response.headers[VERSION_HEADER] = str(info["version"])
     response.headers["X-FedMoE-Gateway"] = json.dumps({"version": info["version"], "sources": info["sources"]})
     return response
+
+
+@bp.get("/openapi.json")
+def openapi() -> Response:
+    """This API's OpenAPI 3 description (coordinator/openapi.py)."""
+    return jsonify(OPENAPI)

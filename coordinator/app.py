@@ -41,7 +41,9 @@ def _register_error_handlers(app: Flask) -> None:
     @app.errorhandler(HTTPException)
     def http_error(exc: HTTPException) -> tuple[Response, int]:
         code = (exc.name or "error").lower().replace(" ", "_")
-        return jsonify({"error": {"code": code, "message": exc.description}}), exc.code or 500
+        response = jsonify({"error": {"code": code, "message": exc.description}})
+        response.headers.extend((k, v) for k, v in exc.get_headers() if k.lower() != "content-type")  # Allow on 405
+        return response, exc.code or 500
 
     @app.errorhandler(Exception)
     def unexpected(exc: Exception) -> tuple[Response, int]:

@@ -89,11 +89,14 @@ class BlobStore:
             self._received_digests[tmp] = hasher.hexdigest()
         return tmp
 
-    def adopt(self, tmp: Path) -> str:
-        """Move a fsynced temp file into the store under its digest; return the digest."""
+    def adopt(self, tmp: Path, digest: str | None = None) -> str:
+        """Move a fsynced temp file into the store under its digest; return the digest.
+
+        The digest is the one given, else the one hashed while the file was received, else computed.
+        """
         with self._digests_guard:
-            digest = self._received_digests.pop(tmp, None)
-        digest = digest or file_sha256(tmp)
+            received = self._received_digests.pop(tmp, None)
+        digest = digest or received or file_sha256(tmp)
         dest = self.path(digest)
         dest.parent.mkdir(exist_ok=True)
         if dest.exists():
@@ -103,14 +106,20 @@ class BlobStore:
             fsync_dir(dest.parent)
         return digest
 
+    def digest_of(self, tmp: Path) -> str:
+        """SHA-256 of a temp file: the one hashed while it was received, else read and hashed now."""
+        with self._digests_guard:
+            received = self._received_digests.get(tmp)
+        return received or file_sha256(tmp)
+
     def forget(self, tmp: Path) -> None:
         """Drop a received temp file that was not adopted (refused or a duplicate)."""
         with self._digests_guard:
             self._received_digests.pop(tmp, None)
         tmp.unlink(missing_ok=True)
 
-    def put_file(self, write: Callable[[Path], None]) -> str:
-        """Let ``write(path)`` fill a temp file, then fsync and adopt it."""
+    def write_temp(self, write: Callable[[Path], None]) -> Path:
+        """Let ``write(path)`` fill a temp file and fsync it; ``adopt`` it to store it."""
         tmp = self.new_temp()
         try:
             write(tmp)
@@ -119,7 +128,11 @@ class BlobStore:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        return self.adopt(tmp)
+        return tmp
+
+    def put_file(self, write: Callable[[Path], None]) -> str:
+        """Let ``write(path)`` fill a temp file, then fsync and adopt it."""
+        return self.adopt(self.write_temp(write))
 
     def put_bytes(self, data: bytes) -> str:
         return self.put_file(lambda p: p.write_bytes(data))

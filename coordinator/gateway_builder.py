@@ -86,8 +86,10 @@ class GatewayBuilder:
                 "base_model": {"id": first.base_model.id, "fingerprint": first.base_model.fingerprint},
                 "truncation_error": result.truncation_error}
         meta = {SAFETENSORS_META_KEY: json.dumps(info)}
-        digest = self._c.blobs.put_file(lambda p: save_file(tensors, p, meta))
-        self._c.db.add_gateway(key, digest, info)
+        written = self._c.blobs.write_temp(lambda p: save_file(tensors, p, meta))
+        with self._c.blobs_guard:  # adopt and record together: see Coordinator.blobs_guard
+            digest = self._c.blobs.adopt(written)
+            self._c.db.add_gateway(key, digest, info)
 
 
     def _build_full(self, key: str, strategy: str, weights: dict[str, float], experts: list["ExpertRow"],

@@ -33,11 +33,11 @@ from coordinator.blobs import BlobStore
 from coordinator.config import CoordinatorConfig
 from coordinator.gateway_builder import GatewayBuilder
 from coordinator.norm_check import judge_norm
-from coordinator.store import ExpertRow, ManifestStore, UpdateRow
+from coordinator.store import ExpertRow, ManifestStore, StaleAggregation, UpdateRow
 from gateway.router import ProfileError, combine_profiles, profile_from_json
 from gateway.router import route as route_prompt
-from protocol.errors import BadRequest, Conflict, NotFound
-from protocol.schemas import BaseModelSpec, ExpertSpec, UpdateMeta, check_name
+from protocol.errors import BadRequest, Conflict, InvalidPayload, NotFound
+from protocol.schemas import MAX_COUNT, BaseModelSpec, ExpertSpec, UpdateMeta, check_name
 from protocol.streaming import FileTensors
 from protocol.tensors import load_file, manifest_from_json, manifest_to_json, save_file
 
@@ -64,6 +64,9 @@ class Coordinator:
             self._aggregate_fn = robust_aggregator(config.robust, config.trim_fraction)
         self._locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
+        # Blobs are shared by digest across experts: adopting one and recording its row must not
+        # interleave with dropping "unreferenced" blobs, or a new row could point at a deleted file.
+        self.blobs_guard = threading.RLock()
         self._diffs: dict[tuple, bytes] = {}  # (expert, since, version, codec, config) -> encoded diff
         self._diff_lock = threading.Lock()
         self.gateway = GatewayBuilder(self)
@@ -93,9 +96,10 @@ class Coordinator:
                     return self.expert_info(name), False
                 manifest = (check_full_weights(body, spec.full) if spec.full is not None
                             else check_lora_adapter(load_file(body), spec.lora))
-                digest = self.blobs.adopt(body)
-                self.db.create_expert(name, spec.to_json(), manifest_to_json(manifest), digest,
-                                      events=(audit.expert_created(name, spec.lora.rank if spec.lora else None, spec.base_model.id),))
+                with self.blobs_guard:
+                    digest = self.blobs.adopt(body)
+                    self.db.create_expert(name, spec.to_json(), manifest_to_json(manifest), digest, events=(
+                        audit.expert_created(name, spec.lora.rank if spec.lora else None, spec.base_model.id),))
         finally:
             self.blobs.forget(body)
         log.info("created expert %s (%s)", name, "full-parameter" if spec.lora is None else f"rank {spec.lora.rank}")
@@ -143,9 +147,13 @@ class Coordinator:
         return self.db.versions(name)
 
     def weights(self, name: str, version: int | None = None) -> WeightsRef:
+        """Where version ``version`` (default: the current one) is stored; NotFound if absent or pruned."""
         expert = self.require_expert(name)
+        exists, digest = self.db.version_blob(name, expert.version if version is None else version)
+        while version is None and digest is None:  # replaced and pruned between the two reads
+            expert = self.require_expert(name)
+            exists, digest = self.db.version_blob(name, expert.version)
         version = expert.version if version is None else version
-        exists, digest = self.db.version_blob(name, version)
         if not exists:
             raise NotFound(f"expert {name!r} has no version {version} (current: {expert.version})")
         if digest is None:
@@ -191,12 +199,17 @@ class Coordinator:
     # updates ------------------------------------------------------------------
 
     def submit_update(self, name: str, meta: UpdateMeta, body: Path) -> tuple[dict[str, Any], bool]:
-        """Record and (policy permitting) apply an update; (status, is_new). Retries are no-ops."""
+        """Record and (policy permitting) apply an update; (status, is_new).
+
+        A retry (same update_id, same bytes) is a no-op answered with the stored status; the same
+        update_id with different bytes is a 409, never silently taken for the first one.
+        """
         try:
             expert = self.require_expert(name)
+            body_digest = self.blobs.digest_of(body)
             known = self.db.update(meta.update_id)
             if known is not None:
-                return self._seen_before(known, name, meta), False
+                return self._seen_before(known, name, meta, body_digest), False
             if meta.base_version > expert.version:
                 raise Conflict(f"base_version {meta.base_version} is ahead of expert {name!r}, "
                                f"which is at version {expert.version}")
@@ -208,21 +221,26 @@ class Coordinator:
             with self._lock(name):
                 known = self.db.update(meta.update_id)  # a concurrent retry may have won
                 if known is not None:
-                    return self._seen_before(known, name, meta), False
+                    return self._seen_before(known, name, meta, body_digest), False
                 verdict = judge_norm(norm, self.db.recent_norms(name, self.config.norm_history),
                                      self.config.norm_policy)  # InvalidUpdate (422) in reject mode
                 stored = meta.to_json() | ({"norm_scale": verdict.scale} if verdict.clipped else {})
-                digest = self.blobs.adopt(body)
-                self.db.add_update(name, stored, digest, size, _fp32_bytes(manifest), norm=verdict.accepted_norm,
-                                   events=audit.update_accepted(name, meta, verdict, size))
+                with self.blobs_guard:
+                    digest = self.blobs.adopt(body, body_digest)
+                    self.db.add_update(name, stored, digest, size, _fp32_bytes(manifest), norm=verdict.accepted_norm,
+                                       events=audit.update_accepted(name, meta, verdict, size))
                 self._aggregate_locked(name)
         finally:
             self.blobs.forget(body)
         return self.update_status(meta.update_id), True
 
-    def _seen_before(self, known: UpdateRow, name: str, meta: UpdateMeta) -> dict[str, Any]:
+    def _seen_before(self, known: UpdateRow, name: str, meta: UpdateMeta, body_digest: str) -> dict[str, Any]:
         if known.expert != name:
             raise Conflict(f"update_id {known.update_id!r} was already used for expert {known.expert!r}")
+        if known.body_sha256 is not None and known.body_sha256 != body_digest:
+            raise Conflict(f"update_id {known.update_id!r} was already used for a different body; a retry "
+                           "must resend the same bytes, and a new update needs a new update_id",
+                           update_id=known.update_id)
         self.record_event(audit.update_duplicate(name, meta.worker_id, known.update_id, known.status))
         return self.update_status(known.update_id)
 
@@ -253,26 +271,42 @@ class Coordinator:
         pending = self.db.pending_updates(name)
         k = self.config.updates_per_step
         while len(pending) >= k:
-            self._apply(name, pending[:k])
+            if not self._apply(name, pending[:k]):
+                return
             pending = pending[k:]
 
-    def _apply(self, name: str, batch: list[UpdateRow]) -> None:
+    def _apply(self, name: str, batch: list[UpdateRow]) -> bool:
+        """One aggregation step; False if another process sharing the data dir got there first."""
         started = time.perf_counter()
         expert = self.require_expert(name)
         manifest = manifest_from_json(expert.manifest)
         current = load_file(self.weights(name).path)  # our own copy: the aggregator updates it in place
-        updates = [Update(delta=self._deltas(u, manifest), num_samples=u.meta["num_samples"],
-                          staleness=max(0, expert.version - u.meta["base_version"])) for u in batch]
+        try:
+            updates = [Update(delta=self._deltas(u, manifest), num_samples=u.meta["num_samples"],
+                              staleness=max(0, expert.version - u.meta["base_version"])) for u in batch]
+        except InvalidPayload:
+            if all(self.db.update(u.update_id).status == "pending" for u in batch):
+                raise
+            log.warning("dropped an aggregation step of %s: its updates were applied meanwhile", name)
+            return False  # another process applied them and dropped their payloads
         new = self._aggregate_fn(current, updates, self.params)
-        digest = self.blobs.put_file(lambda p: save_file(new, p))
+        written = self.blobs.write_temp(lambda p: save_file(new, p))
         loss = _mean_loss(batch)
-        self.db.commit_version(name, expert.version + 1, digest, batch, loss, events=(audit.version_applied(
-            name, expert.version + 1, [u.update_id for u in batch], [u.staleness for u in updates], loss),))
+        with self.blobs_guard:
+            digest = self.blobs.adopt(written)
+            try:
+                self.db.commit_version(name, expert.version + 1, digest, batch, loss, events=(audit.version_applied(
+                    name, expert.version + 1, [u.update_id for u in batch], [u.staleness for u in updates], loss),))
+            except StaleAggregation as exc:
+                log.warning("dropped an aggregation step of %s: %s", name, exc)
+                self._drop_unreferenced([digest])
+                return False
         self._drop_unreferenced([u.blob for u in batch if u.blob]
                                 + self.db.prune_versions(name, self.config.keep_versions))
         self.on_aggregated(time.perf_counter() - started)
         log.info("expert %s -> version %d (%d update(s), staleness %s)", name, expert.version + 1,
                  len(batch), [u.staleness for u in updates])
+        return True
 
     def _deltas(self, row: UpdateRow, manifest: list[tuple[str, tuple[int, ...]]]) -> StateDict:
         """Deltas read from the update's blob when aggregated (not kept in memory while pending)."""
@@ -284,9 +318,10 @@ class Coordinator:
     def _drop_unreferenced(self, digests: list[str]) -> None:
         if not digests:
             return
-        referenced = self.db.referenced_blobs()
-        for digest in set(digests) - referenced:
-            self.blobs.delete(digest)
+        with self.blobs_guard:
+            referenced = self.db.referenced_blobs()
+            for digest in set(digests) - referenced:
+                self.blobs.delete(digest)
 
     def _remove_orphan_blobs(self) -> None:
         """Blobs written just before a crash, never recorded: safe to delete."""
@@ -306,8 +341,9 @@ class Coordinator:
             vector, count = profile_from_json(profile)
         except ProfileError as exc:
             raise BadRequest(str(exc)) from None
-        if count < 1:
-            raise BadRequest("profile num_examples must be >= 1: a profile of no examples cannot route")
+        if not 1 <= count <= MAX_COUNT:
+            raise BadRequest(f"profile num_examples must be in [1, {MAX_COUNT}], got {count}: "
+                             "a profile of no examples cannot route")
         self.db.put_profile(name, worker_id, vector.astype("<f4").tobytes(), count)
         return {"expert": name, "worker_id": worker_id, "num_examples": count}
 

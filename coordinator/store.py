@@ -49,6 +49,7 @@ CREATE TABLE IF NOT EXISTS updates (
     worker_id TEXT,
     meta TEXT NOT NULL,              -- UpdateMeta JSON
     blob TEXT,                       -- received payload; NULL once applied
+    body_sha256 TEXT,                -- digest of the body as received: a replay must resend the same bytes
     body_bytes INTEGER NOT NULL,
     status TEXT NOT NULL,            -- pending | applied
     applied_version INTEGER,
@@ -108,10 +109,20 @@ class UpdateRow:
     worker_id: str | None
     meta: dict[str, Any]
     blob: str | None
+    body_sha256: str | None
     body_bytes: int
     status: str
     applied_version: int | None
     received_at: float
+
+
+class StaleAggregation(Exception):
+    """The expert moved on, or the updates were applied, since the aggregation read them.
+
+    Only possible when two processes share one data dir (e.g. an orphaned server worker still
+    running after its parent was killed): the in-memory per-expert locks do not span processes,
+    so the commit itself checks, and the loser's step is dropped rather than applied twice.
+    """
 
 
 class ManifestStore:
@@ -124,6 +135,9 @@ class ManifestStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(SCHEMA + AUDIT_SCHEMA)
+        columns = {r["name"] for r in self._db.execute("PRAGMA table_info(updates)")}
+        if "body_sha256" not in columns:  # a data dir made before replays were checked
+            self._db.execute("ALTER TABLE updates ADD COLUMN body_sha256 TEXT")
 
     def close(self) -> None:
         with self._lock:
@@ -182,14 +196,19 @@ class ManifestStore:
         samples = sum(u.meta["num_samples"] for u in applied)
         now = time.time()
         with self.transaction() as db:
+            current = db.execute("SELECT version FROM experts WHERE name = ?", (name,)).fetchone()
+            if current is None or current["version"] != version - 1:
+                raise StaleAggregation(f"expert {name!r} is no longer at version {version - 1}")
+            marked = db.executemany("UPDATE updates SET status = 'applied', applied_version = ?, blob = NULL "
+                                    "WHERE seq = ? AND status = 'pending'", [(version, u.seq) for u in applied])
+            if marked.rowcount != len(applied):
+                raise StaleAggregation(f"some updates of expert {name!r} were applied meanwhile")
             db.execute("INSERT INTO versions VALUES (?, ?, ?, ?, ?, ?, ?)",
                        (name, version, blob, len(applied), samples, train_loss, now))
             db.execute("UPDATE experts SET version = ?, updates_applied = updates_applied + ?, "
                        "samples_seen = samples_seen + ?, last_train_loss = COALESCE(?, last_train_loss), "
                        "updated_at = ? WHERE name = ?",
                        (version, len(applied), samples, train_loss, now, name))
-            db.executemany("UPDATE updates SET status = 'applied', applied_version = ?, blob = NULL "
-                           "WHERE seq = ?", [(version, u.seq) for u in applied])
             _insert_events(db, events)
 
     def prune_versions(self, name: str, keep: int) -> list[str]:
@@ -205,10 +224,11 @@ class ManifestStore:
 
     def add_update(self, name: str, meta: dict[str, Any], blob: str, body_bytes: int, raw_bytes: int,
                    norm: float | None = None, events: tuple[Event, ...] = ()) -> UpdateRow:
+        """Record a pending update; ``blob`` is the body's SHA-256, kept as ``body_sha256`` after it is applied."""
         with self.transaction() as db:
-            db.execute("INSERT INTO updates (update_id, expert, worker_id, meta, blob, body_bytes, status, "
-                       "received_at) VALUES (?, ?, ?, ?, ?, ?, 'pending', ?)",
-                       (meta["update_id"], name, meta.get("worker_id"), json.dumps(meta), blob,
+            db.execute("INSERT INTO updates (update_id, expert, worker_id, meta, blob, body_sha256, body_bytes, "
+                       "status, received_at) VALUES (?, ?, ?, ?, ?, ?, ?, 'pending', ?)",
+                       (meta["update_id"], name, meta.get("worker_id"), json.dumps(meta), blob, blob,
                         body_bytes, time.time()))
             if meta.get("worker_id"):
                 db.execute("UPDATE workers SET updates_sent = updates_sent + 1, bytes_up = bytes_up + ?, "
@@ -332,5 +352,5 @@ def _expert(row: sqlite3.Row) -> ExpertRow:
 def _update(row: sqlite3.Row) -> UpdateRow:
     return UpdateRow(seq=row["seq"], update_id=row["update_id"], expert=row["expert"],
                      worker_id=row["worker_id"], meta=json.loads(row["meta"]), blob=row["blob"],
-                     body_bytes=row["body_bytes"], status=row["status"],
+                     body_sha256=row["body_sha256"], body_bytes=row["body_bytes"], status=row["status"],
                      applied_version=row["applied_version"], received_at=row["received_at"])

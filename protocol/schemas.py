@@ -22,6 +22,8 @@ WORKER_HEADER = "X-FedMoE-Worker"  # optional on pulls: lets the coordinator tal
 RAW_CODEC = "safetensors"  # an uncompressed update: the body is a safetensors file
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+# Counts stored in SQLite's signed 64-bit integers and summed there (samples_seen): far below 2**63.
+MAX_COUNT = 10**12
 UPDATE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
 
 
@@ -211,10 +213,10 @@ class UpdateMeta:
                              f"'_', '.', ':', '-', got {update_id!r}")
         base_version = _require(obj, "base_version", int, where)
         num_samples = _require(obj, "num_samples", int, where)
-        if base_version < 0:
-            raise BadRequest(f"{where}: base_version must be >= 0, got {base_version}")
-        if num_samples < 0:
-            raise BadRequest(f"{where}: num_samples must be >= 0, got {num_samples}")
+        if not 0 <= base_version <= MAX_COUNT:
+            raise BadRequest(f"{where}: base_version must be in [0, {MAX_COUNT}], got {base_version}")
+        if not 0 <= num_samples <= MAX_COUNT:
+            raise BadRequest(f"{where}: num_samples must be in [0, {MAX_COUNT}], got {num_samples}")
         loss = obj.get("train_loss")
         if loss is not None and not is_finite_number(loss):
             raise BadRequest(f"{where}: train_loss must be a finite number or null, got {loss!r}")

@@ -1,7 +1,9 @@
 """Durability: a restart on the same data dir restores everything exactly."""
+import pytest
 import torch
 
 from coordinator.blobs import BlobStore
+from coordinator.store import StaleAggregation
 from protocol.tensors import loads
 from tests.helpers import make_adapter, push, put_expert, random_like, update_meta
 
@@ -64,3 +66,68 @@ def test_applied_payloads_and_orphans_are_removed_and_blobs_match_hashes(make_ap
     assert set(app.extensions["fedmoe"].blobs.digests()) == digests
     assert orphan not in set(app.extensions["fedmoe"].blobs.digests())
     assert list(blobs.tmp_dir.iterdir()) == []
+
+
+def test_same_update_id_with_other_bytes_is_409_and_the_first_body_stays(client):
+    """A replay must resend the same body: retries stay idempotent 200s, a reuse is refused."""
+    adapter = make_adapter()
+    put_expert(client, "e", adapter)
+    meta = update_meta(num_samples=3)
+    first, other = random_like(adapter, 1), random_like(adapter, 2)
+    assert push(client, "e", first, meta).status_code == 202
+    assert push(client, "e", first, meta).status_code == 200
+    r = push(client, "e", other, meta)
+    assert r.status_code == 409 and r.get_json()["error"]["details"] == {"update_id": meta["update_id"]}
+    info = client.get("/api/v1/experts/e").get_json()
+    assert info["version"] == 1 and info["samples_seen"] == 3
+    got = loads(client.get("/api/v1/experts/e/weights").data)
+    assert all(torch.allclose(got[k], adapter[k] + first[k]) for k in adapter)
+
+
+def test_replay_check_survives_a_restart(make_app):
+    app = make_app(aggregation="fedbuff", buffer_size=2)
+    adapter = make_adapter()
+    put_expert(app.test_client(), "e", adapter)
+    meta = update_meta()
+    push(app.test_client(), "e", random_like(adapter, 1), meta)  # pending: its blob is still there
+    applied = update_meta()
+    push(app.test_client(), "e", random_like(adapter, 3), applied)  # K = 2: both applied, blobs dropped
+    app.extensions["fedmoe"].close()
+    client = make_app(aggregation="fedbuff", buffer_size=2).test_client()
+    assert push(client, "e", random_like(adapter, 1), meta).status_code == 200
+    assert push(client, "e", random_like(adapter, 2), meta).status_code == 409
+    assert push(client, "e", random_like(adapter, 2), applied).status_code == 409
+
+
+def test_a_second_process_on_the_same_data_dir_cannot_apply_an_update_twice(make_app):
+    """Two coordinators on one data dir (an orphaned server worker after a kill -9 of its parent):
+    the one whose pending list went stale drops its step instead of applying the updates again."""
+    first = make_app(aggregation="fedbuff", buffer_size=2)
+    second = make_app(aggregation="fedbuff", buffer_size=2)
+    adapter = make_adapter()
+    put_expert(first.test_client(), "e", adapter)
+    push(first.test_client(), "e", random_like(adapter, 1), update_meta(num_samples=5))
+    c2 = second.extensions["fedmoe"]
+    stale = c2.db.pending_updates("e")
+    push(first.test_client(), "e", random_like(adapter, 2), update_meta(num_samples=7))  # first applies both
+    weights = first.test_client().get("/api/v1/experts/e/weights").data
+
+    assert len(stale) == 1 and c2._apply("e", stale + stale) is False
+    with pytest.raises(StaleAggregation):  # the commit itself refuses a stale step
+        c2.db.commit_version("e", 2, c2.weights("e").digest, stale, None)
+    info = first.test_client().get("/api/v1/experts/e").get_json()
+    assert info["version"] == 1 and info["samples_seen"] == 12 and info["updates_applied"] == 2
+    assert first.test_client().get("/api/v1/experts/e/weights").data == weights
+    assert set(c2.blobs.digests()) == c2.db.referenced_blobs()
+
+
+def test_commit_refuses_a_step_whose_base_version_moved(make_app):
+    app = make_app(aggregation="fedbuff", buffer_size=5)
+    adapter = make_adapter()
+    put_expert(app.test_client(), "e", adapter)
+    push(app.test_client(), "e", random_like(adapter, 1))
+    c = app.extensions["fedmoe"]
+    pending = c.db.pending_updates("e")
+    with pytest.raises(StaleAggregation):
+        c.db.commit_version("e", 2, c.weights("e").digest, pending, None)  # expert is at 0, not 1
+    assert c.db.pending_count("e") == 1 and c.db.expert("e").version == 0

@@ -1,0 +1,347 @@
+#!/usr/bin/env python3
+"""Crash benchmark: kill -9 the coordinator at random moments while clients push, and check it after each restart.
+
+A real run_coordinator.py (gunicorn master and worker, one process group) serves a tiny expert.
+Client threads push small real updates (safetensors deltas, unique update_ids, distinct num_samples),
+retrying an unanswered push with the same update_id and bytes as a real worker does. At a random
+moment the whole process group gets SIGKILL; the coordinator restarts on the same data dir and,
+before the clients resume, is checked:
+
+- every acknowledged (2xx) update is known, pending or applied (GET /api/v1/updates/<id>);
+- updates_applied and samples_seen equal the count and sum over the updates the server calls
+  applied (an update applied twice would add its samples twice);
+- the weights served parse as safetensors and equal the initial adapter plus the sum of the
+  applied deltas (fedasync, staleness decay 0: exactly-once shows in the numbers);
+- every blob file's SHA-256 equals its name, and nothing half-written is left in the temp dir.
+
+Restart time is from spawning the process to the first answered /health.
+
+    python bench/crash.py                # 50 kills, ~2-3 min on 2 cores
+    python bench/crash.py --kills 5      # a quick look
+
+Table on stdout, progress on stderr, results in bench/results/crash.json.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != ROOT / "bench"]
+sys.path.insert(0, str(ROOT))
+
+import argparse  # noqa: E402
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import random  # noqa: E402
+import re  # noqa: E402
+import signal  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
+from dataclasses import asdict, dataclass, field  # noqa: E402
+from typing import Any  # noqa: E402
+
+import requests  # noqa: E402
+import torch  # noqa: E402
+
+from bench.common import RESULTS_DIR, configure_logging, format_table, write_json_atomic  # noqa: E402
+from protocol.schemas import EXPERT_HEADER, UPDATE_HEADER  # noqa: E402
+from protocol.tensors import dumps, loads  # noqa: E402
+
+log = logging.getLogger("bench.crash")
+RESULTS = RESULTS_DIR / "crash.json"
+LISTENING = re.compile(r"listening on (http://[\d.]+:\d+)")
+EXPERT = "crash_expert"
+FINGERPRINT = "cd" * 32
+
+
+def tiny_adapter(seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
+    """A rank-2 LoRA adapter on two projections of two layers: pushes stay small and fast."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for layer in range(2):
+        for proj in ("q_proj", "v_proj"):
+            key = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+            out[f"{key}.lora_A.weight"] = torch.randn(2, 8, generator=g) * scale
+            out[f"{key}.lora_B.weight"] = torch.randn(8, 2, generator=g) * scale
+    return out
+
+
+@dataclass
+class Push:
+    """One update a client means to deliver, and what it learnt about it."""
+
+    update_id: str
+    num_samples: int
+    body: bytes
+    acked: bool = False
+
+
+class CoordinatorProcess:
+    """run_coordinator.py in its own process group, so one SIGKILL takes master and worker down together."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self.proc: subprocess.Popen | None = None
+        self.url = ""
+        self.log: list[str] = []
+
+    def start(self, timeout: float = 60.0) -> float:
+        """Spawn and wait until /health answers; the seconds that took."""
+        started = time.monotonic()
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "run_coordinator.py"), "--host", "127.0.0.1", "--port", "0",
+             "--data-dir", str(self.data_dir), "--staleness-decay", "0", "--threads", "8"],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        for line in self.proc.stdout:
+            self.log.append(line)
+            if m := LISTENING.search(line):
+                self.url = m.group(1)
+                break
+        else:
+            raise RuntimeError("coordinator exited before listening:\n" + "".join(self.log[-40:]))
+        threading.Thread(target=self._drain, args=(self.proc,), daemon=True).start()
+        while time.monotonic() - started < timeout:
+            try:
+                if requests.get(self.url + "/api/v1/health", timeout=2).status_code == 200:
+                    return time.monotonic() - started
+            except requests.RequestException:
+                time.sleep(0.01)
+        raise RuntimeError(f"coordinator not answering after {timeout} s")
+
+    def _drain(self, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            self.log.append(line)
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        os.killpg(self.proc.pid, signal.SIGKILL)  # master and gunicorn worker: the whole group we started
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+class Clients:
+    """Threads that push updates whenever the server is up, retrying each until it is acknowledged."""
+
+    def __init__(self, server: CoordinatorProcess, threads: int, seed: int) -> None:
+        self.server = server
+        self.up = threading.Event()
+        self.stopping = threading.Event()
+        self.lock = threading.Lock()
+        self.pushes: list[Push] = []
+        self.in_flight = 0
+        self.errors: list[str] = []
+        self._rng = random.Random(seed)
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(threads)]
+
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+
+    def pause(self) -> None:
+        """Stop starting pushes and wait for those in flight (the server is dead: they fail fast)."""
+        self.up.clear()
+        while True:
+            with self.lock:
+                if self.in_flight == 0:
+                    return
+            time.sleep(0.005)
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.up.set()
+        for t in self._threads:
+            t.join(timeout=30)
+
+    def _run(self, index: int) -> None:
+        session = requests.Session()
+        n = 0
+        while not self.stopping.is_set():
+            n += 1
+            seed = index * 1_000_000 + n
+            with self.lock:
+                samples = 1 + self._rng.randrange(1000)
+            push = Push(f"client{index}-{n}", samples, dumps(tiny_adapter(seed, scale=0.01)))
+            with self.lock:
+                self.pushes.append(push)
+            while not push.acked and not self.stopping.is_set():
+                self.up.wait()
+                if self.stopping.is_set():
+                    break
+                self._try(session, push)
+
+    def _try(self, session: requests.Session, push: Push) -> None:
+        with self.lock:
+            if not self.up.is_set():
+                return
+            self.in_flight += 1
+            url = self.server.url
+        try:
+            meta = {"update_id": push.update_id, "base_version": 0, "num_samples": push.num_samples}
+            r = session.post(f"{url}/api/v1/experts/{EXPERT}/updates", data=push.body,
+                             headers={UPDATE_HEADER: json.dumps(meta)}, timeout=(2, 30))
+            if r.status_code in (200, 202):
+                push.acked = True
+            else:
+                with self.lock:
+                    self.errors.append(f"{push.update_id}: HTTP {r.status_code} {r.text[:200]}")
+        except requests.RequestException:
+            time.sleep(0.01)  # killed mid-request: retry the same update_id and bytes once it is back
+        finally:
+            with self.lock:
+                self.in_flight -= 1
+
+
+@dataclass
+class Check:
+    """What one post-restart check saw."""
+
+    acked: int
+    applied: int
+    pending: int
+    version: int
+    blobs: int
+    problems: list[str] = field(default_factory=list)
+
+
+def check(server: CoordinatorProcess, pushes: Sequence[Push], initial: dict[str, torch.Tensor],
+          session: requests.Session) -> Check:
+    """Everything acknowledged is there once; counters, weights and blobs agree with that."""
+    api = server.url + "/api/v1"
+    problems = []
+    status: dict[str, str] = {}
+    for push in pushes:
+        r = session.get(f"{api}/updates/{push.update_id}", timeout=30)
+        if r.status_code == 200:
+            status[push.update_id] = r.json()["status"]
+        elif push.acked:
+            problems.append(f"acknowledged update {push.update_id} is unknown (HTTP {r.status_code})")
+    applied = [p for p in pushes if status.get(p.update_id) == "applied"]
+    info = session.get(f"{api}/experts/{EXPERT}", timeout=30).json()
+    expected = (len(applied), sum(p.num_samples for p in applied), len(applied))
+    got = (info["updates_applied"], info["samples_seen"], info["version"])
+    if got != expected:
+        problems.append(f"(updates_applied, samples_seen, version) = {got}, expected {expected}")
+    pending = sum(1 for s in status.values() if s == "pending")
+    if info["pending_updates"] != pending:
+        problems.append(f"pending_updates {info['pending_updates']} but {pending} updates say pending")
+    weights = loads(session.get(f"{api}/experts/{EXPERT}/weights", timeout=30).content)
+    want = {k: v.clone() for k, v in initial.items()}
+    for p in applied:
+        for k, d in loads(p.body).items():
+            want[k] += d
+    worst = max(float((weights[k] - want[k]).abs().max()) for k in want)
+    if set(weights) != set(want) or worst > 1e-4:
+        problems.append(f"weights differ from initial + applied deltas by {worst:.3g}")
+    blobs = 0
+    for path in (server.data_dir / "blobs").glob("*/*"):
+        if path.parent.name == "tmp":
+            continue
+        blobs += 1
+        if hashlib.sha256(path.read_bytes()).hexdigest() != path.name:
+            problems.append(f"blob {path.name} does not match its hash")
+    leftovers = list((server.data_dir / "blobs" / "tmp").iterdir())
+    if leftovers:
+        problems.append(f"{len(leftovers)} temp file(s) left after start")
+    return Check(sum(p.acked for p in pushes), len(applied), pending, info["version"], blobs, problems)
+
+
+def run(kills: int, clients: int = 4, seed: int = 0, max_uptime: float = 0.4,
+        data_dir: Path | None = None) -> dict[str, Any]:
+    """Kill and restart the coordinator ``kills`` times; the report (``problems`` empty when all held)."""
+    rng = random.Random(seed)
+    with tempfile.TemporaryDirectory(prefix="fedmoe-crash-") as tmp:
+        server = CoordinatorProcess(Path(data_dir or tmp))
+        initial = tiny_adapter(seed)
+        restarts: list[float] = []
+        checks: list[Check] = []
+        first_start = server.start()
+        spec = {"lora": {"rank": 2, "alpha": 4.0, "target_modules": ["q_proj", "v_proj"]},
+                "base_model": {"id": "crash-test", "fingerprint": FINGERPRINT}}
+        r = requests.put(f"{server.url}/api/v1/experts/{EXPERT}", data=dumps(initial),
+                         headers={EXPERT_HEADER: json.dumps(spec)}, timeout=30)
+        r.raise_for_status()
+        pushers = Clients(server, clients, seed)
+        session = requests.Session()
+        started = time.monotonic()
+        try:
+            pushers.start()
+            for k in range(kills):
+                pushers.up.set()
+                time.sleep(rng.uniform(0.0, max_uptime))
+                server.kill()
+                pushers.pause()
+                restarts.append(server.start())
+                with pushers.lock:
+                    snapshot = list(pushers.pushes)
+                checks.append(check(server, snapshot, initial, session))
+                log.info("kill %d/%d: restart %.2f s, %d acknowledged, %d applied, %d pending, %s",
+                         k + 1, kills, restarts[-1], checks[-1].acked, checks[-1].applied, checks[-1].pending,
+                         "ok" if not checks[-1].problems else checks[-1].problems)
+            pushers.up.set()
+            time.sleep(0.2)
+        finally:
+            pushers.stop()
+            server.stop()
+        seconds = time.monotonic() - started
+    problems = [p for c in checks for p in c.problems] + pushers.errors
+    unhandled = [line for line in server.log if "unhandled error" in line]
+    return {
+        "kills": kills, "clients": clients, "seed": seed, "seconds": round(seconds, 2),
+        "first_start_s": round(first_start, 3),
+        "restart_s": {"p50": round(statistics.median(restarts), 3), "max": round(max(restarts), 3),
+                      "all": [round(x, 3) for x in restarts]} if restarts else None,
+        "pushes_acknowledged": checks[-1].acked if checks else 0,
+        "updates_applied": checks[-1].applied if checks else 0,
+        "server_errors": unhandled, "problems": problems,
+        "checks": [asdict(c) for c in checks],
+    }
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--kills", type=int, default=50, help="kill -9 / restart cycles (default: %(default)s)")
+    p.add_argument("--clients", type=int, default=4, help="pushing client threads (default: %(default)s)")
+    p.add_argument("--max-uptime", type=float, default=0.4,
+                   help="the kill comes 0..this many seconds after the server is up (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="5 kills (what bench/run_all.py --quick runs)")
+    p.add_argument("--out", type=Path, default=RESULTS, help="results JSON (default: %(default)s)")
+    p.add_argument("-v", "--verbose", action="store_true")
+    args, _ = p.parse_known_args(argv)  # run_all.py passes every benchmark the same flags
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    configure_logging(args.verbose)
+    log.setLevel(logging.INFO)
+    torch.set_num_threads(1)
+    report = run(5 if args.quick else args.kills, args.clients, args.seed, args.max_uptime)
+    write_json_atomic(args.out, report)
+    rows = [[report["kills"], report["clients"], report["pushes_acknowledged"], report["updates_applied"],
+             report["restart_s"]["p50"], report["restart_s"]["max"], len(report["problems"]),
+             len(report["server_errors"]), report["seconds"]]]
+    print(format_table(["kills", "clients", "acked", "applied", "restart p50 s", "restart max s", "problems",
+                        "5xx", "seconds"], rows))
+    for problem in report["problems"][:20]:
+        print("PROBLEM:", problem)
+    return 1 if report["problems"] or report["server_errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

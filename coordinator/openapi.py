@@ -1,0 +1,266 @@
+"""OpenAPI 3 description of the coordinator's HTTP API, served at GET /api/v1/openapi.json.
+
+Written by hand as a plain dict so it reads like documentation and stays free of a framework.
+Tensor bodies are raw bytes (safetensors or a compression payload) with their JSON metadata in
+one header; every error is the JSON object ``Error``. tests/e2e/test_openapi_fuzz.py fuzzes a live
+server from this description with schemathesis, and tests/coordinator/test_openapi.py checks
+that it names every route the app has.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.router import DEFAULT_DIM, DEFAULT_NGRAMS
+from protocol.schemas import API_PREFIX, EXPERT_HEADER, MAX_COUNT, UPDATE_HEADER, VERSION_HEADER, WORKER_HEADER
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+UPDATE_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"
+EXAMPLE_EXPERT = "python_expert"  # tests seed an expert of this name so examples reach real data
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _error(description: str) -> dict[str, Any]:
+    return _json(_ref("Error"), description)
+
+
+def _bytes(description: str, headers: dict[str, Any] | None = None) -> dict[str, Any]:
+    response: dict[str, Any] = {"description": description,
+                                "content": {"application/octet-stream": {"schema": {"type": "string",
+                                                                                    "format": "binary"}}}}
+    if headers:
+        response["headers"] = headers
+    return response
+
+
+def _path_param(name: str, pattern: str, example: str, description: str) -> dict[str, Any]:
+    return {"name": name, "in": "path", "required": True, "description": description,
+            "schema": {"type": "string", "pattern": pattern}, "example": example}
+
+
+def _query(name: str, schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"name": name, "in": "query", "required": False, "schema": schema, "description": description}
+
+
+def _header(name: str, description: str, required: bool = False) -> dict[str, Any]:
+    return {"name": name, "in": "header", "required": required, "description": description,
+            "schema": {"type": "string"}}
+
+
+def _json_param(name: str, where: str, schema: dict[str, Any], description: str) -> dict[str, Any]:
+    """A parameter holding a JSON document (the metadata headers, codec_config)."""
+    return {"name": name, "in": where, "required": where == "header", "description": description,
+            "content": {"application/json": {"schema": schema}}}
+
+
+EXPERT_NAME = _path_param("name", NAME_PATTERN, EXAMPLE_EXPERT, "Expert name (the workers' --specialty).")
+WORKER_ID = _path_param("worker_id", NAME_PATTERN, "worker-1", "Worker id.")
+UPDATE_ID = _path_param("update_id", UPDATE_ID_PATTERN, "worker-1:0001", "The update_id a worker chose.")
+VERSION_HEADERS = {VERSION_HEADER: {"description": "Expert version of the body.", "schema": {"type": "string"}}}
+VERSION_QUERY = {"type": "string", "pattern": "^[0-9]{1,18}$"}  # ASCII digits within SQLite's 64-bit integers
+TENSOR_BODY = {"required": True, "content": {"application/octet-stream": {"schema": {"type": "string",
+                                                                                  "format": "binary"}}}}
+BAD_REQUEST = _error("Malformed request: a field, header, query parameter or body is wrong.")
+NOT_FOUND = _error("No such expert, version, worker or update.")
+
+SCHEMAS: dict[str, Any] = {
+    "Error": {
+        "type": "object", "required": ["error"],
+        "properties": {"error": {
+            "type": "object", "required": ["code", "message"],
+            "properties": {"code": {"type": "string", "description": "Stable code a program matches on."},
+                           "message": {"type": "string", "description": "What went wrong and what to do."},
+                           "details": {"type": "object"}}}},
+    },
+    "BaseModel": {
+        "type": "object", "required": ["id", "fingerprint"],
+        "properties": {"id": {"type": "string", "minLength": 1, "maxLength": 256},
+                       "fingerprint": {"type": "string", "pattern": "^[0-9a-f]{16,128}$"}},
+    },
+    "Lora": {
+        "type": "object", "required": ["rank", "alpha", "target_modules"],
+        "properties": {"rank": {"type": "integer", "minimum": 1}, "alpha": {"type": "number", "exclusiveMinimum": 0},
+                       "target_modules": {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}}},
+    },
+    "ExpertSpec": {
+        "type": "object", "required": ["lora", "base_model"],
+        "description": f"JSON in the {EXPERT_HEADER} header of PUT /experts/{{name}}.",
+        "properties": {"lora": _ref("Lora"), "base_model": _ref("BaseModel"),
+                       "worker_id": {"type": "string", "pattern": NAME_PATTERN}},
+    },
+    "UpdateMeta": {
+        "type": "object", "required": ["update_id", "base_version", "num_samples"],
+        "description": f"JSON in the {UPDATE_HEADER} header of POST /experts/{{name}}/updates.",
+        "properties": {"update_id": {"type": "string", "pattern": UPDATE_ID_PATTERN},
+                       "base_version": {"type": "integer", "minimum": 0, "maximum": MAX_COUNT},
+                       "num_samples": {"type": "integer", "minimum": 0, "maximum": MAX_COUNT},
+                       "train_loss": {"type": ["number", "null"]},
+                       "codec": {"type": "string", "minLength": 1, "default": "safetensors"},
+                       "codec_config": {"type": "object"},
+                       "worker_id": {"type": "string", "pattern": NAME_PATTERN}},
+    },
+    "Expert": {
+        "type": "object", "required": ["name", "version", "updates_applied", "samples_seen", "pending_updates"],
+        "properties": {"name": {"type": "string"}, "version": {"type": "integer"},
+                       "lora": _ref("Lora"), "base_model": _ref("BaseModel"),
+                       "updates_applied": {"type": "integer"}, "samples_seen": {"type": "integer"},
+                       "pending_updates": {"type": "integer"},
+                       "last_train_loss": {"type": ["number", "null"]},
+                       "created_at": {"type": "number"}, "updated_at": {"type": "number"}},
+    },
+    "UpdateStatus": {
+        "type": "object", "required": ["update_id", "expert", "status", "expert_version"],
+        "properties": {"update_id": {"type": "string"}, "expert": {"type": "string"},
+                       "status": {"type": "string", "enum": ["pending", "applied"]},
+                       "applied_version": {"type": ["integer", "null"]},
+                       "expert_version": {"type": "integer"}},
+    },
+    "Worker": {
+        "type": "object", "required": ["worker_id", "specialty", "status"],
+        "properties": {"worker_id": {"type": "string"}, "specialty": {"type": "string"},
+                       "status": {"type": "string", "enum": ["alive", "stale", "gone"]}},
+    },
+    "Profile": {
+        "type": "object", "required": ["format", "version", "dim", "ngrams", "num_examples", "vector"],
+        "description": "A worker's n-gram summary of its data (gateway.router.profile_to_json).",
+        "properties": {"format": {"type": "string", "enum": ["fedmoe-profile"]},
+                       "version": {"type": "integer", "enum": [1]},
+                       "dim": {"type": "integer", "enum": [DEFAULT_DIM]},
+                       "ngrams": {"type": "array", "items": {"type": "integer"}, "const": list(DEFAULT_NGRAMS)},
+                       "num_examples": {"type": "integer", "minimum": 1},
+                       "vector": {"type": "array", "items": {"type": "number"}, "minItems": DEFAULT_DIM,
+                                  "maxItems": DEFAULT_DIM}},
+    },
+    "Gateway": {
+        "type": "object", "required": ["version", "strategy", "weights", "sources", "digest"],
+        "properties": {"version": {"type": "integer"}, "strategy": {"type": "string"},
+                       "weights": {"type": "object", "additionalProperties": {"type": "number"}},
+                       "sources": {"type": "object", "additionalProperties": {"type": "integer"}},
+                       "digest": {"type": "string"}},
+    },
+}
+
+_api: dict[str, Any] = {
+    "/health": {"get": {
+        "operationId": "health", "summary": "Liveness and the number of experts.",
+        "responses": {"200": _json({"type": "object", "required": ["status", "experts"],
+                                    "properties": {"status": {"type": "string"}, "experts": {"type": "integer"}}},
+                                   "The coordinator is up.")}}},
+    "/openapi.json": {"get": {
+        "operationId": "openapi", "summary": "This description.",
+        "responses": {"200": _json({"type": "object"}, "OpenAPI 3 document.")}}},
+    "/workers": {
+        "get": {"operationId": "listWorkers", "summary": "Registered workers with their liveness.",
+                "responses": {"200": _json({"type": "object", "required": ["workers"],
+                                            "properties": {"workers": {"type": "array", "items": _ref("Worker")}}},
+                                           "All workers.")}},
+        "post": {"operationId": "registerWorker", "summary": "Register (or re-register) a worker.",
+                 "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                     "type": "object", "required": ["worker_id", "specialty", "base_model"],
+                     "properties": {"worker_id": {"type": "string", "pattern": NAME_PATTERN},
+                                    "specialty": {"type": "string", "pattern": NAME_PATTERN},
+                                    "base_model": _ref("BaseModel"),
+                                    "sync_interval": {"type": ["number", "null"], "exclusiveMinimum": 0}}}}}},
+                 "responses": {"200": _json({"type": "object", "required": ["worker_id", "specialty", "expert"]},
+                                            "Registered; ``expert`` is the expert's info or null."),
+                               "400": BAD_REQUEST,
+                               "409": _error("The worker's base model differs from the expert's.")}},
+    },
+    "/workers/{worker_id}/heartbeat": {"post": {
+        "operationId": "heartbeat", "summary": "A worker says it is alive.", "parameters": [WORKER_ID],
+        "responses": {"200": _json({"type": "object"}, "Noted."), "404": NOT_FOUND}}},
+    "/experts": {"get": {
+        "operationId": "listExperts", "summary": "Every expert with its version and counters.",
+        "responses": {"200": _json({"type": "object", "required": ["experts"],
+                                    "properties": {"experts": {"type": "array", "items": _ref("Expert")}}},
+                                   "All experts.")}}},
+    "/experts/{name}": {
+        "get": {"operationId": "expertInfo", "summary": "One expert and its stored versions.",
+                "parameters": [EXPERT_NAME],
+                "responses": {"200": _json(_ref("Expert"), "The expert."), "404": NOT_FOUND}},
+        "put": {"operationId": "createExpert", "summary": "Create an expert from its first LoRA adapter.",
+                "parameters": [EXPERT_NAME,
+                               _json_param(EXPERT_HEADER, "header", _ref("ExpertSpec"), "The expert's setup.")],
+                "requestBody": TENSOR_BODY | {"description": "The initial adapter as a safetensors file."},
+                "responses": {"200": _json(_ref("Expert"), "It existed with the same setup."),
+                              "201": _json(_ref("Expert"), "Created."), "400": BAD_REQUEST,
+                              "409": _error("It exists with a different setup."),
+                              "413": _error("Body over --max-body-mb."),
+                              "422": _error("The tensors are not a LoRA adapter of that spec.")}},
+    },
+    "/experts/{name}/weights": {"get": {
+        "operationId": "expertWeights",
+        "summary": "Full weights (safetensors), or with since= the compressed difference from that version.",
+        "parameters": [EXPERT_NAME,
+                       _query("version", VERSION_QUERY, "Version (default: current)."),
+                       _query("since", VERSION_QUERY, "Send current minus this version."),
+                       _query("codec", {"type": "string"}, "Codec of the difference (default fp16)."),
+                       _json_param("codec_config", "query", {"type": "object"}, "Codec options as a JSON object."),
+                       _header("If-None-Match", "ETag held by the caller."),
+                       _header(WORKER_HEADER, "Worker id, to count bytes per worker.")],
+        "responses": {"200": _bytes("Weights or difference.", VERSION_HEADERS),
+                      "304": {"description": "Unchanged since the ETag or version held."},
+                      "400": BAD_REQUEST, "404": NOT_FOUND}}},
+    "/experts/{name}/updates": {"post": {
+        "operationId": "pushUpdate", "summary": "Push a compressed delta; 202 once durable, 200 for a retry.",
+        "parameters": [EXPERT_NAME, _json_param(UPDATE_HEADER, "header", _ref("UpdateMeta"), "The update's metadata.")],
+        "requestBody": TENSOR_BODY | {"description": "Delta as safetensors, or a compression payload."},
+        "responses": {"202": _json(_ref("UpdateStatus"), "Recorded on disk (and maybe applied)."),
+                      "200": _json(_ref("UpdateStatus"), "The same update_id and bytes were seen before."),
+                      "400": BAD_REQUEST, "404": NOT_FOUND,
+                      "409": _error("update_id reused with other bytes or expert, or base_version ahead."),
+                      "413": _error("Body over --max-body-mb."),
+                      "422": _error("Tensors do not fit the expert (names, shapes, dtype, NaN/Inf).")}}},
+    "/updates/{update_id}": {"get": {
+        "operationId": "updateStatus", "summary": "Whether an update is pending or applied.",
+        "parameters": [UPDATE_ID],
+        "responses": {"200": _json(_ref("UpdateStatus"), "Known update."), "404": NOT_FOUND}}},
+    "/experts/{name}/profiles/{worker_id}": {"put": {
+        "operationId": "putProfile", "summary": "Store a worker's data profile for routing.",
+        "parameters": [EXPERT_NAME, WORKER_ID],
+        "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("Profile")}}},
+        "responses": {"200": _json({"type": "object"}, "Stored."), "400": BAD_REQUEST, "404": NOT_FOUND}}},
+    "/route": {"post": {
+        "operationId": "route", "summary": "Pick the expert for a prompt, or the gateway when unsure.",
+        "requestBody": {"required": True, "content": {"application/json": {"schema": {
+            "type": "object", "required": ["prompt"],
+            "properties": {"prompt": {"type": "string", "minLength": 1},
+                           "threshold": {"type": "number", "minimum": 0, "maximum": 1}}}}}},
+        "responses": {"200": _json({"type": "object", "required": ["target"]}, "The choice and its scores."),
+                      "400": BAD_REQUEST, "404": _error("No expert has a routing profile yet.")}}},
+    "/gateway": {"get": {
+        "operationId": "gatewayInfo", "summary": "The gateway merged from the current experts.",
+        "responses": {"200": _json(_ref("Gateway"), "Gateway info."), "404": _error("No expert yet."),
+                      "409": _error("The experts cannot be merged.")}}},
+    "/gateway/weights": {"get": {
+        "operationId": "gatewayWeights", "summary": "The gateway adapter as safetensors or npz.",
+        "parameters": [_query("format", {"type": "string", "enum": ["safetensors", "npz"]}, "File format."),
+                       _header("If-None-Match", "ETag held by the caller.")],
+        "responses": {"200": _bytes("The gateway adapter.", VERSION_HEADERS),
+                      "304": {"description": "Unchanged since the ETag held."},
+                      "400": BAD_REQUEST, "404": _error("No expert yet."),
+                      "409": _error("The experts cannot be merged.")}}},
+}
+
+_root: dict[str, Any] = {
+    "/": {"get": {"operationId": "dashboard", "summary": "The dashboard page.",
+                  "responses": {"200": {"description": "HTML page.",
+                                        "content": {"text/html": {"schema": {"type": "string"}}}}}}},
+    "/metrics": {"get": {"operationId": "metrics", "summary": "Prometheus metrics.",
+                         "responses": {"200": {"description": "Prometheus text format.",
+                                               "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+}
+
+OPENAPI: dict[str, Any] = {
+    "openapi": "3.1.0",
+    "info": {"title": "FedMoE coordinator", "version": "1",
+             "description": "Federated fine-tuning of LoRA experts. Every bad request is a 4xx with an Error body."},
+    "paths": {**{API_PREFIX + path: item for path, item in _api.items()}, **_root},
+    "components": {"schemas": SCHEMAS},
+}

@@ -1,0 +1,39 @@
+"""The load benchmark end to end at a tiny size (--quick): schema, nothing lost or duplicated."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from bench.load import lora_manifest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_manifest_shapes_follow_the_model_config():
+    # Qwen2-0.5B, r=8, per layer: q and o 8*896+896*8, k and v 8*896+128*8, gate and up 8*896+4864*8,
+    # down 8*4864+896*8; 24 layers, 14 tensors each.
+    manifest = dict(lora_manifest("qwen2-0.5b", 8))
+    assert len(manifest) == 24 * 14
+    assert sum(a * b for a, b in manifest.values()) == 24 * (2 * 14336 + 2 * 8192 + 3 * 46080) == 4_399_104
+    assert manifest["base_model.model.model.layers.3.self_attn.k_proj.lora_B.weight"] == (128, 8)
+    assert manifest["base_model.model.model.layers.0.mlp.down_proj.lora_A.weight"] == (8, 4864)
+
+
+def test_quick_run_pushes_everything_once(tmp_path):
+    out = tmp_path / "load.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "load.py"), "--quick", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["pushes"] == report["acknowledged"] == 16  # 8 workers x 2 rounds
+    assert report["lost"] == 0 and report["duplicated"] == 0 and report["errors"] == []
+    assert report["server_errors"] == []
+    assert report["parameters_per_update"] == 36992  # tiny-qwen2, r=8, all seven projections
+    assert 3.5 < 4 * report["parameters_per_update"] / report["body_bytes_per_update"] < 4  # int8 + scales
+    lat = report["latency_s"]
+    assert 0 < lat["p50"] <= lat["p95"] <= lat["p99"] <= lat["max"]
+    assert report["coordinator_peak_rss_mb"]["processes"] == 2  # gunicorn master and its worker
+    assert report["coordinator_peak_rss_mb"]["max_process"] > 50
+    assert "lost" in proc.stdout and [p.name for p in tmp_path.iterdir()] == ["load.json"]

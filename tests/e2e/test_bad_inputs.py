@@ -1,0 +1,189 @@
+"""The bad-input matrix against a real coordinator process: every case is a 4xx with a JSON error.
+
+One run_coordinator.py (gunicorn) serves the whole module, with --max-body-mb 1 so the oversized
+cases are cheap. Each case sends one bad request for expert ``e`` (or about it); afterwards the
+expert must be exactly where the setup left it, and the server log must hold no unhandled error.
+Cases for features built on other branches are marked TODO below and filled in when they merge.
+"""
+from __future__ import annotations
+
+import http.client
+import io
+import json
+import struct
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import pytest
+import requests
+import torch
+
+from protocol.schemas import EXPERT_HEADER, UPDATE_HEADER
+from protocol.tensors import dumps
+from tests.e2e.conftest import LISTENING, ROOT, Process, spawn
+from tests.helpers import expert_spec, make_adapter, random_like, update_meta
+
+ADAPTER = make_adapter()
+LIMIT = 1 << 20  # --max-body-mb 1
+REPLAYED = update_meta(num_samples=3) | {"update_id": "replayed-1"}
+FIRST_BODY = dumps(random_like(ADAPTER, 1))
+
+
+@dataclass
+class Server:
+    process: Process
+    url: str
+
+    def push(self, body: bytes, meta: dict | None = None, expert: str = "e", **headers: str) -> requests.Response:
+        meta_header = json.dumps(meta or update_meta())
+        return requests.post(f"{self.url}/api/v1/experts/{expert}/updates", data=body,
+                             headers={UPDATE_HEADER: meta_header, **headers}, timeout=60)
+
+    def put_expert(self, name: str, body: bytes, spec: dict | str) -> requests.Response:
+        header = spec if isinstance(spec, str) else json.dumps(spec)
+        return requests.put(f"{self.url}/api/v1/experts/{name}", data=body, headers={EXPERT_HEADER: header},
+                            timeout=60)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> Iterator[Server]:
+    data_dir = tmp_path_factory.mktemp("bad-inputs")
+    process = spawn(str(ROOT / "run_coordinator.py"), "--host", "127.0.0.1", "--port", "0",
+                    "--data-dir", str(data_dir), "--max-body-mb", "1")
+    s = Server(process, process.wait_for(LISTENING).group(1))
+    assert s.put_expert("e", dumps(ADAPTER), expert_spec()).status_code == 201
+    assert s.put_expert("other", dumps(ADAPTER), expert_spec()).status_code == 201
+    assert s.push(FIRST_BODY, REPLAYED).status_code == 202  # expert e is now at version 1
+    yield s
+    process.stop()
+
+
+def delta(**changes: torch.Tensor) -> dict[str, torch.Tensor]:
+    tensors = random_like(ADAPTER, 2)
+    tensors.update(changes)
+    return {k: v for k, v in tensors.items() if v is not None}
+
+
+FIRST = sorted(ADAPTER)[0]
+
+
+def first_as(fill: float | None = None, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """A delta whose first tensor is replaced: filled with ``fill`` (zeros by default) in ``dtype``."""
+    shape = ADAPTER[FIRST].shape
+    return delta(**{FIRST: torch.zeros(shape, dtype=dtype) if fill is None else torch.full(shape, fill, dtype=dtype)})
+
+
+def raw_post(s: "Server", headers: dict[str, str]) -> requests.Response:
+    return requests.post(f"{s.url}/api/v1/experts/e/updates", data=FIRST_BODY, headers=headers, timeout=60)
+
+
+def pickled(tensors: dict[str, torch.Tensor]) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(tensors, buffer)  # what a careless client would send: must never be unpickled
+    return buffer.getvalue()
+
+
+def lying_header() -> bytes:
+    body = dumps(delta())
+    return struct.pack("<Q", 1 << 40) + body[8:]  # header length far past the end of the body
+
+
+def post_chunked(url: str, path: str, headers: dict[str, str], total: int, chunk: int = 64 << 10) -> tuple[int, bytes]:
+    """POST ``total`` bytes with Transfer-Encoding: chunked (no Content-Length); (status, body).
+
+    The server may answer 413 and close before the whole body is sent: stop sending then, read the answer.
+    """
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+    try:
+        conn.putrequest("POST", path)
+        for key, value in {**headers, "Transfer-Encoding": "chunked"}.items():
+            conn.putheader(key, value)
+        conn.endheaders()
+        try:
+            for _ in range(total // chunk):
+                conn.send(b"%x\r\n" % chunk + b"\0" * chunk + b"\r\n")
+            conn.send(b"0\r\n\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
+Case = Callable[[Server], "requests.Response | tuple[int, bytes]"]
+
+CASES: list[tuple[str, Case, int]] = [
+    # bodies that are not safetensors
+    ("pickle update", lambda s: s.push(pickled(delta())), 400),
+    ("pickle adapter", lambda s: s.put_expert("pickled", pickled(ADAPTER), expert_spec()), 400),
+    ("garbage body", lambda s: s.push(b"\x00not a tensor file" * 50), 400),
+    ("empty body", lambda s: s.push(b""), 400),
+    ("truncated safetensors", lambda s: s.push(dumps(delta())[:-17]), 400),
+    ("header length lies", lambda s: s.push(lying_header()), 400),
+    ("header not JSON", lambda s: s.push(b"\x10" + b"\0" * 7 + b"{not json!!!!!!}"), 400),
+    ("garbage compressed payload", lambda s: s.push(b"FMC1" + b"\xff" * 64, update_meta(codec="int8")), 400),
+    ("truncated compressed payload", lambda s: s.push(b"FMC1\x01", update_meta(codec="topk+int8")), 400),
+    ("unknown codec", lambda s: s.push(dumps(delta()), update_meta(codec="zip")), 400),
+    ("codec_config for safetensors", lambda s: s.push(dumps(delta()), update_meta(codec_config={"x": 1})), 400),
+    # tensors that parse but do not fit the expert
+    ("unknown tensor name", lambda s: s.push(dumps(delta(**{"evil.weight": torch.zeros(2, 2)}))), 422),
+    ("missing tensor", lambda s: s.push(dumps(delta(**{FIRST: None}))), 422),
+    ("wrong shape", lambda s: s.push(dumps(delta(**{FIRST: torch.zeros(3, 3)}))), 422),
+    ("float16 dtype", lambda s: s.push(dumps(first_as(dtype=torch.float16))), 422),
+    ("int64 dtype", lambda s: s.push(dumps(first_as(dtype=torch.int64))), 422),
+    ("NaN", lambda s: s.push(dumps(first_as(float("nan")))), 422),
+    ("Inf", lambda s: s.push(dumps(first_as(float("-inf")))), 422),
+    ("adapter of the wrong rank", lambda s: s.put_expert("r3", dumps(ADAPTER), expert_spec(rank=3)), 422),
+    ("adapter with NaN", lambda s: s.put_expert("nan", dumps(first_as(float("nan"))), expert_spec()), 422),
+    # metadata
+    ("missing update header", lambda s: raw_post(s, {}), 400),
+    ("update header not JSON", lambda s: raw_post(s, {UPDATE_HEADER: "{"}), 400),
+    ("negative num_samples", lambda s: s.push(dumps(delta()), update_meta(num_samples=-1)), 400),
+    ("num_samples past 64 bits", lambda s: s.push(dumps(delta()), update_meta(num_samples=2**70)), 400),
+    ("bad update_id", lambda s: s.push(dumps(delta()), update_meta() | {"update_id": "../../etc/passwd"}), 400),
+    ("expert spec not JSON", lambda s: s.put_expert("x", dumps(ADAPTER), "[1,"), 400),
+    ("bad expert name", lambda s: s.put_expert("-bad name", dumps(ADAPTER), expert_spec()), 400),
+    ("unknown expert", lambda s: s.push(dumps(delta()), expert="nobody"), 404),
+    # stored state
+    ("replayed update_id, different body", lambda s: s.push(dumps(delta()), REPLAYED), 409),
+    ("replayed update_id, other expert", lambda s: s.push(FIRST_BODY, REPLAYED, expert="other"), 409),
+    ("base_version ahead", lambda s: s.push(dumps(delta()), update_meta(base_version=99)), 409),
+    ("expert exists with other rank",
+     lambda s: s.put_expert("e", dumps(make_adapter(rank=3)), expert_spec(rank=3)), 409),
+    # size
+    ("oversized body", lambda s: s.push(b"\0" * (LIMIT + 1)), 413),
+    ("oversized chunked body", lambda s: post_chunked(s.url, "/api/v1/experts/e/updates",
+                                                      {UPDATE_HEADER: json.dumps(update_meta())}, 4 * LIMIT), 413),
+]
+# TODO(merge): slots for features of parallel branches. The merger replaces each `None` with a case
+# like those above (the token cases against a coordinator started with tokens required).
+TODO = [
+    pytest.param("huge norm", None, 422, marks=pytest.mark.skip(reason="TODO(merge): norm check from branch robust")),
+    pytest.param("bad token", None, 401, marks=pytest.mark.skip(reason="TODO(merge): tokens from branch auth")),
+    pytest.param("expired token", None, 401, marks=pytest.mark.skip(reason="TODO(merge): tokens from branch auth")),
+    pytest.param("token of another specialty", None, 403,
+                 marks=pytest.mark.skip(reason="TODO(merge): tokens from branch auth")),
+]
+
+
+@pytest.mark.parametrize("name, send, status", [pytest.param(*c, id=c[0]) for c in CASES] + TODO)
+def test_bad_input_is_a_4xx_with_a_json_error(server, name, send, status):
+    response = send(server)
+    code, body = ((response.status_code, response.content) if isinstance(response, requests.Response)
+                  else response)
+    assert code == status, (name, code, body[:500])
+    error = json.loads(body)["error"]
+    assert isinstance(error["code"], str) and error["message"], error
+
+
+def test_nothing_bad_was_applied_and_the_replay_with_the_same_body_is_still_200(server):
+    info = requests.get(f"{server.url}/api/v1/experts/e", timeout=30).json()
+    assert (info["version"], info["updates_applied"], info["samples_seen"]) == (1, 1, 3)
+    assert server.push(FIRST_BODY, REPLAYED).status_code == 200  # retries stay idempotent
+    experts = {e["name"] for e in requests.get(f"{server.url}/api/v1/experts", timeout=30).json()["experts"]}
+    assert experts == {"e", "other"}
+    log = "".join(server.process.log)
+    assert "unhandled error" not in log and "Traceback" not in log, log[-3000:]
