@@ -216,7 +216,18 @@ _api: dict[str, Any] = {
                       "400": BAD_REQUEST, "404": NOT_FOUND,
                       "409": _error("update_id reused with other bytes or expert, or base_version ahead."),
                       "413": _error("Body over --max-body-mb."),
-                      "422": _error("Tensors do not fit the expert (names, shapes, dtype, NaN/Inf).")}}},
+                      "422": _error("Tensors do not fit the expert (names, shapes, dtype, NaN/Inf), or the "
+                                    "update's norm is over the limit (--norm-check reject).")}}},
+    "/events": {"get": {
+        "operationId": "listEvents", "summary": "The audit log, newest first: creations, registrations, updates "
+                                                "accepted/duplicate/rejected/clipped, versions applied.",
+        "parameters": [_query("limit", {"type": "integer", "minimum": 1, "maximum": 500}, "Events to return (50)."),
+                       _query("after", {"type": "integer", "minimum": 0}, "Only events with a larger id."),
+                       _query("expert", {"type": "string"}, "Only this expert's events."),
+                       _query("kind", {"type": "string"}, "Only events of this kind.")],
+        "responses": {"200": _json({"type": "object", "required": ["events"], "properties": {
+            "events": {"type": "array", "items": {"type": "object", "required": ["id", "time", "kind", "message"]}}}},
+            "Events."), "400": BAD_REQUEST}}},
     "/updates/{update_id}": {"get": {
         "operationId": "updateStatus", "summary": "Whether an update is pending or applied.",
         "parameters": [UPDATE_ID],

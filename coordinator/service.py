@@ -284,7 +284,7 @@ class Coordinator:
         try:
             updates = [Update(delta=self._deltas(u, manifest), num_samples=u.meta["num_samples"],
                               staleness=max(0, expert.version - u.meta["base_version"])) for u in batch]
-        except InvalidPayload:
+        except (InvalidPayload, FileNotFoundError):  # raw payloads are opened here, others decoded
             if all(self.db.update(u.update_id).status == "pending" for u in batch):
                 raise
             log.warning("dropped an aggregation step of %s: its updates were applied meanwhile", name)
