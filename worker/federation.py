@@ -24,6 +24,7 @@ from compression.errors import CompressionError
 from compression.wire import decode_update
 from protocol.errors import FedMoEError, NotFound, Unavailable
 from protocol.tensors import StateDict, manifest_of
+from worker.distributed import SingleProcess
 from worker.encoding import CompressionSettings, PullSettings, UpdateEncoder
 
 log = logging.getLogger(__name__)
@@ -112,17 +113,23 @@ class FederatedWorker:
     outbox: deque[Outgoing] = field(default_factory=deque)
     interval: IntervalStats = field(default_factory=IntervalStats)
     syncs: int = 0
+    collective: SingleProcess = field(default_factory=SingleProcess)
+    """dist: the data-parallel ranks of this worker; only rank 0 talks to the coordinator."""
 
     # joining ------------------------------------------------------------------
 
     def join(self) -> dict[str, Any]:
         """Register, create the expert if this is its first worker, and start from its weights."""
         s = self.settings
+        if not self.collective.is_primary:  # dist: rank 0 joins; we start from the weights it pulled
+            self._share_weights()
+            return {}
         self.client.register_worker(s.worker_id, s.specialty, self.expert_spec["base_model"], s.sync_interval)
         info = self.client.create_expert(s.specialty, self.trainer.adapter_state(), self.expert_spec)
         if self.profile is not None:
             self.client.put_profile(s.specialty, s.worker_id, self.profile)
         self._pull()
+        self._share_weights()
         log.info("joined expert %s at version %d as %s", s.specialty, self.base_version, s.worker_id)
         return info
 
@@ -133,7 +140,7 @@ class FederatedWorker:
         s = self.settings
         end = time.monotonic() + s.duration
         try:
-            while time.monotonic() < end:
+            while not self.collective.agree(time.monotonic() >= end):  # dist: rank 0's clock decides
                 self._train_until(min(end, time.monotonic() + s.sync_interval))
                 self.sync()
         except KeyboardInterrupt:
@@ -145,13 +152,17 @@ class FederatedWorker:
                           "their training is lost", len(self.outbox))
 
     def _train_until(self, deadline: float) -> None:
-        while time.monotonic() < deadline:
+        while not self.collective.agree(time.monotonic() >= deadline):  # dist: rank 0's clock decides
             stats = self.trainer.train_steps(self.settings.steps_per_check)
             self.interval.add(stats)
             if self.settings.speed_factor < 1:
                 time.sleep(stats.seconds * (1 / self.settings.speed_factor - 1))
 
     def sync(self, final: bool = False) -> dict[str, Any]:
+        if not self.collective.is_primary:  # dist: rank 0 pushes the ranks' common update and pulls for all
+            self.interval = IntervalStats()
+            self._share_weights()
+            return {}
         started = time.perf_counter()
         record: dict[str, Any] = {"time": time.time(), "sync": self.syncs, "final": final,
                                   "worker_id": self.settings.worker_id, "base_version": self.base_version}
@@ -160,6 +171,7 @@ class FederatedWorker:
         received = self._pull_quietly() if record["delivered"] and not final else None
         if received is not None:
             self._heartbeat()
+        self._share_weights()
         record |= {"pulled": received is not None, "bytes_down": received or 0}
         record |= {"version": self.base_version, "outbox": len(self.outbox),
                    "sync_seconds": round(time.perf_counter() - started, 4)}
@@ -235,6 +247,11 @@ class FederatedWorker:
         self.pulled = weights
         self.reference = {k: v.clone() for k, v in weights.items()}
         self.base_version, self.etag = version, etag
+
+    def _share_weights(self) -> None:
+        """dist: every data-parallel rank continues from the weights rank 0 holds (no-op in one process)."""
+        if self.collective.world_size > 1:
+            self.trainer.load_adapter_state(self.collective.broadcast_state(self.trainer.adapter_state()))
 
     def _pull_quietly(self) -> int | None:
         """Like _pull, but an unreachable coordinator is logged and gives None."""
