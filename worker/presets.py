@@ -75,7 +75,8 @@ PRESETS: dict[str, TinyQwen2Preset] = {"tiny-qwen2": TinyQwen2Preset()}
 
 # A random tiny model needs a far larger LoRA step than a pretrained one (2e-4): measured on the
 # sample data, 1e-2 takes held-out loss from ~8.6 to ~2.5-4.8 in 40 s of demo training.
-RECOMMENDED_LR: dict[str, float] = {"tiny-qwen2": 1e-2}
+# SmolLM2-135M (pretrained, worker.pretrained): see RECOMMENDED_LR_NOTE in the README's "Bigger workers".
+RECOMMENDED_LR: dict[str, float] = {"tiny-qwen2": 1e-2, "smollm2-135m": 1e-3}
 
 
 def corpus_texts(corpus_dir: Path = CORPUS_DIR) -> list[str]:
