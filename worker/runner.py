@@ -61,6 +61,9 @@ def run_worker(config: WorkerConfig) -> None:
             logging.getLogger("protocol").setLevel(logging.WARNING)
         worker, trainer, heldout = build_worker(config, collective, device)
         worker.join()
+        if not collective.is_primary:  # the others need not evaluate; they wait for rank 0 in worker.run()
+            worker.run()
+            return
         before = trainer.eval_loss(heldout)
         log.info("held-out loss at start: %.4f", before)
         worker.run()

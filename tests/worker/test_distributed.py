@@ -58,6 +58,7 @@ def test_auto_picks_cpu_on_a_machine_without_accelerators():
         pytest.skip("this machine has an accelerator")
     assert resolve_device("auto") == "cpu"
     assert resolve_device("cpu") == "cpu"
+    assert resolve_device("auto", local_rank=1, local_world_size=2) == "cpu"  # CPU ranks share the CPU
     assert start("auto")[1] == "cpu" and isinstance(start("cpu")[0], SingleProcess)
 
 
@@ -178,3 +179,37 @@ def test_mixed_precision_trains_close_to_fp32_and_keeps_float32_weights(train_ex
     assert trainer._scaler.is_enabled() == (precision == "fp16")
     if precision == "fp16":  # the scaled fp16 gradients were finite, so every step was taken
         assert trainer._scaler.get_scale() == 2.0 ** 16
+
+
+# the command line ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flags, message", [
+    (["--device", "cuda"], "error: --device cuda: no CUDA device is visible to torch"),
+    (["--device", "tpu"], "error: --device must be one of auto, cpu, cuda, mps"),
+    (["--grad-accum", "0"], "error: --grad-accum must be at least 1, got 0"),
+    (["--batch-size", "2", "--grad-accum", "4", "--device", "cpu"],
+     "error: --batch-size 2 is smaller than 1 process(es) x --grad-accum 4"),
+])
+def test_run_worker_refuses_a_combination_that_cannot_work_in_one_line(flags, message, capsys):
+    import run_worker
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    code = run_worker.main(["--specialty", "sql_expert", "--base-model", "tiny-qwen2",
+                            "--coordinator-url", "http://127.0.0.1:9", *flags])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith(message), err
+
+
+def test_run_worker_passes_the_new_flags_to_the_trainer():
+    import run_worker
+
+    config = run_worker.build_config(run_worker.parse_args(
+        ["--specialty", "sql_expert", "--precision", "bf16", "--grad-accum", "2", "--gradient-checkpointing"]))
+    assert (config.train.precision, config.train.grad_accum, config.train.gradient_checkpointing) == ("bf16", 2, True)
+    assert config.device == "auto"
+    defaults = run_worker.build_config(run_worker.parse_args(["--specialty", "sql_expert"]))
+    assert (defaults.train.precision, defaults.train.grad_accum, defaults.train.gradient_checkpointing) == \
+        ("fp32", 1, False)
