@@ -94,7 +94,8 @@ def run_option(model_id: str, domain: Domain, name: str, settings: Settings) -> 
     stats = trainer.train_steps(settings.steps)
     after = trainer.eval_loss(heldout, batch_size=4)
     log.info("%s: held-out %.4f -> %.4f, %.0f tokens/s", name, before, after, stats.tokens / stats.seconds)
-    return {"option": name, "flags": OPTIONS[name], "heldout_before": round(before, 4), "heldout_after": round(after, 4),
+    return {"option": name, "flags": OPTIONS[name], "heldout_before": round(before, 4),
+            "heldout_after": round(after, 4),
             "train_loss": round(stats.loss, 4), "tokens_per_second": round(stats.tokens / stats.seconds, 1),
             "seconds": round(stats.seconds, 2)}
 
@@ -110,7 +111,8 @@ def render(report: dict[str, Any]) -> str:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smoke run: tiny-qwen2, 2 steps per option")
-    p.add_argument("--out", type=Path, default=RESULTS_DIR / "learning.json", help="results JSON (default: %(default)s)")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR / "learning.json",
+                   help="results JSON (default: %(default)s)")
     p.add_argument("--base-model", default=None, help="preset or model directory (default: smollm2-135m if installed)")
     p.add_argument("--steps", type=int, default=None, help="optimiser steps per option")
     p.add_argument("-v", "--verbose", action="store_true", help="library logs too")

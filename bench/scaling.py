@@ -43,7 +43,8 @@ from collections.abc import Sequence  # noqa: E402
 from dataclasses import asdict, dataclass  # noqa: E402
 from typing import Any  # noqa: E402
 
-from bench.common import RESULTS_DIR, configure_logging, format_table, running_coordinator, write_json_atomic  # noqa: E402
+from bench.common import (RESULTS_DIR, configure_logging, format_table, running_coordinator,  # noqa: E402
+                          write_json_atomic)
 from protocol.client import CoordinatorClient  # noqa: E402
 
 log = logging.getLogger("bench.scaling")
@@ -129,7 +130,8 @@ def window_figures(per_worker: Sequence[Sequence[dict[str, Any]]]) -> dict[str, 
         sync_seconds += sum(s[i - 1]["sync_seconds"] for i in inside)
         span_total += span
         steps += sum(s[i]["steps"] for i in inside)
-    return {"tokens_per_second": round(tokens_per_second, 1), "sync_overhead_pct": round(100 * sync_seconds / span_total, 2),
+    return {"tokens_per_second": round(tokens_per_second, 1),
+            "sync_overhead_pct": round(100 * sync_seconds / span_total, 2),
             "common_window_seconds": round(max(end - start, 0.0), 2), "steps_in_window": steps,
             "syncs": sum(len(s) for s in syncs)}
 
