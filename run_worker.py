@@ -7,6 +7,7 @@ Examples:
   python run_worker.py --specialty docs_expert --dataset my_docs.jsonl --coordinator-url http://10.0.0.5:5000
   python run_worker.py --specialty sql_expert --compression topk+int8 --compression-config '{"ratio": 0.05}'
   python run_worker.py --specialty python_expert --results runs/python.results.jsonl --log-format json
+  torchrun --nproc_per_node 2 run_worker.py --specialty sql_expert --base-model tiny-qwen2   # data parallel
 """
 from __future__ import annotations
 
@@ -77,7 +78,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     t.add_argument("--batch-size", type=int, default=8, help="examples per step (default: %(default)s)")
     t.add_argument("--max-seq-len", type=int, default=256, help="tokens per example (default: %(default)s)")
     t.add_argument("--seed", type=int, default=0, help="seed for init and shuffling (default: %(default)s)")
-    t.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+    t.add_argument("--device", default="auto",
+                   help="auto (cuda > mps > cpu), cpu, cuda or mps; under torchrun each rank takes its own GPU "
+                        "(default: %(default)s)")
+    t.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
+                   help="autocast precision of the forward pass; fp16 adds a gradient scaler (default: %(default)s)")
+    t.add_argument("--grad-accum", type=int, default=1, metavar="N",
+                   help="split each step's --batch-size examples into N micro-batches (default: %(default)s)")
+    t.add_argument("--gradient-checkpointing", action="store_true",
+                   help="recompute activations in the backward pass to save memory")
     t.add_argument("--results", type=Path, default=None, help="append one JSON line per sync to this file")
     add_common_flags(p)
     return p.parse_args(argv)
@@ -104,7 +113,9 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         raise ValueError(f"--dataset {str(dataset)!r} does not exist; pass a JSONL file with 'prompt' and "
                          "'reference_code' on each line")
     modules = tuple(m.strip() for m in args.target_modules.split(",") if m.strip()) if args.target_modules else ()
-    train_kwargs = {"batch_size": args.batch_size, "max_seq_len": args.max_seq_len, "seed": args.seed}
+    train_kwargs = {"batch_size": args.batch_size, "max_seq_len": args.max_seq_len, "seed": args.seed,
+                    "grad_accum": args.grad_accum, "precision": args.precision,
+                    "gradient_checkpointing": args.gradient_checkpointing}
     lr = args.lr if args.lr is not None else RECOMMENDED_LR.get(args.base_model)
     if lr is not None:
         train_kwargs["lr"] = lr

@@ -9,7 +9,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 BENCHMARKS = ("compression.py", "gateway.py", "byzantine.py", "overhead.py", "transport.py",
-              "aggregation.py", "load.py", "crash.py")
+              "aggregation.py", "load.py", "crash.py", "scaling.py", "learning.py")
 
 
 def main() -> int:

@@ -51,6 +51,7 @@ from worker.console import SyncConsole
 from worker.checkpoint import (CheckpointError, WorkerCheckpoint, clone_optimizer_state, discard_checkpoint,
                                load_checkpoint, save_checkpoint)
 from worker.data import StreamPosition
+from worker.distributed import SingleProcess
 from worker.encoding import CompressionSettings, PullSettings, UpdateEncoder
 from worker.sync_state import Fetched, IntervalStats, Outgoing, RunSummary, SyncJob
 
@@ -134,6 +135,8 @@ class FederatedWorker:
     """Training-thread seconds spent syncing (all syncs of this process)."""
     _inflight: tuple[SyncJob, Future] | None = field(default=None, repr=False)
     _executor: ThreadPoolExecutor | None = field(default=None, repr=False)
+    collective: SingleProcess = field(default_factory=SingleProcess)
+    """dist: the data-parallel ranks of this worker; only rank 0 talks to the coordinator."""
 
     # joining ------------------------------------------------------------------
 
@@ -147,6 +150,9 @@ class FederatedWorker:
     def join(self) -> dict[str, Any]:
         """Resume a checkpoint if any, register, create the expert if we are its first worker, pull it."""
         s = self.settings
+        if not self.collective.is_primary:  # dist: rank 0 joins; we start from the weights it pulled
+            self._share_weights()
+            return {}
         resumed = self._resume()
         self.client.register_worker(s.worker_id, s.specialty, self.expert_spec["base_model"], s.sync_interval)
         info = self.client.create_expert(s.specialty, self.trainer.adapter_state(), self.expert_spec)
@@ -159,6 +165,7 @@ class FederatedWorker:
         fetched = self._fetch()
         if fetched.weights is not None:
             self._adopt(fetched)
+        self._share_weights()
         log.info("joined expert %s at version %d as %s", s.specialty, self.base_version, s.worker_id)
         return info
 
@@ -221,10 +228,10 @@ class FederatedWorker:
         end, due = started + s.duration, started + s.sync_interval
         steps_before, tokens_before, blocked_before = self.totals.steps, self.totals.tokens, self.blocked_seconds
         try:
-            while time.monotonic() < end:
+            while not self.collective.agree(time.monotonic() >= end):  # dist: rank 0's clock decides
                 self.train_step()
                 self.poll_sync()
-                if time.monotonic() >= due and self._inflight is None:
+                if self.collective.agree(time.monotonic() >= due) and self._inflight is None:
                     self.start_sync() if s.overlap else self.sync()
                     due = time.monotonic() + s.sync_interval
         except KeyboardInterrupt:
@@ -262,10 +269,16 @@ class FederatedWorker:
     # syncing ------------------------------------------------------------------
 
     def sync(self, final: bool = False) -> dict[str, Any]:
-        """A whole sync, waiting for the network (the final sync, tests, --no-overlap)."""
+        """A whole sync, waiting for the network (the final sync, tests, --no-overlap, data parallel)."""
+        if not self.collective.is_primary:  # dist: rank 0 pushes the ranks' common update and pulls for all
+            self.interval = IntervalStats()
+            self._share_weights()
+            return {}
         self.wait_sync()
         job = self.begin_sync(final)
-        return self.finish_sync(self.exchange(job), overlapped=False)
+        record = self.finish_sync(self.exchange(job), overlapped=False)
+        self._share_weights()
+        return record
 
     def start_sync(self) -> None:
         """Begin a sync and leave its exchange to the background thread."""
@@ -405,6 +418,11 @@ class FederatedWorker:
                 return Fetched(weights, version, None, len(payload))
         pulled = self.client.pull_weights(name, etag=self.etag, worker_id=worker_id)
         return Fetched(pulled.tensors, pulled.version, pulled.etag, pulled.nbytes)
+
+    def _share_weights(self) -> None:
+        """dist: every data-parallel rank continues from the weights rank 0 holds (no-op in one process)."""
+        if self.collective.world_size > 1:
+            self.trainer.load_adapter_state(self.collective.broadcast_state(self.trainer.adapter_state()))
 
     def _fetch_quietly(self) -> Fetched | None:
         """Like _fetch, but an unreachable coordinator is logged and gives None."""

