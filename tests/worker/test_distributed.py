@@ -198,7 +198,7 @@ def test_run_worker_refuses_a_combination_that_cannot_work_in_one_line(flags, me
     code = run_worker.main(["--specialty", "sql_expert", "--base-model", "tiny-qwen2",
                             "--coordinator-url", "http://127.0.0.1:9", *flags])
     err = capsys.readouterr().err
-    assert code == 1 and "Traceback" not in err
+    assert code == 2 and "Traceback" not in err
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and errors[0].startswith(message), err
 
