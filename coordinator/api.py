@@ -11,9 +11,12 @@ from typing import Any
 
 from flask import Blueprint, Response, current_app, jsonify, request, send_file
 
+from coordinator.auth import authenticator, check_acts_as, principal
 from coordinator.service import Coordinator
+from coordinator.tokens import WORKER
 from gateway.files import npz_bytes
-from protocol.errors import BadRequest, PayloadTooLarge
+from protocol.errors import BadRequest, PayloadTooLarge, RequestTimeout
+from protocol.integrity import DIGEST_HEADER, HashingReader, parse_digest
 from protocol.schemas import (API_PREFIX, EXPERT_HEADER, UPDATE_HEADER, VERSION_HEADER, WORKER_HEADER,
                               BaseModelSpec, ExpertSpec, UpdateMeta, check_name, parse_header_json)
 from protocol.tensors import is_finite_number, load_file
@@ -33,13 +36,30 @@ def json_body() -> dict[str, Any]:
 
 
 def receive_body() -> Path:
-    """Stream the request body into a fsynced temp file, enforcing the size limit up front."""
+    """Stream the request body into a fsynced temp file, enforcing the size limit up front.
+
+    With an X-FedMoE-Digest header (our workers always send one; worker tokens must) the body is
+    hashed on the way and a mismatch is a 400 that leaves nothing behind.
+    """
     c = coordinator()
     limit = c.config.max_body_bytes
     if request.content_length is not None and request.content_length > limit:
         raise PayloadTooLarge(f"body of {request.content_length} bytes is over the limit of {limit} bytes "
                               "(coordinator flag --max-body-mb)", limit=limit)
-    return c.blobs.receive(request.stream, limit)
+    header = request.headers.get(DIGEST_HEADER)
+    if header is None and principal().role == WORKER:
+        raise BadRequest(f"a worker's upload must carry {DIGEST_HEADER}: sha256=<hex digest of the body>")
+    expected = parse_digest(header) if header is not None else None
+    reader = HashingReader(request.stream)
+    try:
+        body = c.blobs.receive(reader, limit)
+    except (TimeoutError, BlockingIOError) as exc:  # the socket timeout hit a client that stopped sending
+        raise RequestTimeout(f"the body stopped arriving ({exc.__class__.__name__}); send it again") from None
+    if expected is not None and not reader.matches(expected):
+        body.unlink(missing_ok=True)
+        raise BadRequest(f"body does not match its {DIGEST_HEADER} (sha256 {reader.sha256.hexdigest()[:16]}... "
+                         f"!= {expected[:16]}...); it was damaged on the way, send it again")
+    return body
 
 
 @bp.get("/health")
@@ -55,9 +75,12 @@ def register_worker() -> tuple[Response, int]:
     interval = body.get("sync_interval")
     if interval is not None and (not is_finite_number(interval) or interval <= 0):
         raise BadRequest(f"'sync_interval' must be a positive number of seconds, got {interval!r}")
+    auth = authenticator()
+    if auth:
+        auth.tokens.check_not_revoked(worker_id)
     info = coordinator().register_worker(worker_id, specialty, BaseModelSpec.from_json(body.get("base_model")),
                                          interval)
-    return jsonify(info), 200
+    return jsonify(info | (auth.tokens.issue(worker_id, specialty) if auth else {})), 200
 
 
 @bp.post("/workers/<worker_id>/heartbeat")
@@ -68,7 +91,9 @@ def heartbeat(worker_id: str) -> Response:
 
 @bp.get("/workers")
 def list_workers() -> Response:
-    return jsonify({"workers": coordinator().list_workers()})
+    auth = authenticator()
+    revoked = auth.tokens.revoked_workers() if auth else set()
+    return jsonify({"workers": [w | {"revoked": w["worker_id"] in revoked} for w in coordinator().list_workers()]})
 
 
 @bp.get("/experts")
@@ -135,6 +160,7 @@ def _int_arg(key: str) -> int | None:
 @bp.post("/experts/<name>/updates")
 def push_update(name: str) -> tuple[Response, int]:
     meta = UpdateMeta.from_json(parse_header_json(request.headers.get(UPDATE_HEADER), UPDATE_HEADER))
+    check_acts_as(meta.worker_id)
     c = coordinator()
     c.require_expert(name)  # 404 before reading a body we would throw away
     status, is_new = c.submit_update(name, meta, receive_body())

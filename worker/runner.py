@@ -29,6 +29,10 @@ class WorkerConfig:
     device: str = "cpu"
     compression: CompressionSettings = CompressionSettings()
     pull: PullSettings = PullSettings()
+    token: str | None = None
+    """Join (or admin) token; None = FEDMOE_TOKEN or the local coordinator's (protocol.credentials)."""
+    ca_cert: Path | None = None
+    """PEM file to trust for an https coordinator with a private certificate."""
 
 
 def build_worker(config: WorkerConfig) -> tuple[FederatedWorker, LoraTrainer, list]:
@@ -38,7 +42,8 @@ def build_worker(config: WorkerConfig) -> tuple[FederatedWorker, LoraTrainer, li
                            device=config.device, use_proxy=config.use_proxy)
     trainer = LoraTrainer(base, config.lora, config.train, train_examples, device=config.device)
     spec = {"lora": trainer.lora_config, "base_model": {"id": base.model_id, "fingerprint": base.fingerprint}}
-    client = CoordinatorClient(config.coordinator_url, use_proxy=config.use_proxy)
+    client = CoordinatorClient(config.coordinator_url, use_proxy=config.use_proxy, token=config.token,
+                               ca_cert=config.ca_cert)
     log.info("%s: %d training and %d held-out examples from %s; base model %s (%s)",
              config.sync.worker_id, len(train_examples), len(heldout), config.dataset, base.model_id,
              base.fingerprint[:12])
