@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from flask import Blueprint, Response, current_app, jsonify, request, send_file
+from werkzeug.exceptions import ClientDisconnected
 
 from coordinator.auth import authenticator, check_acts_as, principal
 from coordinator.service import Coordinator
@@ -53,8 +54,8 @@ def receive_body() -> Path:
     reader = HashingReader(request.stream)
     try:
         body = c.blobs.receive(reader, limit)
-    except (TimeoutError, BlockingIOError) as exc:  # the socket timeout hit a client that stopped sending
-        raise RequestTimeout(f"the body stopped arriving ({exc.__class__.__name__}); send it again") from None
+    except ClientDisconnected:  # werkzeug's view of a read that failed: stalled past --socket-timeout, or gone
+        raise RequestTimeout("the request body stopped arriving before its Content-Length; send it again") from None
     if expected is not None and not reader.matches(expected):
         body.unlink(missing_ok=True)
         raise BadRequest(f"body does not match its {DIGEST_HEADER} (sha256 {reader.sha256.hexdigest()[:16]}... "

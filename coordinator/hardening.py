@@ -27,6 +27,18 @@ def set_socket_timeouts(sock: socket.socket, seconds: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
 
 
+class StalledConnectionFilter(logging.Filter):
+    """Turns gunicorn's traceback for a connection cut by the socket timeout into one warning line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, (BlockingIOError, TimeoutError, ssl.SSLWantReadError, ssl.SSLWantWriteError)):
+            record.msg = "closed a connection that stalled for longer than --socket-timeout (%s)"
+            record.args, record.exc_info, record.exc_text = (type(exc).__name__,), None, None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
 def check_tls_files(cert: Path | None, key: Path | None) -> None:
     """Fail at start, in one line, if the certificate and key are missing or do not load."""
     if (cert is None) != (key is None):

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +20,7 @@ from gunicorn.app.base import BaseApplication
 
 from coordinator.app import create_app
 from coordinator.config import CoordinatorConfig
-from coordinator.hardening import announce, check_tls_files, set_socket_timeouts
+from coordinator.hardening import StalledConnectionFilter, announce, check_tls_files, set_socket_timeouts
 from protocol.credentials import credentials_path, publish_local_token, withdraw_local_token
 
 log = logging.getLogger(__name__)
@@ -78,6 +80,7 @@ class _Gunicorn(BaseApplication):
             self.cfg.set(key, value)
 
     def load(self) -> Flask:
+        logging.getLogger("gunicorn.error").addFilter(StalledConnectionFilter())
         return create_app(self._config)
 
 
@@ -91,6 +94,8 @@ def serve(config: CoordinatorConfig, options: ServeOptions) -> None:
     set_socket_timeouts(sock, options.socket_timeout)
     host, port = sock.getsockname()[:2]
     scheme = "https" if options.tls_cert else "http"
+    # SIGTERM before gunicorn installs its own handlers (or with --debug) must still run the finally below.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     # Publish before saying we listen: clients start as soon as they read that line.
     published = auth is not None and _publish(host, port, auth.admin_token, scheme)
     log.info("FedMoE coordinator listening on %s://%s:%d (data dir %s, aggregation %s)",

@@ -11,7 +11,7 @@ import hmac
 import re
 from typing import BinaryIO
 
-from protocol.errors import BadRequest
+from protocol.errors import BadRequest, RequestTimeout
 
 DIGEST_HEADER = "X-FedMoE-Digest"
 _FORMAT = re.compile(r"sha256=([0-9a-f]{64})")
@@ -30,14 +30,23 @@ def parse_digest(value: str) -> str:
 
 
 class HashingReader:
-    """Wraps a body stream and hashes every byte read through it."""
+    """Wraps a request body stream: hashes every byte read, and turns a failed read into a 408.
+
+    A read fails when the client stalls past the server's socket timeout or drops the
+    connection; either way it is the client's doing, never a 5xx. (Disk errors happen on the
+    write side and stay what they are.)
+    """
 
     def __init__(self, stream: BinaryIO) -> None:
         self.stream = stream
         self.sha256 = hashlib.sha256()
 
     def read(self, size: int = -1) -> bytes:
-        chunk = self.stream.read(size)
+        try:
+            chunk = self.stream.read(size)
+        except OSError as exc:
+            raise RequestTimeout(f"the request body stopped arriving ({exc.__class__.__name__}); send it again") \
+                from None
         self.sha256.update(chunk)
         return chunk
 

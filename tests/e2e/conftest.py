@@ -16,7 +16,7 @@ import pytest
 from protocol.credentials import local_token
 
 ROOT = Path(__file__).resolve().parents[2]
-LISTENING = re.compile(r"listening on (http://[\d.]+:\d+)")
+LISTENING = re.compile(r"listening on (https?://[\d.]+:\d+)")
 
 
 def admin_headers(url: str) -> dict[str, str]:
