@@ -21,6 +21,7 @@ import os
 import secrets
 import sqlite3
 import stat
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -100,8 +101,14 @@ class TokenStore:
         self._admin_hash, self._join_hash = token_hash(self.admin_token), token_hash(join_token)
         self.token_ttl = token_ttl
         self._path = data_dir / "auth.sqlite"
+        # hash -> (principal, expires_at) of worker tokens seen valid: one SQLite open per request cost
+        # ~1 ms. One process serves the API (coordinator.server); a hit is checked against the
+        # in-memory revoked set, which revoke() updates before anything else.
+        self._valid: dict[str, tuple[Principal, float]] = {}
+        self._valid_lock = threading.Lock()
         with self._db() as db:
             db.executescript(SCHEMA)
+            self._revoked = {r[0] for r in db.execute("SELECT worker_id FROM revoked_workers")}
 
     @contextlib.contextmanager
     def _db(self) -> Iterator[sqlite3.Connection]:
@@ -122,10 +129,13 @@ class TokenStore:
             return Principal(ADMIN)
         if hmac.compare_digest(digest, self._join_hash):
             return Principal(JOIN)
+        with self._valid_lock:
+            cached = self._valid.get(digest)
+        if cached is not None and cached[1] > time.time() and cached[0].worker_id not in self._revoked:
+            return cached[0]
         with self._db() as db:  # looked up by hash: timing reveals nothing about a valid token
             row = db.execute("SELECT t.worker_id, t.specialty, t.expires_at, r.revoked_at FROM worker_tokens t "
-                                   "LEFT JOIN revoked_workers r USING (worker_id) WHERE t.hash = ?",
-                                   (digest,)).fetchone()
+                             "LEFT JOIN revoked_workers r USING (worker_id) WHERE t.hash = ?", (digest,)).fetchone()
         if row is None:
             raise Unauthorized("unknown token; check --token / FEDMOE_TOKEN")
         worker_id, specialty, expires_at, revoked_at = row
@@ -134,10 +144,15 @@ class TokenStore:
         if expires_at <= time.time():
             raise Unauthorized(f"the token of worker {worker_id!r} expired; register again with the join token",
                                reason="expired")
-        return Principal(WORKER, worker_id, specialty)
+        principal = Principal(WORKER, worker_id, specialty)
+        with self._valid_lock:
+            if len(self._valid) > 10_000:
+                self._valid.clear()
+            self._valid[digest] = (principal, expires_at)
+        return principal
 
     def check_not_revoked(self, worker_id: str) -> None:
-        if worker_id in self.revoked_workers():
+        if worker_id in self._revoked:
             raise Forbidden(f"worker {worker_id!r} was revoked by an admin and cannot register again")
 
     def issue(self, worker_id: str, specialty: str) -> dict[str, object]:
@@ -147,20 +162,22 @@ class TokenStore:
         with self._db() as db:
             db.execute("DELETE FROM worker_tokens WHERE expires_at <= ?", (now,))
             db.execute("INSERT INTO worker_tokens VALUES (?, ?, ?, ?, ?)",
-                             (token_hash(token), worker_id, specialty, now, now + self.token_ttl))
+                       (token_hash(token), worker_id, specialty, now, now + self.token_ttl))
         return {"token": token, "token_expires_at": now + self.token_ttl}
 
     def revoke(self, worker_id: str, known: bool) -> dict[str, object]:
         """Revoke every token of ``worker_id`` and refuse its registration from now on."""
         with self._db() as db:
-            tokens = db.execute("SELECT COUNT(*) FROM worker_tokens WHERE worker_id = ?",
-                                      (worker_id,)).fetchone()[0]
+            tokens = db.execute("SELECT COUNT(*) FROM worker_tokens WHERE worker_id = ?", (worker_id,)).fetchone()[0]
             if not known and not tokens:
                 raise NotFound(f"no worker {worker_id!r}")
+            with self._valid_lock:
+                self._revoked.add(worker_id)
+                self._valid = {h: v for h, v in self._valid.items() if v[0].worker_id != worker_id}
             db.execute("INSERT OR IGNORE INTO revoked_workers VALUES (?, ?)", (worker_id, time.time()))
         log.info("revoked worker %s (%d token(s))", worker_id, tokens)
         return {"worker_id": worker_id, "revoked": True, "tokens": tokens}
 
     def revoked_workers(self) -> set[str]:
-        with self._db() as db:
-            return {r[0] for r in db.execute("SELECT worker_id FROM revoked_workers")}
+        with self._valid_lock:
+            return set(self._revoked)
