@@ -76,13 +76,19 @@ class CoordinatorClient:
             if not Path(ca_cert).is_file():
                 raise ValueError(f"--ca-cert {str(ca_cert)!r} does not exist")
             self.session.verify = str(ca_cert)
-        self.token, self.token_source = resolve_token(self.base_url, token)
+        self._token = token
         self._worker_tokens: dict[str, tuple[str, str]] = {}  # worker_id -> (token, specialty)
         self._expert_tokens: dict[str, tuple[str, str]] = {}  # specialty -> its latest (token, worker_id)
         self._registrations: dict[str, dict[str, Any]] = {}  # worker_id -> body, to renew its token
 
     def close(self) -> None:
         self.session.close()
+
+    @property
+    def token(self) -> str | None:
+        """The token given, else FEDMOE_TOKEN, else the local coordinator's: looked up on every call, so a
+        coordinator started (or restarted on a fresh data dir) after this client is still found."""
+        return resolve_token(self.base_url, self._token)[0]
 
     # plumbing -----------------------------------------------------------------
 
@@ -102,7 +108,7 @@ class CoordinatorClient:
         except Unauthorized as exc:
             if owner is None or owner not in self._registrations:
                 if owner is None and token is not None:
-                    exc.message = f"{exc.message} (token from {self.token_source})"
+                    exc.message = f"{exc.message} (token from {resolve_token(self.base_url, self._token)[1]})"
                     exc.args = (exc.message,)
                 raise
             log.info("worker token of %s rejected (%s); registering again", owner, exc)

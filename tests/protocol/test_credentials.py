@@ -11,6 +11,7 @@ import threading
 import pytest
 
 from protocol import credentials
+from protocol.client import CoordinatorClient
 from protocol.credentials import local_token, publish_local_token, resolve_token, withdraw_local_token
 
 
@@ -85,3 +86,13 @@ def test_a_corrupt_file_counts_as_empty_and_is_rewritten(config_dir):
     assert local_token("http://127.0.0.1:5000") is None
     publish_local_token("127.0.0.1", 5000, "tok")
     assert local_token("http://127.0.0.1:5000") == "tok"
+
+
+def test_a_client_made_before_its_coordinator_started_finds_the_token_later():
+    client = CoordinatorClient("http://127.0.0.1:9100")
+    assert client.token is None
+    publish_local_token("127.0.0.1", 9100, "late")
+    assert client.token == "late"
+    publish_local_token("127.0.0.1", 9100, "restarted-on-a-new-data-dir")
+    assert client.token == "restarted-on-a-new-data-dir"
+    assert CoordinatorClient("http://127.0.0.1:9100", token="given").token == "given"
