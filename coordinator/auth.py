@@ -11,7 +11,8 @@ Each endpoint needs one of these (README, "Security", has the table):
 - ``admin``: admin only (gateway weights, revoking workers).
 
 Endpoints not in the table (added later) need ``read`` for GET/HEAD and ``admin`` otherwise, so
-a new endpoint is never open by accident. Worker requests then pass the rate limiter.
+a new endpoint is never open by accident. Then the rate limiter: per worker for worker tokens,
+per client address for the join token, none for the admin.
 """
 from __future__ import annotations
 
@@ -62,10 +63,12 @@ class Authenticator:
         principal = self.tokens.authenticate(bearer_token())
         _authorize(principal, rule, request.view_args or {})
         g.principal = principal
-        if principal.role == WORKER and self.limiter is not None:
-            wait = self.limiter.acquire(principal.worker_id or "")
+        if principal.role != ADMIN and self.limiter is not None:
+            # per worker; join-token calls (registrations, reads) per client address
+            key = principal.worker_id if principal.role == WORKER else f"join@{request.remote_addr}"
+            wait = self.limiter.acquire(key or "")
             if wait > 0:
-                return _too_many(principal, wait)
+                return _too_many(key or "", wait)
         return None
 
 
@@ -97,10 +100,10 @@ def _authorize(p: Principal, rule: str, args: dict[str, Any]) -> None:
                         f"not {args.get('name')!r}")
 
 
-def _too_many(p: Principal, wait: float) -> Response:
+def _too_many(key: str, wait: float) -> Response:
     retry_after = max(1, math.ceil(wait))
-    error = TooManyRequests(f"worker {p.worker_id!r} is over the coordinator's --rate-limit; retry in "
-                            f"{retry_after} s", retry_after=retry_after)
+    error = TooManyRequests(f"{key!r} is over the coordinator's --rate-limit; retry in {retry_after} s",
+                            retry_after=retry_after)
     response = jsonify(error.to_json())
     response.status_code = error.status
     response.headers["Retry-After"] = str(retry_after)

@@ -150,6 +150,8 @@ def test_rate_limit_answers_429_with_retry_after_per_worker(make_app):
     assert error(r) == (429, "too_many_requests") and int(r.headers["Retry-After"]) == 20  # 3/min: one per 20 s
     assert w2.get("/api/v1/experts").status_code == 200  # buckets are per worker
     assert all(app.test_client().get("/api/v1/experts").status_code == 200 for _ in range(10))  # admin: no limit
+    joiner = app.test_client(token=join_token(app))  # two registrations above + one read: its third
+    assert [joiner.get("/api/v1/experts").status_code for _ in range(2)] == [200, 429]
 
 
 def test_rate_limiter_refills_at_the_configured_rate():
