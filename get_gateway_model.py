@@ -9,11 +9,13 @@ Examples:
   python get_gateway_model.py --save-gateway sql_adapter --format peft --expert sql_expert
   python get_gateway_model.py --save-gateway merged_model --format merged
   python get_gateway_model.py --generate "Write a SQL query that counts orders per customer"
+  python get_gateway_model.py --coordinator-url http://10.0.0.5:5000 --list-experts
 """
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -23,6 +25,7 @@ from gateway.download import Adapter, fetch_expert, fetch_gateway, merge_experts
 from gateway.errors import GatewayError
 from gateway.files import npz_bytes, safetensors_bytes
 from gateway.merges import MERGES
+from protocol.cli import add_common_flags, check_coordinator_url, report_error, setup_logging
 from protocol.client import CoordinatorClient, RetryPolicy
 from protocol.errors import FedMoEError, NotFound
 from protocol.files import write_atomically
@@ -63,12 +66,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="PEM certificate (or CA) to trust for an https:// coordinator with a private certificate")
     p.add_argument("--revoke-worker", metavar="WORKER_ID", action="append", default=[],
                    help="admin: revoke a worker's tokens; it cannot register again (repeatable)")
+    add_common_flags(p)
     return p.parse_args(argv)
 
 
 def table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    """Columns padded to their widest cell; numeric columns right-aligned so digits line up."""
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows])
+    numeric = [all(_is_number(r[i]) for r in rows) for i in range(len(header))]
+
+    def line(row: tuple[str, ...]) -> str:
+        return "  ".join(c.rjust(w) if num else c.ljust(w) for c, w, num in zip(row, widths, numeric)).rstrip()
+
+    return "\n".join(line(row) for row in [header, *rows])
+
+
+def _is_number(cell: str) -> bool:
+    try:
+        float(cell)
+    except ValueError:
+        return cell == "-"
+    return True
 
 
 def when(timestamp: float) -> str:
@@ -160,9 +178,11 @@ def generate(client: CoordinatorClient, args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    setup_logging(args, logging.WARNING)  # stdout is the answer; only problems go to stderr
     try:
-        client = CoordinatorClient(args.coordinator_url, timeout=(5.0, 300.0), retry=RetryPolicy(attempts=2),
-                                   use_proxy=args.use_proxy, token=args.token, ca_cert=args.ca_cert)
+        client = CoordinatorClient(check_coordinator_url(args.coordinator_url), timeout=(5.0, 300.0),
+                                   retry=RetryPolicy(attempts=2), use_proxy=args.use_proxy,
+                                   token=args.token, ca_cert=args.ca_cert)
         for worker_id in args.revoke_worker:
             info = client.revoke_worker(worker_id)
             print(f"revoked worker {worker_id} ({info['tokens']} token(s)); it cannot register again")
@@ -181,8 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         if not (args.list_experts or args.save_gateway or args.generate or args.revoke_worker):
             print(json.dumps(client.gateway_info(), indent=2))
     except (FedMoEError, GatewayError, ValueError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return report_error(args, exc)
     return 0
 
 

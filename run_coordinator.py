@@ -5,6 +5,8 @@ Examples:
   python run_coordinator.py --port 5000
   python run_coordinator.py --aggregation fedbuff --buffer-size 4 --data-dir /srv/fedmoe
   python run_coordinator.py --gateway-weights python_expert=2,sql_expert=1
+  python run_coordinator.py --port 0 --log-format json     # a free port; JSON log lines for machines
+  python run_coordinator.py --aggregation fedbuff --buffer-size 5 --robust trimmed_mean --norm-check reject
 """
 from __future__ import annotations
 
@@ -13,11 +15,13 @@ import logging
 import sys
 from pathlib import Path
 
-from coordinator.aggregation import AGGREGATORS
+from coordinator.aggregation import AGGREGATORS, ROBUST_RULES
 from coordinator.config import CoordinatorConfig, parse_gateway_weights
+from coordinator.norm_check import NORM_CHECK_MODES
 from coordinator.server import ServeOptions, ServerStartError, serve
 from gateway.merges import MERGES
 from gateway.router import DEFAULT_THRESHOLD
+from protocol.cli import add_common_flags, report_error, setup_logging
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -55,22 +59,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
     s.add_argument("--socket-timeout", type=float, default=60.0,
                    help="seconds a connection may stall mid-request before it is dropped (default: %(default)s)")
+    p.add_argument("--norm-check", choices=NORM_CHECK_MODES, default="off",
+                   help="reject (422) or clip updates whose L2 norm is over --norm-factor x the median of the "
+                        "expert's recent accepted norms (default: %(default)s)")
+    p.add_argument("--norm-factor", type=float, default=10.0, help="norm limit multiple (default: %(default)s)")
+    p.add_argument("--norm-history", type=int, default=20,
+                   help="recent accepted norms the median is taken over (default: %(default)s)")
+    p.add_argument("--norm-warmup", type=int, default=5,
+                   help="accepted updates before the norm check applies (default: %(default)s)")
+    p.add_argument("--robust", choices=["none", *sorted(ROBUST_RULES)], default="none",
+                   help="robust combination of each fedbuff buffer (default: %(default)s = weighted mean)")
+    p.add_argument("--trim-fraction", type=float, default=0.2,
+                   help="share of values trimmed at each end by --robust trimmed_mean (default: %(default)s)")
+    add_common_flags(p)
     return p.parse_args(argv)
+
+
+def _gateway_weights(text: str | None) -> dict[str, float] | None:
+    try:
+        return parse_gateway_weights(text) if text else None
+    except ValueError as exc:
+        raise ValueError(f"--gateway-weights: {exc} (e.g. python_expert=2,sql_expert=1)") from None
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args, logging.DEBUG if args.debug else logging.INFO)
     try:
-        weights = parse_gateway_weights(args.gateway_weights) if args.gateway_weights else None
+        weights = _gateway_weights(args.gateway_weights)
         config = CoordinatorConfig(
             data_dir=args.data_dir, aggregation=args.aggregation, server_lr=args.server_lr,
             staleness_decay=args.staleness_decay, buffer_size=args.buffer_size,
             keep_versions=args.keep_versions, gateway_weights=weights,
             gateway_strategy=args.gateway_strategy, route_threshold=args.route_threshold, max_body_mb=args.max_body_mb,
             auth=not args.no_auth, admin_token_file=args.admin_token_file, token_ttl_hours=args.token_ttl_hours,
-            rate_limit=args.rate_limit)
+            rate_limit=args.rate_limit,
+            norm_check=args.norm_check, norm_factor=args.norm_factor, norm_history=args.norm_history,
+            norm_warmup=args.norm_warmup, robust=args.robust, trim_fraction=args.trim_fraction)
         if not 0 <= args.port <= 65535:
             raise ValueError(f"--port must be 0-65535, got {args.port}")
         if not args.socket_timeout > 0:
@@ -78,8 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         serve(config, ServeOptions(host=args.host, port=args.port, debug=args.debug, threads=args.threads,
                                    socket_timeout=args.socket_timeout, tls_cert=args.tls_cert, tls_key=args.tls_key))
     except (ValueError, ServerStartError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return report_error(args, exc)
     except KeyboardInterrupt:
         return 0
     return 0

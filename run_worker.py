@@ -5,18 +5,21 @@ Examples:
   python run_worker.py --specialty python_expert
   python run_worker.py --specialty sql_expert --base-model tiny-qwen2 --duration 120 --sync-interval 5
   python run_worker.py --specialty docs_expert --dataset my_docs.jsonl --coordinator-url http://10.0.0.5:5000
+  python run_worker.py --specialty sql_expert --compression topk+int8 --compression-config '{"ratio": 0.05}'
+  python run_worker.py --specialty python_expert --results runs/python.results.jsonl --log-format json
 """
 from __future__ import annotations
 
 import argparse
-import logging
 import re
 import socket
 import sys
+import warnings
 from pathlib import Path
 
+from protocol.cli import add_common_flags, check_coordinator_url, report_error, setup_logging
 from protocol.errors import FedMoEError
-from protocol.schemas import parse_json_flag
+from protocol.schemas import check_name, parse_json_flag
 from worker.data import DatasetError, sample_dataset_path
 from worker.encoding import CompressionSettings, PullSettings
 from worker.federation import SyncSettings
@@ -73,6 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     t.add_argument("--seed", type=int, default=0, help="seed for init and shuffling (default: %(default)s)")
     t.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
     t.add_argument("--results", type=Path, default=None, help="append one JSON line per sync to this file")
+    add_common_flags(p)
     return p.parse_args(argv)
 
 
@@ -82,12 +86,15 @@ def default_worker_id(specialty: str) -> str:
 
 
 def build_config(args: argparse.Namespace) -> WorkerConfig:
+    _check_names(args)
+    check_coordinator_url(args.coordinator_url)
     dataset = args.dataset or sample_dataset_path(args.specialty)
     if dataset is None:
         raise ValueError(f"no --dataset given and the project ships no sample data for {args.specialty!r}; "
                          "pass --dataset PATH.jsonl")
     if not Path(dataset).is_file():
-        raise ValueError(f"--dataset {str(dataset)!r} does not exist")
+        raise ValueError(f"--dataset {str(dataset)!r} does not exist; pass a JSONL file with 'prompt' and "
+                         "'reference_code' on each line")
     if args.ca_cert is not None and not args.ca_cert.is_file():
         raise ValueError(f"--ca-cert {str(args.ca_cert)!r} does not exist")
     modules = tuple(m.strip() for m in args.target_modules.split(",") if m.strip()) if args.target_modules else ()
@@ -108,17 +115,28 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         lora=LoraSettings(rank=args.lora_rank, alpha=args.lora_alpha, target_modules=modules),
         train=TrainSettings(**train_kwargs), use_huggingface=args.use_huggingface,
         use_proxy=args.use_proxy, device=args.device, compression=compression, pull=pull, token=args.token,
-        ca_cert=args.ca_cert)
+        ca_cert=args.ca_cert, progress=False if args.log_format == "json" else None)
+
+
+def _check_names(args: argparse.Namespace) -> None:
+    """Names the coordinator would refuse, refused here before minutes of model loading."""
+    try:
+        check_name(args.specialty, "--specialty")
+        if args.worker_id is not None:
+            check_name(args.worker_id, "--worker-id")
+    except FedMoEError as exc:
+        raise ValueError(f"{exc}, e.g. python_expert") from None
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args)
+    # peft asks transformers for is_gradient_checkpointing; the deprecation notice is not the user's to act on.
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     try:
         run_worker(build_config(args))
     except (ValueError, DatasetError, ModelLoadError, FedMoEError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return report_error(args, exc)
     except KeyboardInterrupt:  # before training started: nothing to push
         return 130
     return 0

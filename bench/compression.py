@@ -49,6 +49,7 @@ import torch  # noqa: E402
 
 from bench.common import (RESULTS_DIR, Domain, Suite, Task, configure_logging, format_table,  # noqa: E402
                           load_suites, run_parallel, running_coordinator, write_json_atomic)
+from bench.plots import plot_codec_bytes  # noqa: E402
 from compression import CODECS, CompressionError, Pipeline, make_codec  # noqa: E402
 from protocol.client import CoordinatorClient  # noqa: E402
 from protocol.errors import FedMoEError  # noqa: E402
@@ -471,8 +472,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     untrained = {suite.name: o for suite, o in zip(suites, outputs[len(results):])}
     report = summarize(results, untrained, settings, time.perf_counter() - started)
     write_json_atomic(args.out, report)
+    plot = plot_codec_bytes(report["records"], args.out.with_suffix(".png"))
     print(render(report))
-    log.info("wrote %s in %.0f s", args.out, report["seconds"])
+    log.info("wrote %s and %s in %.0f s", args.out, plot, report["seconds"])
     return 0
 
 

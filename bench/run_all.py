@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHMARKS = ("compression.py", "gateway.py")
+BENCHMARKS = ("compression.py", "gateway.py", "byzantine.py")
 
 
 def main() -> int:

@@ -10,13 +10,14 @@ from pathlib import Path
 from typing import Any
 
 from flask import Blueprint, Response, current_app, jsonify, request, send_file
-from werkzeug.exceptions import ClientDisconnected
+from werkzeug.exceptions import ClientDisconnected, HTTPException
 
+from coordinator.audit import rejection_event
 from coordinator.auth import authenticator, check_acts_as, principal
 from coordinator.service import Coordinator
 from coordinator.tokens import WORKER
 from gateway.files import npz_bytes
-from protocol.errors import BadRequest, PayloadTooLarge, RequestTimeout
+from protocol.errors import BadRequest, FedMoEError, PayloadTooLarge, RequestTimeout
 from protocol.integrity import DIGEST_HEADER, HashingReader, parse_digest
 from protocol.schemas import (API_PREFIX, EXPERT_HEADER, UPDATE_HEADER, VERSION_HEADER, WORKER_HEADER,
                               BaseModelSpec, ExpertSpec, UpdateMeta, check_name, parse_header_json)
@@ -160,12 +161,40 @@ def _int_arg(key: str) -> int | None:
 
 @bp.post("/experts/<name>/updates")
 def push_update(name: str) -> tuple[Response, int]:
-    meta = UpdateMeta.from_json(parse_header_json(request.headers.get(UPDATE_HEADER), UPDATE_HEADER))
-    check_acts_as(meta.worker_id)
     c = coordinator()
-    c.require_expert(name)  # 404 before reading a body we would throw away
-    status, is_new = c.submit_update(name, meta, receive_body())
+    try:
+        meta = UpdateMeta.from_json(parse_header_json(request.headers.get(UPDATE_HEADER), UPDATE_HEADER))
+        check_acts_as(meta.worker_id)
+        c.require_expert(name)  # 404 before reading a body we would throw away
+        status, is_new = c.submit_update(name, meta, receive_body())
+    except (FedMoEError, HTTPException) as exc:  # every refused push goes to the audit log
+        _record_rejection(c, name, exc)
+        raise
     return jsonify(status), 202 if is_new else 200
+
+
+def _record_rejection(c: Coordinator, name: str, exc: FedMoEError | HTTPException) -> None:
+    if isinstance(exc, FedMoEError):
+        status, code, message, details = exc.status, exc.code, exc.message, exc.details
+    else:  # werkzeug's own refusals, e.g. a body over MAX_CONTENT_LENGTH
+        status, code, message, details = exc.code or 400, str(exc.name).lower().replace(" ", "_"), \
+            str(exc.description), {}
+    c.record_event(rejection_event(name, status, code, message, details, request.headers.get(UPDATE_HEADER),
+                                   request.headers.get(WORKER_HEADER), request.remote_addr))
+
+
+@bp.get("/events")
+def events() -> Response:
+    """The audit log, newest first: ?limit=1..500 (50), ?after=ID, ?expert=NAME, ?kind=KIND."""
+    limit = _int_arg("limit")
+    limit = 50 if limit is None else limit
+    if not 1 <= limit <= 500:
+        raise BadRequest(f"limit must be 1-500, got {limit}")
+    after = _int_arg("after")
+    if after is not None and after >= 2 ** 63:
+        raise BadRequest(f"after must be below 2**63, got {after}")
+    return jsonify({"events": coordinator().events(limit, after, request.args.get("expert"),
+                                                   request.args.get("kind"))})
 
 
 @bp.get("/updates/<update_id>")

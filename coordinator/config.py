@@ -1,11 +1,15 @@
 """Coordinator settings, validated once when built (the CLI and tests build them)."""
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from coordinator.aggregation import AGGREGATORS
+from coordinator.aggregation import AGGREGATORS, ROBUST_RULES
+from coordinator.aggregation.robust import trim_count
+from coordinator.audit import NORMS_KEPT
+from coordinator.norm_check import NORM_CHECK_MODES, NormPolicy
 from gateway.merges import MERGES
 from gateway.router import DEFAULT_THRESHOLD
 
@@ -40,6 +44,18 @@ class CoordinatorConfig:
     """Worker tokens expire after this long; workers renew them by registering again."""
     rate_limit: float = 600.0
     """Requests per minute one worker may make (a bucket of as many); 0 = no limit."""
+    norm_check: str = "off"
+    """off, reject (422) or clip updates whose norm is over norm_factor x the recent median."""
+    norm_factor: float = 10.0
+    """The norm limit, as a multiple of the median of the expert's recent accepted update norms."""
+    norm_history: int = 20
+    """Accepted update norms (newest) the median is taken over."""
+    norm_warmup: int = 5
+    """Accepted updates before the norm check applies."""
+    robust: str = "none"
+    """Robust combination of a fedbuff buffer: none (weighted mean), clip, median or trimmed_mean."""
+    trim_fraction: float = 0.2
+    """trimmed_mean drops floor(trim_fraction x buffer size) values at each end of every coordinate."""
     extra: Mapping[str, object] = field(default_factory=dict)
     """Flask config overrides (tests)."""
 
@@ -67,9 +83,37 @@ class CoordinatorConfig:
             raise ValueError(f"--token-ttl-hours must be > 0, got {self.token_ttl_hours}")
         if not self.rate_limit >= 0:
             raise ValueError(f"--rate-limit must be >= 0 requests per minute (0 = no limit), got {self.rate_limit}")
+        self._check_robustness()
         for name, weight in (self.gateway_weights or {}).items():
             if not weight >= 0:
                 raise ValueError(f"--gateway-weights: weight of {name!r} must be >= 0, got {weight}")
+
+    def _check_robustness(self) -> None:
+        if self.norm_check not in NORM_CHECK_MODES:
+            raise ValueError(f"--norm-check must be one of {list(NORM_CHECK_MODES)}, got {self.norm_check!r}")
+        if not self.norm_factor > 1:
+            raise ValueError(f"--norm-factor must be > 1, got {self.norm_factor}")
+        if not 1 <= self.norm_history <= NORMS_KEPT:
+            raise ValueError(f"--norm-history must be 1-{NORMS_KEPT}, got {self.norm_history}")
+        if not 1 <= self.norm_warmup <= self.norm_history:
+            raise ValueError(f"--norm-warmup must be 1-{self.norm_history} (--norm-history), got {self.norm_warmup}")
+        if self.robust != "none" and self.robust not in ROBUST_RULES:
+            raise ValueError(f"--robust must be one of {['none', *sorted(ROBUST_RULES)]}, got {self.robust!r}")
+        if not 0 <= self.trim_fraction < 0.5:
+            raise ValueError(f"--trim-fraction must be in [0, 0.5), got {self.trim_fraction}")
+        if self.robust == "none":
+            return
+        if self.aggregation != "fedbuff" or self.buffer_size < 3:
+            raise ValueError(f"--robust {self.robust} combines a buffer of updates: it needs --aggregation fedbuff "
+                             f"and --buffer-size >= 3, got --aggregation {self.aggregation} "
+                             f"--buffer-size {self.buffer_size}")
+        if self.robust == "trimmed_mean" and trim_count(self.buffer_size, self.trim_fraction) < 1:
+            raise ValueError(f"--trim-fraction {self.trim_fraction} trims nothing from a buffer of "
+                             f"{self.buffer_size} updates; use at least {math.ceil(1000 / self.buffer_size) / 1000:g}")
+
+    @property
+    def norm_policy(self) -> NormPolicy:
+        return NormPolicy(self.norm_check, self.norm_factor, self.norm_history, self.norm_warmup)
 
     @property
     def max_body_bytes(self) -> int:

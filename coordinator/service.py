@@ -25,10 +25,13 @@ import numpy as np
 
 from compression.wire import encode_update
 from coordinator.adapters import check_lora_adapter, decode_update, make_codec_or_400
-from coordinator.aggregation import AGGREGATORS, AggregationParams, StateDict, Update
+from coordinator.aggregation import AGGREGATORS, AggregationParams, StateDict, Update, l2_norm, robust_aggregator
+from coordinator import audit
+from coordinator.audit import Event
 from coordinator.blobs import BlobStore
 from coordinator.config import CoordinatorConfig
 from coordinator.gateway_builder import GatewayBuilder
+from coordinator.norm_check import judge_norm
 from coordinator.store import ExpertRow, ManifestStore, UpdateRow
 from gateway.router import ProfileError, combine_profiles, profile_from_json
 from gateway.router import route as route_prompt
@@ -54,6 +57,8 @@ class Coordinator:
         self.db = ManifestStore(config.data_dir / "manifest.sqlite")
         self.params = AggregationParams(config.server_lr, config.staleness_decay)
         self._aggregate_fn = AGGREGATORS[config.aggregation]
+        if config.robust != "none":  # a robust combination of fedbuff's buffer (coordinator.aggregation.robust)
+            self._aggregate_fn = robust_aggregator(config.robust, config.trim_fraction)
         self._locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
         self._decoded: dict[str, StateDict] = {}  # update_id -> deltas checked at receipt
@@ -85,7 +90,8 @@ class Coordinator:
                     return self.expert_info(name), False
                 manifest = check_lora_adapter(load_file(body), spec.lora)
                 digest = self.blobs.adopt(body)
-                self.db.create_expert(name, spec.to_json(), manifest_to_json(manifest), digest)
+                self.db.create_expert(name, spec.to_json(), manifest_to_json(manifest), digest,
+                                      events=(audit.expert_created(name, spec.lora.rank, spec.base_model.id),))
         finally:
             body.unlink(missing_ok=True)
         log.info("created expert %s (rank %d)", name, spec.lora.rank)
@@ -178,28 +184,47 @@ class Coordinator:
             expert = self.require_expert(name)
             known = self.db.update(meta.update_id)
             if known is not None:
-                return self._seen_before(known, name), False
+                return self._seen_before(known, name, meta), False
             if meta.base_version > expert.version:
                 raise Conflict(f"base_version {meta.base_version} is ahead of expert {name!r}, "
                                f"which is at version {expert.version}")
             deltas = decode_update(body, meta.codec, meta.codec_config, manifest_from_json(expert.manifest))
             size = body.stat().st_size
+            norm = l2_norm(deltas)
             with self._lock(name):
                 known = self.db.update(meta.update_id)  # a concurrent retry may have won
                 if known is not None:
-                    return self._seen_before(known, name), False
+                    return self._seen_before(known, name, meta), False
+                verdict = judge_norm(norm, self.db.recent_norms(name, self.config.norm_history),
+                                     self.config.norm_policy)  # InvalidUpdate (422) in reject mode
+                if verdict.clipped:
+                    deltas = {k: t * verdict.scale for k, t in deltas.items()}
+                stored = meta.to_json() | ({"norm_scale": verdict.scale} if verdict.clipped else {})
                 digest = self.blobs.adopt(body)
-                row = self.db.add_update(name, meta.to_json(), digest, size, _fp32_bytes(deltas))
+                row = self.db.add_update(name, stored, digest, size, _fp32_bytes(deltas), norm=verdict.accepted_norm,
+                                         events=audit.update_accepted(name, meta, verdict, size))
                 self._decoded[row.update_id] = deltas
                 self._aggregate_locked(name)
         finally:
             body.unlink(missing_ok=True)
         return self.update_status(meta.update_id), True
 
-    def _seen_before(self, known: UpdateRow, name: str) -> dict[str, Any]:
+    def _seen_before(self, known: UpdateRow, name: str, meta: UpdateMeta) -> dict[str, Any]:
         if known.expert != name:
             raise Conflict(f"update_id {known.update_id!r} was already used for expert {known.expert!r}")
+        self.record_event(audit.update_duplicate(name, meta.worker_id, known.update_id, known.status))
         return self.update_status(known.update_id)
+
+    def record_event(self, event: Event) -> None:
+        """Add an event that records no other change; a failure to log is logged, never raised."""
+        try:
+            self.db.add_event(event)
+        except Exception:  # noqa: BLE001 - the audit log must not turn the answer into a 5xx
+            log.exception("could not record %s event", event.kind)
+
+    def events(self, limit: int, after: int | None = None, expert: str | None = None,
+               kind: str | None = None) -> list[dict[str, Any]]:
+        return self.db.events(limit, after, expert, kind)
 
     def update_status(self, update_id: str) -> dict[str, Any]:
         row = self.db.update(update_id)
@@ -229,7 +254,9 @@ class Coordinator:
                           staleness=max(0, expert.version - u.meta["base_version"])) for u in batch]
         new = self._aggregate_fn(current, updates, self.params)
         digest = self.blobs.put_file(lambda p: save_file(new, p))
-        self.db.commit_version(name, expert.version + 1, digest, batch, _mean_loss(batch))
+        loss = _mean_loss(batch)
+        self.db.commit_version(name, expert.version + 1, digest, batch, loss, events=(audit.version_applied(
+            name, expert.version + 1, [u.update_id for u in batch], [u.staleness for u in updates], loss),))
         for u in batch:
             self._decoded.pop(u.update_id, None)
         self._drop_unreferenced([u.blob for u in batch if u.blob]
@@ -243,7 +270,9 @@ class Coordinator:
         if cached is not None:
             return cached
         assert row.blob is not None, "a pending update always has its payload"
-        return decode_update(self.blobs.path(row.blob), row.meta["codec"], row.meta["codec_config"], manifest)
+        deltas = decode_update(self.blobs.path(row.blob), row.meta["codec"], row.meta["codec_config"], manifest)
+        scale = row.meta.get("norm_scale", 1.0)  # clipped at receipt (--norm-check clip)
+        return deltas if scale == 1.0 else {k: t * scale for k, t in deltas.items()}
 
     def _drop_unreferenced(self, digests: list[str]) -> None:
         if not digests:
@@ -304,7 +333,8 @@ class Coordinator:
                                f"{base_model.fingerprint[:12]}) but expert {specialty!r} was trained from "
                                f"{stored.id!r} ({stored.fingerprint[:12]}); use the same --base-model")
         self.db.upsert_worker(worker_id, specialty, {"id": base_model.id, "fingerprint": base_model.fingerprint},
-                              sync_interval)
+                              sync_interval,
+                              events=(audit.worker_registered(worker_id, specialty, base_model.id, sync_interval),))
         return {"worker_id": worker_id, "specialty": specialty,
                 "expert": None if expert is None else self._info(expert)}
 

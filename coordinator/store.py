@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from coordinator.audit import AUDIT_SCHEMA, Event, insert_event, insert_norm, query_events, recent_norms
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS experts (
     name TEXT PRIMARY KEY,
@@ -121,7 +123,7 @@ class ManifestStore:
         self._lock = threading.RLock()
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
-        self._db.executescript(SCHEMA)
+        self._db.executescript(SCHEMA + AUDIT_SCHEMA)
 
     def close(self) -> None:
         with self._lock:
@@ -148,12 +150,14 @@ class ManifestStore:
 
     # experts and versions -------------------------------------------------
 
-    def create_expert(self, name: str, spec: dict[str, Any], manifest: str, blob: str) -> None:
+    def create_expert(self, name: str, spec: dict[str, Any], manifest: str, blob: str,
+                      events: tuple[Event, ...] = ()) -> None:
         now = time.time()
         with self.transaction() as db:
             db.execute("INSERT INTO experts (name, spec, manifest, version, created_at, updated_at) "
                        "VALUES (?, ?, ?, 0, ?, ?)", (name, json.dumps(spec), manifest, now, now))
             db.execute("INSERT INTO versions VALUES (?, 0, ?, 0, 0, NULL, ?)", (name, blob, now))
+            _insert_events(db, events)
 
     def expert(self, name: str) -> ExpertRow | None:
         row = self._one("SELECT * FROM experts WHERE name = ?", name)
@@ -173,7 +177,7 @@ class ManifestStore:
         return [dict(r) | {"stored": bool(r["stored"])} for r in rows]
 
     def commit_version(self, name: str, version: int, blob: str, applied: list[UpdateRow],
-                       train_loss: float | None) -> None:
+                       train_loss: float | None, events: tuple[Event, ...] = ()) -> None:
         """Record a new version and mark the updates it applied, atomically."""
         samples = sum(u.meta["num_samples"] for u in applied)
         now = time.time()
@@ -186,6 +190,7 @@ class ManifestStore:
                        (version, len(applied), samples, train_loss, now, name))
             db.executemany("UPDATE updates SET status = 'applied', applied_version = ?, blob = NULL "
                            "WHERE seq = ?", [(version, u.seq) for u in applied])
+            _insert_events(db, events)
 
     def prune_versions(self, name: str, keep: int) -> list[str]:
         """Forget the blobs of all but the newest ``keep`` versions; return their digests."""
@@ -198,7 +203,8 @@ class ManifestStore:
 
     # updates ----------------------------------------------------------------
 
-    def add_update(self, name: str, meta: dict[str, Any], blob: str, body_bytes: int, raw_bytes: int) -> UpdateRow:
+    def add_update(self, name: str, meta: dict[str, Any], blob: str, body_bytes: int, raw_bytes: int,
+                   norm: float | None = None, events: tuple[Event, ...] = ()) -> UpdateRow:
         with self.transaction() as db:
             db.execute("INSERT INTO updates (update_id, expert, worker_id, meta, blob, body_bytes, status, "
                        "received_at) VALUES (?, ?, ?, ?, ?, ?, 'pending', ?)",
@@ -208,6 +214,9 @@ class ManifestStore:
                 db.execute("UPDATE workers SET updates_sent = updates_sent + 1, bytes_up = bytes_up + ?, "
                            "bytes_up_raw = bytes_up_raw + ?, last_seen = ? WHERE worker_id = ?",
                            (body_bytes, raw_bytes, time.time(), meta["worker_id"]))
+            if norm is not None:
+                insert_norm(db, name, norm)
+            _insert_events(db, events)
         row = self.update(meta["update_id"])
         assert row is not None
         return row
@@ -227,7 +236,7 @@ class ManifestStore:
     # workers ----------------------------------------------------------------
 
     def upsert_worker(self, worker_id: str, specialty: str, base_model: dict[str, Any],
-                      sync_interval: float | None) -> None:
+                      sync_interval: float | None, events: tuple[Event, ...] = ()) -> None:
         now = time.time()
         with self.transaction() as db:
             db.execute("INSERT INTO workers (worker_id, specialty, base_model, registered_at, last_seen, "
@@ -235,6 +244,7 @@ class ManifestStore:
                        "specialty = excluded.specialty, base_model = excluded.base_model, "
                        "last_seen = excluded.last_seen, sync_interval = excluded.sync_interval",
                        (worker_id, specialty, json.dumps(base_model), now, now, sync_interval))
+            _insert_events(db, events)
 
     def record_pull(self, worker_id: str, body_bytes: int, raw_bytes: int) -> None:
         with self.transaction() as db:
@@ -282,6 +292,22 @@ class ManifestStore:
                              (key, blob, json.dumps(info), time.time()))
         return int(cur.lastrowid)
 
+    # audit log and norm history (coordinator.audit) ------------------------
+
+    def add_event(self, event: Event) -> None:
+        """Record an event that comes with no other change (a rejection, a duplicate)."""
+        with self.transaction() as db:
+            insert_event(db, event)
+
+    def events(self, limit: int, after: int | None = None, expert: str | None = None,
+               kind: str | None = None) -> list[dict[str, Any]]:
+        with self._lock:
+            return query_events(self._db, limit, after, expert, kind)
+
+    def recent_norms(self, expert: str, n: int) -> list[float]:
+        with self._lock:
+            return recent_norms(self._db, expert, n)
+
     # housekeeping -----------------------------------------------------------
 
     def referenced_blobs(self) -> set[str]:
@@ -289,6 +315,11 @@ class ManifestStore:
                          "SELECT blob FROM updates WHERE blob IS NOT NULL UNION "
                          "SELECT blob FROM gateways")
         return {r["blob"] for r in rows}
+
+
+def _insert_events(db: sqlite3.Connection, events: tuple[Event, ...]) -> None:
+    for event in events:
+        insert_event(db, event)
 
 
 def _expert(row: sqlite3.Row) -> ExpertRow:

@@ -61,7 +61,7 @@ def write_all(out_dir: Path) -> dict[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent,
                         help="directory to write the .jsonl files into (default: this script's directory)")
     args = parser.parse_args(argv)

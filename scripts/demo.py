@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 # One torch thread for the evaluation here: on 2 busy cores, 2-thread torch was measured 4-15x slower.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+from bench.plots import plot_expert_losses, read_results  # noqa: E402
 from protocol.client import CoordinatorClient  # noqa: E402
 from protocol.tensors import loads  # noqa: E402
 
@@ -142,7 +143,9 @@ def main() -> int:
         losses = evaluate(client)
         print_table(losses, versions)
         (run / "losses.json").write_text(json.dumps(losses, indent=2))
-        print(f"\nwrote {run / 'losses.json'} and {run / 'gateway_model.npz'}")
+        plot = plot_expert_losses({s: read_results(run / f"{s}.results.jsonl") for s in SPECIALTIES},
+                                  run / "train_loss.png", title="demo: train loss per expert")
+        print(f"\nwrote {run / 'losses.json'}, {plot} and {run / 'gateway_model.npz'}")
     finally:
         coordinator.terminate()
         coordinator.wait(timeout=30)

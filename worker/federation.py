@@ -24,6 +24,7 @@ from compression.errors import CompressionError
 from compression.wire import decode_update
 from protocol.errors import FedMoEError, NotFound, Unavailable
 from protocol.tensors import StateDict, manifest_of
+from worker.console import SyncConsole
 from worker.encoding import CompressionSettings, PullSettings, UpdateEncoder
 
 log = logging.getLogger(__name__)
@@ -112,6 +113,8 @@ class FederatedWorker:
     outbox: deque[Outgoing] = field(default_factory=deque)
     interval: IntervalStats = field(default_factory=IntervalStats)
     syncs: int = 0
+    console: SyncConsole | None = None
+    """Progress bar and the one log line per sync (worker.console); None: no console output."""
 
     # joining ------------------------------------------------------------------
 
@@ -148,6 +151,8 @@ class FederatedWorker:
         while time.monotonic() < deadline:
             stats = self.trainer.train_steps(self.settings.steps_per_check)
             self.interval.add(stats)
+            if self.console is not None:
+                self.console.on_train_chunk(self.interval)
             if self.settings.speed_factor < 1:
                 time.sleep(stats.seconds * (1 / self.settings.speed_factor - 1))
 
@@ -165,6 +170,8 @@ class FederatedWorker:
                    "sync_seconds": round(time.perf_counter() - started, 4)}
         self.syncs += 1
         self._write_result(record)
+        if self.console is not None:
+            self.console.on_sync(record)
         return record
 
     def _queue_interval(self) -> dict[str, Any]:
@@ -189,9 +196,9 @@ class FederatedWorker:
         self.reference = snapshot
         self.interval = IntervalStats()
         m = encoded.metrics
-        log.info("sync %d: %d steps, loss %.4f, %.0f tokens/s; update %d bytes (%.1fx smaller than fp32)",
-                 self.syncs, stats.steps, stats.loss or float("nan"), stats.tokens / max(stats.seconds, 1e-9),
-                 m["bytes_sent"], m["ratio"])
+        log.debug("sync %d: %d steps, loss %.4f, %.0f tokens/s; update %d bytes (%.1fx smaller than fp32)",
+                  self.syncs, stats.steps, stats.loss or float("nan"), stats.tokens / max(stats.seconds, 1e-9),
+                  m["bytes_sent"], m["ratio"])
         return {"steps": stats.steps, "samples": stats.samples, "tokens": stats.tokens, "train_loss": stats.loss,
                 "train_seconds": round(stats.seconds, 4), **m}
 

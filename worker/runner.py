@@ -7,6 +7,7 @@ from pathlib import Path
 
 from gateway.router import profile_to_json, text_profile
 from protocol.client import CoordinatorClient
+from worker.console import SyncConsole
 from worker.data import load_examples, split_examples
 from worker.encoding import CompressionSettings, PullSettings, UpdateEncoder
 from worker.federation import FederatedWorker, SyncSettings
@@ -33,6 +34,8 @@ class WorkerConfig:
     """Join (or admin) token; None = FEDMOE_TOKEN or the local coordinator's (protocol.credentials)."""
     ca_cert: Path | None = None
     """PEM file to trust for an https coordinator with a private certificate."""
+    progress: bool | None = None
+    """Progress bar per sync interval: None draws it only when stderr is a terminal."""
 
 
 def build_worker(config: WorkerConfig) -> tuple[FederatedWorker, LoraTrainer, list]:
@@ -49,7 +52,8 @@ def build_worker(config: WorkerConfig) -> tuple[FederatedWorker, LoraTrainer, li
              base.fingerprint[:12])
     profile = profile_to_json(text_profile(e.prompt for e in train_examples), len(train_examples))
     worker = FederatedWorker(config.sync, client, trainer, spec, encoder=UpdateEncoder(config.compression),
-                             pull=config.pull, profile=profile)
+                             pull=config.pull, profile=profile,
+                             console=SyncConsole(config.sync.sync_interval, progress=config.progress))
     return worker, trainer, heldout
 
 

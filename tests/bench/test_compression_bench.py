@@ -45,7 +45,7 @@ def test_quick_run_writes_one_record_per_configuration(quick_run):
         assert r["ratio"] == pytest.approx(r["bytes_raw"] / r["bytes_sent"])
         assert r["bits_per_param"] == pytest.approx(32 / r["ratio"])
         assert r["codec"] in stdout
-    assert [p.name for p in out.parent.iterdir()] == ["compression.json"]  # no temp file left behind
+    assert sorted(p.name for p in out.parent.iterdir()) == ["compression.json", "compression.png"]  # no temp files
 
 
 def test_baseline_is_exactly_zero_and_ratios_match_the_byte_layout(quick_run):

@@ -1,4 +1,6 @@
 """GET /metrics parses as Prometheus text and its counters move with real requests."""
+import re
+
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import make_adapter, push, put_expert, random_like, update_meta
@@ -45,5 +47,8 @@ def test_dashboard_page_is_self_contained_and_uses_the_json_api(client):
     r = client.get("/")
     page = r.get_data(as_text=True)
     assert r.status_code == 200 and r.mimetype == "text/html"
-    assert "api/v1/experts" in page and "api/v1/workers" in page and "api/v1/gateway" in page
-    assert "http://" not in page and "https://" not in page  # no external scripts or fonts
+    for endpoint in ("api/v1/experts", "api/v1/workers", "api/v1/gateway", "api/v1/events"):
+        assert endpoint in page
+    # No external scripts, styles or fonts: the only absolute URL is SVG's namespace name, never fetched.
+    assert re.findall(r"https?://[^\s\"'`]+", page) == ["http://www.w3.org/2000/svg"]
+    assert "<script src" not in page and "<link" not in page and "@import" not in page and "url(" not in page

@@ -86,7 +86,7 @@ def test_restart_on_the_same_data_dir_keeps_everything(start_coordinator, tmp_pa
 
 def test_gateway_tool_gives_one_clear_line_when_unreachable():
     result = run_gateway_tool("--coordinator-url", "http://127.0.0.1:9", "--list-experts")
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert result.stderr.startswith("error: cannot reach the coordinator at http://127.0.0.1:9")
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
@@ -95,7 +95,7 @@ def test_gateway_tool_rejects_unknown_extension(start_coordinator, tmp_path):
     _, url = start_coordinator()
     CoordinatorClient(url).create_expert("e", make_adapter(), expert_spec())
     result = run_gateway_tool("--coordinator-url", url, "--save-gateway", str(tmp_path / "g.pt"))
-    assert result.returncode == 1 and ".npz" in result.stderr and not (tmp_path / "g.pt").exists()
+    assert result.returncode == 2 and ".npz" in result.stderr and not (tmp_path / "g.pt").exists()
 
 
 def test_client_gives_up_with_unavailable():
@@ -139,7 +139,7 @@ def test_gateway_tool_exports_experts_and_local_merges(start_coordinator, tmp_pa
     assert meta["strategy"] == "ties" and meta["config"]["density"] == 0.5 and meta["merged_locally"]
 
     again = run_gateway_tool("--coordinator-url", url, "--save-gateway", str(out))
-    assert again.returncode == 1 and "--overwrite" in again.stderr
+    assert again.returncode == 2 and "--overwrite" in again.stderr
 
     peft_dir = tmp_path / "peft"
     result = run_gateway_tool("--coordinator-url", url, "--save-gateway", str(peft_dir), "--format", "peft")
@@ -147,4 +147,4 @@ def test_gateway_tool_exports_experts_and_local_merges(start_coordinator, tmp_pa
     assert (peft_dir / "adapter_config.json").is_file() and (peft_dir / "adapter_model.safetensors").is_file()
 
     bad = run_gateway_tool("--coordinator-url", url, "--save-gateway", str(tmp_path / "x.npz"), "--expert", "nobody")
-    assert bad.returncode == 1 and "nobody" in bad.stderr and "Traceback" not in bad.stderr
+    assert bad.returncode == 2 and "nobody" in bad.stderr and "Traceback" not in bad.stderr

@@ -15,6 +15,8 @@ def run_worker(*args: str, timeout: float = 90) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("args, message", [
     (["--specialty", "cooking_expert", "--base-model", "tiny-qwen2"], "pass --dataset"),
     (["--specialty", "python_expert", "--dataset", "nowhere.jsonl"], "does not exist"),
+    (["--specialty", "python expert"], "--specialty must be 1-64 characters"),
+    (["--specialty", "python_expert", "--coordinator-url", "localhost:5000"], "not an http(s) address"),
     (["--specialty", "python_expert", "--compression", "zip"], "valid codecs"),
     (["--specialty", "python_expert", "--compression", "topk", "--compression-config", "{bad"], "not valid JSON"),
     (["--specialty", "python_expert", "--compression", "topk", "--compression-config", '{"ratio": 7}'],
@@ -26,7 +28,7 @@ def run_worker(*args: str, timeout: float = 90) -> subprocess.CompletedProcess:
 ])
 def test_bad_input_is_one_clear_line(args, message):
     result = run_worker(*args)
-    assert result.returncode != 0
+    assert result.returncode == 2
     assert "Traceback" not in result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and message in errors[0], result.stderr
@@ -36,4 +38,4 @@ def test_bad_dataset_line_names_the_line(tmp_path):
     data = tmp_path / "bad.jsonl"
     data.write_text('{"prompt": "a", "reference_code": "b"}\n{"prompt": "c"}\n')
     result = run_worker("--specialty", "x", "--dataset", str(data), "--base-model", "tiny-qwen2")
-    assert result.returncode == 1 and "line 2" in result.stderr and "Traceback" not in result.stderr
+    assert result.returncode == 2 and "line 2" in result.stderr and "Traceback" not in result.stderr

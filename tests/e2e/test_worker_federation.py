@@ -26,6 +26,17 @@ def tiny_base():
     return load_base_model("tiny-qwen2")
 
 
+def assert_one_console_line_per_sync(output: str, records: list[dict], as_json: bool) -> None:
+    """No progress bar in a pipe; one line per sync (a JSON object carrying the record with --log-format json)."""
+    assert "\r" not in output
+    if as_json:
+        entries = [json.loads(line) for line in output.splitlines()]  # every line is a JSON object
+        assert [e["sync_record"] for e in entries if e["logger"] == "worker.sync"] == records
+    else:
+        lines = [line for line in output.splitlines() if " INFO worker.sync: sync " in line]
+        assert [int(line.split(" sync ")[1].split(":")[0].split()[0]) for line in lines] == [r["sync"] for r in records]
+
+
 def test_two_worker_processes_train_their_experts_and_the_gateway_loads(start_coordinator, tmp_path, tiny_base):
     _, url = start_coordinator()
     workers = {}
@@ -33,11 +44,13 @@ def test_two_worker_processes_train_their_experts_and_the_gateway_loads(start_co
         cmd = [sys.executable, str(ROOT / "run_worker.py"), "--coordinator-url", url, "--specialty", specialty,
                "--base-model", "tiny-qwen2", "--duration", "14", "--sync-interval", "4",
                "--lora-rank", "4", "--results", str(tmp_path / f"{specialty}.jsonl")]
+        cmd += ["--log-format", "json"] if specialty == "sql_expert" else []
         workers[specialty] = subprocess.Popen(cmd, env=env() | {"OMP_NUM_THREADS": "1"}, cwd=ROOT,
                                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    outputs = {}
     for specialty, proc in workers.items():
-        out, _ = proc.communicate(timeout=180)
-        assert proc.returncode == 0, out
+        outputs[specialty], _ = proc.communicate(timeout=180)
+        assert proc.returncode == 0, outputs[specialty]
 
     client = CoordinatorClient(url)
     listed = {w["specialty"]: w for w in client.list_workers()}
@@ -49,6 +62,7 @@ def test_two_worker_processes_train_their_experts_and_the_gateway_loads(start_co
         pushed = [r for r in records if r.get("bytes_sent")]
         assert experts[specialty]["version"] == len(pushed) >= 3
         assert experts[specialty]["samples_seen"] == sum(r["samples"] for r in pushed)
+        assert_one_console_line_per_sync(outputs[specialty], records, as_json=specialty == "sql_expert")
 
         heldout = split_examples(load_examples(sample_dataset_path(specialty)))[1]
         trained = client.pull_weights(specialty).tensors

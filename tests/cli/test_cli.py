@@ -1,0 +1,92 @@
+"""The three scripts' command lines: --version, --help with examples, and one-line errors (exit 2).
+
+Errors run the real scripts in a subprocess (what users see); --version and --help call main()
+in-process, since argparse prints them before any work starts.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+
+import get_gateway_model
+import run_coordinator
+import run_worker
+from protocol.version import __version__
+from tests.e2e.conftest import ROOT, env
+
+SCRIPTS = {"run_coordinator.py": run_coordinator, "run_worker.py": run_worker,
+           "get_gateway_model.py": get_gateway_model}
+
+
+def run(script: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / script), *args], cwd=ROOT, env=env(), capture_output=True,
+                          text=True, timeout=90)
+
+
+def one_error_line(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_version_and_help_with_examples(script, capsys):
+    module = SCRIPTS[script]
+    with pytest.raises(SystemExit) as exit_version:
+        module.main(["--version"])
+    assert exit_version.value.code == 0 and capsys.readouterr().out == f"FedMoE {__version__}\n"
+    with pytest.raises(SystemExit):
+        module.main(["--help"])
+    text = capsys.readouterr().out
+    assert "Examples:" in text and f"python {script} --" in text and "--log-format {text,json}" in text
+
+
+def test_port_in_use_names_the_flag(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        line = one_error_line(run("run_coordinator.py", "--host", "127.0.0.1", "--port", str(port),
+                                  "--data-dir", str(tmp_path / "data")))
+    assert line == (f"error: cannot listen on 127.0.0.1:{port}: Address already in use "
+                    "(is another coordinator running? pick another --port)")
+
+
+@pytest.mark.parametrize("script, args, message", [
+    ("run_coordinator.py", ["--gateway-weights", "python_expert=heavy"], "--gateway-weights: expected NAME=WEIGHT"),
+    ("get_gateway_model.py", ["--coordinator-url", "http://127.0.0.1:9"],
+     "cannot reach the coordinator at http://127.0.0.1:9"),
+    ("get_gateway_model.py", ["--coordinator-url", "127.0.0.1:5000"], "not an http(s) address; use e.g. http://"),
+    ("get_gateway_model.py", ["--strategy", "ties", "--strategy-config", "{density: 1}", "--save-gateway", "g.npz"],
+     "--strategy-config is not valid JSON"),
+])
+def test_errors_are_one_line_with_the_fix(script, args, message):
+    assert message in one_error_line(run(script, *args))
+
+
+def test_unreachable_coordinator_says_what_to_check_and_json_errors_are_json():
+    result = run("get_gateway_model.py", "--coordinator-url", "http://127.0.0.1:9", "--log-format", "json")
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    entry = json.loads(line)
+    assert entry["level"] == "ERROR" and entry["message"].endswith("check --coordinator-url")
+
+
+def test_list_experts_table_is_aligned():
+    experts = [{"name": "python_expert", "version": 12, "updates_applied": 12, "samples_seen": 960,
+                "lora": {"rank": 8}, "last_train_loss": 4.03321, "updated_at": 0.0},
+               {"name": "sql", "version": 3, "updates_applied": 140, "samples_seen": 24, "lora": {"rank": 16},
+                "last_train_loss": None, "updated_at": 0.0}]
+    header, first, second = get_gateway_model.experts_table(experts).splitlines()
+    assert header.startswith("name           version  updates  samples  rank  last loss")
+    # names left-aligned, numbers right-aligned: every column ends where its header ends
+    for column in ("version", "updates", "samples", "rank", "last loss"):
+        end = header.index(column) + len(column)
+        assert first[end - 1] != " " and second[end - 1] != " " and first[end] == second[end] == " ", column
+    assert second.split()[:6] == ["sql", "3", "140", "24", "16", "-"]
