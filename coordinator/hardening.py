@@ -65,3 +65,4 @@ def announce(config: CoordinatorConfig, url: str) -> None:
     log.info("workers on this machine need no token; on other machines run: FEDMOE_TOKEN=$(cat %s) "
              "python run_worker.py --coordinator-url %s --specialty NAME (copy the file's content there)",
              join_file.resolve(), url)
+    log.info("dashboard: open %s/#token=<content of %s>", url, join_file.resolve())
