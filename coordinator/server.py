@@ -87,11 +87,11 @@ class _Gunicorn(BaseApplication):
 def serve(config: CoordinatorConfig, options: ServeOptions) -> None:
     """Run until interrupted. Opens the store once up front so errors surface here, not in a fork."""
     check_tls_files(options.tls_cert, options.tls_key)
+    sock = bind(options.host, options.port)  # a port in use fails before anything is written
+    set_socket_timeouts(sock, options.socket_timeout)
     app = create_app(config)
     app.extensions["fedmoe"].close()
     auth = app.extensions.get("fedmoe_auth")
-    sock = bind(options.host, options.port)
-    set_socket_timeouts(sock, options.socket_timeout)
     host, port = sock.getsockname()[:2]
     scheme = "https" if options.tls_cert else "http"
     # SIGTERM before gunicorn installs its own handlers (or with --debug) must still run the finally below.
