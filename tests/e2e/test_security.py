@@ -112,7 +112,7 @@ def test_remote_tool_needs_a_token_and_an_admin_can_revoke(start_coordinator, tm
     register(url, (tmp_path / "coordinator" / "join_token").read_text().strip(), "w9", "e")
     elsewhere = {"FEDMOE_CONFIG_DIR": str(tmp_path / "empty-config")}  # as on another machine
     denied = run_tool("--coordinator-url", url, "--list-experts", extra_env=elsewhere)
-    assert denied.returncode == 1 and denied.stderr.count("\n") == 1 and "needs a token" in denied.stderr
+    assert denied.returncode == 2 and denied.stderr.count("\n") == 1 and "needs a token" in denied.stderr
     revoked = run_tool("--coordinator-url", url, "--revoke-worker", "w9",
                        extra_env=elsewhere | {"FEDMOE_TOKEN": admin_token})
     assert revoked.returncode == 0 and "revoked worker w9" in revoked.stdout
@@ -141,7 +141,7 @@ def test_tls_with_ca_cert_works_and_without_it_fails_in_one_line(start_coordinat
     ok = run_tool("--coordinator-url", url, "--ca-cert", str(cert), "--list-experts")
     assert ok.returncode == 0 and ok.stdout.startswith("name")
     bad = run_tool("--coordinator-url", url, "--list-experts")
-    assert bad.returncode == 1 and bad.stderr.count("\n") == 1 and "--ca-cert" in bad.stderr
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--ca-cert" in bad.stderr
 
 
 def test_a_stalled_client_is_cut_off_by_the_socket_timeout(start_coordinator):
