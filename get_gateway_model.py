@@ -59,6 +59,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--use-huggingface", action="store_true", help="load --base-model from the Hugging Face hub")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
     p.add_argument("--use-proxy", action="store_true", help="honour HTTP(S)_PROXY for the coordinator")
+    p.add_argument("--token", default=None,
+                   help="admin token (default: $FEDMOE_TOKEN, or found automatically when the coordinator runs "
+                        "on this machine)")
+    p.add_argument("--ca-cert", type=Path, default=None,
+                   help="PEM certificate (or CA) to trust for an https:// coordinator with a private certificate")
+    p.add_argument("--revoke-worker", metavar="WORKER_ID", action="append", default=[],
+                   help="admin: revoke a worker's tokens; it cannot register again (repeatable)")
     add_common_flags(p)
     return p.parse_args(argv)
 
@@ -100,8 +107,9 @@ def workers_table(workers: list[dict[str, Any]]) -> str:
     if not workers:
         return "no workers yet"
     return table(("worker", "expert", "status", "last seen", "updates", "MB up", "MB down"),
-                 [(w["worker_id"], w["specialty"], w["status"], when(w["last_seen"]), str(w["updates_sent"]),
-                   f"{w['bytes_up'] / 1e6:.2f}", f"{w['bytes_down'] / 1e6:.2f}") for w in workers])
+                 [(w["worker_id"], w["specialty"], "revoked" if w.get("revoked") else w["status"],
+                   when(w["last_seen"]), str(w["updates_sent"]), f"{w['bytes_up'] / 1e6:.2f}",
+                   f"{w['bytes_down'] / 1e6:.2f}") for w in workers])
 
 
 def choose_adapter(client: CoordinatorClient, args: argparse.Namespace, expert: str | None) -> Adapter:
@@ -190,7 +198,11 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args, logging.WARNING)  # stdout is the answer; only problems go to stderr
     try:
         client = CoordinatorClient(check_coordinator_url(args.coordinator_url), timeout=(5.0, 300.0),
-                                   retry=RetryPolicy(attempts=2), use_proxy=args.use_proxy)
+                                   retry=RetryPolicy(attempts=2), use_proxy=args.use_proxy,
+                                   token=args.token, ca_cert=args.ca_cert)
+        for worker_id in args.revoke_worker:
+            info = client.revoke_worker(worker_id)
+            print(f"revoked worker {worker_id} ({info['tokens']} token(s)); it cannot register again")
         if args.list_experts:
             print(experts_table(client.list_experts()))
             print()
@@ -204,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"saved {what}, {shape}, as {fmt} to {args.save_gateway}")
         if args.generate:
             print(generate(client, args))
-        if not (args.list_experts or args.save_gateway or args.generate):
+        if not (args.list_experts or args.save_gateway or args.generate or args.revoke_worker):
             print(json.dumps(client.gateway_info(), indent=2))
     except (FedMoEError, GatewayError, ValueError, OSError) as exc:
         return report_error(args, exc)

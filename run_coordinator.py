@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from coordinator.aggregation import AGGREGATORS, ROBUST_RULES
 from coordinator.config import CoordinatorConfig, parse_gateway_weights
@@ -45,6 +46,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="router confidence below which prompts go to the gateway (default: %(default)s)")
     p.add_argument("--max-body-mb", type=float, default=1024.0, help="largest accepted request body (default: %(default)s)")
     p.add_argument("--threads", type=int, default=16, help="request threads (default: %(default)s)")
+    s = p.add_argument_group("security (README, \"Security\")")
+    s.add_argument("--no-auth", action="store_true",
+                   help="accept requests without tokens; only on a trusted lab network")
+    s.add_argument("--admin-token-file", type=Path, default=None,
+                   help="file holding the admin token (default: <data-dir>/admin_token, made on first start)")
+    s.add_argument("--token-ttl-hours", type=float, default=168.0,
+                   help="worker tokens expire after this long; workers renew them (default: %(default)s)")
+    s.add_argument("--rate-limit", type=float, default=600.0,
+                   help="requests per minute one worker may make, 0 = no limit (default: %(default)s)")
+    s.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate: serve HTTPS")
+    s.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
+    s.add_argument("--socket-timeout", type=float, default=60.0,
+                   help="seconds a connection may stall mid-request before it is dropped (default: %(default)s)")
     p.add_argument("--norm-check", choices=NORM_CHECK_MODES, default="off",
                    help="reject (422) or clip updates whose L2 norm is over --norm-factor x the median of the "
                         "expert's recent accepted norms (default: %(default)s)")
@@ -78,11 +92,16 @@ def main(argv: list[str] | None = None) -> int:
             staleness_decay=args.staleness_decay, buffer_size=args.buffer_size,
             keep_versions=args.keep_versions, gateway_weights=weights,
             gateway_strategy=args.gateway_strategy, route_threshold=args.route_threshold, max_body_mb=args.max_body_mb,
+            auth=not args.no_auth, admin_token_file=args.admin_token_file, token_ttl_hours=args.token_ttl_hours,
+            rate_limit=args.rate_limit,
             norm_check=args.norm_check, norm_factor=args.norm_factor, norm_history=args.norm_history,
             norm_warmup=args.norm_warmup, robust=args.robust, trim_fraction=args.trim_fraction)
         if not 0 <= args.port <= 65535:
             raise ValueError(f"--port must be 0-65535, got {args.port}")
-        serve(config, ServeOptions(host=args.host, port=args.port, debug=args.debug, threads=args.threads))
+        if not args.socket_timeout > 0:
+            raise ValueError(f"--socket-timeout must be > 0 seconds, got {args.socket_timeout}")
+        serve(config, ServeOptions(host=args.host, port=args.port, debug=args.debug, threads=args.threads,
+                                   socket_timeout=args.socket_timeout, tls_cert=args.tls_cert, tls_key=args.tls_key))
     except (ValueError, ServerStartError, OSError) as exc:
         return report_error(args, exc)
     except KeyboardInterrupt:

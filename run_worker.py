@@ -48,6 +48,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--duration", type=float, default=3600, help="seconds to train (default: %(default)s)")
     p.add_argument("--sync-interval", type=float, default=10, help="seconds between syncs (default: %(default)s)")
     p.add_argument("--use-proxy", action="store_true", help="honour HTTP(S)_PROXY for coordinator and hub")
+    p.add_argument("--token", default=None,
+                   help="the coordinator's join token (default: $FEDMOE_TOKEN, or found automatically when the "
+                        "coordinator runs on this machine)")
+    p.add_argument("--ca-cert", type=Path, default=None,
+                   help="PEM certificate (or CA) to trust for an https:// coordinator with a private certificate")
     r = p.add_argument_group("checkpoint and sync")
     r.add_argument("--state-dir", type=Path, default=None,
                    help="checkpoint at every sync here and resume from it on restart "
@@ -112,6 +117,8 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
     if not Path(dataset).is_file():
         raise ValueError(f"--dataset {str(dataset)!r} does not exist; pass a JSONL file with 'prompt' and "
                          "'reference_code' on each line")
+    if args.ca_cert is not None and not args.ca_cert.is_file():
+        raise ValueError(f"--ca-cert {str(args.ca_cert)!r} does not exist")
     modules = tuple(m.strip() for m in args.target_modules.split(",") if m.strip()) if args.target_modules else ()
     train_kwargs = {"batch_size": args.batch_size, "max_seq_len": args.max_seq_len, "seed": args.seed,
                     "grad_accum": args.grad_accum, "precision": args.precision,
@@ -134,8 +141,8 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
                           overlap=not args.no_overlap),
         lora=LoraSettings(rank=args.lora_rank, alpha=args.lora_alpha, target_modules=modules),
         train=TrainSettings(**train_kwargs), use_huggingface=args.use_huggingface,
-        use_proxy=args.use_proxy, device=args.device, compression=compression, pull=pull,
-        progress=False if args.log_format == "json" else None)
+        use_proxy=args.use_proxy, device=args.device, compression=compression, pull=pull, token=args.token,
+        ca_cert=args.ca_cert, progress=False if args.log_format == "json" else None)
 
 
 def _check_names(args: argparse.Namespace) -> None:

@@ -26,6 +26,7 @@ from werkzeug.serving import make_server
 
 from coordinator.app import create_app
 from coordinator.config import CoordinatorConfig
+from protocol.credentials import publish_local_token, withdraw_local_token
 from protocol.files import write_atomically
 from worker.data import Example, load_examples, sample_dataset_path, split_examples
 
@@ -103,7 +104,8 @@ def load_suites(names: Sequence[str]) -> list[Suite]:
 def running_coordinator(**settings: Any) -> Iterator[str]:
     """A real coordinator (threaded werkzeug server) on a free loopback port, on a fresh data dir.
 
-    Yields its base URL; ``settings`` go to ``CoordinatorConfig``. Everything is torn down on exit.
+    Yields its base URL; ``settings`` go to ``CoordinatorConfig``. Authentication is on, as by default;
+    ``CoordinatorClient(url)`` finds the admin token the way a client next to run_coordinator.py does. Everything is torn down on exit.
     The data dir is in ``SCRATCH_DIR`` (RAM) when there is one.
     """
     with tempfile.TemporaryDirectory(prefix="fedmoe-bench-", dir=SCRATCH_DIR) as data_dir:
@@ -111,9 +113,14 @@ def running_coordinator(**settings: Any) -> Iterator[str]:
         server = make_server("127.0.0.1", 0, app, threaded=True)
         thread = threading.Thread(target=server.serve_forever, name="bench-coordinator", daemon=True)
         thread.start()
+        auth = app.extensions.get("fedmoe_auth")
+        if auth:  # clients here and in spawned processes find the admin token, as next to run_coordinator.py
+            publish_local_token("127.0.0.1", server.server_port, auth.admin_token)
         try:
             yield f"http://127.0.0.1:{server.server_port}"
         finally:
+            if auth:
+                withdraw_local_token("127.0.0.1", server.server_port)
             server.shutdown()
             thread.join()
             server.server_close()

@@ -11,13 +11,16 @@ from pathlib import Path
 from typing import Any
 
 from flask import Blueprint, Response, current_app, jsonify, request, send_file
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import ClientDisconnected, HTTPException
 
 from coordinator.audit import rejection_event
 from coordinator.openapi import OPENAPI
+from coordinator.auth import authenticator, check_acts_as, principal
 from coordinator.service import Coordinator
+from coordinator.tokens import WORKER
 from gateway.files import npz_bytes
-from protocol.errors import BadRequest, FedMoEError, PayloadTooLarge
+from protocol.errors import BadRequest, FedMoEError, PayloadTooLarge, RequestTimeout
+from protocol.integrity import DIGEST_HEADER, ClientReader, parse_digest
 from protocol.schemas import (API_PREFIX, EXPERT_HEADER, UPDATE_HEADER, VERSION_HEADER, WORKER_HEADER,
                               BaseModelSpec, ExpertSpec, UpdateMeta, check_name, parse_header_json)
 from protocol.tensors import is_finite_number, load_file
@@ -37,15 +40,32 @@ def json_body() -> dict[str, Any]:
 
 
 def receive_body() -> Path:
-    """Stream the request body into a fsynced temp file, enforcing the size limit up front."""
+    """Stream the request body into a fsynced temp file, enforcing the size limit up front.
+
+    With an X-FedMoE-Digest header (our workers always send one; worker tokens must) the body is
+    hashed on the way and a mismatch is a 400 that leaves nothing behind.
+    """
     c = coordinator()
     limit = c.config.max_body_bytes
     if request.content_length is not None and request.content_length > limit:
         raise PayloadTooLarge(f"body of {request.content_length} bytes is over the limit of {limit} bytes "
                               "(coordinator flag --max-body-mb)", limit=limit)
-    if request.content_length is None:  # chunked: let werkzeug find the end
-        return c.blobs.receive(request.stream, limit)
-    return c.blobs.receive(request.environ["wsgi.input"], limit, request.content_length)
+    header = request.headers.get(DIGEST_HEADER)
+    if header is None and principal().role == WORKER:
+        raise BadRequest(f"a worker's upload must carry {DIGEST_HEADER}: sha256=<hex digest of the body>")
+    expected = parse_digest(header) if header is not None else None
+    try:
+        if request.content_length is None:  # chunked: let werkzeug find the end
+            body = c.blobs.receive(ClientReader(request.stream), limit)
+        else:  # the raw input: werkzeug's wrapper would copy every chunk twice more
+            body = c.blobs.receive(ClientReader(request.environ["wsgi.input"]), limit, request.content_length)
+    except ClientDisconnected:  # a read that failed: stalled past --socket-timeout, or gone
+        raise RequestTimeout("the request body stopped arriving before its Content-Length; send it again") from None
+    if expected is not None and (actual := c.blobs.digest_of(body)) != expected:
+        c.blobs.forget(body)
+        raise BadRequest(f"body does not match its {DIGEST_HEADER} (sha256 {actual[:16]}... "
+                         f"!= {expected[:16]}...); it was damaged on the way, send it again")
+    return body
 
 
 @bp.get("/health")
@@ -61,9 +81,12 @@ def register_worker() -> tuple[Response, int]:
     interval = body.get("sync_interval")
     if interval is not None and (not is_finite_number(interval) or interval <= 0):
         raise BadRequest(f"'sync_interval' must be a positive number of seconds, got {interval!r}")
+    auth = authenticator()
+    if auth:
+        auth.tokens.check_not_revoked(worker_id)
     info = coordinator().register_worker(worker_id, specialty, BaseModelSpec.from_json(body.get("base_model")),
                                          interval)
-    return jsonify(info), 200
+    return jsonify(info | (auth.tokens.issue(worker_id, specialty) if auth else {})), 200
 
 
 @bp.post("/workers/<worker_id>/heartbeat")
@@ -74,7 +97,9 @@ def heartbeat(worker_id: str) -> Response:
 
 @bp.get("/workers")
 def list_workers() -> Response:
-    return jsonify({"workers": coordinator().list_workers()})
+    auth = authenticator()
+    revoked = auth.tokens.revoked_workers() if auth else set()
+    return jsonify({"workers": [w | {"revoked": w["worker_id"] in revoked} for w in coordinator().list_workers()]})
 
 
 @bp.get("/experts")
@@ -149,6 +174,7 @@ def push_update(name: str) -> tuple[Response, int]:
     c = coordinator()
     try:
         meta = UpdateMeta.from_json(parse_header_json(request.headers.get(UPDATE_HEADER), UPDATE_HEADER))
+        check_acts_as(meta.worker_id)
         c.require_expert(name)  # 404 before reading a body we would throw away
         status, is_new = c.submit_update(name, meta, receive_body())
     except (FedMoEError, HTTPException) as exc:  # every refused push goes to the audit log

@@ -7,6 +7,7 @@ from pathlib import Path
 from flask import Flask, Response, jsonify, send_from_directory
 from werkzeug.exceptions import HTTPException
 
+from coordinator import auth
 from coordinator.api import bp as api_bp
 from coordinator.config import CoordinatorConfig
 from coordinator.metrics import CoordinatorMetrics
@@ -25,6 +26,7 @@ def create_app(config: CoordinatorConfig | None = None) -> Flask:
     coordinator = Coordinator(config)
     app.extensions["fedmoe"] = coordinator
     app.register_blueprint(api_bp)
+    auth.install(app, config)
     metrics = CoordinatorMetrics(coordinator)
     coordinator.on_aggregated = metrics.aggregation.observe
     metrics.install(app)

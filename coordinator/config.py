@@ -36,6 +36,14 @@ class CoordinatorConfig:
     """Router confidence below which a prompt goes to the gateway instead of one expert."""
     max_body_mb: float = 1024.0
     """Largest request body accepted, in MiB (413 above it)."""
+    auth: bool = True
+    """Require tokens (README, "Security"); off only on a trusted lab network (--no-auth)."""
+    admin_token_file: Path | None = None
+    """File holding the admin token; None = <data_dir>/admin_token, made on first start."""
+    token_ttl_hours: float = 168.0
+    """Worker tokens expire after this long; workers renew them by registering again."""
+    rate_limit: float = 600.0
+    """Requests per minute one worker may make (a bucket of as many); 0 = no limit."""
     norm_check: str = "off"
     """off, reject (422) or clip updates whose norm is over norm_factor x the recent median."""
     norm_factor: float = 10.0
@@ -69,6 +77,12 @@ class CoordinatorConfig:
             raise ValueError(f"--route-threshold must be in [0, 1], got {self.route_threshold}")
         if not self.max_body_mb > 0:
             raise ValueError(f"--max-body-mb must be > 0, got {self.max_body_mb}")
+        if self.admin_token_file is not None:
+            object.__setattr__(self, "admin_token_file", Path(self.admin_token_file))
+        if not self.token_ttl_hours > 0:
+            raise ValueError(f"--token-ttl-hours must be > 0, got {self.token_ttl_hours}")
+        if not self.rate_limit >= 0:
+            raise ValueError(f"--rate-limit must be >= 0 requests per minute (0 = no limit), got {self.rate_limit}")
         self._check_robustness()
         for name, weight in (self.gateway_weights or {}).items():
             if not weight >= 0:

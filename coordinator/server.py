@@ -8,8 +8,12 @@ memory, and SQLite has one writer anyway; threads give the concurrency.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import socket
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from flask import Flask
@@ -17,6 +21,8 @@ from gunicorn.app.base import BaseApplication
 
 from coordinator.app import create_app
 from coordinator.config import CoordinatorConfig
+from coordinator.hardening import StalledConnectionFilter, announce, check_tls_files, set_socket_timeouts
+from protocol.credentials import credentials_path, publish_local_token, withdraw_local_token
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +36,12 @@ class ServeOptions:
     """Request threads in the gunicorn worker (pushes and pulls in flight at once)."""
     timeout: int = 120
     """Seconds gunicorn lets a silent worker live before restarting it."""
+    socket_timeout: float = 60.0
+    """Seconds a connection may stall mid-request (no byte read or written) before it is dropped."""
+    tls_cert: Path | None = None
+    """PEM certificate (chain) to serve HTTPS with; None = plain HTTP."""
+    tls_key: Path | None = None
+    """PEM private key of ``tls_cert``."""
 
 
 class ServerStartError(Exception):
@@ -63,10 +75,13 @@ class _Gunicorn(BaseApplication):
             "graceful_timeout": 10, "keepalive": 30, "accesslog": None, "errorlog": "-",
             "loglevel": "warning", "proc_name": "fedmoe-coordinator",
         }
+        if self._options.tls_cert:
+            settings |= {"certfile": str(self._options.tls_cert), "keyfile": str(self._options.tls_key)}
         for key, value in settings.items():
             self.cfg.set(key, value)
 
     def load(self) -> Flask:
+        logging.getLogger("gunicorn.error").addFilter(StalledConnectionFilter())
         return create_app(self._config)
 
 
@@ -76,15 +91,43 @@ def serve(config: CoordinatorConfig, options: ServeOptions) -> None:
     # on a busy machine torch's second thread stalls it: checking a 1 GiB update took 13.7 s with
     # 2 threads and 2.4 s with 1 on 2 loaded cores (bench/transport.py). The fork inherits this.
     torch.set_num_threads(1)
-    create_app(config).extensions["fedmoe"].close()
-    sock = bind(options.host, options.port)
+    check_tls_files(options.tls_cert, options.tls_key)
+    sock = bind(options.host, options.port)  # a port in use fails before anything is written
+    set_socket_timeouts(sock, options.socket_timeout)
+    app = create_app(config)
+    app.extensions["fedmoe"].close()
+    auth = app.extensions.get("fedmoe_auth")
     host, port = sock.getsockname()[:2]
-    log.info("FedMoE coordinator listening on http://%s:%d (data dir %s, aggregation %s)",
-             host, port, config.data_dir, config.aggregation)
-    if options.debug:
-        from werkzeug.serving import make_server
+    scheme = "https" if options.tls_cert else "http"
+    # SIGTERM before gunicorn installs its own handlers (or with --debug) must still run the finally below.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+    # Publish before saying we listen: clients start as soon as they read that line.
+    published = auth is not None and _publish(host, port, auth.admin_token, scheme)
+    log.info("FedMoE coordinator listening on %s://%s:%d (data dir %s, aggregation %s)",
+             scheme, host, port, config.data_dir, config.aggregation)
+    announce(config, f"{scheme}://{host}:{port}")
+    owner = os.getpid()  # gunicorn's forked worker runs the finally below too
+    try:
+        if options.debug:
+            from werkzeug.serving import make_server
 
-        log.warning("--debug: serving with Flask's development server; not for production")
-        make_server(host, port, create_app(config), threaded=True, fd=sock.fileno()).serve_forever()
-    else:
-        _Gunicorn(config, options, sock.fileno()).run()
+            log.warning("--debug: serving with Flask's development server; not for production")
+            tls = (str(options.tls_cert), str(options.tls_key)) if options.tls_cert else None
+            make_server(host, port, create_app(config), threaded=True, fd=sock.fileno(),
+                        ssl_context=tls).serve_forever()
+        else:
+            _Gunicorn(config, options, sock.fileno()).run()
+    finally:
+        if published and os.getpid() == owner:
+            withdraw_local_token(host, port)
+
+
+def _publish(host: str, port: int, token: str, scheme: str) -> bool:
+    """Record the admin token for same-machine clients (protocol.credentials); a failure only warns."""
+    try:
+        publish_local_token(host, port, token, scheme)
+    except OSError as exc:
+        log.warning("cannot record the admin token for local clients in %s (%s); they need --token",
+                    credentials_path(), exc)
+        return False
+    return True

@@ -2,9 +2,15 @@
 
 Every call has a timeout. Connection failures and 5xx answers are retried with
 exponential backoff and jitter (every call is safe to repeat: pushes carry an
-``update_id`` the coordinator deduplicates); 4xx answers become the same
-``FedMoEError`` subclass the server raised. After the last retry a failure is
-``Unavailable``.
+``update_id`` the coordinator deduplicates); 429 answers are retried after their
+Retry-After; other 4xx answers become the same ``FedMoEError`` subclass the
+server raised. After the last retry a failure is ``Unavailable``.
+
+Credentials (README, "Security"): the token given, else ``FEDMOE_TOKEN``, else the
+one a coordinator on this machine recorded (``protocol.credentials``). Registering a
+worker returns a token scoped to its specialty; the client keeps it and uses it for
+that worker's pushes, pulls, heartbeats and profiles, and registers again once if
+it is rejected (expired). Uploads carry their SHA-256 (``protocol.integrity``).
 
 Exception tree (``protocol.errors``): FedMoEError > BadRequest > InvalidPayload,
 Unauthorized, Forbidden, NotFound, Conflict, PayloadTooLarge, InvalidUpdate,
@@ -17,12 +23,15 @@ import logging
 import random
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import requests
 import urllib3
 
-from protocol.errors import FedMoEError, Unavailable, error_from_response
+from protocol.credentials import resolve_token
+from protocol.errors import FedMoEError, TLSFailure, TooManyRequests, Unauthorized, Unavailable, error_from_response
+from protocol.integrity import DIGEST_HEADER, digest_header
 from protocol.schemas import API_PREFIX, EXPERT_HEADER, UPDATE_HEADER, VERSION_HEADER, WORKER_HEADER
 from protocol.streaming import tensors_from_buffer
 from protocol.tensors import StateDict, dumps
@@ -39,6 +48,8 @@ class RetryPolicy:
     base_delay: float = 0.5
     """Seconds before the first retry; doubles each time, with full jitter."""
     max_delay: float = 10.0
+    max_retry_after: float = 60.0
+    """Longest Retry-After (from a 429) we wait for; longer ones are capped."""
 
     def delay(self, attempt: int) -> float:
         return random.uniform(0, min(self.max_delay, self.base_delay * 2 ** attempt))
@@ -57,29 +68,81 @@ class Pulled:
 
 class CoordinatorClient:
     def __init__(self, base_url: str, *, timeout: tuple[float, float] = (5.0, 120.0),
-                 retry: RetryPolicy = RetryPolicy(), use_proxy: bool = False) -> None:
+                 retry: RetryPolicy = RetryPolicy(), use_proxy: bool = False, token: str | None = None,
+                 ca_cert: str | Path | None = None) -> None:
+        """``timeout`` is (connect, read) seconds for every call; ``ca_cert`` a PEM file to trust for https."""
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self.retry = retry
         self.session = requests.Session()
         self.session.trust_env = use_proxy  # honour HTTP(S)_PROXY only when asked to
+        if ca_cert is not None:
+            if not Path(ca_cert).is_file():
+                raise ValueError(f"--ca-cert {str(ca_cert)!r} does not exist")
+            self.session.verify = str(ca_cert)
+        self._token = token
+        self._worker_tokens: dict[str, tuple[str, str]] = {}  # worker_id -> (token, specialty)
+        self._expert_tokens: dict[str, tuple[str, str]] = {}  # specialty -> its latest (token, worker_id)
+        self._registrations: dict[str, dict[str, Any]] = {}  # worker_id -> body, to renew its token
 
     def close(self) -> None:
         self.session.close()
 
+    @property
+    def token(self) -> str | None:
+        """The token given, else FEDMOE_TOKEN, else the local coordinator's: looked up on every call, so a
+        coordinator started (or restarted on a fresh data dir) after this client is still found."""
+        return resolve_token(self.base_url, self._token)[0]
+
     # plumbing -----------------------------------------------------------------
 
-    def _request(self, method: str, path: str, **kwargs: Any) -> requests.Response:
+    def _token_for(self, worker: str | None, expert: str | None) -> tuple[str | None, str | None]:
+        """(token, worker it belongs to or None) for a call on behalf of ``worker`` / about ``expert``."""
+        if worker in self._worker_tokens and self._worker_tokens[worker][1] in (expert, None):
+            return self._worker_tokens[worker][0], worker
+        if expert is not None and expert in self._expert_tokens:
+            return self._expert_tokens[expert]
+        return self.token, None
+
+    def _request(self, method: str, path: str, *, worker: str | None = None, expert: str | None = None,
+                 **kwargs: Any) -> requests.Response:
+        token, owner = self._token_for(worker, expert)
+        try:
+            return self._attempts(method, path, token, **kwargs)
+        except Unauthorized as exc:
+            if owner is None or owner not in self._registrations:
+                if owner is None and token is not None:
+                    exc.message = f"{exc.message} (token from {resolve_token(self.base_url, self._token)[1]})"
+                    exc.args = (exc.message,)
+                raise
+            log.info("worker token of %s rejected (%s); registering again", owner, exc)
+            self.register_worker(**self._registrations.pop(owner))
+            return self._attempts(method, path, self._token_for(worker, expert)[0], **kwargs)
+
+    def _attempts(self, method: str, path: str, token: str | None, **kwargs: Any) -> requests.Response:
         url = f"{self.base_url}{API_PREFIX}{path}"
-        last: str = ""
+        headers = dict(kwargs.pop("headers", None) or {})
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        last, wait = "", None
         for attempt in range(self.retry.attempts):
             if attempt:
-                time.sleep(self.retry.delay(attempt - 1))
+                time.sleep(self.retry.delay(attempt - 1) if wait is None else wait)
+            wait = None
             try:
-                response = self.session.request(method, url, timeout=self.timeout, **kwargs)
+                response = self.session.request(method, url, timeout=self.timeout, headers=headers, **kwargs)
+            except requests.exceptions.SSLError as exc:
+                raise TLSFailure(_tls_message(self.base_url, exc)) from None
             except requests.RequestException as exc:
                 last = f"cannot reach the coordinator at {self.base_url}: {_reason(exc)}"
                 log.debug("%s %s failed (%s), attempt %d", method, path, last, attempt + 1)
+                continue
+            if response.status_code == 429:
+                wait = _retry_after(response, self.retry.max_retry_after)
+                last = f"coordinator rate-limited {method} {path} (HTTP 429)"
+                if attempt + 1 == self.retry.attempts:
+                    raise error_from_response(429, _json(response))
+                log.info("rate-limited by the coordinator; retrying in %.1f s", wait)
                 continue
             if response.status_code < 500 or response.status_code == 501:
                 if response.status_code >= 400:
@@ -101,10 +164,21 @@ class CoordinatorClient:
         body = {"worker_id": worker_id, "specialty": specialty, "base_model": base_model}
         if sync_interval is not None:
             body["sync_interval"] = sync_interval  # lets the coordinator tell alive from stale
-        return self._json("POST", "/workers", json=body)
+        info = self._json("POST", "/workers", json=body)
+        token = info.pop("token", None)
+        if token:  # from now on this worker's calls use its own, specialty-scoped token
+            self._worker_tokens[worker_id] = (token, specialty)
+            self._expert_tokens[specialty] = (token, worker_id)
+            self._registrations[worker_id] = {"worker_id": worker_id, "specialty": specialty,
+                                              "base_model": base_model, "sync_interval": sync_interval}
+        return info
 
     def heartbeat(self, worker_id: str) -> None:
-        self._request("POST", f"/workers/{worker_id}/heartbeat")
+        self._request("POST", f"/workers/{worker_id}/heartbeat", worker=worker_id)
+
+    def revoke_worker(self, worker_id: str) -> dict[str, Any]:
+        """Admin: revoke every token of ``worker_id``; it cannot register again."""
+        return self._json("DELETE", f"/workers/{worker_id}")
 
     def list_workers(self) -> list[dict[str, Any]]:
         return self._json("GET", "/workers")["workers"]
@@ -117,8 +191,9 @@ class CoordinatorClient:
 
     def create_expert(self, name: str, adapter: StateDict, spec: dict[str, Any]) -> dict[str, Any]:
         """Create the expert, or get it if it exists with the same setup (409 if not)."""
-        return self._json("PUT", f"/experts/{name}", data=Chunks(dumps(adapter)),
-                          headers={EXPERT_HEADER: json.dumps(spec)})
+        body = dumps(adapter)
+        return self._json("PUT", f"/experts/{name}", data=Chunks(body), expert=name,
+                          headers={EXPERT_HEADER: json.dumps(spec), DIGEST_HEADER: digest_header(body)})
 
     def pull_weights(self, name: str, etag: str | None = None, version: int | None = None,
                      worker_id: str | None = None) -> Pulled:
@@ -126,7 +201,8 @@ class CoordinatorClient:
         if worker_id:
             headers[WORKER_HEADER] = worker_id
         params = {"version": version} if version is not None else {}
-        r = self._request("GET", f"/experts/{name}/weights", headers=headers, params=params, stream=True)
+        r = self._request("GET", f"/experts/{name}/weights", headers=headers, params=params, worker=worker_id,
+                          expert=name, stream=True)
         body = bytearray() if r.status_code == 304 else _read_body(r, self.base_url)
         tensors = None if r.status_code == 304 else tensors_from_buffer(body)
         return Pulled(tensors, int(r.headers.get(VERSION_HEADER, -1)), r.headers.get("ETag"), len(body))
@@ -140,19 +216,22 @@ class CoordinatorClient:
         """
         params = {"since": since, "codec": codec, "codec_config": json.dumps(codec_config or {})}
         headers = {WORKER_HEADER: worker_id} if worker_id else {}
-        r = self._request("GET", f"/experts/{name}/weights", params=params, headers=headers)
+        r = self._request("GET", f"/experts/{name}/weights", params=params, headers=headers, worker=worker_id,
+                          expert=name)
         return (b"" if r.status_code == 304 else r.content), int(r.headers.get(VERSION_HEADER, -1))
 
     def push_update(self, name: str, body: bytes, meta: dict[str, Any]) -> dict[str, Any]:
-        return self._json("POST", f"/experts/{name}/updates", data=Chunks(body),
-                          headers={UPDATE_HEADER: json.dumps(meta), "Content-Type": "application/octet-stream"})
+        return self._json("POST", f"/experts/{name}/updates", data=Chunks(body), worker=meta.get("worker_id"),
+                          expert=name, headers={UPDATE_HEADER: json.dumps(meta),
+                                                "Content-Type": "application/octet-stream",
+                                                DIGEST_HEADER: digest_header(body)})
 
     def update_status(self, update_id: str) -> dict[str, Any]:
         return self._json("GET", f"/updates/{update_id}")
 
     def put_profile(self, name: str, worker_id: str, profile: dict[str, Any]) -> dict[str, Any]:
         """Send this worker's routing profile (gateway.router.profile_to_json) for its expert."""
-        return self._json("PUT", f"/experts/{name}/profiles/{worker_id}", json=profile)
+        return self._json("PUT", f"/experts/{name}/profiles/{worker_id}", json=profile, worker=worker_id, expert=name)
 
     def route(self, prompt: str, threshold: float | None = None) -> dict[str, Any]:
         """Which expert (or "gateway") should answer ``prompt``, with the scores."""
@@ -223,6 +302,26 @@ def _json(response: requests.Response) -> Any:
         return response.text
 
 
+def _retry_after(response: requests.Response, cap: float) -> float:
+    """Seconds a 429 asks us to wait (Retry-After in seconds), within [0.1, cap]."""
+    try:
+        seconds = float(response.headers.get("Retry-After", "1"))
+    except ValueError:
+        seconds = 1.0
+    return min(max(seconds, 0.1), cap)
+
+
+def _tls_message(url: str, exc: requests.exceptions.SSLError) -> str:
+    text = str(exc)
+    if "CERTIFICATE_VERIFY_FAILED" in text:
+        detail = text.split("certificate verify failed:", 1)[-1].split("(_ssl", 1)[0].strip(" ')\"")
+        return (f"the TLS certificate of {url} is not trusted ({detail}); pass --ca-cert with the coordinator's "
+                "certificate or its CA")
+    if "WRONG_VERSION_NUMBER" in text or "record layer failure" in text:
+        return f"{url} does not answer TLS; is the coordinator running without --tls-cert? use http://"
+    return f"TLS handshake with {url} failed: {text[-200:]}"
+
+
 def _reason(exc: requests.RequestException) -> str:
     if isinstance(exc, requests.ConnectionError):
         return "connection refused or dropped"
@@ -231,4 +330,5 @@ def _reason(exc: requests.RequestException) -> str:
     return type(exc).__name__
 
 
-__all__ = ["CoordinatorClient", "FedMoEError", "Pulled", "RetryPolicy", "Unavailable"]
+__all__ = ["CoordinatorClient", "FedMoEError", "Pulled", "RetryPolicy", "TLSFailure", "TooManyRequests",
+           "Unavailable"]

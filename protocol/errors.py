@@ -58,6 +58,12 @@ class Conflict(FedMoEError):
     code, status = "conflict", 409
 
 
+class RequestTimeout(FedMoEError):
+    """The client stopped sending mid-request for longer than the coordinator's socket timeout."""
+
+    code, status = "request_timeout", 408
+
+
 class PayloadTooLarge(FedMoEError):
     code, status = "payload_too_large", 413
 
@@ -68,20 +74,33 @@ class InvalidUpdate(FedMoEError):
     code, status = "invalid_update", 422
 
 
+class TLSFailure(FedMoEError):
+    """Client side only: the TLS handshake failed (untrusted certificate, TLS vs plain HTTP)."""
+
+    code = "tls"
+
+
 class Unavailable(FedMoEError):
     """The coordinator cannot be reached or is not answering; worth retrying."""
 
     code, status = "unavailable", 503
 
 
+class TooManyRequests(Unavailable):
+    """This worker is over the coordinator's --rate-limit; ``details.retry_after`` says when to retry."""
+
+    code, status = "too_many_requests", 429
+
+
 _BY_CODE: dict[str, type[FedMoEError]] = {
     cls.code: cls
-    for cls in (BadRequest, InvalidPayload, Unauthorized, Forbidden, NotFound,
-                Conflict, PayloadTooLarge, InvalidUpdate, Unavailable)
+    for cls in (BadRequest, InvalidPayload, Unauthorized, Forbidden, NotFound, RequestTimeout,
+                Conflict, PayloadTooLarge, InvalidUpdate, TooManyRequests, Unavailable)
 }
 _BY_STATUS: dict[int, type[FedMoEError]] = {
     400: BadRequest, 401: Unauthorized, 403: Forbidden, 404: NotFound,
-    409: Conflict, 413: PayloadTooLarge, 422: InvalidUpdate, 503: Unavailable,
+    408: RequestTimeout, 409: Conflict, 413: PayloadTooLarge, 422: InvalidUpdate, 429: TooManyRequests,
+    503: Unavailable,
 }
 
 

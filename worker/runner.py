@@ -32,6 +32,10 @@ class WorkerConfig:
     """auto (cuda > mps > cpu), cpu, cuda[:N] or mps; under torchrun each rank takes cuda:<local rank>."""
     compression: CompressionSettings = CompressionSettings()
     pull: PullSettings = PullSettings()
+    token: str | None = None
+    """Join (or admin) token; None = FEDMOE_TOKEN or the local coordinator's (protocol.credentials)."""
+    ca_cert: Path | None = None
+    """PEM file to trust for an https coordinator with a private certificate."""
     progress: bool | None = None
     """Progress bar per sync interval: None draws it only when stderr is a terminal."""
 
@@ -46,7 +50,8 @@ def build_worker(config: WorkerConfig, collective: SingleProcess | None = None,
     collective.check_same("the base model fingerprint", base.fingerprint)
     trainer = LoraTrainer(base, config.lora, config.train, train_examples, device=device, collective=collective)
     spec = {**trainer.expert_config, "base_model": {"id": base.model_id, "fingerprint": base.fingerprint}}
-    client = CoordinatorClient(config.coordinator_url, use_proxy=config.use_proxy)
+    client = CoordinatorClient(config.coordinator_url, use_proxy=config.use_proxy, token=config.token,
+                                ca_cert=config.ca_cert)
     log.info("%s: %d training and %d held-out examples from %s; base model %s (%s)",
              config.sync.worker_id, len(train_examples), len(heldout), config.dataset, base.model_id,
              base.fingerprint[:12])

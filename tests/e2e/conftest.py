@@ -13,8 +13,17 @@ from pathlib import Path
 
 import pytest
 
+from protocol.credentials import local_token
+
 ROOT = Path(__file__).resolve().parents[2]
-LISTENING = re.compile(r"listening on (http://[\d.]+:\d+)")
+LISTENING = re.compile(r"listening on (https?://[\d.]+:\d+)")
+
+
+def admin_headers(url: str) -> dict[str, str]:
+    """Headers for raw ``requests`` calls: the admin token the coordinator recorded for local clients."""
+    token = local_token(url)
+    assert token, f"no local token recorded for {url}"
+    return {"Authorization": f"Bearer {token}"}
 
 
 def env() -> dict[str, str]:

@@ -10,7 +10,7 @@ import torch
 from protocol.client import CoordinatorClient, RetryPolicy
 from protocol.errors import InvalidPayload, NotFound, Unavailable
 from protocol.tensors import dumps
-from tests.e2e.conftest import ROOT, env
+from tests.e2e.conftest import ROOT, admin_headers, env
 from tests.helpers import expert_spec, make_adapter, random_like, update_meta
 
 
@@ -65,7 +65,7 @@ def test_bad_input_over_http_is_4xx_and_server_survives(start_coordinator):
         assert "nobody" in str(exc)
     else:
         raise AssertionError("unknown expert answered")
-    r = requests.post(f"{url}/api/v1/experts/e/updates", data=b"x" * 100, timeout=10)
+    r = requests.post(f"{url}/api/v1/experts/e/updates", data=b"x" * 100, headers=admin_headers(url), timeout=10)
     assert r.status_code == 400 and r.json()["error"]["code"] == "bad_request"
     assert client.health()["status"] == "ok"
 

@@ -20,8 +20,9 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from protocol.client import CoordinatorClient
+from protocol.credentials import local_token
 from protocol.tensors import dumps
-from tests.e2e.conftest import ROOT
+from tests.e2e.conftest import ROOT, admin_headers
 from tests.helpers import expert_spec, make_adapter, random_like, update_meta
 
 ARTIFACTS = ROOT / "artifacts"
@@ -88,7 +89,7 @@ class Page(HTMLParser):
 
 
 def counters(url: str) -> dict[tuple[str, tuple], float]:
-    text = requests.get(f"{url}/metrics", timeout=10).text
+    text = requests.get(f"{url}/metrics", headers=admin_headers(url), timeout=10).text
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
 
@@ -122,7 +123,7 @@ def test_dashboard_renders_experts_workers_and_loss_charts(start_coordinator, tm
     shot = ARTIFACTS / "dashboard.png"
     shot.unlink(missing_ok=True)
     page = Page()
-    page.feed(render(f"{url}/", shot, tmp_path / "chromium-profile"))
+    page.feed(render(f"{url}/#token={local_token(url)}", shot, tmp_path / "chromium-profile"))
 
     experts = {row[0]: row for row in page.rows["experts"] if row}
     assert set(experts) == set(EXPERTS)
@@ -136,7 +137,7 @@ def test_dashboard_renders_experts_workers_and_loss_charts(start_coordinator, tm
     workers = {row[0]: row for row in page.rows["workers"] if row}
     assert workers["worker-a"][1:3] == [EXPERTS[0], "alive"]
     assert any("weighted_average" in cell for row in page.rows["gateway"] for cell in row)
-    events = requests.get(f"{url}/api/v1/events?limit=20", timeout=10)
+    events = requests.get(f"{url}/api/v1/events?limit=20", headers=admin_headers(url), timeout=10)
     shown = [row for row in page.rows["events"] if row]
     if events.status_code == 404:  # a coordinator without the audit log (branch robust not merged)
         assert shown == [["no events"]]

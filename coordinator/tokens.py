@@ -1,0 +1,183 @@
+"""Who may call the coordinator: the admin token, the join token and per-worker tokens.
+
+- The **admin** token can do everything. It comes from ``--admin-token-file`` or
+  ``<data dir>/admin_token``, made on first start (mode 0600).
+- The **join** token only registers workers. It lives in ``<data dir>/join_token`` (mode 0600);
+  the operator hands it to the machines that may join. Delete it and restart to rotate it.
+- A **worker** token is what registering returns: bound to one worker id and its specialty,
+  valid for ``token_ttl`` seconds (a worker re-registers with its join token to renew).
+
+Tokens are 32 random bytes (URL-safe base64) with a prefix that says the role. The coordinator
+keeps only SHA-256 hashes: admin and join hashes in memory (their files are the operator's
+copy), worker token hashes in ``auth.sqlite``; comparisons are constant-time.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+import sqlite3
+import stat
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from protocol.errors import Forbidden, NotFound, Unauthorized
+
+log = logging.getLogger(__name__)
+
+ADMIN, JOIN, WORKER = "admin", "join", "worker"
+PREFIX = {ADMIN: "fmadm_", JOIN: "fmjoin_", WORKER: "fmwrk_"}
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS worker_tokens (
+    hash TEXT PRIMARY KEY,        -- sha256 of the token; the token itself is never stored
+    worker_id TEXT NOT NULL,
+    specialty TEXT NOT NULL,
+    issued_at REAL NOT NULL,
+    expires_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS worker_tokens_by_worker ON worker_tokens (worker_id);
+CREATE TABLE IF NOT EXISTS revoked_workers (
+    worker_id TEXT PRIMARY KEY,
+    revoked_at REAL NOT NULL
+);
+"""
+
+
+@dataclass(frozen=True)
+class Principal:
+    """The caller a token stands for."""
+
+    role: str
+    """admin, join or worker."""
+    worker_id: str | None = None
+    specialty: str | None = None
+
+
+def new_token(role: str) -> str:
+    return PREFIX[role] + secrets.token_urlsafe(32)
+
+
+def token_hash(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def read_or_create_token_file(path: Path, role: str) -> str:
+    """The token in ``path``; on first start, a new one written there with mode 0600."""
+    if path.exists():
+        token = path.read_text().strip()
+        if len(token) < 16:
+            raise ValueError(f"token file {str(path)!r} holds {len(token)} characters; use at least 16 random "
+                             "ones, or delete it to get a new token")
+        if path.stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            log.warning("%s is readable by other users; chmod 600 it", path)
+        return token
+    token = new_token(role)
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(token + "\n")
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, path)
+    log.info("wrote a new %s token to %s (mode 0600)", role, path)
+    return token
+
+
+class TokenStore:
+    def __init__(self, data_dir: Path, admin_token_file: Path | None, token_ttl: float) -> None:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        self.admin_token = read_or_create_token_file(admin_token_file or data_dir / "admin_token", ADMIN)
+        self.join_token_file = data_dir / "join_token"
+        join_token = read_or_create_token_file(self.join_token_file, JOIN)
+        if join_token == self.admin_token:
+            raise ValueError("the join token must differ from the admin token (--admin-token-file)")
+        self._admin_hash, self._join_hash = token_hash(self.admin_token), token_hash(join_token)
+        self.token_ttl = token_ttl
+        self._path = data_dir / "auth.sqlite"
+        # hash -> (principal, expires_at) of worker tokens seen valid: one SQLite open per request cost
+        # ~1 ms. One process serves the API (coordinator.server); a hit is checked against the
+        # in-memory revoked set, which revoke() updates before anything else.
+        self._valid: dict[str, tuple[Principal, float]] = {}
+        self._valid_lock = threading.Lock()
+        with self._db() as db:
+            db.executescript(SCHEMA)
+            self._revoked = {r[0] for r in db.execute("SELECT worker_id FROM revoked_workers")}
+
+    @contextlib.contextmanager
+    def _db(self) -> Iterator[sqlite3.Connection]:
+        """A short-lived connection per operation: nothing to close, safe from any thread."""
+        db = sqlite3.connect(str(self._path), timeout=30, isolation_level=None)
+        try:
+            yield db
+        finally:
+            db.close()
+
+    def authenticate(self, token: str | None) -> Principal:
+        """The caller behind ``token``, or Unauthorized saying what is wrong with it."""
+        if not token:
+            raise Unauthorized("this endpoint needs a token: send 'Authorization: Bearer <token>' "
+                               "(workers: --token or FEDMOE_TOKEN)")
+        digest = token_hash(token)
+        if hmac.compare_digest(digest, self._admin_hash):
+            return Principal(ADMIN)
+        if hmac.compare_digest(digest, self._join_hash):
+            return Principal(JOIN)
+        with self._valid_lock:
+            cached = self._valid.get(digest)
+        if cached is not None and cached[1] > time.time() and cached[0].worker_id not in self._revoked:
+            return cached[0]
+        with self._db() as db:  # looked up by hash: timing reveals nothing about a valid token
+            row = db.execute("SELECT t.worker_id, t.specialty, t.expires_at, r.revoked_at FROM worker_tokens t "
+                             "LEFT JOIN revoked_workers r USING (worker_id) WHERE t.hash = ?", (digest,)).fetchone()
+        if row is None:
+            raise Unauthorized("unknown token; check --token / FEDMOE_TOKEN")
+        worker_id, specialty, expires_at, revoked_at = row
+        if revoked_at is not None:
+            raise Unauthorized(f"worker {worker_id!r} was revoked by an admin", reason="revoked")
+        if expires_at <= time.time():
+            raise Unauthorized(f"the token of worker {worker_id!r} expired; register again with the join token",
+                               reason="expired")
+        principal = Principal(WORKER, worker_id, specialty)
+        with self._valid_lock:
+            if len(self._valid) > 10_000:
+                self._valid.clear()
+            self._valid[digest] = (principal, expires_at)
+        return principal
+
+    def check_not_revoked(self, worker_id: str) -> None:
+        if worker_id in self._revoked:
+            raise Forbidden(f"worker {worker_id!r} was revoked by an admin and cannot register again")
+
+    def issue(self, worker_id: str, specialty: str) -> dict[str, object]:
+        """A new token for this worker and specialty; expired tokens are dropped on the way."""
+        self.check_not_revoked(worker_id)
+        token, now = new_token(WORKER), time.time()
+        with self._db() as db:
+            db.execute("DELETE FROM worker_tokens WHERE expires_at <= ?", (now,))
+            db.execute("INSERT INTO worker_tokens VALUES (?, ?, ?, ?, ?)",
+                       (token_hash(token), worker_id, specialty, now, now + self.token_ttl))
+        return {"token": token, "token_expires_at": now + self.token_ttl}
+
+    def revoke(self, worker_id: str, known: bool) -> dict[str, object]:
+        """Revoke every token of ``worker_id`` and refuse its registration from now on."""
+        with self._db() as db:
+            tokens = db.execute("SELECT COUNT(*) FROM worker_tokens WHERE worker_id = ?", (worker_id,)).fetchone()[0]
+            if not known and not tokens:
+                raise NotFound(f"no worker {worker_id!r}")
+            with self._valid_lock:
+                self._revoked.add(worker_id)
+                self._valid = {h: v for h, v in self._valid.items() if v[0].worker_id != worker_id}
+            db.execute("INSERT OR IGNORE INTO revoked_workers VALUES (?, ?)", (worker_id, time.time()))
+        log.info("revoked worker %s (%d token(s))", worker_id, tokens)
+        return {"worker_id": worker_id, "revoked": True, "tokens": tokens}
+
+    def revoked_workers(self) -> set[str]:
+        with self._valid_lock:
+            return set(self._revoked)
