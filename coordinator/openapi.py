@@ -172,6 +172,12 @@ _api: dict[str, Any] = {
                                "400": BAD_REQUEST,
                                "409": _error("The worker's base model differs from the expert's.")}},
     },
+    "/workers/{worker_id}": {"delete": {
+        "operationId": "revokeWorker", "summary": "Admin: revoke a worker's tokens; its id cannot register again.",
+        "parameters": [WORKER_ID],
+        "responses": {"200": _json({"type": "object", "required": ["worker_id", "revoked"]}, "Revoked."),
+                      "400": BAD_REQUEST, "401": _error("Missing or invalid token."),
+                      "403": _error("Not an admin token.")}}},
     "/workers/{worker_id}/heartbeat": {"post": {
         "operationId": "heartbeat", "summary": "A worker says it is alive.", "parameters": [WORKER_ID],
         "responses": {"200": _json({"type": "object"}, "Noted."), "404": NOT_FOUND}}},
@@ -273,5 +279,8 @@ OPENAPI: dict[str, Any] = {
     "info": {"title": "FedMoE coordinator", "version": "1",
              "description": "Federated fine-tuning of LoRA experts. Every bad request is a 4xx with an Error body."},
     "paths": {**{API_PREFIX + path: item for path, item in _api.items()}, **_root},
-    "components": {"schemas": SCHEMAS},
+    "components": {"schemas": SCHEMAS,
+                   "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer",
+                                                  "description": "admin, join or worker token (README: Security)"}}},
+    "security": [{"bearer": []}],
 }
