@@ -116,6 +116,11 @@ class CoordinatorProcess:
                 time.sleep(0.01)
         raise RuntimeError(f"coordinator not answering after {timeout} s")
 
+    @property
+    def headers(self) -> dict[str, str]:
+        """The admin token, which the coordinator keeps in its data dir across restarts."""
+        return {"Authorization": f"Bearer {(self.data_dir / 'admin_token').read_text().strip()}"}
+
     def _drain(self, proc: subprocess.Popen) -> None:
         for line in proc.stdout:
             self.log.append(line)
@@ -169,6 +174,7 @@ class Clients:
 
     def _run(self, index: int) -> None:
         session = requests.Session()
+        session.headers.update(self.server.headers)
         n = 0
         while not self.stopping.is_set():
             n += 1
@@ -273,10 +279,11 @@ def run(kills: int, clients: int = 4, seed: int = 0, max_uptime: float = 0.4,
         spec = {"lora": {"rank": 2, "alpha": 4.0, "target_modules": ["q_proj", "v_proj"]},
                 "base_model": {"id": "crash-test", "fingerprint": FINGERPRINT}}
         r = requests.put(f"{server.url}/api/v1/experts/{EXPERT}", data=dumps(initial),
-                         headers={EXPERT_HEADER: json.dumps(spec)}, timeout=30)
+                         headers={**server.headers, EXPERT_HEADER: json.dumps(spec)}, timeout=30)
         r.raise_for_status()
         pushers = Clients(server, clients, seed)
         session = requests.Session()
+        session.headers.update(server.headers)
         started = time.monotonic()
         try:
             pushers.start()

@@ -52,6 +52,7 @@ from werkzeug.serving import make_server  # noqa: E402
 
 from bench.common import RESULTS_DIR, SCRATCH_DIR, configure_logging, format_table, write_json_atomic  # noqa: E402
 from protocol.client import CoordinatorClient, RetryPolicy  # noqa: E402
+from protocol.credentials import local_token  # noqa: E402
 from protocol.tensors import dumps  # noqa: E402
 
 log = logging.getLogger("bench.transport")
@@ -189,7 +190,8 @@ def peak_rss_during(pid: int, action: Callable[[], None]) -> tuple[int, int, int
 def concurrent_pulls(url: str, name: str, n: int, size: int) -> Callable[[], None]:
     """n simultaneous full pulls, each read through a small buffer (the client's RAM is not measured)."""
     def pull() -> None:
-        with requests.get(f"{url}/api/v1/experts/{name}/weights", stream=True, timeout=600) as r:
+        with requests.get(f"{url}/api/v1/experts/{name}/weights", stream=True, timeout=600,
+                          headers={"Authorization": f"Bearer {local_token(url)}"}) as r:
             r.raise_for_status()
             got = sum(len(chunk) for chunk in r.iter_content(4 * MiB))
         if got != size:

@@ -3,7 +3,9 @@
 One run_coordinator.py (gunicorn) serves the whole module, with --max-body-mb 1 so the oversized
 cases are cheap. Each case sends one bad request for expert ``e`` (or about it); afterwards the
 expert must be exactly where the setup left it, and the server log must hold no unhandled error.
-Cases for features built on other branches are marked TODO below and filled in when they merge.
+Pushes carry the admin token (found the way same-machine clients find it) unless a case is about
+tokens; the coordinator runs with --norm-check reject so an outsized update is one of the cases.
+An expired token is tested in tests/e2e/test_security.py (it needs a coordinator with a short TTL).
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import torch
 
 from protocol.schemas import EXPERT_HEADER, UPDATE_HEADER
 from protocol.tensors import dumps
-from tests.e2e.conftest import LISTENING, ROOT, Process, spawn
+from tests.e2e.conftest import LISTENING, ROOT, Process, admin_headers, spawn
 from tests.helpers import expert_spec, make_adapter, random_like, update_meta
 
 ADAPTER = make_adapter()
@@ -34,24 +36,41 @@ FIRST_BODY = dumps(random_like(ADAPTER, 1))
 class Server:
     process: Process
     url: str
+    join_token: str = ""
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return admin_headers(self.url)
 
     def push(self, body: bytes, meta: dict | None = None, expert: str = "e", **headers: str) -> requests.Response:
         meta_header = json.dumps(meta or update_meta())
         return requests.post(f"{self.url}/api/v1/experts/{expert}/updates", data=body,
-                             headers={UPDATE_HEADER: meta_header, **headers}, timeout=60)
+                             headers={**self.auth, UPDATE_HEADER: meta_header, **headers}, timeout=60)
 
     def put_expert(self, name: str, body: bytes, spec: dict | str) -> requests.Response:
         header = spec if isinstance(spec, str) else json.dumps(spec)
-        return requests.put(f"{self.url}/api/v1/experts/{name}", data=body, headers={EXPERT_HEADER: header},
-                            timeout=60)
+        return requests.put(f"{self.url}/api/v1/experts/{name}", data=body,
+                            headers={**self.auth, EXPERT_HEADER: header}, timeout=60)
+
+    def get(self, path: str) -> requests.Response:
+        return requests.get(f"{self.url}/api/v1{path}", headers=self.auth, timeout=30)
+
+    def worker_token(self, worker_id: str, specialty: str) -> str:
+        """Register a worker with the join token, as a remote worker would; its scoped token."""
+        r = requests.post(f"{self.url}/api/v1/workers", json={"worker_id": worker_id, "specialty": specialty,
+                                                              "base_model": expert_spec()["base_model"]},
+                          headers={"Authorization": f"Bearer {self.join_token}"}, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()["token"]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[Server]:
     data_dir = tmp_path_factory.mktemp("bad-inputs")
     process = spawn(str(ROOT / "run_coordinator.py"), "--host", "127.0.0.1", "--port", "0",
-                    "--data-dir", str(data_dir), "--max-body-mb", "1")
-    s = Server(process, process.wait_for(LISTENING).group(1))
+                    "--data-dir", str(data_dir), "--max-body-mb", "1",
+                    "--norm-check", "reject", "--norm-warmup", "1", "--norm-factor", "10")
+    s = Server(process, process.wait_for(LISTENING).group(1), (data_dir / "join_token").read_text().strip())
     assert s.put_expert("e", dumps(ADAPTER), expert_spec()).status_code == 201
     assert s.put_expert("other", dumps(ADAPTER), expert_spec()).status_code == 201
     assert s.push(FIRST_BODY, REPLAYED).status_code == 202  # expert e is now at version 1
@@ -75,7 +94,8 @@ def first_as(fill: float | None = None, dtype: torch.dtype = torch.float32) -> d
 
 
 def raw_post(s: "Server", headers: dict[str, str]) -> requests.Response:
-    return requests.post(f"{s.url}/api/v1/experts/e/updates", data=FIRST_BODY, headers=headers, timeout=60)
+    return requests.post(f"{s.url}/api/v1/experts/e/updates", data=FIRST_BODY, headers={**s.auth, **headers},
+                         timeout=60)
 
 
 def pickled(tensors: dict[str, torch.Tensor]) -> bytes:
@@ -156,20 +176,21 @@ CASES: list[tuple[str, Case, int]] = [
     # size
     ("oversized body", lambda s: s.push(b"\0" * (LIMIT + 1)), 413),
     ("oversized chunked body", lambda s: post_chunked(s.url, "/api/v1/experts/e/updates",
-                                                      {UPDATE_HEADER: json.dumps(update_meta())}, 4 * LIMIT), 413),
-]
-# TODO(merge): slots for features of parallel branches. The merger replaces each `None` with a case
-# like those above (the token cases against a coordinator started with tokens required).
-TODO = [
-    pytest.param("huge norm", None, 422, marks=pytest.mark.skip(reason="TODO(merge): norm check from branch robust")),
-    pytest.param("bad token", None, 401, marks=pytest.mark.skip(reason="TODO(merge): tokens from branch auth")),
-    pytest.param("expired token", None, 401, marks=pytest.mark.skip(reason="TODO(merge): tokens from branch auth")),
-    pytest.param("token of another specialty", None, 403,
-                 marks=pytest.mark.skip(reason="TODO(merge): tokens from branch auth")),
+                                                      {**s.auth, UPDATE_HEADER: json.dumps(update_meta())},
+                                                      4 * LIMIT), 413),
+    # robustness: far above the expert's accepted norms (--norm-check reject)
+    ("huge norm", lambda s: s.push(dumps({k: 1000 * v for k, v in delta().items()})), 422),
+    # credentials
+    ("no token", lambda s: s.push(FIRST_BODY, Authorization=""), 401),
+    ("bad token", lambda s: s.push(FIRST_BODY, Authorization="Bearer fmwrk_not-a-token"), 401),
+    ("join token pushing", lambda s: s.push(FIRST_BODY, Authorization=f"Bearer {s.join_token}"), 403),
+    ("token of another specialty",
+     lambda s: s.push(FIRST_BODY, update_meta(worker_id="w-other"),
+                      Authorization=f"Bearer {s.worker_token('w-other', 'other')}"), 403),
 ]
 
 
-@pytest.mark.parametrize("name, send, status", [pytest.param(*c, id=c[0]) for c in CASES] + TODO)
+@pytest.mark.parametrize("name, send, status", [pytest.param(*c, id=c[0]) for c in CASES])
 def test_bad_input_is_a_4xx_with_a_json_error(server, name, send, status):
     response = send(server)
     code, body = ((response.status_code, response.content) if isinstance(response, requests.Response)
@@ -180,10 +201,10 @@ def test_bad_input_is_a_4xx_with_a_json_error(server, name, send, status):
 
 
 def test_nothing_bad_was_applied_and_the_replay_with_the_same_body_is_still_200(server):
-    info = requests.get(f"{server.url}/api/v1/experts/e", timeout=30).json()
+    info = server.get("/experts/e").json()
     assert (info["version"], info["updates_applied"], info["samples_seen"]) == (1, 1, 3)
     assert server.push(FIRST_BODY, REPLAYED).status_code == 200  # retries stay idempotent
-    experts = {e["name"] for e in requests.get(f"{server.url}/api/v1/experts", timeout=30).json()["experts"]}
+    experts = {e["name"] for e in server.get("/experts").json()["experts"]}
     assert experts == {"e", "other"}
     log = "".join(server.process.log)
     assert "unhandled error" not in log and "Traceback" not in log, log[-3000:]

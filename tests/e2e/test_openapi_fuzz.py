@@ -17,24 +17,26 @@ from coordinator.openapi import OPENAPI
 from gateway.router import profile_to_json, text_profile
 from protocol.schemas import EXPERT_HEADER, UPDATE_HEADER
 from protocol.tensors import dumps
+from tests.e2e.conftest import admin_headers
 from tests.helpers import expert_spec, make_adapter, random_like, update_meta
 
 EXAMPLES = 15
 
 
 def seed(url: str) -> None:
-    api = url + "/api/v1"
+    api, auth = url + "/api/v1", admin_headers(url)
     adapter = make_adapter()
     spec = expert_spec() | {"worker_id": "worker-1"}
     assert requests.put(f"{api}/experts/python_expert", data=dumps(adapter),
-                        headers={EXPERT_HEADER: json.dumps(spec)}, timeout=30).status_code == 201
+                        headers={**auth, EXPERT_HEADER: json.dumps(spec)}, timeout=30).status_code == 201
     worker = {"worker_id": "worker-1", "specialty": "python_expert", "base_model": spec["base_model"]}
-    assert requests.post(f"{api}/workers", json=worker, timeout=30).status_code == 200
+    assert requests.post(f"{api}/workers", json=worker, headers=auth, timeout=30).status_code == 200
     meta = update_meta(worker_id="worker-1") | {"update_id": "worker-1:0001"}
     assert requests.post(f"{api}/experts/python_expert/updates", data=dumps(random_like(adapter, 1)),
-                         headers={UPDATE_HEADER: json.dumps(meta)}, timeout=30).status_code == 202
+                         headers={**auth, UPDATE_HEADER: json.dumps(meta)}, timeout=30).status_code == 202
     profile = profile_to_json(text_profile(["def add(a, b): return a + b"]), 1)
-    assert requests.put(f"{api}/experts/python_expert/profiles/worker-1", json=profile, timeout=30).status_code == 200
+    assert requests.put(f"{api}/experts/python_expert/profiles/worker-1", json=profile, headers=auth,
+                        timeout=30).status_code == 200
 
 
 def test_schemathesis_finds_no_server_error(start_coordinator, tmp_path):
@@ -43,6 +45,7 @@ def test_schemathesis_finds_no_server_error(start_coordinator, tmp_path):
     run = subprocess.run(
         [sys.executable, "-m", "schemathesis.cli", "run", f"{url}/api/v1/openapi.json",
          "--checks", "not_a_server_error", "--max-examples", str(EXAMPLES), "--seed", "1",
+         "--header", f"Authorization: {admin_headers(url)['Authorization']}",
          "--generation-database", "none", "--workers", "1", "--no-color", "--request-timeout", "30"],
         cwd=tmp_path, capture_output=True, text=True, timeout=240)
     summary = run.stdout[-4000:]
