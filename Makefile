@@ -10,7 +10,7 @@ export TOKENIZERS_PARALLELISM := false
 CHROMIUM ?= /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install browser smollm2 test demo bench clean
+.PHONY: install browser smollm2 test demo bench bench-quality clean
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,8 +36,11 @@ test: $(STAMP) $(CHROMIUM)  ## the whole test suite (offline; the browser test i
 demo: $(STAMP)  ## a local federation: coordinator + 3 workers on tiny-qwen2, then a loss table
 	HF_HUB_OFFLINE=1 $(PY) scripts/demo.py
 
-bench: $(STAMP)  ## benchmarks: tables on stdout, JSON in bench/results/
+bench: $(STAMP)  ## performance benchmarks (transport, aggregation, sync overhead, load; < 10 min): tables, bench/results/*.json
 	HF_HUB_OFFLINE=1 $(PY) bench/run_all.py
+
+bench-quality: $(STAMP)  ## learning-quality and robustness benchmarks (compression, gateway, poisoning, scaling, crash; ~25 min)
+	HF_HUB_OFFLINE=1 $(PY) bench/run_all.py --quality
 
 clean:
 	rm -rf demo-runs fedmoe-data .pytest_cache artifacts

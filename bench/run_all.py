@@ -1,5 +1,13 @@
 #!/usr/bin/env python3
-"""Run every benchmark in turn (`make bench`); each prints its table and writes bench/results/<name>.json."""
+"""Run a group of benchmarks in turn; each prints its table and writes bench/results/<name>.json.
+
+    python bench/run_all.py              # performance: transport, aggregation, sync overhead, load (~8 min)
+    python bench/run_all.py --quality    # learning quality and robustness (~25 min on 2 cores)
+    python bench/run_all.py --all
+
+`make bench` runs the first group, which must stay under 10 minutes on 2 cores; `make bench-quality`
+the second. Arguments after the flags are passed to every benchmark.
+"""
 from __future__ import annotations
 
 import subprocess
@@ -8,23 +16,29 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHMARKS = ("compression.py", "gateway.py", "byzantine.py", "overhead.py", "transport.py",
-              "aggregation.py", "load.py", "crash.py", "scaling.py", "learning.py")
+PERFORMANCE = ("transport.py", "aggregation.py", "overhead.py", "load.py")
+QUALITY = ("compression.py", "gateway.py", "byzantine.py", "scaling.py", "learning.py", "crash.py")
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
+    group = PERFORMANCE
+    if argv and argv[0] in ("--quality", "--all"):
+        group = QUALITY if argv[0] == "--quality" else PERFORMANCE + QUALITY
+        argv = argv[1:]
     failed = []
-    for name in BENCHMARKS:
+    started_all = time.monotonic()
+    for name in group:
         print(f"\n=== bench/{name} ===", flush=True)
         started = time.monotonic()
-        code = subprocess.call([sys.executable, str(HERE / name), *sys.argv[1:]])
+        code = subprocess.call([sys.executable, str(HERE / name), *argv])
         print(f"=== bench/{name}: exit {code} after {time.monotonic() - started:.0f} s ===", flush=True)
         if code:
             failed.append(name)
+    print(f"\n{len(group)} benchmark(s) in {time.monotonic() - started_all:.0f} s", flush=True)
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
