@@ -45,7 +45,9 @@ CombineRule = Callable[[list[Update], AggregationParams, RobustParams], StateDic
 
 def l2_norm(tensors: StateDict) -> float:
     """The L2 norm of all tensors together, as if flattened into one vector."""
-    return math.sqrt(sum(float(t.double().pow(2).sum()) for t in tensors.values()))
+    # Per tensor in float32 (no float64 copy: the coordinator computes this for every push, and a
+    # full-parameter update is a whole model); the sum of squares across tensors in Python floats.
+    return math.sqrt(sum(float(torch.linalg.vector_norm(t)) ** 2 for t in tensors.values()))
 
 
 def _stacked(updates: Sequence[Update], params: AggregationParams, name: str) -> torch.Tensor:
