@@ -1,4 +1,5 @@
-"""What the benchmarks share: data suites, a real coordinator on loopback, tables and result files.
+"""What the benchmarks share: data suites, a real coordinator on loopback (in this process or as
+run_coordinator.py), tables and result files.
 
 A *suite* is one federated job's data: three domains, each with its own train and held-out
 examples (one worker and one expert per domain). ``sample`` is the project's own data/;
@@ -12,9 +13,13 @@ import logging
 import math
 import multiprocessing
 import os
+import re
+import signal
+import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from contextlib import contextmanager
@@ -22,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import requests
 from werkzeug.serving import make_server
 
 from coordinator.app import create_app
@@ -40,6 +46,8 @@ DS1000_DIR = ROOT.parent / "shared" / "datasets" / "ds1000"
 SCRATCH_DIR = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 SAMPLE_DOMAINS = ("python_expert", "sql_expert", "docs_expert")
 DS1000_DOMAINS = ("pandas", "numpy", "sklearn")
+LISTENING = re.compile(r"listening on (https?://[\d.]+:\d+)")
+"""The line run_coordinator.py logs once it accepts connections (the same as tests/e2e/conftest.py's)."""
 
 
 @dataclass(frozen=True)
@@ -125,6 +133,109 @@ def running_coordinator(**settings: Any) -> Iterator[str]:
             thread.join()
             server.server_close()
             app.extensions["fedmoe"].close()
+
+
+class CoordinatorProcess:
+    """run_coordinator.py as users start it (gunicorn, a separate OS process), on a free loopback port.
+
+    ``flags`` are added to ``--host 127.0.0.1 --port 0 --data-dir DATA_DIR``. With ``new_session``
+    the coordinator gets its own process group, so that ``kill()`` takes the gunicorn master and its
+    worker down together (a real crash), not the master alone. ``start()`` may be called again after
+    ``kill()`` or ``stop()``: it restarts on the same data dir, as an operator would. Its output
+    (all starts) collects in ``log``; the pipe is drained on a thread, since a full pipe would block it.
+    """
+
+    def __init__(self, data_dir: Path, *flags: str, new_session: bool = False) -> None:
+        self.data_dir = data_dir
+        self.flags = flags
+        self.new_session = new_session
+        self.proc: subprocess.Popen | None = None
+        self.url = ""
+        self.log: list[str] = []
+
+    @property
+    def pid(self) -> int:
+        """The gunicorn master's pid (its worker is its child: /proc/PID/task/PID/children)."""
+        assert self.proc is not None, "not started"
+        return self.proc.pid
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The admin token's Authorization header, for raw ``requests``; ``CoordinatorClient(url)`` finds it itself.
+
+        The coordinator keeps the token in its data dir, so it stays the same across restarts.
+        """
+        return {"Authorization": f"Bearer {(self.data_dir / 'admin_token').read_text().strip()}"}
+
+    def start(self, timeout: float = 60.0) -> float:
+        """Spawn, wait until /health answers and return the seconds that took; stopped again if it fails."""
+        started = time.monotonic()
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "run_coordinator.py"), "--host", "127.0.0.1", "--port", "0",
+             "--data-dir", str(self.data_dir), *self.flags],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=self.new_session)
+        try:
+            self._wait_until_up(started, timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return time.monotonic() - started
+
+    def _wait_until_up(self, started: float, timeout: float) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.log.append(line)
+            if m := LISTENING.search(line):
+                self.url = m.group(1)
+                break
+        else:
+            raise RuntimeError("coordinator exited before listening:\n" + "".join(self.log[-40:]))
+        threading.Thread(target=self.log.extend, args=(self.proc.stdout,), daemon=True).start()
+        while time.monotonic() - started < timeout:  # gunicorn's master logs the line before its worker serves
+            try:
+                if requests.get(self.url + "/api/v1/health", timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                time.sleep(0.01)
+        raise RuntimeError(f"coordinator not answering after {timeout} s")
+
+    def _signal(self, signum: int) -> None:
+        assert self.proc is not None
+        if self.new_session:
+            os.killpg(self.proc.pid, signum)  # master and gunicorn worker: the whole group we started
+        else:
+            self.proc.send_signal(signum)
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would; waits until it is gone."""
+        self._signal(signal.SIGKILL)
+        assert self.proc is not None
+        self.proc.wait()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM (a clean shutdown), then ``kill()`` if it has not exited within ``timeout`` seconds."""
+        if self.proc is not None and self.proc.poll() is None:
+            self._signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@contextmanager
+def coordinator_process(data_dir: Path, *flags: str, new_session: bool = False) -> Iterator[CoordinatorProcess]:
+    """A started ``CoordinatorProcess``, stopped on exit; its last output goes to stderr if the body fails."""
+    server = CoordinatorProcess(data_dir, *flags, new_session=new_session)
+    server.start()
+    try:
+        yield server
+    except BaseException:
+        sys.stderr.write("coordinator output:\n" + "".join(server.log[-30:]))
+        raise
+    finally:
+        server.stop()
 
 
 Task = tuple[Callable[..., Any], tuple[Any, ...]]

@@ -36,10 +36,7 @@ import hashlib  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import random  # noqa: E402
-import re  # noqa: E402
-import signal  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
@@ -50,13 +47,13 @@ from typing import Any  # noqa: E402
 import requests  # noqa: E402
 import torch  # noqa: E402
 
-from bench.common import RESULTS_DIR, configure_logging, format_table, write_json_atomic  # noqa: E402
+from bench.common import (  # noqa: E402
+    RESULTS_DIR, CoordinatorProcess, configure_logging, format_table, write_json_atomic)
 from protocol.schemas import EXPERT_HEADER, UPDATE_HEADER  # noqa: E402
 from protocol.tensors import dumps, loads  # noqa: E402
 
 log = logging.getLogger("bench.crash")
 RESULTS = RESULTS_DIR / "crash.json"
-LISTENING = re.compile(r"listening on (http://[\d.]+:\d+)")
 EXPERT = "crash_expert"
 FINGERPRINT = "cd" * 32
 
@@ -81,62 +78,6 @@ class Push:
     num_samples: int
     body: bytes
     acked: bool = False
-
-
-class CoordinatorProcess:
-    """run_coordinator.py in its own process group, so one SIGKILL takes master and worker down together."""
-
-    def __init__(self, data_dir: Path) -> None:
-        self.data_dir = data_dir
-        self.proc: subprocess.Popen | None = None
-        self.url = ""
-        self.log: list[str] = []
-
-    def start(self, timeout: float = 60.0) -> float:
-        """Spawn and wait until /health answers; the seconds that took."""
-        started = time.monotonic()
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "run_coordinator.py"), "--host", "127.0.0.1", "--port", "0",
-             "--data-dir", str(self.data_dir), "--staleness-decay", "0", "--threads", "8"],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        for line in self.proc.stdout:
-            self.log.append(line)
-            if m := LISTENING.search(line):
-                self.url = m.group(1)
-                break
-        else:
-            raise RuntimeError("coordinator exited before listening:\n" + "".join(self.log[-40:]))
-        threading.Thread(target=self._drain, args=(self.proc,), daemon=True).start()
-        while time.monotonic() - started < timeout:
-            try:
-                if requests.get(self.url + "/api/v1/health", timeout=2).status_code == 200:
-                    return time.monotonic() - started
-            except requests.RequestException:
-                time.sleep(0.01)
-        raise RuntimeError(f"coordinator not answering after {timeout} s")
-
-    @property
-    def headers(self) -> dict[str, str]:
-        """The admin token, which the coordinator keeps in its data dir across restarts."""
-        return {"Authorization": f"Bearer {(self.data_dir / 'admin_token').read_text().strip()}"}
-
-    def _drain(self, proc: subprocess.Popen) -> None:
-        for line in proc.stdout:
-            self.log.append(line)
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        os.killpg(self.proc.pid, signal.SIGKILL)  # master and gunicorn worker: the whole group we started
-        self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.kill()
 
 
 class Clients:
@@ -271,7 +212,9 @@ def run(kills: int, clients: int = 4, seed: int = 0, max_uptime: float = 0.4,
     """Kill and restart the coordinator ``kills`` times; the report (``problems`` empty when all held)."""
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory(prefix="fedmoe-crash-") as tmp:
-        server = CoordinatorProcess(Path(data_dir or tmp))
+        # its own process group: one SIGKILL takes master and worker down together
+        server = CoordinatorProcess(Path(data_dir or tmp), "--staleness-decay", "0", "--threads", "8",
+                                    new_session=True)
         initial = tiny_adapter(seed)
         restarts: list[float] = []
         checks: list[Check] = []

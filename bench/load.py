@@ -35,8 +35,6 @@ import logging  # noqa: E402
 import math  # noqa: E402
 import random  # noqa: E402
 import re  # noqa: E402
-import signal  # noqa: E402
-import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
@@ -46,7 +44,8 @@ from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
-from bench.common import RESULTS_DIR, configure_logging, format_table, write_json_atomic  # noqa: E402
+from bench.common import (  # noqa: E402
+    RESULTS_DIR, configure_logging, coordinator_process, format_table, write_json_atomic)
 from compression import make_codec  # noqa: E402
 from compression.wire import encode_update  # noqa: E402
 from protocol.client import CoordinatorClient  # noqa: E402
@@ -55,7 +54,6 @@ from protocol.tensors import Manifest  # noqa: E402
 
 log = logging.getLogger("bench.load")
 RESULTS = RESULTS_DIR / "load.json"
-LISTENING = re.compile(r"listening on (http://[\d.]+:\d+)")
 FINGERPRINT = "10ad" * 16
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Shapes only: Qwen2-0.5B's config.json (hidden 896, MLP 4864, 24 layers, 14 heads, 2 KV heads of 64)
@@ -125,36 +123,6 @@ class Settings:
     seed: int = 0
 
 
-class Coordinator:
-    """run_coordinator.py as its own process group, on a data dir on disk (durability included)."""
-
-    def __init__(self, data_dir: Path, settings: Settings) -> None:
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "run_coordinator.py"), "--host", "127.0.0.1", "--port", "0",
-             "--data-dir", str(data_dir), "--aggregation", settings.aggregation,
-             "--buffer-size", str(settings.buffer_size), "--threads", "16"],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        self.log: list[str] = []
-        for line in self.proc.stdout:
-            self.log.append(line)
-            if m := LISTENING.search(line):
-                self.url = m.group(1)
-                break
-        else:
-            raise RuntimeError("coordinator exited before listening:\n" + "".join(self.log[-40:]))
-        threading.Thread(target=lambda: self.log.extend(self.proc.stdout), daemon=True).start()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-
-
 @dataclass
 class Pushed:
     update_id: str
@@ -220,32 +188,31 @@ def run(settings: Settings) -> dict[str, Any]:
     payloads = [[encode_update(random_tensors(manifest, rng.randrange(2**31), 1e-3), manifest, codec, seed=r + 1)
                  for r in range(settings.rounds)] for _ in range(settings.workers)]
     encode_s = time.perf_counter() - started
-    with tempfile.TemporaryDirectory(prefix="fedmoe-load-") as data_dir:
-        server = Coordinator(Path(data_dir), settings)
-        try:
-            setup = CoordinatorClient(server.url)
-            spec = {"lora": {"rank": settings.rank, "alpha": 2.0 * settings.rank, "target_modules": list(PROJECTIONS)},
-                    "base_model": {"id": settings.model, "fingerprint": FINGERPRINT}}
-            for i, name in enumerate(experts):
-                setup.create_expert(name, random_tensors(manifest, 10_000 + i, 0.01), spec)
-            setup.close()
-            start, lock, results = threading.Event(), threading.Lock(), []
-            threads = [threading.Thread(target=simulated_worker, args=(
-                server.url, i, experts[i % len(experts)], payloads[i], settings, start, results, lock))
-                for i in range(settings.workers)]
-            for t in threads:
-                t.start()
-            time.sleep(0.5)  # let every worker register before the clock starts
-            log.info("%d workers pushing", settings.workers)
-            began = time.perf_counter()
-            start.set()
-            for t in threads:
-                t.join()
-            push_s = time.perf_counter() - began
-            checked = verify(server.url, results, experts)
-            peaks = peak_rss_bytes(server.proc.pid)
-        finally:
-            server.stop()
+    # on disk (durability included); its own process group, so that stopping it stops the gunicorn worker too
+    with tempfile.TemporaryDirectory(prefix="fedmoe-load-") as data_dir, coordinator_process(
+            Path(data_dir), "--aggregation", settings.aggregation, "--buffer-size", str(settings.buffer_size),
+            "--threads", "16", new_session=True) as server:
+        setup = CoordinatorClient(server.url)
+        spec = {"lora": {"rank": settings.rank, "alpha": 2.0 * settings.rank, "target_modules": list(PROJECTIONS)},
+                "base_model": {"id": settings.model, "fingerprint": FINGERPRINT}}
+        for i, name in enumerate(experts):
+            setup.create_expert(name, random_tensors(manifest, 10_000 + i, 0.01), spec)
+        setup.close()
+        start, lock, results = threading.Event(), threading.Lock(), []
+        threads = [threading.Thread(target=simulated_worker, args=(
+            server.url, i, experts[i % len(experts)], payloads[i], settings, start, results, lock))
+            for i in range(settings.workers)]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)  # let every worker register before the clock starts
+        log.info("%d workers pushing", settings.workers)
+        began = time.perf_counter()
+        start.set()
+        for t in threads:
+            t.join()
+        push_s = time.perf_counter() - began
+        checked = verify(server.url, results, experts)
+        peaks = peak_rss_bytes(server.pid)
     latencies = [p.seconds for p in results]
     errors = [p.status for p in results if p.status != "accepted"]
     body_bytes = sum(len(b) for w in payloads for b in w)

@@ -43,20 +43,17 @@ for _var, _value in (("HF_HUB_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false"
 
 import argparse  # noqa: E402
 import logging  # noqa: E402
-import re  # noqa: E402
-import subprocess  # noqa: E402
 import tempfile  # noqa: E402
-import threading  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
-from collections.abc import Iterator, Sequence  # noqa: E402
-from contextlib import contextmanager  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
 from dataclasses import asdict, dataclass, replace  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
-from bench.common import RESULTS_DIR, SCRATCH_DIR, configure_logging, format_table, write_json_atomic  # noqa: E402
+from bench.common import (  # noqa: E402
+    RESULTS_DIR, SCRATCH_DIR, configure_logging, coordinator_process, format_table, write_json_atomic)
 from protocol.client import CoordinatorClient  # noqa: E402
 from worker.data import load_examples, sample_dataset_path, split_examples  # noqa: E402
 from worker.federation import FederatedWorker, SyncSettings  # noqa: E402
@@ -70,7 +67,6 @@ BASE_MODEL = "tiny-qwen2"
 SPECIALTY = "python_expert"
 TARGET_PCT = 2.0
 MODES = ("local", "overlap", "blocking")
-LISTENING = re.compile(r"listening on (http://[\d.]+:\d+)")
 
 
 @dataclass(frozen=True)
@@ -92,30 +88,6 @@ class Phase:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds
-
-
-@contextmanager
-def coordinator_process(data_dir: Path) -> Iterator[str]:
-    """run_coordinator.py on a free loopback port, as users start it; yields its URL."""
-    proc = subprocess.Popen([sys.executable, str(ROOT / "run_coordinator.py"), "--host", "127.0.0.1", "--port", "0",
-                             "--data-dir", str(data_dir)], cwd=ROOT, env=os.environ.copy(), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if m := LISTENING.search(line):
-                break
-        else:
-            raise RuntimeError("the coordinator did not start:\n" + "".join(lines))
-        threading.Thread(target=proc.stdout.read, daemon=True).start()  # a full pipe would block it
-        yield m.group(1)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def local_phase(trainer: LoraTrainer, seconds: float, round_: int) -> Phase:
@@ -146,7 +118,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     spec = {"lora": trainer.lora_config, "base_model": {"id": base.model_id, "fingerprint": base.fingerprint}}
     phases: list[Phase] = []
     with tempfile.TemporaryDirectory(prefix="fedmoe-overhead-", dir=SCRATCH_DIR) as scratch, \
-            coordinator_process(Path(scratch) / "coordinator") as url:
+            coordinator_process(Path(scratch) / "coordinator") as coordinator:
+        url = coordinator.url
         settings = SyncSettings(specialty=SPECIALTY, worker_id="overhead-bench", sync_interval=args.sync_interval,
                                 duration=args.phase_seconds, state_dir=Path(scratch) / "worker-state")
         worker = FederatedWorker(settings, CoordinatorClient(url), trainer, spec)

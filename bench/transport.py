@@ -35,13 +35,11 @@ import base64  # noqa: E402
 import logging  # noqa: E402
 import re  # noqa: E402
 import socket  # noqa: E402
-import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 import uuid  # noqa: E402
-from collections.abc import Callable, Iterator, Sequence  # noqa: E402
-from contextlib import contextmanager  # noqa: E402
+from collections.abc import Callable, Sequence  # noqa: E402
 from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -50,8 +48,9 @@ import torch  # noqa: E402
 from flask import Flask, jsonify, request  # noqa: E402
 from werkzeug.serving import make_server  # noqa: E402
 
-from bench.common import RESULTS_DIR, SCRATCH_DIR, configure_logging, format_table, write_json_atomic  # noqa: E402
-from protocol.client import CoordinatorClient, RetryPolicy  # noqa: E402
+from bench.common import (  # noqa: E402
+    RESULTS_DIR, SCRATCH_DIR, configure_logging, coordinator_process, format_table, write_json_atomic)
+from protocol.client import CoordinatorClient  # noqa: E402
 from protocol.credentials import local_token  # noqa: E402
 from protocol.tensors import dumps  # noqa: E402
 
@@ -125,35 +124,6 @@ def base64_json_seconds(tensors: dict[str, torch.Tensor]) -> float:
 
 # the coordinator ----------------------------------------------------------------
 
-@contextmanager
-def coordinator_process(data_dir: Path, max_body_mb: int) -> Iterator[tuple[str, int]]:
-    """run_coordinator.py as a separate process; yields (url, pid of the process serving requests)."""
-    cmd = [sys.executable, str(ROOT / "run_coordinator.py"), "--host", "127.0.0.1", "--port", "0",
-           "--data-dir", str(data_dir), "--aggregation", "fedbuff", "--buffer-size", "1000",
-           "--max-body-mb", str(max_body_mb)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        url = None
-        for line in proc.stdout:
-            if m := re.search(r"listening on (http://[\d.]+:\d+)", line):
-                url = m.group(1)
-                break
-        if url is None:
-            raise SystemExit("the coordinator did not start")
-        output: list[str] = []
-        threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True).start()
-        client = CoordinatorClient(url, retry=RetryPolicy(attempts=20, base_delay=0.1, max_delay=0.5))
-        client.health()  # gunicorn's worker is up
-        try:
-            yield url, serving_pid(proc.pid)
-        except BaseException:
-            sys.stderr.write("coordinator output:\n" + "".join(output[-30:]))
-            raise
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-
-
 def serving_pid(master: int) -> int:
     """gunicorn serves from a forked worker: the master's only child (the master itself with --debug)."""
     children = Path(f"/proc/{master}/task/{master}/children").read_text().split()
@@ -215,7 +185,9 @@ def measure(size_mb: int, repeats: int, concurrency: int) -> dict[str, Any]:
     spec = {"kind": "full", "full": {"num_parameters": sum(t.numel() for t in tensors.values())},
             "base_model": {"id": "bench", "fingerprint": FINGERPRINT}}
     with tempfile.TemporaryDirectory(dir=SCRATCH_DIR) as scratch, \
-            coordinator_process(Path(scratch) / "data", 2 * size_mb + 64) as (url, pid):
+            coordinator_process(Path(scratch) / "data", "--aggregation", "fedbuff", "--buffer-size", "1000",
+                                "--max-body-mb", str(2 * size_mb + 64)) as coordinator:
+        url, pid = coordinator.url, serving_pid(coordinator.pid)
         client = CoordinatorClient(url, timeout=(5.0, 600.0))
         client.create_expert("big", tensors, spec)
         del tensors
