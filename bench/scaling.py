@@ -88,6 +88,7 @@ def worker_command(config: Configuration, index: int, url: str, results: Path, s
     return launcher + [
         str(ROOT / "run_worker.py"), "--specialty", SPECIALTY, "--base-model", "tiny-qwen2", "--device", "cpu",
         "--coordinator-url", url, "--worker-id", f"scaling-{index}", "--results", str(results),
+        "--state-dir", str(results.with_suffix(".state")),  # beside the results: a run never resumes another
         "--duration", str(settings.duration), "--sync-interval", str(settings.sync_interval),
         "--batch-size", str(settings.batch_size), "--max-seq-len", str(settings.max_seq_len)]
 

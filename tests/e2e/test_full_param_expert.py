@@ -27,7 +27,7 @@ def test_full_parameter_expert_trains_compressed_syncs_and_exports(start_coordin
     worker = run(str(ROOT / "run_worker.py"), "--coordinator-url", url, "--specialty", "sql_expert",
                  "--base-model", "tiny-qwen2", "--lora-rank", "0", "--duration", "5", "--sync-interval", "1.5",
                  "--compression", "int8", "--pull-compression", "fp16", "--full-pull-every", "2",
-                 "--results", str(results))
+                 "--results", str(results), "--state-dir", str(tmp_path / "state"))
     assert worker.returncode == 0, worker.stderr[-3000:]
 
     base = load_base_model("tiny-qwen2")
