@@ -65,13 +65,17 @@ def check_full_weights(path: Path, full: FullSpec) -> Manifest:
     return manifest
 
 
-def check_update(path: Path, codec: str, codec_config: dict, manifest: Manifest) -> None:
-    """Refuse (4xx) an update body that does not fit the expert; raw bodies are checked in chunks."""
+def check_update(path: Path, codec: str, codec_config: dict, manifest: Manifest) -> Mapping[str, torch.Tensor]:
+    """Refuse (4xx) an update body that does not fit the expert; return its checked deltas.
+
+    Raw bodies are checked in chunks and returned as a lazy per-tensor view of the file;
+    compressed ones are decoded once (the caller takes their norm from what we return).
+    """
     if codec == RAW_CODEC:
         _check_raw_config(codec_config)
         check_file(path, manifest)
-    else:
-        decode_update(path, codec, codec_config, manifest)
+        return FileTensors(path)
+    return decode_update(path, codec, codec_config, manifest)
 
 
 def stored_deltas(path: Path, codec: str, codec_config: dict, manifest: Manifest) -> Mapping[str, torch.Tensor]:

@@ -214,10 +214,11 @@ class Coordinator:
                 raise Conflict(f"base_version {meta.base_version} is ahead of expert {name!r}, "
                                f"which is at version {expert.version}")
             manifest = manifest_from_json(expert.manifest)
-            check_update(body, meta.codec, meta.codec_config, manifest)
+            # Raw bodies come back as a per-tensor view of the file (a second read, bounded memory);
+            # compressed ones decoded once. Either way the decoded update is dropped before we wait
+            # for the expert's lock, and read again from its blob when it is aggregated.
+            norm = l2_norm(check_update(body, meta.codec, meta.codec_config, manifest))
             size = body.stat().st_size
-            # A second read of the body (tensor by tensor for raw bodies): memory stays bounded.
-            norm = l2_norm(stored_deltas(body, meta.codec, meta.codec_config, manifest))
             with self._lock(name):
                 known = self.db.update(meta.update_id)  # a concurrent retry may have won
                 if known is not None:
