@@ -16,17 +16,10 @@ from pathlib import Path
 from typing import BinaryIO
 
 from protocol.errors import BadRequest, PayloadTooLarge
+from protocol.files import fsync_dir
 
 CHUNK = 1 << 20  # reads of stored files
 RECEIVE_CHUNK = 4 << 20  # reads of a request body: measured best of 1-16 MiB (bench/transport.py)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class BlobStore:

@@ -6,8 +6,18 @@ import tempfile
 from pathlib import Path
 
 
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new file in ``path`` durable: fsync the directory itself."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_atomically(path: Path, data: bytes) -> None:
-    """Write to a temp file beside ``path``, fsync, rename: readers see the old file or the new one.
+    """Write to a temp file beside ``path``, fsync, rename, fsync the directory: readers see the old
+    file or the new one, and after a crash so does the next start.
 
     mkstemp creates files readable by the owner only; the result gets the usual 0o666 & ~umask.
     """
@@ -22,6 +32,7 @@ def write_atomically(path: Path, data: bytes) -> None:
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
+        fsync_dir(path.parent)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from protocol.errors import InvalidPayload
-from protocol.files import write_atomically
+from protocol.files import fsync_dir, write_atomically
 from protocol.tensors import StateDict, dumps, load_file
 
 log = logging.getLogger(__name__)
@@ -132,12 +132,11 @@ def save_checkpoint(state_dir: Path, checkpoint: WorkerCheckpoint) -> Path:
         else:
             _write_durably(path, body)
         outbox.append({"file": path.name, "meta": meta})
-    _fsync_dir(target)
+    fsync_dir(target)
     manifest = {"format": FORMAT, "sequence": number, "directory": target.name, "tensors": written,
                 "identity": checkpoint.identity, "progress": checkpoint.progress, "optimizer": optimizer_meta,
                 "outbox": outbox}
-    write_atomically(state_dir / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
-    _fsync_dir(state_dir)
+    write_atomically(state_dir / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())  # fsyncs state_dir
     for old in state_dir.glob("ckpt-*"):
         if old != target:
             shutil.rmtree(old, ignore_errors=True)
@@ -157,14 +156,6 @@ def _write_durably(path: Path, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # loading -----------------------------------------------------------------------------------------
