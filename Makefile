@@ -37,10 +37,10 @@ demo: $(STAMP)  ## a local federation: coordinator + 3 workers on tiny-qwen2, th
 	HF_HUB_OFFLINE=1 $(PY) scripts/demo.py
 
 bench: $(STAMP)  ## performance benchmarks (transport, aggregation, sync overhead, load; < 10 min): tables, bench/results/*.json
-	HF_HUB_OFFLINE=1 $(PY) bench/run_all.py
+	HF_HUB_OFFLINE=1 $(PY) -m bench.run_all
 
 bench-quality: $(STAMP)  ## learning-quality and robustness benchmarks (compression, gateway, poisoning, scaling, crash; ~25 min)
-	HF_HUB_OFFLINE=1 $(PY) bench/run_all.py --quality
+	HF_HUB_OFFLINE=1 $(PY) -m bench.run_all --quality
 
 clean:
 	rm -rf demo-runs fedmoe-data .pytest_cache artifacts

@@ -14,37 +14,33 @@ Two figures per rule, best of ``--repeats``:
   fsynced and hashed (data dir in RAM when there is one), so it shows what the I/O around the
   maths costs.
 
-    python bench/aggregation.py              # a 256 MiB model, about 30 s
-    python bench/aggregation.py --size-mb 4  # smoke test
+    python -m bench.aggregation              # a 256 MiB model, about 30 s
+    python -m bench.aggregation --size-mb 4  # smoke test
 
 Table on stdout, results in bench/results/aggregation.json.
 """
 from __future__ import annotations
 
-import os
+import argparse
+import logging
 import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.common import RESULTS_DIR, SCRATCH_DIR, configure_logging, format_table, write_json_atomic
+from coordinator.aggregation import AGGREGATORS, AggregationParams, Update
+from coordinator.config import CoordinatorConfig
+from coordinator.service import Coordinator
+from protocol.schemas import ExpertSpec, UpdateMeta
+from protocol.tensors import save_file
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != ROOT / "bench"]
-sys.path.insert(0, str(ROOT))
-
-import argparse  # noqa: E402
-import logging  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-import uuid  # noqa: E402
-from collections.abc import Sequence  # noqa: E402
-from typing import Any  # noqa: E402
-
-import torch  # noqa: E402
-
-from bench.common import RESULTS_DIR, SCRATCH_DIR, configure_logging, format_table, write_json_atomic  # noqa: E402
-from coordinator.aggregation import AGGREGATORS, AggregationParams, Update  # noqa: E402
-from coordinator.config import CoordinatorConfig  # noqa: E402
-from coordinator.service import Coordinator  # noqa: E402
-from protocol.schemas import ExpertSpec, UpdateMeta  # noqa: E402
-from protocol.tensors import save_file  # noqa: E402
 
 log = logging.getLogger("bench.aggregation")
 MiB = 1 << 20

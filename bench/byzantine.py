@@ -15,45 +15,36 @@ norm clipping, coordinate-wise median or trimmed mean (``--robust``), or plain a
 the coordinator's norm check (``--norm-check reject``). The score is the expert's held-out loss
 relative to the honest-only run; the target is within 2%.
 
-    python bench/byzantine.py            # 11 jobs, ~2 min of CPU (1 torch thread)
-    python bench/byzantine.py --quick    # 3 short jobs (smoke test)
+    python -m bench.byzantine            # 11 jobs, ~2 min of CPU (1 torch thread)
+    python -m bench.byzantine --quick    # 3 short jobs (smoke test)
 
 Table on stdout, progress on stderr, results in bench/results/byzantine.json.
 """
 from __future__ import annotations
 
-import os
+import argparse
+import dataclasses
+import logging
 import sys
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.common import RESULTS_DIR, Domain, configure_logging, format_table, load_suites, running_coordinator, write_json_atomic
+from protocol.client import CoordinatorClient
+from protocol.errors import InvalidUpdate
+from protocol.tensors import StateDict, dumps
+from worker.evaluation import adapter_loss
+from worker.models import load_base_model
+from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
 
 ROOT = Path(__file__).resolve().parents[1]
-# Run as a script, this file's own directory would head sys.path and shadow the `compression` package.
-sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != ROOT / "bench"]
-sys.path.insert(0, str(ROOT))
-for _var, _value in (("HF_HUB_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false"),
-                     ("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1"), ("HF_HUB_DISABLE_PROGRESS_BARS", "1")):
-    os.environ.setdefault(_var, _value)
-
-import argparse  # noqa: E402
-import dataclasses  # noqa: E402
-import logging  # noqa: E402
-import time  # noqa: E402
-import uuid  # noqa: E402
-import warnings  # noqa: E402
-from collections.abc import Callable, Sequence  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-from typing import Any  # noqa: E402
-
-import torch  # noqa: E402
-
-from bench.common import (RESULTS_DIR, Domain, configure_logging, format_table, load_suites,  # noqa: E402
-                          running_coordinator, write_json_atomic)
-from protocol.client import CoordinatorClient  # noqa: E402
-from protocol.errors import InvalidUpdate  # noqa: E402
-from protocol.tensors import StateDict, dumps  # noqa: E402
-from worker.evaluation import adapter_loss  # noqa: E402
-from worker.models import load_base_model  # noqa: E402
-from worker.trainer import LoraSettings, LoraTrainer, TrainSettings  # noqa: E402
 
 log = logging.getLogger("bench.byzantine")
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)

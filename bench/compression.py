@@ -14,51 +14,54 @@ relative to the ``safetensors`` run of the same suite, and its all-in size: ever
 pushed update body (indices, scales, seeds and framing included) against 4 bytes per parameter
 per update. Stochastic codecs run with one codec seed by default; ``--seeds N`` averages N.
 
-    python bench/compression.py             # full sweep on sample data and DS-1000, ~4 min on 2 cores
-    python bench/compression.py --quick     # 3 codecs, 2 rounds, sample data only, ~15 s
-    python bench/compression.py --only randomk+terngrad terngrad --seeds 4
+    python -m bench.compression             # full sweep on sample data and DS-1000, ~4 min on 2 cores
+    python -m bench.compression --quick     # 3 codecs, 2 rounds, sample data only, ~15 s
+    python -m bench.compression --only randomk+terngrad terngrad --seeds 4
 
 Table on stdout, progress on stderr, results in bench/results/compression.json.
 """
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import logging
+import math
 import os
+import statistics
 import sys
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.common import (
+    RESULTS_DIR,
+    Domain,
+    Suite,
+    Task,
+    configure_logging,
+    format_table,
+    load_suites,
+    run_parallel,
+    running_coordinator,
+    write_json_atomic,
+)
+from bench.plots import plot_codec_bytes
+from compression import CODECS, CompressionError, Pipeline, make_codec
+from protocol.client import CoordinatorClient
+from protocol.errors import FedMoEError
+from protocol.schemas import RAW_CODEC
+from worker.encoding import CompressionSettings, UpdateEncoder
+from worker.evaluation import adapter_loss
+from worker.federation import FederatedWorker, SyncSettings
+from worker.models import load_base_model
+from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
 
 ROOT = Path(__file__).resolve().parents[1]
-# Run as a script, this file's own directory would head sys.path and shadow the `compression` package.
-sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != ROOT / "bench"]
-sys.path.insert(0, str(ROOT))
-for _var, _value in (("HF_HUB_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false"),
-                     ("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1"), ("HF_HUB_DISABLE_PROGRESS_BARS", "1")):
-    os.environ.setdefault(_var, _value)
-
-import argparse  # noqa: E402
-import dataclasses  # noqa: E402
-import logging  # noqa: E402
-import math  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-import warnings  # noqa: E402
-from collections.abc import Mapping, Sequence  # noqa: E402
-from dataclasses import asdict, dataclass, field  # noqa: E402
-from typing import Any  # noqa: E402
-
-import torch  # noqa: E402
-
-from bench.common import (RESULTS_DIR, Domain, Suite, Task, configure_logging, format_table,  # noqa: E402
-                          load_suites, run_parallel, running_coordinator, write_json_atomic)
-from bench.plots import plot_codec_bytes  # noqa: E402
-from compression import CODECS, CompressionError, Pipeline, make_codec  # noqa: E402
-from protocol.client import CoordinatorClient  # noqa: E402
-from protocol.errors import FedMoEError  # noqa: E402
-from protocol.schemas import RAW_CODEC  # noqa: E402
-from worker.encoding import CompressionSettings, UpdateEncoder  # noqa: E402
-from worker.evaluation import adapter_loss  # noqa: E402
-from worker.federation import FederatedWorker, SyncSettings  # noqa: E402
-from worker.models import load_base_model  # noqa: E402
-from worker.trainer import LoraSettings, LoraTrainer, TrainSettings  # noqa: E402
 
 log = logging.getLogger("bench.compression")
 # peft still asks transformers for is_gradient_checkpointing; the deprecation notice is not ours to act on.

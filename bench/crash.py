@@ -16,41 +16,36 @@ before the clients resume, is checked:
 
 Restart time is from spawning the process to the first answered /health.
 
-    python bench/crash.py                # 50 kills, ~2-3 min on 2 cores
-    python bench/crash.py --kills 5      # a quick look
+    python -m bench.crash                # 50 kills, ~2-3 min on 2 cores
+    python -m bench.crash --kills 5      # a quick look
 
 Table on stdout, progress on stderr, results in bench/results/crash.json.
 """
 from __future__ import annotations
 
-import os
+import argparse
+import hashlib
+import json
+import logging
+import random
+import statistics
 import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
+
+import requests
+import torch
+
+from bench.common import RESULTS_DIR, CoordinatorProcess, configure_logging, format_table, write_json_atomic
+from protocol.schemas import EXPERT_HEADER, UPDATE_HEADER
+from protocol.tensors import dumps, loads
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != ROOT / "bench"]
-sys.path.insert(0, str(ROOT))
-
-import argparse  # noqa: E402
-import hashlib  # noqa: E402
-import json  # noqa: E402
-import logging  # noqa: E402
-import random  # noqa: E402
-import statistics  # noqa: E402
-import tempfile  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Sequence  # noqa: E402
-from dataclasses import asdict, dataclass, field  # noqa: E402
-from typing import Any  # noqa: E402
-
-import requests  # noqa: E402
-import torch  # noqa: E402
-
-from bench.common import (  # noqa: E402
-    RESULTS_DIR, CoordinatorProcess, configure_logging, format_table, write_json_atomic)
-from protocol.schemas import EXPERT_HEADER, UPDATE_HEADER  # noqa: E402
-from protocol.tensors import dumps, loads  # noqa: E402
 
 log = logging.getLogger("bench.crash")
 RESULTS = RESULTS_DIR / "crash.json"

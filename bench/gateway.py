@@ -21,49 +21,39 @@ Splits, all by worker.data.split_examples (a stable hash of the prompt): held-ou
 split_examples(rest, 0.2); the experts train on hash >= 0.2. The router profiles only the
 training prompts.
 
-    python bench/gateway.py            # 60 s of training per expert, ~3.5 min on 2 cores
-    python bench/gateway.py --quick    # ~5 s per expert and no lam tuning, ~30 s
+    python -m bench.gateway            # 60 s of training per expert, ~3.5 min on 2 cores
+    python -m bench.gateway --quick    # ~5 s per expert and no lam tuning, ~30 s
 
 Table on stdout, progress on stderr, results in bench/results/gateway.json.
 """
 from __future__ import annotations
 
+import argparse
+import logging
+import math
 import os
+import statistics
 import sys
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from bench.common import write_json_atomic
+from gateway.lora import split_modules
+from gateway.merges import MERGES, merge
+from gateway.router import DEFAULT_THRESHOLD, route, text_profile
+from worker.data import IGNORE_INDEX, Example, encode_example, load_examples, sample_dataset_path, split_examples
+from worker.evaluation import adapter_loss
+from worker.models import BaseModel, load_base_model
+from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
 
 ROOT = Path(__file__).resolve().parents[1]
-# Run as a script, this file's own directory would head sys.path and shadow the `gateway` package.
-sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != ROOT / "bench"]
-sys.path.insert(0, str(ROOT))
-for _var, _value in (("HF_HUB_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false"),
-                     ("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1"), ("HF_HUB_DISABLE_PROGRESS_BARS", "1")):
-    os.environ.setdefault(_var, _value)
-
-import argparse  # noqa: E402
-
-import logging  # noqa: E402
-import math  # noqa: E402
-import statistics  # noqa: E402
-
-import time  # noqa: E402
-import warnings  # noqa: E402
-from collections.abc import Mapping, Sequence  # noqa: E402
-from dataclasses import asdict, dataclass  # noqa: E402
-from typing import Any  # noqa: E402
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from gateway.lora import split_modules  # noqa: E402
-from gateway.merges import MERGES, merge  # noqa: E402
-from gateway.router import DEFAULT_THRESHOLD, route, text_profile  # noqa: E402
-from bench.common import write_json_atomic  # noqa: E402
-from worker.data import IGNORE_INDEX, Example, encode_example, load_examples, sample_dataset_path, \
-    split_examples  # noqa: E402
-from worker.evaluation import adapter_loss  # noqa: E402
-from worker.models import BaseModel, load_base_model  # noqa: E402
-from worker.trainer import LoraSettings, LoraTrainer, TrainSettings  # noqa: E402
 
 log = logging.getLogger("bench.gateway")
 

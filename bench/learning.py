@@ -10,41 +10,42 @@ when ../shared/datasets/ds1000 is there, else the sample python_expert set.
 What to expect: accumulation and checkpointing take the fp32 step (equal losses up to rounding),
 bf16 lands close to it; tokens/s says what each option costs on this machine (2 shared cores).
 
-    python bench/learning.py            # smollm2-135m if installed: ~3 min on a quiet 2-core machine
-    python bench/learning.py --quick    # tiny-qwen2, 2 steps per option, seconds
+    python -m bench.learning            # smollm2-135m if installed: ~3 min on a quiet 2-core machine
+    python -m bench.learning --quick    # tiny-qwen2, 2 steps per option, seconds
 
 Table on stdout, progress on stderr, results in bench/results/learning.json.
 """
 from __future__ import annotations
 
+import argparse
+import importlib.util
+import logging
 import os
 import sys
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.common import (
+    DS1000_DIR,
+    RESULTS_DIR,
+    Domain,
+    configure_logging,
+    format_table,
+    load_domain,
+    sample_suite,
+    write_json_atomic,
+)
+from worker.models import load_base_model
+from worker.presets import RECOMMENDED_LR
+from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
 
 ROOT = Path(__file__).resolve().parents[1]
-# Run as a script, this file's own directory would head sys.path and shadow the `compression` package.
-sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != ROOT / "bench"]
-sys.path.insert(0, str(ROOT))
-for _var, _value in (("HF_HUB_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false"),
-                     ("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1"), ("HF_HUB_DISABLE_PROGRESS_BARS", "1")):
-    os.environ.setdefault(_var, _value)
-
-import argparse  # noqa: E402
-import importlib.util  # noqa: E402
-import logging  # noqa: E402
-import time  # noqa: E402
-import warnings  # noqa: E402
-from collections.abc import Sequence  # noqa: E402
-from dataclasses import asdict, dataclass, replace  # noqa: E402
-from typing import Any  # noqa: E402
-
-import torch  # noqa: E402
-
-from bench.common import (DS1000_DIR, RESULTS_DIR, Domain, configure_logging, format_table, load_domain,  # noqa: E402
-                          sample_suite, write_json_atomic)
-from worker.models import load_base_model  # noqa: E402
-from worker.presets import RECOMMENDED_LR  # noqa: E402
-from worker.trainer import LoraSettings, LoraTrainer, TrainSettings  # noqa: E402
 
 log = logging.getLogger("bench.learning")
 

@@ -14,43 +14,38 @@ expert's updates_applied + pending_updates and samples_seen are compared with th
 server knows (duplicated = counted more than once). Peak RSS is the kernel's high-water mark
 (VmHWM in /proc) of the coordinator's processes.
 
-    python bench/load.py                  # 100 workers x 2 pushes of Qwen2-0.5B LoRA r=8, int8, ~1-2 min
-    python bench/load.py --quick          # 8 workers, tiny-qwen2 shapes, K=2, ~10 s (the smoke test)
-    python bench/load.py --codec topk+int8 --rounds 5
+    python -m bench.load                  # 100 workers x 2 pushes of Qwen2-0.5B LoRA r=8, int8, ~1-2 min
+    python -m bench.load --quick          # 8 workers, tiny-qwen2 shapes, K=2, ~10 s (the smoke test)
+    python -m bench.load --codec topk+int8 --rounds 5
 
 Table on stdout, progress on stderr, results in bench/results/load.json.
 """
 from __future__ import annotations
 
-import os
+import argparse
+import logging
+import math
+import random
+import re
 import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.common import RESULTS_DIR, configure_logging, coordinator_process, format_table, write_json_atomic
+from compression import make_codec
+from compression.wire import encode_update
+from protocol.client import CoordinatorClient
+from protocol.errors import FedMoEError
+from protocol.tensors import Manifest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != ROOT / "bench"]
-sys.path.insert(0, str(ROOT))
-
-import argparse  # noqa: E402
-import logging  # noqa: E402
-import math  # noqa: E402
-import random  # noqa: E402
-import re  # noqa: E402
-import tempfile  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Sequence  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-from typing import Any  # noqa: E402
-
-import torch  # noqa: E402
-
-from bench.common import (  # noqa: E402
-    RESULTS_DIR, configure_logging, coordinator_process, format_table, write_json_atomic)
-from compression import make_codec  # noqa: E402
-from compression.wire import encode_update  # noqa: E402
-from protocol.client import CoordinatorClient  # noqa: E402
-from protocol.errors import FedMoEError  # noqa: E402
-from protocol.tensors import Manifest  # noqa: E402
 
 log = logging.getLogger("bench.load")
 RESULTS = RESULTS_DIR / "load.json"

@@ -22,43 +22,34 @@ thread: encoding, checkpoint, HTTP, decoding; the coordinator runs in its own pr
 ``blocked_pct`` is the share of the phase the training thread spent on syncs (snapshot, adopting
 the pull, waiting).
 
-    python bench/overhead.py                      # 4 rounds of 12 s phases, ~2 min
-    python bench/overhead.py --modes local overlap blocking --rounds 1
+    python -m bench.overhead                      # 4 rounds of 12 s phases, ~2 min
+    python -m bench.overhead --modes local overlap blocking --rounds 1
 
 Table on stdout, progress on stderr, results in bench/results/overhead.json.
 """
 from __future__ import annotations
 
-import os
+import argparse
+import logging
 import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.common import RESULTS_DIR, SCRATCH_DIR, configure_logging, coordinator_process, format_table, write_json_atomic
+from protocol.client import CoordinatorClient
+from worker.data import load_examples, sample_dataset_path, split_examples
+from worker.federation import FederatedWorker, SyncSettings
+from worker.models import load_base_model
+from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
 
 ROOT = Path(__file__).resolve().parents[1]
-# Run as a script, this file's own directory would head sys.path and shadow the `compression` package.
-sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != ROOT / "bench"]
-sys.path.insert(0, str(ROOT))
-for _var, _value in (("HF_HUB_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false"), ("OMP_NUM_THREADS", "1"),
-                     ("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1"), ("HF_HUB_DISABLE_PROGRESS_BARS", "1")):
-    os.environ.setdefault(_var, _value)
-
-import argparse  # noqa: E402
-import logging  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-import warnings  # noqa: E402
-from collections.abc import Sequence  # noqa: E402
-from dataclasses import asdict, dataclass, replace  # noqa: E402
-from typing import Any  # noqa: E402
-
-import torch  # noqa: E402
-
-from bench.common import (  # noqa: E402
-    RESULTS_DIR, SCRATCH_DIR, configure_logging, coordinator_process, format_table, write_json_atomic)
-from protocol.client import CoordinatorClient  # noqa: E402
-from worker.data import load_examples, sample_dataset_path, split_examples  # noqa: E402
-from worker.federation import FederatedWorker, SyncSettings  # noqa: E402
-from worker.models import load_base_model  # noqa: E402
-from worker.trainer import LoraSettings, LoraTrainer, TrainSettings  # noqa: E402
 
 log = logging.getLogger("bench.overhead")
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)

@@ -17,10 +17,10 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")  # before pyplot: render to files, never to a window
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
+import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
 
-from protocol.files import write_atomically  # noqa: E402
+from protocol.files import write_atomically
 
 DPI = 120
 

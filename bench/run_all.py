@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Run a group of benchmarks in turn; each prints its table and writes bench/results/<name>.json.
 
-    python bench/run_all.py              # performance: transport, aggregation, sync overhead, load (~8 min)
-    python bench/run_all.py --quality    # learning quality and robustness (~25 min on 2 cores)
-    python bench/run_all.py --all
+    python -m bench.run_all              # performance: transport, aggregation, sync overhead, load (~8 min)
+    python -m bench.run_all --quality    # learning quality and robustness (~25 min on 2 cores)
+    python -m bench.run_all --all
 
 `make bench` runs the first group, which must stay under 10 minutes on 2 cores; `make bench-quality`
 the second. Arguments after the flags are passed to every benchmark.
@@ -15,9 +15,9 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-PERFORMANCE = ("transport.py", "aggregation.py", "overhead.py", "load.py")
-QUALITY = ("compression.py", "gateway.py", "byzantine.py", "scaling.py", "learning.py", "crash.py")
+ROOT = Path(__file__).resolve().parents[1]
+PERFORMANCE = ("transport", "aggregation", "overhead", "load")
+QUALITY = ("compression", "gateway", "byzantine", "scaling", "learning", "crash")
 
 
 def main(argv: list[str]) -> int:
@@ -28,10 +28,10 @@ def main(argv: list[str]) -> int:
     failed = []
     started_all = time.monotonic()
     for name in group:
-        print(f"\n=== bench/{name} ===", flush=True)
+        print(f"\n=== bench.{name} ===", flush=True)
         started = time.monotonic()
-        code = subprocess.call([sys.executable, str(HERE / name), *argv])
-        print(f"=== bench/{name}: exit {code} after {time.monotonic() - started:.0f} s ===", flush=True)
+        code = subprocess.call([sys.executable, "-m", f"bench.{name}", *argv], cwd=ROOT)
+        print(f"=== bench.{name}: exit {code} after {time.monotonic() - started:.0f} s ===", flush=True)
         if code:
             failed.append(name)
     print(f"\n{len(group)} benchmark(s) in {time.monotonic() - started_all:.0f} s", flush=True)

@@ -14,38 +14,30 @@ sync overhead the share of that time spent in syncs (push, pull, and the ranks' 
 This machine has 2 cores, shared: more than two busy processes cannot add throughput here, so read
 the 4-worker row as the cost of oversubscription, not as a scaling limit of the system.
 
-    python bench/scaling.py            # ~2.5 min on 2 cores
-    python bench/scaling.py --quick    # 1 worker and 1 x 2 processes, a few seconds each
+    python -m bench.scaling            # ~2.5 min on 2 cores
+    python -m bench.scaling --quick    # 1 worker and 1 x 2 processes, a few seconds each
 
 Table on stdout, progress on stderr, results in bench/results/scaling.json.
 """
 from __future__ import annotations
 
+import argparse
+import json
+import logging
 import os
+import subprocess
 import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
+
+from bench.common import RESULTS_DIR, configure_logging, format_table, running_coordinator, write_json_atomic
+from protocol.client import CoordinatorClient
 
 ROOT = Path(__file__).resolve().parents[1]
-# Run as a script, this file's own directory would head sys.path and shadow the `compression` package.
-sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != ROOT / "bench"]
-sys.path.insert(0, str(ROOT))
-for _var, _value in (("HF_HUB_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false"),
-                     ("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1"), ("HF_HUB_DISABLE_PROGRESS_BARS", "1")):
-    os.environ.setdefault(_var, _value)
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import logging  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Sequence  # noqa: E402
-from dataclasses import asdict, dataclass  # noqa: E402
-from typing import Any  # noqa: E402
-
-from bench.common import (RESULTS_DIR, configure_logging, format_table, running_coordinator,  # noqa: E402
-                          write_json_atomic)
-from protocol.client import CoordinatorClient  # noqa: E402
 
 log = logging.getLogger("bench.scaling")
 

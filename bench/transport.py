@@ -15,44 +15,39 @@ is not what this measures). Every figure is a ratio to a baseline measured in th
 - ``rss_growth_per_model_size``: the coordinator process's peak RSS (sampled every 5 ms, and its
   VmHWM) during 8 concurrent pulls of the expert, minus its idle RSS, over the expert's size.
 
-    python bench/transport.py              # 1 GiB, about a minute
-    python bench/transport.py --size-mb 16 --repeats 1   # smoke test
+    python -m bench.transport              # 1 GiB, about a minute
+    python -m bench.transport --size-mb 16 --repeats 1   # smoke test
 
 Table on stdout, progress on stderr, results in bench/results/transport.json.
 """
 from __future__ import annotations
 
-import os
+import argparse
+import base64
+import logging
+import re
+import socket
 import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
+
+import numpy as np
+import requests
+import torch
+from flask import Flask, jsonify, request
+from werkzeug.serving import make_server
+
+from bench.common import RESULTS_DIR, SCRATCH_DIR, configure_logging, coordinator_process, format_table, write_json_atomic
+from protocol.client import CoordinatorClient
+from protocol.credentials import local_token
+from protocol.tensors import dumps
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != ROOT / "bench"]
-sys.path.insert(0, str(ROOT))
-
-import argparse  # noqa: E402
-import base64  # noqa: E402
-import logging  # noqa: E402
-import re  # noqa: E402
-import socket  # noqa: E402
-import tempfile  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-import uuid  # noqa: E402
-from collections.abc import Callable, Sequence  # noqa: E402
-from typing import Any  # noqa: E402
-
-import numpy as np  # noqa: E402
-import requests  # noqa: E402
-import torch  # noqa: E402
-from flask import Flask, jsonify, request  # noqa: E402
-from werkzeug.serving import make_server  # noqa: E402
-
-from bench.common import (  # noqa: E402
-    RESULTS_DIR, SCRATCH_DIR, configure_logging, coordinator_process, format_table, write_json_atomic)
-from protocol.client import CoordinatorClient  # noqa: E402
-from protocol.credentials import local_token  # noqa: E402
-from protocol.tensors import dumps  # noqa: E402
 
 log = logging.getLogger("bench.transport")
 MiB = 1 << 20

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "bench" / "byzantine.py"
+MODULE = "bench.byzantine"
 FIELDS = {"attack", "robust", "norm_check", "label", "workers", "eval_loss", "version", "pushed", "rejected",
           "seconds", "loss_vs_honest_pct", "within_target"}
 
@@ -17,7 +17,7 @@ FIELDS = {"attack", "robust", "norm_check", "label", "workers", "eval_loss", "ve
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory) -> tuple[dict, str, Path]:
     out = tmp_path_factory.mktemp("bench") / "byzantine.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(out)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", MODULE, "--quick", "--out", str(out)], cwd=ROOT,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text()), proc.stdout, out
@@ -43,7 +43,7 @@ def test_quick_run_writes_one_record_per_job(quick_run):
 
 
 def test_bad_flag_is_one_line(tmp_path):
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--rounds", "0", "--out", str(tmp_path / "x.json")],
+    proc = subprocess.run([sys.executable, "-m", MODULE, "--rounds", "0", "--out", str(tmp_path / "x.json")],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stderr.strip() == "error: --rounds must be at least 1, got 0"
     assert not (tmp_path / "x.json").exists()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "bench" / "compression.py"
+MODULE = "bench.compression"
 
 # tiny-qwen2 (hidden 128, 2 KV heads of 32, MLP 344, 2 layers) with rank-8 LoRA on all 7 projections:
 # per layer q 8*128+128*8, k and v 8*128+64*8, o 8*128+128*8, gate and up 8*128+344*8, down 8*344+128*8.
@@ -26,7 +26,7 @@ FIELDS = {"suite", "codec", "config", "ratio", "bits_per_param", "eval_loss", "e
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory) -> tuple[dict, str, Path]:
     out = tmp_path_factory.mktemp("bench") / "compression.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(out)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", MODULE, "--quick", "--out", str(out)], cwd=ROOT,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text()), proc.stdout, out

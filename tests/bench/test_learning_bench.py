@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "bench" / "learning.py"
+MODULE = "bench.learning"
 
 
 def test_quick_run_compares_every_option_with_fp32(tmp_path):
     out = tmp_path / "learning.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(out)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", MODULE, "--quick", "--out", str(out)], cwd=ROOT,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())

@@ -23,7 +23,7 @@ def test_manifest_shapes_follow_the_model_config():
 
 def test_quick_run_pushes_everything_once(tmp_path):
     out = tmp_path / "load.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "load.py"), "--quick", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "bench.load", "--quick", "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())

@@ -11,15 +11,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run(script: str, out: Path, *args: str) -> tuple[dict, str]:
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--out", str(out), *args], cwd=ROOT,
+def run(module: str, out: Path, *args: str) -> tuple[dict, str]:
+    proc = subprocess.run([sys.executable, "-m", f"bench.{module}", "--out", str(out), *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text()), proc.stdout
 
 
 def test_transport_smoke(tmp_path):
-    r, stdout = run("transport.py", tmp_path / "t.json", "--size-mb", "8", "--repeats", "1", "--concurrency", "2")
+    r, stdout = run("transport", tmp_path / "t.json", "--size-mb", "8", "--repeats", "1", "--concurrency", "2")
     # 16 tensors of 8 MiB / 16 float32 values each, plus the safetensors header
     assert 8 << 20 < r["size_bytes"] < (8 << 20) + 4096
     assert r["pull_vs_socket"] == pytest.approx(r["socket_seconds"] / r["pull_seconds"])
@@ -33,7 +33,7 @@ def test_transport_smoke(tmp_path):
 
 
 def test_aggregation_smoke(tmp_path):
-    r, stdout = run("aggregation.py", tmp_path / "a.json", "--size-mb", "2", "--repeats", "1")
+    r, stdout = run("aggregation", tmp_path / "a.json", "--size-mb", "2", "--repeats", "1")
     rules = {rec["rule"]: rec for rec in r["records"]}
     assert sorted(rules) == ["fedasync", "fedbuff"] and rules["fedbuff"]["updates_per_step"] == 3
     for rec in r["records"]:
