@@ -21,6 +21,8 @@ from compression.config import NoConfig
 from compression.errors import CompressionError, PayloadError
 
 Shape = tuple[int, ...]
+Payload = bytes | bytearray | memoryview
+"""What a codec decodes: any bytes-like object (a slice of a framed update is a memoryview)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +64,7 @@ class Codec(ABC):
         flat = tensor_to_flat(x)
         return self._encode(flat, check_seed(seed), check_shape(shape, flat.size))
 
-    def decode(self, payload: bytes, numel: int, shape: Shape | None = None) -> torch.Tensor:
+    def decode(self, payload: Payload, numel: int, shape: Shape | None = None) -> torch.Tensor:
         """Decode a payload into a flat float32 tensor of ``numel`` values."""
         numel = check_numel(numel)
         reader = Reader(check_bytes(payload))
@@ -71,7 +73,7 @@ class Codec(ABC):
         reader.finish(self.spec)
         return torch.from_numpy(finite_output(values, numel, self.spec))
 
-    def inspect(self, payload: bytes, numel: int, shape: Shape | None = None) -> PayloadStats:
+    def inspect(self, payload: Payload, numel: int, shape: Shape | None = None) -> PayloadStats:
         """Byte accounting for a payload this codec produced."""
         numel = check_numel(numel)
         return self._inspect(Reader(check_bytes(payload)), numel, check_shape(shape, numel))
@@ -145,7 +147,7 @@ def check_shape(shape: Any, numel: int) -> Shape:
     return dims
 
 
-def check_bytes(payload: Any) -> bytes | bytearray | memoryview:
+def check_bytes(payload: Any) -> Payload:
     if not isinstance(payload, (bytes, bytearray, memoryview)):
         raise CompressionError(f"payload must be bytes, got {type(payload).__name__}")
     return payload

@@ -18,6 +18,7 @@ def require_int(field: str, value: Any, low: int, high: int | None = None) -> No
     """Raise unless ``low <= value <= high`` and ``value`` is an int."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise CompressionError(f"{field} must be an integer, got {value!r}")
+    value = int(value)
     if value < low or (high is not None and value > high):
         bound = f"[{low}, {high}]" if high is not None else f">= {low}"
         raise CompressionError(f"{field} must be {bound}, got {value!r}")
@@ -30,6 +31,7 @@ def require_real(
     interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
         raise CompressionError(f"{field} must be a finite number in {interval}, got {value!r}")
+    value = float(value)
     too_low = value <= low if low_open else value < low
     too_high = value >= high if high_open else value > high
     if too_low or too_high:

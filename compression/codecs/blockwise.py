@@ -60,6 +60,7 @@ class Blockwise(Codec):
     """Shared machinery of the blockwise integer codecs."""
 
     config_class = BlockwiseConfig
+    config: BlockwiseConfig
     qmax: ClassVar[int]
     """Largest code magnitude: 127 for int8, 7 for int4."""
 

@@ -41,6 +41,7 @@ class Natural(Codec):
 
     name = "natural"
     config_class = NaturalConfig
+    config: NaturalConfig
 
     @property
     def powers(self) -> int:

@@ -50,6 +50,7 @@ class PowerSGD(Codec):
     name = "powersgd"
     kind = "lowrank"
     config_class = PowerSGDConfig
+    config: PowerSGDConfig
 
     def _encode(self, flat: np.ndarray, seed: int, shape: Shape) -> bytes:
         plan = low_rank_plan(shape, self.config.rank)

@@ -45,6 +45,7 @@ class QSGD(Codec):
 
     name = "qsgd"
     config_class = QSGDConfig
+    config: QSGDConfig
 
     @property
     def bits(self) -> int:

@@ -49,6 +49,7 @@ class RandomK(Sparsifier):
 
     name = "randomk"
     config_class = RandomKConfig
+    config: RandomKConfig
 
     def kept(self, numel: int) -> int:
         return min(numel, max(1, math.ceil(self.config.ratio * numel - 1e-9)))

@@ -32,6 +32,7 @@ class TernGrad(Codec):
 
     name = "terngrad"
     config_class = TernGradConfig
+    config: TernGradConfig
 
     def _encode(self, flat: np.ndarray, seed: int, shape: Shape) -> bytes:
         scale = np.float32(np.abs(flat).max(initial=0.0))

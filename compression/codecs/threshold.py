@@ -35,6 +35,7 @@ class Threshold(Sparsifier):
 
     name = "threshold"
     config_class = ThresholdConfig
+    config: ThresholdConfig
 
     def _select(self, flat: np.ndarray, seed: int) -> tuple[np.ndarray, bytes]:
         indices = np.flatnonzero(np.abs(flat) >= np.float32(self.config.threshold))

@@ -55,6 +55,7 @@ class TopK(Sparsifier):
 
     name = "topk"
     config_class = TopKConfig
+    config: TopKConfig
 
     def _select(self, flat: np.ndarray, seed: int) -> tuple[np.ndarray, bytes]:
         cfg = self.config
