@@ -38,6 +38,9 @@ def create_app(config: CoordinatorConfig | None = None) -> Flask:
 def _register_error_handlers(app: Flask) -> None:
     @app.errorhandler(FedMoEError)
     def domain_error(exc: FedMoEError) -> tuple[Response, int]:
+        authenticator = app.extensions.get("fedmoe_auth")
+        if authenticator is not None and exc.status in (401, 403):  # every refusal is audited, once
+            authenticator.record_refusal(exc)
         return jsonify(exc.to_json()), exc.status
 
     @app.errorhandler(HTTPException)
