@@ -12,6 +12,7 @@ so the norm check (``coordinator.norm_check``) has its reference after a restart
 from __future__ import annotations
 
 import json
+import logging
 import math
 import sqlite3
 import time
@@ -21,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from coordinator.norm_check import NormVerdict
     from protocol.schemas import UpdateMeta
+
+log = logging.getLogger(__name__)
 
 AUDIT_SCHEMA = """
 CREATE TABLE IF NOT EXISTS events (
@@ -73,6 +76,7 @@ def insert_event(db: sqlite3.Connection, event: Event) -> None:
                       _short(event.update_id), _storable(event.message[:1000]),
                       json.dumps(_finite(event.detail), default=str, allow_nan=False)))
     db.execute("DELETE FROM events WHERE id <= ?", (cur.lastrowid - EVENTS_KEPT,))
+    log.debug("%s: %s", event.kind, _storable(event.message))  # every decision, with --debug
 
 
 def query_events(db: sqlite3.Connection, limit: int, after: int | None = None, expert: str | None = None,
