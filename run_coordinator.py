@@ -18,8 +18,7 @@ from pathlib import Path
 # Light imports only: --help and flag errors must not wait for torch, Flask or gunicorn (main imports them).
 from coordinator.choices import AGGREGATION_NAMES, ROBUST_NAMES
 from coordinator.norm_check import NORM_CHECK_MODES
-from gateway.choices import MERGE_NAMES
-from gateway.router import DEFAULT_THRESHOLD
+from gateway.choices import DEFAULT_ROUTE_THRESHOLD, MERGE_NAMES
 from protocol.cli import add_common_flags, report_error, setup_logging
 
 
@@ -41,7 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="per-expert gateway weights (default: proportional to samples trained)")
     p.add_argument("--gateway-strategy", choices=MERGE_NAMES, default="weighted_average",
                    help="merge used for the gateway (default: %(default)s, exact)")
-    p.add_argument("--route-threshold", type=float, default=DEFAULT_THRESHOLD,
+    p.add_argument("--route-threshold", type=float, default=DEFAULT_ROUTE_THRESHOLD,
                    help="router confidence below which prompts go to the gateway (default: %(default)s)")
     p.add_argument("--max-body-mb", type=float, default=1024.0, help="largest accepted request body (default: %(default)s)")
     p.add_argument("--threads", type=int, default=16, help="request threads (default: %(default)s)")

@@ -170,7 +170,7 @@ class TokenStore:
 
     def owner(self, token: str | None) -> str | None:
         """The worker a worker token was issued to, valid or not (who a refused caller is), else None."""
-        if not token:
+        if not token or not token.startswith(PREFIX[WORKER]):  # a flood of junk tokens costs no lookup
             return None
         with self._db() as db:
             row = db.execute("SELECT worker_id FROM worker_tokens WHERE hash = ?", (token_hash(token),)).fetchone()

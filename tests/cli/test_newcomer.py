@@ -15,12 +15,12 @@ import pytest
 from coordinator.choices import AGGREGATION_NAMES, ROBUST_NAMES
 from coordinator.config import CoordinatorConfig
 from coordinator.hardening import announce, reachable_urls
-from gateway.choices import MERGE_NAMES
+from gateway.choices import DEFAULT_ROUTE_THRESHOLD, MERGE_NAMES
 from protocol.client import CoordinatorClient
 from tests.e2e.conftest import ROOT, env, start_coordinator  # noqa: F401 - a fixture
 from tests.helpers import expert_spec, make_adapter
 
-HEAVY = ("torch", "transformers", "flask", "gunicorn", "peft", "requests")
+HEAVY = ("torch", "transformers", "flask", "gunicorn", "peft", "requests", "numpy")
 
 
 def imported_by(script: str, *args: str) -> tuple[int, list[str]]:
@@ -48,9 +48,11 @@ def test_bad_choices_are_flag_errors_before_any_heavy_import():
 def test_the_light_name_lists_are_the_registries_keys():
     from coordinator.aggregation import AGGREGATORS, ROBUST_RULES
     from gateway.merges import MERGES
+    from gateway.router import DEFAULT_THRESHOLD
 
     assert set(AGGREGATION_NAMES) == set(AGGREGATORS) and set(ROBUST_NAMES) == set(ROBUST_RULES)
     assert list(MERGE_NAMES) == sorted(MERGES)
+    assert DEFAULT_ROUTE_THRESHOLD == DEFAULT_THRESHOLD
 
 
 def test_save_gateway_without_a_path_writes_gateway_model_npz_here(start_coordinator, tmp_path):  # noqa: F811
