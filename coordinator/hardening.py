@@ -66,7 +66,8 @@ def reachable_urls(url: str) -> tuple[str, str | None]:
     host, port = parts.hostname or "", parts.port
     if host in ("0.0.0.0", "::", ""):
         local = "[::1]" if host == "::" else "127.0.0.1"
-        return f"{parts.scheme}://{local}:{port}", f"{parts.scheme}://{_outward_address() or socket.gethostname()}:{port}"
+        outward = _outward_address() or socket.gethostname()
+        return f"{parts.scheme}://{local}:{port}", f"{parts.scheme}://{outward}:{port}"
     if host == "localhost" or host.startswith("127.") or host == "::1":
         return url, None
     return url, url

@@ -7,7 +7,7 @@ import time
 from protocol.integrity import DIGEST_HEADER, digest_header
 from protocol.schemas import UPDATE_HEADER, WORKER_HEADER
 from protocol.tensors import dumps
-from tests.coordinator.test_auth import BASE, bearer, error, join_token, push, put_expert, register
+from tests.coordinator.test_auth import BASE, error, join_token, push, put_expert, register
 from tests.helpers import make_adapter, update_meta
 
 
