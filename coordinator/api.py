@@ -110,6 +110,7 @@ def list_experts() -> Response:
 def create_expert(name: str) -> tuple[Response, int]:
     check_name(name, "expert name")
     spec = ExpertSpec.from_json(parse_header_json(request.headers.get(EXPERT_HEADER), EXPERT_HEADER))
+    spec = replace(spec, worker_id=acting_worker(spec.worker_id, f"worker_id in {EXPERT_HEADER}"))
     info, created = coordinator().create_expert(name, spec, receive_body())
     return jsonify(info), 201 if created else 200
 

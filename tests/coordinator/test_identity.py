@@ -5,10 +5,10 @@ import json
 import time
 
 from protocol.integrity import DIGEST_HEADER, digest_header
-from protocol.schemas import UPDATE_HEADER, WORKER_HEADER
+from protocol.schemas import EXPERT_HEADER, UPDATE_HEADER, WORKER_HEADER
 from protocol.tensors import dumps
 from tests.coordinator.test_auth import BASE, error, join_token, push, put_expert, register
-from tests.helpers import make_adapter, update_meta
+from tests.helpers import expert_spec, make_adapter, update_meta
 
 
 def events(app, **params) -> list[dict]:
@@ -135,3 +135,17 @@ def test_refusals_before_the_view_are_logged_throttled_per_caller(make_app):
         ("w1", 429, "worker")
     assert refused[-1]["worker_id"] is None and refused[-1]["detail"]["role"] == "unknown"
     assert json.dumps(refused)  # every row reads back as JSON
+
+
+def test_the_creator_of_an_expert_is_the_tokens_worker(make_app):
+    app = make_app()
+    register(app, "w2", "e")
+    worker = app.test_client(token=register(app, "w1", "e"))
+    spec = expert_spec() | {"worker_id": "w2"}
+    body = dumps(make_adapter())
+    headers = {EXPERT_HEADER: json.dumps(spec), DIGEST_HEADER: digest_header(body)}
+    r = worker.put("/api/v1/experts/e", data=body, headers=headers)
+    assert error(r) == (403, "forbidden") and EXPERT_HEADER in r.get_json()["error"]["message"]
+    assert put_expert(worker, "e").status_code == 201  # no worker_id in the spec: the token's is stored
+    stored = app.extensions["fedmoe"].db.expert("e").spec
+    assert stored["worker_id"] == "w1"
