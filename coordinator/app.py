@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
-from flask import Flask, Response, jsonify, send_from_directory
+from flask import Flask, Response, g, jsonify, request, send_from_directory
 from werkzeug.exceptions import HTTPException
 
 from coordinator import auth
@@ -26,6 +27,7 @@ def create_app(config: CoordinatorConfig | None = None) -> Flask:
     coordinator = Coordinator(config)
     app.extensions["fedmoe"] = coordinator
     app.register_blueprint(api_bp)
+    _log_requests_at_debug(app)  # before auth's hook, so refused requests are timed and logged too
     auth.install(app, config)
     metrics = CoordinatorMetrics(coordinator)
     coordinator.on_aggregated = metrics.aggregation.observe
@@ -35,9 +37,28 @@ def create_app(config: CoordinatorConfig | None = None) -> Flask:
     return app
 
 
+def _log_requests_at_debug(app: Flask) -> None:
+    """One DEBUG line per request (run_coordinator.py --debug): method, path, status, caller, time taken."""
+    @app.before_request
+    def start_clock() -> None:
+        g.started = time.perf_counter()
+
+    @app.after_request
+    def log_request(response: Response) -> Response:
+        if log.isEnabledFor(logging.DEBUG):
+            caller = g.get("principal") or g.get("caller")
+            who = "-" if caller is None else caller.worker_id or caller.role
+            log.debug("%s %s -> %d (%s, %.1f ms)", request.method, request.path, response.status_code, who,
+                      1000 * (time.perf_counter() - g.get("started", time.perf_counter())))
+        return response
+
+
 def _register_error_handlers(app: Flask) -> None:
     @app.errorhandler(FedMoEError)
     def domain_error(exc: FedMoEError) -> tuple[Response, int]:
+        authenticator = app.extensions.get("fedmoe_auth")
+        if authenticator is not None and exc.status in (401, 403):  # every refusal is audited, once
+            authenticator.record_refusal(exc)
         return jsonify(exc.to_json()), exc.status
 
     @app.errorhandler(HTTPException)

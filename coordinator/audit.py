@@ -12,6 +12,7 @@ so the norm check (``coordinator.norm_check``) has its reference after a restart
 from __future__ import annotations
 
 import json
+import logging
 import math
 import sqlite3
 import time
@@ -21,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from coordinator.norm_check import NormVerdict
     from protocol.schemas import UpdateMeta
+
+log = logging.getLogger(__name__)
 
 AUDIT_SCHEMA = """
 CREATE TABLE IF NOT EXISTS events (
@@ -50,7 +53,7 @@ NORMS_KEPT = 256
 _TEXT_LIMIT = 200  # worker ids from unparsed headers are attacker-chosen: keep rows small
 
 KINDS = ("expert_created", "worker_registered", "update_accepted", "update_duplicate", "update_rejected",
-         "update_clipped", "version_applied")
+         "update_clipped", "version_applied", "request_refused")
 
 
 @dataclass(frozen=True)
@@ -70,9 +73,10 @@ def insert_event(db: sqlite3.Connection, event: Event) -> None:
     cur = db.execute("INSERT INTO events (time, kind, expert, worker_id, update_id, message, detail) "
                      "VALUES (?, ?, ?, ?, ?, ?, ?)",
                      (time.time(), event.kind, _short(event.expert), _short(event.worker_id),
-                      _short(event.update_id), event.message[:1000],
+                      _short(event.update_id), _storable(event.message[:1000]),
                       json.dumps(_finite(event.detail), default=str, allow_nan=False)))
     db.execute("DELETE FROM events WHERE id <= ?", (cur.lastrowid - EVENTS_KEPT,))
+    log.debug("%s: %s", event.kind, _storable(event.message))  # every decision, with --debug
 
 
 def query_events(db: sqlite3.Connection, limit: int, after: int | None = None, expert: str | None = None,
@@ -114,7 +118,13 @@ def _finite(value: Any) -> Any:
 
 
 def _short(text: str | None) -> str | None:
-    return None if text is None else str(text)[:_TEXT_LIMIT]
+    return None if text is None else _storable(str(text)[:_TEXT_LIMIT])
+
+
+def _storable(text: str) -> str:
+    """``text`` as valid UTF-8: a lone surrogate from a JSON header ("\\ud800") cannot be stored in
+    SQLite and would lose the whole row, so it is kept as its escape."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 # the events the coordinator writes -----------------------------------------------------------
@@ -161,19 +171,34 @@ def version_applied(name: str, version: int, update_ids: list[str], staleness: l
 
 
 def rejection_event(expert: str, status: int, code: str, message: str, details: dict[str, Any],
-                    update_header: str | None, worker_header: str | None, remote_addr: str | None) -> Event:
+                    update_header: str | None, worker_header: str | None, remote_addr: str | None,
+                    caller: str | None = None) -> Event:
     """The event for a refused push, built from whatever of the request could be read.
 
-    Who: the worker_id in the update metadata header if it parses, else the X-FedMoE-Worker
-    header, else the remote address (the request may be refused precisely because it is garbage).
+    Who: ``caller`` (the worker its token names) if known; else (admin, or auth off) the worker_id
+    in the update metadata header if it parses, else the X-FedMoE-Worker header, else the remote
+    address (the request may be refused precisely because it is garbage). A claimed worker id that
+    is not the caller's stays in the detail as ``claimed_worker_id``.
     """
-    worker_id, update_id = _ids_from_header(update_header)
-    who = worker_id or worker_header or remote_addr
+    claimed, update_id = _ids_from_header(update_header)
+    who = caller or claimed or worker_header or remote_addr
+    if caller is not None and claimed not in (None, caller):
+        details = {**details, "claimed_worker_id": claimed}
     reason = str(details.get("reason", code))
     return Event("update_rejected", f"update {update_id or '(no id)'} from {who or 'unknown'} rejected "
                  f"({status} {reason}): {message}", expert=expert, worker_id=who, update_id=update_id,
                  detail={**details, "reason": reason, "status": status, "error": message[:500],
                          "remote_addr": remote_addr})
+
+
+def refusal_event(status: int, code: str, message: str, method: str, path: str, expert: str | None,
+                  worker_id: str | None, role: str, remote_addr: str | None) -> Event:
+    """A request refused by authentication, authorization or the rate limit (401, 403, 429)."""
+    who = worker_id or f"{role}@{remote_addr}"
+    return Event("request_refused", f"{method} {path} from {who} refused ({status} {code}): {message}",
+                 expert=expert, worker_id=worker_id,
+                 detail={"status": status, "reason": code, "role": role, "method": method, "path": path[:200],
+                         "error": message[:500], "remote_addr": remote_addr})
 
 
 def _ids_from_header(raw: str | None) -> tuple[str | None, str | None]:

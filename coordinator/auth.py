@@ -3,7 +3,8 @@
 Each endpoint needs one of these (README, "Security", has the table):
 
 - ``public``: anyone (health check, the dashboard page itself; it asks for a token to read data).
-- ``join``: the join token or admin (registering a worker).
+- ``join``: the join token or admin (registering a worker); also a worker's own token, expired or
+  not, to renew it. The join token cannot register an id that is active (``coordinator.tokens``).
 - ``read``: any valid token (metadata: experts, workers, gateway info, metrics, routing).
 - ``expert``: a worker token of that expert's specialty, or admin (create it, push, pull its
   weights, send profiles). Where the path names a worker, the token must be that worker's.
@@ -13,20 +14,28 @@ Each endpoint needs one of these (README, "Security", has the table):
 Endpoints not in the table (added later) need ``read`` for GET/HEAD and ``admin`` otherwise, so
 a new endpoint is never open by accident. Then the rate limiter: per worker for worker tokens,
 per client address for the join token, none for the admin.
+
+Who a worker is comes from its token, never from request fields: a worker token's pushes and
+pulls are recorded under its worker id, and a worker id in the metadata or the X-FedMoE-Worker
+header that differs is a 403. Every refusal here (401, 403, 429) goes to the audit log under
+the caller (the token's worker, the join token's address, or unknown), throttled per caller so a
+flood of bad requests cannot push the real history out of the bounded log.
 """
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any
 
 from flask import Blueprint, Flask, Response, current_app, g, jsonify, request
 from flask.testing import FlaskClient
 
+from coordinator.audit import Event, refusal_event, rejection_event
 from coordinator.config import CoordinatorConfig
 from coordinator.ratelimit import RateLimiter
 from coordinator.tokens import ADMIN, JOIN, WORKER, Principal, TokenStore
-from protocol.errors import Forbidden, TooManyRequests
-from protocol.schemas import API_PREFIX
+from protocol.errors import FedMoEError, Forbidden, TooManyRequests, Unauthorized
+from protocol.schemas import API_PREFIX, UPDATE_HEADER, WORKER_HEADER
 
 PUBLIC, JOIN_ONLY, READ, EXPERT, SELF, ADMIN_ONLY = "public", "join", "read", "expert", "self", "admin"
 RULES: dict[str, str] = {
@@ -44,10 +53,41 @@ ADMIN_PRINCIPAL = Principal(ADMIN)
 bp = Blueprint("auth", __name__, url_prefix=API_PREFIX)
 
 
+REFUSALS_LOGGED_PER_CALLER = 6.0
+"""Audit rows per minute for one caller's refused requests; the rest are counted into its next row."""
+REFUSALS_LOGGED = 120.0
+"""Audit rows per minute for refused requests of all callers together."""
+
+
+class RefusalLog:
+    """Writes refusals to the audit log, at most so many a minute per caller and overall."""
+
+    def __init__(self) -> None:
+        self.per_caller = RateLimiter(REFUSALS_LOGGED_PER_CALLER)
+        self.overall = RateLimiter(REFUSALS_LOGGED)
+        self._unlogged: dict[str, int] = {}  # caller -> refusals not written since its last row
+        self._lock = threading.Lock()
+
+    def record(self, caller_key: str, event: Event) -> None:
+        from coordinator.api import coordinator
+
+        with self._lock:
+            if len(self._unlogged) > 10_000:  # keys include client addresses: keep the table bounded
+                self._unlogged.clear()
+            if self.per_caller.acquire(caller_key) > 0 or self.overall.acquire("*") > 0:
+                self._unlogged[caller_key] = self._unlogged.get(caller_key, 0) + 1
+                return
+            skipped = self._unlogged.pop(caller_key, 0)
+        if skipped:
+            event.detail["not_logged_before"] = skipped
+        coordinator().record_event(event)
+
+
 class Authenticator:
     def __init__(self, config: CoordinatorConfig) -> None:
         self.tokens = TokenStore(config.data_dir, config.admin_token_file, config.token_ttl_hours * 3600)
         self.limiter = RateLimiter(config.rate_limit) if config.rate_limit else None
+        self.refusals = RefusalLog()
 
     @property
     def admin_token(self) -> str:
@@ -60,16 +100,41 @@ class Authenticator:
         rule = RULES.get(request.endpoint) or (READ if request.method in ("GET", "HEAD") else ADMIN_ONLY)
         if rule == PUBLIC:
             return None
-        principal = self.tokens.authenticate(bearer_token())
-        _authorize(principal, rule, request.view_args or {})
-        g.principal = principal
-        if principal.role != ADMIN and self.limiter is not None:
+        caller = g.caller = self.tokens.authenticate(bearer_token(), allow_expired=rule == JOIN_ONLY)  # expired: renew
+        _authorize(caller, rule, request.view_args or {})
+        g.principal = caller
+        if caller.role != ADMIN and self.limiter is not None:
             # per worker; join-token calls (registrations, reads) per client address
-            key = principal.worker_id if principal.role == WORKER else f"join@{request.remote_addr}"
+            key = caller.worker_id if caller.role == WORKER else f"join@{request.remote_addr}"
             wait = self.limiter.acquire(key or "")
             if wait > 0:
-                return _too_many(key or "", wait)
+                response, exc = _too_many(key or "", wait)
+                self.record_refusal(exc)
+                return response
         return None
+
+    def record_refusal(self, exc: FedMoEError) -> None:
+        """Audit a refused request (the app's error handler calls this for every 401 and 403).
+
+        Who: the authenticated caller, else the worker an expired or revoked token belongs to, else
+        the client address. A refused push becomes an update_rejected row, like the view's own.
+        """
+        if g.get("audited"):
+            return
+        g.audited = True
+        caller: Principal | None = g.get("caller")
+        worker_id = caller.worker_id if caller is not None else self.tokens.owner(bearer_token())
+        role = caller.role if caller is not None else ("worker" if worker_id else "unknown")
+        who = worker_id or f"{role}@{request.remote_addr}"
+        args = request.view_args or {}
+        if request.endpoint == "api.push_update":
+            event = rejection_event(str(args.get("name")), exc.status, exc.code, exc.message, exc.details,
+                                    request.headers.get(UPDATE_HEADER), request.headers.get(WORKER_HEADER),
+                                    request.remote_addr, caller=who)
+        else:
+            event = refusal_event(exc.status, exc.code, exc.message, request.method, request.path,
+                                  args.get("name"), worker_id, role, request.remote_addr)
+        self.refusals.record(who, event)
 
 
 def bearer_token() -> str | None:
@@ -82,10 +147,10 @@ def bearer_token() -> str | None:
 def _authorize(p: Principal, rule: str, args: dict[str, Any]) -> None:
     if p.role == ADMIN:
         return
-    if rule == JOIN_ONLY:
-        if p.role != JOIN:
-            raise Forbidden("registering a worker needs the join token (or the admin token)")
+    if rule == JOIN_ONLY:  # a worker token may renew itself: check_may_register, in the view
         return
+    if p.expired:  # never reached: only JOIN_ONLY authenticates with allow_expired
+        raise Unauthorized(f"the token of worker {p.worker_id!r} expired", reason="expired")
     if rule == READ:
         return
     if p.role == JOIN:
@@ -100,14 +165,14 @@ def _authorize(p: Principal, rule: str, args: dict[str, Any]) -> None:
                         f"not {args.get('name')!r}")
 
 
-def _too_many(key: str, wait: float) -> Response:
+def _too_many(key: str, wait: float) -> tuple[Response, TooManyRequests]:
     retry_after = max(1, math.ceil(wait))
     error = TooManyRequests(f"{key!r} is over the coordinator's --rate-limit; retry in {retry_after} s",
                             retry_after=retry_after)
     response = jsonify(error.to_json())
     response.status_code = error.status
     response.headers["Retry-After"] = str(retry_after)
-    return response
+    return response, error
 
 
 def principal() -> Principal:
@@ -119,11 +184,28 @@ def authenticator() -> Authenticator | None:
     return current_app.extensions.get("fedmoe_auth")
 
 
-def check_acts_as(worker_id: str | None) -> None:
-    """A worker token may only speak for its own worker (e.g. the worker_id in a push's metadata)."""
+def acting_worker(claimed: str | None, field: str) -> str | None:
+    """The worker a request is recorded under: a worker token's own id (a different ``claimed`` id,
+    from the request's ``field``, is a 403), else the claimed one (admin, or auth off)."""
     p = principal()
-    if p.role == WORKER and worker_id is not None and worker_id != p.worker_id:
-        raise Forbidden(f"a token of worker {p.worker_id!r} cannot act for worker {worker_id!r}")
+    if p.role != WORKER:
+        return claimed
+    if claimed is not None and claimed != p.worker_id:
+        raise Forbidden(f"a token of worker {p.worker_id!r} cannot act for worker {claimed!r} ({field})")
+    return p.worker_id
+
+
+def check_may_register(worker_id: str, specialty: str) -> None:
+    """Forbidden unless the caller may (re-)register this worker id (``coordinator.tokens``)."""
+    auth = authenticator()
+    if auth is not None:
+        auth.tokens.check_may_register(principal(), worker_id, specialty)
+
+
+def issue_token(worker_id: str, specialty: str) -> dict[str, object]:
+    """A new worker token (``{}`` with auth off), checked once more against concurrent registrations."""
+    auth = authenticator()
+    return auth.tokens.issue(worker_id, specialty, principal()) if auth is not None else {}
 
 
 @bp.delete("/workers/<worker_id>")

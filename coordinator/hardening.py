@@ -13,6 +13,7 @@ import socket
 import ssl
 import struct
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from coordinator.config import CoordinatorConfig
 
@@ -55,14 +56,51 @@ def check_tls_files(cert: Path | None, key: Path | None) -> None:
             from None
 
 
+def reachable_urls(url: str) -> tuple[str, str | None]:
+    """(URL for clients on this machine, URL for other machines or None) of a server bound as ``url``.
+
+    A wildcard bind (0.0.0.0, ::) is no address to connect to: this machine uses loopback, others
+    this host's outward address (or its name). A loopback bind cannot be reached from elsewhere.
+    """
+    parts = urlsplit(url)
+    host, port = parts.hostname or "", parts.port
+    if host in ("0.0.0.0", "::", ""):
+        local = "[::1]" if host == "::" else "127.0.0.1"
+        outward = _outward_address() or socket.gethostname()
+        return f"{parts.scheme}://{local}:{port}", f"{parts.scheme}://{outward}:{port}"
+    if host == "localhost" or host.startswith("127.") or host == "::1":
+        return url, None
+    return url, url
+
+
+def _outward_address() -> str | None:
+    """The IPv4 address this host would use toward other networks (a UDP connect sends no packet)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(("10.254.254.254", 9))
+            address = probe.getsockname()[0]
+    except OSError:
+        return None
+    return None if address.startswith("127.") or address == "0.0.0.0" else address
+
+
 def announce(config: CoordinatorConfig, url: str) -> None:
-    """Tell the operator how workers on other machines join (never the token itself)."""
+    """Tell the operator how workers join, with addresses they can connect to (never the token itself)."""
+    local, remote = reachable_urls(url)
     if not config.auth:
         log.warning("--no-auth: anyone who can reach %s can push, pull and revoke; use only on a trusted network",
-                    url)
-        return
-    join_file = config.data_dir / "join_token"
-    log.info("workers on this machine need no token; on other machines run: FEDMOE_TOKEN=$(cat %s) "
-             "python run_worker.py --coordinator-url %s --specialty NAME (copy the file's content there)",
-             join_file.resolve(), url)
-    log.info("dashboard: open %s/#token=<content of %s>", url, join_file.resolve())
+                    remote or local)
+    run = "python run_worker.py --coordinator-url %s --specialty NAME"
+    log.info("workers on this machine: " + run + "%s", local, "" if not config.auth else " (no token needed)")
+    join_file = (config.data_dir / "join_token").resolve()
+    if remote is None:
+        log.info("listening on loopback only: other machines cannot connect (use --host 0.0.0.0 for them)")
+    elif config.auth:
+        log.info("on other machines: FEDMOE_TOKEN=$(cat %s) " + run + " (copy the file's content there)",
+                 join_file, remote)
+    else:
+        log.info("on other machines: " + run, remote)
+    if config.auth:
+        log.info("dashboard: open %s/#token=<content of %s>", local, join_file)
+    else:
+        log.info("dashboard: open %s/", local)

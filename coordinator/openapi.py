@@ -160,7 +160,8 @@ _api: dict[str, Any] = {
                 "responses": {"200": _json({"type": "object", "required": ["workers"],
                                             "properties": {"workers": {"type": "array", "items": _ref("Worker")}}},
                                            "All workers.")}},
-        "post": {"operationId": "registerWorker", "summary": "Register (or re-register) a worker.",
+        "post": {"operationId": "registerWorker",
+                 "summary": "Register a worker; with its own (even expired) token, renew it (docs/identity.md).",
                  "requestBody": {"required": True, "content": {"application/json": {"schema": {
                      "type": "object", "required": ["worker_id", "specialty", "base_model"],
                      "properties": {"worker_id": {"type": "string", "pattern": NAME_PATTERN},
@@ -170,6 +171,8 @@ _api: dict[str, Any] = {
                  "responses": {"200": _json({"type": "object", "required": ["worker_id", "specialty", "expert"]},
                                             "Registered; ``expert`` is the expert's info or null."),
                                "400": BAD_REQUEST,
+                               "403": _error("The worker id is active (needs its own token or admin), revoked, "
+                                             "or the token is another worker's."),
                                "409": _error("The worker's base model differs from the expert's.")}},
     },
     "/workers/{worker_id}": {"delete": {
@@ -209,10 +212,12 @@ _api: dict[str, Any] = {
                        _query("codec", {"type": "string"}, "Codec of the difference (default fp16)."),
                        _json_param("codec_config", "query", {"type": "object"}, "Codec options as a JSON object."),
                        _header("If-None-Match", "ETag held by the caller."),
-                       _header(WORKER_HEADER, "Worker id, to count bytes per worker.")],
+                       _header(WORKER_HEADER, "Worker id, to count bytes per worker; with a worker token, "
+                                              "it must be the token's (the token's worker is counted anyway).")],
         "responses": {"200": _bytes("Weights or difference.", VERSION_HEADERS),
                       "304": {"description": "Unchanged since the ETag or version held."},
-                      "400": BAD_REQUEST, "404": NOT_FOUND}}},
+                      "400": BAD_REQUEST, "403": _error("X-FedMoE-Worker names another worker than the token's."),
+                      "404": NOT_FOUND}}},
     "/experts/{name}/updates": {"post": {
         "operationId": "pushUpdate", "summary": "Push a compressed delta; 202 once durable, 200 for a retry.",
         "parameters": [EXPERT_NAME, _json_param(UPDATE_HEADER, "header", _ref("UpdateMeta"), "The update's metadata.")],

@@ -5,7 +5,11 @@
 - The **join** token only registers workers. It lives in ``<data dir>/join_token`` (mode 0600);
   the operator hands it to the machines that may join. Delete it and restart to rotate it.
 - A **worker** token is what registering returns: bound to one worker id and its specialty,
-  valid for ``token_ttl`` seconds (a worker re-registers with its join token to renew).
+  valid for ``token_ttl`` seconds. A worker renews it by registering again with that token, even
+  once it has expired (the newest token of each worker is kept for this); the client keeps it in
+  the per-user config dir (``protocol.credentials``), so a restarted worker renews the same way.
+  While a worker id holds an unexpired token it is *active*: the join token cannot register it
+  again (that would hand a stranger a token acting as it); only its own token or the admin can.
 
 Tokens are 32 random bytes (URL-safe base64) with a prefix that says the role. The coordinator
 keeps only SHA-256 hashes: admin and join hashes in memory (their files are the operator's
@@ -58,6 +62,8 @@ class Principal:
     """admin, join or worker."""
     worker_id: str | None = None
     specialty: str | None = None
+    expired: bool = False
+    """A worker token past its expiry: good for renewing it (registering again), nothing else."""
 
 
 def new_token(role: str) -> str:
@@ -106,6 +112,7 @@ class TokenStore:
         # in-memory revoked set, which revoke() updates before anything else.
         self._valid: dict[str, tuple[Principal, float]] = {}
         self._valid_lock = threading.Lock()
+        self._issue_lock = threading.Lock()
         with self._db() as db:
             db.executescript(SCHEMA)
             self._revoked = {r[0] for r in db.execute("SELECT worker_id FROM revoked_workers")}
@@ -119,8 +126,11 @@ class TokenStore:
         finally:
             db.close()
 
-    def authenticate(self, token: str | None) -> Principal:
-        """The caller behind ``token``, or Unauthorized saying what is wrong with it."""
+    def authenticate(self, token: str | None, allow_expired: bool = False) -> Principal:
+        """The caller behind ``token``, or Unauthorized saying what is wrong with it.
+
+        ``allow_expired``: an expired (not revoked) worker token is returned with ``expired=True``.
+        """
         if not token:
             raise Unauthorized("this endpoint needs a token: send 'Authorization: Bearer <token>' "
                                "(workers: --token or FEDMOE_TOKEN)")
@@ -142,7 +152,10 @@ class TokenStore:
         if revoked_at is not None:
             raise Unauthorized(f"worker {worker_id!r} was revoked by an admin", reason="revoked")
         if expires_at <= time.time():
-            raise Unauthorized(f"the token of worker {worker_id!r} expired; register again with the join token",
+            if allow_expired:
+                return Principal(WORKER, worker_id, specialty, expired=True)
+            raise Unauthorized(f"the token of worker {worker_id!r} expired; register again (with this token, "
+                               "or the join token once no token of this worker is valid)",
                                reason="expired")
         principal = Principal(WORKER, worker_id, specialty)
         with self._valid_lock:
@@ -155,12 +168,51 @@ class TokenStore:
         if worker_id in self._revoked:
             raise Forbidden(f"worker {worker_id!r} was revoked by an admin and cannot register again")
 
-    def issue(self, worker_id: str, specialty: str) -> dict[str, object]:
-        """A new token for this worker and specialty; expired tokens are dropped on the way."""
-        self.check_not_revoked(worker_id)
-        token, now = new_token(WORKER), time.time()
+    def owner(self, token: str | None) -> str | None:
+        """The worker a worker token was issued to, valid or not (who a refused caller is), else None."""
+        if not token or not token.startswith(PREFIX[WORKER]):  # a flood of junk tokens costs no lookup
+            return None
         with self._db() as db:
-            db.execute("DELETE FROM worker_tokens WHERE expires_at <= ?", (now,))
+            row = db.execute("SELECT worker_id FROM worker_tokens WHERE hash = ?", (token_hash(token),)).fetchone()
+        return row[0] if row else None
+
+    def active_until(self, worker_id: str) -> float | None:
+        """When the last unexpired token of ``worker_id`` expires; None if it holds none (not active)."""
+        with self._db() as db:
+            (until,) = db.execute("SELECT MAX(expires_at) FROM worker_tokens WHERE worker_id = ?",
+                                  (worker_id,)).fetchone()
+        return until if until is not None and until > time.time() else None
+
+    def check_may_register(self, caller: Principal, worker_id: str, specialty: str) -> None:
+        """Forbidden unless ``caller`` may register ``worker_id`` for ``specialty`` (module docstring)."""
+        self.check_not_revoked(worker_id)
+        if caller.role == ADMIN:
+            return
+        if caller.role == WORKER:
+            if caller.worker_id != worker_id:
+                raise Forbidden(f"a token of worker {caller.worker_id!r} can only renew itself, not register "
+                                f"{worker_id!r}; register new workers with the join token")
+            if caller.specialty != specialty:
+                raise Forbidden(f"the token of worker {worker_id!r} is for expert {caller.specialty!r}, not "
+                                f"{specialty!r}; use another --worker-id for another specialty")
+            return
+        until = self.active_until(worker_id)
+        if until is not None:
+            raise Forbidden(f"worker id {worker_id!r} is in use (it holds a token valid until "
+                            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(until))}); only its own token "
+                            "(a restarted worker's client keeps it under ~/.config/fedmoe) or the admin can register "
+                            "it again: start this worker with another --worker-id", reason="worker_id_in_use")
+
+    def issue(self, worker_id: str, specialty: str, caller: Principal = Principal(ADMIN)) -> dict[str, object]:
+        """A new token for this worker and specialty, if ``caller`` may register it.
+
+        Expired tokens are dropped on the way, except each worker's newest: that one may still renew.
+        """
+        token, now = new_token(WORKER), time.time()
+        with self._issue_lock, self._db() as db:  # two joins of one new id: the second sees the first's token
+            self.check_may_register(caller, worker_id, specialty)
+            db.execute("DELETE FROM worker_tokens WHERE expires_at <= ? AND issued_at < (SELECT MAX(t.issued_at) "
+                       "FROM worker_tokens t WHERE t.worker_id = worker_tokens.worker_id)", (now,))
             db.execute("INSERT INTO worker_tokens VALUES (?, ?, ?, ?, ?)",
                        (token_hash(token), worker_id, specialty, now, now + self.token_ttl))
         return {"token": token, "token_expires_at": now + self.token_ttl}

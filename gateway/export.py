@@ -18,6 +18,7 @@ import math
 import os
 import shutil
 import tempfile
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dic
 from safetensors.torch import save_file
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
 
 from gateway.errors import GatewayError, MergeError
 from gateway.lora import split_modules
@@ -97,13 +99,32 @@ def _parse_lora(lora: Mapping[str, Any]) -> tuple[int, float, list[str]]:
     return rank, float(alpha), list(targets)
 
 
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """No progress bars ("Writing model shards") and no deprecation notice that is not the user's to act on.
+
+    peft asks transformers for ``is_gradient_checkpointing``, which transformers 5 deprecates with a
+    FutureWarning on every export and --generate; the bars are noise in a command whose output is one line.
+    """
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            yield
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
 def attach_adapter(
     model: PreTrainedModel, tensors: Mapping[str, Tensor], lora: Mapping[str, Any]
 ) -> PeftModel:
     """Wrap `model` IN PLACE in PEFT with the adapter loaded; pass a copy to keep the original."""
     config = check_adapter(tensors, lora)
     config.init_lora_weights = False  # skip the random init: every weight is loaded next
-    peft_model = get_peft_model(model, config)
+    with quiet_transformers():
+        peft_model = get_peft_model(model, config)
     result = set_peft_model_state_dict(peft_model, dict(tensors))
     # PEFT reports every non-LoRA weight as missing too; only missing LoRA factors matter.
     missing = [key for key in result.missing_keys if ".lora_" in key]
@@ -164,7 +185,7 @@ def save_merged_model(
     check_adapter(tensors, lora)
     _refuse_existing(Path(directory), overwrite)  # fail before the (slow) merge and save
     merged = merged_copy(base_model, tensors, lora)
-    with _atomic_directory(directory, overwrite) as tmp:
+    with _atomic_directory(directory, overwrite) as tmp, quiet_transformers():
         merged.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
     logger.info("saved merged model to %s", directory)

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from gateway.export import ExportError, _atomic_directory, _refuse_existing
+from gateway.export import ExportError, _atomic_directory, _refuse_existing, quiet_transformers
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ def save_full_model(directory: str | os.PathLike, base_model: PreTrainedModel, t
     """Write a model directory ``AutoModelForCausalLM.from_pretrained`` loads, never half-written."""
     _refuse_existing(Path(directory), overwrite)
     model = with_full_weights(base_model, tensors)
-    with _atomic_directory(directory, overwrite) as tmp:
+    with _atomic_directory(directory, overwrite) as tmp, quiet_transformers():
         model.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
     logger.info("saved full-parameter model to %s", directory)

@@ -10,7 +10,10 @@ Credentials (README, "Security"): the token given, else ``FEDMOE_TOKEN``, else t
 one a coordinator on this machine recorded (``protocol.credentials``). Registering a
 worker returns a token scoped to its specialty; the client keeps it and uses it for
 that worker's pushes, pulls, heartbeats and profiles, and registers again once if
-it is rejected (expired). Uploads carry their SHA-256 (``protocol.integrity``).
+it is rejected (expired). It also keeps it on disk (``protocol.credentials``): a worker id
+that holds a valid token can only be registered again with that token (or by the admin), so
+registering presents the worker's own token first, the join token only if that is refused.
+Uploads carry their SHA-256 (``protocol.integrity``).
 
 Exception tree (``protocol.errors``): FedMoEError > BadRequest > InvalidPayload,
 Unauthorized, Forbidden, NotFound, Conflict, PayloadTooLarge, InvalidUpdate,
@@ -21,16 +24,20 @@ from __future__ import annotations
 import json
 import logging
 import random
+import socket
+import ssl
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import requests
 import urllib3
 
-from protocol.credentials import resolve_token
-from protocol.errors import FedMoEError, TLSFailure, TooManyRequests, Unauthorized, Unavailable, error_from_response
+from protocol.credentials import resolve_token, store_worker_token, stored_worker_token
+from protocol.errors import (FedMoEError, Forbidden, TLSFailure, TooManyRequests, Unauthorized, Unavailable,
+                             error_from_response)
 from protocol.integrity import DIGEST_HEADER, digest_header
 from protocol.schemas import API_PREFIX, EXPERT_HEADER, UPDATE_HEADER, VERSION_HEADER, WORKER_HEADER
 from protocol.streaming import tensors_from_buffer
@@ -134,6 +141,9 @@ class CoordinatorClient:
             except requests.exceptions.SSLError as exc:
                 raise TLSFailure(_tls_message(self.base_url, exc)) from None
             except requests.RequestException as exc:
+                if isinstance(exc, requests.ConnectionError) and self._plain_http_to_tls():
+                    raise TLSFailure(f"{self.base_url} speaks TLS (the coordinator runs with --tls-cert): use "
+                                     f"https://{self.base_url.split('://', 1)[1]}") from None
                 last = f"cannot reach the coordinator at {self.base_url}: {_reason(exc)}"
                 log.debug("%s %s failed (%s), attempt %d", method, path, last, attempt + 1)
                 continue
@@ -151,6 +161,16 @@ class CoordinatorClient:
             last = f"coordinator answered HTTP {response.status_code} to {method} {path}"
         raise Unavailable(last + f" (gave up after {self.retry.attempts} tries)")
 
+    def _plain_http_to_tls(self) -> bool:
+        """After a dropped http:// connection: does the port answer a TLS handshake? (Retrying would not help.)"""
+        parts = urlsplit(self.base_url)
+        if parts.scheme != "http" or not parts.hostname:
+            return False
+        try:
+            return _speaks_tls(parts.hostname, parts.port or 80, self.timeout[0])
+        except ValueError:  # a bad port number: requests reports it
+            return False
+
     def _json(self, method: str, path: str, **kwargs: Any) -> Any:
         return self._request(method, path, **kwargs).json()
 
@@ -164,14 +184,34 @@ class CoordinatorClient:
         body = {"worker_id": worker_id, "specialty": specialty, "base_model": base_model}
         if sync_interval is not None:
             body["sync_interval"] = sync_interval  # lets the coordinator tell alive from stale
-        info = self._json("POST", "/workers", json=body)
-        token = info.pop("token", None)
+        info = self._register(worker_id, body)
+        token, expires_at = info.pop("token", None), info.get("token_expires_at")
         if token:  # from now on this worker's calls use its own, specialty-scoped token
+            self._keep_worker_token(worker_id, token, expires_at)
             self._worker_tokens[worker_id] = (token, specialty)
             self._expert_tokens[specialty] = (token, worker_id)
             self._registrations[worker_id] = {"worker_id": worker_id, "specialty": specialty,
                                               "base_model": base_model, "sync_interval": sync_interval}
         return info
+
+    def _register(self, worker_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST /workers with the worker's own token (renewal; expired is fine), else with our token."""
+        own = self._worker_tokens[worker_id][0] if worker_id in self._worker_tokens else \
+            stored_worker_token(self.base_url, worker_id)
+        if own:
+            try:
+                return self._attempts("POST", "/workers", own, json=body).json()
+            except (Unauthorized, Forbidden) as exc:  # e.g. a coordinator on a fresh data dir never issued it
+                log.info("the coordinator did not renew the token of %s (%s); registering with %s", worker_id,
+                         exc, resolve_token(self.base_url, self._token)[1])
+        return self._json("POST", "/workers", json=body)
+
+    def _keep_worker_token(self, worker_id: str, token: str, expires_at: Any) -> None:
+        try:
+            store_worker_token(self.base_url, worker_id, token, float(expires_at or time.time()))
+        except OSError as exc:  # only a restart within the token's lifetime needs it
+            log.warning("cannot keep the token of worker %s on disk (%s); after a restart it needs the admin "
+                        "token or another --worker-id", worker_id, exc)
 
     def heartbeat(self, worker_id: str) -> None:
         self._request("POST", f"/workers/{worker_id}/heartbeat", worker=worker_id)
@@ -320,6 +360,18 @@ def _tls_message(url: str, exc: requests.exceptions.SSLError) -> str:
     if "WRONG_VERSION_NUMBER" in text or "record layer failure" in text:
         return f"{url} does not answer TLS; is the coordinator running without --tls-cert? use http://"
     return f"TLS handshake with {url} failed: {text[-200:]}"
+
+
+def _speaks_tls(host: str, port: int, timeout: float) -> bool:
+    """True if ``host:port`` completes a TLS handshake (certificate not checked: we only ask the protocol)."""
+    context = ssl.create_default_context()
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as raw, \
+                context.wrap_socket(raw, server_hostname=host):
+            return True
+    except (OSError, ssl.SSLError):
+        return False
 
 
 def _reason(exc: requests.RequestException) -> str:

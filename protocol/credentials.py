@@ -11,6 +11,12 @@ Several coordinators may start and stop at once (tests, one per port), so every 
 read-modify-write under an exclusive ``flock`` and lands with an atomic rename. Entries carry
 the coordinator's pid; entries of processes that are gone are pruned on each write, and a new
 coordinator on a port simply replaces what an old one left there.
+
+Worker tokens: a worker's client keeps the token registering returned in ``worker_tokens.json``
+in the same directory, under the coordinator's ``host:port`` and the worker id. A worker id that
+holds a valid token can only be registered again with that token (or by the admin), so this is
+how a restarted worker gets its id back; the coordinator accepts it for renewal even expired.
+Entries expired for over ``WORKER_TOKEN_KEPT`` are dropped on each write.
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ import fcntl
 import json
 import os
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +34,9 @@ from urllib.parse import urlsplit
 TOKEN_ENV = "FEDMOE_TOKEN"
 CONFIG_DIR_ENV = "FEDMOE_CONFIG_DIR"
 FILE_NAME = "credentials.json"
+WORKER_TOKENS_FILE = "worker_tokens.json"
+WORKER_TOKEN_KEPT = 30 * 86400.0
+"""Seconds a worker token is kept after it expired (the coordinator keeps only each worker's newest)."""
 
 
 def config_dir() -> Path:
@@ -67,20 +77,27 @@ def _pid_alive(pid: Any) -> bool:
 
 
 @contextlib.contextmanager
-def _locked_entries() -> Iterator[dict[str, Any]]:
+def _locked_entries(name: str = FILE_NAME) -> Iterator[dict[str, Any]]:
     """The file's entries, locked for update; what the caller leaves in the dict is written back."""
     directory = config_dir()
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    with open(directory / (FILE_NAME + ".lock"), "a") as lock:
+    with open(directory / (name + ".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        entries = _read(directory / FILE_NAME)
+        entries = _read(directory / name)
         yield entries
-        live = {k: v for k, v in entries.items() if isinstance(v, dict) and _pid_alive(v.get("pid"))}
-        tmp = directory / f".{FILE_NAME}.{os.getpid()}.tmp"
+        live = {k: v for k, v in entries.items() if isinstance(v, dict) and _still_wanted(name, v)}
+        tmp = directory / f".{name}.{os.getpid()}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as out:
             json.dump(live, out, indent=1)
-        os.replace(tmp, directory / FILE_NAME)
+        os.replace(tmp, directory / name)
+
+
+def _still_wanted(name: str, entry: dict[str, Any]) -> bool:
+    if name == WORKER_TOKENS_FILE:
+        expires = entry.get("expires_at")
+        return isinstance(expires, (int, float)) and expires + WORKER_TOKEN_KEPT > time.time()
+    return _pid_alive(entry.get("pid"))
 
 
 def _read(path: Path) -> dict[str, Any]:
@@ -120,6 +137,30 @@ def local_token(url: str) -> str | None:
     if isinstance(entry, dict) and isinstance(entry.get("token"), str) and _pid_alive(entry.get("pid")):
         return entry["token"]
     return None
+
+
+def _worker_key(url: str, worker_id: str) -> str | None:
+    parts = urlsplit(url)
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        return None
+    return f"{_key(parts.hostname, port)}/{worker_id}" if parts.hostname else None
+
+
+def stored_worker_token(url: str, worker_id: str) -> str | None:
+    """The token the coordinator at ``url`` last gave ``worker_id`` on this machine, if kept."""
+    key = _worker_key(url, worker_id)
+    entry = _read(config_dir() / WORKER_TOKENS_FILE).get(key) if key else None
+    return entry["token"] if isinstance(entry, dict) and isinstance(entry.get("token"), str) else None
+
+
+def store_worker_token(url: str, worker_id: str, token: str, expires_at: float) -> None:
+    """Keep ``worker_id``'s token for the coordinator at ``url`` (file mode 0600)."""
+    key = _worker_key(url, worker_id)
+    if key is not None:
+        with _locked_entries(WORKER_TOKENS_FILE) as entries:
+            entries[key] = {"token": token, "expires_at": expires_at}
 
 
 def resolve_token(url: str, explicit: str | None = None) -> tuple[str | None, str]:

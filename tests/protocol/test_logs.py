@@ -39,3 +39,31 @@ def test_text_format_and_bad_format(root_logging):
     assert stream.getvalue().rstrip().endswith("WARNING fedmoe.test: careful")
     with pytest.raises(ValueError, match="--log-format must be one of text, json"):
         configure_logging("xml")
+
+
+def test_colour_codes_are_kept_only_on_a_terminal(root_logging):
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    coloured = "\x1b[1m\x1b[31mGET /api/v1/experts HTTP/1.1\x1b[0m"  # werkzeug's request line for a 4xx
+    for stream, kept in ((io.StringIO(), False), (Terminal(), True)):
+        configure_logging("text", stream=stream)
+        logging.getLogger("werkzeug").warning(coloured)
+        assert ("\x1b[" in stream.getvalue()) is kept
+        assert stream.getvalue().rstrip().endswith("GET /api/v1/experts HTTP/1.1" + ("\x1b[0m" if kept else ""))
+    stream = io.StringIO()
+    configure_logging("json", stream=stream)
+    logging.getLogger("werkzeug").warning(coloured)
+    assert json.loads(stream.getvalue())["message"] == "GET /api/v1/experts HTTP/1.1"
+
+
+def test_hugging_face_warnings_are_printed_once_in_our_format(root_logging, capfd):
+    from huggingface_hub.utils import logging as hub_logging
+
+    stream = io.StringIO()
+    configure_logging("text", stream=stream)
+    hub_logging.get_logger("huggingface_hub.utils._http").warning("Retrying in 1s [Retry 1/5].")
+    assert stream.getvalue().count("Retrying in 1s") == 1
+    assert "WARNING huggingface_hub.utils._http: Retrying in 1s" in stream.getvalue()
+    assert "Retrying" not in capfd.readouterr().err  # the library's own stderr handler is gone
