@@ -26,7 +26,7 @@ class BlobStore:
     """Blobs under ``root/<aa>/<sha256>``, temp files under ``root/tmp``."""
 
     def __init__(self, root: Path) -> None:
-        self.root = Path(root)
+        self.root = Path(root).absolute()  # paths handed to send_file must not depend on its base folder
         self.tmp_dir = self.root / "tmp"
         self.tmp_dir.mkdir(parents=True, exist_ok=True)
         # Leftovers of a crash mid-write were never acknowledged: drop them.
