@@ -43,11 +43,19 @@ CombineRule = Callable[[list[Update], AggregationParams, RobustParams], StateDic
 """Turns a buffer of updates into one staleness-weighted delta (server_lr not applied yet)."""
 
 
+NORM_CHUNK = 1 << 20  # values per float64 chunk in l2_norm (8 MiB)
+
+
 def l2_norm(tensors: StateDict) -> float:
-    """The L2 norm of all tensors together, as if flattened into one vector."""
-    # Per tensor in float32 (no float64 copy: the coordinator computes this for every push, and a
-    # full-parameter update is a whole model); the sum of squares across tensors in Python floats.
-    return math.sqrt(sum(float(torch.linalg.vector_norm(t)) ** 2 for t in tensors.values()))
+    """The L2 norm of all tensors together, as if flattened into one vector; finite for finite input."""
+    # Squares of float32 values above ~1.8e19 overflow float32 (two 3e38 updates gave an Inf norm, and
+    # an Inf median switched the norm check off), so each chunk is summed in float64. Chunks keep the
+    # float64 copy small: the coordinator does this for every push, and a full update is a whole model.
+    squares = 0.0
+    for t in tensors.values():
+        for chunk in t.reshape(-1).split(NORM_CHUNK):
+            squares += float(torch.linalg.vector_norm(chunk, dtype=torch.float64)) ** 2
+    return math.sqrt(squares)
 
 
 def _stacked(updates: Sequence[Update], params: AggregationParams, name: str) -> torch.Tensor:
