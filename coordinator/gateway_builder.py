@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from coordinator.adapters import non_finite_tensor
 from gateway.errors import MergeError
 from gateway.files import SAFETENSORS_META_KEY
 from gateway.lora import split_modules
@@ -79,6 +80,7 @@ class GatewayBuilder:
         except MergeError as exc:
             raise Conflict(f"cannot build the gateway with {strategy!r}: {exc}") from None
         tensors, alpha, rank = result.state_dict()
+        _check_finite(tensors)
         first = next(iter(specs.values()))
         info = {"strategy": strategy, "weights": weights, "kind": "lora",
                 "sources": {e.name: e.version for e in experts},
@@ -113,6 +115,7 @@ class GatewayBuilder:
                     total[name].add_(tensors[name], alpha=weights[e.name])
                 else:
                     total[name] = tensors[name].mul_(weights[e.name])
+        _check_finite(total)
         first = specs[used[0].name]
         info = {"strategy": strategy, "weights": weights, "kind": "full",
                 "sources": {e.name: e.version for e in experts}, "lora": None,
@@ -121,3 +124,12 @@ class GatewayBuilder:
                 "truncation_error": 0.0}
         digest = self._c.blobs.put_file(lambda p: save_file(total, p, {SAFETENSORS_META_KEY: json.dumps(info)}))
         self._c.db.add_gateway(key, digest, info)
+
+
+def _check_finite(tensors: dict[str, torch.Tensor]) -> None:
+    """Finite experts can still merge to Inf (LoRA factors are scaled by alpha / rank): refuse, never store it."""
+    bad = non_finite_tensor(tensors)
+    if bad is not None:
+        raise Conflict(f"the merged gateway's tensor {bad!r} overflows float32 (Inf/NaN): an expert's weights are "
+                       "too large to merge; use one expert (get_gateway_model.py --expert NAME) or give it less "
+                       "weight (--gateway-weights)", reason="gateway_not_finite", tensor=bad)

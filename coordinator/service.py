@@ -22,11 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from compression import Codec
+from compression.errors import CompressionError
 from compression.wire import encode_update
 from coordinator.adapters import (check_full_weights, check_lora_adapter, check_update, make_codec_or_400,
+                                  non_finite_tensor,
                                   stored_deltas)
 from coordinator.aggregation import AGGREGATORS, AggregationParams, StateDict, Update, l2_norm, robust_aggregator
 from coordinator import audit
@@ -208,7 +209,12 @@ class Coordinator:
                 diff, base = load_file(current.path), FileTensors(old.path)
                 for k, t in diff.items():
                     t.sub_(base[k])
-                cached = encode_update(diff, self.manifest(name), encoder, seed=current.version)
+                try:
+                    cached = encode_update(diff, self.manifest(name), encoder, seed=current.version)
+                except CompressionError as exc:  # e.g. a change beyond fp16's range
+                    raise Conflict(f"the change of {name!r} since version {since} cannot be encoded with "
+                                   f"{codec!r}: {exc}; pull full weights (or use another --pull-compression)",
+                                   reason="diff_not_encodable") from None
                 with self._locks_guard:
                     self._diffs[key] = cached
                     # a handful of (since, codec) pairs cover a fleet; bounded in bytes for full experts
@@ -491,11 +497,6 @@ def _mean_loss(batch: list[UpdateRow]) -> float | None:
     total = sum(n for _, n in pairs)
     # loss x n overflowed for a finite loss near 1e308 (an Inf in JSON); weights of at most 1 cannot
     return math.fsum(loss * (n / total) for loss, n in pairs)
-
-
-def non_finite_tensor(tensors: StateDict) -> str | None:
-    """The name of the first tensor holding Inf or NaN, or None if all are finite."""
-    return next((name for name, t in tensors.items() if not bool(torch.isfinite(t).all())), None)
 
 
 def _load_adapter(body: Path) -> StateDict:
