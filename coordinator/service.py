@@ -11,9 +11,9 @@ is applied twice.
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
+import sqlite3
 import threading
 import time
 from collections.abc import Callable
@@ -23,17 +23,14 @@ from typing import Any
 
 import numpy as np
 
-from compression import Codec
-from compression.errors import CompressionError
-from compression.wire import encode_update
-from coordinator.adapters import (check_full_weights, check_lora_adapter, check_update, make_codec_or_400,
-                                  non_finite_tensor,
+from coordinator.adapters import (check_full_weights, check_lora_adapter, check_update, non_finite_tensor,
                                   stored_deltas)
 from coordinator.aggregation import AGGREGATORS, AggregationParams, StateDict, Update, l2_norm, robust_aggregator
 from coordinator import audit
 from coordinator.audit import Event
-from coordinator.blobs import BlobStore, storage_errors
+from coordinator.blobs import BlobStore, is_storage_full, storage_errors
 from coordinator.config import CoordinatorConfig
+from coordinator.diffs import DiffCache
 from coordinator.gateway_builder import GatewayBuilder
 from coordinator.norm_check import NormVerdict, judge_norm
 from coordinator.recovery import quarantine_updates, recover
@@ -43,11 +40,9 @@ from gateway.router import route as route_prompt
 from protocol.errors import BadRequest, Conflict, InsufficientStorage, InvalidPayload, InvalidUpdate, NotFound
 from protocol.files import private_dir, private_file
 from protocol.schemas import MAX_COUNT, BaseModelSpec, ExpertSpec, UpdateMeta, check_name
-from protocol.streaming import FileTensors
 from protocol.tensors import load_file, manifest_from_json, manifest_to_json, save_file
 
 log = logging.getLogger(__name__)
-DIFF_CACHE_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -82,8 +77,7 @@ class Coordinator:
         # Blobs are shared by digest across experts: adopting one and recording its row must not
         # interleave with dropping "unreferenced" blobs, or a new row could point at a deleted file.
         self.blobs_guard = threading.RLock()
-        self._diffs: dict[tuple, bytes] = {}  # (expert, since, version, codec, config) -> encoded diff
-        self._diff_lock = threading.Lock()
+        self.diffs = DiffCache(self)
         self.gateway = GatewayBuilder(self)
         self.on_aggregated: Callable[[float], None] = lambda seconds: None
         """Called with the seconds each aggregation step took (metrics hook)."""
@@ -180,52 +174,18 @@ class Coordinator:
         return WeightsRef(self.blobs.path(digest), version, digest)
 
     def weights_diff(self, name: str, since: int, codec: str, codec_config: dict[str, Any]) -> tuple[bytes, int]:
-        """The current weights minus version ``since``, encoded with a compression codec.
-
-        Lets a worker that holds version ``since`` catch up for a fraction of the bytes of a full
-        pull. Returns (payload, current version); the payload is empty when nothing changed.
-        """
-        encoder = make_codec_or_400(codec, codec_config)
-        for attempt in range(3):  # a version pruned while we read it (a new one landed): look again
-            current = self.weights(name)
-            if since == current.version:
-                return b"", current.version
-            old = self.weights(name, since)  # NotFound once ``since`` itself is pruned
-            try:
-                return self._diff(name, since, current, old, codec, codec_config, encoder), current.version
-            except FileNotFoundError:
-                log.info("version %d or %d of %s was pruned during a diff pull (attempt %d)",
-                         since, current.version, name, attempt + 1)
-        raise Conflict(f"expert {name!r} kept changing while the difference from version {since} was computed; "
-                       "pull again (or pull full weights)")
-
-    def _diff(self, name: str, since: int, current: WeightsRef, old: WeightsRef, codec: str,
-              codec_config: dict[str, Any], encoder: Codec) -> bytes:
-        key = (name, since, current.version, codec, json.dumps(codec_config, sort_keys=True))
-        with self._diff_lock:  # concurrent pulls of one diff wait for it: one model copy in memory, not N
-            with self._locks_guard:
-                cached = self._diffs.get(key)
-            if cached is None:
-                diff, base = load_file(current.path), FileTensors(old.path)
-                for k, t in diff.items():
-                    t.sub_(base[k])
-                try:
-                    cached = encode_update(diff, self.manifest(name), encoder, seed=current.version)
-                except CompressionError as exc:  # e.g. a change beyond fp16's range
-                    raise Conflict(f"the change of {name!r} since version {since} cannot be encoded with "
-                                   f"{codec!r}: {exc}; pull full weights (or use another --pull-compression)",
-                                   reason="diff_not_encodable") from None
-                with self._locks_guard:
-                    self._diffs[key] = cached
-                    # a handful of (since, codec) pairs cover a fleet; bounded in bytes for full experts
-                    while len(self._diffs) > 16 or sum(map(len, self._diffs.values())) > DIFF_CACHE_BYTES:
-                        self._diffs.pop(next(iter(self._diffs)))
-        return cached
+        """The current weights minus version ``since``, encoded with a codec: (payload, current version)."""
+        return self.diffs.get(name, since, codec, codec_config)
 
     def record_pull(self, worker_id: str | None, name: str, body_bytes: int) -> None:
         if worker_id:
             raw = 4 * sum(math.prod(shape) for _, shape in self.manifest(name))
-            self.db.record_pull(worker_id, body_bytes, raw)
+            try:
+                self.db.record_pull(worker_id, body_bytes, raw)
+            except sqlite3.Error as exc:  # a tally: a full disk must not fail the pull it counts
+                if not is_storage_full(exc):
+                    raise
+                log.warning("disk full: pull by %s not counted", worker_id)
 
     def manifest(self, name: str) -> list[tuple[str, tuple[int, ...]]]:
         return manifest_from_json(self.require_expert(name).manifest)
