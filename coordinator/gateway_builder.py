@@ -12,6 +12,8 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -88,10 +90,18 @@ class GatewayBuilder:
                 "base_model": {"id": first.base_model.id, "fingerprint": first.base_model.fingerprint},
                 "truncation_error": result.truncation_error}
         meta = {SAFETENSORS_META_KEY: json.dumps(info)}
-        written = self._c.blobs.write_temp(lambda p: save_file(tensors, p, meta))
+        self._store(key, info, lambda p: save_file(tensors, p, meta))
+
+    def _store(self, key: str, info: dict[str, Any], write: Callable[[Path], None]) -> None:
+        """Write the gateway's blob, then its row; a row that cannot be committed leaves no blob behind."""
+        written = self._c.blobs.write_temp(write)
         with self._c.blobs_guard:  # adopt and record together: see Coordinator.blobs_guard
             digest = self._c.blobs.adopt(written)
-            self._c.db.add_gateway(key, digest, info)
+            try:
+                self._c.db.add_gateway(key, digest, info)
+            except BaseException:
+                self._c.drop_unreferenced([digest])
+                raise
 
 
     def _build_full(self, key: str, strategy: str, weights: dict[str, float], experts: list["ExpertRow"],
@@ -122,8 +132,7 @@ class GatewayBuilder:
                 "full": {"num_parameters": first.full.num_parameters if first.full else 0},
                 "base_model": {"id": first.base_model.id, "fingerprint": first.base_model.fingerprint},
                 "truncation_error": 0.0}
-        digest = self._c.blobs.put_file(lambda p: save_file(total, p, {SAFETENSORS_META_KEY: json.dumps(info)}))
-        self._c.db.add_gateway(key, digest, info)
+        self._store(key, info, lambda p: save_file(total, p, {SAFETENSORS_META_KEY: json.dumps(info)}))
 
 
 def _check_finite(tensors: dict[str, torch.Tensor]) -> None:
