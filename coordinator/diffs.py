@@ -2,8 +2,9 @@
 
 Lets a worker that holds version ``since`` catch up for a fraction of the bytes of a full pull.
 A version can be pruned while its file is read (each push prunes the oldest kept one), so a pull
-that finds a file gone looks the versions up again; it is answered 404 once ``since`` itself is
-pruned (the worker then pulls full weights), never 500.
+that finds a file gone looks the versions up again. Whenever no difference can be served (``since``
+pruned, the expert kept changing, the difference does not fit the codec, e.g. fp16's range) the
+answer is a 404 saying so (``details.reason``), on which workers pull full weights; never a 500.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from compression import Codec
 from compression.errors import CompressionError
 from compression.wire import encode_update
 from coordinator.adapters import make_codec_or_400
-from protocol.errors import Conflict
+from protocol.errors import NotFound
 from protocol.streaming import FileTensors
 from protocol.tensors import load_file
 
@@ -49,8 +50,8 @@ class DiffCache:
             except FileNotFoundError:
                 log.info("version %d or %d of %s was pruned during a diff pull (attempt %d)",
                          since, current.version, name, attempt + 1)
-        raise Conflict(f"expert {name!r} kept changing while the difference from version {since} was computed; "
-                       "pull again (or pull full weights)")
+        raise NotFound(f"expert {name!r} kept changing while the difference from version {since} was computed; "
+                       "pull full weights", reason="diff_unavailable")
 
     def _encoded(self, name: str, since: int, current: "WeightsRef", old: "WeightsRef", codec: str,
                  codec_config: dict[str, Any], encoder: Codec) -> bytes:
@@ -66,7 +67,7 @@ class DiffCache:
             try:
                 cached = encode_update(diff, self._c.manifest(name), encoder, seed=current.version)
             except CompressionError as exc:  # e.g. a change beyond fp16's range
-                raise Conflict(f"the change of {name!r} since version {since} cannot be encoded with "
+                raise NotFound(f"the change of {name!r} since version {since} cannot be encoded with "
                                f"{codec!r}: {exc}; pull full weights (or use another --pull-compression)",
                                reason="diff_not_encodable") from None
             with self._guard:

@@ -215,9 +215,11 @@ _api: dict[str, Any] = {
                        _header(WORKER_HEADER, "Worker id, to count bytes per worker.")],
         "responses": {"200": _bytes("Weights or difference.", VERSION_HEADERS),
                       "304": {"description": "Unchanged since the ETag or version held."},
-                      "400": BAD_REQUEST, "404": NOT_FOUND,
-                      "409": _error("The expert changed while the difference was computed, or the difference "
-                                    "does not fit the codec (e.g. fp16's range): pull full weights.")}}},
+                      "400": BAD_REQUEST,
+                      "404": _error("No such expert or version; or no difference can be served (version pruned, "
+                                    "the expert kept changing, or it does not fit the codec, e.g. fp16's range; "
+                                    "details.reason): pull full weights."),
+                      "409": _error("The expert kept changing while its full weights were opened: pull again.")}}},
     "/experts/{name}/updates": {"post": {
         "operationId": "pushUpdate", "summary": "Push a compressed delta; 202 once durable, 200 for a retry.",
         "parameters": [EXPERT_NAME, _json_param(UPDATE_HEADER, "header", _ref("UpdateMeta"), "The update's metadata.")],
