@@ -67,13 +67,13 @@ def update_problem(c: "Coordinator", expert: ExpertRow, update: UpdateRow) -> st
 
 def quarantine_updates(c: "Coordinator", name: str, updates: list[UpdateRow], reason: str) -> None:
     """Set pending updates aside for good (never applied); keep a copy of their payloads."""
-    events = []
+    marked = []
     for u in updates:
         kept = c.blobs.quarantine(u.blob, reason) if u.blob else None
-        events.append(audit.update_quarantined(name, u.update_id, u.worker_id, reason,
-                                               kept.name if kept else None))
-        log.error("pending update %s of expert %s quarantined: %s", u.update_id, name, reason)
-    c.db.quarantine_updates([u.seq for u in updates], events=tuple(events))
+        marked.append((u.seq, audit.update_quarantined(name, u.update_id, u.worker_id, reason,
+                                                       kept.name if kept else None)))
+    if c.db.quarantine_updates(marked):
+        log.error("pending update(s) %s of expert %s quarantined: %s", [u.update_id for u in updates], name, reason)
     c.drop_unreferenced([u.blob for u in updates if u.blob])
 
 

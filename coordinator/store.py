@@ -253,12 +253,18 @@ class ManifestStore:
         rows = self._all("SELECT * FROM updates WHERE expert = ? AND status = 'pending' ORDER BY seq", name)
         return [_update(r) for r in rows]
 
-    def quarantine_updates(self, seqs: list[int], events: tuple[Event, ...] = ()) -> None:
-        """Mark pending updates that can never be applied; they keep their row (update_id stays used)."""
+    def quarantine_updates(self, marked: list[tuple[int, Event]]) -> int:
+        """Mark pending updates (seq, with the event saying why) that can never be applied; they keep their
+        row (update_id stays used). Updates no longer pending (applied meanwhile) are left alone."""
+        count = 0
         with self.transaction() as db:
-            db.executemany("UPDATE updates SET status = 'quarantined', blob = NULL WHERE seq = ? AND status = 'pending'",
-                           [(seq,) for seq in seqs])
-            _insert_events(db, events)
+            for seq, event in marked:
+                cur = db.execute("UPDATE updates SET status = 'quarantined', blob = NULL "
+                                 "WHERE seq = ? AND status = 'pending'", (seq,))
+                if cur.rowcount == 1:
+                    insert_event(db, event)
+                    count += 1
+        return count
 
     def remove_expert(self, name: str, events: tuple[Event, ...] = ()) -> None:
         """Forget an expert that cannot be loaded: its versions and profiles go, its pending updates are

@@ -309,3 +309,24 @@ def test_error_bodies_show_no_server_paths(client, tmp_path):
                    headers={EXPERT_HEADER: json.dumps(expert_spec())})
     assert r.status_code == 400
     assert str(tmp_path) not in r.get_data(as_text=True) and "/tmp" not in r.get_data(as_text=True), r.data
+
+
+def test_a_pending_update_whose_result_would_overflow_is_quarantined_not_applied(make_app):
+    """A data dir where such an update was recorded (fedbuff waits for K before a result exists)."""
+    app = make_app(aggregation="fedbuff", buffer_size=2)
+    client = app.test_client()
+    adapter = make_adapter()
+    put_expert(client, "e", adapter)
+    huge = {k: torch.full_like(v, 3e38) for k, v in adapter.items()}
+    for _ in range(2):  # one step of the mean of two 3e38 updates: finite
+        assert push(client, "e", huge, update_meta(base_version=0)).status_code == 202
+    late = update_meta(base_version=1)
+    assert push(client, "e", huge, late).status_code == 202  # pending: its step needs a second update
+    app.extensions["fedmoe"].close()
+
+    client = make_app(aggregation="fedasync").test_client()  # restarted applying each update at once
+    assert client.get(f"/api/v1/updates/{late['update_id']}").get_json()["status"] == "quarantined"
+    info = client.get("/api/v1/experts/e").get_json()
+    assert (info["version"], info["pending_updates"]) == (1, 0)
+    c = client.application.extensions["fedmoe"]
+    assert all(bool(torch.isfinite(t).all()) for t in load_file(c.weights("e").path).values())
