@@ -86,3 +86,17 @@ def test_a_push_on_a_full_disk_is_a_507_that_records_nothing(make_app, small_dis
     assert push(client, "e", random_like(ADAPTER, 99), update_meta(base_version=0)).status_code == 202
     info = client.get("/api/v1/experts/e").get_json()
     assert (info["updates_applied"], info["pending_updates"]) == (applied + 1, 0)
+
+
+@pytest.mark.parametrize("leave", [0, 16 << 10, 40 << 10])
+def test_creating_an_expert_on_a_full_disk_is_a_507_that_stores_nothing(make_app, small_disk, leave):
+    client = make_app(data_dir=small_disk / "data").test_client()
+    filler = fill(small_disk, leave)
+    r = put_expert(client, "e", ADAPTER)
+    assert r.status_code in (201, 507), (r.status_code, r.data[:300])
+    if r.status_code == 507:
+        assert r.get_json()["error"]["code"] == "insufficient_storage"
+        assert client.get("/api/v1/experts").get_json()["experts"] == []
+        assert [p for p in (small_disk / "data" / "blobs").rglob("*") if p.is_file()] == []
+    filler.unlink()
+    assert put_expert(client, "e", ADAPTER).status_code == (200 if r.status_code == 201 else 201)
