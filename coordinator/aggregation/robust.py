@@ -48,13 +48,17 @@ NORM_CHUNK = 1 << 20  # values per float64 chunk in l2_norm (8 MiB)
 
 def l2_norm(tensors: StateDict) -> float:
     """The L2 norm of all tensors together, as if flattened into one vector; finite for finite input."""
-    # Squares of float32 values above ~1.8e19 overflow float32 (two 3e38 updates gave an Inf norm, and
-    # an Inf median switched the norm check off), so each chunk is summed in float64. Chunks keep the
-    # float64 copy small: the coordinator does this for every push, and a full update is a whole model.
+    # Per tensor in float32 (fast: the coordinator does this for every push, and a full update is a
+    # whole model). Its sum of squares overflows for values of ~1e19 and up (two 3e38 updates gave an
+    # Inf norm, and an Inf median switched the norm check off): then that tensor is summed again in
+    # float64, in chunks that keep the float64 copy small. The sum across tensors is a Python float.
     squares = 0.0
     for t in tensors.values():
-        for chunk in t.reshape(-1).split(NORM_CHUNK):
-            squares += float(torch.linalg.vector_norm(chunk, dtype=torch.float64)) ** 2
+        norm = float(torch.linalg.vector_norm(t))
+        if math.isinf(norm):  # squares are monotonic: a finite result means nothing overflowed
+            norm = math.sqrt(sum(float(torch.linalg.vector_norm(chunk, dtype=torch.float64)) ** 2
+                                 for chunk in t.reshape(-1).split(NORM_CHUNK)))
+        squares += norm ** 2
     return math.sqrt(squares)
 
 
