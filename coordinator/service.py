@@ -37,7 +37,8 @@ from coordinator.recovery import quarantine_updates, recover
 from coordinator.store import ExpertRow, ManifestStore, StaleAggregation, UpdateRow
 from gateway.router import ProfileError, combine_profiles, profile_from_json
 from gateway.router import route as route_prompt
-from protocol.errors import BadRequest, Conflict, InsufficientStorage, InvalidPayload, InvalidUpdate, NotFound
+from protocol.errors import (BadRequest, Conflict, FedMoEError, InsufficientStorage, InvalidPayload, InvalidUpdate,
+                             NotFound)
 from protocol.files import private_dir, private_file
 from protocol.schemas import MAX_COUNT, BaseModelSpec, ExpertSpec, UpdateMeta, check_name
 from protocol.tensors import load_file, manifest_from_json, manifest_to_json, save_file
@@ -210,7 +211,7 @@ class Coordinator:
             manifest = manifest_from_json(expert.manifest)
             # Raw bodies come back as a per-tensor view of the file (a second read, bounded memory);
             # compressed ones decoded once. Either way the decoded update is dropped before we wait
-            # for the expert's lock, and read again from its blob when it is aggregated.
+            # for the expert's lock, and read again from the body when its step is computed.
             norm = l2_norm(check_update(body, meta.codec, meta.codec_config, manifest))
             size = body.stat().st_size
             with self._lock(name):
@@ -224,8 +225,9 @@ class Coordinator:
                 self._record_update(name, meta, verdict, stored, body, body_digest, size, _fp32_bytes(manifest))
                 try:
                     self._aggregate_locked(name, step)
-                except InsufficientStorage as exc:  # recorded (durable) all the same: applied at the next push
-                    log.warning("update %s of %s is recorded but not applied yet: %s", meta.update_id, name, exc)
+                except FedMoEError as exc:  # recorded (durable) all the same, so not an error to the client
+                    level = logging.WARNING if isinstance(exc, InsufficientStorage) else logging.ERROR
+                    log.log(level, "update %s of %s is recorded but not applied yet: %s", meta.update_id, name, exc)
         finally:
             self.blobs.forget(body)
         return self.update_status(meta.update_id), True
