@@ -1,9 +1,12 @@
 """Writing user-visible files safely: all or nothing, with ordinary permissions."""
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 def fsync_dir(path: Path) -> None:
@@ -43,6 +46,7 @@ def private_dir(path: Path) -> Path:
     path = Path(path)
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     if path.stat().st_mode & 0o077:
+        log.warning("%s was open to other users (mode %o); made it 0700", path, path.stat().st_mode & 0o777)
         os.chmod(path, 0o700)
     return path
 
