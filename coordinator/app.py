@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from flask import Flask, Response, jsonify, send_from_directory
+from flask import Flask, Response, has_request_context, jsonify, request, send_from_directory
 from flask.json.provider import DefaultJSONProvider
 from werkzeug.exceptions import HTTPException
 
@@ -48,7 +48,8 @@ class StrictJSONProvider(DefaultJSONProvider):
         try:
             return super().dumps(obj, allow_nan=False, **kwargs)
         except ValueError:
-            log.warning("a response held NaN or Infinity; sent as null")
+            log.warning("the answer to %s held NaN or Infinity; sent as null",
+                        request.path if has_request_context() else "(no request)")
             return super().dumps(_finite(obj), allow_nan=False, **kwargs)
 
 
