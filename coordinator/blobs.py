@@ -11,6 +11,7 @@ import errno
 import hashlib
 import logging
 import os
+import shutil
 import sqlite3
 import tempfile
 import threading
@@ -152,12 +153,14 @@ class BlobStore:
             pass
         except FileNotFoundError:
             return None
+        except OSError:  # e.g. blobs/ on another file system (EXDEV): copy
+            shutil.copyfile(self.path(digest), kept)
         log.error("quarantined blob %s (%s): a copy is kept in %s", digest[:16], reason, self.quarantine_dir)
         return kept
 
     def digests(self) -> Iterator[str]:
         for sub in self.root.iterdir():
-            if sub.is_dir() and sub.name not in ("tmp", "quarantine"):
+            if sub.is_dir() and sub.name != "tmp":
                 yield from (p.name for p in sub.iterdir() if p.is_file())
 
     def verify(self, digest: str) -> bool:
