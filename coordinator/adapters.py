@@ -125,3 +125,8 @@ def _decode_compressed(path: Path, codec: str, codec_config: dict, manifest: Man
         return wire.decode_update(path.read_bytes(), manifest, decoder)
     except CompressionError as exc:
         raise InvalidPayload(f"update body is not a valid {codec!r} payload for this expert: {exc}") from None
+
+
+def non_finite_tensor(tensors: Mapping[str, torch.Tensor]) -> str | None:
+    """The name of the first tensor holding Inf or NaN, or None if all are finite."""
+    return next((name for name, t in tensors.items() if not bool(torch.isfinite(t).all())), None)

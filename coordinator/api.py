@@ -15,15 +15,17 @@ from flask import Blueprint, Response, current_app, g, jsonify, request, send_fi
 from werkzeug.exceptions import ClientDisconnected, HTTPException
 
 from coordinator.audit import rejection_event
+from coordinator.blobs import storage_errors
 from coordinator.openapi import OPENAPI
 from coordinator.auth import acting_worker, authenticator, check_may_register, issue_token, principal
 from coordinator.service import Coordinator
 from coordinator.tokens import WORKER
 from gateway.files import npz_bytes
-from protocol.errors import BadRequest, FedMoEError, PayloadTooLarge, RequestTimeout
+from protocol.errors import BadRequest, Conflict, FedMoEError, PayloadTooLarge, RequestTimeout
 from protocol.integrity import DIGEST_HEADER, ClientReader, parse_digest
 from protocol.schemas import (API_PREFIX, EXPERT_HEADER, UPDATE_HEADER, VERSION_HEADER, WORKER_HEADER,
-                              BaseModelSpec, ExpertSpec, UpdateMeta, check_name, parse_header_json)
+                              BaseModelSpec, ExpertSpec, UpdateMeta, check_name, loads_json,
+                              parse_header_json)
 from protocol.tensors import is_finite_number, load_file
 
 bp = Blueprint("api", __name__, url_prefix=API_PREFIX)
@@ -33,8 +35,21 @@ def coordinator() -> Coordinator:
     return current_app.extensions["fedmoe"]
 
 
-def json_body() -> dict[str, Any]:
-    data = request.get_json(silent=True)
+JSON_BODY_LIMIT = 1 << 20  # registrations, profiles: a few KiB in practice
+PROMPT_BODY_LIMIT = 64 << 10  # /route: parsing and routing cost ~100x the body, so keep it small
+
+
+def json_body(limit: int = JSON_BODY_LIMIT) -> dict[str, Any]:
+    """The request's JSON object, read up to ``limit`` bytes (413 above it), nested at most MAX_JSON_DEPTH."""
+    if not request.is_json:
+        raise BadRequest("request body must be a JSON object (Content-Type: application/json)")
+    if request.content_length is not None and request.content_length > limit:
+        raise PayloadTooLarge(f"a JSON body on this route may be at most {limit} bytes, got "
+                              f"{request.content_length}", limit=limit)
+    raw = request.stream.read(limit + 1)  # chunked bodies have no Content-Length: stop past the limit
+    if len(raw) > limit:
+        raise PayloadTooLarge(f"a JSON body on this route may be at most {limit} bytes", limit=limit)
+    data = loads_json(raw, "request body")
     if not isinstance(data, dict):
         raise BadRequest("request body must be a JSON object (Content-Type: application/json)")
     return data
@@ -56,10 +71,11 @@ def receive_body() -> Path:
         raise BadRequest(f"a worker's upload must carry {DIGEST_HEADER}: sha256=<hex digest of the body>")
     expected = parse_digest(header) if header is not None else None
     try:
-        if request.content_length is None:  # chunked: let werkzeug find the end
-            body = c.blobs.receive(ClientReader(request.stream), limit)
-        else:  # the raw input: werkzeug's wrapper would copy every chunk twice more
-            body = c.blobs.receive(ClientReader(request.environ["wsgi.input"]), limit, request.content_length)
+        with storage_errors("receive the request body"):
+            if request.content_length is None:  # chunked: let werkzeug find the end
+                body = c.blobs.receive(ClientReader(request.stream), limit)
+            else:  # the raw input: werkzeug's wrapper would copy every chunk twice more
+                body = c.blobs.receive(ClientReader(request.environ["wsgi.input"]), limit, request.content_length)
     except ClientDisconnected:  # a read that failed: stalled past --socket-timeout, or gone
         raise RequestTimeout("the request body stopped arriving before its Content-Length; send it again") from None
     if expected is not None and (actual := c.blobs.digest_of(body)) != expected:
@@ -137,7 +153,7 @@ def expert_weights(name: str) -> Response:
             break
         except FileNotFoundError:
             if attempt == 2:
-                raise
+                raise Conflict(f"expert {name!r} kept changing while its weights were opened; pull again") from None
     response.headers[VERSION_HEADER] = str(ref.version)
     if response.status_code == 200:
         c.record_pull(worker_id, name, response.content_length or 0)
@@ -147,10 +163,7 @@ def expert_weights(name: str) -> Response:
 def _weights_diff(c: Coordinator, name: str, worker_id: str | None) -> Response:
     since = _int_arg("since")
     codec = request.args.get("codec", "fp16")
-    try:
-        config = json.loads(request.args.get("codec_config", "{}"))
-    except ValueError:
-        raise BadRequest("codec_config must be a JSON object") from None
+    config = loads_json(request.args.get("codec_config", "{}"), "codec_config")
     if not isinstance(config, dict):
         raise BadRequest(f"codec_config must be a JSON object, got {config!r}")
     payload, version = c.weights_diff(name, since, codec, config)
@@ -223,7 +236,7 @@ def put_profile(name: str, worker_id: str) -> Response:
 
 @bp.post("/route")
 def route() -> Response:
-    body = json_body()
+    body = json_body(PROMPT_BODY_LIMIT)
     prompt, threshold = body.get("prompt"), body.get("threshold")
     if not isinstance(prompt, str) or not prompt:
         raise BadRequest(f"'prompt' must be a non-empty string, got {prompt!r}")

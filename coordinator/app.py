@@ -2,18 +2,22 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from pathlib import Path
+from typing import Any
 
-from flask import Flask, Response, g, jsonify, request, send_from_directory
+from flask import Flask, Response, g, has_request_context, jsonify, request, send_from_directory
+from flask.json.provider import DefaultJSONProvider
 from werkzeug.exceptions import HTTPException
 
 from coordinator import auth
 from coordinator.api import bp as api_bp
+from coordinator.blobs import is_storage_full
 from coordinator.config import CoordinatorConfig
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.service import Coordinator
-from protocol.errors import FedMoEError
+from protocol.errors import FedMoEError, InsufficientStorage
 
 log = logging.getLogger(__name__)
 STATIC = Path(__file__).resolve().parent / "static"
@@ -23,6 +27,7 @@ def create_app(config: CoordinatorConfig | None = None) -> Flask:
     """Build the coordinator app; its state lives in ``config.data_dir``."""
     config = config or CoordinatorConfig()
     app = Flask(__name__)
+    app.json = StrictJSONProvider(app)
     app.config.update(MAX_CONTENT_LENGTH=config.max_body_bytes, **dict(config.extra))
     coordinator = Coordinator(config)
     app.extensions["fedmoe"] = coordinator
@@ -53,6 +58,29 @@ def _log_requests_at_debug(app: Flask) -> None:
         return response
 
 
+class StrictJSONProvider(DefaultJSONProvider):
+    """JSON bodies never hold NaN or Infinity (not JSON; most parsers refuse them): such values are
+    sent as null, and a warning says which answer held one (it is a bug upstream to fix)."""
+
+    def dumps(self, obj: Any, **kwargs: Any) -> str:
+        try:
+            return super().dumps(obj, allow_nan=False, **kwargs)
+        except ValueError:
+            log.warning("the answer to %s held NaN or Infinity; sent as null",
+                        request.path if has_request_context() else "(no request)")
+            return super().dumps(_finite(obj), allow_nan=False, **kwargs)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 def _register_error_handlers(app: Flask) -> None:
     @app.errorhandler(FedMoEError)
     def domain_error(exc: FedMoEError) -> tuple[Response, int]:
@@ -70,5 +98,9 @@ def _register_error_handlers(app: Flask) -> None:
 
     @app.errorhandler(Exception)
     def unexpected(exc: Exception) -> tuple[Response, int]:
+        if is_storage_full(exc):  # a write no route turned into InsufficientStorage itself
+            log.error("disk full: %s", exc)
+            return domain_error(InsufficientStorage("the coordinator's disk is full; free space in its --data-dir "
+                                                    "and try again"))
         log.exception("unhandled error (a bug): %s", exc)
         return jsonify({"error": {"code": "internal", "message": "internal error; see the coordinator log"}}), 500

@@ -19,6 +19,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from protocol.errors import BadRequest
+from protocol.schemas import loads_json
+
 if TYPE_CHECKING:
     from coordinator.norm_check import NormVerdict
     from protocol.schemas import UpdateMeta
@@ -53,7 +56,7 @@ NORMS_KEPT = 256
 _TEXT_LIMIT = 200  # worker ids from unparsed headers are attacker-chosen: keep rows small
 
 KINDS = ("expert_created", "worker_registered", "update_accepted", "update_duplicate", "update_rejected",
-         "update_clipped", "version_applied", "request_refused")
+         "update_clipped", "version_applied", "request_refused", "update_quarantined", "expert_quarantined")
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,11 @@ def query_events(db: sqlite3.Connection, limit: int, after: int | None = None, e
 
 
 def insert_norm(db: sqlite3.Connection, expert: str, norm: float) -> None:
-    """Remember an accepted update's norm inside the caller's transaction; keep the newest per expert."""
+    """Remember an accepted update's norm inside the caller's transaction; keep the newest per expert.
+
+    A non-finite norm is never stored: one inf made the median inf, and the check was off for good."""
+    if not math.isfinite(norm):
+        return
     db.execute("INSERT INTO update_norms (expert, norm) VALUES (?, ?)", (expert, norm))
     db.execute("DELETE FROM update_norms WHERE expert = ? AND id <= (SELECT id FROM update_norms WHERE expert = ? "
                "ORDER BY id DESC LIMIT 1 OFFSET ?)", (expert, expert, NORMS_KEPT))
@@ -203,11 +210,21 @@ def refusal_event(status: int, code: str, message: str, method: str, path: str, 
 
 def _ids_from_header(raw: str | None) -> tuple[str | None, str | None]:
     try:
-        meta = json.loads(raw) if raw else None
-    except ValueError:
+        meta = loads_json(raw, "update header") if raw else None
+    except BadRequest:  # malformed or nested too deep: the refusal is logged without ids
         return None, None
     if not isinstance(meta, dict):
         return None, None
     worker_id, update_id = meta.get("worker_id"), meta.get("update_id")
     return (worker_id if isinstance(worker_id, str) and worker_id else None,
             update_id if isinstance(update_id, str) and update_id else None)
+
+
+def update_quarantined(name: str, update_id: str, worker_id: str | None, reason: str, kept: str | None) -> Event:
+    return Event("update_quarantined", f"pending update {update_id} of {name} set aside, never applied: {reason}",
+                 expert=name, worker_id=worker_id, update_id=update_id, detail={"reason": reason[:500], "kept": kept})
+
+
+def expert_quarantined(name: str, version: int, reason: str, kept: list[str]) -> Event:
+    return Event("expert_quarantined", f"expert {name} (version {version}) set aside: {reason}; its next worker "
+                 "creates it again", expert=name, detail={"version": version, "reason": reason[:500], "kept": kept})

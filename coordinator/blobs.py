@@ -6,8 +6,13 @@ fsynced, so a crash leaves either the whole blob or nothing under its name.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
+import logging
 import os
+import shutil
+import sqlite3
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
@@ -15,8 +20,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO
 
-from protocol.errors import BadRequest, PayloadTooLarge
-from protocol.files import fsync_dir
+from safetensors import SafetensorError
+
+from protocol.errors import BadRequest, InsufficientStorage, PayloadTooLarge
+from protocol.files import fsync_dir, private_dir
+
+log = logging.getLogger(__name__)
 
 CHUNK = 1 << 20  # reads of stored files
 RECEIVE_CHUNK = 4 << 20  # reads of a request body: measured best of 1-16 MiB (bench/transport.py)
@@ -26,9 +35,9 @@ class BlobStore:
     """Blobs under ``root/<aa>/<sha256>``, temp files under ``root/tmp``."""
 
     def __init__(self, root: Path) -> None:
-        self.root = Path(root)
-        self.tmp_dir = self.root / "tmp"
-        self.tmp_dir.mkdir(parents=True, exist_ok=True)
+        self.root = Path(root).absolute()  # paths handed to send_file must not depend on its base folder
+        self.tmp_dir = private_dir(self.root / "tmp")
+        self.quarantine_dir = self.root.parent / "quarantine"
         # Leftovers of a crash mid-write were never acknowledged: drop them.
         for leftover in self.tmp_dir.iterdir():
             leftover.unlink(missing_ok=True)
@@ -133,6 +142,22 @@ class BlobStore:
     def delete(self, digest: str) -> None:
         self.path(digest).unlink(missing_ok=True)
 
+    def quarantine(self, digest: str, reason: str) -> Path | None:
+        """Keep a copy of a blob that cannot be used under ``<data dir>/quarantine`` (for a human to
+        inspect); the blob itself is dropped with its rows. Returns the copy's path, None if it was gone."""
+        private_dir(self.quarantine_dir)
+        kept = self.quarantine_dir / digest
+        try:
+            os.link(self.path(digest), kept)  # same file system: no copy, and safe if it is deleted next
+        except FileExistsError:
+            pass
+        except FileNotFoundError:
+            return None
+        except OSError:  # e.g. blobs/ on another file system (EXDEV): copy
+            shutil.copyfile(self.path(digest), kept)
+        log.error("quarantined blob %s (%s): a copy is kept in %s", digest[:16], reason, self.quarantine_dir)
+        return kept
+
     def digests(self) -> Iterator[str]:
         for sub in self.root.iterdir():
             if sub.is_dir() and sub.name != "tmp":
@@ -140,6 +165,34 @@ class BlobStore:
 
     def verify(self, digest: str) -> bool:
         return file_sha256(self.path(digest)) == digest
+
+
+FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+SQLITE_FULL = 13
+
+
+def is_storage_full(exc: BaseException) -> bool:
+    """A write failed because the disk or the quota is full (OS, SQLite or safetensors' own error)."""
+    if isinstance(exc, OSError):
+        return exc.errno in FULL_ERRNOS
+    if isinstance(exc, sqlite3.Error):
+        return (getattr(exc, "sqlite_errorcode", 0) or 0) & 0xFF == SQLITE_FULL
+    if isinstance(exc, SafetensorError):  # it reports I/O errors as text: "... (os error 28)"
+        return any(f"(os error {n})" in str(exc) for n in FULL_ERRNOS)
+    return False
+
+
+@contextlib.contextmanager
+def storage_errors(action: str) -> Iterator[None]:
+    """Turn "disk full" into InsufficientStorage (507) saying what was not done."""
+    try:
+        yield
+    except (OSError, sqlite3.Error, SafetensorError) as exc:
+        if not is_storage_full(exc):
+            raise
+        log.error("disk full: could not %s (%s)", action, exc)
+        raise InsufficientStorage(f"the coordinator's disk is full: could not {action}; nothing was recorded. "
+                                  "Free space in its --data-dir, then send it again") from None
 
 
 def file_sha256(path: Path) -> str:

@@ -60,7 +60,9 @@ class CoordinatorConfig:
     """Flask config overrides (tests)."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "data_dir", Path(self.data_dir))
+        # Absolute once, here: Flask's send_file resolves a relative path against the package
+        # folder, not the working directory (every download answered 500 with the default).
+        object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser().absolute())
         if self.gateway_strategy not in MERGES:
             raise ValueError(f"--gateway-strategy must be one of {sorted(MERGES)}, got {self.gateway_strategy!r}")
         if self.aggregation not in AGGREGATORS:
@@ -78,7 +80,7 @@ class CoordinatorConfig:
         if not self.max_body_mb > 0:
             raise ValueError(f"--max-body-mb must be > 0, got {self.max_body_mb}")
         if self.admin_token_file is not None:
-            object.__setattr__(self, "admin_token_file", Path(self.admin_token_file))
+            object.__setattr__(self, "admin_token_file", Path(self.admin_token_file).expanduser().absolute())
         if not self.token_ttl_hours > 0:
             raise ValueError(f"--token-ttl-hours must be > 0, got {self.token_ttl_hours}")
         if not self.rate_limit >= 0:

@@ -12,10 +12,13 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from coordinator.adapters import non_finite_tensor
 from gateway.errors import MergeError
 from gateway.files import SAFETENSORS_META_KEY
 from gateway.lora import split_modules
@@ -79,6 +82,7 @@ class GatewayBuilder:
         except MergeError as exc:
             raise Conflict(f"cannot build the gateway with {strategy!r}: {exc}") from None
         tensors, alpha, rank = result.state_dict()
+        _check_finite(tensors)
         first = next(iter(specs.values()))
         info = {"strategy": strategy, "weights": weights, "kind": "lora",
                 "sources": {e.name: e.version for e in experts},
@@ -86,10 +90,18 @@ class GatewayBuilder:
                 "base_model": {"id": first.base_model.id, "fingerprint": first.base_model.fingerprint},
                 "truncation_error": result.truncation_error}
         meta = {SAFETENSORS_META_KEY: json.dumps(info)}
-        written = self._c.blobs.write_temp(lambda p: save_file(tensors, p, meta))
+        self._store(key, info, lambda p: save_file(tensors, p, meta))
+
+    def _store(self, key: str, info: dict[str, Any], write: Callable[[Path], None]) -> None:
+        """Write the gateway's blob, then its row; a row that cannot be committed leaves no blob behind."""
+        written = self._c.blobs.write_temp(write)
         with self._c.blobs_guard:  # adopt and record together: see Coordinator.blobs_guard
             digest = self._c.blobs.adopt(written)
-            self._c.db.add_gateway(key, digest, info)
+            try:
+                self._c.db.add_gateway(key, digest, info)
+            except BaseException:
+                self._c.drop_unreferenced([digest])
+                raise
 
 
     def _build_full(self, key: str, strategy: str, weights: dict[str, float], experts: list["ExpertRow"],
@@ -113,11 +125,20 @@ class GatewayBuilder:
                     total[name].add_(tensors[name], alpha=weights[e.name])
                 else:
                     total[name] = tensors[name].mul_(weights[e.name])
+        _check_finite(total)
         first = specs[used[0].name]
         info = {"strategy": strategy, "weights": weights, "kind": "full",
                 "sources": {e.name: e.version for e in experts}, "lora": None,
                 "full": {"num_parameters": first.full.num_parameters if first.full else 0},
                 "base_model": {"id": first.base_model.id, "fingerprint": first.base_model.fingerprint},
                 "truncation_error": 0.0}
-        digest = self._c.blobs.put_file(lambda p: save_file(total, p, {SAFETENSORS_META_KEY: json.dumps(info)}))
-        self._c.db.add_gateway(key, digest, info)
+        self._store(key, info, lambda p: save_file(total, p, {SAFETENSORS_META_KEY: json.dumps(info)}))
+
+
+def _check_finite(tensors: dict[str, torch.Tensor]) -> None:
+    """Finite experts can still merge to Inf (LoRA factors are scaled by alpha / rank): refuse, never store it."""
+    bad = non_finite_tensor(tensors)
+    if bad is not None:
+        raise Conflict(f"the merged gateway's tensor {bad!r} overflows float32 (Inf/NaN): an expert's weights are "
+                       "too large to merge; use one expert (get_gateway_model.py --expert NAME) or give it less "
+                       "weight (--gateway-weights)", reason="gateway_not_finite", tensor=bad)

@@ -8,6 +8,7 @@ norms are known there is nothing to compare with and every update passes.
 """
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ class NormVerdict:
 
 def judge_norm(norm: float, recent: Sequence[float], policy: NormPolicy) -> NormVerdict:
     """Compare an update's norm with the recent ones; raises InvalidUpdate (422) in reject mode."""
+    recent = [n for n in recent if math.isfinite(n)]  # data dirs from before norms were kept finite
     if policy.mode == "off" or len(recent) < policy.warmup:
         return NormVerdict(norm, None, len(recent))
     reference = statistics.median(recent)

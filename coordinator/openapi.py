@@ -68,6 +68,7 @@ TENSOR_BODY = {"required": True, "content": {"application/octet-stream": {"schem
                                                                                   "format": "binary"}}}}
 BAD_REQUEST = _error("Malformed request: a field, header, query parameter or body is wrong.")
 NOT_FOUND = _error("No such expert, version, worker or update.")
+STORAGE_FULL = _error("The coordinator's disk is full: nothing was recorded; retry once space is freed.")
 
 SCHEMAS: dict[str, Any] = {
     "Error": {
@@ -173,7 +174,8 @@ _api: dict[str, Any] = {
                                "400": BAD_REQUEST,
                                "403": _error("The worker id is active (needs its own token or admin), revoked, "
                                              "or the token is another worker's."),
-                               "409": _error("The worker's base model differs from the expert's.")}},
+                               "409": _error("The worker's base model differs from the expert's."),
+                               "413": _error("JSON body over 1 MiB.")}},
     },
     "/workers/{worker_id}": {"delete": {
         "operationId": "revokeWorker", "summary": "Admin: revoke a worker's tokens; its id cannot register again.",
@@ -201,7 +203,8 @@ _api: dict[str, Any] = {
                               "201": _json(_ref("Expert"), "Created."), "400": BAD_REQUEST,
                               "409": _error("It exists with a different setup."),
                               "413": _error("Body over --max-body-mb."),
-                              "422": _error("The tensors are not a LoRA adapter of that spec.")}},
+                              "422": _error("The tensors are not a LoRA adapter of that spec."),
+                              "507": STORAGE_FULL}},
     },
     "/experts/{name}/weights": {"get": {
         "operationId": "expertWeights",
@@ -217,7 +220,10 @@ _api: dict[str, Any] = {
         "responses": {"200": _bytes("Weights or difference.", VERSION_HEADERS),
                       "304": {"description": "Unchanged since the ETag or version held."},
                       "400": BAD_REQUEST, "403": _error("X-FedMoE-Worker names another worker than the token's."),
-                      "404": NOT_FOUND}}},
+                      "404": _error("No such expert or version; or no difference can be served (version pruned, "
+                                    "the expert kept changing, or it does not fit the codec, e.g. fp16's range; "
+                                    "details.reason): pull full weights."),
+                      "409": _error("The expert kept changing while its full weights were opened: pull again.")}}},
     "/experts/{name}/updates": {"post": {
         "operationId": "pushUpdate", "summary": "Push a compressed delta; 202 once durable, 200 for a retry.",
         "parameters": [EXPERT_NAME, _json_param(UPDATE_HEADER, "header", _ref("UpdateMeta"), "The update's metadata.")],
@@ -227,8 +233,10 @@ _api: dict[str, Any] = {
                       "400": BAD_REQUEST, "404": NOT_FOUND,
                       "409": _error("update_id reused with other bytes or expert, or base_version ahead."),
                       "413": _error("Body over --max-body-mb."),
-                      "422": _error("Tensors do not fit the expert (names, shapes, dtype, NaN/Inf), or the "
-                                    "update's norm is over the limit (--norm-check reject).")}}},
+                      "422": _error("Tensors do not fit the expert (names, shapes, dtype, NaN/Inf), the "
+                                    "update's norm is over the limit (--norm-check reject), or applying it would "
+                                    "overflow float32 (details.reason result_not_finite); nothing was recorded."),
+                      "507": STORAGE_FULL}}},
     "/events": {"get": {
         "operationId": "listEvents", "summary": "The audit log, newest first: creations, registrations, updates "
                                                 "accepted/duplicate/rejected/clipped, versions applied.",
@@ -247,7 +255,8 @@ _api: dict[str, Any] = {
         "operationId": "putProfile", "summary": "Store a worker's data profile for routing.",
         "parameters": [EXPERT_NAME, WORKER_ID],
         "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("Profile")}}},
-        "responses": {"200": _json({"type": "object"}, "Stored."), "400": BAD_REQUEST, "404": NOT_FOUND}}},
+        "responses": {"200": _json({"type": "object"}, "Stored."), "400": BAD_REQUEST, "404": NOT_FOUND,
+                      "413": _error("JSON body over 1 MiB.")}}},
     "/route": {"post": {
         "operationId": "route", "summary": "Pick the expert for a prompt, or the gateway when unsure.",
         "requestBody": {"required": True, "content": {"application/json": {"schema": {
@@ -255,7 +264,8 @@ _api: dict[str, Any] = {
             "properties": {"prompt": {"type": "string", "minLength": 1},
                            "threshold": {"type": "number", "minimum": 0, "maximum": 1}}}}}},
         "responses": {"200": _json({"type": "object", "required": ["target"]}, "The choice and its scores."),
-                      "400": BAD_REQUEST, "404": _error("No expert has a routing profile yet.")}}},
+                      "400": BAD_REQUEST, "404": _error("No expert has a routing profile yet."),
+                      "413": _error("JSON body over 64 KiB (only the first 8192 characters of a prompt are read).")}}},
     "/gateway": {"get": {
         "operationId": "gatewayInfo", "summary": "The gateway merged from the current experts.",
         "responses": {"200": _json(_ref("Gateway"), "Gateway info."), "404": _error("No expert yet."),

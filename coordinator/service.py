@@ -11,9 +11,9 @@ is applied twice.
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
+import sqlite3
 import threading
 import time
 from collections.abc import Callable
@@ -23,26 +23,37 @@ from typing import Any
 
 import numpy as np
 
-from compression.wire import encode_update
-from coordinator.adapters import (check_full_weights, check_lora_adapter, check_update, make_codec_or_400,
+from coordinator.adapters import (check_full_weights, check_lora_adapter, check_update, non_finite_tensor,
                                   stored_deltas)
 from coordinator.aggregation import AGGREGATORS, AggregationParams, StateDict, Update, l2_norm, robust_aggregator
 from coordinator import audit
 from coordinator.audit import Event
-from coordinator.blobs import BlobStore
+from coordinator.blobs import BlobStore, is_storage_full, storage_errors
 from coordinator.config import CoordinatorConfig
+from coordinator.diffs import DiffCache
 from coordinator.gateway_builder import GatewayBuilder
-from coordinator.norm_check import judge_norm
+from coordinator.norm_check import NormVerdict, judge_norm
+from coordinator.recovery import quarantine_updates, recover
 from coordinator.store import ExpertRow, ManifestStore, StaleAggregation, UpdateRow
 from gateway.router import ProfileError, combine_profiles, profile_from_json
 from gateway.router import route as route_prompt
-from protocol.errors import BadRequest, Conflict, InvalidPayload, NotFound
+from protocol.errors import (BadRequest, Conflict, FedMoEError, InsufficientStorage, InvalidPayload, InvalidUpdate,
+                             NotFound)
+from protocol.files import private_dir, private_file
 from protocol.schemas import MAX_COUNT, BaseModelSpec, ExpertSpec, UpdateMeta, check_name
-from protocol.streaming import FileTensors
 from protocol.tensors import load_file, manifest_from_json, manifest_to_json, save_file
 
 log = logging.getLogger(__name__)
-DIFF_CACHE_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class PreparedStep:
+    """An aggregation step computed (and checked finite) before its last update was recorded."""
+
+    update_ids: list[str]
+    base_version: int
+    weights: StateDict
+    updates: list[Update]
 
 
 @dataclass(frozen=True)
@@ -55,9 +66,9 @@ class WeightsRef:
 class Coordinator:
     def __init__(self, config: CoordinatorConfig) -> None:
         self.config = config
-        config.data_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(config.data_dir)  # 0700: tokens, audit log and weights are the operator's only
         self.blobs = BlobStore(config.data_dir / "blobs")
-        self.db = ManifestStore(config.data_dir / "manifest.sqlite")
+        self.db = ManifestStore(private_file(config.data_dir / "manifest.sqlite"))
         self.params = AggregationParams(config.server_lr, config.staleness_decay)
         self._aggregate_fn = AGGREGATORS[config.aggregation]
         if config.robust != "none":  # a robust combination of fedbuff's buffer (coordinator.aggregation.robust)
@@ -67,14 +78,12 @@ class Coordinator:
         # Blobs are shared by digest across experts: adopting one and recording its row must not
         # interleave with dropping "unreferenced" blobs, or a new row could point at a deleted file.
         self.blobs_guard = threading.RLock()
-        self._diffs: dict[tuple, bytes] = {}  # (expert, since, version, codec, config) -> encoded diff
-        self._diff_lock = threading.Lock()
+        self.diffs = DiffCache(self)
         self.gateway = GatewayBuilder(self)
         self.on_aggregated: Callable[[float], None] = lambda seconds: None
         """Called with the seconds each aggregation step took (metrics hook)."""
         self._remove_orphan_blobs()
-        for expert in self.db.experts():  # finish what a crash interrupted
-            self._aggregate(expert.name)
+        recover(self)  # finish what a crash interrupted; quarantine what can never be used
 
     def close(self) -> None:
         self.db.close()
@@ -95,11 +104,15 @@ class Coordinator:
                     self._check_compatible(existing, spec)
                     return self.expert_info(name), False
                 manifest = (check_full_weights(body, spec.full) if spec.full is not None
-                            else check_lora_adapter(load_file(body), spec.lora))
-                with self.blobs_guard:
+                            else check_lora_adapter(_load_adapter(body), spec.lora))
+                with self.blobs_guard, storage_errors(f"store expert {name!r}"):
                     digest = self.blobs.adopt(body)
-                    self.db.create_expert(name, spec.to_json(), manifest_to_json(manifest), digest, events=(
-                        audit.expert_created(name, spec.lora.rank if spec.lora else None, spec.base_model.id),))
+                    try:
+                        self.db.create_expert(name, spec.to_json(), manifest_to_json(manifest), digest, events=(
+                            audit.expert_created(name, spec.lora.rank if spec.lora else None, spec.base_model.id),))
+                    except BaseException:  # not recorded: the adopted blob must not stay behind
+                        self.drop_unreferenced([digest])
+                        raise
         finally:
             self.blobs.forget(body)
         log.info("created expert %s (%s)", name, "full-parameter" if spec.lora is None else f"rank {spec.lora.rank}")
@@ -162,36 +175,18 @@ class Coordinator:
         return WeightsRef(self.blobs.path(digest), version, digest)
 
     def weights_diff(self, name: str, since: int, codec: str, codec_config: dict[str, Any]) -> tuple[bytes, int]:
-        """The current weights minus version ``since``, encoded with a compression codec.
-
-        Lets a worker that holds version ``since`` catch up for a fraction of the bytes of a full
-        pull. Returns (payload, current version); the payload is empty when nothing changed.
-        """
-        current = self.weights(name)
-        if since == current.version:
-            return b"", current.version
-        old = self.weights(name, since)
-        key = (name, since, current.version, codec, json.dumps(codec_config, sort_keys=True))
-        with self._diff_lock:  # concurrent pulls of one diff wait for it: one model copy in memory, not N
-            with self._locks_guard:
-                cached = self._diffs.get(key)
-            if cached is None:
-                encoder = make_codec_or_400(codec, codec_config)
-                diff, base = load_file(current.path), FileTensors(old.path)
-                for k, t in diff.items():
-                    t.sub_(base[k])
-                cached = encode_update(diff, self.manifest(name), encoder, seed=current.version)
-                with self._locks_guard:
-                    self._diffs[key] = cached
-                    # a handful of (since, codec) pairs cover a fleet; bounded in bytes for full experts
-                    while len(self._diffs) > 16 or sum(map(len, self._diffs.values())) > DIFF_CACHE_BYTES:
-                        self._diffs.pop(next(iter(self._diffs)))
-        return cached, current.version
+        """The current weights minus version ``since``, encoded with a codec: (payload, current version)."""
+        return self.diffs.get(name, since, codec, codec_config)
 
     def record_pull(self, worker_id: str | None, name: str, body_bytes: int) -> None:
         if worker_id:
             raw = 4 * sum(math.prod(shape) for _, shape in self.manifest(name))
-            self.db.record_pull(worker_id, body_bytes, raw)
+            try:
+                self.db.record_pull(worker_id, body_bytes, raw)
+            except sqlite3.Error as exc:  # a tally: a full disk must not fail the pull it counts
+                if not is_storage_full(exc):
+                    raise
+                log.warning("disk full: pull by %s not counted", worker_id)
 
     def manifest(self, name: str) -> list[tuple[str, tuple[int, ...]]]:
         return manifest_from_json(self.require_expert(name).manifest)
@@ -216,7 +211,7 @@ class Coordinator:
             manifest = manifest_from_json(expert.manifest)
             # Raw bodies come back as a per-tensor view of the file (a second read, bounded memory);
             # compressed ones decoded once. Either way the decoded update is dropped before we wait
-            # for the expert's lock, and read again from its blob when it is aggregated.
+            # for the expert's lock, and read again from the body when its step is computed.
             norm = l2_norm(check_update(body, meta.codec, meta.codec_config, manifest))
             size = body.stat().st_size
             with self._lock(name):
@@ -226,14 +221,57 @@ class Coordinator:
                 verdict = judge_norm(norm, self.db.recent_norms(name, self.config.norm_history),
                                      self.config.norm_policy)  # InvalidUpdate (422) in reject mode
                 stored = meta.to_json() | ({"norm_scale": verdict.scale} if verdict.clipped else {})
-                with self.blobs_guard:
-                    digest = self.blobs.adopt(body, body_digest)
-                    self.db.add_update(name, stored, digest, size, _fp32_bytes(manifest), norm=verdict.accepted_norm,
-                                       events=audit.update_accepted(name, meta, verdict, size))
-                self._aggregate_locked(name)
+                step = self._step_completed_by(name, stored, body)  # InvalidUpdate (422) if not finite
+                self._record_update(name, meta, verdict, stored, body, body_digest, size, _fp32_bytes(manifest))
+                try:
+                    self._aggregate_locked(name, step)
+                except FedMoEError as exc:  # recorded (durable) all the same, so not an error to the client
+                    level = logging.WARNING if isinstance(exc, InsufficientStorage) else logging.ERROR
+                    log.log(level, "update %s of %s is recorded but not applied yet: %s", meta.update_id, name, exc)
         finally:
             self.blobs.forget(body)
         return self.update_status(meta.update_id), True
+
+    def _record_update(self, name: str, meta: UpdateMeta, verdict: NormVerdict, stored: dict[str, Any], body: Path,
+                       body_digest: str, size: int, raw_bytes: int) -> None:
+        """The point of no loss: blob, then row. Disk full at either step is a 507 and leaves nothing."""
+        with self.blobs_guard, storage_errors(f"record update {meta.update_id!r}"):
+            digest = self.blobs.adopt(body, body_digest)
+            try:
+                self.db.add_update(name, stored, digest, size, raw_bytes, norm=verdict.accepted_norm,
+                                   events=audit.update_accepted(name, meta, verdict, size))
+            except BaseException:
+                self.drop_unreferenced([digest])
+                raise
+
+    def _step_completed_by(self, name: str, stored: dict[str, Any], body: Path) -> PreparedStep | None:
+        """The aggregation step this update would complete, computed before it is recorded.
+
+        Its result must be finite: two finite pushes of 3e38 summed to +Inf in float32, and an
+        expert that is Inf cannot be pulled, merged or trained. Refusing here (422) means nothing
+        was recorded; the step is then committed as computed (not computed twice).
+        """
+        pending = self.db.pending_updates(name)
+        if len(pending) != self.config.updates_per_step - 1:
+            return None
+        entries = [(u.meta, self.blobs.path(u.blob)) for u in pending] + [(stored, body)]
+        expert = self.require_expert(name)
+        new, updates = self._candidate(expert, entries)
+        bad = non_finite_tensor(new)
+        if bad is not None:
+            raise InvalidUpdate(f"applying update {stored['update_id']!r} would make tensor {bad!r} of expert "
+                                f"{name!r} overflow to Inf/NaN (float32); it was not recorded. Check the worker's "
+                                "training (learning rate, divergence) and send a smaller update",
+                                reason="result_not_finite", tensor=bad)
+        return PreparedStep([u.update_id for u in pending] + [stored["update_id"]], expert.version, new, updates)
+
+    def _candidate(self, expert: ExpertRow, entries: list[tuple[dict[str, Any], Path]]) -> tuple[StateDict, list[Update]]:
+        """The expert's next weights from updates given as (stored meta, payload path)."""
+        manifest = manifest_from_json(expert.manifest)
+        current = load_file(self.weights(expert.name).path)  # our own copy: the aggregator updates it in place
+        updates = [Update(delta=self._deltas(meta, path, manifest), num_samples=meta["num_samples"],
+                          staleness=max(0, expert.version - meta["base_version"])) for meta, path in entries]
+        return self._aggregate_fn(current, updates, self.params), updates
 
     def _seen_before(self, known: UpdateRow, name: str, meta: UpdateMeta, body_digest: str) -> dict[str, Any]:
         if known.expert != name:
@@ -264,59 +302,67 @@ class Coordinator:
         return {"update_id": row.update_id, "expert": row.expert, "status": row.status,
                 "applied_version": row.applied_version, "expert_version": expert.version}
 
-    def _aggregate(self, name: str) -> None:
+    def aggregate(self, name: str) -> None:
         with self._lock(name):
             self._aggregate_locked(name)
 
-    def _aggregate_locked(self, name: str) -> None:
+    def _aggregate_locked(self, name: str, prepared: PreparedStep | None = None) -> None:
         pending = self.db.pending_updates(name)
         k = self.config.updates_per_step
         while len(pending) >= k:
-            if not self._apply(name, pending[:k]):
+            batch, pending = pending[:k], pending[k:]
+            ready = prepared if prepared is not None and prepared.update_ids == [u.update_id for u in batch] else None
+            prepared = None
+            if not self._apply(name, batch, ready):
                 return
-            pending = pending[k:]
 
-    def _apply(self, name: str, batch: list[UpdateRow]) -> bool:
+    def _apply(self, name: str, batch: list[UpdateRow], prepared: PreparedStep | None = None) -> bool:
         """One aggregation step; False if another process sharing the data dir got there first."""
         started = time.perf_counter()
         expert = self.require_expert(name)
-        manifest = manifest_from_json(expert.manifest)
-        current = load_file(self.weights(name).path)  # our own copy: the aggregator updates it in place
-        try:
-            updates = [Update(delta=self._deltas(u, manifest), num_samples=u.meta["num_samples"],
-                              staleness=max(0, expert.version - u.meta["base_version"])) for u in batch]
-        except (InvalidPayload, FileNotFoundError):  # raw payloads are opened here, others decoded
-            if all(self.db.update(u.update_id).status == "pending" for u in batch):
-                raise
-            log.warning("dropped an aggregation step of %s: its updates were applied meanwhile", name)
-            return False  # another process applied them and dropped their payloads
-        new = self._aggregate_fn(current, updates, self.params)
-        written = self.blobs.write_temp(lambda p: save_file(new, p))
+        if prepared is not None and prepared.base_version == expert.version:
+            new, updates = prepared.weights, prepared.updates
+        else:
+            try:
+                new, updates = self._candidate(expert, [(u.meta, self.blobs.path(u.blob)) for u in batch])
+            except (InvalidPayload, FileNotFoundError):  # raw payloads are opened here, others decoded
+                if all(self.db.update(u.update_id).status == "pending" for u in batch):
+                    raise
+                log.warning("dropped an aggregation step of %s: its updates were applied meanwhile", name)
+                return False  # another process applied them and dropped their payloads
+            bad = non_finite_tensor(new)
+            if bad is not None:  # recorded before results were checked (an older version): never apply it
+                quarantine_updates(self, name, batch, f"applying it makes tensor {bad!r} overflow to Inf/NaN")
+                return False
+        with storage_errors(f"write version {expert.version + 1} of {name!r}"):
+            written = self.blobs.write_temp(lambda p: save_file(new, p))
         loss = _mean_loss(batch)
-        with self.blobs_guard:
+        with self.blobs_guard, storage_errors(f"record version {expert.version + 1} of {name!r}"):
             digest = self.blobs.adopt(written)
             try:
                 self.db.commit_version(name, expert.version + 1, digest, batch, loss, events=(audit.version_applied(
                     name, expert.version + 1, [u.update_id for u in batch], [u.staleness for u in updates], loss),))
             except StaleAggregation as exc:
                 log.warning("dropped an aggregation step of %s: %s", name, exc)
-                self._drop_unreferenced([digest])
+                self.drop_unreferenced([digest])
                 return False
-        self._drop_unreferenced([u.blob for u in batch if u.blob]
+            except BaseException:
+                self.drop_unreferenced([digest])
+                raise
+        self.drop_unreferenced([u.blob for u in batch if u.blob]
                                 + self.db.prune_versions(name, self.config.keep_versions))
         self.on_aggregated(time.perf_counter() - started)
         log.info("expert %s -> version %d (%d update(s), staleness %s)", name, expert.version + 1,
                  len(batch), [u.staleness for u in updates])
         return True
 
-    def _deltas(self, row: UpdateRow, manifest: list[tuple[str, tuple[int, ...]]]) -> StateDict:
-        """Deltas read from the update's blob when aggregated (not kept in memory while pending)."""
-        assert row.blob is not None, "a pending update always has its payload"
-        deltas = stored_deltas(self.blobs.path(row.blob), row.meta["codec"], row.meta["codec_config"], manifest)
-        scale = row.meta.get("norm_scale", 1.0)  # clipped at receipt (--norm-check clip)
+    def _deltas(self, meta: dict[str, Any], path: Path, manifest: list[tuple[str, tuple[int, ...]]]) -> StateDict:
+        """Deltas read from the update's payload when aggregated (not kept in memory while pending)."""
+        deltas = stored_deltas(path, meta["codec"], meta["codec_config"], manifest)
+        scale = meta.get("norm_scale", 1.0)  # clipped at receipt (--norm-check clip)
         return deltas if scale == 1.0 else {k: t * scale for k, t in deltas.items()}
 
-    def _drop_unreferenced(self, digests: list[str]) -> None:
+    def drop_unreferenced(self, digests: list[str]) -> None:
         if not digests:
             return
         with self.blobs_guard:
@@ -410,4 +456,13 @@ def _mean_loss(batch: list[UpdateRow]) -> float | None:
     pairs = [(loss, n) for loss, n in pairs if loss is not None]
     if not pairs:
         return None
-    return sum(loss * n for loss, n in pairs) / sum(n for _, n in pairs)
+    total = sum(n for _, n in pairs)
+    # loss x n overflowed for a finite loss near 1e308 (an Inf in JSON); weights of at most 1 cannot
+    return math.fsum(loss * (n / total) for loss, n in pairs)
+
+
+def _load_adapter(body: Path) -> StateDict:
+    try:
+        return load_file(body)
+    except InvalidPayload as exc:  # the temp file's name says nothing to the client
+        raise InvalidPayload("the adapter is not a valid safetensors file: " + str(exc).split(": ", 1)[-1]) from None

@@ -253,6 +253,36 @@ class ManifestStore:
         rows = self._all("SELECT * FROM updates WHERE expert = ? AND status = 'pending' ORDER BY seq", name)
         return [_update(r) for r in rows]
 
+    def quarantine_updates(self, marked: list[tuple[int, Event]]) -> int:
+        """Mark pending updates (seq, with the event saying why) that can never be applied; they keep their
+        row (update_id stays used). Updates no longer pending (applied meanwhile) are left alone."""
+        count = 0
+        with self.transaction() as db:
+            for seq, event in marked:
+                cur = db.execute("UPDATE updates SET status = 'quarantined', blob = NULL "
+                                 "WHERE seq = ? AND status = 'pending'", (seq,))
+                if cur.rowcount == 1:
+                    insert_event(db, event)
+                    count += 1
+        return count
+
+    def remove_expert(self, name: str, events: tuple[Event, ...] = ()) -> None:
+        """Forget an expert that cannot be loaded: its versions and profiles go, its pending updates are
+        quarantined; update rows stay, so their update_ids are never taken as new."""
+        with self.transaction() as db:
+            db.execute("UPDATE updates SET status = 'quarantined', blob = NULL WHERE expert = ? AND status = 'pending'",
+                       (name,))
+            for table in ("versions", "profiles"):
+                db.execute(f"DELETE FROM {table} WHERE expert = ?", (name,))
+            db.execute("DELETE FROM experts WHERE name = ?", (name,))
+            _insert_events(db, events)
+
+    def expert_blobs(self, name: str) -> list[str]:
+        """Every blob an expert's rows name: its stored versions and pending updates."""
+        rows = self._all("SELECT blob FROM versions WHERE expert = ? AND blob IS NOT NULL UNION "
+                         "SELECT blob FROM updates WHERE expert = ? AND blob IS NOT NULL", name, name)
+        return [r["blob"] for r in rows]
+
     # workers ----------------------------------------------------------------
 
     def upsert_worker(self, worker_id: str, specialty: str, base_model: dict[str, Any],

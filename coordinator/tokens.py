@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from protocol.errors import Forbidden, NotFound, Unauthorized
+from protocol.files import private_dir, private_file
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,11 @@ def read_or_create_token_file(path: Path, role: str) -> str:
             raise ValueError(f"token file {str(path)!r} holds {len(token)} characters; use at least 16 random "
                              "ones, or delete it to get a new token")
         if path.stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-            log.warning("%s is readable by other users; chmod 600 it", path)
+            try:  # ours to fix (a data dir made before files were private); else say what to do
+                os.chmod(path, 0o600)
+                log.warning("%s was readable by other users; made it 0600", path)
+            except OSError:
+                log.warning("%s is readable by other users; chmod 600 it", path)
         return token
     token = new_token(role)
     tmp = path.with_name(f".{path.name}.tmp")
@@ -98,7 +103,7 @@ def read_or_create_token_file(path: Path, role: str) -> str:
 
 class TokenStore:
     def __init__(self, data_dir: Path, admin_token_file: Path | None, token_ttl: float) -> None:
-        data_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(data_dir)
         self.admin_token = read_or_create_token_file(admin_token_file or data_dir / "admin_token", ADMIN)
         self.join_token_file = data_dir / "join_token"
         join_token = read_or_create_token_file(self.join_token_file, JOIN)
@@ -106,7 +111,7 @@ class TokenStore:
             raise ValueError("the join token must differ from the admin token (--admin-token-file)")
         self._admin_hash, self._join_hash = token_hash(self.admin_token), token_hash(join_token)
         self.token_ttl = token_ttl
-        self._path = data_dir / "auth.sqlite"
+        self._path = private_file(data_dir / "auth.sqlite")  # 0600, and so its -wal/-shm (SQLite copies the mode)
         # hash -> (principal, expires_at) of worker tokens seen valid: one SQLite open per request cost
         # ~1 ms. One process serves the API (coordinator.server); a hit is checked against the
         # in-memory revoked set, which revoke() updates before anything else.

@@ -47,6 +47,9 @@ DEFAULT_NGRAMS = (3, 4, 5)
 DEFAULT_THRESHOLD = 0.7
 """Confidence below which a prompt goes to the gateway (in the cross-validation above, 0.7
 sent 3% of DS-1000 prompts to the gateway and 2% to a wrong expert; 0.5: 0.5% and 3%)."""
+MAX_PROMPT_CHARS = 8192
+"""Only the start of a prompt is routed: it says what the prompt is about, and the cost of hashing
+its n-grams (~100x its size in memory) stays bounded however long the prompt is."""
 DEFAULT_TEMPERATURE = 0.03
 """Softmax temperature over centred cosine similarities (fitted, see the module docstring)."""
 PROFILE_FORMAT = "fedmoe-profile"
@@ -169,7 +172,7 @@ def route(
     if not _is_number(temperature) or not 0 < temperature < math.inf:
         raise ProfileError(f"temperature must be a positive finite number, got {temperature!r}")
     # float64: centring subtracts nearly equal numbers (see _centred_cosines)
-    profile = text_profile([prompt], dim=matrix.shape[1], ngrams=ngrams)
+    profile = text_profile([prompt[:MAX_PROMPT_CHARS]], dim=matrix.shape[1], ngrams=ngrams)
     query = _unit_rows(np.cbrt(profile, dtype=np.float64))
     damped = _unit_rows(np.cbrt(matrix, dtype=np.float64))
     cosines = damped @ query

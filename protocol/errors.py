@@ -92,15 +92,21 @@ class TooManyRequests(Unavailable):
     code, status = "too_many_requests", 429
 
 
+class InsufficientStorage(Unavailable):
+    """The coordinator's disk (or quota) is full: nothing of the request was recorded; retry later."""
+
+    code, status = "insufficient_storage", 507
+
+
 _BY_CODE: dict[str, type[FedMoEError]] = {
     cls.code: cls
     for cls in (BadRequest, InvalidPayload, Unauthorized, Forbidden, NotFound, RequestTimeout,
-                Conflict, PayloadTooLarge, InvalidUpdate, TooManyRequests, Unavailable)
+                Conflict, PayloadTooLarge, InvalidUpdate, InsufficientStorage, TooManyRequests, Unavailable)
 }
 _BY_STATUS: dict[int, type[FedMoEError]] = {
     400: BadRequest, 401: Unauthorized, 403: Forbidden, 404: NotFound,
     408: RequestTimeout, 409: Conflict, 413: PayloadTooLarge, 422: InvalidUpdate, 429: TooManyRequests,
-    503: Unavailable,
+    503: Unavailable, 507: InsufficientStorage,
 }
 
 

@@ -11,6 +11,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
+
 from protocol.errors import BadRequest
 from protocol.tensors import is_finite_number
 
@@ -21,26 +23,49 @@ VERSION_HEADER = "X-FedMoE-Version"
 WORKER_HEADER = "X-FedMoE-Worker"  # optional on pulls: lets the coordinator tally bytes per worker
 RAW_CODEC = "safetensors"  # an uncompressed update: the body is a safetensors file
 
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+# Matched with fullmatch: "$" also matches before a trailing newline, so "e\n" used to pass.
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 # Counts stored in SQLite's signed 64-bit integers and summed there (samples_seen): far below 2**63.
 MAX_COUNT = 10**12
-UPDATE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
+UPDATE_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
+MAX_JSON_DEPTH = 32
+"""Deepest nesting of arrays and objects accepted in request JSON; ours is at most 3 deep. Python's
+parser recurses per level, so 3,000 levels were a RecursionError (a 500) and ~26x the body in memory."""
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 
 
 def check_name(value: object, what: str) -> str:
-    if not isinstance(value, str) or not NAME_RE.match(value):
+    if not isinstance(value, str) or not NAME_RE.fullmatch(value):
         raise BadRequest(f"{what} must be 1-64 characters of letters, digits, '_', '.', '-' "
                          f"starting with a letter or digit, got {value!r}")
     return value
 
 
+def json_nesting(text: str | bytes) -> int:
+    """How deep arrays and objects nest in ``text`` (JSON), found without parsing it."""
+    data = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else bytes(text)
+    brackets = np.frombuffer(_JSON_STRING.sub(b"", data).translate(None, _NOT_BRACKETS), dtype=np.uint8)
+    if not len(brackets):
+        return 0
+    steps = np.where((brackets == ord("[")) | (brackets == ord("{")), 1, -1)
+    return int(np.cumsum(steps).max())
+
+
+def loads_json(text: str | bytes, what: str, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """Parse untrusted JSON; BadRequest (400) if it is malformed or nested deeper than ``max_depth``."""
+    if json_nesting(text) > max_depth:
+        raise BadRequest(f"{what} nests arrays/objects deeper than {max_depth} levels")
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise BadRequest(f"{what} is not valid JSON: {exc}") from None
+
+
 def parse_header_json(raw: str | None, header: str) -> dict[str, Any]:
     if raw is None:
         raise BadRequest(f"missing header {header} (JSON metadata for this request)")
-    try:
-        value = json.loads(raw)
-    except ValueError as exc:
-        raise BadRequest(f"header {header} is not valid JSON: {exc}") from None
+    value = loads_json(raw, f"header {header}")
     if not isinstance(value, dict):
         raise BadRequest(f"header {header} must be a JSON object, got {type(value).__name__}")
     return value
@@ -208,7 +233,7 @@ class UpdateMeta:
     def from_json(cls, obj: dict[str, Any]) -> "UpdateMeta":
         where = "update metadata"
         update_id = _require(obj, "update_id", str, where)
-        if not UPDATE_ID_RE.match(update_id):
+        if not UPDATE_ID_RE.fullmatch(update_id):
             raise BadRequest(f"{where}: update_id must be 1-128 characters of letters, digits, "
                              f"'_', '.', ':', '-', got {update_id!r}")
         base_version = _require(obj, "base_version", int, where)

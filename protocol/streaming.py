@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from protocol.errors import InvalidPayload, InvalidUpdate
 from protocol.tensors import Manifest, StateDict
@@ -70,7 +70,11 @@ def parse_header(read: BinaryIO | bytes | bytearray | memoryview, total_size: in
         raise InvalidPayload(f"body is not a valid safetensors file: header is not JSON ({exc})") from None
     if not isinstance(raw, dict):
         raise InvalidPayload("body is not a valid safetensors file: header is not a JSON object")
-    raw.pop("__metadata__", None)
+    metadata = raw.pop("__metadata__", None)
+    if metadata is not None and not (isinstance(metadata, dict)
+                                     and all(isinstance(v, str) for v in metadata.values())):
+        # the loader's rule (safetensors: Option<HashMap<String, String>>); {"x": 1} once passed here
+        raise InvalidPayload("body is not a valid safetensors file: __metadata__ must map strings to strings")
     entries = sorted((_entry(name, spec) for name, spec in raw.items()), key=lambda e: (e.begin, e.end))
     data_size = total_size - 8 - length
     position = 0
@@ -127,6 +131,17 @@ def tensors_from_buffer(buf: bytearray) -> StateDict:
 
 
 def read_header(path: Path) -> Header:
+    """The header of a safetensors file, accepted only if the safetensors loader itself opens it.
+
+    A file is stored once and loaded by ``safe_open`` later (aggregation, gateway, restarts), so
+    its rules are the ones that count: asking it here means nothing passes our check and fails
+    there. Our own parse then adds what it does not check (tiling, our dtypes).
+    """
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            f.metadata()
+    except (SafetensorError, ValueError, TypeError) as exc:
+        raise InvalidPayload(f"body is not a valid safetensors file: {exc}") from None
     with open(path, "rb") as f:
         return parse_header(f, path.stat().st_size)
 

@@ -45,8 +45,11 @@ def load_file(path: Path) -> StateDict:
     try:
         with safe_open(str(path), framework="pt") as f:
             return {name: f.get_tensor(name) for name in f.keys()}
+    except FileNotFoundError:  # not a bad payload: gone (e.g. a pruned version); callers decide
+        raise
     except (SafetensorError, ValueError, OSError) as exc:
-        raise InvalidPayload(f"{path} is not a valid safetensors file: {exc}") from None
+        # the file's name only: this message reaches HTTP clients, who must not see server paths
+        raise InvalidPayload(f"{Path(path).name} is not a valid safetensors file: {exc}") from None
 
 
 def manifest_of(tensors: Mapping[str, torch.Tensor]) -> Manifest:

@@ -43,11 +43,23 @@ CombineRule = Callable[[list[Update], AggregationParams, RobustParams], StateDic
 """Turns a buffer of updates into one staleness-weighted delta (server_lr not applied yet)."""
 
 
+NORM_CHUNK = 1 << 20  # values per float64 chunk in l2_norm (8 MiB)
+
+
 def l2_norm(tensors: StateDict) -> float:
-    """The L2 norm of all tensors together, as if flattened into one vector."""
-    # Per tensor in float32 (no float64 copy: the coordinator computes this for every push, and a
-    # full-parameter update is a whole model); the sum of squares across tensors in Python floats.
-    return math.sqrt(sum(float(torch.linalg.vector_norm(t)) ** 2 for t in tensors.values()))
+    """The L2 norm of all tensors together, as if flattened into one vector; finite for finite input."""
+    # Per tensor in float32 (fast: the coordinator does this for every push, and a full update is a
+    # whole model). Its sum of squares overflows for values of ~1e19 and up (two 3e38 updates gave an
+    # Inf norm, and an Inf median switched the norm check off): then that tensor is summed again in
+    # float64, in chunks that keep the float64 copy small. The sum across tensors is a Python float.
+    squares = 0.0
+    for t in tensors.values():
+        norm = float(torch.linalg.vector_norm(t))
+        if math.isinf(norm):  # squares are monotonic: a finite result means nothing overflowed
+            norm = math.sqrt(sum(float(torch.linalg.vector_norm(chunk, dtype=torch.float64)) ** 2
+                                 for chunk in t.reshape(-1).split(NORM_CHUNK)))
+        squares += norm ** 2
+    return math.sqrt(squares)
 
 
 def _stacked(updates: Sequence[Update], params: AggregationParams, name: str) -> torch.Tensor:

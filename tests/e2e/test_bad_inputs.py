@@ -133,6 +133,35 @@ def post_chunked(url: str, path: str, headers: dict[str, str], total: int, chunk
         conn.close()
 
 
+def with_metadata(body: bytes, metadata: object) -> bytes:
+    """The same safetensors file with its ``__metadata__`` replaced (the header re-padded to 8 bytes)."""
+    (length,) = struct.unpack("<Q", body[:8])
+    header = json.loads(body[8:8 + length]) | {"__metadata__": metadata}
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw + body[8 + length:]
+
+
+DEEP = "[" * 3000 + "]" * 3000  # Python's JSON parser recursed per level: a RecursionError, a 500
+
+
+def full_spec(num_parameters: int) -> dict:
+    return {"kind": "full", "full": {"num_parameters": num_parameters}, "base_model": expert_spec()["base_model"]}
+
+
+def post_json(s: "Server", path: str, body: str | bytes, method: str = "post") -> requests.Response:
+    return requests.request(method, f"{s.url}/api/v1{path}", data=body,
+                            headers={**s.auth, "Content-Type": "application/json"}, timeout=60)
+
+
+def overflowing_push(s: "Server") -> requests.Response:
+    """Two finite pushes of 3e38: the second would make the stored expert +Inf (float32)."""
+    assert s.put_expert("big", dumps(ADAPTER), expert_spec()).status_code == 201
+    huge = dumps({k: torch.full_like(v, 3e38) for k, v in ADAPTER.items()})
+    assert s.push(huge, update_meta(base_version=0), expert="big").status_code == 202
+    return s.push(huge, update_meta(base_version=1), expert="big")
+
+
 Case = Callable[[Server], "requests.Response | tuple[int, bytes]"]
 
 CASES: list[tuple[str, Case, int]] = [
@@ -158,6 +187,12 @@ CASES: list[tuple[str, Case, int]] = [
     ("Inf", lambda s: s.push(dumps(first_as(float("-inf")))), 422),
     ("adapter of the wrong rank", lambda s: s.put_expert("r3", dumps(ADAPTER), expert_spec(rank=3)), 422),
     ("adapter with NaN", lambda s: s.put_expert("nan", dumps(first_as(float("nan"))), expert_spec()), 422),
+    # headers the safetensors loader refuses: checked with its rules before anything is stored
+    ("full expert with non-string __metadata__",
+     lambda s: s.put_expert("fullbad", with_metadata(dumps({"w": torch.ones(3)}), {"x": 1}), full_spec(3)), 400),
+    ("update with non-string __metadata__", lambda s: s.push(with_metadata(dumps(delta()), {"x": [1]})), 400),
+    # results that would overflow float32
+    ("update whose result overflows", overflowing_push, 422),
     # metadata
     ("missing update header", lambda s: raw_post(s, {}), 400),
     ("update header not JSON", lambda s: raw_post(s, {UPDATE_HEADER: "{"}), 400),
@@ -167,6 +202,18 @@ CASES: list[tuple[str, Case, int]] = [
     ("expert spec not JSON", lambda s: s.put_expert("x", dumps(ADAPTER), "[1,"), 400),
     ("bad expert name", lambda s: s.put_expert("-bad name", dumps(ADAPTER), expert_spec()), 400),
     ("unknown expert", lambda s: s.push(dumps(delta()), expert="nobody"), 404),
+    ("expert name ending in a newline", lambda s: s.put_expert("x%0A", dumps(ADAPTER), expert_spec()), 400),
+    ("update_id ending in a newline",
+     lambda s: s.push(dumps(delta()), update_meta() | {"update_id": "u-1\n"}), 400),
+    # JSON nested 3,000 deep, on every route and header that parses JSON
+    ("deep JSON on /route", lambda s: post_json(s, "/route", DEEP), 400),
+    ("deep JSON on /workers", lambda s: post_json(s, "/workers", DEEP), 400),
+    ("deep JSON profile", lambda s: post_json(s, "/experts/e/profiles/w", DEEP, "put"), 400),
+    ("deep JSON in the update header", lambda s: raw_post(s, {UPDATE_HEADER: DEEP}), 400),
+    ("deep JSON in the expert header", lambda s: s.put_expert("deep", dumps(ADAPTER), DEEP), 400),
+    ("deep JSON codec_config", lambda s: s.get("/experts/e/weights?since=0&codec=fp16&codec_config="
+                                              + "[" * 100 + "]" * 100), 400),
+    ("deep JSON object on /route", lambda s: post_json(s, "/route", '{"a":' * 40 + "1" + "}" * 40), 400),
     # stored state
     ("replayed update_id, different body", lambda s: s.push(dumps(delta()), REPLAYED), 409),
     ("replayed update_id, other expert", lambda s: s.push(FIRST_BODY, REPLAYED, expert="other"), 409),
@@ -175,6 +222,11 @@ CASES: list[tuple[str, Case, int]] = [
      lambda s: s.put_expert("e", dumps(make_adapter(rank=3)), expert_spec(rank=3)), 409),
     # size
     ("oversized body", lambda s: s.push(b"\0" * (LIMIT + 1)), 413),
+    ("prompt over 64 KiB", lambda s: post_json(s, "/route", json.dumps({"prompt": "x" * (64 << 10)})), 413),
+    ("chunked prompt over 64 KiB", lambda s: post_chunked(s.url, "/api/v1/route",
+                                                          {**s.auth, "Content-Type": "application/json"},
+                                                          128 << 10), 413),
+    ("registration over 1 MiB", lambda s: post_json(s, "/workers", json.dumps({"pad": "x" * (1 << 20)})), 413),
     ("oversized chunked body", lambda s: post_chunked(s.url, "/api/v1/experts/e/updates",
                                                       {**s.auth, UPDATE_HEADER: json.dumps(update_meta())},
                                                       4 * LIMIT), 413),
@@ -205,6 +257,8 @@ def test_nothing_bad_was_applied_and_the_replay_with_the_same_body_is_still_200(
     assert (info["version"], info["updates_applied"], info["samples_seen"]) == (1, 1, 3)
     assert server.push(FIRST_BODY, REPLAYED).status_code == 200  # retries stay idempotent
     experts = {e["name"] for e in server.get("/experts").json()["experts"]}
-    assert experts == {"e", "other"}
+    assert experts == {"e", "other", "big"}  # "big": made by the overflow case, left at version 1
+    big = server.get("/experts/big").json()
+    assert (big["version"], big["updates_applied"], big["pending_updates"]) == (1, 1, 0)
     log = "".join(server.process.log)
     assert "unhandled error" not in log and "Traceback" not in log, log[-3000:]

@@ -1,0 +1,77 @@
+"""Diff pulls: an expert's current weights minus an older version, encoded with a codec, cached.
+
+Lets a worker that holds version ``since`` catch up for a fraction of the bytes of a full pull.
+A version can be pruned while its file is read (each push prunes the oldest kept one), so a pull
+that finds a file gone looks the versions up again. Whenever no difference can be served (``since``
+pruned, the expert kept changing, the difference does not fit the codec, e.g. fp16's range) the
+answer is a 404 saying so (``details.reason``), on which workers pull full weights; never a 500.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from typing import TYPE_CHECKING, Any
+
+from compression import Codec
+from compression.errors import CompressionError
+from compression.wire import encode_update
+from coordinator.adapters import make_codec_or_400
+from protocol.errors import NotFound
+from protocol.streaming import FileTensors
+from protocol.tensors import load_file
+
+if TYPE_CHECKING:
+    from coordinator.service import Coordinator, WeightsRef
+
+log = logging.getLogger(__name__)
+DIFF_CACHE_BYTES = 256 << 20
+DIFFS_KEPT = 16  # a handful of (since, codec) pairs cover a fleet
+ATTEMPTS = 3
+
+
+class DiffCache:
+    def __init__(self, coordinator: "Coordinator") -> None:
+        self._c = coordinator
+        self._diffs: dict[tuple, bytes] = {}  # (expert, since, version, codec, config) -> encoded diff
+        self._compute_lock = threading.Lock()  # concurrent pulls of one diff wait: one model copy in memory, not N
+        self._guard = threading.Lock()
+
+    def get(self, name: str, since: int, codec: str, codec_config: dict[str, Any]) -> tuple[bytes, int]:
+        """(payload, current version); the payload is empty when nothing changed since ``since``."""
+        encoder = make_codec_or_400(codec, codec_config)
+        for attempt in range(ATTEMPTS):
+            current = self._c.weights(name)
+            if since == current.version:
+                return b"", current.version
+            old = self._c.weights(name, since)  # NotFound once ``since`` itself is pruned
+            try:
+                return self._encoded(name, since, current, old, codec, codec_config, encoder), current.version
+            except FileNotFoundError:
+                log.info("version %d or %d of %s was pruned during a diff pull (attempt %d)",
+                         since, current.version, name, attempt + 1)
+        raise NotFound(f"expert {name!r} kept changing while the difference from version {since} was computed; "
+                       "pull full weights", reason="diff_unavailable")
+
+    def _encoded(self, name: str, since: int, current: "WeightsRef", old: "WeightsRef", codec: str,
+                 codec_config: dict[str, Any], encoder: Codec) -> bytes:
+        key = (name, since, current.version, codec, json.dumps(codec_config, sort_keys=True))
+        with self._compute_lock:
+            with self._guard:
+                cached = self._diffs.get(key)
+            if cached is not None:
+                return cached
+            diff, base = load_file(current.path), FileTensors(old.path)
+            for k, t in diff.items():
+                t.sub_(base[k])
+            try:
+                cached = encode_update(diff, self._c.manifest(name), encoder, seed=current.version)
+            except CompressionError as exc:  # e.g. a change beyond fp16's range
+                raise NotFound(f"the change of {name!r} since version {since} cannot be encoded with "
+                               f"{codec!r}: {exc}; pull full weights (or use another --pull-compression)",
+                               reason="diff_not_encodable") from None
+            with self._guard:
+                self._diffs[key] = cached
+                while len(self._diffs) > DIFFS_KEPT or sum(map(len, self._diffs.values())) > DIFF_CACHE_BYTES:
+                    self._diffs.pop(next(iter(self._diffs)))  # bounded in bytes too, for full experts
+        return cached

@@ -1,0 +1,95 @@
+"""Startup recovery: finish what a crash interrupted, and set aside what can never be used.
+
+Every acknowledged update is applied at the next start (``Coordinator`` re-runs aggregation over
+pending rows). But a data dir may hold a blob the loader cannot read or that is not finite: one
+written before a check existed (e.g. a safetensors ``__metadata__`` of non-strings, accepted until
+the header was checked by the loader itself), or damaged on disk. Refusing to start on it made
+one bad push a denial of service for good. Instead such a thing is *quarantined*: a copy is kept
+under ``<data dir>/quarantine/<digest>`` for a human, the rows stop naming it, the log says so at
+ERROR and the audit log gets an ``update_quarantined`` / ``expert_quarantined`` event.
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from coordinator import audit
+from coordinator.adapters import check_update
+from coordinator.store import ExpertRow, UpdateRow
+from protocol.errors import FedMoEError, NotFound
+from protocol.streaming import check_file, read_header
+from protocol.tensors import manifest_from_json
+
+if TYPE_CHECKING:
+    from coordinator.service import Coordinator
+
+log = logging.getLogger(__name__)
+
+
+def recover(c: "Coordinator") -> None:
+    """Check each expert and its pending updates, quarantine what is unusable, then aggregate."""
+    for expert in c.db.experts():
+        problem = expert_problem(c, expert)
+        if problem is not None:
+            quarantine_expert(c, expert, problem)
+            continue
+        for update in c.db.pending_updates(expert.name):
+            problem = update_problem(c, expert, update)
+            if problem is not None:
+                quarantine_updates(c, expert.name, [update], problem)
+        c.aggregate(expert.name)
+
+
+def expert_problem(c: "Coordinator", expert: ExpertRow) -> str | None:
+    """Why the expert's current weights cannot be used (unreadable, other tensors, NaN/Inf), or None."""
+    manifest = manifest_from_json(expert.manifest)
+    try:
+        path = c.weights(expert.name).path
+        if read_header(path).manifest != sorted(manifest):
+            return "its weights do not hold the tensors its manifest names"
+        check_file(path, manifest)  # chunked: bounded memory; finiteness too
+    except (FedMoEError, OSError) as exc:
+        return _reason(exc)
+    return None
+
+
+def update_problem(c: "Coordinator", expert: ExpertRow, update: UpdateRow) -> str | None:
+    """Why a pending update cannot be applied to its expert, or None."""
+    if update.blob is None:
+        return "its payload is missing"
+    try:
+        check_update(c.blobs.path(update.blob), update.meta["codec"], update.meta.get("codec_config") or {},
+                     manifest_from_json(expert.manifest))
+    except (FedMoEError, OSError, KeyError) as exc:
+        return _reason(exc)
+    return None
+
+
+def quarantine_updates(c: "Coordinator", name: str, updates: list[UpdateRow], reason: str) -> None:
+    """Set pending updates aside for good (never applied); keep a copy of their payloads."""
+    marked = []
+    for u in updates:
+        kept = c.blobs.quarantine(u.blob, reason) if u.blob else None
+        marked.append((u.seq, audit.update_quarantined(name, u.update_id, u.worker_id, reason,
+                                                       kept.name if kept else None)))
+    if c.db.quarantine_updates(marked):
+        log.error("pending update(s) %s of expert %s quarantined: %s", [u.update_id for u in updates], name, reason)
+    c.drop_unreferenced([u.blob for u in updates if u.blob])
+
+
+def quarantine_expert(c: "Coordinator", expert: ExpertRow, reason: str) -> None:
+    """Remove an expert whose weights cannot be used; keep copies of all its blobs."""
+    digests = c.db.expert_blobs(expert.name)
+    kept = [p.name for d in digests if (p := c.blobs.quarantine(d, reason)) is not None]
+    c.db.remove_expert(expert.name, events=(audit.expert_quarantined(expert.name, expert.version, reason, kept),))
+    c.drop_unreferenced(digests)
+    log.error("expert %s quarantined at start: %s; %d blob(s) kept in %s; the next worker of %s creates it again",
+              expert.name, reason, len(kept), c.blobs.quarantine_dir, expert.name)
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, NotFound):
+        return exc.message
+    if isinstance(exc, FileNotFoundError):
+        return "its blob is missing"
+    return str(getattr(exc, "message", exc))
