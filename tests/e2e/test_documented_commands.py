@@ -14,9 +14,7 @@ worker keeps its default ``--duration`` (an hour) and ``--sync-interval`` (10 s)
 Ctrl-C (SIGINT) once it has synced twice; Ctrl-C ends with a final push, as a user would see.
 
 ``--save-gateway`` with no path (default ``gateway_model.npz`` in the working directory) is the
-product brief's form; the h-identity branch makes the path optional. Until that branch is merged
-this test fails at that step with "expected one argument" -- that failure is the missing feature,
-not a bug in this test.
+product brief's form.
 
 The copy is made from ``git ls-files`` (tracked and new, not ignored, files of this checkout),
 so no run-time file of the developer's tree (fedmoe-data/, worker-state/, *.npz) leaks in.
@@ -120,8 +118,6 @@ def test_the_documented_commands_work_from_a_fresh_clone(clone):
         saved = subprocess.run("python get_gateway_model.py --save-gateway".split(), cwd=clone, env=user_env(),
                                capture_output=True, text=True, timeout=300)
         check_server_log(coordinator, worker)
-        if "--save-gateway: expected one argument" in saved.stderr:  # see the module docstring
-            pytest.xfail("--save-gateway without a path is not supported yet (h-identity makes it optional)")
         assert saved.returncode == 0, saved.stdout + saved.stderr
         assert (clone / "gateway_model.npz").stat().st_size > 1000, sorted(p.name for p in clone.iterdir())
     finally:
