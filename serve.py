@@ -56,6 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="requests generated together, any mix of experts (default: %(default)s)")
     p.add_argument("--batch-wait", type=float, default=EngineOptions.batch_wait,
                    help="seconds to wait for a batch to fill (default: %(default)s)")
+    p.add_argument("--no-mix-adapters", action="store_true",
+                   help="generate a batch's rows of each adapter separately instead of in one call (see "
+                        "docs/serving.md for which is faster)")
     p.add_argument("--threads", type=int, default=None, help="torch threads for generation (default: torch's)")
     add_common_flags(p)
     return p.parse_args(argv)
@@ -73,7 +76,8 @@ def options_from(args: argparse.Namespace):
                         use_huggingface=args.use_huggingface, poll_interval=args.poll_interval,
                         api_key_file=None if args.no_auth else args.api_key_file,
                         route_threshold=args.route_threshold, limits=limits,
-                        engine=EngineOptions(max_batch=args.max_batch, batch_wait=args.batch_wait))
+                        engine=EngineOptions(max_batch=args.max_batch, batch_wait=args.batch_wait,
+                                              mix_adapters=not args.no_mix_adapters))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -68,7 +68,12 @@ def health() -> Response:
     s = service()
     return jsonify({"status": "ok", "base_model": s.base_model_id, "models": [a.model for a in s.models()],
                     "adapter_generation": s.registry.generation,
-                    "batches": {str(size): n for size, n in sorted(s.engine.batches.items())}})
+                    "batches": {str(size): n for size, n in sorted(s.engine.batches.items())},
+                    "last_swap_ms": _ms(getattr(s.federation, "last_swap_seconds", None))})
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(1000 * seconds, 1)
 
 
 def list_models() -> Response:

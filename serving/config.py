@@ -36,6 +36,8 @@ class EngineOptions:
     """Requests generated together in one batch (1 = one request at a time)."""
     batch_wait: float = 0.005
     """Seconds the engine waits for more requests to join a batch once one has arrived."""
+    mix_adapters: bool = True
+    """Rows of different adapters in one generate call (PEFT adapter_names); False: one call per adapter."""
 
     def __post_init__(self) -> None:
         if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int) or self.max_batch < 1:

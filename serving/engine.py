@@ -98,9 +98,8 @@ class GenerationEngine:
     def _run(self) -> None:
         while not self._stopping.is_set():
             self._do_tasks()
-            batch = self._next_batch()
-            if batch:
-                self._generate(batch)
+            for group in self._groups(self._next_batch()):
+                self._generate(group)
 
     def _do_tasks(self) -> None:
         while True:
@@ -118,12 +117,15 @@ class GenerationEngine:
         slot = self.registry.new_slot()
         started = time.perf_counter()
         self.model.add_adapter(slot, config)
-        result = set_peft_model_state_dict(self.model, weights.tensors, adapter_name=slot)
-        missing = [k for k in result.missing_keys if ".lora_" in k and f".{slot}." in k]
-        if result.unexpected_keys or missing:
+        try:
+            result = set_peft_model_state_dict(self.model, weights.tensors, adapter_name=slot)
+            missing = [k for k in result.missing_keys if ".lora_" in k and f".{slot}." in k]
+            if result.unexpected_keys or missing:
+                raise ExportError(f"{weights.model} v{weights.version} does not fit the base model: unexpected "
+                                  f"keys {result.unexpected_keys[:3]}, missing {missing[:3]}")
+        except Exception:  # a shape mismatch (RuntimeError) as much as a missing key: leave no half slot behind
             self.model.delete_adapter(slot)
-            raise ExportError(f"{weights.model} v{weights.version} does not fit the base model: unexpected keys "
-                              f"{result.unexpected_keys[:3]}, missing {missing[:3]}")
+            raise
         adapter = LoadedAdapter(weights.model, slot, weights.version, int(config.r))
         self.registry.publish(adapter)
         log.info("serving %s v%d (rank %d), loaded in %.0f ms", weights.model, weights.version, config.r,
@@ -166,6 +168,15 @@ class GenerationEngine:
         self.registry.unpin(job.adapter)
         return False
 
+    def _groups(self, batch: list[Job]) -> list[list[Job]]:
+        """The batch as one generate call (rows of any adapters), or one call per adapter, in arrival order."""
+        if self.options.mix_adapters or not batch:
+            return [batch] if batch else []
+        groups: dict[str, list[Job]] = {}
+        for job in batch:
+            groups.setdefault(job.adapter.slot, []).append(job)
+        return list(groups.values())
+
     def _generate(self, batch: list[Job]) -> None:
         self.batches[len(batch)] += 1
         for job in batch:
@@ -175,7 +186,7 @@ class GenerationEngine:
                 self.model.generate(**self._inputs(batch), generation_config=self._config(batch),
                                     streamer=_RowStreamer(batch, self.tokenizer, self.stop_ids),
                                     stopping_criteria=StoppingCriteriaList([_RowsFinished(batch)]),
-                                    adapter_names=[job.adapter.slot for job in batch])
+                                    **self._adapter_choice(batch))
         except Exception as exc:  # a bug, not bad input: fail these requests, keep serving the others
             log.exception("generation failed for a batch of %d", len(batch))
             for job in batch:
@@ -186,6 +197,19 @@ class GenerationEngine:
             for job in batch:
                 job.close()
                 self.registry.unpin(job.adapter)
+
+    def _adapter_choice(self, batch: list[Job]) -> dict[str, Any]:
+        """One adapter for the whole batch: make it the active one. Several: name each row's.
+
+        PEFT's per-row path (``adapter_names``) splits every LoRA layer's input by adapter, which
+        costs far more than the low-rank term itself on CPU: measured on tiny-qwen2, a batch of 8
+        rows of one adapter took 3.1x longer through it than with that adapter active.
+        """
+        slots = {job.adapter.slot for job in batch}
+        if len(slots) == 1:
+            self.model.set_adapter(slots.pop())
+            return {}
+        return {"adapter_names": [job.adapter.slot for job in batch]}
 
     def _inputs(self, batch: list[Job]) -> dict[str, torch.Tensor]:
         """Left-padded prompts: generated tokens of every row then line up at the right edge."""

@@ -88,7 +88,7 @@ def build(client: CoordinatorClient, options: ServeOptions) -> Server:
     loaded = follower.sync()  # before the engine thread starts: installs run right here
     log.info("loaded %s", ", ".join(loaded) or "no adapter yet (waiting for the federation)")
     context = int(getattr(base.model.config, "max_position_embeddings", 2048) or 2048)
-    service = ServingService(engine, registry, router, options.limits, spec, context)
+    service = ServingService(engine, registry, router, options.limits, spec, context, follower.state)
     engine.start()
     follower.start()
     return Server(service, follower, keys)

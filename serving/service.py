@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -24,6 +25,8 @@ class ServingService:
     base_model_id: str
     context_length: int
     """Positions the base model supports: prompt plus completion must fit."""
+    federation: Any = None
+    """The follower's FollowState (versions, last swap time), for /health."""
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
