@@ -124,10 +124,20 @@ def _message(i: int, message: Any) -> dict[str, str]:
     return {"role": CHAT_ROLES[role], "content": _content(message.get("content"), f"{param}.content")}
 
 
+def _text(value: str, param: str) -> str:
+    """``value`` if it is text a tokenizer can take: JSON can carry lone surrogates ("\\ud800"), UTF-8 cannot."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest(f"{param} holds an unpaired UTF-16 surrogate; send valid Unicode text",
+                             param=param) from None
+    return value
+
+
 def _content(content: Any, param: str) -> str:
     """A string, or an array of text parts (joined); images and audio are refused."""
     if isinstance(content, str):
-        return content
+        return _text(content, param)
     if isinstance(content, list) and content:
         texts = []
         for j, part in enumerate(content):
@@ -135,7 +145,7 @@ def _content(content: Any, param: str) -> str:
                 raise InvalidRequest(f"{param}[{j}] must be {{\"type\": \"text\", \"text\": \"...\"}}; "
                                      "only text is supported", param=param)
             texts.append(part["text"])
-        return "".join(texts)
+        return _text("".join(texts), param)
     raise InvalidRequest(f"{param} must be a string or an array of text parts", param=param)
 
 
@@ -144,7 +154,7 @@ def _prompt(prompt: Any) -> str:
         prompt = prompt[0]  # one prompt in an array; several would mean several choices
     if not isinstance(prompt, str) or not prompt:
         raise InvalidRequest("prompt must be a non-empty string (one prompt per request)", param="prompt")
-    return prompt
+    return _text(prompt, "prompt")
 
 
 def _max_tokens(body: dict[str, Any], limits: Limits) -> int:
@@ -187,7 +197,7 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
             or not all(isinstance(s, str) and s for s in stops):
         raise InvalidRequest(f"stop must be a non-empty string or an array of at most {MAX_STOP_SEQUENCES} "
                              "of them", param="stop")
-    return tuple(stops)
+    return tuple(_text(s, "stop") for s in stops)
 
 
 def _optional(body: dict[str, Any], key: str, kind: type, default: Any) -> Any:

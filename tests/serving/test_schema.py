@@ -57,6 +57,8 @@ def test_text_prompt_may_be_a_one_element_array():
     (chat(stream_options={"include_usage": 1}), "stream_options"),
     (chat(tools=[{"type": "function"}]), "tools"),
     (chat(logprobs=True), "logprobs"),
+    (chat(messages=[{"role": "user", "content": "a\ud800b"}]), "messages[0].content"),
+    (chat(stop=["\udfff"]), "stop"),
 ])
 def test_bad_chat_fields_name_their_param(body, param):
     with pytest.raises(InvalidRequest) as caught:
