@@ -109,7 +109,11 @@ class GenerationEngine:
                 break
             _run_task(task, future)
         for adapter in self.registry.reapable():
-            self.model.delete_adapter(adapter.slot)
+            try:
+                self.model.delete_adapter(adapter.slot)
+            except Exception:  # a leaked slot costs memory only; the engine thread must live on
+                log.exception("could not drop %s v%d", adapter.model, adapter.version)
+                continue
             log.info("dropped %s v%d (no request uses it any more)", adapter.model, adapter.version)
 
     def _install(self, weights: AdapterWeights) -> LoadedAdapter:

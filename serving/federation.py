@@ -17,7 +17,7 @@ from typing import Any
 
 from gateway.errors import GatewayError
 from protocol.client import CoordinatorClient
-from protocol.errors import FedMoEError, NotFound
+from protocol.errors import Conflict, FedMoEError, NotFound
 from serving.adapters import GATEWAY
 from serving.engine import AdapterWeights, GenerationEngine
 from serving.routing import LocalRouter
@@ -98,6 +98,9 @@ class FederationFollower:
         try:
             info = self.client.gateway_info()
         except NotFound:  # no expert yet
+            return False
+        except Conflict as exc:  # experts that cannot be merged (e.g. full-parameter and LoRA together)
+            log.warning("no gateway to serve: %s", exc)
             return False
         if info.get("digest") == self.state.gateway_digest:
             return False

@@ -252,3 +252,24 @@ def test_a_new_expert_appears_within_a_poll_interval(federation, oai):
         assert time.monotonic() < deadline, "new_expert never appeared in /v1/models"
         time.sleep(POLL / 3)
     assert ask(oai, "new_expert", "hello").headers["X-FedMoE-Expert"] == "new_expert"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--port", "70000"], "--port"),
+    (["--no-auth", "--host", "0.0.0.0"], "--no-auth"),
+    (["--max-tokens", "0"], "--max-tokens"),
+    (["--poll-interval", "0"], "--poll-interval"),
+    (["--coordinator-url", "ftp://x"], "--coordinator-url"),
+    (["--coordinator-url", "http://127.0.0.1:9", "--port", "0"], "coordinator"),
+])
+def test_bad_flags_end_with_one_line_and_exit_2(tmp_path, flags, message):
+    import subprocess
+    import sys
+
+    from tests.e2e.conftest import env
+
+    done = subprocess.run([sys.executable, str(ROOT / "serve.py"), "--api-key-file", str(tmp_path / "k"), *flags],
+                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and message in errors[0] and "Traceback" not in done.stderr, done.stderr
