@@ -16,6 +16,7 @@ from `--clients` threads at once:
 
     python bench/serve.py            # quick: tiny-qwen2, ~2-3 min on 2 cores
     python bench/serve.py --requests 96 --max-tokens 32
+    python bench/serve.py --base-model smollm2-135m --engine-only   # batching on a pretrained model
 
 Table on stdout, results in bench/results/serve.json.
 """
@@ -181,6 +182,52 @@ def measure_swap(url: str, client: CoordinatorClient, base, max_tokens: int, pol
             "failed_requests": len(failures)}
 
 
+def engine_batching(base, prompts: list[str], max_tokens: int) -> dict[str, Any]:
+    """The engine alone (no HTTP): 8 requests queued at once, 1 or 3 adapters, batched or not."""
+    import copy
+
+    from serving.adapters import AdapterRegistry
+    from serving.config import EngineOptions
+    from serving.engine import AdapterWeights, GenerationEngine
+    from serving.jobs import END, Job
+    from serving.schema import CompletionRequest, Sampling
+
+    lora = {"rank": RANK, "alpha": 16.0, "target_modules": list(LORA_PROJECTIONS)}
+    out = {}
+    for label, options in (("one at a time", EngineOptions(max_batch=1)),
+                           ("batch of 8, one call", EngineOptions(max_batch=8)),
+                           ("batch of 8, one call per adapter", EngineOptions(max_batch=8, mix_adapters=False))):
+        for experts in (EXPERTS[:1], EXPERTS):
+            registry = AdapterRegistry()
+            engine = GenerationEngine(copy.deepcopy(base.model), base.tokenizer, registry, options)
+            for seed, name in enumerate(experts):
+                engine.install(AdapterWeights(name, 0, lora_adapter(base.model, seed), lora)).result()
+            jobs = []
+            for i in range(8):
+                request = CompletionRequest("text", experts[i % len(experts)], None, prompts[i], max_tokens,
+                                            Sampling(temperature=0), (), False, False)
+                jobs.append(Job(request, base.tokenizer(prompts[i])["input_ids"], registry.pin(request.model),
+                                time.monotonic() + 600))
+                engine.submit(jobs[-1])
+            started = time.perf_counter()
+            engine.start()
+            for job in jobs:
+                while job.events.get(timeout=600)[0] != END:
+                    pass
+            seconds = time.perf_counter() - started
+            engine.stop()
+            tokens = sum(len(job.tokens) for job in jobs)
+            out[f"{len(experts)} adapter(s), {label}"] = {"seconds": round(seconds, 2),
+                                                          "tokens_per_s": round(tokens / seconds, 1)}
+            print(f"engine: {len(experts)} adapter(s), {label}: {out[f'{len(experts)} adapter(s), {label}']}",
+                  file=sys.stderr, flush=True)
+    return out
+
+
+def load_note() -> str:
+    return f"measured with os.getloadavg() = {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=48, help="requests per stream (default: %(default)s)")
@@ -188,11 +235,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=16, help="max_tokens of every request (default: %(default)s)")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the server (default: %(default)s)")
     p.add_argument("--poll-interval", type=float, default=1.0, help="server poll interval (default: %(default)s)")
+    p.add_argument("--base-model", default="tiny-qwen2",
+                   help="base model preset, e.g. smollm2-135m after `make smollm2` (default: %(default)s)")
+    p.add_argument("--engine-only", action="store_true", help="only the in-process engine batching part")
     args = p.parse_args(argv)
     prompts = [q for name in EXPERTS for q in prompts_of(name)[:8]]
-    results: dict[str, Any] = {"benchmark": "serve", "base_model": "tiny-qwen2", "settings": vars(args),
+    results: dict[str, Any] = {"benchmark": "serve", "base_model": args.base_model, "settings": vars(args),
                                "streams": {}, "batch_sizes": {}}
-    base = load_base_model("tiny-qwen2")
+    base = load_base_model(args.base_model)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    results["engine_batching"] = {"base_model": args.base_model,
+                                  "runs": engine_batching(base, prompts, args.max_tokens)}
+    if args.engine_only:  # refresh that part of an earlier full run's results
+        path = RESULTS_DIR / "serve.json"
+        earlier = json.loads(path.read_text()) if path.exists() else {}
+        write_json_atomic(path, earlier | {"engine_batching": results["engine_batching"],
+                                           "engine_load_note": load_note()})
+        return 0
     with running_coordinator() as coordinator_url, tempfile.TemporaryDirectory() as tmp:
         client = CoordinatorClient(coordinator_url)
         seed_federation(client, base)
@@ -217,8 +277,10 @@ def main(argv: list[str] | None = None) -> int:
                     results["swap"] = measure_swap(server.url, client, base, args.max_tokens, args.poll_interval)
             finally:
                 server.stop()
-    results["load_note"] = f"measured with os.getloadavg() = {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+    results["load_note"] = load_note()
     write_json_atomic(RESULTS_DIR / "serve.json", results)
+    print(format_table(["engine alone, 8 queued requests", "seconds", "tokens/s"],
+                       [[k, v["seconds"], v["tokens_per_s"]] for k, v in results["engine_batching"]["runs"].items()]))
     rows = [[name, s["requests_per_s"], s["tokens_per_s"], s["p50_ms"], s["p99_ms"], s["mean_completion_tokens"]]
             for name, s in results["streams"].items()]
     print(format_table(["stream", "req/s", "tokens/s", "p50 ms", "p99 ms", "tokens/req"], rows))
