@@ -234,6 +234,12 @@ def put_profile(name: str, worker_id: str) -> Response:
     return jsonify(coordinator().put_profile(name, worker_id, json_body()))
 
 
+@bp.get("/profiles")
+def profiles() -> Response:
+    """Combined routing profiles of every expert, so a server can route prompts locally (serving/)."""
+    return jsonify(coordinator().profiles())
+
+
 @bp.post("/route")
 def route() -> Response:
     body = json_body(PROMPT_BODY_LIMIT)

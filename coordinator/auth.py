@@ -42,7 +42,7 @@ RULES: dict[str, str] = {
     "api.health": PUBLIC, "dashboard": PUBLIC, "static": PUBLIC,
     "api.register_worker": JOIN_ONLY,
     "api.list_workers": READ, "api.list_experts": READ, "api.expert_info": READ, "api.update_status": READ,
-    "api.route": READ, "api.gateway_info": READ, "api.events": READ, "metrics": READ,
+    "api.route": READ, "api.profiles": READ, "api.gateway_info": READ, "api.events": READ, "metrics": READ,
     "api.create_expert": EXPERT, "api.expert_weights": EXPERT, "api.push_update": EXPERT,
     "api.put_profile": EXPERT,
     "api.heartbeat": SELF,

@@ -257,6 +257,10 @@ _api: dict[str, Any] = {
         "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("Profile")}}},
         "responses": {"200": _json({"type": "object"}, "Stored."), "400": BAD_REQUEST, "404": NOT_FOUND,
                       "413": _error("JSON body over 1 MiB.")}}},
+    "/profiles": {"get": {
+        "operationId": "listProfiles", "summary": "Every expert's combined routing profile and the threshold.",
+        "responses": {"200": _json({"type": "object", "required": ["threshold", "profiles"], "properties": {
+            "threshold": {"type": "number"}, "profiles": {"type": "object"}}}, "Profiles by expert.")}}},
     "/route": {"post": {
         "operationId": "route", "summary": "Pick the expert for a prompt, or the gateway when unsure.",
         "requestBody": {"required": True, "content": {"application/json": {"schema": {

@@ -35,7 +35,7 @@ from coordinator.gateway_builder import GatewayBuilder
 from coordinator.norm_check import NormVerdict, judge_norm
 from coordinator.recovery import quarantine_updates, recover
 from coordinator.store import ExpertRow, ManifestStore, StaleAggregation, UpdateRow
-from gateway.router import ProfileError, combine_profiles, profile_from_json
+from gateway.router import ProfileError, combine_profiles, profile_from_json, profile_to_json
 from gateway.router import route as route_prompt
 from protocol.errors import (BadRequest, Conflict, FedMoEError, InsufficientStorage, InvalidPayload, InvalidUpdate,
                              NotFound)
@@ -393,6 +393,13 @@ class Coordinator:
                              "a profile of no examples cannot route")
         self.db.put_profile(name, worker_id, vector.astype("<f4").tobytes(), count)
         return {"expert": name, "worker_id": worker_id, "num_examples": count}
+
+    def profiles(self) -> dict[str, Any]:
+        """Every expert's combined routing profile (wire form) and the threshold, for routing elsewhere."""
+        stored = self.db.profiles()
+        profiles = {name: profile_to_json(combine_profiles([(np.frombuffer(v, dtype="<f4"), n) for v, n in rows]),
+                                          sum(n for _, n in rows)) for name, rows in stored.items()}
+        return {"threshold": self.config.route_threshold, "profiles": profiles}
 
     def route(self, prompt: str, threshold: float | None = None) -> dict[str, Any]:
         """Pick the expert whose data the prompt resembles, or the gateway when unsure."""

@@ -280,6 +280,10 @@ class CoordinatorClient:
             body["threshold"] = threshold
         return self._json("POST", "/route", json=body)
 
+    def profiles(self) -> dict[str, Any]:
+        """{"threshold", "profiles": {expert: gateway.router.profile_to_json form}} for routing locally."""
+        return self._json("GET", "/profiles")
+
     def gateway_info(self) -> dict[str, Any]:
         return self._json("GET", "/gateway")
 

@@ -67,3 +67,24 @@ def test_bad_profiles_are_400(client, mangle):
 def test_profile_for_unknown_expert_is_404(client):
     r = client.put("/api/v1/experts/nobody/profiles/w1", json=profile_to_json(text_profile(SQL), 1))
     assert r.status_code == 404
+
+
+def test_profiles_endpoint_routes_locally_as_the_coordinator_does(routed):
+    """GET /profiles gives what a server needs to route on its own (serving/routing.py) and agree with /route."""
+    from serving.routing import LocalRouter
+
+    extra = profile_to_json(text_profile(["Write a SQL query that deletes rows from the orders table"]), 1)
+    routed.put("/api/v1/experts/sql_expert/profiles/w2", json=extra)
+    body = routed.get("/api/v1/profiles").get_json()
+    assert set(body["profiles"]) == {"sql_expert", "python_expert"} and body["threshold"] == 0.7
+    assert body["profiles"]["sql_expert"]["num_examples"] == len(SQL) + 1
+    router = LocalRouter()
+    router.update(body)
+    for prompt in [SQL[3], PY[2], "Write a SQL query", "hello there"]:
+        remote = routed.post("/api/v1/route", json={"prompt": prompt}).get_json()
+        local = router.route(prompt, {"sql_expert", "python_expert"})
+        assert local.expert == remote["expert"] and local.confidence == pytest.approx(remote["confidence"], abs=1e-6)
+
+
+def test_profiles_endpoint_without_profiles_is_empty(client):
+    assert client.get("/api/v1/profiles").get_json()["profiles"] == {}
