@@ -14,45 +14,38 @@ from `--clients` threads at once:
 - swap time: a new expert version pushed to the coordinator while requests run, until the first
   response comes from it (poll interval included) and the server's own download + install time.
 
-    python bench/serve.py            # quick: tiny-qwen2, ~2-3 min on 2 cores
-    python bench/serve.py --requests 96 --max-tokens 32
-    python bench/serve.py --base-model smollm2-135m --engine-only   # batching on a pretrained model
+    python -m bench.serve            # quick: tiny-qwen2, ~2-3 min on 2 cores
+    python -m bench.serve --requests 96 --max-tokens 32
+    python -m bench.serve --base-model smollm2-135m --engine-only   # batching on a pretrained model
 
 Table on stdout, results in bench/results/serve.json.
 """
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
+
+import requests
+import torch
+
+from bench.common import RESULTS_DIR, format_table, running_coordinator, write_json_atomic
+from gateway.router import profile_to_json, text_profile
+from protocol.client import CoordinatorClient
+from protocol.tensors import dumps
+from serving.routing import LocalRouter
+from worker.models import LORA_PROJECTIONS, load_base_model
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != ROOT / "bench"]
-sys.path.insert(0, str(ROOT))
-for _var, _value in (("HF_HUB_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false"),
-                     ("HF_HUB_DISABLE_PROGRESS_BARS", "1")):
-    os.environ.setdefault(_var, _value)
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import re  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-from concurrent.futures import ThreadPoolExecutor  # noqa: E402
-from typing import Any  # noqa: E402
-
-import requests  # noqa: E402
-import torch  # noqa: E402
-
-from bench.common import RESULTS_DIR, format_table, running_coordinator, write_json_atomic  # noqa: E402
-from gateway.router import profile_to_json, text_profile  # noqa: E402
-from protocol.client import CoordinatorClient  # noqa: E402
-from protocol.tensors import dumps  # noqa: E402
-from serving.routing import LocalRouter  # noqa: E402
-from worker.models import LORA_PROJECTIONS, load_base_model  # noqa: E402
 
 EXPERTS = ("python_expert", "sql_expert", "docs_expert")
 SERVING = re.compile(r"serving listening on (http://[\d.]+:\d+)")
