@@ -27,6 +27,7 @@ from worker.federation import SyncSettings
 from worker.models import ModelLoadError
 from worker.presets import RECOMMENDED_LR
 from worker.runner import WorkerConfig, run_worker
+from worker.strategies import STRATEGY_CHOICES, ParallelSettings
 from worker.trainer import LoraSettings, TrainSettings
 
 DEFAULT_BASE_MODEL = "qwen/Qwen2-0.5B-Instruct"
@@ -93,8 +94,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     t.add_argument("--gradient-checkpointing", action="store_true",
                    help="recompute activations in the backward pass to save memory")
     t.add_argument("--results", type=Path, default=None, help="append one JSON line per sync to this file")
+    _add_parallel_flags(p)
     add_common_flags(p)
     return p.parse_args(argv)
+
+
+def _add_parallel_flags(p: argparse.ArgumentParser) -> None:
+    d = p.add_argument_group("inside a worker (torchrun ranks; docs/bigger-workers.md)")
+    d.add_argument("--strategy", default="auto", choices=STRATEGY_CHOICES,
+                   help="ddp replicates the model; fsdp shards parameters, gradients and optimiser state "
+                        "(ZeRO-3-like); fsdp-grad-op shards gradients and optimiser state (ZeRO-2-like); auto "
+                        "picks by parameter count (default: %(default)s)")
+    d.add_argument("--cpu-offload", action="store_true", help="keep FSDP shards and optimiser state in CPU memory")
+    d.add_argument("--comm-compress", default=None, metavar="CODEC",
+                   help="compress DDP's gradient all-reduce: fp16, bf16, powersgd, or a codec such as int8, topk")
+    d.add_argument("--comm-config", default="{}", metavar="JSON",
+                   help='options of --comm-compress, e.g. \'{"ratio": 0.01}\' (default: %(default)s)')
+
+
+def parallel_settings(args: argparse.Namespace) -> ParallelSettings:
+    return ParallelSettings(strategy=args.strategy, cpu_offload=args.cpu_offload, comm_compress=args.comm_compress,
+                            comm_config=parse_json_flag(args.comm_config, "--comm-config"))
 
 
 def default_worker_id(specialty: str) -> str:
@@ -142,7 +162,8 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         lora=LoraSettings(rank=args.lora_rank, alpha=args.lora_alpha, target_modules=modules),
         train=TrainSettings(**train_kwargs), use_huggingface=args.use_huggingface,
         use_proxy=args.use_proxy, device=args.device, compression=compression, pull=pull, token=args.token,
-        ca_cert=args.ca_cert, progress=False if args.log_format == "json" else None)
+        ca_cert=args.ca_cert, progress=False if args.log_format == "json" else None,
+        parallel=parallel_settings(args))
 
 
 def _check_names(args: argparse.Namespace) -> None:

@@ -13,6 +13,8 @@ from worker.distributed import SingleProcess, process_group
 from worker.encoding import CompressionSettings, PullSettings, UpdateEncoder
 from worker.federation import FederatedWorker, SyncSettings
 from worker.models import load_base_model
+from worker.step_metrics import StepLog
+from worker.strategies import ParallelSettings
 from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
 
 log = logging.getLogger(__name__)
@@ -38,6 +40,8 @@ class WorkerConfig:
     """PEM file to trust for an https coordinator with a private certificate."""
     progress: bool | None = None
     """Progress bar per sync interval: None draws it only when stderr is a terminal."""
+    parallel: ParallelSettings = ParallelSettings()
+    """How torchrun ranks split the model (--strategy, --cpu-offload) and compress their all-reduce."""
 
 
 def build_worker(config: WorkerConfig, collective: SingleProcess | None = None,
@@ -48,7 +52,8 @@ def build_worker(config: WorkerConfig, collective: SingleProcess | None = None,
     base = load_base_model(config.base_model, use_huggingface=config.use_huggingface,
                            device=device, use_proxy=config.use_proxy)
     collective.check_same("the base model fingerprint", base.fingerprint)
-    trainer = LoraTrainer(base, config.lora, config.train, train_examples, device=device, collective=collective)
+    trainer = LoraTrainer(base, config.lora, config.train, train_examples, device=device, collective=collective,
+                          parallel=config.parallel, step_log=_step_log(config, collective))
     spec = {**trainer.expert_config, "base_model": {"id": base.model_id, "fingerprint": base.fingerprint}}
     client = CoordinatorClient(config.coordinator_url, use_proxy=config.use_proxy, token=config.token,
                                 ca_cert=config.ca_cert)
@@ -71,6 +76,13 @@ def build_worker(config: WorkerConfig, collective: SingleProcess | None = None,
     return worker, trainer, heldout
 
 
+def _step_log(config: WorkerConfig, collective: SingleProcess) -> StepLog | None:
+    """Per-step lines in --results for data-parallel or compressed-collective runs (rank 0 writes them)."""
+    path = config.sync.results_path
+    wanted = collective.world_size > 1 or config.parallel.comm_compress
+    return StepLog(path) if path is not None and wanted and collective.is_primary else None
+
+
 def run_worker(config: WorkerConfig) -> None:
     """Train and sync until done; under torchrun, every rank runs this and rank 0 does the talking."""
     with process_group(config.device) as (collective, device):
@@ -79,7 +91,9 @@ def run_worker(config: WorkerConfig) -> None:
             logging.getLogger("protocol").setLevel(logging.WARNING)
         worker, trainer, heldout = build_worker(config, collective, device)
         worker.join()
-        if not collective.is_primary:  # the others need not evaluate; they wait for rank 0 in worker.run()
+        # The others need not evaluate (they wait for rank 0 in worker.run()), unless the model is sharded:
+        # then every forward is a collective and all ranks evaluate together.
+        if not collective.is_primary and not trainer.sharded:
             worker.run()
             return
         before = trainer.eval_loss(heldout)
