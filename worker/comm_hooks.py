@@ -148,7 +148,7 @@ def _powersgd_bytes(bucket: dist.GradBucket, state: Any) -> tuple[int, int]:
 
 
 def metered_hook(hook: Callable) -> Callable:
-    def run(state: MeteredState, bucket: dist.GradBucket) -> torch.futures.Future:
+    def run(state, bucket):  # no annotations: DDP checks them, and this module's are strings
         exact = _exact_average(bucket.buffer()) if state.measure else None
         sent_bytes, sent_entries = state.bytes_sent(bucket, state.inner)
         started = time.perf_counter()
@@ -174,7 +174,7 @@ class CodecState:
     residual: dict[int, torch.Tensor] | None = None
 
 
-def codec_hook(state: CodecState, bucket: dist.GradBucket) -> torch.futures.Future:
+def codec_hook(state, bucket):  # (CodecState, dist.GradBucket) -> Future; DDP checks real annotations only
     """Encode this rank's bucket, all-gather the payloads, decode and average them on every rank."""
     grad = bucket.buffer()
     exact = _exact_average(grad) if state.measure else None
