@@ -27,6 +27,7 @@ from worker.federation import SyncSettings
 from worker.models import ModelLoadError
 from worker.presets import RECOMMENDED_LR
 from worker.runner import WorkerConfig, run_worker
+from worker.profiling import ProfileSettings
 from worker.strategies import STRATEGY_CHOICES, ParallelSettings
 from worker.trainer import LoraSettings, TrainSettings
 
@@ -110,6 +111,27 @@ def _add_parallel_flags(p: argparse.ArgumentParser) -> None:
                    help="compress DDP's gradient all-reduce: fp16, bf16, powersgd, or a codec such as int8, topk")
     d.add_argument("--comm-config", default="{}", metavar="JSON",
                    help='options of --comm-compress, e.g. \'{"ratio": 0.01}\' (default: %(default)s)')
+    d.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                   help="profile --profile-steps steps; each rank writes a torch.profiler trace and summary here")
+    d.add_argument("--profile-steps", type=int, default=3, metavar="N", help="steps to profile (default: %(default)s)")
+    d.add_argument("--tensorboard", type=Path, default=None, metavar="DIR",
+                   help="write per-step and per-sync scalars (loss, tokens/s, bytes, ratio) for TensorBoard here")
+
+
+def profile_settings(args: argparse.Namespace) -> ProfileSettings | None:
+    if args.profile is None:
+        if args.profile_steps != 3:
+            raise ValueError("--profile-steps given without --profile DIR")
+        return None
+    return ProfileSettings(directory=args.profile, steps=args.profile_steps)
+
+
+def tensorboard_dir(args: argparse.Namespace) -> Path | None:
+    if args.tensorboard is not None:
+        from worker.tensorboard_log import check_tensorboard
+
+        check_tensorboard()
+    return args.tensorboard
 
 
 def parallel_settings(args: argparse.Namespace) -> ParallelSettings:
@@ -163,7 +185,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         train=TrainSettings(**train_kwargs), use_huggingface=args.use_huggingface,
         use_proxy=args.use_proxy, device=args.device, compression=compression, pull=pull, token=args.token,
         ca_cert=args.ca_cert, progress=False if args.log_format == "json" else None,
-        parallel=parallel_settings(args))
+        parallel=parallel_settings(args), profile=profile_settings(args), tensorboard=tensorboard_dir(args))
 
 
 def _check_names(args: argparse.Namespace) -> None:

@@ -38,7 +38,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -129,6 +129,8 @@ class FederatedWorker:
     """Training since the last sync point (what the next update will carry)."""
     syncs: int = 0
     console: SyncConsole | None = None
+    on_result: Callable[[dict[str, Any]], None] | None = None
+    """Also called with each sync's --results record (e.g. worker.tensorboard_log.TensorBoardLog.sync)."""
     """Progress bar and the one log line per sync (worker.console); None: no console output."""
     totals: IntervalStats = field(default_factory=IntervalStats)
     """All training steps of this process."""
@@ -477,6 +479,8 @@ class FederatedWorker:
         return round(time.perf_counter() - started, 4)
 
     def _write_result(self, record: dict[str, Any]) -> None:
+        if self.on_result is not None:
+            self.on_result(record)
         path = self.settings.results_path
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -219,6 +219,8 @@ class LoraTrainer:
         self._wrap(parallel or ParallelSettings())
         self.step_log = step_log
         """Called on this rank with each step's metrics (worker.step_metrics.StepLog appends them to --results)."""
+        self.profiler: Any = None
+        """A worker.profiling.StepProfiler wrapping each step (--profile), or None."""
         self._params = [p for p in self.model.parameters() if p.requires_grad]
         self._optimizer = torch.optim.AdamW(self._params, lr=train.lr, weight_decay=train.weight_decay)
         self._scaler = grad_scaler(device, train.precision)
@@ -291,7 +293,8 @@ class LoraTrainer:
         for _ in range(n):
             batch = next(self._stream).to(self.device)
             step_started = time.perf_counter()
-            losses.append(self._step(batch))
+            with self.profiler.step() if self.profiler is not None else contextlib.nullcontext():
+                losses.append(self._step(batch))
             if self.step_log is not None:
                 self.step_log(self._step_record(batch, losses[-1], time.perf_counter() - step_started))
             tokens += batch.num_tokens

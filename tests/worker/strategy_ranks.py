@@ -89,3 +89,21 @@ def main(rank: int, port: int, out: str, cases: list[str]) -> None:
         Path(out, f"rank{rank}.json").write_text(json.dumps(reports))
     finally:
         dist.destroy_process_group()
+
+
+def profile_main(rank: int, port: int, out: str) -> None:
+    """Profile two steps (after one warm-up) under ddp and then fsdp; traces in out/<strategy>/."""
+    from worker.profiling import ProfileSettings, StepProfiler
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        collective = TorchCollective("cpu")
+        for strategy in ("ddp", "fsdp"):
+            trainer = LoraTrainer(load_base_model("tiny-qwen2"), LoraSettings(rank=0), TRAIN, examples(),
+                                  collective=collective, parallel=ParallelSettings(strategy=strategy))
+            trainer.profiler = StepProfiler(ProfileSettings(Path(out) / strategy, steps=2), rank)
+            trainer.train_steps(4)  # warm-up, two profiled, one after
+    finally:
+        dist.destroy_process_group()
