@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -171,7 +171,8 @@ class CodecState:
     measure: bool
     error_feedback: bool
     step: int = 0
-    residual: dict[int, torch.Tensor] | None = None
+    residual: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Per parameter (by id): DDP rebuilds its buckets after the first step, so buckets are no stable key."""
 
 
 def codec_hook(state, bucket):  # (CodecState, dist.GradBucket) -> Future; DDP checks real annotations only
@@ -180,12 +181,14 @@ def codec_hook(state, bucket):  # (CodecState, dist.GradBucket) -> Future; DDP c
     exact = _exact_average(grad) if state.measure else None
     started = time.perf_counter()
     target = grad.detach().to(torch.float32)
-    if state.error_feedback and state.residual is not None and bucket.index() in state.residual:
-        target = target + state.residual[bucket.index()]
+    params = bucket.parameters()
+    if state.error_feedback and state.residual:
+        target = target + torch.cat([state.residual.get(id(p), torch.zeros(p.numel(), device=grad.device))
+                                     for p in params])
     payload = state.codec.encode(target.cpu(), seed=state.step)
     if state.error_feedback:
-        state.residual = state.residual or {}
-        state.residual[bucket.index()] = target - state.codec.decode(payload, target.numel()).to(target.device)
+        left = target - state.codec.decode(payload, target.numel()).to(target.device)
+        state.residual.update(zip(map(id, params), left.split([p.numel() for p in params])))
     compressed = time.perf_counter()
     payloads = _all_gather_bytes(payload, grad.device)
     communicated = time.perf_counter()
