@@ -12,6 +12,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import socket
 import sys
@@ -27,6 +28,8 @@ from worker.federation import SyncSettings
 from worker.models import ModelLoadError
 from worker.presets import RECOMMENDED_LR
 from worker.runner import WorkerConfig, run_worker
+from worker.profiling import ProfileSettings
+from worker.strategies import STRATEGY_CHOICES, ParallelSettings
 from worker.trainer import LoraSettings, TrainSettings
 
 DEFAULT_BASE_MODEL = "qwen/Qwen2-0.5B-Instruct"
@@ -93,8 +96,74 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     t.add_argument("--gradient-checkpointing", action="store_true",
                    help="recompute activations in the backward pass to save memory")
     t.add_argument("--results", type=Path, default=None, help="append one JSON line per sync to this file")
+    _add_parallel_flags(p)
     add_common_flags(p)
     return p.parse_args(argv)
+
+
+def _add_parallel_flags(p: argparse.ArgumentParser) -> None:
+    d = p.add_argument_group("inside a worker (torchrun ranks; docs/bigger-workers.md)")
+    d.add_argument("--strategy", default="auto", choices=STRATEGY_CHOICES,
+                   help="ddp replicates the model; fsdp shards parameters, gradients and optimiser state "
+                        "(ZeRO-3-like); fsdp-grad-op shards gradients and optimiser state (ZeRO-2-like); auto "
+                        "picks by parameter count (default: %(default)s)")
+    d.add_argument("--cpu-offload", action="store_true", help="keep FSDP shards and optimiser state in CPU memory")
+    d.add_argument("--comm-compress", default=None, metavar="CODEC",
+                   help="compress DDP's gradient all-reduce: fp16, bf16, powersgd, or a codec such as int8, topk")
+    d.add_argument("--comm-config", default="{}", metavar="JSON",
+                   help='options of --comm-compress, e.g. \'{"ratio": 0.01}\' (default: %(default)s)')
+    d.add_argument("--deepspeed", type=Path, default=None, metavar="JSON",
+                   help="a DeepSpeed config (ZeRO stage, offload, fp16/bf16, clipping, batch sizes) mapped onto "
+                        "--strategy, --cpu-offload, --precision, --batch-size and --grad-accum")
+    d.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                   help="profile --profile-steps steps; each rank writes a torch.profiler trace and summary here")
+    d.add_argument("--profile-steps", type=int, default=3, metavar="N", help="steps to profile (default: %(default)s)")
+    d.add_argument("--tensorboard", type=Path, default=None, metavar="DIR",
+                   help="write per-step and per-sync scalars (loss, tokens/s, bytes, ratio) for TensorBoard here")
+
+
+def profile_settings(args: argparse.Namespace) -> ProfileSettings | None:
+    if args.profile is None:
+        if args.profile_steps != 3:
+            raise ValueError("--profile-steps given without --profile DIR")
+        return None
+    return ProfileSettings(directory=args.profile, steps=args.profile_steps)
+
+
+def tensorboard_dir(args: argparse.Namespace) -> Path | None:
+    if args.tensorboard is not None:
+        from worker.tensorboard_log import check_tensorboard
+
+        check_tensorboard()
+    return args.tensorboard
+
+
+def parallel_settings(args: argparse.Namespace, deepspeed=None) -> ParallelSettings:
+    strategy, offload = (args.strategy, args.cpu_offload) if deepspeed is None else \
+        (deepspeed.parallel.strategy, deepspeed.parallel.cpu_offload)
+    return ParallelSettings(strategy=strategy, cpu_offload=offload, comm_compress=args.comm_compress,
+                            comm_config=parse_json_flag(args.comm_config, "--comm-config"))
+
+
+# flag -> (its TrainSettings field, its default): --deepspeed refuses a flag that sets the same thing.
+DEEPSPEED_OVERLAPS = {"--batch-size": ("batch_size", 8), "--grad-accum": ("grad_accum", 1),
+                      "--precision": ("precision", "fp32")}
+
+
+def deepspeed_plan(args: argparse.Namespace):
+    """The mapped --deepspeed config, or None; refuses flags that would set the same thing twice."""
+    if args.deepspeed is None:
+        return None
+    from worker.deepspeed_config import load_deepspeed_config
+
+    plan = load_deepspeed_config(args.deepspeed, int(os.environ.get("WORLD_SIZE", "1")))
+    given = [flag for flag, on in (("--strategy", args.strategy != "auto"), ("--cpu-offload", args.cpu_offload))
+             if on]
+    given += [flag for flag, (name, default) in DEEPSPEED_OVERLAPS.items()
+              if name in plan.train and getattr(args, name) != default]
+    if given:
+        raise ValueError(f"--deepspeed conflicts with {', '.join(given)} (the config sets that); drop one of them")
+    return plan
 
 
 def default_worker_id(specialty: str) -> str:
@@ -120,9 +189,11 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
     if args.ca_cert is not None and not args.ca_cert.is_file():
         raise ValueError(f"--ca-cert {str(args.ca_cert)!r} does not exist")
     modules = tuple(m.strip() for m in args.target_modules.split(",") if m.strip()) if args.target_modules else ()
+    deepspeed = deepspeed_plan(args)
     train_kwargs = {"batch_size": args.batch_size, "max_seq_len": args.max_seq_len, "seed": args.seed,
                     "grad_accum": args.grad_accum, "precision": args.precision,
                     "gradient_checkpointing": args.gradient_checkpointing}
+    train_kwargs.update(deepspeed.train if deepspeed is not None else {})
     lr = args.lr if args.lr is not None else RECOMMENDED_LR.get(args.base_model)
     if lr is not None:
         train_kwargs["lr"] = lr
@@ -142,7 +213,8 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         lora=LoraSettings(rank=args.lora_rank, alpha=args.lora_alpha, target_modules=modules),
         train=TrainSettings(**train_kwargs), use_huggingface=args.use_huggingface,
         use_proxy=args.use_proxy, device=args.device, compression=compression, pull=pull, token=args.token,
-        ca_cert=args.ca_cert, progress=False if args.log_format == "json" else None)
+        ca_cert=args.ca_cert, progress=False if args.log_format == "json" else None,
+        parallel=parallel_settings(args, deepspeed), profile=profile_settings(args), tensorboard=tensorboard_dir(args))
 
 
 def _check_names(args: argparse.Namespace) -> None:

@@ -38,7 +38,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -66,6 +66,7 @@ class Trainer(Protocol):
     def train_steps(self, n: int) -> Any: ...
     def adapter_state(self) -> StateDict: ...
     def load_adapter_state(self, state: StateDict) -> None: ...
+    def share_primary_weights(self) -> None: ...
     @property
     def data_position(self) -> StreamPosition: ...
     def seek(self, position: StreamPosition) -> None: ...
@@ -128,6 +129,8 @@ class FederatedWorker:
     """Training since the last sync point (what the next update will carry)."""
     syncs: int = 0
     console: SyncConsole | None = None
+    on_result: Callable[[dict[str, Any]], None] | None = None
+    """Also called with each sync's --results record (e.g. worker.tensorboard_log.TensorBoardLog.sync)."""
     """Progress bar and the one log line per sync (worker.console); None: no console output."""
     totals: IntervalStats = field(default_factory=IntervalStats)
     """All training steps of this process."""
@@ -422,7 +425,7 @@ class FederatedWorker:
     def _share_weights(self) -> None:
         """dist: every data-parallel rank continues from the weights rank 0 holds (no-op in one process)."""
         if self.collective.world_size > 1:
-            self.trainer.load_adapter_state(self.collective.broadcast_state(self.trainer.adapter_state()))
+            self.trainer.share_primary_weights()
 
     def _fetch_quietly(self) -> Fetched | None:
         """Like _fetch, but an unreachable coordinator is logged and gives None."""
@@ -476,6 +479,8 @@ class FederatedWorker:
         return round(time.perf_counter() - started, 4)
 
     def _write_result(self, record: dict[str, Any]) -> None:
+        if self.on_result is not None:
+            self.on_result(record)
         path = self.settings.results_path
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)

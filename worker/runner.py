@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 from gateway.router import profile_to_json, text_profile
 from protocol.client import CoordinatorClient
@@ -13,6 +14,9 @@ from worker.distributed import SingleProcess, process_group
 from worker.encoding import CompressionSettings, PullSettings, UpdateEncoder
 from worker.federation import FederatedWorker, SyncSettings
 from worker.models import load_base_model
+from worker.profiling import ProfileSettings, StepProfiler
+from worker.step_metrics import StepLog
+from worker.strategies import ParallelSettings
 from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
 
 log = logging.getLogger(__name__)
@@ -38,6 +42,12 @@ class WorkerConfig:
     """PEM file to trust for an https coordinator with a private certificate."""
     progress: bool | None = None
     """Progress bar per sync interval: None draws it only when stderr is a terminal."""
+    parallel: ParallelSettings = ParallelSettings()
+    """How torchrun ranks split the model (--strategy, --cpu-offload) and compress their all-reduce."""
+    profile: ProfileSettings | None = None
+    """--profile DIR --profile-steps N: every rank profiles N steps and writes its trace there."""
+    tensorboard: Path | None = None
+    """--tensorboard DIR: rank 0 writes per-step and per-sync scalars there."""
 
 
 def build_worker(config: WorkerConfig, collective: SingleProcess | None = None,
@@ -48,7 +58,11 @@ def build_worker(config: WorkerConfig, collective: SingleProcess | None = None,
     base = load_base_model(config.base_model, use_huggingface=config.use_huggingface,
                            device=device, use_proxy=config.use_proxy)
     collective.check_same("the base model fingerprint", base.fingerprint)
-    trainer = LoraTrainer(base, config.lora, config.train, train_examples, device=device, collective=collective)
+    board = _tensorboard(config, collective)
+    trainer = LoraTrainer(base, config.lora, config.train, train_examples, device=device, collective=collective,
+                          parallel=config.parallel, step_log=_step_sinks(config, collective, board))
+    if config.profile is not None:
+        trainer.profiler = StepProfiler(config.profile, collective.rank)
     spec = {**trainer.expert_config, "base_model": {"id": base.model_id, "fingerprint": base.fingerprint}}
     client = CoordinatorClient(config.coordinator_url, use_proxy=config.use_proxy, token=config.token,
                                 ca_cert=config.ca_cert)
@@ -67,8 +81,31 @@ def build_worker(config: WorkerConfig, collective: SingleProcess | None = None,
     worker = FederatedWorker(sync, client, trainer, spec, encoder=UpdateEncoder(config.compression),
                              pull=config.pull, profile=profile, collective=collective,
                              console=SyncConsole(config.sync.sync_interval, progress=config.progress)
-                             if collective.is_primary else None)
+                             if collective.is_primary else None, on_result=board.sync if board else None)
     return worker, trainer, heldout
+
+
+def _tensorboard(config: WorkerConfig, collective: SingleProcess):
+    """Rank 0's TensorBoard writer for --tensorboard, or None."""
+    if config.tensorboard is None or not collective.is_primary:
+        return None
+    from worker.tensorboard_log import TensorBoardLog  # imports tensorboard: only when asked for
+
+    return TensorBoardLog(config.tensorboard)
+
+
+def _step_sinks(config: WorkerConfig, collective: SingleProcess, board) -> Callable[[dict], None] | None:
+    """Where rank 0's per-step records go: --results (for data-parallel or compressed-collective runs)
+    and --tensorboard."""
+    if not collective.is_primary:
+        return None
+    sinks: list[Callable[[dict], None]] = [board.step] if board is not None else []
+    path = config.sync.results_path
+    if path is not None and (collective.world_size > 1 or config.parallel.comm_compress):
+        sinks.append(StepLog(path))
+    if not sinks:
+        return None
+    return lambda record: [sink(record) for sink in sinks]
 
 
 def run_worker(config: WorkerConfig) -> None:
@@ -79,7 +116,9 @@ def run_worker(config: WorkerConfig) -> None:
             logging.getLogger("protocol").setLevel(logging.WARNING)
         worker, trainer, heldout = build_worker(config, collective, device)
         worker.join()
-        if not collective.is_primary:  # the others need not evaluate; they wait for rank 0 in worker.run()
+        # The others need not evaluate (they wait for rank 0 in worker.run()), unless the model is sharded:
+        # then every forward is a collective and all ranks evaluate together.
+        if not collective.is_primary and not trainer.sharded:
             worker.run()
             return
         before = trainer.eval_loss(heldout)

@@ -6,7 +6,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +18,9 @@ from worker.data import (IGNORE_INDEX, Batch, BatchStream, Example, StreamPositi
 from worker.distributed import PRECISIONS, SingleProcess, autocast, check_precision, grad_scaler
 from worker.full_params import full_expert_config, trainable_weights
 from worker.models import BaseModel, default_target_modules
+from worker.sharded_state import broadcast_into, gather_full, load_full
+from worker.step_metrics import peak_memory_mb
+from worker.strategies import ParallelSettings, choose_strategy, make_strategy
 
 logger = logging.getLogger(__name__)
 
@@ -173,12 +176,16 @@ class LoraTrainer:
     With rank 0 it trains every weight of base.model instead (a full-parameter expert).
 
     With a data-parallel `collective` (worker.distributed), every rank draws the same global batch
-    and trains on its own rows of it under DistributedDataParallel; the gradient is scaled so the
-    step equals the single-process step on the whole batch.
+    and trains on its own rows of it under the strategy of `parallel` (worker.strategies: DDP or
+    FSDP2 shards); the gradient is scaled so the step equals the single-process step on the whole batch.
+    With a sharding strategy rank 0 keeps a gathered copy of the adapter, refreshed after every
+    `train_steps`, which is what `adapter_state` returns; the other ranks hold only their shards.
     """
 
     def __init__(self, base: BaseModel, lora: LoraSettings, train: TrainSettings,
-                 train_examples: Sequence[Example], device: str = "cpu", collective: SingleProcess | None = None):
+                 train_examples: Sequence[Example], device: str = "cpu", collective: SingleProcess | None = None,
+                 parallel: ParallelSettings | None = None,
+                 step_log: Callable[[dict[str, Any]], None] | None = None):
         if not train_examples:
             raise ValueError("no training examples; check --dataset (every example may have been held out)")
         if hasattr(base.model, "peft_config"):
@@ -209,13 +216,45 @@ class LoraTrainer:
                 self.model = get_peft_model(base.model, config)
             self.model.to(device)
             self._adapter = get_peft_model_state_dict(self.model)  # live views of the LoRA parameters
+        self._wrap(parallel or ParallelSettings())
+        self.step_log = step_log
+        """Called on this rank with each step's metrics (worker.step_metrics.StepLog appends them to --results)."""
+        self.profiler: Any = None
+        """A worker.profiling.StepProfiler wrapping each step (--profile), or None."""
         self._params = [p for p in self.model.parameters() if p.requires_grad]
         self._optimizer = torch.optim.AdamW(self._params, lr=train.lr, weight_decay=train.weight_decay)
         self._scaler = grad_scaler(device, train.precision)
-        self._train_model = self.collective.wrap(self.model, device)
         encoded = [encode_example(base.tokenizer, ex, train.max_seq_len) for ex in train_examples]
         self._stream = BatchStream(encoded, train.batch_size, seed=train.seed, pad_id=pad_token_id(base.tokenizer))
         self.global_step = 0
+
+    def _wrap(self, parallel: ParallelSettings) -> None:
+        """Pick the strategy and wrap (or shard) the model for it; before the optimiser sees the parameters."""
+        from worker.comm_hooks import CommMeter  # torch.distributed hooks, needed only with --comm-compress
+
+        self.parallel = parallel
+        num_parameters = sum(p.numel() for p in self.model.parameters())
+        self.strategy = choose_strategy(parallel, num_parameters, self.collective.world_size)
+        self.comm_meter = CommMeter() if parallel.comm_compress and self.strategy == "ddp" else None
+        self._strategy = make_strategy(self.strategy, parallel, self.comm_meter)
+        # The adapter's live views share storage with the parameters they show: that names their parameter.
+        fqns = {p.data_ptr(): name for name, p in self.model.named_parameters()}
+        keys = {key: fqns[p.data_ptr()] for key, p in self._adapter.items()}
+        self._train_model = self._strategy.wrap(self.model, self.collective, self.device)
+        self._gathered: dict[str, torch.Tensor] | None = None
+        if self._strategy.shards:  # fully_shard swapped every parameter for a DTensor one, under the same name
+            params = dict(self.model.named_parameters())
+            self._adapter = {key: params[fqn] for key, fqn in keys.items()}
+            self._refresh_gathered()
+
+    @property
+    def sharded(self) -> bool:
+        """True when parameters are FSDP shards: forwards, evaluation and state moves are collectives."""
+        return self._strategy.shards
+
+    def _refresh_gathered(self) -> None:
+        """Rank 0's full copy of the sharded adapter (every rank takes part in the gathers)."""
+        self._gathered = gather_full(self._adapter, keep=self.collective.is_primary) or None
 
     @property
     def lora_config(self) -> dict:
@@ -253,10 +292,16 @@ class LoraTrainer:
         losses, tokens, samples = [], 0, 0
         for _ in range(n):
             batch = next(self._stream).to(self.device)
-            losses.append(self._step(batch))
+            step_started = time.perf_counter()
+            with self.profiler.step() if self.profiler is not None else contextlib.nullcontext():
+                losses.append(self._step(batch))
+            if self.step_log is not None:
+                self.step_log(self._step_record(batch, losses[-1], time.perf_counter() - step_started))
             tokens += batch.num_tokens
             samples += batch.num_samples
         self.model.eval()
+        if self.sharded:
+            self._refresh_gathered()
         seconds = time.perf_counter() - started
         counted = [loss for loss in losses if not math.isnan(loss)]
         mean_loss = sum(counted) / len(counted) if counted else math.nan
@@ -279,9 +324,10 @@ class LoraTrainer:
             if self.lora.dropout > 0:
                 torch.manual_seed(self.settings.seed * 1_000_003 + self.global_step)  # reproducible dropout
             for i, (part, count) in enumerate(zip(micro, counts)):
-                if count == 0 and (i < last or self.collective.world_size == 1):
+                # FSDP gathers parameters inside every forward, so there every rank runs every micro-batch.
+                if count == 0 and (i < last or self.collective.world_size == 1) and not self.sharded:
                     continue
-                with self.collective.no_sync(self._train_model) if i < last else contextlib.nullcontext():
+                with self._strategy.no_sync(self._train_model) if i < last else contextlib.nullcontext():
                     with autocast(self.device, self.settings.precision):
                         # A rank with nothing to learn from still joins the last all-reduce, with zero gradients.
                         loss = batch_loss_sum(self._train_model, part)[0] if count else self._zero_loss(batch)
@@ -293,6 +339,18 @@ class LoraTrainer:
         self._scaler.update()
         self.global_step += 1
         return self.collective.sum(loss_sum) / total
+
+    def _step_record(self, batch: Batch, loss: float, seconds: float) -> dict[str, Any]:
+        """One --results line per optimiser step: time, throughput, memory and what the all-reduce sent."""
+        record = {"event": "step", "time": time.time(), "step": self.global_step, "strategy": self.strategy,
+                  "world_size": self.collective.world_size, "loss": None if math.isnan(loss) else loss,
+                  "step_ms": round(1000 * seconds, 3), "tokens": batch.num_tokens,
+                  "tokens_per_s": batch.num_tokens / seconds if seconds > 0 else None,
+                  "peak_memory_mb": peak_memory_mb(self.device)}
+        if self.comm_meter is not None:
+            record["comm_compress"] = self.parallel.comm_compress
+            record.update(self.comm_meter.take())
+        return record
 
     def _zero_loss(self, batch: Batch) -> torch.Tensor:
         """A loss of exactly zero that still touches every LoRA parameter (for DDP's gradient all-reduce)."""
@@ -306,8 +364,30 @@ class LoraTrainer:
                              batch_size=batch_size, device=self.device)
 
     def adapter_state(self) -> dict[str, torch.Tensor]:
-        """The adapter weights as float32 CPU copies, keyed as peft.get_peft_model_state_dict keys them."""
+        """The adapter weights as float32 CPU copies, keyed as peft.get_peft_model_state_dict keys them.
+
+        Sharded: rank 0's gathered copy as of the last train_steps (or load); the other ranks have none.
+        """
+        if self.sharded:
+            if self._gathered is None:
+                raise RuntimeError("only rank 0 keeps the gathered adapter of a sharded model; "
+                                   "call gathered_state() on every rank instead")
+            return {key: value.clone() for key, value in self._gathered.items()}
         return {key: value.detach().to("cpu", torch.float32).clone().contiguous() for key, value in self._adapter.items()}
+
+    def gathered_state(self) -> dict[str, torch.Tensor]:
+        """The full adapter on every rank (a collective when sharded: all ranks call it together)."""
+        if self.sharded:
+            return gather_full(self._adapter, keep=True)
+        return self.adapter_state()
+
+    def share_primary_weights(self) -> None:
+        """Every rank continues from rank 0's adapter (a collective: all ranks call it together)."""
+        if not self.sharded:
+            self.load_adapter_state(self.collective.broadcast_state(self.adapter_state()))
+            return
+        broadcast_into(self._adapter, self._gathered if self.collective.is_primary else None,
+                       self.collective.device)
 
     def load_adapter_state(self, state: dict[str, torch.Tensor]) -> None:
         """Overwrite the adapter with state; keys and shapes must match exactly and values be finite.
@@ -315,6 +395,11 @@ class LoraTrainer:
         The optimiser's moments are kept: a pulled adapter continues the same expert's trajectory.
         """
         _check_adapter_state(self._adapter, state)
+        if self.sharded:  # this rank's shards now; the others take theirs in share_primary_weights
+            load_full(self._adapter, state)
+            if self.collective.is_primary:
+                self._gathered = {key: value.detach().to("cpu", torch.float32).clone() for key, value in state.items()}
+            return
         with torch.no_grad():
             for key, target in self._adapter.items():
                 target.copy_(state[key])

@@ -10,11 +10,13 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
 
 from worker.data import sample_dataset_path
 from worker.distributed import process_group
 from worker.federation import SyncSettings
 from worker.runner import WorkerConfig, build_worker
+from worker.strategies import ParallelSettings
 from worker.trainer import LoraSettings, TrainSettings
 
 # 7 examples per step: rank 0 trains on rows 0, 2, 4, 6 and rank 1 on rows 1, 3, 5, each in two micro-batches.
@@ -22,26 +24,31 @@ TRAIN = TrainSettings(lr=1e-2, batch_size=7, max_seq_len=128, seed=0, grad_accum
 SPECIALTY = "sql_expert"
 
 
-def main(url: str, out: Path) -> None:
+def main(url: str, out: Path, strategy: str = "ddp") -> None:
     torch.set_num_threads(1)
     config = WorkerConfig(coordinator_url=url, dataset=sample_dataset_path(SPECIALTY), base_model="tiny-qwen2",
                           sync=SyncSettings(specialty=SPECIALTY, worker_id="dp-worker"), lora=LoraSettings(),
-                          train=TRAIN, device="cpu")
+                          train=TRAIN, device="cpu", parallel=ParallelSettings(strategy=strategy))
     with process_group("cpu") as (collective, device):
         worker, trainer, _ = build_worker(config, collective, device)
         rank = collective.rank
         worker.join()
-        save_file(trainer.adapter_state(), out / f"rank{rank}-join.safetensors")
+        save_file(trainer.gathered_state(), out / f"rank{rank}-join.safetensors")
         for sync in range(2):
             worker.interval.add(trainer.train_steps(1))
             if sync == 0:
-                grads = {name: p.grad.detach().clone().contiguous() for name, p in trainer.model.named_parameters()
-                         if p.requires_grad}
+                grads = {name: full(p.grad).detach().clone().contiguous()
+                         for name, p in trainer.model.named_parameters() if p.requires_grad}
                 save_file(grads, out / f"rank{rank}-grads.safetensors")
             worker.interval.add(trainer.train_steps(1))
             worker.sync()
-            save_file(trainer.adapter_state(), out / f"rank{rank}-sync{sync}.safetensors")
+            save_file(trainer.gathered_state(), out / f"rank{rank}-sync{sync}.safetensors")
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """A FSDP gradient shard gathered (every rank calls this in the same order)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]))
+    main(sys.argv[1], Path(sys.argv[2]), *sys.argv[3:])

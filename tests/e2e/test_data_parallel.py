@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -31,18 +32,18 @@ def rank_environment(rank: int, port: int) -> dict[str, str]:
             "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2"}
 
 
-def run_two_ranks(url: str, out, monkeypatch) -> None:
+def run_two_ranks(url: str, out, monkeypatch, strategy: str = "ddp") -> None:
     """Rank 1 in a fresh process, rank 0 here (saves one start-up of torch and transformers)."""
     port = free_port()
-    other = subprocess.Popen([sys.executable, str(RANK_SCRIPT), url, str(out)], cwd=ROOT,
+    other = subprocess.Popen([sys.executable, str(RANK_SCRIPT), url, str(out), strategy], cwd=ROOT,
                              env={**env(), **rank_environment(1, port), "OMP_NUM_THREADS": "1"},
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     threads = torch.get_num_threads()
     try:
         for key, value in rank_environment(0, port).items():
             monkeypatch.setenv(key, value)
-        rank_script.main(url, out)
-        output = other.communicate(timeout=120)[0]
+        rank_script.main(url, out, strategy)
+        output = other.communicate(timeout=300)[0]  # generous: the machine is shared
     finally:
         torch.set_num_threads(threads)
         if other.poll() is None:
@@ -62,10 +63,11 @@ def single_process_run():
     return initial, trainer.adapter_state(), grads
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_gloo_ranks_act_as_one_worker_and_push_the_single_process_update(start_coordinator, tmp_path,
-                                                                            monkeypatch):
+                                                                            monkeypatch, strategy):
     _, url = start_coordinator()
-    run_two_ranks(url, tmp_path, monkeypatch)
+    run_two_ranks(url, tmp_path, monkeypatch, strategy)
 
     for stage in ("join", "sync0", "sync1"):  # DDP plus the broadcast after each sync keep the ranks identical
         first, second = (load_file(tmp_path / f"rank{r}-{stage}.safetensors") for r in range(2))

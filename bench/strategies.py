@@ -1,0 +1,161 @@
+#!/usr/bin/env python3
+"""Strategies inside one worker on 2 CPU ranks (gloo): DDP vs FSDP vs FSDP + CPU offload vs DDP with
+each comm codec, on a full-parameter tiny-qwen2 expert (every weight trains, so sharding matters).
+
+Per configuration: tokens/s, peak RSS per rank (sampled after every step, so a lower bound),
+bytes each rank puts on the wire per step (measured by the comm hook for codecs; for plain DDP and
+FSDP computed from what the ring collectives move: an all-reduce of S bytes sends 2(N-1)/N * S per
+rank, an all-gather or reduce-scatter of S bytes (N-1)/N * S), held-out loss after --steps steps,
+and scaling efficiency 1 -> 2 ranks (2-rank tokens/s over twice the 1-rank tokens/s).
+
+    python -m bench.strategies                 # about 3 minutes on a quiet 2-core machine
+    python -m bench.strategies --steps 4       # smoke test
+
+Table on stdout, results in bench/results/strategies.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from bench.common import format_table, write_json_atomic
+from worker.data import load_examples, sample_dataset_path, split_examples
+from worker.distributed import SingleProcess, TorchCollective
+from worker.models import load_base_model
+from worker.strategies import ParallelSettings
+from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+RESULTS = ROOT / "bench" / "results" / "strategies.json"
+CONFIGS: dict[str, ParallelSettings] = {
+    "ddp": ParallelSettings(strategy="ddp"),
+    "fsdp": ParallelSettings(strategy="fsdp"),
+    "fsdp-grad-op": ParallelSettings(strategy="fsdp-grad-op"),
+    "fsdp+offload": ParallelSettings(strategy="fsdp", cpu_offload=True),
+    "ddp+fp16": ParallelSettings(strategy="ddp", comm_compress="fp16"),
+    "ddp+bf16": ParallelSettings(strategy="ddp", comm_compress="bf16"),
+    "ddp+int8": ParallelSettings(strategy="ddp", comm_compress="int8"),
+    "ddp+topk0.1": ParallelSettings(strategy="ddp", comm_compress="topk", comm_config={"ratio": 0.1}),
+    "ddp+powersgd-r4": ParallelSettings(strategy="ddp", comm_compress="powersgd",
+                                        comm_config={"matrix_approximation_rank": 4}),
+}
+
+
+def settings() -> TrainSettings:
+    return TrainSettings(lr=3e-3, batch_size=8, max_seq_len=128, seed=0)
+
+
+def data():
+    return split_examples(load_examples(sample_dataset_path("sql_expert")))
+
+
+def run_config(name: str, parallel: ParallelSettings, steps: int, collective: SingleProcess) -> dict[str, Any]:
+    train, heldout = data()
+    records: list[dict[str, Any]] = []
+    trainer = LoraTrainer(load_base_model("tiny-qwen2"), LoraSettings(rank=0), settings(), train,
+                          collective=collective, parallel=parallel, step_log=records.append)
+    process = psutil.Process()
+    trainer.train_steps(1)  # warm-up: DDP builds its buckets, FSDP initialises lazily
+    records.clear()
+    rss, tokens, started = 0, 0, time.perf_counter()
+    for _ in range(steps):
+        tokens += trainer.train_steps(1).tokens
+        rss = max(rss, process.memory_info().rss)
+    seconds = time.perf_counter() - started
+    heldout_loss = trainer.eval_loss(heldout[:16])  # a collective under FSDP: every rank evaluates
+    numel = sum(p.numel() for p in trainer.model.parameters())
+    sent = [r["bytes_sent"] for r in records if "bytes_sent" in r]
+    return {"config": name, "strategy": trainer.strategy, "tokens_per_s": tokens / seconds,
+            "peak_rss_mb": rss / 2**20, "heldout_loss": heldout_loss,
+            "bytes_per_step": sum(sent) / len(sent) if sent else wire_bytes(trainer.strategy, numel,
+                                                                               collective.world_size),
+            "bytes_measured": bool(sent),
+            "grad_rel_error": _mean(r.get("grad_rel_error") for r in records),
+            "grad_cosine": _mean(r.get("grad_cosine") for r in records)}
+
+
+def wire_bytes(strategy: str, numel: int, world: int) -> float:
+    """Bytes a rank sends per step for uncompressed float32 collectives over a ring (every weight trains)."""
+    size, part = 4 * numel, (world - 1) / world
+    moves = {"ddp": 2 * part * size,                              # one all-reduce of the gradients
+             "fsdp": 2 * part * size + part * size,               # all-gather forward and backward, reduce-scatter
+             "fsdp-grad-op": part * size + part * size,           # one all-gather, reduce-scatter
+             "single": 0.0}
+    return moves[strategy]
+
+
+def _mean(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def rank_main(rank: int, port: int, names: list[str], steps: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        collective = TorchCollective("cpu")
+        results = [run_config(name, CONFIGS[name], steps, collective) for name in names]
+        Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=12, help="measured steps per configuration (default: %(default)s)")
+    p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of: " + ", ".join(CONFIGS))
+    args = p.parse_args(argv)
+    names = [n for n in args.configs.split(",") if n]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown or args.steps < 1:
+        print(f"error: unknown --configs {unknown} (or --steps < 1)", file=sys.stderr)
+        return 2
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    torch.set_num_threads(2)  # one rank alone may use both cores; two ranks get one each
+    single = run_config("1 rank", ParallelSettings(), args.steps, SingleProcess())
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(rank_main, args=(free_port(), names, args.steps, out), nprocs=2)
+        ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]
+    rows = []
+    for first, second in zip(*ranks):
+        rows.append({**first, "peak_rss_mb_per_rank": [first["peak_rss_mb"], second["peak_rss_mb"]],
+                     "scaling_efficiency": first["tokens_per_s"] / (2 * single["tokens_per_s"])})
+    report = {"model": "tiny-qwen2 full-parameter", "steps": args.steps, "world_size": 2, "backend": "gloo (CPU)",
+              "single_rank": single, "configs": rows, "cpus": os.cpu_count(),
+              "load_average_at_end": os.getloadavg()}
+    write_json_atomic(RESULTS, report)
+    print(format_table(["config", "strategy", "tokens/s", "scaling", "RSS MB r0/r1", "MB/step", "held-out loss",
+                        "grad cos"],
+                       [[r["config"], r["strategy"], f"{r['tokens_per_s']:.0f}", f"{r['scaling_efficiency']:.2f}",
+                         "/".join(f"{m:.0f}" for m in r["peak_rss_mb_per_rank"]),
+                         f"{r['bytes_per_step'] / 2**20:.2f}{'' if r['bytes_measured'] else '*'}",
+                         f"{r['heldout_loss']:.3f}",
+                         "" if r["grad_cosine"] is None else f"{r['grad_cosine']:.3f}"] for r in rows]))
+    print(f"1 rank: {single['tokens_per_s']:.0f} tokens/s, held-out loss {single['heldout_loss']:.3f}, "
+          f"RSS {single['peak_rss_mb']:.0f} MB; * = computed from the collectives, not measured")
+    print(f"results in {RESULTS.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
