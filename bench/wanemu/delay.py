@@ -60,7 +60,8 @@ class DelayProxy:
     """Listen on ``listen`` and forward each connection to ``target``, delaying both directions.
 
     ``cut_after``: when set, the proxy closes each connection after forwarding that many bytes
-    towards the client (target -> client); used to interrupt a download mid-body.
+    towards the client (target -> client, counted per connection); used to interrupt a download
+    mid-body. ``bytes_to_client``/``bytes_to_target`` count all connections.
     """
 
     def __init__(self, target: tuple[str, int], one_way_s: float, listen: tuple[str, int] = ("127.0.0.1", 0),
@@ -104,13 +105,14 @@ class DelayProxy:
             with self._lock:
                 self.connections += 1
                 self._sockets.update((client, upstream))
-            self._forward(client, upstream, towards_client=False)
-            self._forward(upstream, client, towards_client=True)
+            sent = [0]  # bytes this connection has forwarded towards the client
+            self._forward(client, upstream, None)
+            self._forward(upstream, client, sent)
 
-    def _forward(self, src: socket.socket, dst: socket.socket, towards_client: bool) -> None:
+    def _forward(self, src: socket.socket, dst: socket.socket, sent: list[int] | None) -> None:
         pipe = _Pipe(self.buffer_bytes)
         threading.Thread(target=self._read, args=(src, pipe, dst), daemon=True).start()
-        threading.Thread(target=self._write, args=(pipe, src, dst, towards_client), daemon=True).start()
+        threading.Thread(target=self._write, args=(pipe, src, dst, sent), daemon=True).start()
 
     def _read(self, src: socket.socket, pipe: _Pipe, dst: socket.socket) -> None:
         try:
@@ -120,15 +122,15 @@ class DelayProxy:
             pass
         pipe.close()
 
-    def _write(self, pipe: _Pipe, src: socket.socket, dst: socket.socket, towards_client: bool) -> None:
+    def _write(self, pipe: _Pipe, src: socket.socket, dst: socket.socket, sent: list[int] | None) -> None:
         try:
             while (item := pipe.get()) is not None:
                 due, data = item
                 if (wait := due - time.monotonic()) > 0:
                     time.sleep(wait)
-                data = self._account(data, towards_client)
+                data = self._account(data, sent)
                 dst.sendall(data)
-                if towards_client and self.cut_after is not None and self.bytes_to_client >= self.cut_after:
+                if sent is not None and self.cut_after is not None and sent[0] >= self.cut_after:
                     raise ConnectionAbortedError("cut")
             dst.shutdown(socket.SHUT_WR)  # the other side's EOF, after the last delayed chunk
         except OSError:
@@ -136,13 +138,14 @@ class DelayProxy:
                 _close(s)
         pipe.close()
 
-    def _account(self, data: bytes, towards_client: bool) -> bytes:
+    def _account(self, data: bytes, sent: list[int] | None) -> bytes:
         with self._lock:
-            if not towards_client:
+            if sent is None:
                 self.bytes_to_target += len(data)
                 return data
             if self.cut_after is not None:
-                data = data[:max(0, self.cut_after - self.bytes_to_client)]
+                data = data[:max(0, self.cut_after - sent[0])]
+            sent[0] += len(data)
             self.bytes_to_client += len(data)
             return data
 
