@@ -106,13 +106,14 @@ class DelayProxy:
                 self.connections += 1
                 self._sockets.update((client, upstream))
             sent = [0]  # bytes this connection has forwarded towards the client
-            self._forward(client, upstream, None)
-            self._forward(upstream, client, sent)
+            open_directions = [2]  # both sockets close when both directions are done
+            self._forward(client, upstream, None, open_directions)
+            self._forward(upstream, client, sent, open_directions)
 
-    def _forward(self, src: socket.socket, dst: socket.socket, sent: list[int] | None) -> None:
+    def _forward(self, src: socket.socket, dst: socket.socket, sent: list[int] | None, open_directions: list[int]) -> None:
         pipe = _Pipe(self.buffer_bytes)
         threading.Thread(target=self._read, args=(src, pipe, dst), daemon=True).start()
-        threading.Thread(target=self._write, args=(pipe, src, dst, sent), daemon=True).start()
+        threading.Thread(target=self._write, args=(pipe, src, dst, sent, open_directions), daemon=True).start()
 
     def _read(self, src: socket.socket, pipe: _Pipe, dst: socket.socket) -> None:
         try:
@@ -122,7 +123,8 @@ class DelayProxy:
             pass
         pipe.close()
 
-    def _write(self, pipe: _Pipe, src: socket.socket, dst: socket.socket, sent: list[int] | None) -> None:
+    def _write(self, pipe: _Pipe, src: socket.socket, dst: socket.socket, sent: list[int] | None,
+               open_directions: list[int]) -> None:
         try:
             while (item := pipe.get()) is not None:
                 due, data = item
@@ -137,6 +139,14 @@ class DelayProxy:
             for s in (src, dst):  # a broken side breaks the whole connection, as a real link would
                 _close(s)
         pipe.close()
+        with self._lock:
+            open_directions[0] -= 1
+            done = open_directions[0] == 0
+            if done:
+                self._sockets.difference_update((src, dst))
+        if done:
+            for s in (src, dst):
+                _close(s)
 
     def _account(self, data: bytes, sent: list[int] | None) -> bytes:
         with self._lock:
