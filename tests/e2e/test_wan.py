@@ -1,6 +1,7 @@
 """Pulls over an emulated WAN (bench/wanemu) and resumed after a cut, against the real coordinator."""
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -13,6 +14,9 @@ from bench.wanemu import DelayProxy, NamespaceUnavailable, WanLink, check_availa
 from bench.wanemu.probe import ProbeServer
 from protocol.client import CoordinatorClient
 from protocol.credentials import local_token
+from protocol.errors import Unavailable
+from protocol.resume import check_etag, resumable_body
+from protocol.streaming import tensors_from_buffer
 from protocol.tensors import load_file
 from tests.e2e.conftest import ROOT, admin_headers, env
 from tests.helpers import expert_spec, make_adapter
@@ -108,3 +112,28 @@ def test_weights_honour_range_and_if_range(expert_server) -> None:
     assert stale.status_code == 200 and stale.content == full.content
     beyond = requests.get(weights, headers=headers | {"Range": f"bytes={size + 10}-", "If-Range": etag}, timeout=30)
     assert beyond.status_code == 416 and beyond.json()["error"]["message"]
+
+
+def test_resume_starts_over_when_the_weights_changed(expert_server) -> None:
+    """A stale If-Range gets the whole new body (200), and the pull restarts on it from byte 0."""
+    url, _ = expert_server
+    other = make_adapter(**ADAPTER, seed=7)
+    CoordinatorClient(url).create_expert("f", other, expert_spec(rank=16))
+    headers, port = admin_headers(url), int(url.rsplit(":", 1)[1])
+    size = len(requests.get(f"{url}/api/v1/experts/e/weights", headers=headers, timeout=30).content)
+    with DelayProxy(("127.0.0.1", port), one_way_s=0.0, cut_after=size // 2) as proxy:
+        first = requests.get(f"{proxy.url()}/api/v1/experts/e/weights", headers=headers, stream=True, timeout=30)
+        # the resume lands on different weights ("f" stands for e's next version): its ETag no longer matches
+        refetch = lambda extra: requests.get(f"{url}/api/v1/experts/f/weights", headers=headers | extra, stream=True,
+                                             timeout=30)
+        body, response, resumes = resumable_body(first, refetch, max_resumes=3, where=url)
+    assert resumes == 1 and response.status_code == 200
+    got = tensors_from_buffer(body)
+    assert all(torch.equal(got[k], other[k]) for k in other)
+
+
+def test_a_reassembled_body_must_match_its_etag() -> None:
+    body = bytearray(b"weights")
+    check_etag(body, '"' + hashlib.sha256(body).hexdigest() + '"', "here")
+    with pytest.raises(Unavailable, match="does not match its ETag"):
+        check_etag(bytearray(b"weightz"), '"' + hashlib.sha256(body).hexdigest() + '"', "here")
