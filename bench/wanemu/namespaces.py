@@ -14,8 +14,11 @@ import ipaddress
 import itertools
 import logging
 import os
+import re
 import shutil
+import signal
 import subprocess
+import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -64,6 +67,7 @@ def check_available() -> None:
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             raise NamespaceUnavailable(f"the '{tool}' command is missing (install iproute2)")
+    remove_stale()
     probe = f"{PREFIX}{os.getpid()}probe"
     result = _run(["ip", "netns", "add", probe], check=False)
     if result.returncode != 0:
@@ -75,6 +79,25 @@ def list_namespaces() -> set[str]:
     """Names of the network namespaces that exist now (``ip netns list``)."""
     out = _run(["ip", "netns", "list"], check=False).stdout
     return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+def remove_stale() -> list[str]:
+    """Delete namespaces of ours whose creating process is gone (e.g. it was killed with -9)."""
+    stale = []
+    for name in list_namespaces():
+        m = re.fullmatch(rf"{PREFIX}(\d+)(s\d+|probe)", name)
+        if m and not os.path.exists(f"/proc/{m.group(1)}"):
+            _run(["ip", "netns", "del", name], check=False)
+            stale.append(name)
+    if stale:
+        log.warning("removed %d namespace(s) left by dead processes: %s", len(stale), ", ".join(sorted(stale)))
+    return stale
+
+
+def _exit_on_sigterm() -> None:
+    """SIGTERM's default action skips atexit; turn it into SystemExit so the namespaces still go."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def _free_subnet() -> ipaddress.IPv4Network:
@@ -95,6 +118,7 @@ class Site:
     """
 
     def __init__(self, uplink: Shape | None = None, downlink: Shape | None = None) -> None:
+        _exit_on_sigterm()
         with _lock:
             n = next(_counter)
             self.name = f"{PREFIX}{os.getpid()}s{n}"
