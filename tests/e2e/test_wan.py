@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 
@@ -11,6 +12,7 @@ import requests
 import torch
 
 from bench.wanemu import DelayProxy, NamespaceUnavailable, WanLink, check_available, list_namespaces
+from bench.wanemu.namespaces import PREFIX
 from bench.wanemu.probe import ProbeServer
 from protocol.client import CoordinatorClient
 from protocol.credentials import local_token
@@ -33,9 +35,10 @@ def namespaces():
         check_available()
     except NamespaceUnavailable as exc:
         pytest.skip(f"WAN emulation needs network namespaces: {exc}")
-    before = list_namespaces()
+    ours = lambda: {n for n in list_namespaces() if n.startswith(f"{PREFIX}{os.getpid()}")}  # others may run too
+    assert not ours()
     yield
-    assert list_namespaces() == before, "a test left a network namespace behind"
+    assert not ours(), f"a test left network namespaces behind: {sorted(ours())}"
 
 
 @pytest.fixture
