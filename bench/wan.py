@@ -4,9 +4,10 @@
 One emulated site (``bench.wanemu``: a network namespace, a veth pair shaped with tbf, a delay
 proxy) holds ``--workers`` real ``run_worker.py`` processes training one expert on tiny-qwen2; the
 root coordinator runs on this host's loopback, behind the site's 20 Mbit/s, 50 ms RTT link. For
-each push codec (uncompressed safetensors, then topk+int8 with error feedback) it reports the
-median time of a sync, the bytes that crossed the link into the root (ingress: pushes, requests)
-and out of it (egress: pulls), counted by the proxy on the wire, headers included.
+each configuration in ``CODECS`` (uncompressed pushes; topk+int8 pushes with error feedback; the
+same with fp16 diff pulls) it reports the median time of a sync, the bytes that crossed the link
+into the root (ingress: pushes, requests) and out of it (egress: pulls), counted by the proxy on
+the wire, headers included.
 
 This is the flat baseline that relay coordinators (issue 16) are to be compared against; the
 per-sync figures come from the workers' own ``--results`` records.
@@ -38,8 +39,11 @@ from protocol.credentials import TOKEN_ENV, local_token
 log = logging.getLogger("bench.wan")
 ROOT = Path(__file__).resolve().parents[1]
 SPECIALTY = "sql_expert"
-CODECS = {"uncompressed": ("safetensors", "{}"), "topk+int8": ("topk+int8", '{"ratio": 0.05}')}
-"""name -> (--compression, --compression-config) of the workers."""
+TOPK_INT8 = ["--compression", "topk+int8", "--compression-config", '{"ratio": 0.05}']
+CODECS = {"uncompressed": ["--compression", "safetensors"],
+          "topk+int8": TOPK_INT8,
+          "topk+int8, fp16 diff pulls": [*TOPK_INT8, "--pull-compression", "fp16"]}
+"""name -> the workers' compression flags (push codec, and optionally compressed diff pulls)."""
 
 
 @dataclass(frozen=True)
@@ -56,12 +60,12 @@ class Settings:
     """Round-trip time the delay proxy adds on that link."""
 
 
-def worker_command(index: int, url: str, results: Path, codec: tuple[str, str], s: Settings) -> list[str]:
+def worker_command(index: int, url: str, results: Path, codec: list[str], s: Settings) -> list[str]:
     return [sys.executable, str(ROOT / "run_worker.py"), "--specialty", SPECIALTY, "--base-model", "tiny-qwen2",
             "--device", "cpu", "--coordinator-url", url, "--worker-id", f"wan-{index}", "--results", str(results),
             "--state-dir", str(results.with_suffix(".state")), "--duration", str(s.duration),
             "--sync-interval", str(s.sync_interval), "--batch-size", "4", "--max-seq-len", "64",
-            "--compression", codec[0], "--compression-config", codec[1]]
+            *codec]
 
 
 def run_codec(name: str, s: Settings, scratch: Path) -> dict[str, Any]:
