@@ -13,7 +13,7 @@ import torch
 
 from bench.wanemu import DelayProxy, NamespaceUnavailable, WanLink, check_available, list_namespaces
 from bench.wanemu.namespaces import PREFIX
-from bench.wanemu.probe import ProbeServer
+from bench.wanemu.probe import ProbeServer, measure
 from protocol.client import CoordinatorClient
 from protocol.credentials import local_token
 from protocol.errors import Unavailable
@@ -140,3 +140,16 @@ def test_a_reassembled_body_must_match_its_etag() -> None:
     check_etag(body, '"' + hashlib.sha256(body).hexdigest() + '"', "here")
     with pytest.raises(Unavailable, match="does not match its ETag"):
         check_etag(bytearray(b"weightz"), '"' + hashlib.sha256(body).hexdigest() + '"', "here")
+
+
+def test_delay_proxy_delays_each_direction_without_namespaces() -> None:
+    """The proxy alone (no root needed): a request and its answer each wait the one-way delay."""
+    server = ProbeServer()
+    try:
+        with DelayProxy(server.address, one_way_s=0.03) as proxy:
+            m = measure(*proxy.address, pings=5, transfer_bytes=1 << 20)
+            through = proxy.bytes_to_client, proxy.bytes_to_target
+    finally:
+        server.close()
+    assert m["rtt_ms_min"] >= 59  # 2 x 30 ms: a proxy that delayed one direction only would show ~30
+    assert through[0] >= 1 << 20 and through[1] >= 1 << 20  # the bulk transfers went through it, both ways
