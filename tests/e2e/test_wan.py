@@ -35,7 +35,9 @@ def namespaces():
         check_available()
     except NamespaceUnavailable as exc:
         pytest.skip(f"WAN emulation needs network namespaces: {exc}")
-    ours = lambda: {n for n in list_namespaces() if n.startswith(f"{PREFIX}{os.getpid()}")}  # others may run too
+    def ours() -> set[str]:  # other processes may run namespaces of their own meanwhile
+        return {n for n in list_namespaces() if n.startswith(f"{PREFIX}{os.getpid()}")}
+
     assert not ours()
     yield
     assert not ours(), f"a test left network namespaces behind: {sorted(ours())}"
@@ -126,9 +128,11 @@ def test_resume_starts_over_when_the_weights_changed(expert_server) -> None:
     size = len(requests.get(f"{url}/api/v1/experts/e/weights", headers=headers, timeout=30).content)
     with DelayProxy(("127.0.0.1", port), one_way_s=0.0, cut_after=size // 2) as proxy:
         first = requests.get(f"{proxy.url()}/api/v1/experts/e/weights", headers=headers, stream=True, timeout=30)
-        # the resume lands on different weights ("f" stands for e's next version): its ETag no longer matches
-        refetch = lambda extra: requests.get(f"{url}/api/v1/experts/f/weights", headers=headers | extra, stream=True,
-                                             timeout=30)
+
+        def refetch(extra: dict[str, str]) -> requests.Response:
+            """The resume lands on different weights ("f" stands for e's next version): its ETag no longer matches."""
+            return requests.get(f"{url}/api/v1/experts/f/weights", headers=headers | extra, stream=True, timeout=30)
+
         body, response, resumes = resumable_body(first, refetch, max_resumes=3, where=url)
     assert resumes == 1 and response.status_code == 200
     got = tensors_from_buffer(body)
