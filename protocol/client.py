@@ -299,8 +299,15 @@ class CoordinatorClient:
 
     def gateway_tensors(self) -> StateDict:
         """The gateway's tensors, streamed into one buffer (views into it, no further copies)."""
-        r = self._request("GET", "/gateway/weights", params={"format": "safetensors"}, stream=True)
-        return tensors_from_buffer(_read_body(r, self.base_url))
+        params = {"format": "safetensors"}
+        r = self._request("GET", "/gateway/weights", params=params, stream=True)
+        if not can_resume(r):
+            return tensors_from_buffer(_read_body(r, self.base_url))
+
+        def refetch(extra: dict[str, str]) -> requests.Response:  # a drop mid-body resumes (protocol/resume.py)
+            return self._request("GET", "/gateway/weights", params=params, headers=extra, stream=True)
+
+        return tensors_from_buffer(resumable_body(r, refetch, self.retry.attempts, self.base_url)[0])
 
 
 class Chunks:

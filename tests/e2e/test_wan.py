@@ -21,7 +21,8 @@ from protocol.resume import check_etag, resumable_body
 from protocol.streaming import tensors_from_buffer
 from protocol.tensors import load_file
 from tests.e2e.conftest import ROOT, admin_headers, env
-from tests.helpers import expert_spec, make_adapter
+from protocol.tensors import dumps
+from tests.helpers import expert_spec, make_adapter, update_meta
 
 # 4 layers x 2 modules x (16x1024 + 1024x16) float32 = 1 MiB: several round trips at 20 Mbit/s
 ADAPTER = dict(rank=16, d_in=1024, d_out=1024, layers=4)
@@ -157,3 +158,17 @@ def test_delay_proxy_delays_each_direction_without_namespaces() -> None:
         server.close()
     assert m["rtt_ms_min"] >= 59  # 2 x 30 ms: a proxy that delayed one direction only would show ~30
     assert through[0] >= 1 << 20 and through[1] >= 1 << 20  # the bulk transfers went through it, both ways
+
+
+def test_interrupted_gateway_pull_resumes(expert_server) -> None:
+    url, adapter = expert_server
+    admin = CoordinatorClient(url)
+    admin.push_update("e", dumps({k: torch.full_like(v, 0.01) for k, v in adapter.items()}), update_meta(num_samples=5))
+    want = admin.gateway_tensors()
+    size = len(requests.get(f"{url}/api/v1/gateway/weights?format=safetensors", headers=admin_headers(url),
+                            timeout=30).content)
+    with DelayProxy(("127.0.0.1", int(url.rsplit(":", 1)[1])), one_way_s=0.0, cut_after=size * 7 // 10) as proxy:
+        got = CoordinatorClient(proxy.url(), token=local_token(url)).gateway_tensors()
+        sent, connections = proxy.bytes_to_client, proxy.connections
+    assert connections == 2 and size < sent < size + 4096  # cut once, resumed, no body byte twice
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
