@@ -155,7 +155,7 @@ def expert_weights(name: str) -> Response:
             if attempt == 2:
                 raise Conflict(f"expert {name!r} kept changing while its weights were opened; pull again") from None
     response.headers[VERSION_HEADER] = str(ref.version)
-    if response.status_code == 200:
+    if response.status_code in (200, 206):  # send_file honours Range + If-Range (a resumed pull gets a 206)
         c.record_pull(worker_id, name, response.content_length or 0)
     return response
 

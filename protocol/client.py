@@ -39,6 +39,7 @@ from protocol.credentials import resolve_token, store_worker_token, stored_worke
 from protocol.errors import (FedMoEError, Forbidden, TLSFailure, TooManyRequests, Unauthorized, Unavailable,
                              error_from_response)
 from protocol.integrity import DIGEST_HEADER, digest_header
+from protocol.resume import can_resume, resumable_body
 from protocol.schemas import API_PREFIX, EXPERT_HEADER, UPDATE_HEADER, VERSION_HEADER, WORKER_HEADER
 from protocol.streaming import tensors_from_buffer
 from protocol.tensors import StateDict, dumps
@@ -71,6 +72,8 @@ class Pulled:
     etag: str | None
     nbytes: int = 0
     """Body bytes received."""
+    resumes: int = 0
+    """How many times an interrupted body was resumed with a Range request."""
 
 
 class CoordinatorClient:
@@ -241,11 +244,19 @@ class CoordinatorClient:
         if worker_id:
             headers[WORKER_HEADER] = worker_id
         params = {"version": version} if version is not None else {}
-        r = self._request("GET", f"/experts/{name}/weights", headers=headers, params=params, worker=worker_id,
-                          expert=name, stream=True)
-        body = bytearray() if r.status_code == 304 else _read_body(r, self.base_url)
+        path = f"/experts/{name}/weights"
+        r = self._request("GET", path, headers=headers, params=params, worker=worker_id, expert=name, stream=True)
+        resumes = 0
+        if can_resume(r):  # a drop mid-body resumes with Range + If-Range (protocol/resume.py)
+            resend = {k: v for k, v in headers.items() if k != "If-None-Match"}
+            body, r, resumes = resumable_body(
+                r, lambda extra: self._request("GET", path, headers=resend | extra, params=params, worker=worker_id,
+                                               expert=name, stream=True),
+                self.retry.attempts, self.base_url)
+        else:
+            body = bytearray() if r.status_code == 304 else _read_body(r, self.base_url)
         tensors = None if r.status_code == 304 else tensors_from_buffer(body)
-        return Pulled(tensors, int(r.headers.get(VERSION_HEADER, -1)), r.headers.get("ETag"), len(body))
+        return Pulled(tensors, int(r.headers.get(VERSION_HEADER, -1)), r.headers.get("ETag"), len(body), resumes)
 
     def pull_diff(self, name: str, since: int, codec: str, codec_config: dict[str, Any] | None = None,
                   worker_id: str | None = None) -> tuple[bytes, int]:
@@ -292,8 +303,15 @@ class CoordinatorClient:
 
     def gateway_tensors(self) -> StateDict:
         """The gateway's tensors, streamed into one buffer (views into it, no further copies)."""
-        r = self._request("GET", "/gateway/weights", params={"format": "safetensors"}, stream=True)
-        return tensors_from_buffer(_read_body(r, self.base_url))
+        params = {"format": "safetensors"}
+        r = self._request("GET", "/gateway/weights", params=params, stream=True)
+        if not can_resume(r):
+            return tensors_from_buffer(_read_body(r, self.base_url))
+
+        def refetch(extra: dict[str, str]) -> requests.Response:  # a drop mid-body resumes (protocol/resume.py)
+            return self._request("GET", "/gateway/weights", params=params, headers=extra, stream=True)
+
+        return tensors_from_buffer(resumable_body(r, refetch, self.retry.attempts, self.base_url)[0])
 
 
 class Chunks:
