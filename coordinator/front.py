@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 SPOOL_IN_MEMORY = 1 << 20  # request bodies up to this stay in memory; larger ones go to disk
 READ_CHUNK = 1 << 20
 SEND_CHUNK = 1 << 20  # one stall-timeout step of an answer: a client slower than this per timeout is dropped
+SENDFILE_CHUNK = 4 << 20  # the same for files: fewer steps, so pulls run near gunicorn's sendfile rate
 GRACE_SECONDS = 10.0  # on SIGTERM, how long requests being answered get to finish
 
 WsgiApp = Callable[[dict[str, Any], Callable], Iterable[bytes]]
@@ -294,7 +295,7 @@ class Connection:
         end = offset + count
         await self._with_timeout(self.writer.drain())
         while offset < end:
-            step = min(SEND_CHUNK, end - offset)
+            step = min(SENDFILE_CHUNK, end - offset)
             await self._with_timeout(loop.sendfile(self.writer.transport, f, offset, step))
             offset += step
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from flask import Flask
 
 from coordinator.app import create_app
 from coordinator.config import CoordinatorConfig
@@ -88,7 +89,6 @@ def serve(config: CoordinatorConfig, options: ServeOptions) -> None:
     sock = bind(options.host, options.port)  # a port in use fails before anything is written
     set_socket_timeouts(sock, options.socket_timeout)
     app = create_app(config)
-    app.extensions["fedmoe"].close()
     auth = app.extensions.get("fedmoe_auth")
     host, port = sock.getsockname()[:2]
     scheme = "https" if options.tls_cert else "http"
@@ -106,20 +106,19 @@ def serve(config: CoordinatorConfig, options: ServeOptions) -> None:
 
             log.warning("--debug: serving with Flask's development server; not for production")
             tls = (str(options.tls_cert), str(options.tls_key)) if options.tls_cert else None
-            make_server(host, port, create_app(config), threaded=True, fd=sock.fileno(),
+            make_server(host, port, app, threaded=True, fd=sock.fileno(),
                         ssl_context=tls).serve_forever()
         else:
-            _serve_front(config, options, sock)
+            _serve_front(app, config, options, sock)
     finally:
         if published and os.getpid() == owner:
             withdraw_local_token(host, port)
 
 
-def _serve_front(config: CoordinatorConfig, options: ServeOptions, sock: socket.socket) -> None:
+def _serve_front(app: Flask, config: CoordinatorConfig, options: ServeOptions, sock: socket.socket) -> None:
     limit = raise_fd_limit()
     if limit < 2048:
         log.warning("the open-files limit is %d (ulimit -n); each client connection needs one", limit)
-    app = create_app(config)
     tls = None
     if options.tls_cert:
         tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
