@@ -370,7 +370,7 @@ def table(report: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     started = time.monotonic()
-    health, pushes = (10, 3) if args.quick else (60, 12)
+    health, pushes = args.health, args.pushes
     report: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="fedmoe-hostile-", dir=SCRATCH_DIR) as scratch:
         root = Path(scratch)
@@ -417,8 +417,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--model-mb", type=int, default=240, help="model size for the compressed pushes (default: %(default)s)")
     p.add_argument("--prompt-mb", type=float, default=8.0, help="size of the huge /route prompt (default: %(default)s)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "hostile.json", help="results JSON")
-    p.add_argument("--quick", action="store_true", help="--connections 100 --model-mb 16 --prompt-mb 1, fewer requests")
+    p.add_argument("--quick", action="store_true",
+                   help="--connections 100 --model-mb 16 --prompt-mb 1 --health 10 --pushes 3 (tests/bench)")
     p.add_argument("--only", nargs="+", choices=PARTS, default=list(PARTS), help="attacks to run (default: all)")
+    p.add_argument("--health", type=int, default=60, help="the normal client's /health requests per phase")
+    p.add_argument("--pushes", type=int, default=12, help="the normal client's 5 MB pushes per phase")
     p.add_argument("--client-timeout", type=float, default=60.0,
                    help="the normal client's timeout per request, seconds (default: %(default)s)")
     p.add_argument("--server-root", type=Path, default=None,
@@ -432,6 +435,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.quick:
         args.connections, args.model_mb, args.prompt_mb = min(args.connections, 100), min(args.model_mb, 16), \
             min(args.prompt_mb, 1.0)
+        args.health, args.pushes = min(args.health, 10), min(args.pushes, 3)
     return args
 
 
