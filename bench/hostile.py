@@ -10,7 +10,8 @@ are open, plain and TLS, against the same client's figures with no attack (same 
 - ``bad_inputs``: tests/e2e/test_bad_inputs.py's matrix (--max-body-mb 1, --norm-check reject).
 - ``hostile``: pushes of 3e38 (finite, the sum is not), 3,000-level nested JSON on every JSON
   route, query and X-FedMoE-* header, and one huge /route prompt.
-- ``slow_clients``: bench/slow_clients.py's four kinds, a quarter of the connections each.
+- ``slow_clients``: bench/slow_clients.py's kinds: ``--connections`` split between dripped heads,
+  slow bodies and idle keep-alive (no token needed), plus ``--slow-readers`` that never read a pull.
 - ``compressed_pushes``: 8 concurrent maximum-size fp16 pushes to an expert of ``--model-mb``;
   target: peak RSS growth <= 2x the model size + 64 MiB (issue 13, defect 6).
 
@@ -49,7 +50,7 @@ import urllib3  # noqa: E402
 import bench.common  # noqa: E402
 from bench.common import (RESULTS_DIR, SCRATCH_DIR, CoordinatorProcess, configure_logging,  # noqa: E402
                           format_table, write_json_atomic)
-from bench.slow_clients import Attack  # noqa: E402
+from bench.slow_clients import KINDS, Attack  # noqa: E402
 from compression.registry import make_codec  # noqa: E402
 from compression.wire import encode_update  # noqa: E402
 from gateway.router import profile_to_json, text_profile  # noqa: E402
@@ -269,9 +270,14 @@ class NormalClient:
         return r
 
 
-def slow_clients(data_dir: Path, tls_dir: Path | None, connections: int, health: int, pushes: int,
+def slow_clients(data_dir: Path, tls_dir: Path | None, connections: int, readers: int, health: int, pushes: int,
                  socket_timeout: float, timeout: float) -> dict[str, Any]:
-    """A normal client's latencies without, then with, ``connections`` slow clients holding sockets open."""
+    """A normal client's latencies without, then with, ``connections`` slow clients holding sockets open.
+
+    The connections are split evenly between dripped heads, slow bodies and idle kept-alive
+    connections (none needs a token); ``readers`` more fetch the expert's weights (5 MB, with a
+    token) and never read the answer.
+    """
     flags = ["--socket-timeout", str(socket_timeout), "--rate-limit", "0"]
     if tls_dir is not None:
         cert, key = self_signed(tls_dir)
@@ -287,7 +293,8 @@ def slow_clients(data_dir: Path, tls_dir: Path | None, connections: int, health:
         client = NormalClient(server, "e", body, timeout=timeout)
         quiet = client.run(health, pushes)
         host, port = server.url.split("://")[1].split(":")
-        attack = Attack(host, int(port), tls_dir is not None, connections // 4,
+        counts = {kind: connections // 3 + (i < connections % 3) for i, kind in enumerate(KINDS[:3])}
+        attack = Attack(host, int(port), tls_dir is not None, counts | {"slow_reader": readers},
                         "/api/v1/experts/e/weights", server.headers["Authorization"].split()[1])
 
         def under_attack() -> dict[str, Any]:
@@ -302,7 +309,7 @@ def slow_clients(data_dir: Path, tls_dir: Path | None, connections: int, health:
         loaded, growth = measured(server.pid, under_attack)
     finally:
         server.stop()
-    return {"connections": connections, "opened": dict(attack.opened), "failed_to_open": attack.failed_to_open,
+    return {"connections": connections, "slow_readers": readers, "opened": dict(attack.opened), "failed_to_open": attack.failed_to_open,
             "closed_by_server_before_end": dict(attack.closed_by_server), "quiet": quiet, "under_attack": loaded,
             "peak_rss_growth_mb": round(growth / MiB, 1), "body_bytes": len(body)}
 
@@ -361,7 +368,7 @@ def table(report: dict[str, Any]) -> str:
                      "", ""])
     for mode, part in report.get("slow_clients", {}).items():
         loaded = part["under_attack"]
-        rows.append([f"slow_clients.{mode} ({part['connections']} conns)", loaded["requests"], loaded["status_5xx"],
+        rows.append([f"slow_clients.{mode} ({part['connections']}+{part['slow_readers']} conns)", loaded["requests"], loaded["status_5xx"],
                      loaded["no_answer"], part["peak_rss_growth_mb"], loaded["health"]["p99_s"],
                      loaded["push_5mb"]["p99_s"]])
     return format_table(["attack", "requests", "5xx", "no answer", "peak RSS +MiB", "health p99 s",
@@ -392,8 +399,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 tls_dir = root / "tls" if mode == "tls" else None
                 if tls_dir:
                     tls_dir.mkdir()
-                report["slow_clients"][mode] = slow_clients(root / f"slow-{mode}", tls_dir, args.connections, health,
-                                                            pushes, socket_timeout=60, timeout=args.client_timeout)
+                report["slow_clients"][mode] = slow_clients(root / f"slow-{mode}", tls_dir, args.connections,
+                                                            args.slow_readers, health, pushes, socket_timeout=60,
+                                                            timeout=args.client_timeout)
         if "compressed_pushes" in args.only:
             log.info("%d concurrent fp16 pushes of a %d MiB model", 8, args.model_mb)
             report["compressed_pushes"] = compressed_pushes(root / "compressed", args.model_mb)
@@ -414,11 +422,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--connections", type=int, default=1000, help="slow connections per transport (default: %(default)s)")
+    p.add_argument("--slow-readers", type=int, default=100,
+                   help="more connections that fetch 5 MB of weights and never read them (default: %(default)s)")
     p.add_argument("--model-mb", type=int, default=240, help="model size for the compressed pushes (default: %(default)s)")
     p.add_argument("--prompt-mb", type=float, default=8.0, help="size of the huge /route prompt (default: %(default)s)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "hostile.json", help="results JSON")
-    p.add_argument("--quick", action="store_true",
-                   help="--connections 100 --model-mb 16 --prompt-mb 1 --health 10 --pushes 3 (tests/bench)")
+    p.add_argument("--quick", action="store_true", help="--connections 100 --slow-readers 20 --model-mb 16 "
+                                                       "--prompt-mb 1 --health 10 --pushes 3 (tests/bench)")
     p.add_argument("--only", nargs="+", choices=PARTS, default=list(PARTS), help="attacks to run (default: all)")
     p.add_argument("--health", type=int, default=60, help="the normal client's /health requests per phase")
     p.add_argument("--pushes", type=int, default=12, help="the normal client's 5 MB pushes per phase")
@@ -435,7 +445,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.quick:
         args.connections, args.model_mb, args.prompt_mb = min(args.connections, 100), min(args.model_mb, 16), \
             min(args.prompt_mb, 1.0)
-        args.health, args.pushes = min(args.health, 10), min(args.pushes, 3)
+        args.health, args.pushes, args.slow_readers = min(args.health, 10), min(args.pushes, 3), \
+            min(args.slow_readers, 20)
     return args
 
 

@@ -25,7 +25,8 @@ class Attack:
     host: str
     port: int
     tls: bool
-    per_kind: int
+    counts: dict[str, int]
+    """Connections of each kind."""
     weights_path: str
     token: str
     interval: float = 2.0
@@ -66,7 +67,7 @@ class Attack:
         opened: list[asyncio.Event] = []
         tasks = []
         for kind in KINDS:
-            for _ in range(self.per_kind):
+            for _ in range(self.counts.get(kind, 0)):
                 ready = asyncio.Event()
                 opened.append(ready)
                 tasks.append(asyncio.create_task(self._client(kind, context, gate, ready)))

@@ -25,10 +25,10 @@ def test_quick_run_reports_every_attack(tmp_path):
     assert matrix["unexpected"] == [] and all(c["json_error"] for c in matrix["cases"].values())
     for mode in ("plain", "tls"):
         slow = report["slow_clients"][mode]
-        assert slow["connections"] == 100 and slow["failed_to_open"] == 0
-        assert sum(slow["opened"].values()) == 100
+        assert (slow["connections"], slow["slow_readers"], slow["failed_to_open"]) == (100, 20, 0)
+        assert slow["opened"] == {"drip_headers": 34, "slow_body": 33, "idle_keepalive": 33, "slow_reader": 20}
         loaded = slow["under_attack"]
-        assert loaded["open_during"] == 100  # every slow connection was still held when the client finished
+        assert loaded["open_during"] == 120  # every slow connection was still held when the client finished
         assert (loaded["health_answered"], loaded["pushes_answered"]) == (10, 3)
         assert loaded["status_5xx"] == loaded["no_answer"] == 0
         assert 0 < loaded["health"]["p50_s"] <= loaded["health"]["p99_s"]
