@@ -299,12 +299,13 @@ def slow_clients(data_dir: Path, tls_dir: Path | None, connections: int, readers
 
         def under_attack() -> dict[str, Any]:
             started = time.monotonic()
-            attack.start()
+            all_opened = attack.start()
             opened_s = time.monotonic() - started
             loaded = client.run(health, pushes)
             still_open = attack.open_now
             attack.stop()
-            return loaded | {"seconds_to_open": round(opened_s, 1), "open_during": still_open}
+            return loaded | {"seconds_to_open": round(opened_s, 1), "all_opened": all_opened,
+                             "open_during": still_open}
 
         loaded, growth = measured(server.pid, under_attack)
     finally:

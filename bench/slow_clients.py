@@ -40,11 +40,14 @@ class Attack:
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="slow-clients", daemon=True)
 
-    def start(self, timeout: float = 120.0) -> None:
-        """Open every connection (at most 64 connecting at once); return once all are open or failed."""
+    def start(self, timeout: float = 90.0) -> bool:
+        """Open the connections (64 connecting at once); whether all are open or failed within ``timeout``.
+
+        A server that serves no one while slow clients hold it does not finish opening them (the idle
+        kind waits for an answer): the attack then goes on with those open so far.
+        """
         self._thread.start()
-        if not self._ready.wait(timeout):
-            raise RuntimeError(f"slow clients not all connected after {timeout} s")
+        return self._ready.wait(timeout)
 
     @property
     def open_now(self) -> int:
