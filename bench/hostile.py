@@ -114,8 +114,15 @@ def rss_bytes(pid: int, field_name: str = "VmRSS") -> int:
     raise RuntimeError(f"no {field_name} for process {pid}")
 
 
+def serving_pid(pid: int) -> int:
+    """The process that serves: ``pid`` itself, or its forked worker (gunicorn, with --server-root)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return int(children[0]) if children else pid
+
+
 def measured(pid: int, attack: Callable[[], Any]) -> tuple[Any, int]:
     """Run ``attack``; (its result, the coordinator's peak RSS growth in bytes during it)."""
+    pid = serving_pid(pid)
     Path(f"/proc/{pid}/clear_refs").write_text("5")  # VmHWM := current RSS
     before = rss_bytes(pid)
     result = attack()
@@ -342,7 +349,7 @@ def compressed_pushes(data_dir: Path, model_mb: int, concurrent: int = 8) -> dic
             with ThreadPoolExecutor(concurrent) as pool:
                 list(pool.map(push, range(concurrent)))
 
-        idle = rss_bytes(server.pid)
+        idle = rss_bytes(serving_pid(server.pid))
         started = time.monotonic()
         _, growth = measured(server.pid, burst)
     finally:
