@@ -17,7 +17,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 PERFORMANCE = ("transport.py", "aggregation.py", "overhead.py", "load.py")
-QUALITY = ("compression.py", "gateway.py", "byzantine.py", "scaling.py", "learning.py", "crash.py")
+QUALITY = ("compression.py", "gateway.py", "byzantine.py", "scaling.py", "learning.py", "crash.py", "hostile.py")
 
 
 def main(argv: list[str]) -> int:
