@@ -136,11 +136,11 @@ def running_coordinator(**settings: Any) -> Iterator[str]:
 
 
 class CoordinatorProcess:
-    """run_coordinator.py as users start it (gunicorn, a separate OS process), on a free loopback port.
+    """run_coordinator.py as users start it (a separate OS process), on a free loopback port.
 
     ``flags`` are added to ``--host 127.0.0.1 --port 0 --data-dir DATA_DIR``. With ``new_session``
-    the coordinator gets its own process group, so that ``kill()`` takes the gunicorn master and its
-    worker down together (a real crash), not the master alone. ``start()`` may be called again after
+    the coordinator gets its own process group, so that ``kill()`` takes it and anything it started
+    down together (a real crash). ``start()`` may be called again after
     ``kill()`` or ``stop()``: it restarts on the same data dir, as an operator would. Its output
     (all starts) collects in ``log``; the pipe is drained on a thread, since a full pipe would block it.
     """
@@ -155,7 +155,7 @@ class CoordinatorProcess:
 
     @property
     def pid(self) -> int:
-        """The gunicorn master's pid (its worker is its child: /proc/PID/task/PID/children)."""
+        """The coordinator's pid (one process serves everything)."""
         assert self.proc is not None, "not started"
         return self.proc.pid
 
@@ -193,9 +193,10 @@ class CoordinatorProcess:
         else:
             raise RuntimeError("coordinator exited before listening:\n" + "".join(self.log[-40:]))
         threading.Thread(target=self.log.extend, args=(self.proc.stdout,), daemon=True).start()
-        while time.monotonic() - started < timeout:  # gunicorn's master logs the line before its worker serves
+        while time.monotonic() - started < timeout:  # the line comes just before the loop serves
             try:
-                if requests.get(self.url + "/api/v1/health", timeout=2).status_code == 200:
+                # verify=False: our own process on loopback, possibly with a self-signed --tls-cert
+                if requests.get(self.url + "/api/v1/health", timeout=2, verify=False).status_code == 200:
                     return
             except requests.RequestException:
                 time.sleep(0.01)
@@ -204,7 +205,7 @@ class CoordinatorProcess:
     def _signal(self, signum: int) -> None:
         assert self.proc is not None
         if self.new_session:
-            os.killpg(self.proc.pid, signum)  # master and gunicorn worker: the whole group we started
+            os.killpg(self.proc.pid, signum)  # the whole group we started
         else:
             self.proc.send_signal(signum)
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Crash benchmark: kill -9 the coordinator at random moments while clients push, and check it after each restart.
 
-A real run_coordinator.py (gunicorn master and worker, one process group) serves a tiny expert.
+A real run_coordinator.py (its own process group) serves a tiny expert.
 Client threads push small real updates (safetensors deltas, unique update_ids, distinct num_samples),
 retrying an unanswered push with the same update_id and bytes as a real worker does. At a random
 moment the whole process group gets SIGKILL; the coordinator restarts on the same data dir and,

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Load benchmark: 100 simulated workers push real-sized compressed updates to one coordinator on loopback.
 
-The coordinator is a separate real process (run_coordinator.py: gunicorn, durable data dir on disk).
+The coordinator is a separate real process (run_coordinator.py, durable data dir on disk).
 Each simulated worker is a thread with its own ``CoordinatorClient`` (the workers' real client, with
 its retries): it registers, then pushes ``--rounds`` updates to its expert as fast as the server takes
 them. An update is what a Qwen2-0.5B worker with LoRA r=8 on all seven projections sends: the
@@ -183,7 +183,7 @@ def run(settings: Settings) -> dict[str, Any]:
     payloads = [[encode_update(random_tensors(manifest, rng.randrange(2**31), 1e-3), manifest, codec, seed=r + 1)
                  for r in range(settings.rounds)] for _ in range(settings.workers)]
     encode_s = time.perf_counter() - started
-    # on disk (durability included); its own process group, so that stopping it stops the gunicorn worker too
+    # on disk (durability included); its own process group, so that stopping it stops all it started
     with tempfile.TemporaryDirectory(prefix="fedmoe-load-") as data_dir, coordinator_process(
             Path(data_dir), "--aggregation", settings.aggregation, "--buffer-size", str(settings.buffer_size),
             "--threads", "16", new_session=True) as server:

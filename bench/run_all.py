@@ -17,7 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PERFORMANCE = ("transport", "aggregation", "overhead", "load")
-QUALITY = ("compression", "gateway", "byzantine", "scaling", "learning", "crash")
+QUALITY = ("compression", "gateway", "byzantine", "scaling", "learning", "crash", "hostile")
 
 
 def main(argv: list[str]) -> int:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Transport benchmark: a 1 GiB full-parameter expert pushed and pulled through a real coordinator.
 
-The coordinator runs as users start it (``run_coordinator.py``: gunicorn, one process, a
+The coordinator runs as users start it (``run_coordinator.py``: one process, a
 separate OS process from this one), its data dir in RAM when there is one (durability's fsync
 is not what this measures). Every figure is a ratio to a baseline measured in the same run:
 
@@ -120,7 +120,7 @@ def base64_json_seconds(tensors: dict[str, torch.Tensor]) -> float:
 # the coordinator ----------------------------------------------------------------
 
 def serving_pid(master: int) -> int:
-    """gunicorn serves from a forked worker: the master's only child (the master itself with --debug)."""
+    """The serving process: the only child of a forking server (gunicorn before issue 13), else the process itself."""
     children = Path(f"/proc/{master}/task/{master}/children").read_text().split()
     return int(children[0]) if children else master
 
@@ -220,7 +220,7 @@ def measure(size_mb: int, repeats: int, concurrency: int) -> dict[str, Any]:
         "speedup_vs_base64_json": push_gbps / base64_gbps,
         "rss_idle_bytes": idle, "rss_peak_bytes": max(peak, hwm), "rss_peak_sampled_bytes": peak,
         "rss_vmhwm_bytes": hwm, "rss_growth_per_model_size": (max(peak, hwm) - idle) / nbytes,
-        "server": "gunicorn gthread, 1 process, 16 threads, sendfile", "data_dir": SCRATCH_DIR or "tmp",
+        "server": "buffering asyncio front (coordinator/front.py), 16 request threads, sendfile", "data_dir": SCRATCH_DIR or "tmp",
         "push_aggregation": "deferred (fedbuff, buffer 1000)", "targets": TARGETS,
     }
 

@@ -17,6 +17,7 @@ import dataclasses
 import math
 import operator
 import struct
+from typing import BinaryIO
 
 import torch
 
@@ -88,11 +89,7 @@ def decode_update(payload: bytes, manifest: Manifest, codec: Codec) -> dict[str,
     entries = check_manifest(manifest)
     out = {}
     for (name, shape), body in zip(entries, split_update(payload, entries)):
-        try:
-            flat = codec.decode(body, math.prod(shape), shape=shape)
-        except PayloadError as exc:
-            raise PayloadError(f"tensor {name!r}: {exc}") from exc
-        out[name] = flat.reshape(shape)
+        out[name] = decode_tensor(body, name, shape, codec)
     return out
 
 
@@ -125,6 +122,49 @@ def split_update(payload: bytes, manifest: Manifest) -> list[memoryview]:
         bodies.append(reader.take(length, f"payload of tensor {name!r}"))
     reader.finish("update")
     return bodies
+
+
+def index_update_file(f: BinaryIO, size: int, manifest: Manifest) -> list[tuple[int, int]]:
+    """Check the framing of a payload stored in a file of ``size`` bytes, reading only its headers.
+
+    Returns (offset, length) of each manifest entry's codec payload. The magic and version are
+    checked before anything else is read, so a body that is not a compressed update costs 9 bytes
+    of reading, not its size in memory (issue 13, defect 6).
+    """
+    header = f.read(HEADER.size)
+    if len(header) < HEADER.size:
+        raise PayloadError(f"update header: needs {HEADER.size} bytes but only {len(header)} remain")
+    magic, version, count = HEADER.unpack(header)
+    if magic != MAGIC:
+        raise PayloadError(f"bad magic {magic!r}, expected {MAGIC!r}: not a compressed update")
+    if version != FORMAT_VERSION:
+        raise PayloadError(f"unsupported format version {version}, this build reads {FORMAT_VERSION}")
+    if count != len(manifest):
+        raise PayloadError(f"payload holds {count} tensors, manifest lists {len(manifest)}")
+    spans, position = [], HEADER.size
+    for name, _ in manifest:
+        f.seek(position)
+        prefix = f.read(LENGTH.size)
+        if len(prefix) < LENGTH.size:
+            raise PayloadError(f"length of tensor {name!r}: needs {LENGTH.size} bytes but only "
+                               f"{len(prefix)} remain")
+        (length,) = LENGTH.unpack(prefix)
+        position += LENGTH.size
+        if length > size - position:
+            raise PayloadError(f"payload of tensor {name!r}: needs {length} bytes but only {size - position} remain")
+        spans.append((position, length))
+        position += length
+    if position != size:
+        raise PayloadError(f"update: {size - position} unexpected trailing bytes")
+    return spans
+
+
+def decode_tensor(body: bytes | memoryview, name: str, shape: tuple[int, ...], codec: Codec) -> torch.Tensor:
+    """Decode one tensor's codec payload (as framed by ``encode_update``) to its manifest shape."""
+    try:
+        return codec.decode(body, math.prod(shape), shape=shape).reshape(shape)
+    except PayloadError as exc:
+        raise PayloadError(f"tensor {name!r}: {exc}") from exc
 
 
 def check_tensor_names(tensors: dict[str, torch.Tensor], entries: Manifest) -> None:

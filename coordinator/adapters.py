@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -13,7 +13,7 @@ from compression.registry import make_codec
 from protocol.errors import BadRequest, InvalidPayload, InvalidUpdate
 from protocol.schemas import RAW_CODEC, FullSpec, LoraSpec
 from protocol.streaming import FileTensors, check_file, read_header
-from protocol.tensors import Manifest, StateDict, check_against_manifest, load_file, manifest_of
+from protocol.tensors import Manifest, StateDict, check_against_manifest, manifest_of
 
 LORA_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 
@@ -68,48 +68,64 @@ def check_full_weights(path: Path, full: FullSpec) -> Manifest:
 def check_update(path: Path, codec: str, codec_config: dict, manifest: Manifest) -> Mapping[str, torch.Tensor]:
     """Refuse (4xx) an update body that does not fit the expert; return its checked deltas.
 
-    Raw bodies are checked in chunks and returned as a lazy per-tensor view of the file;
-    compressed ones are decoded once (the caller takes their norm from what we return).
+    Raw bodies are checked in chunks and returned as a lazy per-tensor view of the file.
+    Compressed ones have their framing checked here (magic first, then the length prefixes, no
+    payload read) and are returned as a lazy view that decodes and checks one tensor per access:
+    the caller's norm pass is the decoding pass, and a 4xx can come from it. Memory is one
+    tensor per push, not the payload plus the decoded model (issue 13, defect 6).
     """
     if codec == RAW_CODEC:
         _check_raw_config(codec_config)
         check_file(path, manifest)
         return FileTensors(path)
-    return decode_update(path, codec, codec_config, manifest)
+    return CompressedUpdate(path, make_codec_or_400(codec, codec_config), codec, manifest)
 
 
 def stored_deltas(path: Path, codec: str, codec_config: dict, manifest: Manifest) -> Mapping[str, torch.Tensor]:
-    """An accepted update's deltas for aggregation: raw ones read tensor by tensor from the blob."""
+    """An accepted update's deltas for aggregation, read (and decoded) tensor by tensor from the blob."""
     if codec == RAW_CODEC:
         return FileTensors(path)
-    return decode_update(path, codec, codec_config, manifest)
+    return CompressedUpdate(path, make_codec_or_400(codec, codec_config), codec, manifest)
 
 
-def decode_update(path: Path, codec: str, codec_config: dict, manifest: Manifest) -> StateDict:
-    """Turn a received update body into checked float32 deltas, or raise a 4xx error.
+class CompressedUpdate(Mapping[str, torch.Tensor]):
+    """A compressed update stored in a file, each tensor decoded (and checked) only when asked for."""
 
-    ``safetensors`` bodies are plain tensors; any other codec name is a
-    ``compression`` spec (e.g. ``topk+int8``) whose payload is decoded against
-    the expert's manifest, so its size can never exceed the expert's.
-    """
-    tensors = _decode_raw(path, codec_config) if codec == RAW_CODEC else _decode_compressed(
-        path, codec, codec_config, manifest)
-    check_against_manifest(tensors, manifest)
-    return tensors
+    def __init__(self, path: Path, decoder: Codec, codec: str, manifest: Manifest) -> None:
+        self.path, self.decoder, self.codec = path, decoder, codec
+        self.shapes = dict(manifest)
+        with open(path, "rb") as f:
+            try:
+                spans = wire.index_update_file(f, path.stat().st_size, manifest)
+            except CompressionError as exc:
+                raise self._invalid(exc) from None
+        self.spans = {name: span for (name, _), span in zip(manifest, spans)}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        offset, length = self.spans[name]
+        with open(self.path, "rb") as f:
+            f.seek(offset)
+            body = f.read(length)
+        try:
+            tensor = wire.decode_tensor(body, name, self.shapes[name], self.decoder)
+        except CompressionError as exc:
+            raise self._invalid(exc) from None
+        check_against_manifest({name: tensor}, [(name, self.shapes[name])])
+        return tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.spans)
+
+    def __len__(self) -> int:
+        return len(self.spans)
+
+    def _invalid(self, exc: Exception) -> InvalidPayload:
+        return InvalidPayload(f"update body is not a valid {self.codec!r} payload for this expert: {exc}")
 
 
 def _check_raw_config(codec_config: dict) -> None:
     if codec_config:
         raise BadRequest(f"codec {RAW_CODEC!r} takes no codec_config, got {codec_config!r}")
-
-
-def _decode_raw(path: Path, codec_config: dict) -> StateDict:
-    _check_raw_config(codec_config)
-    try:
-        return load_file(path)
-    except InvalidPayload as exc:
-        raise InvalidPayload("update body is not a valid safetensors file: "
-                             + str(exc).split(": ", 1)[-1]) from None
 
 
 def make_codec_or_400(codec: str, codec_config: dict) -> Codec:
@@ -118,13 +134,6 @@ def make_codec_or_400(codec: str, codec_config: dict) -> Codec:
     except CompressionError as exc:
         raise BadRequest(f"codec {codec!r}: {exc} (or {RAW_CODEC!r} for uncompressed tensors)") from None
 
-
-def _decode_compressed(path: Path, codec: str, codec_config: dict, manifest: Manifest) -> StateDict:
-    decoder = make_codec_or_400(codec, codec_config)
-    try:
-        return wire.decode_update(path.read_bytes(), manifest, decoder)
-    except CompressionError as exc:
-        raise InvalidPayload(f"update body is not a valid {codec!r} payload for this expert: {exc}") from None
 
 
 def non_finite_tensor(tensors: Mapping[str, torch.Tensor]) -> str | None:

@@ -1,10 +1,9 @@
 """What serve() adds around the listening socket: TLS files, socket timeouts, the local token entry.
 
-Socket timeouts: gunicorn's threaded worker reads a request with blocking sockets and no timeout,
-so a client that sends a byte now and then (slow-loris) would hold a request thread for ever. We
-set SO_RCVTIMEO/SO_SNDTIMEO on the listening socket; Linux copies them to every accepted
-connection, and a read or write that makes no progress for that long fails, ending the request
-(408 when it happens inside a body upload) and freeing the thread.
+Socket timeouts: the production front (coordinator/front.py) times out stalled connections itself;
+for --debug's werkzeug server, which reads requests with blocking sockets in its threads, we set
+SO_RCVTIMEO/SO_SNDTIMEO on the listening socket; Linux copies them to every accepted connection,
+and a read or write that makes no progress for that long fails, ending the request.
 """
 from __future__ import annotations
 
@@ -26,18 +25,6 @@ def set_socket_timeouts(sock: socket.socket, seconds: float) -> None:
     value = struct.pack("ll", whole, int((seconds - whole) * 1e6))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
-
-
-class StalledConnectionFilter(logging.Filter):
-    """Turns gunicorn's traceback for a connection cut by the socket timeout into one warning line."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        if isinstance(exc, (BlockingIOError, TimeoutError, ssl.SSLWantReadError, ssl.SSLWantWriteError)):
-            record.msg = "closed a connection that stalled for longer than --socket-timeout (%s)"
-            record.args, record.exc_info, record.exc_text = (type(exc).__name__,), None, None
-            record.levelno, record.levelname = logging.WARNING, "WARNING"
-        return True
 
 
 def check_tls_files(cert: Path | None, key: Path | None) -> None:

@@ -1,9 +1,9 @@
-"""Serving the app: gunicorn (threaded, one process) in production, werkzeug with --debug.
+"""Serving the app: the buffering asyncio front (coordinator/front.py) in production, werkzeug with --debug.
 
 We bind the listening socket ourselves, so ``--port 0`` works (the chosen port
-is logged), a port in use is one clear error, and gunicorn only adopts the fd.
-One worker process on purpose: the coordinator keeps per-expert locks in
-memory, and SQLite has one writer anyway; threads give the concurrency.
+is logged) and a port in use is one clear error. One process on purpose: the
+coordinator keeps per-expert locks in memory, and SQLite has one writer anyway;
+request threads give the concurrency, the front's event loop holds the connections.
 """
 from __future__ import annotations
 
@@ -12,17 +12,18 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from flask import Flask
-from gunicorn.app.base import BaseApplication
 
 from coordinator.app import create_app
 from coordinator.config import CoordinatorConfig
-from coordinator.hardening import StalledConnectionFilter, announce, check_tls_files, set_socket_timeouts
+from coordinator.front import BufferingFront, FrontOptions, raise_fd_limit
+from coordinator.hardening import announce, check_tls_files, set_socket_timeouts
 from protocol.credentials import credentials_path, publish_local_token, withdraw_local_token
 
 log = logging.getLogger(__name__)
@@ -34,9 +35,7 @@ class ServeOptions:
     port: int = 5000
     debug: bool = False
     threads: int = 16
-    """Request threads in the gunicorn worker (pushes and pulls in flight at once)."""
-    timeout: int = 120
-    """Seconds gunicorn lets a silent worker live before restarting it."""
+    """Request threads: requests whose application code runs at once (connections are not limited by it)."""
     socket_timeout: float = 60.0
     """Seconds a connection may stall mid-request (no byte read or written) before it is dropped."""
     tls_cert: Path | None = None
@@ -59,31 +58,9 @@ def bind(host: str, port: int) -> socket.socket:
         sock.close()
         hint = " (is another coordinator running? pick another --port)" if port else ""
         raise ServerStartError(f"cannot listen on {host}:{port}: {exc.strerror}{hint}") from None
-    sock.listen(128)
+    sock.listen(1024)  # a burst of connections (1,000 workers syncing at once) is not refused
     sock.set_inheritable(True)
     return sock
-
-
-class _Gunicorn(BaseApplication):
-    def __init__(self, config: CoordinatorConfig, options: ServeOptions, fd: int) -> None:
-        self._config, self._options, self._fd = config, options, fd
-        super().__init__()
-
-    def load_config(self) -> None:
-        settings = {
-            "bind": [f"fd://{self._fd}"], "workers": 1, "worker_class": "gthread",
-            "threads": self._options.threads, "timeout": self._options.timeout,
-            "graceful_timeout": 10, "keepalive": 30, "accesslog": None, "errorlog": "-",
-            "loglevel": "warning", "proc_name": "fedmoe-coordinator",
-        }
-        if self._options.tls_cert:
-            settings |= {"certfile": str(self._options.tls_cert), "keyfile": str(self._options.tls_key)}
-        for key, value in settings.items():
-            self.cfg.set(key, value)
-
-    def load(self) -> Flask:
-        logging.getLogger("gunicorn.error").addFilter(StalledConnectionFilter())
-        return create_app(self._config)
 
 
 def _limit_malloc_arenas(arenas: int = 2) -> None:
@@ -105,38 +82,54 @@ def serve(config: CoordinatorConfig, options: ServeOptions) -> None:
     """Run until interrupted. Opens the store once up front so errors surface here, not in a fork."""
     # The coordinator's tensor work (finiteness checks, in-place aggregation) is memory-bound, and
     # on a busy machine torch's second thread stalls it: checking a 1 GiB update took 13.7 s with
-    # 2 threads and 2.4 s with 1 on 2 loaded cores (bench/transport.py). The fork inherits this.
+    # 2 threads and 2.4 s with 1 on 2 loaded cores (bench/transport.py). 
     torch.set_num_threads(1)
     _limit_malloc_arenas()
     check_tls_files(options.tls_cert, options.tls_key)
     sock = bind(options.host, options.port)  # a port in use fails before anything is written
     set_socket_timeouts(sock, options.socket_timeout)
     app = create_app(config)
-    app.extensions["fedmoe"].close()
     auth = app.extensions.get("fedmoe_auth")
     host, port = sock.getsockname()[:2]
     scheme = "https" if options.tls_cert else "http"
-    # SIGTERM before gunicorn installs its own handlers (or with --debug) must still run the finally below.
+    # SIGTERM before the front installs its own handler (or with --debug) must still run the finally below.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     # Publish before saying we listen: clients start as soon as they read that line.
     published = auth is not None and _publish(host, port, auth.admin_token, scheme)
     log.info("FedMoE coordinator listening on %s://%s:%d (data dir %s, aggregation %s)",
              scheme, host, port, config.data_dir, config.aggregation)
     announce(config, f"{scheme}://{host}:{port}")
-    owner = os.getpid()  # gunicorn's forked worker runs the finally below too
+    owner = os.getpid()
     try:
         if options.debug:
             from werkzeug.serving import make_server
 
             log.warning("--debug: serving with Flask's development server; not for production")
             tls = (str(options.tls_cert), str(options.tls_key)) if options.tls_cert else None
-            make_server(host, port, create_app(config), threaded=True, fd=sock.fileno(),
+            make_server(host, port, app, threaded=True, fd=sock.fileno(),
                         ssl_context=tls).serve_forever()
         else:
-            _Gunicorn(config, options, sock.fileno()).run()
+            _serve_front(app, config, options, sock)
     finally:
         if published and os.getpid() == owner:
             withdraw_local_token(host, port)
+
+
+def _serve_front(app: Flask, config: CoordinatorConfig, options: ServeOptions, sock: socket.socket) -> None:
+    limit = raise_fd_limit()
+    if limit < 2048:
+        log.warning("the open-files limit is %d (ulimit -n); each client connection needs one", limit)
+    tls = None
+    if options.tls_cert:
+        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        tls.load_cert_chain(str(options.tls_cert), str(options.tls_key))
+    front_options = FrontOptions(threads=options.threads, socket_timeout=options.socket_timeout,
+                                 max_body=config.max_body_bytes, spool_dir=app.extensions["fedmoe"].blobs.tmp_dir,
+                                 max_connections=max(64, limit - 256))
+    try:
+        BufferingFront(app, sock, front_options, tls).run()
+    finally:
+        app.extensions["fedmoe"].close()
 
 
 def _publish(host: str, port: int, token: str, scheme: str) -> bool:

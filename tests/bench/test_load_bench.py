@@ -34,6 +34,6 @@ def test_quick_run_pushes_everything_once(tmp_path):
     assert 3.5 < 4 * report["parameters_per_update"] / report["body_bytes_per_update"] < 4  # int8 + scales
     lat = report["latency_s"]
     assert 0 < lat["p50"] <= lat["p95"] <= lat["p99"] <= lat["max"]
-    assert report["coordinator_peak_rss_mb"]["processes"] == 2  # gunicorn master and its worker
+    assert report["coordinator_peak_rss_mb"]["processes"] == 1  # one process serves everything (coordinator/front.py)
     assert report["coordinator_peak_rss_mb"]["max_process"] > 50
     assert "lost" in proc.stdout and [p.name for p in tmp_path.iterdir()] == ["load.json"]

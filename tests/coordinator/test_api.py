@@ -209,6 +209,28 @@ def test_updates_that_do_not_fit_the_expert_are_422(client, kind):
     assert client.get("/api/v1/experts/e").get_json()["version"] == 0
 
 
+@pytest.mark.parametrize("half", [b"\x00\x7e", b"\x00\x7c"], ids=["nan", "inf"])
+def test_compressed_updates_are_checked_tensor_by_tensor_and_refused_whole(client, half):
+    from compression import encode_update
+    from compression.registry import make_codec
+    from compression.wire import index_update_file
+    from protocol.tensors import manifest_of
+
+    adapter = make_adapter()
+    put_expert(client, "e", adapter)
+    manifest = manifest_of(adapter)
+    body = bytearray(encode_update(random_like(adapter, 1), manifest, make_codec("fp16", {})))
+    spans = index_update_file(io.BytesIO(body), len(body), manifest)
+    offset, length = spans[[name for name, _ in manifest].index(KEY)]
+    body[offset + length - 2:offset + length] = half  # the encoder refuses NaN: put one in its last value
+    r = push(client, "e", None, update_meta(codec="fp16"), body=bytes(body))
+    # the codec itself refuses a non-finite decoded value: a payload error naming the tensor
+    assert r.status_code == 400 and error_code(r) == "invalid_payload" and KEY in r.get_json()["error"]["message"]
+    assert client.get("/api/v1/experts/e").get_json()["version"] == 0
+    good = encode_update(random_like(adapter, 2), manifest_of(adapter), make_codec("fp16", {}))
+    assert push(client, "e", None, update_meta(codec="fp16"), body=good).status_code == 202
+
+
 @pytest.mark.parametrize("meta, field", [
     ({"base_version": 0, "num_samples": 1}, "update_id"),
     ({"update_id": "u1", "num_samples": 1}, "base_version"),

@@ -1,6 +1,6 @@
 """The bad-input matrix against a real coordinator process: every case is a 4xx with a JSON error.
 
-One run_coordinator.py (gunicorn) serves the whole module, with --max-body-mb 1 so the oversized
+One run_coordinator.py serves the whole module, with --max-body-mb 1 so the oversized
 cases are cheap. Each case sends one bad request for expert ``e`` (or about it); afterwards the
 expert must be exactly where the setup left it, and the server log must hold no unhandled error.
 Pushes carry the admin token (found the way same-machine clients find it) unless a case is about

@@ -1,4 +1,4 @@
-"""The coordinator as users run it: gunicorn on a loopback port, real HTTP, the gateway CLI."""
+"""The coordinator as users run it: its own server on a loopback port, real HTTP, the gateway CLI."""
 import json
 import subprocess
 import sys

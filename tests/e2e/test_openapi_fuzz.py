@@ -1,6 +1,6 @@
 """Schemathesis fuzzes a live coordinator from the OpenAPI description it serves: no 5xx, ever.
 
-The server is the real run_coordinator.py (gunicorn), seeded with the resources the description's
+The server is the real run_coordinator.py, seeded with the resources the description's
 examples name (expert python_expert, worker worker-1, update worker-1:0001, a routing profile), so
 generated requests reach real data and not only 404s. Examples per operation are limited to keep
 the run to ~20 s; `schemathesis run URL/api/v1/openapi.json` without -n fuzzes longer.

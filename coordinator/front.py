@@ -1,0 +1,338 @@
+"""The coordinator's HTTP server: an asyncio front that buffers whole requests before a thread runs Flask.
+
+Why not gunicorn's threaded worker (used until issue 13): its request threads read request heads
+and bodies themselves, so 16 clients dripping one header line every few seconds (plain or TLS)
+held all 16 threads and every other client waited (issue 13, defect 2). Here one event loop owns
+every connection: TLS handshakes, heads, bodies (spooled to an unlinked file in the data dir past
+1 MiB, never RAM) and the writing of answers all happen in the loop, and a request thread runs
+the application only once its request is complete, and returns as soon as the answer is built.
+Files (weight pulls) are sent by the loop with sendfile; a slow reader costs a socket, not a thread.
+Measured (bench/hostile.py, docs/benchmarks.md): 1,000 slow connections, /health p99 well under 1 s.
+
+--socket-timeout keeps its meaning: a connection whose head, body or answer makes no progress for
+that long is dropped (a stalled body is answered 408 first).
+"""
+from __future__ import annotations
+
+import asyncio
+import asyncio.sslproto
+import errno
+import logging
+import os
+import resource
+import signal
+import socket
+import ssl
+import tempfile
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from coordinator.http1 import HEAD_LIMIT, HttpError, RequestHead, error_response, parse_head, response_head, \
+    wsgi_environ
+
+log = logging.getLogger(__name__)
+# asyncio's TLS protocol gives each connection a 256 KiB read buffer: 1,000 idle TLS clients cost
+# 300 MiB of RSS (bench/hostile.py). 64 KiB still reads whole TLS records (16 KiB) several at a time.
+asyncio.sslproto.SSLProtocol.max_size = 64 << 10
+SPOOL_IN_MEMORY = 1 << 20  # request bodies up to this stay in memory; larger ones go to disk
+READ_CHUNK = 1 << 20
+SEND_CHUNK = 1 << 20  # one stall-timeout step of an answer: a client slower than this per timeout is dropped
+SENDFILE_CHUNK = 4 << 20  # the same for files: fewer steps, so pulls run near gunicorn's sendfile rate
+GRACE_SECONDS = 10.0  # on SIGTERM, how long requests being answered get to finish
+
+WsgiApp = Callable[[dict[str, Any], Callable], Iterable[bytes]]
+
+
+@dataclass(frozen=True)
+class FrontOptions:
+    threads: int = 16
+    """Request threads: requests whose application code runs at once."""
+    socket_timeout: float = 60.0
+    """Seconds a connection may make no progress (head, body or answer) before it is dropped."""
+    keepalive: float = 30.0
+    """Seconds an idle kept-alive connection stays open."""
+    max_body: int = 1 << 30
+    """Largest request body; a larger Content-Length is answered 413 before any of it is read."""
+    spool_dir: Path | None = None
+    """Where bodies over 1 MiB are spooled (unlinked files); None = the system temp dir."""
+    max_connections: int = 10_000
+    """Connections held at once; more are closed at accept."""
+
+
+class FileBody:
+    """``wsgi.file_wrapper``: lets the loop send a file (sendfile) instead of a thread iterating it."""
+
+    def __init__(self, filelike: BinaryIO, block_size: int = 8192) -> None:
+        self.filelike, self.block_size = filelike, block_size
+
+    def __iter__(self):  # WSGI middleware that iterates still gets the bytes
+        while block := self.filelike.read(self.block_size):
+            yield block
+
+    def close(self) -> None:
+        self.filelike.close()
+
+
+@dataclass
+class Answer:
+    status: str
+    headers: list[tuple[str, str]]
+    chunks: list[bytes]
+    file: FileBody | None = None
+
+
+def raise_fd_limit() -> int:
+    """Raise the soft open-files limit to the hard one (each connection is an fd); return the limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        soft = hard
+    return soft
+
+
+class BufferingFront:
+    """Serve one WSGI app on an already bound, listening socket until SIGTERM or SIGINT."""
+
+    def __init__(self, app: WsgiApp, sock: socket.socket, options: FrontOptions,
+                 tls: ssl.SSLContext | None = None) -> None:
+        self.app, self.sock, self.options, self.tls = app, sock, options, tls
+        self.scheme = "https" if tls else "http"
+        self.pool = ThreadPoolExecutor(options.threads, thread_name_prefix="fedmoe-request")
+        self.connections: set[asyncio.Task] = set()
+        self.busy = 0  # requests inside the application right now
+        self.stopping: asyncio.Event | None = None
+
+    def run(self) -> None:
+        asyncio.run(self._main())
+
+    async def _main(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.stopping = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopping.set)
+        self.sock.setblocking(False)
+        server = await asyncio.start_server(self._accept, sock=self.sock, ssl=self.tls, limit=HEAD_LIMIT,
+                                            ssl_handshake_timeout=self.options.socket_timeout if self.tls else None)
+        await self.stopping.wait()
+        server.close()  # stop accepting; requests being answered get GRACE_SECONDS
+        deadline = loop.time() + GRACE_SECONDS
+        while self.busy and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        for task in list(self.connections):
+            task.cancel()
+        await asyncio.gather(*self.connections, return_exceptions=True)
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(self.connections) >= self.options.max_connections:
+            writer.close()
+            return
+        task = asyncio.current_task()
+        self.connections.add(task)
+        try:
+            await Connection(self, reader, writer).serve()
+        except asyncio.CancelledError:
+            pass
+        finally:
+            self.connections.discard(task)
+            writer.close()
+
+    async def call_app(self, environ: dict[str, Any]) -> Answer:
+        self.busy += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.pool, self._call_app, environ)
+        finally:
+            self.busy -= 1
+
+    def _call_app(self, environ: dict[str, Any]) -> Answer:
+        """In a request thread: run the app and collect its answer (a file is left for the loop to send)."""
+        answer = Answer("500 Internal Server Error", [], [])
+
+        def start_response(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Callable:
+            answer.status, answer.headers = status, list(headers)
+            return answer.chunks.append
+
+        result = self.app(environ, start_response)
+        if type(result) is FileBody:
+            answer.file = result
+            return answer
+        try:
+            answer.chunks.extend(chunk for chunk in result if chunk)
+        finally:
+            if hasattr(result, "close"):
+                result.close()
+        return answer
+
+
+class Connection:
+    """One client connection: read a whole request, let a thread answer it, write the answer; repeat."""
+
+    def __init__(self, front: BufferingFront, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.front, self.reader, self.writer = front, reader, writer
+        self.timeout = front.options.socket_timeout
+        self.peer = writer.get_extra_info("peername")
+        self.server = writer.get_extra_info("sockname")
+
+    async def serve(self) -> None:
+        first = True
+        try:
+            while not self.front.stopping.is_set():
+                head = await self._read_head(self.timeout if first else self.front.options.keepalive)
+                if head is None:
+                    return
+                first = False
+                if not await self._exchange(head):
+                    return
+        except HttpError as exc:
+            await self._send_error(exc)
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, ssl.SSLError):
+            log.debug("dropped a connection from %s that stalled or went away", self.peer)
+        except OSError as exc:
+            log.debug("connection from %s failed: %s", self.peer, exc)
+        except Exception:  # noqa: BLE001 - a bug in the server itself: answer 500, keep serving others
+            log.exception("unhandled error serving %s (a bug)", self.peer)
+            await self._send_error(HttpError(500, "internal", "internal error; see the coordinator log"))
+
+    async def _read_head(self, timeout: float) -> RequestHead | None:
+        """The next request head, None at a clean end; the whole head must arrive within ``timeout``."""
+        try:
+            raw = await asyncio.wait_for(self.reader.readuntil(b"\r\n\r\n"), timeout)
+        except asyncio.IncompleteReadError as exc:
+            if exc.partial.strip():
+                raise
+            return None
+        except asyncio.LimitOverrunError:
+            raise HttpError(431, "request_header_fields_too_large",
+                            f"request line and headers are over {HEAD_LIMIT} bytes") from None
+        return parse_head(raw)
+
+    async def _exchange(self, head: RequestHead) -> bool:
+        """Receive the body, answer the request; whether the connection may serve another."""
+        length = head.content_length
+        if length > self.front.options.max_body:
+            raise HttpError(413, "payload_too_large",
+                            f"body of {length} bytes is over the limit of {self.front.options.max_body} bytes "
+                            "(coordinator flag --max-body-mb)")
+        if head.expects_continue and (length or head.chunked):
+            await self._write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        body = tempfile.SpooledTemporaryFile(SPOOL_IN_MEMORY, dir=self.front.options.spool_dir)
+        try:
+            size = await (self._receive_chunked(body) if head.chunked else self._receive(body, length))
+            body.seek(0)
+            environ = wsgi_environ(head, body, size, self.server, self.peer, self.front.scheme, FileBody)
+            answer = await self.front.call_app(environ)
+        finally:
+            body.close()
+        keep = head.keep_alive() and not self.front.stopping.is_set() and not any(
+            k.lower() == "connection" and "close" in v.lower() for k, v in answer.headers)
+        await self._send(head, answer, keep)
+        return keep
+
+    async def _receive(self, body: BinaryIO, length: int) -> int:
+        left = length
+        while left:
+            chunk = await self._read_body(min(READ_CHUNK, left))
+            _spool(body, chunk)
+            left -= len(chunk)
+        return length
+
+    async def _receive_chunked(self, body: BinaryIO) -> int:
+        size = 0
+        while True:
+            line = await self._with_timeout(self.reader.readuntil(b"\r\n"))
+            try:
+                chunk_size = int(line.split(b";", 1)[0].strip(), 16)
+            except ValueError:
+                raise HttpError(400, "bad_request", f"bad chunk size line {line[:40]!r}") from None
+            if chunk_size == 0:
+                while (await self._with_timeout(self.reader.readuntil(b"\r\n"))) != b"\r\n":
+                    pass  # trailers: ignored
+                return size
+            size += chunk_size
+            if size > self.front.options.max_body:
+                raise HttpError(413, "payload_too_large", f"body is larger than the limit of "
+                                f"{self.front.options.max_body} bytes (coordinator flag --max-body-mb)")
+            left = chunk_size
+            while left:
+                chunk = await self._read_body(min(READ_CHUNK, left))
+                _spool(body, chunk)
+                left -= len(chunk)
+            if await self._with_timeout(self.reader.readexactly(2)) != b"\r\n":
+                raise HttpError(400, "bad_request", "chunk not followed by CRLF")
+
+    async def _read_body(self, n: int) -> bytes:
+        try:
+            chunk = await asyncio.wait_for(self.reader.read(n), self.timeout)
+        except asyncio.TimeoutError:
+            raise HttpError(408, "request_timeout", "the request body stopped arriving before its end; "
+                            "send it again") from None
+        if not chunk:
+            raise asyncio.IncompleteReadError(b"", n)
+        return chunk
+
+    async def _send(self, head: RequestHead, answer: Answer, keep: bool) -> None:
+        headers = answer.headers
+        file, size = answer.file, sum(map(len, answer.chunks))
+        names = {k.lower() for k, _ in headers}
+        try:
+            if file is not None:
+                start = file.filelike.tell()
+                size = os.fstat(file.filelike.fileno()).st_size - start
+            if "content-length" not in names and "transfer-encoding" not in names:
+                headers = [*headers, ("Content-Length", str(size))]
+            await self._write(response_head(answer.status, headers, keep))
+            if head.method == "HEAD":
+                return
+            if file is not None:
+                await self._send_file(file.filelike, start, _declared_length(headers, size))
+            for chunk in answer.chunks:
+                await self._write(chunk)
+        finally:
+            if file is not None:
+                file.close()
+
+    async def _send_file(self, f: BinaryIO, offset: int, count: int) -> None:
+        loop = asyncio.get_running_loop()
+        end = offset + count
+        await self._with_timeout(self.writer.drain())
+        while offset < end:
+            step = min(SENDFILE_CHUNK, end - offset)
+            await self._with_timeout(loop.sendfile(self.writer.transport, f, offset, step))
+            offset += step
+
+    async def _write(self, data: bytes) -> None:
+        view = memoryview(data)
+        for start in range(0, len(view), SEND_CHUNK):
+            self.writer.write(view[start:start + SEND_CHUNK])
+            await self._with_timeout(self.writer.drain())
+
+    async def _with_timeout(self, awaitable: Any) -> Any:
+        return await asyncio.wait_for(awaitable, self.timeout)
+
+    async def _send_error(self, exc: HttpError) -> None:
+        if exc.status >= 500 or exc.status == 408:
+            log.warning("answered %d to %s: %s", exc.status, self.peer, exc.message)
+        try:
+            await self._write(error_response(exc.status, exc.code, exc.message))
+        except (asyncio.TimeoutError, ConnectionError, OSError, ssl.SSLError):
+            pass
+
+
+def _spool(body: BinaryIO, chunk: bytes) -> None:
+    try:
+        body.write(chunk)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise HttpError(507, "insufficient_storage", "the coordinator's disk is full; nothing was recorded, "
+                            "try again later") from None
+        raise
+
+
+def _declared_length(headers: list[tuple[str, str]], default: int) -> int:
+    for k, v in headers:
+        if k.lower() == "content-length" and v.isdigit():
+            return int(v)
+    return default

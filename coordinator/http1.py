@@ -1,0 +1,136 @@
+"""HTTP/1.1 request heads for the buffering front (coordinator/front.py): parse, check, build WSGI environ.
+
+Strict on purpose: a head we are not sure how to read is a 400, never a guess, so that what the
+front takes for one request is what the application sees (no smuggling through Content-Length
+and Transfer-Encoding both, folded lines, or header names a proxy would read differently).
+"""
+from __future__ import annotations
+
+import json
+import re
+import sys
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+from urllib.parse import unquote_to_bytes
+
+HEAD_LIMIT = 64 << 10  # bytes of request line + headers (a pushed update's metadata header is ~1 KiB)
+MAX_HEADERS = 100
+_REQUEST_LINE = re.compile(r"([A-Z]{1,20}) (\S{1,8190}) HTTP/(1\.[01])")
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_REASONS = {100: "Continue", 200: "OK", 400: "Bad Request", 404: "Not Found", 408: "Request Timeout",
+            413: "Payload Too Large", 431: "Request Header Fields Too Large", 500: "Internal Server Error",
+            501: "Not Implemented", 503: "Service Unavailable", 505: "HTTP Version Not Supported",
+            507: "Insufficient Storage"}
+
+
+class HttpError(Exception):
+    """A request the front answers itself (then closes the connection)."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
+
+
+@dataclass
+class RequestHead:
+    method: str
+    target: str
+    version: str
+    headers: list[tuple[str, str]]
+    """(lower-case name, value) in arrival order."""
+
+    def header(self, name: str) -> str | None:
+        values = [v for k, v in self.headers if k == name]
+        return ", ".join(values) if values else None
+
+    @property
+    def chunked(self) -> bool:
+        return self.header("transfer-encoding") is not None
+
+    @property
+    def content_length(self) -> int:
+        """Bytes of body announced (0 if none); HttpError if unreadable."""
+        values = {v.strip() for k, v in self.headers if k == "content-length"}
+        if not values:
+            return 0
+        if len(values) > 1 or not re.fullmatch(r"[0-9]{1,18}", next(iter(values))):
+            raise HttpError(400, "bad_request", f"bad Content-Length {sorted(values)!r}")
+        return int(next(iter(values)))
+
+    @property
+    def expects_continue(self) -> bool:
+        return (self.header("expect") or "").lower() == "100-continue"
+
+    def keep_alive(self) -> bool:
+        tokens = {t.strip().lower() for t in (self.header("connection") or "").split(",")}
+        return "close" not in tokens if self.version == "1.1" else "keep-alive" in tokens
+
+
+def parse_head(raw: bytes) -> RequestHead:
+    """Parse ``raw`` (request line and headers, ending in a blank line) or raise HttpError(400/501)."""
+    lines = raw.decode("latin-1").split("\r\n")
+    match = _REQUEST_LINE.fullmatch(lines[0])
+    if match is None:
+        raise HttpError(400, "bad_request", f"malformed request line {lines[0][:80]!r}")
+    headers = []
+    for line in lines[1:]:
+        if not line:
+            continue
+        name, sep, value = line.partition(":")
+        if not sep or not _TOKEN.fullmatch(name):
+            raise HttpError(400, "bad_request", f"malformed header line {line[:80]!r}")
+        headers.append((name.lower(), value.strip(" \t")))
+    if len(headers) > MAX_HEADERS:
+        raise HttpError(431, "request_header_fields_too_large", f"more than {MAX_HEADERS} headers")
+    head = RequestHead(match.group(1), match.group(2), match.group(3), headers)
+    encoding = head.header("transfer-encoding")
+    if encoding is not None:
+        if encoding.strip().lower() != "chunked":
+            raise HttpError(501, "not_implemented", f"Transfer-Encoding {encoding!r}: only 'chunked' is supported")
+        if head.header("content-length") is not None:
+            raise HttpError(400, "bad_request", "a request may not carry both Content-Length and Transfer-Encoding")
+    head.content_length  # noqa: B018 - raises on a bad value before any body is read
+    return head
+
+
+def wsgi_environ(head: RequestHead, body: BinaryIO, body_size: int, server: tuple[str, int],
+                 peer: tuple[str, int] | None, scheme: str, file_wrapper: Any) -> dict[str, Any]:
+    """The WSGI environ of a fully received request (``body`` is already complete and rewound)."""
+    target = head.target
+    if "://" in target:  # absolute-form: keep the path and query
+        target = "/" + target.split("://", 1)[1].partition("/")[2]
+    path, _, query = target.partition("?")
+    environ: dict[str, Any] = {
+        "REQUEST_METHOD": head.method, "SCRIPT_NAME": "", "QUERY_STRING": query,
+        "PATH_INFO": unquote_to_bytes(path).decode("latin-1"), "RAW_URI": head.target,
+        "SERVER_NAME": str(server[0]), "SERVER_PORT": str(server[1]), "SERVER_PROTOCOL": f"HTTP/{head.version}",
+        "REMOTE_ADDR": peer[0] if peer else "", "REMOTE_PORT": str(peer[1]) if peer else "",
+        "CONTENT_LENGTH": str(body_size), "wsgi.version": (1, 0), "wsgi.url_scheme": scheme,
+        "wsgi.input": body, "wsgi.input_terminated": True, "wsgi.errors": sys.stderr,
+        "wsgi.multithread": True, "wsgi.multiprocess": False, "wsgi.run_once": False,
+        "wsgi.file_wrapper": file_wrapper,
+    }
+    for name, value in head.headers:
+        if "_" in name or name in ("content-length", "transfer-encoding"):  # the body is de-chunked and counted
+            continue  # underscores: X_Forwarded vs X-Forwarded would map to one WSGI key
+        if name == "content-type":
+            environ["CONTENT_TYPE"] = value
+            continue
+        key = "HTTP_" + name.upper().replace("-", "_")
+        environ[key] = f"{environ[key]},{value}" if key in environ else value
+    return environ
+
+
+def response_head(status: str, headers: list[tuple[str, str]], keep_alive: bool) -> bytes:
+    lines = [f"HTTP/1.1 {status}"]
+    lines += [f"{k}: {v}" for k, v in headers if k.lower() != "connection"]
+    lines.append("Connection: " + ("keep-alive" if keep_alive else "close"))
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+def error_response(status: int, code: str, message: str) -> bytes:
+    """A complete JSON error answer the front sends itself, closing the connection."""
+    body = json.dumps({"error": {"code": code, "message": message}}).encode()
+    head = response_head(f"{status} {_REASONS.get(status, 'Error')}",
+                         [("Content-Type", "application/json"), ("Content-Length", str(len(body)))], False)
+    return head + body

@@ -1,0 +1,42 @@
+"""The hostile-client benchmark end to end at a small size (--quick): schema and what defects 2 and 6 guarantee.
+
+The coordinator must answer the normal client while every slow connection is still open (not
+a timing: the counts), answer no bad input with a 5xx, and keep 8 concurrent maximum-size
+compressed pushes within 2x the model size + 64 MiB of peak RSS growth.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_quick_run_reports_every_attack(tmp_path):
+    out = tmp_path / "hostile.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.hostile", "--quick", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    matrix = report["bad_inputs"]
+    assert matrix["requests"] == len(matrix["cases"]) >= 39 and matrix["status_5xx"] == 0
+    assert matrix["unexpected"] == [] and all(c["json_error"] for c in matrix["cases"].values())
+    for mode in ("plain", "tls"):
+        slow = report["slow_clients"][mode]
+        assert (slow["connections"], slow["slow_readers"], slow["failed_to_open"]) == (100, 20, 0)
+        assert slow["opened"] == {"drip_headers": 34, "slow_body": 33, "idle_keepalive": 33, "slow_reader": 20}
+        loaded = slow["under_attack"]
+        assert loaded["open_during"] == 120  # every slow connection was still held when the client finished
+        assert (loaded["health_answered"], loaded["pushes_answered"]) == (10, 3)
+        assert loaded["status_5xx"] == loaded["no_answer"] == 0
+        assert 0 < loaded["health"]["p50_s"] <= loaded["health"]["p99_s"]
+    pushes = report["compressed_pushes"]
+    assert pushes["requests"] == pushes["concurrent"] == 8 and pushes["status_5xx"] == 0
+    assert pushes["unexpected"] == [] and pushes["within_limit"], pushes
+    assert set(report["hostile"]) == {"overflow", "nested_json", "huge_prompt"}
+    assert report["requests_tried"] == sum(p["requests"] for p in [matrix, pushes, *report["hostile"].values(),
+                                                                  *(s["under_attack"] for s in
+                                                                    report["slow_clients"].values())])
+    assert "requests tried" in proc.stdout and "slow_clients.tls" in proc.stdout
