@@ -38,7 +38,10 @@ def create_app(config: CoordinatorConfig | None = None) -> Flask:
 def _register_error_handlers(app: Flask) -> None:
     @app.errorhandler(FedMoEError)
     def domain_error(exc: FedMoEError) -> tuple[Response, int]:
-        return jsonify(exc.to_json()), exc.status
+        response = jsonify(exc.to_json())
+        if "retry_after" in exc.details:  # 503 while the first gateway builds
+            response.headers["Retry-After"] = str(exc.details["retry_after"])
+        return response, exc.status
 
     @app.errorhandler(HTTPException)
     def http_error(exc: HTTPException) -> tuple[Response, int]:

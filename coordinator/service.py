@@ -75,8 +75,10 @@ class Coordinator:
         self._remove_orphan_blobs()
         for expert in self.db.experts():  # finish what a crash interrupted
             self._aggregate(expert.name)
+        self.gateway.start()
 
     def close(self) -> None:
+        self.gateway.close()
         self.db.close()
 
     def _lock(self, name: str) -> threading.Lock:
@@ -102,6 +104,7 @@ class Coordinator:
                         audit.expert_created(name, spec.lora.rank if spec.lora else None, spec.base_model.id),))
         finally:
             self.blobs.forget(body)
+        self.gateway.notify(urgent=True)
         log.info("created expert %s (%s)", name, "full-parameter" if spec.lora is None else f"rank {spec.lora.rank}")
         return self.expert_info(name), True
 
@@ -305,6 +308,7 @@ class Coordinator:
         self._drop_unreferenced([u.blob for u in batch if u.blob]
                                 + self.db.prune_versions(name, self.config.keep_versions))
         self.on_aggregated(time.perf_counter() - started)
+        self.gateway.notify()
         log.info("expert %s -> version %d (%d update(s), staleness %s)", name, expert.version + 1,
                  len(batch), [u.staleness for u in updates])
         return True

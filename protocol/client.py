@@ -149,6 +149,9 @@ class CoordinatorClient:
                     raise error_from_response(response.status_code, _json(response))
                 return response
             last = f"coordinator answered HTTP {response.status_code} to {method} {path}"
+            if response.status_code == 503 and "Retry-After" in response.headers:  # e.g. the first gateway builds
+                wait = _retry_after(response, self.retry.max_retry_after)
+                last += f": {error_from_response(503, _json(response)).message}"
         raise Unavailable(last + f" (gave up after {self.retry.attempts} tries)")
 
     def _json(self, method: str, path: str, **kwargs: Any) -> Any:

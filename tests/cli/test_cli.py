@@ -60,6 +60,11 @@ def test_port_in_use_names_the_flag(tmp_path):
 
 @pytest.mark.parametrize("script, args, message", [
     ("run_coordinator.py", ["--gateway-weights", "python_expert=heavy"], "--gateway-weights: expected NAME=WEIGHT"),
+    ("run_coordinator.py", ["--gateway-strategy", "ties", "--gateway-config", '{"p": 0.5}'],
+     "--gateway-config: unknown config key 'p' for merge 'ties'; valid keys: density, lam, rank"),
+    ("run_coordinator.py", ["--gateway-strategy", "dare", "--gateway-config", '{"p": 1.5}'],
+     "--gateway-config: p must be in [0, 1), got 1.5"),
+    ("run_coordinator.py", ["--gateway-config", "density=0.2"], "--gateway-config is not valid JSON"),
     ("get_gateway_model.py", ["--coordinator-url", "http://127.0.0.1:9"],
      "cannot reach the coordinator at http://127.0.0.1:9"),
     ("get_gateway_model.py", ["--coordinator-url", "127.0.0.1:5000"], "not an http(s) address; use e.g. http://"),
