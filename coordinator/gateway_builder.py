@@ -27,6 +27,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from gateway.build import Source, build_gateway, gateway_weights
 from gateway.errors import MergeError
 from gateway.files import SAFETENSORS_META_KEY
@@ -162,6 +164,10 @@ class GatewayBuilder:
     # building -------------------------------------------------------------------
 
     def _run(self) -> None:
+        # One intra-op thread for this thread only (OpenMP's setting is per thread): a build must not
+        # compete with pushes for every core, and multithreaded LAPACK on busy cores is 10-100x
+        # slower than one thread (bench/merge_speed.py, gateway/lowrank.py:sketch_factorise).
+        torch.set_num_threads(1)
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._built < self._requested or self._closed)
