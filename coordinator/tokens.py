@@ -23,7 +23,7 @@ import sqlite3
 import stat
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,6 +100,8 @@ class TokenStore:
             raise ValueError("the join token must differ from the admin token (--admin-token-file)")
         self._admin_hash, self._join_hash = token_hash(self.admin_token), token_hash(join_token)
         self.token_ttl = token_ttl
+        self.clock: Callable[[], float] = time.time
+        """Wall-clock seconds that issue and expire tokens (tests move it forward instead of sleeping)."""
         self._path = data_dir / "auth.sqlite"
         # hash -> (principal, expires_at) of worker tokens seen valid: one SQLite open per request cost
         # ~1 ms. One process serves the API (coordinator.server); a hit is checked against the
@@ -131,7 +133,7 @@ class TokenStore:
             return Principal(JOIN)
         with self._valid_lock:
             cached = self._valid.get(digest)
-        if cached is not None and cached[1] > time.time() and cached[0].worker_id not in self._revoked:
+        if cached is not None and cached[1] > self.clock() and cached[0].worker_id not in self._revoked:
             return cached[0]
         with self._db() as db:  # looked up by hash: timing reveals nothing about a valid token
             row = db.execute("SELECT t.worker_id, t.specialty, t.expires_at, r.revoked_at FROM worker_tokens t "
@@ -141,7 +143,7 @@ class TokenStore:
         worker_id, specialty, expires_at, revoked_at = row
         if revoked_at is not None:
             raise Unauthorized(f"worker {worker_id!r} was revoked by an admin", reason="revoked")
-        if expires_at <= time.time():
+        if expires_at <= self.clock():
             raise Unauthorized(f"the token of worker {worker_id!r} expired; register again with the join token",
                                reason="expired")
         principal = Principal(WORKER, worker_id, specialty)
@@ -158,7 +160,7 @@ class TokenStore:
     def issue(self, worker_id: str, specialty: str) -> dict[str, object]:
         """A new token for this worker and specialty; expired tokens are dropped on the way."""
         self.check_not_revoked(worker_id)
-        token, now = new_token(WORKER), time.time()
+        token, now = new_token(WORKER), self.clock()
         with self._db() as db:
             db.execute("DELETE FROM worker_tokens WHERE expires_at <= ?", (now,))
             db.execute("INSERT INTO worker_tokens VALUES (?, ?, ?, ?, ?)",
