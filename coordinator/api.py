@@ -230,7 +230,7 @@ def route() -> Response:
 
 @bp.get("/gateway")
 def gateway_info() -> Response:
-    info = coordinator().gateway.current()
+    info = coordinator().gateway.current(fresh=_fresh())
     return jsonify({k: v for k, v in info.items() if k != "blob"} | {"digest": info["blob"]})
 
 
@@ -239,7 +239,7 @@ def gateway_weights() -> Response:
     fmt = request.args.get("format", "safetensors")
     if fmt not in ("safetensors", "npz"):
         raise BadRequest(f"format must be 'npz' or 'safetensors', got {fmt!r}")
-    info, file = _open_gateway(coordinator())
+    info, file = _open_gateway(coordinator(), _fresh())
     if fmt == "safetensors":
         response = send_file(file, mimetype="application/octet-stream", etag=info["blob"], conditional=True,
                              download_name="gateway.safetensors", max_age=0)
@@ -254,10 +254,18 @@ def gateway_weights() -> Response:
     return response
 
 
-def _open_gateway(c: Coordinator) -> tuple[dict[str, Any], BinaryIO]:
+def _fresh() -> bool:
+    """?fresh=1: the caller wants the gateway of the experts as they are now, not the newest built."""
+    value = request.args.get("fresh", "0")
+    if value not in ("0", "1"):
+        raise BadRequest(f"fresh must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def _open_gateway(c: Coordinator, fresh: bool) -> tuple[dict[str, Any], BinaryIO]:
     """The newest gateway and its open file; a build may prune the one just read, so look twice."""
     for _ in range(2):
-        info = c.gateway.current()
+        info = c.gateway.current(fresh=fresh)
         try:
             return info, open(c.blobs.path(info["blob"]), "rb")
         except FileNotFoundError:

@@ -99,19 +99,25 @@ class GatewayBuilder:
 
     # reading --------------------------------------------------------------------
 
-    def current(self) -> dict[str, Any]:
-        """The newest built gateway, plus ``stale``: whether an expert changed since it was built."""
+    def current(self, fresh: bool = False) -> dict[str, Any]:
+        """The newest built gateway, plus ``stale``: whether an expert changed since it was built.
+
+        ``fresh`` (a download, not a dashboard poll) asks the builder to build now, skipping the
+        interval, and waits for it: the read itself still builds nothing.
+        """
         plan = self._plan()
-        fresh = self._c.db.gateway(plan.key)
-        if fresh is not None:
-            return fresh | {"stale": False}
+        built = self._c.db.gateway(plan.key)
+        if built is not None:
+            return built | {"stale": False}
         self._raise_failure(plan.key)
+        if fresh:
+            self.notify(urgent=True)
         latest = self._c.db.gateway()
-        if latest is None or self._due():
+        if latest is None or fresh or self._due():
             self._wait(WAIT_SECONDS)
             plan = self._plan()
-            if (fresh := self._c.db.gateway(plan.key)) is not None:
-                return fresh | {"stale": False}
+            if (built := self._c.db.gateway(plan.key)) is not None:
+                return built | {"stale": False}
             self._raise_failure(plan.key)
             latest = self._c.db.gateway()
         if latest is None:

@@ -26,7 +26,9 @@ class Adapter:
 
 
 def fetch_gateway(client: CoordinatorClient) -> Adapter:
-    info = client.gateway_info()
+    """The gateway of the experts as they are now (its tensors: the newest built, the same one unless
+    a push lands in between)."""
+    info = client.gateway_info(fresh=True)
     tensors = client.gateway_tensors()
     return Adapter(tensors, info["lora"], info["base_model"], {"kind": "gateway", **info})
 

@@ -243,8 +243,10 @@ class CoordinatorClient:
             body["threshold"] = threshold
         return self._json("POST", "/route", json=body)
 
-    def gateway_info(self) -> dict[str, Any]:
-        return self._json("GET", "/gateway")
+    def gateway_info(self, fresh: bool = False) -> dict[str, Any]:
+        """The newest gateway's description; ``fresh`` asks for one built from the experts as they are now
+        (the coordinator builds it at once, without waiting for --gateway-interval; up to 30 s)."""
+        return self._json("GET", "/gateway", params={"fresh": "1"} if fresh else {})
 
     def gateway_weights(self, fmt: str = "safetensors") -> bytes:
         return self._request("GET", "/gateway/weights", params={"format": fmt}).content

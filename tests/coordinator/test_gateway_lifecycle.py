@@ -57,6 +57,23 @@ def test_changes_within_the_interval_coalesce_and_reads_get_the_stale_gateway(ma
     assert app.extensions["fedmoe"].gateway.builds == 1
 
 
+def test_a_download_can_ask_for_the_gateway_of_the_experts_as_they_are_now(make_app):
+    app = make_app(gateway_interval=3600)
+    client = app.test_client()
+    adapter = make_adapter(seed=1)
+    put_expert(client, "a", adapter)
+    first = client.get("/api/v1/gateway").get_json()
+    push(client, "a", random_like(adapter, 10))
+    push(client, "a", random_like(adapter, 11))
+    assert client.get("/api/v1/gateway").get_json()["stale"] is True
+    info = client.get("/api/v1/gateway?fresh=1").get_json()  # built at once, despite the interval
+    assert info["stale"] is False and info["sources"] == {"a": 2} and info["version"] > first["version"]
+    weights = client.get("/api/v1/gateway/weights?fresh=1")
+    assert weights.headers["X-FedMoE-Version"] == str(info["version"])
+    assert app.extensions["fedmoe"].gateway.builds == 2
+    assert client.get("/api/v1/gateway?fresh=yes").status_code == 400
+
+
 def test_a_restart_reuses_the_stored_gateway(make_app):
     app = make_app()
     put_expert(app.test_client(), "a", make_adapter(seed=1))
