@@ -31,6 +31,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +95,7 @@ def measure_model(name: str, layers: int, shapes: dict[str, tuple[int, int]], re
         paths = [Path(tmp) / f"e{i}.safetensors" for i in range(EXPERTS)]
         for path, state in zip(paths, states):
             save_file(state, path)
-        sources = [Source(f"e{i}", 1, spec, lambda p=p: load_file(p)) for i, p in enumerate(paths)]
+        sources = [Source(f"e{i}", 1, spec, partial(load_file, p)) for i, p in enumerate(paths)]
         for strategy in MERGES:
             merge_s, merge_wall = best_of(repeats, lambda: merge(strategy, modules, [1.0] * EXPERTS))
 

@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 WAIT_SECONDS = 30.0
 """Longest a read waits for a build that is due (or for the first one) before answering."""
+RETRY_SECONDS = 5
+"""Retry-After of the 503 answered while the first gateway is still being built."""
 
 
 @dataclass(frozen=True)
@@ -120,9 +122,9 @@ class GatewayBuilder:
                 return built | {"stale": False}
             self._raise_failure(plan.key)
             latest = self._c.db.gateway()
-        if latest is None:
-            retry = max(1, math.ceil(self._interval))
-            raise Unavailable(f"the first gateway is still being built; retry in {retry} s", retry_after=retry)
+        if latest is None:  # the first build runs at once (nothing holds it back) but is slow: try again soon
+            raise Unavailable(f"the first gateway is still being built; retry in {RETRY_SECONDS} s",
+                              retry_after=RETRY_SECONDS)
         return latest | {"stale": True}
 
     def _due(self) -> bool:

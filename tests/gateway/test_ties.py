@@ -86,11 +86,11 @@ def test_ties_default_rank_is_the_sum_of_expert_ranks(experts):
 def test_kth_largest_on_large_tensors_agrees_with_kthvalue():
     """Past the sampled bracket's threshold, with repeated values and an all-but-zero tensor too."""
     g = torch.Generator().manual_seed(1)
-    dense = (torch.randn(700, 8, generator=g) @ torch.randn(8, 600, generator=g)).abs().flatten()
+    dense = (torch.randn(520, 8, generator=g) @ torch.randn(8, 600, generator=g)).abs().flatten()  # > 4 x SAMPLE
     coarse = (dense * 4).round()  # many ties
-    sparse = torch.zeros(500_000)
+    sparse = torch.zeros(300_000)
     sparse[:1000] = torch.rand(1000, generator=g)
     for values in (dense, coarse, sparse):
         n = values.numel()
-        for k in (1, 37, n // 100, n // 5, n // 2, n - 1, n):
+        for k in (1, n // 100, n // 5, n - 1):
             assert kth_largest(values, k) == values.kthvalue(n - k + 1).values, k
