@@ -10,7 +10,7 @@ export TOKENIZERS_PARALLELISM := false
 CHROMIUM ?= /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install browser smollm2 test demo bench bench-quality clean
+.PHONY: install browser smollm2 test test-fast demo bench bench-quality clean
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,9 @@ browser: $(CHROMIUM)  ## headless Chromium for tests/e2e/test_dashboard_browser.
 
 test: $(STAMP) $(CHROMIUM)  ## the whole test suite (offline; the browser test is required here)
 	FEDMOE_REQUIRE_BROWSER=1 HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+
+test-fast: $(STAMP)  ## the unit tier, under a minute: no slow, e2e (real processes) or bench tests
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not slow and not e2e and not bench"
 
 demo: $(STAMP)  ## a local federation: coordinator + 3 workers on tiny-qwen2, then a loss table
 	HF_HUB_OFFLINE=1 $(PY) scripts/demo.py

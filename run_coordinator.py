@@ -20,6 +20,7 @@ from coordinator.choices import AGGREGATION_NAMES, ROBUST_NAMES
 from coordinator.norm_check import NORM_CHECK_MODES
 from gateway.choices import DEFAULT_ROUTE_THRESHOLD, MERGE_NAMES
 from protocol.cli import add_common_flags, report_error, setup_logging
+from protocol.schemas import parse_json_flag
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -40,6 +41,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="per-expert gateway weights (default: proportional to samples trained)")
     p.add_argument("--gateway-strategy", choices=MERGE_NAMES, default="weighted_average",
                    help="merge used for the gateway (default: %(default)s, exact)")
+    p.add_argument("--gateway-config", default="{}", metavar="JSON",
+                   help='settings of --gateway-strategy, e.g. \'{"density": 0.2}\' for ties, \'{"p": 0.5, "lam": 1.0}\' '
+                        "for dare; keys: density, p, seed, lam, rank by strategy (default: its defaults)")
+    p.add_argument("--gateway-interval", type=float, default=30.0,
+                   help="seconds between gateway builds at most; expert changes in between coalesce "
+                        "(default: %(default)s)")
+    p.add_argument("--keep-gateways", type=int, default=2,
+                   help="newest built gateways kept on disk (default: %(default)s)")
     p.add_argument("--route-threshold", type=float, default=DEFAULT_ROUTE_THRESHOLD,
                    help="router confidence below which prompts go to the gateway (default: %(default)s)")
     p.add_argument("--max-body-mb", type=float, default=1024.0, help="largest accepted request body (default: %(default)s)")
@@ -94,7 +103,10 @@ def main(argv: list[str] | None = None) -> int:
             data_dir=args.data_dir, aggregation=args.aggregation, server_lr=args.server_lr,
             staleness_decay=args.staleness_decay, buffer_size=args.buffer_size,
             keep_versions=args.keep_versions, gateway_weights=weights,
-            gateway_strategy=args.gateway_strategy, route_threshold=args.route_threshold, max_body_mb=args.max_body_mb,
+            gateway_strategy=args.gateway_strategy,
+            gateway_config=parse_json_flag(args.gateway_config, "--gateway-config"),
+            gateway_interval=args.gateway_interval, keep_gateways=args.keep_gateways,
+            route_threshold=args.route_threshold, max_body_mb=args.max_body_mb,
             auth=not args.no_auth, admin_token_file=args.admin_token_file, token_ttl_hours=args.token_ttl_hours,
             rate_limit=args.rate_limit,
             norm_check=args.norm_check, norm_factor=args.norm_factor, norm_history=args.norm_history,

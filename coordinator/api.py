@@ -9,7 +9,7 @@ import json
 import re
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from flask import Blueprint, Response, current_app, g, jsonify, request, send_file
 from werkzeug.exceptions import ClientDisconnected, HTTPException
@@ -21,12 +21,12 @@ from coordinator.auth import acting_worker, authenticator, check_may_register, i
 from coordinator.service import Coordinator
 from coordinator.tokens import WORKER
 from gateway.files import npz_bytes
-from protocol.errors import BadRequest, Conflict, FedMoEError, PayloadTooLarge, RequestTimeout
+from protocol.errors import BadRequest, Conflict, FedMoEError, PayloadTooLarge, RequestTimeout, Unavailable
 from protocol.integrity import DIGEST_HEADER, ClientReader, parse_digest
 from protocol.schemas import (API_PREFIX, EXPERT_HEADER, UPDATE_HEADER, VERSION_HEADER, WORKER_HEADER,
                               BaseModelSpec, ExpertSpec, UpdateMeta, check_name, loads_json,
                               parse_header_json)
-from protocol.tensors import is_finite_number, load_file
+from protocol.tensors import is_finite_number, loads
 
 bp = Blueprint("api", __name__, url_prefix=API_PREFIX)
 
@@ -253,28 +253,47 @@ def route() -> Response:
 
 @bp.get("/gateway")
 def gateway_info() -> Response:
-    info = coordinator().gateway.current()
+    info = coordinator().gateway.current(fresh=_fresh())
     return jsonify({k: v for k, v in info.items() if k != "blob"} | {"digest": info["blob"]})
 
 
 @bp.get("/gateway/weights")
 def gateway_weights() -> Response:
     fmt = request.args.get("format", "safetensors")
-    c = coordinator()
-    info = c.gateway.current()
-    path = c.blobs.path(info["blob"])
-    if fmt == "safetensors":
-        response = send_file(path, mimetype="application/octet-stream", etag=info["blob"], conditional=True,
-                             download_name="gateway.safetensors", max_age=0)
-    elif fmt == "npz":
-        public = {k: v for k, v in info.items() if k != "blob"}
-        response = Response(npz_bytes(load_file(path), public), mimetype="application/octet-stream")
-        response.headers["Content-Disposition"] = "attachment; filename=gateway.npz"
-    else:
+    if fmt not in ("safetensors", "npz"):
         raise BadRequest(f"format must be 'npz' or 'safetensors', got {fmt!r}")
+    info, file = _open_gateway(coordinator(), _fresh())
+    if fmt == "safetensors":
+        response = send_file(file, mimetype="application/octet-stream", etag=info["blob"], conditional=True,
+                             download_name="gateway.safetensors", max_age=0)
+    else:
+        with file:
+            tensors = loads(file.read())
+        public = {k: v for k, v in info.items() if k != "blob"}
+        response = Response(npz_bytes(tensors, public), mimetype="application/octet-stream")
+        response.headers["Content-Disposition"] = "attachment; filename=gateway.npz"
     response.headers[VERSION_HEADER] = str(info["version"])
     response.headers["X-FedMoE-Gateway"] = json.dumps({"version": info["version"], "sources": info["sources"]})
     return response
+
+
+def _fresh() -> bool:
+    """?fresh=1: the caller wants the gateway of the experts as they are now, not the newest built."""
+    value = request.args.get("fresh", "0")
+    if value not in ("0", "1"):
+        raise BadRequest(f"fresh must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def _open_gateway(c: Coordinator, fresh: bool) -> tuple[dict[str, Any], BinaryIO]:
+    """The newest gateway and its open file; a build may prune the one just read, so look twice."""
+    for _ in range(2):
+        info = c.gateway.current(fresh=fresh)
+        try:
+            return info, open(c.blobs.path(info["blob"]), "rb")
+        except FileNotFoundError:
+            continue
+    raise Unavailable("the gateway was replaced while being read; retry", retry_after=1)
 
 
 @bp.get("/openapi.json")

@@ -87,7 +87,10 @@ def _register_error_handlers(app: Flask) -> None:
         authenticator = app.extensions.get("fedmoe_auth")
         if authenticator is not None and exc.status in (401, 403):  # every refusal is audited, once
             authenticator.record_refusal(exc)
-        return jsonify(exc.to_json()), exc.status
+        response = jsonify(exc.to_json())
+        if "retry_after" in exc.details:  # 503 while the first gateway builds
+            response.headers["Retry-After"] = str(exc.details["retry_after"])
+        return response, exc.status
 
     @app.errorhandler(HTTPException)
     def http_error(exc: HTTPException) -> tuple[Response, int]:

@@ -5,12 +5,14 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from coordinator.aggregation import AGGREGATORS, ROBUST_RULES
 from coordinator.aggregation.robust import trim_count
 from coordinator.audit import NORMS_KEPT
 from coordinator.norm_check import NORM_CHECK_MODES, NormPolicy
-from gateway.merges import MERGES
+from gateway.errors import MergeError
+from gateway.merges import MERGES, check_settings
 from gateway.router import DEFAULT_THRESHOLD
 
 
@@ -32,6 +34,12 @@ class CoordinatorConfig:
     """Per-expert gateway weights; None = proportional to samples each expert saw."""
     gateway_strategy: str = "weighted_average"
     """Merge used for the gateway model."""
+    gateway_config: Mapping[str, Any] = field(default_factory=dict)
+    """Settings of gateway_strategy (gateway.merges.SETTINGS), e.g. {"density": 0.2} for ties."""
+    gateway_interval: float = 30.0
+    """Seconds between gateway builds at most; changes in between coalesce into the next build."""
+    keep_gateways: int = 2
+    """Newest built gateways kept (rows and blobs); older ones are deleted."""
     route_threshold: float = DEFAULT_THRESHOLD
     """Router confidence below which a prompt goes to the gateway instead of one expert."""
     max_body_mb: float = 1024.0
@@ -65,6 +73,14 @@ class CoordinatorConfig:
         object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser().absolute())
         if self.gateway_strategy not in MERGES:
             raise ValueError(f"--gateway-strategy must be one of {sorted(MERGES)}, got {self.gateway_strategy!r}")
+        try:
+            check_settings(self.gateway_strategy, dict(self.gateway_config))
+        except MergeError as exc:
+            raise ValueError(f"--gateway-config: {exc}") from None
+        if not 0 <= self.gateway_interval <= 86400:
+            raise ValueError(f"--gateway-interval must be 0-86400 seconds, got {self.gateway_interval}")
+        if self.keep_gateways < 1:
+            raise ValueError(f"--keep-gateways must be >= 1, got {self.keep_gateways}")
         if self.aggregation not in AGGREGATORS:
             raise ValueError(f"--aggregation must be one of {sorted(AGGREGATORS)}, got {self.aggregation!r}")
         if not self.server_lr > 0:

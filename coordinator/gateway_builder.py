@@ -1,141 +1,243 @@
-"""The gateway model: every expert merged into one adapter, rebuilt when one changes.
+"""The gateway model: every expert merged into one adapter, rebuilt in the background.
 
-Built lazily on request and cached by a key over (strategy, weights, source
-versions), so asking twice costs nothing and a restart reuses the stored blob.
-The default merge (``weighted_average``) concatenates ranks and is exact:
-B_g @ A_g == sum_i w_i * B_i @ A_i * scale_i. Full-parameter experts are averaged
-exactly too (sum_i w_i W_i, weights summing to 1), one tensor at a time; a mix of full
-and LoRA experts is refused with a 409 that says how to pick one kind.
+Reads only read. ``notify()`` (after an aggregation step, at start) marks the gateway out of
+date; one builder thread rebuilds it, starting no sooner than ``--gateway-interval`` seconds
+after the previous build ended, however many changes arrive meanwhile (they coalesce into the
+next build; a new expert skips the wait). It stores the gateway durably (a restart reuses it)
+and deletes all but the newest ``--keep-gateways`` gateways with their blobs, so the data dir
+grows neither with polling nor with training, and the builder takes at most
+build / (build + interval) of a core.
+
+``current()`` returns the newest built gateway with ``stale`` saying whether an expert changed
+since. When a build is running or due now it waits for it, up to ``WAIT_SECONDS``; when the
+next build is held back by the interval it answers at once with the stale one. With no gateway
+built yet it waits too, then answers 503 with Retry-After.
+
+The merge itself is gateway.build.build_gateway, shared with get_gateway_model.py's local merge.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import math
 import threading
-from collections.abc import Callable
-from pathlib import Path
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from coordinator.adapters import non_finite_tensor
+from gateway.build import Source, build_gateway, gateway_weights
 from gateway.errors import MergeError
 from gateway.files import SAFETENSORS_META_KEY
-from gateway.lora import split_modules
-from gateway.merges import merge
-from protocol.errors import Conflict, NotFound
+from protocol.errors import Conflict, FedMoEError, NotFound, Unavailable
 from protocol.schemas import ExpertSpec
 from protocol.streaming import FileTensors
 from protocol.tensors import load_file, save_file
 
 if TYPE_CHECKING:
     from coordinator.service import Coordinator
-    from coordinator.store import ExpertRow
 
-def gateway_weights(experts: list["ExpertRow"], configured: dict[str, float] | None) -> dict[str, float]:
-    """Normalised per-expert weights: configured ones, else proportional to samples seen."""
-    if configured:
-        raw = {e.name: float(configured.get(e.name, 0.0)) for e in experts}
-    else:
-        raw = {e.name: float(e.samples_seen) for e in experts}
-    total = sum(raw.values())
-    if total <= 0:  # nothing trained yet, or weights for absent experts only: equal weights
-        return {name: 1.0 / len(raw) for name in raw}
-    return {name: w / total for name, w in raw.items()}
+log = logging.getLogger(__name__)
+WAIT_SECONDS = 30.0
+"""Longest a read waits for a build that is due (or for the first one) before answering."""
+RETRY_SECONDS = 5
+"""Retry-After of the 503 answered while the first gateway is still being built."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The gateway the experts call for now: what to merge, with which weights, and its key."""
+
+    key: str
+    weights: dict[str, float]
+    sources: list[Source]
 
 
 class GatewayBuilder:
-    def __init__(self, coordinator: "Coordinator") -> None:
+    def __init__(self, coordinator: "Coordinator", clock: Callable[[], float] = time.monotonic) -> None:
         self._c = coordinator
-        self._lock = threading.Lock()
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._requested = 0  # changes notified so far
+        self._built = 0  # changes covered by the last finished build
+        self._finished = 0  # build attempts finished (reads waiting for one watch this)
+        self._building = False
+        self._urgent = False  # a new expert: build without waiting for the interval
+        self._last_end = -math.inf  # when the last gateway was stored; the interval counts from there
+        self._closed = False
+        self._failure: tuple[str, FedMoEError] | None = None  # (key, why) of the last failed build
+        self.builds = 0
+        """Gateways built and stored by this process (tests and metrics)."""
+        self._thread = threading.Thread(target=self._run, name="gateway-builder", daemon=True)
 
-    def current(self) -> dict[str, Any]:
-        """The gateway for the experts as they are now, building it if needed."""
+    @property
+    def _interval(self) -> float:
+        return self._c.config.gateway_interval
+
+    def start(self) -> None:
+        self._thread.start()
+        self.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout=WAIT_SECONDS)
+
+    def notify(self, urgent: bool = False) -> None:
+        """An expert changed: schedule a rebuild (coalesced with any other pending change).
+
+        ``urgent`` (a new expert) skips the interval: a gateway missing an expert is worse than one
+        a few versions behind, and experts are created rarely.
+        """
+        with self._cond:
+            self._requested += 1
+            self._urgent |= urgent
+            self._cond.notify_all()
+
+    # reading --------------------------------------------------------------------
+
+    def current(self, fresh: bool = False) -> dict[str, Any]:
+        """The newest built gateway, plus ``stale``: whether an expert changed since it was built.
+
+        ``fresh`` (a download, not a dashboard poll) asks the builder to build now, skipping the
+        interval, and waits for it: the read itself still builds nothing.
+        """
+        plan = self._plan()
+        built = self._c.db.gateway(plan.key)
+        if built is not None:
+            return built | {"stale": False}
+        self._raise_failure(plan.key)
+        if fresh:
+            self.notify(urgent=True)
+        latest = self._c.db.gateway()
+        if latest is None or fresh or self._due():
+            self._wait(WAIT_SECONDS)
+            plan = self._plan()
+            if (built := self._c.db.gateway(plan.key)) is not None:
+                return built | {"stale": False}
+            self._raise_failure(plan.key)
+            latest = self._c.db.gateway()
+        if latest is None:  # the first build runs at once (nothing holds it back) but is slow: try again soon
+            raise Unavailable(f"the first gateway is still being built; retry in {RETRY_SECONDS} s",
+                              retry_after=RETRY_SECONDS)
+        return latest | {"stale": True}
+
+    def _due(self) -> bool:
+        with self._cond:
+            return self._due_locked()
+
+    def _due_locked(self) -> bool:
+        """A build is running or starts now (not held back by the interval)."""
+        return self._building or self._urgent or self._last_end + self._interval <= self._clock()
+
+    def _wait(self, timeout: float) -> None:
+        """Wait until a build covers every change notified so far, or the next one is held back."""
+        with self._cond:
+            target, finished = self._requested, self._finished
+            self._cond.wait_for(lambda: self._built >= target or self._closed
+                                or (self._finished > finished and not self._due_locked()), timeout)
+
+    def _raise_failure(self, key: str) -> None:
+        failure = self._failure
+        if failure is not None and failure[0] == key:
+            raise failure[1]
+
+    def _plan(self) -> Plan:
         experts = self._c.db.experts()
         if not experts:
             raise NotFound("there is no gateway yet: no expert exists (start a worker first)")
-        weights = gateway_weights(experts, dict(self._c.config.gateway_weights or {}))
-        strategy = self._c.config.gateway_strategy
-        sources = {e.name: e.version for e in experts}
-        key = hashlib.sha256(json.dumps([strategy, weights, sources], sort_keys=True).encode()).hexdigest()
-        with self._lock:
-            stored = self._c.db.gateway(key)
-            if stored is None:
-                self._build(key, strategy, weights, experts)
-                stored = self._c.db.gateway(key)
-        assert stored is not None
-        return stored
+        weights = gateway_weights({e.name: e.samples_seen for e in experts},
+                                  dict(self._c.config.gateway_weights or {}))
+        config = self._c.config
+        sources = [Source(e.name, e.version, ExpertSpec.from_json(e.spec), self._loader(e.name, e.version, e.spec))
+                   for e in experts]
+        identity = [config.gateway_strategy, dict(config.gateway_config), weights, {e.name: e.version for e in experts}]
+        key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+        return Plan(key, weights, sources)
 
-    def _build(self, key: str, strategy: str, weights: dict[str, float], experts: list["ExpertRow"]) -> None:
-        used = [e for e in experts if weights[e.name] > 0]
-        specs = {e.name: ExpertSpec.from_json(e.spec) for e in used}
-        fingerprints = {s.base_model.fingerprint for s in specs.values()}
-        if len(fingerprints) > 1:
-            raise Conflict("experts were trained from different base models and cannot be merged: "
-                           + ", ".join(f"{n}: {s.base_model.id}" for n, s in specs.items()))
-        if any(s.kind == "full" for s in specs.values()):
-            return self._build_full(key, strategy, weights, experts, used, specs)
+    def _loader(self, name: str, version: int, spec: Mapping[str, Any]) -> Callable[[], Mapping[str, Any]]:
+        full = spec.get("full") is not None  # a whole model: read one tensor at a time
+
+        def load() -> Mapping[str, Any]:
+            path = self._c.weights(name, version).path  # NotFound if pruned since: a newer build follows
+            return FileTensors(path) if full else load_file(path)
+
+        return load
+
+    # building -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        # One intra-op thread for this thread only (OpenMP's setting is per thread): a build must not
+        # compete with pushes for every core, and multithreaded LAPACK on busy cores is 10-100x
+        # slower than one thread (bench/merge_speed.py, gateway/lowrank.py:sketch_factorise).
+        torch.set_num_threads(1)
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._built < self._requested or self._closed)
+                if self._closed:
+                    return
+                delay = self._last_end + self._interval - self._clock()
+                if delay > 0 and not self._urgent:  # built recently: let more changes coalesce into the next build
+                    self._cond.wait(delay)
+                    continue
+                target, self._building, self._urgent = self._requested, True, False
+            self._build_once()
+            with self._cond:
+                self._built, self._building = target, False
+                self._finished += 1
+                self._cond.notify_all()
+
+    def _build_once(self) -> None:
         try:
-            modules = [split_modules(load_file(self._c.weights(e.name).path), specs[e.name].lora.alpha,
-                                     specs[e.name].lora.rank) for e in used]
-            result = merge(strategy, modules, [weights[e.name] for e in used])
+            plan = self._plan()
+        except NotFound:
+            return  # no expert yet
+        try:
+            if self._c.db.gateway(plan.key) is None:
+                self._store(plan)
+            self._failure = None
+        except NotFound as exc:  # an expert moved on (and its version was pruned) mid-build
+            log.info("gateway build skipped, a newer one follows: %s", exc)
         except MergeError as exc:
-            raise Conflict(f"cannot build the gateway with {strategy!r}: {exc}") from None
-        tensors, alpha, rank = result.state_dict()
-        _check_finite(tensors)
-        first = next(iter(specs.values()))
-        info = {"strategy": strategy, "weights": weights, "kind": "lora",
-                "sources": {e.name: e.version for e in experts},
-                "lora": {"rank": rank, "alpha": alpha, "target_modules": list(first.lora.target_modules)},
-                "base_model": {"id": first.base_model.id, "fingerprint": first.base_model.fingerprint},
-                "truncation_error": result.truncation_error}
-        meta = {SAFETENSORS_META_KEY: json.dumps(info)}
-        self._store(key, info, lambda p: save_file(tensors, p, meta))
+            log.warning("cannot build the gateway: %s", exc)
+            self._failure = (plan.key, Conflict(str(exc)))
+        except FedMoEError as exc:
+            log.warning("cannot build the gateway: %s", exc)
+            self._failure = (plan.key, exc)
+        except Exception as exc:  # noqa: BLE001 - the builder thread must outlive one failed build
+            log.exception("gateway build failed")
+            self._failure = (plan.key, Unavailable(f"the gateway build failed ({type(exc).__name__}: {exc}); "
+                                                   "see the coordinator log"))
 
-    def _store(self, key: str, info: dict[str, Any], write: Callable[[Path], None]) -> None:
-        """Write the gateway's blob, then its row; a row that cannot be committed leaves no blob behind."""
-        written = self._c.blobs.write_temp(write)
+    def _store(self, plan: Plan) -> None:
+        started = time.perf_counter()
+        config = self._c.config
+        built = build_gateway(plan.sources, plan.weights, config.gateway_strategy, config.gateway_config)
+        _check_finite(built.tensors)
+        meta = {SAFETENSORS_META_KEY: json.dumps(built.info)}
+        written = self._c.blobs.write_temp(lambda p: save_file(built.tensors, p, meta))
         with self._c.blobs_guard:  # adopt and record together: see Coordinator.blobs_guard
             digest = self._c.blobs.adopt(written)
             try:
-                self._c.db.add_gateway(key, digest, info)
-            except BaseException:
+                version = self._c.db.add_gateway(plan.key, digest, built.info)
+            except BaseException:  # a row that cannot be committed (e.g. a full disk) leaves no blob behind
                 self._c.drop_unreferenced([digest])
                 raise
+        self._c.drop_unreferenced(self._c.db.prune_gateways(config.keep_gateways))
+        self.builds += 1
+        with self._cond:  # only stored builds hold the next one back, not checks that found nothing to do
+            self._last_end = self._clock()
+        log.info("gateway version %d built from %s in %.1f s", version, built.info["sources"],
+                 time.perf_counter() - started)
 
 
-    def _build_full(self, key: str, strategy: str, weights: dict[str, float], experts: list["ExpertRow"],
-                    used: list["ExpertRow"], specs: dict[str, ExpertSpec]) -> None:
-        """The exact weighted average of full-parameter experts, accumulated in place."""
-        lora = sorted(n for n, s in specs.items() if s.kind == "lora")
-        if lora:
-            full = sorted(n for n, s in specs.items() if s.kind == "full")
-            raise Conflict(f"cannot merge full-parameter experts {full} with LoRA experts {lora}; give one kind "
-                           "zero weight with the coordinator flag --gateway-weights (e.g. "
-                           f"--gateway-weights {','.join(f'{n}=1' for n in full)}), or use one expert "
-                           "(get_gateway_model.py --expert NAME)")
-        if strategy != "weighted_average":
-            raise Conflict(f"gateway strategy {strategy!r} needs LoRA experts; full-parameter experts are "
-                           "merged with --gateway-strategy weighted_average")
-        total: dict[str, torch.Tensor] = {}
-        for e in used:  # one model in memory plus one tensor, however many experts
-            tensors = FileTensors(self._c.weights(e.name).path)
-            for name in tensors:
-                if name in total:
-                    total[name].add_(tensors[name], alpha=weights[e.name])
-                else:
-                    total[name] = tensors[name].mul_(weights[e.name])
-        _check_finite(total)
-        first = specs[used[0].name]
-        info = {"strategy": strategy, "weights": weights, "kind": "full",
-                "sources": {e.name: e.version for e in experts}, "lora": None,
-                "full": {"num_parameters": first.full.num_parameters if first.full else 0},
-                "base_model": {"id": first.base_model.id, "fingerprint": first.base_model.fingerprint},
-                "truncation_error": 0.0}
-        self._store(key, info, lambda p: save_file(total, p, {SAFETENSORS_META_KEY: json.dumps(info)}))
-
-
-def _check_finite(tensors: dict[str, torch.Tensor]) -> None:
+def _check_finite(tensors: Mapping[str, torch.Tensor]) -> None:
     """Finite experts can still merge to Inf (LoRA factors are scaled by alpha / rank): refuse, never store it."""
     bad = non_finite_tensor(tensors)
     if bad is not None:

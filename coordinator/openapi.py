@@ -143,7 +143,9 @@ SCHEMAS: dict[str, Any] = {
         "properties": {"version": {"type": "integer"}, "strategy": {"type": "string"},
                        "weights": {"type": "object", "additionalProperties": {"type": "number"}},
                        "sources": {"type": "object", "additionalProperties": {"type": "integer"}},
-                       "digest": {"type": "string"}},
+                       "digest": {"type": "string"},
+                       "stale": {"type": "boolean", "description": "An expert changed since this gateway was "
+                                 "built; a newer one follows within --gateway-interval seconds."}},
     },
 }
 
@@ -271,17 +273,23 @@ _api: dict[str, Any] = {
                       "400": BAD_REQUEST, "404": _error("No expert has a routing profile yet."),
                       "413": _error("JSON body over 64 KiB (only the first 8192 characters of a prompt are read).")}}},
     "/gateway": {"get": {
-        "operationId": "gatewayInfo", "summary": "The gateway merged from the current experts.",
+        "operationId": "gatewayInfo", "summary": "The newest gateway built from the experts (rebuilt in the background).",
+        "parameters": [_query("fresh", {"type": "string", "enum": ["0", "1"]},
+                              "1: build from the experts as they are now (at once) and wait for it.")],
         "responses": {"200": _json(_ref("Gateway"), "Gateway info."), "404": _error("No expert yet."),
-                      "409": _error("The experts cannot be merged.")}}},
+                      "409": _error("The experts cannot be merged."),
+                      "503": _error("The first gateway is still being built; retry after Retry-After.")}}},
     "/gateway/weights": {"get": {
         "operationId": "gatewayWeights", "summary": "The gateway adapter as safetensors or npz.",
         "parameters": [_query("format", {"type": "string", "enum": ["safetensors", "npz"]}, "File format."),
+                       _query("fresh", {"type": "string", "enum": ["0", "1"]},
+                              "1: build from the experts as they are now (at once) and wait for it."),
                        _header("If-None-Match", "ETag held by the caller.")],
         "responses": {"200": _bytes("The gateway adapter.", VERSION_HEADERS),
                       "304": {"description": "Unchanged since the ETag held."},
                       "400": BAD_REQUEST, "404": _error("No expert yet."),
-                      "409": _error("The experts cannot be merged.")}}},
+                      "409": _error("The experts cannot be merged."),
+                      "503": _error("The first gateway is still being built; retry after Retry-After.")}}},
 }
 
 _root: dict[str, Any] = {

@@ -84,8 +84,10 @@ class Coordinator:
         """Called with the seconds each aggregation step took (metrics hook)."""
         self._remove_orphan_blobs()
         recover(self)  # finish what a crash interrupted; quarantine what can never be used
+        self.gateway.start()
 
     def close(self) -> None:
+        self.gateway.close()
         self.db.close()
 
     def _lock(self, name: str) -> threading.Lock:
@@ -115,6 +117,7 @@ class Coordinator:
                         raise
         finally:
             self.blobs.forget(body)
+        self.gateway.notify(urgent=True)
         log.info("created expert %s (%s)", name, "full-parameter" if spec.lora is None else f"rank {spec.lora.rank}")
         return self.expert_info(name), True
 
@@ -352,6 +355,7 @@ class Coordinator:
         self.drop_unreferenced([u.blob for u in batch if u.blob]
                                 + self.db.prune_versions(name, self.config.keep_versions))
         self.on_aggregated(time.perf_counter() - started)
+        self.gateway.notify()
         log.info("expert %s -> version %d (%d update(s), staleness %s)", name, expert.version + 1,
                  len(batch), [u.staleness for u in updates])
         return True

@@ -342,6 +342,14 @@ class ManifestStore:
                              (key, blob, json.dumps(info), time.time()))
         return int(cur.lastrowid)
 
+    def prune_gateways(self, keep: int) -> list[str]:
+        """Delete all but the newest ``keep`` gateways; return their blobs' digests."""
+        with self.transaction() as db:
+            rows = db.execute("SELECT version, blob FROM gateways ORDER BY version DESC LIMIT -1 OFFSET ?",
+                              (keep,)).fetchall()
+            db.executemany("DELETE FROM gateways WHERE version = ?", [(r["version"],) for r in rows])
+        return [r["blob"] for r in rows]
+
     # audit log and norm history (coordinator.audit) ------------------------
 
     def add_event(self, event: Event) -> None:

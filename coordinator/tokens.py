@@ -27,7 +27,7 @@ import sqlite3
 import stat
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,6 +111,8 @@ class TokenStore:
             raise ValueError("the join token must differ from the admin token (--admin-token-file)")
         self._admin_hash, self._join_hash = token_hash(self.admin_token), token_hash(join_token)
         self.token_ttl = token_ttl
+        self.clock: Callable[[], float] = time.time
+        """Wall-clock seconds that issue and expire tokens (tests move it forward instead of sleeping)."""
         self._path = private_file(data_dir / "auth.sqlite")  # 0600, and so its -wal/-shm (SQLite copies the mode)
         # hash -> (principal, expires_at) of worker tokens seen valid: one SQLite open per request cost
         # ~1 ms. One process serves the API (coordinator.server); a hit is checked against the
@@ -146,7 +148,7 @@ class TokenStore:
             return Principal(JOIN)
         with self._valid_lock:
             cached = self._valid.get(digest)
-        if cached is not None and cached[1] > time.time() and cached[0].worker_id not in self._revoked:
+        if cached is not None and cached[1] > self.clock() and cached[0].worker_id not in self._revoked:
             return cached[0]
         with self._db() as db:  # looked up by hash: timing reveals nothing about a valid token
             row = db.execute("SELECT t.worker_id, t.specialty, t.expires_at, r.revoked_at FROM worker_tokens t "
@@ -156,7 +158,7 @@ class TokenStore:
         worker_id, specialty, expires_at, revoked_at = row
         if revoked_at is not None:
             raise Unauthorized(f"worker {worker_id!r} was revoked by an admin", reason="revoked")
-        if expires_at <= time.time():
+        if expires_at <= self.clock():
             if allow_expired:
                 return Principal(WORKER, worker_id, specialty, expired=True)
             raise Unauthorized(f"the token of worker {worker_id!r} expired; register again (with this token, "
@@ -186,7 +188,7 @@ class TokenStore:
         with self._db() as db:
             (until,) = db.execute("SELECT MAX(expires_at) FROM worker_tokens WHERE worker_id = ?",
                                   (worker_id,)).fetchone()
-        return until if until is not None and until > time.time() else None
+        return until if until is not None and until > self.clock() else None
 
     def check_may_register(self, caller: Principal, worker_id: str, specialty: str) -> None:
         """Forbidden unless ``caller`` may register ``worker_id`` for ``specialty`` (module docstring)."""
@@ -213,7 +215,7 @@ class TokenStore:
 
         Expired tokens are dropped on the way, except each worker's newest: that one may still renew.
         """
-        token, now = new_token(WORKER), time.time()
+        token, now = new_token(WORKER), self.clock()
         with self._issue_lock, self._db() as db:  # two joins of one new id: the second sees the first's token
             self.check_may_register(caller, worker_id, specialty)
             db.execute("DELETE FROM worker_tokens WHERE expires_at <= ? AND issued_at < (SELECT MAX(t.issued_at) "

@@ -4,10 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.lora import split_modules
-from gateway.merges import merge
+from gateway.build import Source, build_gateway
 from protocol.client import CoordinatorClient
 from protocol.errors import NotFound
+from protocol.schemas import ExpertSpec
 from protocol.tensors import StateDict
 
 
@@ -26,7 +26,9 @@ class Adapter:
 
 
 def fetch_gateway(client: CoordinatorClient) -> Adapter:
-    info = client.gateway_info()
+    """The gateway of the experts as they are now (its tensors: the newest built, the same one unless
+    a push lands in between)."""
+    info = client.gateway_info(fresh=True)
     tensors = client.gateway_tensors()
     return Adapter(tensors, info["lora"], info["base_model"], {"kind": "gateway", **info})
 
@@ -40,21 +42,23 @@ def fetch_expert(client: CoordinatorClient, name: str) -> Adapter:
 
 
 def merge_experts(client: CoordinatorClient, strategy: str, config: dict[str, Any] | None = None) -> Adapter:
-    """Merge the experts here with ``strategy``, using the coordinator's gateway weights."""
-    gateway = client.gateway_info()
-    if gateway.get("lora") is None:
-        raise ValueError(f"--strategy {strategy}: the experts are full-parameter; their gateway is their exact "
-                       "weighted average (drop --strategy), or pick one with --expert")
-    used = [name for name, w in gateway["weights"].items() if w > 0]
+    """Merge the experts here with ``strategy`` and its settings ``config``, by gateway.build as the
+    coordinator does, weighted as in the coordinator's newest gateway (GET /gateway only reads)."""
+    weights = client.gateway_info()["weights"]
+    used = [name for name, w in weights.items() if w > 0]
     if not used:
         raise NotFound("no expert has a positive gateway weight")
-    experts = [fetch_expert(client, name) for name in used]
-    modules = [split_modules(e.tensors, e.lora["alpha"], e.lora["rank"]) for e in experts]
-    result = merge(strategy, modules, [gateway["weights"][n] for n in used], **(config or {}))
-    tensors, alpha, rank = result.state_dict()
-    lora = {"rank": rank, "alpha": alpha, "target_modules": gateway["lora"]["target_modules"]}
-    info = {"kind": "gateway", "strategy": strategy, "config": result.config, "weights": gateway["weights"],
-            "sources": {e.info["name"]: e.info["version"] for e in experts}, "lora": lora,
-            "base_model": gateway["base_model"], "truncation_error": result.truncation_error,
-            "merged_locally": True}
-    return Adapter(tensors, lora, gateway["base_model"], info)
+    built = build_gateway([_source(client, name, strategy) for name in used], weights, strategy, config)
+    info = built.info | {"kind": "gateway", "merged_locally": True}
+    return Adapter(built.tensors, built.info["lora"], built.info["base_model"], info)
+
+
+def _source(client: CoordinatorClient, name: str, strategy: str) -> Source:
+    spec = ExpertSpec.from_json(client.expert(name))
+    if spec.kind == "full":
+        raise ValueError(f"--strategy {strategy}: the experts are full-parameter; their gateway is their exact "
+                         "weighted average (drop --strategy), or pick one with --expert")
+    pulled = client.pull_weights(name)
+    tensors = pulled.tensors
+    assert tensors is not None
+    return Source(name, pulled.version, spec, lambda: tensors)

@@ -162,6 +162,9 @@ class CoordinatorClient:
                     raise error_from_response(response.status_code, _json(response))
                 return response
             last = f"coordinator answered HTTP {response.status_code} to {method} {path}"
+            if response.status_code == 503 and "Retry-After" in response.headers:  # e.g. the first gateway builds
+                wait = _retry_after(response, self.retry.max_retry_after)
+                last += f": {error_from_response(503, _json(response)).message}"
         raise Unavailable(last + f" (gave up after {self.retry.attempts} tries)")
 
     def _plain_http_to_tls(self) -> bool:
@@ -295,8 +298,10 @@ class CoordinatorClient:
         """{"threshold", "profiles": {expert: gateway.router.profile_to_json form}} for routing locally."""
         return self._json("GET", "/profiles")
 
-    def gateway_info(self) -> dict[str, Any]:
-        return self._json("GET", "/gateway")
+    def gateway_info(self, fresh: bool = False) -> dict[str, Any]:
+        """The newest gateway's description; ``fresh`` asks for one built from the experts as they are now
+        (the coordinator builds it at once, without waiting for --gateway-interval; up to 30 s)."""
+        return self._json("GET", "/gateway", params={"fresh": "1"} if fresh else {})
 
     def gateway_weights(self, fmt: str = "safetensors") -> bytes:
         return self._request("GET", "/gateway/weights", params={"format": fmt}).content

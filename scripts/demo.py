@@ -51,7 +51,8 @@ def child_env() -> dict[str, str]:
 def start_coordinator(run: Path) -> tuple[subprocess.Popen, str]:
     log = open(run / "coordinator.log", "wb")
     proc = subprocess.Popen([sys.executable, str(ROOT / "run_coordinator.py"), "--host", "127.0.0.1",
-                             "--port", "0", "--data-dir", str(run / "coordinator-data")],
+                             "--port", "0", "--data-dir", str(run / "coordinator-data"),
+                             "--gateway-interval", "0"],  # the losses table scores the newest gateway
                             env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 60
     for line in proc.stdout:

@@ -3,6 +3,9 @@ import atexit
 import os
 import shutil
 import tempfile
+from pathlib import Path
+
+import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -14,3 +17,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if "FEDMOE_CONFIG_DIR" not in os.environ:
     os.environ["FEDMOE_CONFIG_DIR"] = tempfile.mkdtemp(prefix="fedmoe-test-config-")
     atexit.register(shutil.rmtree, os.environ["FEDMOE_CONFIG_DIR"], True)
+
+
+TIERS_BY_DIRECTORY = {"e2e": pytest.mark.e2e, "bench": pytest.mark.bench}
+"""tests/<directory>/ -> the marker every test in it gets (pytest.ini lists the tiers)."""
+TESTS = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        path = Path(item.path).resolve()
+        parts = path.relative_to(TESTS).parts if path.is_relative_to(TESTS) else ()
+        if parts and parts[0] in TIERS_BY_DIRECTORY:
+            item.add_marker(TIERS_BY_DIRECTORY[parts[0]])

@@ -233,6 +233,8 @@ class FederatedWorker:
         try:
             while not self.collective.agree(time.monotonic() >= end):  # dist: rank 0's clock decides
                 self.train_step()
+                if self.totals.steps - steps_before == self.settings.steps_per_check:  # a sign of life (and a test's cue)
+                    log.info("training: the first %d step(s) of this run are done", self.settings.steps_per_check)
                 self.poll_sync()
                 if self.collective.agree(time.monotonic() >= due) and self._inflight is None:
                     self.start_sync() if s.overlap else self.sync()

@@ -16,11 +16,12 @@ from dataclasses import dataclass, field, fields
 from numbers import Real
 from typing import Any, Protocol, TypeVar
 
+import torch
 from torch import Tensor
 
 from gateway.errors import MergeError
 from gateway.lora import LoraModule, join_modules
-from gateway.lowrank import Refactorised, concatenate, factorise, truncate
+from gateway.lowrank import Refactorised, concatenate, sketch_factorise, truncate
 
 Expert = dict[str, LoraModule]
 DenseCombine = Callable[[str, list[Tensor]], Tensor]
@@ -155,7 +156,9 @@ def merge_densely(
         modules = [e[name] for e in experts]
         # Weight folded into B: one pass over the small factor instead of the dense update.
         merged = combine(name, [(m.B * (m.scale * w)) @ m.A for m, w in zip(modules, weights)])
-        pieces[name] = factorise(merged, rank or sum(m.rank for m in modules))
+        # The experts' row spaces seed the sketch: the merged update lies mostly within them.
+        start = torch.cat([m.A for m in modules], dim=0).T
+        pieces[name] = sketch_factorise(merged, rank or sum(m.rank for m in modules), start)
     return _refactorised_result(pieces, strategy, weights, config)
 
 

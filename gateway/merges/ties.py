@@ -9,6 +9,7 @@ each module separately, so every module keeps the same fraction of its entries.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -63,26 +64,35 @@ def trim(delta: Tensor, density: float) -> Tensor:
     return torch.where(magnitude >= kth_largest(magnitude.flatten(), keep), delta, 0.0)
 
 
-def kth_largest(values: Tensor, k: int, bins: int = 1024) -> Tensor:
-    """Exact k-th largest of a flat non-negative tensor; twice as fast as kthvalue on 4M entries.
+SAMPLE = 1 << 16
+"""Entries sampled to bracket the k-th largest before the exact selection."""
 
-    A histogram finds the bin holding the answer; exact comparisons then count what lies above
-    the bin (widened by one bin each side, as histc rounds at bin edges) and kthvalue runs on
-    the entries inside it only. If the bracket misses, fall back to kthvalue on everything.
+
+def kth_largest(values: Tensor, k: int) -> Tensor:
+    """Exact k-th largest of a flat tensor; about 1.5-2x faster than kthvalue on 1M entries.
+
+    Every step-th entry (a fixed stride, no randomness) brackets the answer: the sample's order
+    statistics 6 binomial standard deviations either side of the answer's expected rank. One
+    comparison pass counts what lies above the bracket and kthvalue runs on the few entries
+    inside it. If the bracket misses (a freak sample), kthvalue runs on everything. This replaced
+    a histogram bracket: torch.histc is slower on one thread than kthvalue itself.
     """
-    top = values.max().item()
-    if top == 0:
-        return values.new_tensor(0.0)
-    width = top / bins
-    from_top = torch.histc(values, bins=bins, min=0, max=top).flip(0).cumsum(0)
-    b = int(torch.searchsorted(from_top, float(k)))  # the answer is in bin b from the top
-    hi, lo = top - (b - 1) * width, top - (b + 2) * width
-    n_above = int((values > hi).sum())
-    band = values[(values >= lo) & (values <= hi)]
-    need = k - n_above
-    if 0 < need <= band.numel():
-        return band.kthvalue(band.numel() - need + 1).values
-    return values.kthvalue(values.numel() - k + 1).values
+    n = values.numel()
+    if n <= 4 * SAMPLE:
+        return values.kthvalue(n - k + 1).values
+    sample = values[:: n // SAMPLE]
+    m = sample.numel()
+    centre = k * m / n  # expected rank of the answer among the sample, from the top
+    margin = 6 * math.sqrt(max(centre, 1.0)) + 2
+    top_rank, bottom_rank = max(1, int(centre - margin)), min(m, int(centre + margin) + 1)
+    hi = sample.kthvalue(m - top_rank + 1).values
+    lo = sample.kthvalue(m - bottom_rank + 1).values
+    need = k - int((values > hi).sum())
+    if need > 0:
+        band = values[(values >= lo) & (values <= hi)]
+        if need <= band.numel():
+            return band.kthvalue(band.numel() - need + 1).values
+    return values.kthvalue(n - k + 1).values
 
 
 def elect_and_merge(deltas: Tensor) -> Tensor:

@@ -47,6 +47,7 @@ def test_version_and_help_with_examples(script, capsys):
     assert "Examples:" in text and f"python {script} --" in text and "--log-format {text,json}" in text
 
 
+@pytest.mark.slow  # a real process
 def test_port_in_use_names_the_flag(tmp_path):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -58,8 +59,14 @@ def test_port_in_use_names_the_flag(tmp_path):
                     "(is another coordinator running? pick another --port)")
 
 
+@pytest.mark.slow  # a real process each
 @pytest.mark.parametrize("script, args, message", [
     ("run_coordinator.py", ["--gateway-weights", "python_expert=heavy"], "--gateway-weights: expected NAME=WEIGHT"),
+    ("run_coordinator.py", ["--gateway-strategy", "ties", "--gateway-config", '{"p": 0.5}'],
+     "--gateway-config: unknown config key 'p' for merge 'ties'; valid keys: density, lam, rank"),
+    ("run_coordinator.py", ["--gateway-strategy", "dare", "--gateway-config", '{"p": 1.5}'],
+     "--gateway-config: p must be in [0, 1), got 1.5"),
+    ("run_coordinator.py", ["--gateway-config", "density=0.2"], "--gateway-config is not valid JSON"),
     ("get_gateway_model.py", ["--coordinator-url", "http://127.0.0.1:9"],
      "cannot reach the coordinator at http://127.0.0.1:9"),
     ("get_gateway_model.py", ["--coordinator-url", "127.0.0.1:5000"], "not an http(s) address; use e.g. http://"),
@@ -70,6 +77,7 @@ def test_errors_are_one_line_with_the_fix(script, args, message):
     assert message in one_error_line(run(script, *args))
 
 
+@pytest.mark.slow  # real processes
 def test_unreachable_coordinator_says_what_to_check_and_json_errors_are_json():
     result = run("get_gateway_model.py", "--coordinator-url", "http://127.0.0.1:9", "--log-format", "json")
     assert result.returncode == 2

@@ -109,6 +109,7 @@ def test_bit_flips(codec):
         decode_or_payload_error(bytes(flipped), codec)  # may still be valid; must not crash
 
 
+@pytest.mark.slow
 def test_mutated_bodies_with_consistent_lengths(codec):
     """Overwrite, delete or insert bytes inside a body and fix up its length, so the
     frame is valid and the mutation reaches the codec's own parsing."""

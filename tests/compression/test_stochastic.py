@@ -37,6 +37,7 @@ def assert_unbiased(samples: torch.Tensor, x: torch.Tensor) -> None:
         ("int8", {"stochastic": True}),
     ],
 )
+@pytest.mark.slow
 def test_stochastic_codecs_are_unbiased(randn, spec, config):
     x = randn(512, seed=11) * torch.linspace(0.1, 2.0, 512)
     assert_unbiased(draws(make_codec(spec, config), x), x)

@@ -11,6 +11,7 @@ def make_app(tmp_path):
 
     def make(**overrides):
         overrides.setdefault("data_dir", tmp_path / "data")
+        overrides.setdefault("gateway_interval", 0)  # rebuild the gateway at once after each change
         app = create_app(CoordinatorConfig(**overrides))
         app.config["TESTING"] = True
         apps.append(app)

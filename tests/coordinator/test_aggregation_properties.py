@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
@@ -35,6 +36,7 @@ def zeros() -> dict[str, torch.Tensor]:
     return {k: torch.zeros(shape) for k, shape in SHAPES.items()}
 
 
+@pytest.mark.slow
 @FAST
 @given(buffers(), st.randoms(use_true_random=False), st.floats(0.0, 1.0))
 def test_fedbuff_does_not_depend_on_arrival_order(updates, rnd, decay):
@@ -81,6 +83,7 @@ def assert_within_honest_range(result: dict[str, torch.Tensor], honest: list[Upd
         assert torch.all(value <= stacked.max(dim=0).values + 1e-6), k
 
 
+@pytest.mark.slow
 @FAST
 @given(attacked(3, 7, lambda h: h - 1), st.randoms(use_true_random=False))
 def test_median_stays_within_honest_range_while_bad_updates_are_a_minority(case, rnd):
@@ -92,6 +95,7 @@ def test_median_stays_within_honest_range_while_bad_updates_are_a_minority(case,
     assert_within_honest_range(result, honest)
 
 
+@pytest.mark.slow
 @FAST
 @given(attacked(3, 9, lambda h: 4), st.floats(0.05, 0.45), st.randoms(use_true_random=False))
 def test_trimmed_mean_stays_within_honest_range_while_bad_updates_are_at_most_the_trimmed_count(

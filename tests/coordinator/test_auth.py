@@ -116,9 +116,12 @@ def test_revoked_worker_gets_401_and_cannot_register_again(make_app):
 
 
 def test_expired_worker_token_gets_401_and_registering_renews_it(make_app):
-    app = make_app(token_ttl_hours=0.5 / 3600)
+    app = make_app(token_ttl_hours=1.0)
+    tokens = app.extensions["fedmoe_auth"].tokens
     token = register(app, "w1", "e")
-    time.sleep(0.6)
+    assert app.test_client(token=token).get("/api/v1/experts").status_code == 200  # valid, and now cached
+    now = time.time()
+    tokens.clock = lambda: now + 3600 + 1  # an hour and a second later
     r = app.test_client(token=token).get("/api/v1/experts")
     assert error(r) == (401, "unauthorized") and r.get_json()["error"]["details"] == {"reason": "expired"}
     assert app.test_client(token=register(app, "w1", "e")).get("/api/v1/experts").status_code == 200

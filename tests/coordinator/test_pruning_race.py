@@ -1,9 +1,12 @@
 """Pulls racing with pruning: the current weights are always served, even while each push prunes the last version."""
 import threading
 
+import pytest
+
 from tests.helpers import make_adapter, push, put_expert, random_like, update_meta
 
 
+@pytest.mark.slow  # races threads for seconds
 def test_pulls_during_pushes_that_prune_never_fail(make_app):
     app = make_app(keep_versions=1)
     adapter = make_adapter(layers=8, d_in=64, d_out=64)

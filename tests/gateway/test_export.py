@@ -14,7 +14,8 @@ from gateway.lora import split_modules
 from gateway.merges import merge
 from worker.models import LORA_PROJECTIONS, load_base_model
 
-pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
+pytestmark = [pytest.mark.slow,  # loads tiny-qwen2 and runs it
+              pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")]
 
 PROMPTS = ["How do I read a CSV file with pandas?", "SELECT the ten newest rows from orders"]
 

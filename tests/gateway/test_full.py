@@ -8,6 +8,7 @@ from gateway.export import ExportError
 from gateway.full import save_full_model, with_full_weights
 from worker.models import load_base_model
 
+pytestmark = pytest.mark.slow  # loads tiny-qwen2
 
 @pytest.fixture(scope="module")
 def base():

@@ -12,7 +12,8 @@ PEFT_PREFIX = "base_model.model."
 
 # transformers 5.23 says "`is_gradient_checkpointing` is deprecated" with backticks, which the
 # filter in pytest.ini (written without them) does not match.
-pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
+pytestmark = [pytest.mark.slow,  # loads tiny-qwen2 and runs it
+              pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")]
 
 
 def tiny_qwen2() -> Qwen2ForCausalLM:

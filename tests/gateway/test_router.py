@@ -94,6 +94,7 @@ def test_profile_ignores_case_and_has_no_ngrams_for_short_text():
     assert not text_profile([]).any()
 
 
+@pytest.mark.slow  # a real process
 def test_hash_is_the_same_in_another_process_with_another_hash_seed():
     texts = ["Problem: I have a DataFrame df with columns A and B.", "Ünïcode ✓ and SQL: SELECT 1"]
     script = ("import json, sys; from gateway.router import text_profile; "

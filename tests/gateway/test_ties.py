@@ -81,3 +81,16 @@ def test_ties_default_rank_is_the_sum_of_expert_ranks(experts):
     # ranks 4 + 2 + 6 = 12, capped by each module's smaller side (4 for the 4x12 k_proj)
     assert {m.rank for m in result.modules.values()} == {12, 4}
     assert result.state_dict()[2] == 12
+
+
+def test_kth_largest_on_large_tensors_agrees_with_kthvalue():
+    """Past the sampled bracket's threshold, with repeated values and an all-but-zero tensor too."""
+    g = torch.Generator().manual_seed(1)
+    dense = (torch.randn(520, 8, generator=g) @ torch.randn(8, 600, generator=g)).abs().flatten()  # > 4 x SAMPLE
+    coarse = (dense * 4).round()  # many ties
+    sparse = torch.zeros(300_000)
+    sparse[:1000] = torch.rand(1000, generator=g)
+    for values in (dense, coarse, sparse):
+        n = values.numel()
+        for k in (1, n // 100, n // 5, n - 1):
+            assert kth_largest(values, k) == values.kthvalue(n - k + 1).values, k

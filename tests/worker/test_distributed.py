@@ -140,6 +140,7 @@ def test_batch_smaller_than_ranks_times_accumulation_is_refused(train_examples):
 
 # accumulation, precision, checkpointing ---------------------------------------------------------
 
+@pytest.mark.slow
 def test_accumulated_micro_batches_take_the_big_batch_step(train_examples, fp32_run):
     state, losses, grads = fp32_run
     accumulated, accumulated_losses, trainer = trained_state(train_examples, grad_accum=4)
@@ -149,6 +150,7 @@ def test_accumulated_micro_batches_take_the_big_batch_step(train_examples, fp32_
     assert max(float(v.abs().max()) for k, v in state.items() if "lora_B" in k) > 1e-3  # it did move
 
 
+@pytest.mark.slow
 def test_uneven_accumulation_weights_every_answer_token_once(train_examples, fp32_run):
     """3 micro-batches of 3, 3 and 2 examples with different answer lengths: still the batch's token mean."""
     state, losses, grads = fp32_run
@@ -158,6 +160,7 @@ def test_uneven_accumulation_weights_every_answer_token_once(train_examples, fp3
     assert max_difference(accumulated, state) < WEIGHT_TOLERANCE
 
 
+@pytest.mark.slow
 def test_gradient_checkpointing_gives_the_same_step(train_examples, fp32_run):
     state, losses, grads = fp32_run
     checkpointed, checkpointed_losses, trainer = trained_state(train_examples, gradient_checkpointing=True)
@@ -168,6 +171,7 @@ def test_gradient_checkpointing_gives_the_same_step(train_examples, fp32_run):
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.slow
 def test_mixed_precision_trains_close_to_fp32_and_keeps_float32_weights(train_examples, fp32_run, precision):
     state, losses, grads = fp32_run
     mixed, mixed_losses, trainer = trained_state(train_examples, precision=precision)

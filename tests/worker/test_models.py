@@ -47,6 +47,7 @@ def test_tokenizer_learned_the_corpus(tiny):
         assert len(tiny.tokenizer(word, add_special_tokens=False)["input_ids"]) == 1, word
 
 
+@pytest.mark.slow
 def test_same_fingerprint_in_another_process_with_another_thread_count(tiny):
     child = (
         "import json, sys, torch; torch.set_num_threads(2); sys.path.insert(0, sys.argv[1])\n"

@@ -43,6 +43,7 @@ def smollm2():
 
 
 @requires_smollm2
+@pytest.mark.slow
 def test_smollm2_loads_from_the_cache_with_a_stable_fingerprint(smollm2):
     first, second = smollm2
     assert first.fingerprint == second.fingerprint
@@ -56,6 +57,7 @@ def test_smollm2_loads_from_the_cache_with_a_stable_fingerprint(smollm2):
 
 
 @requires_smollm2
+@pytest.mark.slow
 def test_smollm2_is_a_pretrained_chat_model(smollm2):
     base = smollm2[0]
     example = Example(prompt="Write a Python function that returns the sum of a list of numbers.",

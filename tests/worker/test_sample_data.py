@@ -12,6 +12,7 @@ DATA = Path(__file__).resolve().parents[2] / "data"
 NAMES = ("python_expert", "sql_expert", "docs_expert")
 
 
+@pytest.mark.slow
 def test_sample_files_regenerate_byte_identically(tmp_path):
     subprocess.run([sys.executable, str(DATA / "make_samples.py"), "--out", str(tmp_path)], check=True,
                    capture_output=True, timeout=120)

@@ -21,6 +21,7 @@ def new_trainer(train_examples, lora=LoraSettings(), settings=FAST):
     return LoraTrainer(load_base_model("tiny-qwen2"), lora, settings, train_examples)
 
 
+@pytest.mark.slow
 def test_fresh_adapter_evaluates_exactly_like_the_base_model(sql_split):
     train, heldout = sql_split
     base = load_base_model("tiny-qwen2")
@@ -30,6 +31,7 @@ def test_fresh_adapter_evaluates_exactly_like_the_base_model(sql_split):
     assert 7.5 < base_loss < 9.5  # a random model: about ln(3000) = 8.0 nats per token
 
 
+@pytest.mark.slow
 def test_initial_adapter_is_deterministic_and_has_b_zero(sql_split):
     train, _ = sql_split
     first, second = new_trainer(train), new_trainer(train)
@@ -58,6 +60,7 @@ def test_adapter_state_is_a_copy(sql_split):
     assert not torch.equal(trainer.adapter_state()[key], state[key])
 
 
+@pytest.mark.slow
 def test_same_seed_gives_the_same_losses(sql_split):
     train = sql_split[0]
     runs = []
@@ -68,6 +71,7 @@ def test_same_seed_gives_the_same_losses(sql_split):
     assert all(math.isfinite(x) for x in runs[0])
 
 
+@pytest.mark.slow
 def test_thirty_steps_lower_the_held_out_loss_of_the_domain(sql_split):
     train, heldout = sql_split
     base = load_base_model("tiny-qwen2")
@@ -83,6 +87,7 @@ def test_thirty_steps_lower_the_held_out_loss_of_the_domain(sql_split):
     assert trainer.global_step == 30 and trainer.data_position == StreamPosition(0, 240)
 
 
+@pytest.mark.slow
 def test_adapter_round_trip_into_a_fresh_trainer(sql_split):
     train, heldout = sql_split
     trained = new_trainer(train)
