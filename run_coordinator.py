@@ -20,7 +20,6 @@ from coordinator.choices import AGGREGATION_NAMES, ROBUST_NAMES
 from coordinator.norm_check import NORM_CHECK_MODES
 from gateway.choices import DEFAULT_ROUTE_THRESHOLD, MERGE_NAMES
 from protocol.cli import add_common_flags, report_error, setup_logging
-from protocol.schemas import parse_json_flag
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -96,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args, logging.DEBUG if args.debug else logging.INFO)
     from coordinator.config import CoordinatorConfig
     from coordinator.server import ServeOptions, ServerStartError, serve
+    from protocol.schemas import parse_json_flag
 
     try:
         weights = _gateway_weights(args.gateway_weights)

@@ -56,7 +56,9 @@ def status_of(client, update_id: str) -> str | None:
 
 
 def test_a_push_on_a_full_disk_is_a_507_that_records_nothing(make_app, small_disk):
-    app = make_app(data_dir=small_disk / "data", keep_versions=1)
+    # No gateway builds during the test: a background build writing to the same tiny disk would make
+    # which write fails first a matter of timing.
+    app = make_app(data_dir=small_disk / "data", keep_versions=1, gateway_interval=3600)
     client = app.test_client()
     assert put_expert(client, "e", ADAPTER).status_code == 201
     seen = set()
@@ -70,7 +72,7 @@ def test_a_push_on_a_full_disk_is_a_507_that_records_nothing(make_app, small_dis
         if r.status_code == 507:
             error = r.get_json()["error"]
             assert error["code"] == "insufficient_storage" and "disk is full" in error["message"]
-            assert status_of(client, meta["update_id"]) is None  # an error means: not recorded
+            assert status_of(client, meta["update_id"]) is None, (leave, r.data)  # an error means: not recorded
         else:
             assert status_of(client, meta["update_id"]) in ("pending", "applied")
         assert list((small_disk / "data" / "blobs" / "tmp").iterdir()) == []  # no partial file left
