@@ -12,22 +12,23 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import signal
 import socket
 import sys
+import threading
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from protocol.cli import add_common_flags, check_coordinator_url, report_error, setup_logging
 from protocol.errors import FedMoEError
-from protocol.schemas import check_name, parse_json_flag
-from worker.data import DatasetError, sample_dataset_path
-from worker.encoding import CompressionSettings, PullSettings
-from worker.federation import SyncSettings
-from worker.models import ModelLoadError
-from worker.presets import RECOMMENDED_LR
-from worker.runner import WorkerConfig, run_worker
-from worker.trainer import LoraSettings, TrainSettings
+
+# torch, transformers and peft take seconds to import: the worker modules that need them are imported
+# once the flags are parsed, so --help and a mistyped flag answer at once (tests/cli/test_cli.py).
+if TYPE_CHECKING:
+    from worker.runner import WorkerConfig
 
 DEFAULT_BASE_MODEL = "qwen/Qwen2-0.5B-Instruct"
 
@@ -108,17 +109,20 @@ def default_state_dir(worker_id: str) -> Path:
 
 
 def build_config(args: argparse.Namespace) -> WorkerConfig:
+    from protocol.schemas import parse_json_flag
+    from worker.data import sample_dataset_path
+    from worker.encoding import CompressionSettings, PullSettings
+    from worker.federation import SyncSettings
+    from worker.presets import RECOMMENDED_LR
+    from worker.runner import WorkerConfig
+    from worker.trainer import LoraSettings, TrainSettings
+
     _check_names(args)
-    check_coordinator_url(args.coordinator_url)
+    _check_address_and_files(args)
     dataset = args.dataset or sample_dataset_path(args.specialty)
     if dataset is None:
         raise ValueError(f"no --dataset given and the project ships no sample data for {args.specialty!r}; "
                          "pass --dataset PATH.jsonl")
-    if not Path(dataset).is_file():
-        raise ValueError(f"--dataset {str(dataset)!r} does not exist; pass a JSONL file with 'prompt' and "
-                         "'reference_code' on each line")
-    if args.ca_cert is not None and not args.ca_cert.is_file():
-        raise ValueError(f"--ca-cert {str(args.ca_cert)!r} does not exist")
     modules = tuple(m.strip() for m in args.target_modules.split(",") if m.strip()) if args.target_modules else ()
     train_kwargs = {"batch_size": args.batch_size, "max_seq_len": args.max_seq_len, "seed": args.seed,
                     "grad_accum": args.grad_accum, "precision": args.precision,
@@ -145,8 +149,20 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         ca_cert=args.ca_cert, progress=False if args.log_format == "json" else None)
 
 
+def _check_address_and_files(args: argparse.Namespace) -> None:
+    """The checks that need no worker module: main() runs them before importing torch, so they answer at once."""
+    check_coordinator_url(args.coordinator_url)
+    if args.dataset is not None and not args.dataset.is_file():
+        raise ValueError(f"--dataset {str(args.dataset)!r} does not exist; pass a JSONL file with 'prompt' and "
+                         "'reference_code' on each line")
+    if args.ca_cert is not None and not args.ca_cert.is_file():
+        raise ValueError(f"--ca-cert {str(args.ca_cert)!r} does not exist")
+
+
 def _check_names(args: argparse.Namespace) -> None:
     """Names the coordinator would refuse, refused here before minutes of model loading."""
+    from protocol.schemas import check_name
+
     try:
         check_name(args.specialty, "--specialty")
         if args.worker_id is not None:
@@ -158,15 +174,40 @@ def _check_names(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(args)
+    try:
+        _check_address_and_files(args)
+    except ValueError as exc:
+        return report_error(args, exc)
+    from worker.data import DatasetError
+    from worker.models import ModelLoadError
+    from worker.runner import run_worker
+
     # peft asks transformers for is_gradient_checkpointing; the deprecation notice is not the user's to act on.
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    previous = _stop_on_sigterm()
     try:
         run_worker(build_config(args))
     except (ValueError, DatasetError, ModelLoadError, FedMoEError) as exc:
         return report_error(args, exc)
     except KeyboardInterrupt:  # before training started: nothing to push
         return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _stop_on_sigterm() -> object | None:
+    """Make SIGTERM (systemd, docker stop, kill) end the run like Ctrl-C, with the final push that flushes
+    the error-feedback residual; returns the handler it replaced. Not under torchrun: there a rank that
+    died would leave the others' final sync waiting in a collective, so SIGTERM ends them at once."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 or threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, _interrupt)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import requests
 import urllib3
@@ -133,6 +134,11 @@ class CoordinatorClient:
                 response = self.session.request(method, url, timeout=self.timeout, headers=headers, **kwargs)
             except requests.exceptions.SSLError as exc:
                 raise TLSFailure(_tls_message(self.base_url, exc)) from None
+            except requests.exceptions.ProxyError as exc:  # the proxy, not the coordinator, is the one to check
+                last = (f"cannot reach the coordinator through the proxy {self._proxy(url)} (from the environment, "
+                        f"because of --use-proxy): {_reason(exc)}; check the proxy or drop --use-proxy")
+                log.debug("%s %s failed (%s), attempt %d", method, path, last, attempt + 1)
+                continue
             except requests.RequestException as exc:
                 last = f"cannot reach the coordinator at {self.base_url}: {_reason(exc)}"
                 log.debug("%s %s failed (%s), attempt %d", method, path, last, attempt + 1)
@@ -150,6 +156,12 @@ class CoordinatorClient:
                 return response
             last = f"coordinator answered HTTP {response.status_code} to {method} {path}"
         raise Unavailable(last + f" (gave up after {self.retry.attempts} tries)")
+
+    def _proxy(self, url: str) -> str:
+        """The proxy requests uses for ``url`` (HTTP(S)_PROXY, NO_PROXY), without its credentials."""
+        proxy = requests.utils.select_proxy(url, requests.utils.get_environ_proxies(url)) or "?"
+        parts = urlsplit(proxy)
+        return parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl() if parts.netloc else proxy
 
     def _json(self, method: str, path: str, **kwargs: Any) -> Any:
         return self._request(method, path, **kwargs).json()
