@@ -96,7 +96,7 @@ def test_a_killed_worker_resumes_from_its_checkpoint_and_nothing_counts_twice(st
     second = spawn_worker(*args, "--duration", "3")
     assert second.proc.wait(timeout=120) == 0, "".join(second.log)
     log = "".join(second.log)
-    assert "resuming from the checkpoint" in log and "Traceback" not in log
+    assert "resuming the checkpoint in" in log and "pass --fresh to start over" in log and "Traceback" not in log
     records = [json.loads(line) for line in results.read_text().splitlines()]
     resumed = records[len(before):]
     assert resumed[0]["sync"] == at_kill["syncs"] and resumed[0]["global_step"] > at_kill["global_step"]
