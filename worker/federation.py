@@ -233,13 +233,15 @@ class FederatedWorker:
     def _forget_history(self, version: int) -> None:
         """The coordinator lacks the versions our checkpoint builds on (a new data dir?): start from it.
 
-        Our queued updates are deltas on versions it never had, so they are dropped (if the expert
-        was just created, it was created from our adapter, which already contains them).
+        Our queued updates and error-feedback residual are deltas on versions it never had, so they
+        are dropped (if the expert was just created, it was created from our adapter, which already
+        contains them).
         """
         log.warning("the coordinator has expert %s at version %d, behind this worker's checkpoint (version %d): "
                     "dropping %d queued update(s) and starting from the coordinator's weights",
                     self.settings.specialty, version, self.base_version, len(self.outbox))
         self.outbox.clear()
+        self.encoder.reset()
         self.pulled, self.etag, self.base_version = {}, None, version
 
     # the loop -----------------------------------------------------------------
