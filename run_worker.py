@@ -14,23 +14,25 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import socket
 import sys
+import threading
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from protocol.cli import add_common_flags, check_coordinator_url, report_error, setup_logging
 from protocol.errors import FedMoEError
-from protocol.schemas import check_name, parse_json_flag
-from worker.data import DatasetError, sample_dataset_path
-from worker.encoding import CompressionSettings, PullSettings
-from worker.federation import SyncSettings
-from worker.models import ModelLoadError
-from worker.presets import RECOMMENDED_LR
-from worker.runner import WorkerConfig, run_worker
-from worker.profiling import ProfileSettings
-from worker.strategies import STRATEGY_CHOICES, ParallelSettings
-from worker.trainer import LoraSettings, TrainSettings
+
+# torch, transformers and peft take seconds to import: the worker modules that need them are imported
+# once the flags are parsed, so --help and a mistyped flag answer at once (tests/cli/test_cli.py).
+from worker.choices import STRATEGY_CHOICES
+
+if TYPE_CHECKING:
+    from worker.profiling import ProfileSettings
+    from worker.runner import WorkerConfig
+    from worker.strategies import ParallelSettings
 
 DEFAULT_BASE_MODEL = "qwen/Qwen2-0.5B-Instruct"
 
@@ -127,6 +129,8 @@ def profile_settings(args: argparse.Namespace) -> ProfileSettings | None:
         if args.profile_steps != 3:
             raise ValueError("--profile-steps given without --profile DIR")
         return None
+    from worker.profiling import ProfileSettings
+
     return ProfileSettings(directory=args.profile, steps=args.profile_steps)
 
 
@@ -139,6 +143,9 @@ def tensorboard_dir(args: argparse.Namespace) -> Path | None:
 
 
 def parallel_settings(args: argparse.Namespace, deepspeed=None) -> ParallelSettings:
+    from protocol.schemas import parse_json_flag
+    from worker.strategies import ParallelSettings
+
     strategy, offload = (args.strategy, args.cpu_offload) if deepspeed is None else \
         (deepspeed.parallel.strategy, deepspeed.parallel.cpu_offload)
     return ParallelSettings(strategy=strategy, cpu_offload=offload, comm_compress=args.comm_compress,
@@ -177,17 +184,20 @@ def default_state_dir(worker_id: str) -> Path:
 
 
 def build_config(args: argparse.Namespace) -> WorkerConfig:
+    from protocol.schemas import parse_json_flag
+    from worker.data import sample_dataset_path
+    from worker.encoding import CompressionSettings, PullSettings
+    from worker.federation import SyncSettings
+    from worker.presets import RECOMMENDED_LR
+    from worker.runner import WorkerConfig
+    from worker.trainer import LoraSettings, TrainSettings
+
     _check_names(args)
-    check_coordinator_url(args.coordinator_url)
+    _check_address_and_files(args)
     dataset = args.dataset or sample_dataset_path(args.specialty)
     if dataset is None:
         raise ValueError(f"no --dataset given and the project ships no sample data for {args.specialty!r}; "
                          "pass --dataset PATH.jsonl")
-    if not Path(dataset).is_file():
-        raise ValueError(f"--dataset {str(dataset)!r} does not exist; pass a JSONL file with 'prompt' and "
-                         "'reference_code' on each line")
-    if args.ca_cert is not None and not args.ca_cert.is_file():
-        raise ValueError(f"--ca-cert {str(args.ca_cert)!r} does not exist")
     modules = tuple(m.strip() for m in args.target_modules.split(",") if m.strip()) if args.target_modules else ()
     deepspeed = deepspeed_plan(args)
     train_kwargs = {"batch_size": args.batch_size, "max_seq_len": args.max_seq_len, "seed": args.seed,
@@ -217,8 +227,20 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         parallel=parallel_settings(args, deepspeed), profile=profile_settings(args), tensorboard=tensorboard_dir(args))
 
 
+def _check_address_and_files(args: argparse.Namespace) -> None:
+    """The checks that need no worker module: main() runs them before importing torch, so they answer at once."""
+    check_coordinator_url(args.coordinator_url)
+    if args.dataset is not None and not args.dataset.is_file():
+        raise ValueError(f"--dataset {str(args.dataset)!r} does not exist; pass a JSONL file with 'prompt' and "
+                         "'reference_code' on each line")
+    if args.ca_cert is not None and not args.ca_cert.is_file():
+        raise ValueError(f"--ca-cert {str(args.ca_cert)!r} does not exist")
+
+
 def _check_names(args: argparse.Namespace) -> None:
     """Names the coordinator would refuse, refused here before minutes of model loading."""
+    from protocol.schemas import check_name
+
     try:
         check_name(args.specialty, "--specialty")
         if args.worker_id is not None:
@@ -230,15 +252,40 @@ def _check_names(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(args)
+    try:
+        _check_address_and_files(args)
+    except ValueError as exc:
+        return report_error(args, exc)
+    from worker.data import DatasetError
+    from worker.models import ModelLoadError
+    from worker.runner import run_worker
+
     # peft asks transformers for is_gradient_checkpointing; the deprecation notice is not the user's to act on.
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    previous = _stop_on_sigterm()
     try:
         run_worker(build_config(args))
     except (ValueError, DatasetError, ModelLoadError, FedMoEError) as exc:
         return report_error(args, exc)
     except KeyboardInterrupt:  # before training started: nothing to push
         return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _stop_on_sigterm() -> object | None:
+    """Make SIGTERM (systemd, docker stop, kill) end the run like Ctrl-C, with the final push that flushes
+    the error-feedback residual; returns the handler it replaced. Not under torchrun: there a rank that
+    died would leave the others' final sync waiting in a collective, so SIGTERM ends them at once."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 or threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, _interrupt)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

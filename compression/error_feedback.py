@@ -45,6 +45,11 @@ class ErrorFeedback:
             raise CompressionError(f"residual for {name!r} has shape {tuple(residual.shape)}, delta has {tuple(delta.shape)}")
         return delta + residual
 
+    @property
+    def residual(self) -> dict[str, torch.Tensor]:
+        """The live residuals, not copied: read only (``compress`` replaces them, never mutates them)."""
+        return self._residual
+
     def reset(self) -> None:
         """Forget all residuals (e.g. after the base model changed)."""
         self._residual = {}
@@ -53,11 +58,16 @@ class ErrorFeedback:
         """Residuals as contiguous fp32 tensors, ready for ``safetensors.torch.save_file``."""
         return {name: r.detach().clone().contiguous() for name, r in self._residual.items()}
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Restore residuals saved by ``state_dict``."""
+    @staticmethod
+    def check_residual(state: dict[str, torch.Tensor]) -> None:
+        """Raise CompressionError unless every residual is a finite floating point tensor."""
         for name, tensor in state.items():
             if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
                 raise CompressionError(f"residual {name!r} must be a floating point tensor")
             if not torch.isfinite(tensor).all():
                 raise CompressionError(f"residual {name!r} has NaN or infinite values")
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore residuals saved by ``state_dict``."""
+        self.check_residual(state)
         self._residual = {name: t.detach().to(torch.float32).clone() for name, t in state.items()}

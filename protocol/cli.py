@@ -32,7 +32,7 @@ def setup_logging(args: argparse.Namespace, level: int = logging.INFO) -> None:
 def report_error(args: argparse.Namespace, message: object) -> int:
     """Print the one error line (a JSON object with --log-format json); returns the exit code."""
     text = str(message).strip().replace("\n", " ")
-    if isinstance(message, Unavailable) and "--coordinator-url" not in text:
+    if isinstance(message, Unavailable) and "--coordinator-url" not in text and "--use-proxy" not in text:
         text += "; is the coordinator running there? check --coordinator-url"
     if getattr(args, "log_format", "text") == "json":
         print(json.dumps({"level": "ERROR", "logger": "cli", "message": text}), file=sys.stderr)

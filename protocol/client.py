@@ -143,6 +143,11 @@ class CoordinatorClient:
                 response = self.session.request(method, url, timeout=self.timeout, headers=headers, **kwargs)
             except requests.exceptions.SSLError as exc:
                 raise TLSFailure(_tls_message(self.base_url, exc)) from None
+            except requests.exceptions.ProxyError as exc:  # the proxy, not the coordinator, is the one to check
+                last = (f"cannot reach the coordinator through the proxy {self._proxy(url)} (from the environment, "
+                        f"because of --use-proxy): {_reason(exc)}; check the proxy or drop --use-proxy")
+                log.debug("%s %s failed (%s), attempt %d", method, path, last, attempt + 1)
+                continue
             except requests.RequestException as exc:
                 if isinstance(exc, requests.ConnectionError) and self._plain_http_to_tls():
                     raise TLSFailure(f"{self.base_url} speaks TLS (the coordinator runs with --tls-cert): use "
@@ -176,6 +181,12 @@ class CoordinatorClient:
             return _speaks_tls(parts.hostname, parts.port or 80, self.timeout[0])
         except ValueError:  # a bad port number: requests reports it
             return False
+
+    def _proxy(self, url: str) -> str:
+        """The proxy requests uses for ``url`` (HTTP(S)_PROXY, NO_PROXY), without its credentials."""
+        proxy = requests.utils.select_proxy(url, requests.utils.get_environ_proxies(url)) or "?"
+        parts = urlsplit(proxy)
+        return parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl() if parts.netloc else proxy
 
     def _json(self, method: str, path: str, **kwargs: Any) -> Any:
         return self._request(method, path, **kwargs).json()

@@ -170,7 +170,13 @@ def load_checkpoint(state_dir: Path, identity: dict[str, Any]) -> WorkerCheckpoi
     manifest = _read_manifest(state_dir)
     if manifest is None:
         return None
+    if "dataset" not in manifest["identity"]:  # written before checkpoints recorded their data: not checked
+        identity = {k: v for k, v in identity.items() if k != "dataset"}
     differences = identity_differences(manifest["identity"], identity)
+    if any(d.startswith("dataset.") for d in differences):  # a hash says nothing to a person: name the file
+        trained_on = manifest["progress"].get("dataset") or "another file"
+        differences = [d for d in differences if not d.startswith("dataset.")]
+        differences.append(f"it was trained on {trained_on}, --dataset now has other content")
     if differences:
         raise CheckpointError(f"--state-dir {state_dir} holds a checkpoint of another setup "
                               f"({'; '.join(differences)}); pass --fresh to discard it, or choose another "

@@ -31,6 +31,10 @@ class IntervalProgress(Protocol):
     @property
     def loss(self) -> float | None: ...
 
+    @property
+    def tokens_per_second(self) -> float:
+        """Tokens over wall time, --speed-factor sleeps included."""
+
 
 class SyncConsole:
     def __init__(self, sync_interval: float, progress: bool | None = None, stream: TextIO | None = None,
@@ -58,7 +62,7 @@ class SyncConsole:
             return
         loss = interval.loss
         self._bar.set_postfix_str(f"{interval.steps} steps, loss {_fmt(loss, 4)}, "
-                                  f"{interval.tokens / max(interval.seconds, 1e-9):.0f} tokens/s", refresh=False)
+                                  f"{interval.tokens_per_second:.0f} tokens/s", refresh=False)
         done = min(time.monotonic() - self._started, self._bar.total)
         self._bar.update(done - self._bar.n)
 
@@ -75,10 +79,10 @@ def sync_line(r: dict[str, Any]) -> str:
     """One readable line: training done, what was pushed, what was pulled, time spent syncing."""
     parts = [f"sync {r.get('sync', '?')}{' (final)' if r.get('final') else ''}:"]
     if "steps" in r:
-        tokens_per_s = r.get("tokens", 0) / max(r.get("train_seconds") or 0.0, 1e-9)
-        parts.append(f"{r['steps']} steps, loss {_fmt(r.get('train_loss'), 4)}, {tokens_per_s:.0f} tokens/s;")
+        parts.append(f"{r['steps']} steps, loss {_fmt(r.get('train_loss'), 4)}, {_tokens_per_second(r)};")
         ratio = "-" if r.get("ratio") is None else f"{r['ratio']:.3g}"
-        parts.append(f"sent {_size(r.get('bytes_sent'))} (compression {ratio}x);")
+        flush = ", the final flush with the residual" if r.get("flushed_residual_norm") else ""
+        parts.append(f"sent {_size(r.get('bytes_sent'))} (compression {ratio}x{flush});")
     elif r.get("dropped"):
         parts.append("update dropped (could not be encoded);")
     else:
@@ -89,6 +93,15 @@ def sync_line(r: dict[str, Any]) -> str:
         parts.append(f"pulled v{r.get('version')} ({_size(r.get('bytes_down'))});")
     parts.append(f"sync took {_fmt(r.get('sync_seconds'), 2)} s")
     return " ".join(parts)
+
+
+def _tokens_per_second(r: dict[str, Any]) -> str:
+    """Effective tokens/s (--speed-factor sleeps included), and the compute-only rate when they differ."""
+    tokens, compute = r.get("tokens", 0), r.get("train_seconds") or 0.0
+    effective = tokens / max(compute + (r.get("throttle_seconds") or 0.0), 1e-9)
+    if not r.get("throttle_seconds"):
+        return f"{effective:.0f} tokens/s"
+    return f"{effective:.0f} tokens/s ({tokens / max(compute, 1e-9):.0f} computing, --speed-factor sleeps excluded)"
 
 
 def _fmt(value: float | None, digits: int) -> str:

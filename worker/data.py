@@ -51,6 +51,22 @@ def load_examples(path: str | os.PathLike) -> list[Example]:
     return examples
 
 
+def dataset_sha256(path: str | os.PathLike) -> str:
+    """sha256 hex of the dataset file's bytes: what a checkpoint records to refuse resuming on other data.
+
+    The content, not path + size + mtime: the same file copied, moved or checked out again is the
+    same dataset, and an edit that keeps the size and the mtime is not.
+    """
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+    except OSError as exc:
+        raise DatasetError(f"{path}: cannot read dataset ({exc})") from exc
+    return digest.hexdigest()
+
+
 def _parse_line(path: Path, number: int, line: str) -> Example:
     where = f"{path} line {number}"
     try:

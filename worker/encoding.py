@@ -1,13 +1,19 @@
-"""How a worker turns a delta into bytes: plain safetensors or a compression codec.
+"""How the worker turns a delta into the bytes of one update: raw safetensors or a compression codec.
 
 With a lossy codec the encoder keeps an error-feedback residual, so what one
-sync drops is sent in a later one instead of being lost.
+sync drops is sent in a later one instead of being lost. The residual is training
+the coordinator does not have yet: the worker keeps it in its local weights
+(``worker.federation``: local = pulled + residual) and the last update of a run is
+a *flush*, sent losslessly as fp32 safetensors with the residual added, so nothing
+trained stays behind when the worker exits.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from compression import ErrorFeedback, make_codec, measure
 from compression.wire import decode_update, encode_update
@@ -55,6 +61,8 @@ class EncodedUpdate:
     sent: StateDict
     """What the coordinator will decode from ``body``."""
     metrics: dict[str, Any]
+    codec_meta: dict[str, Any] = field(default_factory=lambda: {"codec": RAW_CODEC, "codec_config": {}})
+    """The update's codec and options, for its metadata (a flush is raw whatever the settings)."""
 
 
 class UpdateEncoder:
@@ -63,49 +71,77 @@ class UpdateEncoder:
         self._codec = None if settings.codec == RAW_CODEC else make_codec(settings.codec, settings.config)
         self._feedback = (ErrorFeedback(self._codec, settings.decay)
                           if self._codec is not None and settings.error_feedback else None)
+        self._pending: StateDict = {}
+        """A residual from a checkpoint this encoder keeps none of (another codec): added to the next update."""
 
     @property
     def codec_meta(self) -> dict[str, Any]:
         return {"codec": self.settings.codec, "codec_config": dict(self.settings.config)}
 
-    def encode(self, delta: StateDict, manifest: Manifest, seed: int) -> EncodedUpdate:
+    @property
+    def lossy(self) -> bool:
+        return self._codec is not None
+
+    def encode(self, delta: StateDict, manifest: Manifest, seed: int, flush: bool = False) -> EncodedUpdate:
         """Encode ``delta`` (plus the carried residual); metrics compare it with what will be decoded.
 
+        ``flush``: send delta + residual exactly (fp32 safetensors) and carry nothing on; the last
+        update of a run, so the coordinator ends with everything this worker trained.
         ``encode_ms`` covers encoding (and, with error feedback, the residual update);
         ``decode_ms`` is a separate timing of what the coordinator will do with the body.
         """
-        target = delta  # what this update means to carry: the delta plus what earlier ones dropped
+        carried = self.carried()
+        target = {k: v + carried[k] for k, v in delta.items()} if carried else delta  # what this update carries
         started = time.perf_counter()
-        if self._codec is None:
-            body = dumps(delta)
+        if self._codec is None or flush:
+            body, codec = dumps(target), None
+            self._forget_carried()
         elif self._feedback is not None:
-            carried = self._feedback.state_dict()
-            target = {k: v + carried[k] for k, v in delta.items()} if carried else delta
             body, _ = self._feedback.compress(delta, manifest, seed)
+            codec = self._codec
         else:
-            body = encode_update(delta, manifest, self._codec, seed)
+            body, codec = encode_update(target, manifest, self._codec, seed), self._codec
+            self._forget_carried()
         encode_ms = (time.perf_counter() - started) * 1000
         started = time.perf_counter()
-        sent = loads(body) if self._codec is None else decode_update(body, manifest, self._codec)
+        sent = loads(body) if codec is None else decode_update(body, manifest, codec)
         decode_ms = (time.perf_counter() - started) * 1000
-        metrics = measure(target, sent, body, encode_ms, decode_ms, codec=self._codec,
-                          manifest=manifest if self._codec is not None else None)
+        metrics = measure(target, sent, body, encode_ms, decode_ms, codec=codec,
+                          manifest=manifest if codec is not None else None)
         metrics["residual_norm"] = self.residual_norm()
-        return EncodedUpdate(body, sent, metrics)
+        if flush and self.lossy:
+            metrics["flushed_residual_norm"] = _norm(carried)
+        meta = self.codec_meta if codec is not None else {"codec": RAW_CODEC, "codec_config": {}}
+        return EncodedUpdate(body, sent, metrics, meta)
 
-    def reset(self) -> None:
-        """Forget the carried residual (after a failed encode, or when weights were replaced)."""
+    def carried(self) -> StateDict:
+        """What the next update adds to its delta: the error-feedback residual (or one loaded from a checkpoint)."""
+        return dict(self._feedback.residual if self._feedback is not None else self._pending)  # read only
+
+    def _forget_carried(self) -> None:
+        self._pending = {}
         if self._feedback is not None:
             self._feedback.reset()
 
+    def reset(self) -> None:
+        """Forget the carried residual (after a failed encode, or when weights were replaced)."""
+        self._forget_carried()
+
     def residual_norm(self) -> float:
-        if self._feedback is None:
-            return 0.0
-        return float(sum(float(r.double().pow(2).sum()) for r in self._feedback.state_dict().values()) ** 0.5)
+        return _norm(self.carried())
 
     def state_dict(self) -> StateDict:
-        return self._feedback.state_dict() if self._feedback is not None else {}
+        """The residual, copied (a checkpoint written while training goes on)."""
+        return {k: v.detach().clone().contiguous() for k, v in self.carried().items()}
 
     def load_state_dict(self, state: StateDict) -> None:
+        """Restore a residual; one this encoder would not carry (no error feedback) goes into the next update."""
         if self._feedback is not None:
             self._feedback.load_state_dict(state)
+        else:
+            ErrorFeedback.check_residual(state)
+            self._pending = {k: v.detach().to(torch.float32).clone() for k, v in state.items()}
+
+
+def _norm(tensors: StateDict) -> float:
+    return float(sum(float(t.double().pow(2).sum()) for t in tensors.values()) ** 0.5)

@@ -15,8 +15,16 @@ Overlapped sync. A sync has three parts, so that training need not wait for the 
 - ``exchange`` (a background thread while training goes on): encode the delta into the outbox,
   save the checkpoint, push the outbox, pull the expert. This is *the* network step of a sync.
 - ``finish_sync`` (training thread, at the first step boundary after ``exchange`` ended): adopt
-  the pulled weights W as ``W + (local_now - snapshot)``, so steps taken meanwhile are kept, and
-  measure the next delta from W, so they are sent once (in the next update).
+  the pulled weights W as ``W + r + (local_now - snapshot)``, so steps taken meanwhile are kept, and
+  measure the next delta from ``W + r``, so they are sent once (in the next update).
+
+Error feedback. ``r`` is the residual a lossy codec has not delivered yet (worker.encoding). It is
+training the coordinator lacks, so the local weights keep it (``W + r``): with one worker and
+FedAsync at server_lr 1 the local weights follow exactly the path of local training, and the
+coordinator's weights trail them by r. (Adopting bare W instead threw r out of the local model,
+so training learned it again while the encoder still owed it: the residual grew every sync.)
+The final sync is a *flush*: delta + r sent losslessly (worker.encoding), so the coordinator ends
+with the weights local training reached.
 
 One sync is in flight at a time: a sync that falls due meanwhile starts when the previous one
 ends. ``sync()`` runs the three parts in a row; the final sync (duration over, or Ctrl-C) does.
@@ -140,15 +148,20 @@ class FederatedWorker:
     _executor: ThreadPoolExecutor | None = field(default=None, repr=False)
     collective: SingleProcess = field(default_factory=SingleProcess)
     """dist: the data-parallel ranks of this worker; only rank 0 talks to the coordinator."""
+    dataset: dict[str, str] | None = None
+    """{"path", "sha256"} of the training data: a checkpoint trained on other data is not resumed."""
 
     # joining ------------------------------------------------------------------
 
     @property
     def identity(self) -> dict[str, Any]:
         """What a checkpoint must match to be resumed by this worker."""
-        return {"specialty": self.settings.specialty, "worker_id": self.settings.worker_id,
-                "base_model": self.expert_spec["base_model"],
-                **{k: v for k, v in self.expert_spec.items() if k in ("kind", "lora", "full")}}
+        identity = {"specialty": self.settings.specialty, "worker_id": self.settings.worker_id,
+                    "base_model": self.expert_spec["base_model"],
+                    **{k: v for k, v in self.expert_spec.items() if k in ("kind", "lora", "full")}}
+        if self.dataset is not None:
+            identity["dataset"] = {"sha256": self.dataset["sha256"]}
+        return identity
 
     def join(self) -> dict[str, Any]:
         """Resume a checkpoint if any, register, create the expert if we are its first worker, pull it."""
@@ -205,21 +218,33 @@ class FederatedWorker:
         self.base_version, self.etag = progress["base_version"], progress["etag"]
         self.pulls, self.syncs = progress["pulls"], progress["syncs"]
         self.outbox = deque(Outgoing(body, meta) for body, meta in checkpoint.outbox)
-        log.info("resuming from the checkpoint in %s: %d sync(s), step %d, data %s, expert version %d, "
-                 "%d queued update(s)", s.state_dir, self.syncs, self.trainer.global_step,
-                 progress["data_position"], self.base_version, len(self.outbox))
+        log.warning("resuming the checkpoint in %s (sync %d, step %d, expert version %d, %d queued update(s)%s); "
+                    "pass --fresh to start over", s.state_dir, self.syncs, self.trainer.global_step,
+                    self.base_version, len(self.outbox), self._codec_change(progress.get("codec")))
         return True
+
+    def _codec_change(self, saved: dict[str, Any] | None) -> str:
+        """', trained with another codec ...' when the checkpoint's codec differs from today's (allowed)."""
+        now = self.encoder.codec_meta
+        if saved is None or saved == now:
+            return ""
+        carried = self.encoder.residual_norm()
+        return (f", trained with --compression {saved['codec']} {json.dumps(saved['codec_config'])}, now "
+                f"{now['codec']} {json.dumps(now['codec_config'])}"
+                + (f"; its residual (norm {carried:.3g}) goes into the next update" if carried else ""))
 
     def _forget_history(self, version: int) -> None:
         """The coordinator lacks the versions our checkpoint builds on (a new data dir?): start from it.
 
-        Our queued updates are deltas on versions it never had, so they are dropped (if the expert
-        was just created, it was created from our adapter, which already contains them).
+        Our queued updates and error-feedback residual are deltas on versions it never had, so they
+        are dropped (if the expert was just created, it was created from our adapter, which already
+        contains them).
         """
         log.warning("the coordinator has expert %s at version %d, behind this worker's checkpoint (version %d): "
                     "dropping %d queued update(s) and starting from the coordinator's weights",
                     self.settings.specialty, version, self.base_version, len(self.outbox))
         self.outbox.clear()
+        self.encoder.reset()
         self.pulled, self.etag, self.base_version = {}, None, version
 
     # the loop -----------------------------------------------------------------
@@ -257,8 +282,11 @@ class FederatedWorker:
         self.totals.add(stats)
         if self.console is not None:
             self.console.on_train_chunk(self.interval)
-        if self.settings.speed_factor < 1:
-            time.sleep(stats.seconds * (1 / self.settings.speed_factor - 1))
+        if self.settings.speed_factor < 1:  # a slower machine: the sleep counts in tokens/s (IntervalStats)
+            pause = stats.seconds * (1 / self.settings.speed_factor - 1)
+            time.sleep(pause)
+            self.interval.throttled += pause
+            self.totals.throttled += pause
 
     def _report_undelivered(self) -> None:
         if not self.outbox:
@@ -308,8 +336,12 @@ class FederatedWorker:
         started = time.perf_counter()
         try:
             future.result()
-        finally:
+        except Exception:
             self._inflight = None
+            raise
+        # (Ctrl-C/SIGTERM meanwhile leaves the job in flight: the exchange goes on, and run() waits for it
+        # again before the final sync, which must not encode or push alongside it.)
+        self._inflight = None
         job.blocked += time.perf_counter() - started
         return self.finish_sync(job, overlapped=True)
 
@@ -319,7 +351,7 @@ class FederatedWorker:
         stats, self.interval = self.interval, IntervalStats()
         snapshot = self.trainer.adapter_state()
         delta_from = None
-        if stats.samples:
+        if stats.samples or (final and self.encoder.residual_norm() > 0):  # the final sync flushes the residual
             delta_from, self.reference = self.reference, snapshot
         record = {"time": time.time(), "sync": self.syncs, "final": final, "worker_id": self.settings.worker_id,
                   "base_version": self.base_version, "global_step": self.trainer.global_step}
@@ -370,7 +402,7 @@ class FederatedWorker:
         stats, snapshot = job.stats, job.snapshot
         delta = {k: snapshot[k] - job.delta_from[k] for k in snapshot}
         try:
-            encoded = self.encoder.encode(delta, manifest_of(delta), seed=job.number)
+            encoded = self.encoder.encode(delta, manifest_of(delta), seed=job.number, flush=job.final)
         except CompressionError as exc:  # e.g. training diverged to NaN: skip it, resync from the expert
             log.error("cannot encode this interval's update (%s); dropping it and the carried residual", exc)
             self.encoder.reset()
@@ -379,14 +411,17 @@ class FederatedWorker:
             return {"dropped": True}
         meta = {"update_id": f"{self.settings.worker_id}-{uuid.uuid4().hex[:16]}",
                 "base_version": job.record["base_version"], "num_samples": stats.samples,
-                "train_loss": stats.loss, "worker_id": self.settings.worker_id, **self.encoder.codec_meta}
+                "train_loss": stats.loss, "worker_id": self.settings.worker_id, **encoded.codec_meta}
         self.outbox.append(Outgoing(encoded.body, meta))
         m = encoded.metrics
         log.debug("sync %d: %d steps, loss %.4f, %.0f tokens/s; update %d bytes (%.1fx smaller than fp32)",
-                  job.number, stats.steps, stats.loss or float("nan"), stats.tokens / max(stats.seconds, 1e-9),
+                  job.number, stats.steps, stats.loss or float("nan"), stats.tokens_per_second,
                   m["bytes_sent"], m["ratio"])
         return {"steps": stats.steps, "samples": stats.samples, "tokens": stats.tokens, "train_loss": stats.loss,
-                "train_seconds": round(stats.seconds, 4), "update_id": meta["update_id"], **m}
+                "train_seconds": round(stats.seconds, 4), "throttle_seconds": round(stats.throttled, 4),
+                "tokens_per_second": round(stats.tokens_per_second, 2),
+                "compute_tokens_per_second": round(stats.tokens / max(stats.seconds, 1e-9), 2),
+                "update_id": meta["update_id"], "codec": meta["codec"], **m}
 
     def _flush_outbox(self) -> bool:
         """Push queued updates in order; False if the coordinator is unreachable (kept for later)."""
@@ -438,18 +473,21 @@ class FederatedWorker:
             return None
 
     def _adopt(self, fetched: Fetched, carry_from: StateDict | None = None) -> None:
-        """Take the expert's weights W; with ``carry_from`` keep what was trained since: W + (local - carry_from)."""
-        weights = local = fetched.weights
+        """Take the expert's weights W plus our undelivered residual r; with ``carry_from`` keep what was
+        trained since: W + r + (local - carry_from). The next delta is measured from W + r."""
+        weights = fetched.weights
+        residual = self.encoder.carried()
+        ours = local = {k: weights[k] + residual[k] for k in weights} if residual else weights
         if carry_from is not None and self.interval.steps:
             now = self.trainer.adapter_state()
-            carried = {k: weights[k] + (now[k] - carry_from[k]) for k in weights}
+            carried = {k: ours[k] + (now[k] - carry_from[k]) for k in weights}
             if all(bool(torch.isfinite(v).all()) for v in carried.values()):
                 local = carried
             else:  # diverged meanwhile: start over from the expert, forget that training
                 log.error("local training diverged while syncing; continuing from the expert's weights")
                 self.interval = IntervalStats()
         self.trainer.load_adapter_state(local)
-        self.pulled = self.reference = weights
+        self.pulled, self.reference = weights, ours
         self.base_version, self.etag = fetched.version, fetched.etag
 
     def _heartbeat(self) -> None:
@@ -464,7 +502,8 @@ class FederatedWorker:
         """The checkpoint of this sync point; exchange adds the residual and outbox after encoding."""
         progress = {"syncs": self.syncs, "base_version": self.base_version, "etag": self.etag, "pulls": self.pulls,
                     "global_step": self.trainer.global_step, "data_position": self.trainer.data_position.to_dict(),
-                    "time": time.time()}
+                    "time": time.time(), "codec": self.encoder.codec_meta,
+                    "dataset": self.dataset["path"] if self.dataset else None}
         return WorkerCheckpoint(self.identity, progress, adapter=snapshot, reference=self.reference,
                                 pulled=self.pulled, residual={},
                                 optimizer=clone_optimizer_state(self.trainer.optimizer_state()))

@@ -107,7 +107,12 @@ def load_base_model(spec: str, *, use_huggingface: bool = False, device: str = "
     The fingerprint is taken on CPU before the model moves to `device`. Any failure raises
     ModelLoadError with a one-line message.
     """
-    if spec in PRESETS or spec in PRETRAINED_PRESETS:
+    preset = spec in PRESETS or spec in PRETRAINED_PRESETS
+    if use_huggingface and (preset or os.path.isdir(os.path.expanduser(spec))):
+        # a warning, not an error: scripts switch --base-model and keep the other flags
+        logger.warning("--use-huggingface has no effect with --base-model %s: it is a %s, nothing is downloaded",
+                       spec, "preset built on this machine" if preset else "local directory")
+    if preset:
         try:
             model, tokenizer = build_preset(spec) if spec in PRESETS else load_pretrained_preset(spec)
         except PresetError as exc:

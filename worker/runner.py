@@ -9,7 +9,7 @@ from typing import Callable
 from gateway.router import profile_to_json, text_profile
 from protocol.client import CoordinatorClient
 from worker.console import SyncConsole
-from worker.data import load_examples, split_examples
+from worker.data import dataset_sha256, load_examples, split_examples
 from worker.distributed import SingleProcess, process_group
 from worker.encoding import CompressionSettings, PullSettings, UpdateEncoder
 from worker.federation import FederatedWorker, SyncSettings
@@ -81,7 +81,8 @@ def build_worker(config: WorkerConfig, collective: SingleProcess | None = None,
     worker = FederatedWorker(sync, client, trainer, spec, encoder=UpdateEncoder(config.compression),
                              pull=config.pull, profile=profile, collective=collective,
                              console=SyncConsole(config.sync.sync_interval, progress=config.progress)
-                             if collective.is_primary else None, on_result=board.sync if board else None)
+                             if collective.is_primary else None, on_result=board.sync if board else None,
+                             dataset={"path": str(config.dataset), "sha256": dataset_sha256(config.dataset)})
     return worker, trainer, heldout
 
 

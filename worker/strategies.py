@@ -22,11 +22,11 @@ from typing import Any, ClassVar
 
 import torch
 
+from worker.choices import STRATEGY_CHOICES
 from worker.distributed import DistributedSetupError, SingleProcess
 
 log = logging.getLogger(__name__)
 
-STRATEGY_CHOICES = ("auto", "ddp", "fsdp", "fsdp-grad-op")
 SHARDED = ("fsdp", "fsdp-grad-op")
 # auto: a full replica per rank is cheapest while it fits (one all-reduce per step); sharding gradients
 # and optimiser state (~12 bytes per parameter with AdamW) pays from ~1B; sharding parameters too from ~7B.

@@ -25,6 +25,9 @@ class IntervalStats:
     tokens: int = 0
     loss_sum: float = 0.0
     seconds: float = 0.0
+    """Seconds spent computing the steps."""
+    throttled: float = 0.0
+    """Seconds slept after them to simulate a slower machine (--speed-factor)."""
 
     def add(self, s: Any) -> None:
         self.steps += s.steps
@@ -36,6 +39,11 @@ class IntervalStats:
     @property
     def loss(self) -> float | None:
         return self.loss_sum / self.steps if self.steps else None
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Effective throughput: the --speed-factor sleeps count, as they would on a slower machine."""
+        return self.tokens / max(self.seconds + self.throttled, 1e-9)
 
 
 @dataclass

@@ -96,7 +96,7 @@ def test_a_killed_worker_resumes_from_its_checkpoint_and_nothing_counts_twice(st
     second = spawn_worker(*args, "--duration", "3")
     assert second.proc.wait(timeout=120) == 0, "".join(second.log)
     log = "".join(second.log)
-    assert "resuming from the checkpoint" in log and "Traceback" not in log
+    assert "resuming the checkpoint in" in log and "pass --fresh to start over" in log and "Traceback" not in log
     records = [json.loads(line) for line in results.read_text().splitlines()]
     resumed = records[len(before):]
     assert resumed[0]["sync"] == at_kill["syncs"] and resumed[0]["global_step"] > at_kill["global_step"]
@@ -143,7 +143,10 @@ def test_a_checkpoint_of_another_setup_is_one_clear_error_until_fresh(tmp_path, 
     assert "is a file" in capsys.readouterr().err
 
 
-def test_resuming_against_a_coordinator_that_lost_the_expert_counts_nothing_twice(start_coordinator, tmp_path):
+@pytest.mark.parametrize("codec", ["safetensors", "topk+int8"])  # topk: a residual is carried, and dropped too
+def test_resuming_against_a_coordinator_that_lost_the_expert_counts_nothing_twice(start_coordinator, tmp_path, codec):
+    from worker.encoding import CompressionSettings, UpdateEncoder
+
     train, _ = split_examples(load_examples(sample_dataset_path("sql_expert")))
     settings = SyncSettings(specialty="sql_expert", worker_id="w1", state_dir=tmp_path / "state")
 
@@ -151,7 +154,8 @@ def test_resuming_against_a_coordinator_that_lost_the_expert_counts_nothing_twic
         base = load_base_model("tiny-qwen2")
         trainer = LoraTrainer(base, LoraSettings(rank=2), TrainSettings(lr=1e-2, batch_size=2, max_seq_len=64), train)
         spec = {"lora": trainer.lora_config, "base_model": {"id": base.model_id, "fingerprint": base.fingerprint}}
-        return FederatedWorker(settings, CoordinatorClient(url), trainer, spec)
+        return FederatedWorker(settings, CoordinatorClient(url), trainer, spec,
+                               encoder=UpdateEncoder(CompressionSettings(codec, {"ratio": 0.01} if "topk" in codec else {})))
 
     _, old_url = start_coordinator(data_dir=tmp_path / "old")
     first = new_worker(old_url)
@@ -168,4 +172,6 @@ def test_resuming_against_a_coordinator_that_lost_the_expert_counts_nothing_twic
     assert info["version"] == 0 and info["updates_applied"] == 0 and not second.outbox
     created = second.client.pull_weights("sql_expert").tensors
     assert all(torch.allclose(created[k], trained[k], atol=1e-6) for k in trained)  # from our checkpoint
+    local = second.trainer.adapter_state()  # which already holds the residual: not added a second time
+    assert second.encoder.residual_norm() == 0 and all(torch.allclose(local[k], created[k]) for k in local)
     assert second.trainer.global_step == first.trainer.global_step and second.base_version == 0

@@ -33,6 +33,19 @@ def test_sync_line_says_what_was_trained_sent_and_pulled():
     assert sync_line(idle) == "sync 0 (final): nothing trained; sync took 0.01 s"
 
 
+def test_with_speed_factor_tokens_per_second_counts_the_sleep_and_says_the_compute_rate():
+    slowed = RECORD | {"throttle_seconds": 2.0}  # --speed-factor 0.5: slept as long as the 2 s of steps took
+    assert "12 steps, loss 2.3457, 1500 tokens/s (3000 computing, --speed-factor sleeps excluded);" in sync_line(slowed)
+    stats = interval(4)
+    stats.throttled = 0.4
+    assert stats.tokens_per_second == 2500  # the bar shows the same effective rate
+
+
+def test_the_final_flush_is_named():
+    flush = RECORD | {"final": True, "ratio": 1.0, "flushed_residual_norm": 3.2}
+    assert "sent 123.46 kB (compression 1x, the final flush with the residual);" in sync_line(flush)
+
+
 def test_no_bar_on_a_pipe_but_one_line_per_sync(caplog):
     stream = io.StringIO()  # not a terminal, like a log file under systemd
     console = SyncConsole(10.0, stream=stream)

@@ -59,3 +59,40 @@ def test_pull_settings_validate():
         PullSettings(codec="fp16", full_every=0)
     with pytest.raises(ValueError, match="valid codecs"):
         PullSettings(codec="nope")
+
+
+def test_a_flush_sends_the_delta_plus_the_residual_exactly_and_carries_nothing_on():
+    encoder = UpdateEncoder(CompressionSettings("topk+int8", {"ratio": 0.05}))
+    deltas = [delta(i) for i in range(4)]
+    manifest = manifest_of(deltas[0])
+    sent = [encoder.encode(d, manifest, seed=i).sent for i, d in enumerate(deltas[:3])]
+    residual = encoder.state_dict()
+    assert encoder.residual_norm() > 1  # topk 5% left most of three deltas behind
+
+    out = encoder.encode(deltas[3], manifest, seed=3, flush=True)
+    assert out.codec_meta == {"codec": "safetensors", "codec_config": {}}  # what the coordinator is told
+    flushed = loads(out.body)
+    assert all(torch.equal(flushed[k], deltas[3][k] + residual[k]) for k in flushed)
+    assert out.metrics["relative_error"] == 0 and out.metrics["residual_norm"] == 0 and encoder.state_dict() == {}
+    assert out.metrics["flushed_residual_norm"] == pytest.approx(
+        float(torch.cat([r.reshape(-1) for r in residual.values()]).norm()), rel=1e-5)
+    total = {k: sum(s[k] for s in sent) + flushed[k] for k in flushed}  # everything the coordinator decoded
+    assert all(torch.allclose(total[k], sum(d[k] for d in deltas), atol=1e-5) for k in total)
+
+
+def test_an_ordinary_update_keeps_its_codec_in_the_metadata():
+    encoder = UpdateEncoder(CompressionSettings("topk+int8", {"ratio": 0.05}))
+    out = encoder.encode(delta(0), manifest_of(delta(0)), seed=0)
+    assert out.codec_meta == {"codec": "topk+int8", "codec_config": {"ratio": 0.05}}
+
+
+def test_a_residual_from_a_checkpoint_of_another_codec_goes_into_the_next_update():
+    residual = {k: torch.full_like(v, 0.5) for k, v in delta(0).items()}
+    encoder = UpdateEncoder(CompressionSettings())  # resumed without a lossy codec: nothing to carry it in
+    encoder.load_state_dict(residual)
+    assert encoder.residual_norm() > 0
+    d = delta(1)
+    out = encoder.encode(d, manifest_of(d), seed=0)
+    assert all(torch.equal(loads(out.body)[k], d[k] + 0.5) for k in d) and encoder.state_dict() == {}
+    with pytest.raises(ValueError, match="NaN"):
+        encoder.load_state_dict({"x": torch.tensor([float("nan")])})

@@ -146,3 +146,19 @@ def test_missing_corpus_is_a_load_error_that_says_how_to_fix_it(monkeypatch, tmp
     monkeypatch.setattr("worker.models.build_preset", no_corpus)
     with pytest.raises(ModelLoadError, match="cannot build preset 'tiny-qwen2'.*make_samples.py"):
         load_base_model("tiny-qwen2")
+
+
+def test_use_huggingface_with_a_preset_or_directory_says_it_has_no_effect(tiny, tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="worker.models"):
+        loaded = load_base_model("tiny-qwen2", use_huggingface=True)
+    assert loaded.fingerprint == tiny.fingerprint  # still the preset, built here
+    assert [r.getMessage() for r in caplog.records] == [
+        "--use-huggingface has no effect with --base-model tiny-qwen2: it is a preset built on this machine, "
+        "nothing is downloaded"]
+    caplog.clear()
+    tiny.model.save_pretrained(tmp_path)
+    tiny.tokenizer.save_pretrained(tmp_path)
+    with caplog.at_level("WARNING", logger="worker.models"):
+        load_base_model(str(tmp_path), use_huggingface=True)
+        load_base_model("tiny-qwen2")  # without the flag: nothing to say
+    assert [r.getMessage().split(": ", 1)[1] for r in caplog.records] == ["it is a local directory, nothing is downloaded"]
