@@ -108,7 +108,9 @@ def window_figures(per_worker: Sequence[Sequence[dict[str, Any]]]) -> dict[str, 
     A worker's record i is written at the start of sync i and carries the tokens trained since sync
     i - 1 ended, so intervals i..j fill the time from record i - 1 to record j.
     """
-    syncs = [[r for r in records if not r["final"] and "tokens" in r] for records in per_worker]
+    # --results also holds per-step lines ("event": "step") of data-parallel workers: only sync lines count here
+    syncs = [[r for r in records if r.get("event") != "step" and not r["final"] and "tokens" in r]
+             for records in per_worker]
     if any(len(s) < 2 for s in syncs):
         raise RuntimeError("a worker synced fewer than twice; raise --duration")
     start = max(s[0]["time"] for s in syncs)
