@@ -252,7 +252,8 @@ def _check_names(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(args)
-    try:
+    try:  # everything that needs no worker module answers before torch is imported
+        _check_names(args)
         _check_address_and_files(args)
     except ValueError as exc:
         return report_error(args, exc)

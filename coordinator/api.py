@@ -15,18 +15,42 @@ from flask import Blueprint, Response, current_app, g, jsonify, request, send_fi
 from werkzeug.exceptions import ClientDisconnected, HTTPException
 
 from coordinator.audit import rejection_event
+from coordinator.auth import (
+    acting_worker,
+    authenticator,
+    check_may_register,
+    issue_token,
+    principal,
+)
 from coordinator.blobs import storage_errors
 from coordinator.openapi import OPENAPI
-from coordinator.auth import acting_worker, authenticator, check_may_register, issue_token, principal
 from coordinator.service import Coordinator
 from coordinator.tokens import WORKER
 from gateway.files import npz_bytes
-from protocol.errors import BadRequest, Conflict, FedMoEError, PayloadTooLarge, RequestTimeout, Unavailable
+from protocol.errors import (
+    BadRequest,
+    Conflict,
+    FedMoEError,
+    PayloadTooLarge,
+    RequestTimeout,
+    Unavailable,
+)
 from protocol.integrity import DIGEST_HEADER, ClientReader, parse_digest
-from protocol.schemas import (API_PREFIX, EXPERT_HEADER, UPDATE_HEADER, VERSION_HEADER, WORKER_HEADER,
-                              BaseModelSpec, ExpertSpec, UpdateMeta, check_name, loads_json,
-                              parse_header_json)
-from protocol.tensors import is_finite_number, loads
+from protocol.schemas import (
+    API_PREFIX,
+    EXPERT_HEADER,
+    UPDATE_HEADER,
+    VERSION_HEADER,
+    WORKER_HEADER,
+    BaseModelSpec,
+    ExpertSpec,
+    UpdateMeta,
+    check_name,
+    is_finite_number,
+    loads_json,
+    parse_header_json,
+)
+from protocol.tensors import loads
 
 bp = Blueprint("api", __name__, url_prefix=API_PREFIX)
 

@@ -7,6 +7,7 @@ body can be streamed to disk without a multipart parser.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -14,7 +15,12 @@ from typing import Any
 import numpy as np
 
 from protocol.errors import BadRequest
-from protocol.tensors import is_finite_number
+
+
+def is_finite_number(value: object) -> bool:
+    """A real int or float that is not NaN or infinite (JSON numbers a client sent)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
 
 API_PREFIX = "/api/v1"
 UPDATE_HEADER = "X-FedMoE-Update"

@@ -7,7 +7,6 @@ safetensors parser (written in Rust, bounds-checked), which we turn into
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from safetensors.torch import save as _st_save
 from safetensors.torch import save_file as _st_save_file
 
 from protocol.errors import InvalidPayload, InvalidUpdate
+from protocol.schemas import is_finite_number  # noqa: F401 - re-exported for callers of the old home
 
 StateDict = dict[str, torch.Tensor]
 Manifest = list[tuple[str, tuple[int, ...]]]
@@ -91,5 +91,3 @@ def _few(names: list[str]) -> str:
     return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
-def is_finite_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
