@@ -11,7 +11,6 @@ model = an expert's name, "gateway", or "auto" (routed per request).
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from pathlib import Path
 

@@ -9,48 +9,24 @@ import json
 import re
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from flask import Blueprint, Response, current_app, g, jsonify, request, send_file
 from werkzeug.exceptions import ClientDisconnected, HTTPException
 
 from coordinator.audit import rejection_event
-from coordinator.auth import (
-    acting_worker,
-    authenticator,
-    check_may_register,
-    issue_token,
-    principal,
-)
+from coordinator.auth import acting_worker, authenticator, check_may_register, issue_token, principal
 from coordinator.blobs import storage_errors
 from coordinator.openapi import OPENAPI
 from coordinator.service import Coordinator
 from coordinator.tokens import WORKER
 from gateway.files import npz_bytes
-from protocol.errors import (
-    BadRequest,
-    Conflict,
-    FedMoEError,
-    PayloadTooLarge,
-    RequestTimeout,
-    Unavailable,
-)
+from protocol.errors import BadRequest, Conflict, FedMoEError, PayloadTooLarge, RequestTimeout, Unavailable
 from protocol.integrity import DIGEST_HEADER, ClientReader, parse_digest
-from protocol.schemas import (
-    API_PREFIX,
-    EXPERT_HEADER,
-    UPDATE_HEADER,
-    VERSION_HEADER,
-    WORKER_HEADER,
-    BaseModelSpec,
-    ExpertSpec,
-    UpdateMeta,
-    check_name,
-    is_finite_number,
-    loads_json,
-    parse_header_json,
-)
-from protocol.tensors import loads
+from protocol.schemas import (API_PREFIX, EXPERT_HEADER, UPDATE_HEADER, VERSION_HEADER, WORKER_HEADER,
+                              BaseModelSpec, ExpertSpec, UpdateMeta, check_name, is_finite_number, loads_json,
+                              parse_header_json)
+from protocol.tensors import load_file
 
 bp = Blueprint("api", __name__, url_prefix=API_PREFIX)
 
@@ -286,16 +262,23 @@ def gateway_weights() -> Response:
     fmt = request.args.get("format", "safetensors")
     if fmt not in ("safetensors", "npz"):
         raise BadRequest(f"format must be 'npz' or 'safetensors', got {fmt!r}")
-    info, file = _open_gateway(coordinator(), _fresh())
-    if fmt == "safetensors":
-        response = send_file(file, mimetype="application/octet-stream", etag=info["blob"], conditional=True,
-                             download_name="gateway.safetensors", max_age=0)
-    else:
-        with file:
-            tensors = loads(file.read())
-        public = {k: v for k, v in info.items() if k != "blob"}
-        response = Response(npz_bytes(tensors, public), mimetype="application/octet-stream")
-        response.headers["Content-Disposition"] = "attachment; filename=gateway.npz"
+    c, fresh = coordinator(), _fresh()
+    for attempt in range(3):  # a build may prune the gateway just looked up: look it up again
+        info = c.gateway.current(fresh=fresh)
+        try:
+            if fmt == "safetensors":  # a path, not an open file: send_file then knows the size and honours Range
+                response = send_file(c.blobs.path(info["blob"]), mimetype="application/octet-stream",
+                                     etag=info["blob"], conditional=True, download_name="gateway.safetensors",
+                                     max_age=0)
+            else:
+                public = {k: v for k, v in info.items() if k != "blob"}
+                response = Response(npz_bytes(load_file(c.blobs.path(info["blob"])), public),
+                                    mimetype="application/octet-stream")
+                response.headers["Content-Disposition"] = "attachment; filename=gateway.npz"
+            break
+        except FileNotFoundError:
+            if attempt == 2:
+                raise Unavailable("the gateway was replaced while being read; retry", retry_after=1) from None
     response.headers[VERSION_HEADER] = str(info["version"])
     response.headers["X-FedMoE-Gateway"] = json.dumps({"version": info["version"], "sources": info["sources"]})
     return response
@@ -307,17 +290,6 @@ def _fresh() -> bool:
     if value not in ("0", "1"):
         raise BadRequest(f"fresh must be 0 or 1, got {value!r}")
     return value == "1"
-
-
-def _open_gateway(c: Coordinator, fresh: bool) -> tuple[dict[str, Any], BinaryIO]:
-    """The newest gateway and its open file; a build may prune the one just read, so look twice."""
-    for _ in range(2):
-        info = c.gateway.current(fresh=fresh)
-        try:
-            return info, open(c.blobs.path(info["blob"]), "rb")
-        except FileNotFoundError:
-            continue
-    raise Unavailable("the gateway was replaced while being read; retry", retry_after=1)
 
 
 @bp.get("/openapi.json")

@@ -199,7 +199,7 @@ class Connection:
     async def _read_head(self, timeout: float) -> RequestHead | None:
         """The next request head, None at a clean end; the whole head must arrive within ``timeout``."""
         try:
-            raw = await asyncio.wait_for(self.reader.readuntil(b"\r\n\r\n"), timeout)
+            raw = await asyncio.wait_for(self._read_raw_head(), timeout)
         except asyncio.IncompleteReadError as exc:
             if exc.partial.strip():
                 raise
@@ -208,6 +208,16 @@ class Connection:
             raise HttpError(431, "request_header_fields_too_large",
                             f"request line and headers are over {HEAD_LIMIT} bytes") from None
         return parse_head(raw)
+
+    async def _read_raw_head(self) -> bytes:
+        first = await self.reader.readexactly(1)
+        # A request starts with a method (letters; an empty line before it is allowed). Anything else,
+        # e.g. 0x16, a TLS handshake sent to this plain port, gets its 400 at once instead of waiting
+        # for a blank line that never comes: the client then says "does not answer TLS, use http://".
+        if not (first.isalpha() or first in b"\r\n"):
+            raise HttpError(400, "bad_request", "this port speaks plain HTTP and the request does not start with "
+                                                "an HTTP method (TLS sent to a plain-HTTP port? use http://)")
+        return first + await self.reader.readuntil(b"\r\n\r\n")
 
     async def _exchange(self, head: RequestHead) -> bool:
         """Receive the body, answer the request; whether the connection may serve another."""

@@ -91,7 +91,8 @@ def test_debug_logs_one_line_per_request_and_every_decision(tmp_path, caplog):
 
     app = create_app(CoordinatorConfig(data_dir=tmp_path / "data"))
     try:
-        with caplog.at_level(logging.DEBUG):
+        # The "coordinator" logger itself: a benchmark run in-process earlier may have quietened it.
+        with caplog.at_level(logging.DEBUG, logger="coordinator"):
             client = app.test_client()
             assert client.get("/api/v1/experts").status_code == 200
             assert app.test_client(token=None).get("/api/v1/workers").status_code == 401

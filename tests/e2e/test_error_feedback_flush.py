@@ -10,7 +10,6 @@ tiny model a 1e-7 change grows ~2x every 10 Adam steps, so only a short run can 
 from __future__ import annotations
 
 import json
-import re
 import signal
 import subprocess
 import sys

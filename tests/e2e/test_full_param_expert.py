@@ -39,7 +39,9 @@ def test_full_parameter_expert_trains_compressed_syncs_and_exports(start_coordin
     assert expert["kind"] == "full" and expert["lora"] is None
     assert expert["full"]["num_parameters"] == sum(p.numel() for p in params.values())
     assert expert["version"] == len(pushed) >= 2
-    assert all(r["ratio"] > 3.5 for r in pushed)  # int8 pushes of every weight (block scales included)
+    *syncs, flush = pushed  # the last push flushes int8's error-feedback residual losslessly (docs/worker.md)
+    assert syncs and all(r["codec"] == "int8" and r["ratio"] > 3.5 for r in syncs)  # block scales included
+    assert flush["final"] and flush["codec"] == "safetensors"
     assert any(r["pulled"] and 0 < r["bytes_down"] < 0.6 * 4 * expert["full"]["num_parameters"]
                for r in records)  # at least one fp16 difference pull
     weights = client.pull_weights("sql_expert").tensors

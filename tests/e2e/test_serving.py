@@ -5,7 +5,6 @@ import json
 import re
 import threading
 import time
-from pathlib import Path
 
 import openai
 import pytest
