@@ -92,6 +92,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="split each step's --batch-size examples into N micro-batches (default: %(default)s)")
     t.add_argument("--gradient-checkpointing", action="store_true",
                    help="recompute activations in the backward pass to save memory")
+    t.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="CPU threads torch may use; give each of several workers on one machine its share of "
+                        "the cores (default: all cores)")
+    t.add_argument("--no-heldout-eval", action="store_true",
+                   help="skip the held-out loss logged before and after training (on a large model it takes "
+                        "two forward passes over the held-out examples)")
     t.add_argument("--results", type=Path, default=None, help="append one JSON line per sync to this file")
     add_common_flags(p)
     return p.parse_args(argv)
@@ -117,6 +123,8 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
     if not Path(dataset).is_file():
         raise ValueError(f"--dataset {str(dataset)!r} does not exist; pass a JSONL file with 'prompt' and "
                          "'reference_code' on each line")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {args.threads}")
     if args.ca_cert is not None and not args.ca_cert.is_file():
         raise ValueError(f"--ca-cert {str(args.ca_cert)!r} does not exist")
     modules = tuple(m.strip() for m in args.target_modules.split(",") if m.strip()) if args.target_modules else ()
@@ -142,7 +150,8 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         lora=LoraSettings(rank=args.lora_rank, alpha=args.lora_alpha, target_modules=modules),
         train=TrainSettings(**train_kwargs), use_huggingface=args.use_huggingface,
         use_proxy=args.use_proxy, device=args.device, compression=compression, pull=pull, token=args.token,
-        ca_cert=args.ca_cert, progress=False if args.log_format == "json" else None)
+        ca_cert=args.ca_cert, progress=False if args.log_format == "json" else None, threads=args.threads,
+        heldout_eval=not args.no_heldout_eval)
 
 
 def _check_names(args: argparse.Namespace) -> None:

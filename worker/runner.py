@@ -13,6 +13,7 @@ from worker.distributed import SingleProcess, process_group
 from worker.encoding import CompressionSettings, PullSettings, UpdateEncoder
 from worker.federation import FederatedWorker, SyncSettings
 from worker.models import load_base_model
+from worker.threads import apply_thread_budget
 from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,10 @@ class WorkerConfig:
     """PEM file to trust for an https coordinator with a private certificate."""
     progress: bool | None = None
     """Progress bar per sync interval: None draws it only when stderr is a terminal."""
+    threads: int | None = None
+    """CPU threads torch may use in this process (each rank under torchrun); None = all cores."""
+    heldout_eval: bool = True
+    """Log the held-out loss before and after training (two forward passes over the held-out examples)."""
 
 
 def build_worker(config: WorkerConfig, collective: SingleProcess | None = None,
@@ -73,6 +78,7 @@ def build_worker(config: WorkerConfig, collective: SingleProcess | None = None,
 
 def run_worker(config: WorkerConfig) -> None:
     """Train and sync until done; under torchrun, every rank runs this and rank 0 does the talking."""
+    apply_thread_budget(config.threads)
     with process_group(config.device) as (collective, device):
         if not collective.is_primary:  # the other ranks log warnings and errors only
             logging.getLogger("worker").setLevel(logging.WARNING)
@@ -80,6 +86,9 @@ def run_worker(config: WorkerConfig) -> None:
         worker, trainer, heldout = build_worker(config, collective, device)
         worker.join()
         if not collective.is_primary:  # the others need not evaluate; they wait for rank 0 in worker.run()
+            worker.run()
+            return
+        if not config.heldout_eval:
             worker.run()
             return
         before = trainer.eval_loss(heldout)
