@@ -88,11 +88,13 @@ def run_worker(config: WorkerConfig) -> None:
         if not collective.is_primary:  # the others need not evaluate; they wait for rank 0 in worker.run()
             worker.run()
             return
-        if not config.heldout_eval:
-            worker.run()
-            return
-        before = trainer.eval_loss(heldout)
-        log.info("held-out loss at start: %.4f", before)
-        worker.run()
-        log.info("held-out loss at end: %.4f (start %.4f); %d sync(s)", trainer.eval_loss(heldout), before,
-                 worker.syncs)
+        before = trainer.eval_loss(heldout) if config.heldout_eval else None
+        if before is not None:
+            log.info("held-out loss at start: %.4f", before)
+        summary = worker.run()
+        # CPU seconds next to wall seconds: on a shared machine they tell what the run would take alone.
+        log.info("trained %d steps, %d tokens in %.1f s (%.1f CPU s)", summary.steps, summary.tokens,
+                 summary.seconds, summary.cpu_seconds)
+        if before is not None:
+            log.info("held-out loss at end: %.4f (start %.4f); %d sync(s)", trainer.eval_loss(heldout), before,
+                     worker.syncs)
