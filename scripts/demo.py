@@ -96,10 +96,10 @@ class Preset:
 
 
 PRESETS = {
-    # Measured on 2 cores (docs/demo.md): ~6 steps of 8 examples per worker with 1 thread each, which
-    # takes every expert below the base model on its own domain.
+    # On 2 cores smollm2 trains at ~140 tokens/s in all, so 150 s give each worker ~5 steps of 8 examples
+    # x <= 160 tokens (docs/demo.md); evaluating 5 models on 24 examples takes about a minute more.
     "smollm2": Preset(base_model="smollm2-135m", data="ds1000", duration=150, sync_interval=30, batch_size=8,
-                      max_seq_len=192, eval_examples=10, max_new_tokens=40, eval_threads=0),
+                      max_seq_len=160, eval_examples=8, max_new_tokens=32, eval_threads=0),
     # The tiny model is too small for threads to pay off; one avoids contention on busy cores.
     "tiny": Preset(base_model="tiny-qwen2", data="sample", duration=120, sync_interval=10, batch_size=8,
                    max_seq_len=256, eval_examples=0, max_new_tokens=24, eval_threads=1),
