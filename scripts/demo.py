@@ -233,7 +233,8 @@ def main() -> int:
     preset = PRESETS[args.preset]
     logging.basicConfig(level=logging.WARNING)
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
-    run = args.out or ROOT / "demo-runs" / time.strftime("%Y%m%d-%H%M%S")
+    # Absolute: the coordinator serves blobs with Flask's send_file, which reads a relative path from its package.
+    run = (args.out or ROOT / "demo-runs" / time.strftime("%Y%m%d-%H%M%S")).resolve()
     run.mkdir(parents=True, exist_ok=True)
     phases = Phases()
     domains = DATASETS[args.data]()
