@@ -46,6 +46,8 @@ from worker.models import ModelLoadError, load_base_model  # noqa: E402
 
 LISTENING = re.compile(rb"listening on (http://[\d.]+:\d+)")
 DS1000_DIR = ROOT / "data" / "ds1000"
+MIN_STEPS = 3
+"""Fewer optimiser steps per worker than this and the demo says the experts had little time to learn."""
 
 
 @dataclass(frozen=True)
@@ -252,6 +254,9 @@ def main() -> int:
         trained = training_summary(run, domains, args.duration)
         print("trained: " + ", ".join(f"{s} {t['steps']} steps ({t['tokens_per_s']:.0f} tokens/s)"
                                       for s, t in trained.items()), flush=True)
+        if min(t["steps"] for t in trained.values()) < MIN_STEPS:
+            print(f"note: a worker trained fewer than {MIN_STEPS} steps; is the machine busy? A longer --duration "
+                  "gives the experts more to learn", flush=True)
         subprocess.run([sys.executable, str(ROOT / "get_gateway_model.py"), "--coordinator-url", url,
                         "--save-gateway", str(run / "gateway_model.npz")], env=child_env(), check=True,
                        stdout=subprocess.DEVNULL)
