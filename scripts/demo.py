@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+STARTED = time.perf_counter()  # before the heavy imports: the total below covers them too
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
@@ -152,7 +154,7 @@ class Phases:
     def print(self) -> None:
         print("\ntime per phase (wall, CPU): " + ", ".join(f"{name} {s:.0f} s, {self.cpu_seconds[name]:.0f} s"
                                                           for name, s in self.seconds.items())
-              + f"; total {sum(self.seconds.values()):.0f} s wall")
+              + f"; {time.perf_counter() - STARTED:.0f} s wall in all since the script started")
 
 
 def _cpu_seconds() -> float:
@@ -246,7 +248,8 @@ def main() -> int:
         except ModelLoadError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-    coordinator, url = start_coordinator(run)
+    with phases("start coordinator"):
+        coordinator, url = start_coordinator(run)
     print(f"coordinator at {url}; logs in {run}", flush=True)
     try:
         with phases("train"):
@@ -257,9 +260,10 @@ def main() -> int:
         if min(t["steps"] for t in trained.values()) < MIN_STEPS:
             print(f"note: a worker trained fewer than {MIN_STEPS} steps; is the machine busy? A longer --duration "
                   "gives the experts more to learn", flush=True)
-        subprocess.run([sys.executable, str(ROOT / "get_gateway_model.py"), "--coordinator-url", url,
-                        "--save-gateway", str(run / "gateway_model.npz")], env=child_env(), check=True,
-                       stdout=subprocess.DEVNULL)
+        with phases("save gateway"):
+            subprocess.run([sys.executable, str(ROOT / "get_gateway_model.py"), "--coordinator-url", url,
+                            "--save-gateway", str(run / "gateway_model.npz")], env=child_env(), check=True,
+                           stdout=subprocess.DEVNULL)
         client = CoordinatorClient(url)
         versions = {e["name"]: e["version"] for e in client.list_experts()}
         heldout = [HeldOut(d.specialty, examples, shortest_prompt(examples))

@@ -64,7 +64,8 @@ def test_answers_are_shown_side_by_side_and_the_run_is_recorded(demo):
         assert f"=== {domain}: " in stdout
     assert stdout.count("base model" + " " * 10) >= 3 and "| routed to " in stdout
     assert all(t["steps"] >= 1 for t in losses["trained"].values())
-    assert set(losses["phases"]) == {"load base model", "train", "evaluate and generate"}
+    assert set(losses["phases"]) == {"load base model", "start coordinator", "train", "save gateway",
+                                     "evaluate and generate"}
     assert (out / "gateway_model.npz").is_file() and (out / "train_loss.png").is_file()
 
 
