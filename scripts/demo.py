@@ -100,10 +100,11 @@ class Preset:
 
 
 PRESETS = {
-    # On 2 cores smollm2 trains at ~140 tokens/s in all, so 150 s give each worker ~5 steps of 8 examples
-    # x <= 160 tokens (docs/demo.md); evaluating 5 models on 24 examples takes about a minute more.
-    "smollm2": Preset(base_model="smollm2-135m", data="ds1000", duration=150, sync_interval=30, batch_size=8,
-                      max_seq_len=160, eval_examples=8, max_new_tokens=32, eval_threads=0),
+    # Measured on 2 cores (docs/demo.md): 3 workers train ~130 tokens/s in all, ~4 steps of 8 examples
+    # x <= 160 tokens each in 120 s (3 steps already put every expert below the base model); evaluating
+    # 5 models on 24 examples and generating 4-6 short answers takes ~3 minutes.
+    "smollm2": Preset(base_model="smollm2-135m", data="ds1000", duration=120, sync_interval=30, batch_size=8,
+                      max_seq_len=160, eval_examples=8, max_new_tokens=24, eval_threads=0),
     # The tiny model is too small for threads to pay off; one avoids contention on busy cores.
     "tiny": Preset(base_model="tiny-qwen2", data="sample", duration=120, sync_interval=10, batch_size=8,
                    max_seq_len=256, eval_examples=0, max_new_tokens=24, eval_threads=1),
