@@ -10,7 +10,7 @@ export TOKENIZERS_PARALLELISM := false
 CHROMIUM ?= /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install browser smollm2 test test-fast demo bench bench-quality clean
+.PHONY: install browser smollm2 test test-fast demo demo-tiny bench bench-quality clean
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,8 +36,11 @@ test: $(STAMP) $(CHROMIUM)  ## the whole test suite (offline; the browser test i
 test-fast: $(STAMP)  ## the unit tier, under a minute: no slow, e2e (real processes) or bench tests
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not slow and not e2e and not bench"
 
-demo: $(STAMP)  ## a local federation: coordinator + 3 workers on tiny-qwen2, then a loss table
-	HF_HUB_OFFLINE=1 $(PY) scripts/demo.py
+demo: smollm2  ## a local federation on a real model: coordinator + 3 smollm2-135m workers on DS-1000, loss table, answers (~5 min)
+	HF_HUB_OFFLINE=1 $(PY) scripts/demo.py --preset smollm2
+
+demo-tiny: $(STAMP)  ## the same on the random offline tiny-qwen2 preset and the sample data (~3 min)
+	HF_HUB_OFFLINE=1 $(PY) scripts/demo.py --preset tiny
 
 bench: $(STAMP)  ## performance benchmarks (transport, aggregation, sync overhead, load; < 10 min): tables, bench/results/*.json
 	HF_HUB_OFFLINE=1 $(PY) -m bench.run_all

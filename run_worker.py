@@ -97,6 +97,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="split each step's --batch-size examples into N micro-batches (default: %(default)s)")
     t.add_argument("--gradient-checkpointing", action="store_true",
                    help="recompute activations in the backward pass to save memory")
+    t.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="CPU threads torch may use; give each of several workers on one machine its share of "
+                        "the cores (default: all cores)")
+    t.add_argument("--no-heldout-eval", action="store_true",
+                   help="skip the held-out loss logged before and after training (on a large model it takes "
+                        "two forward passes over the held-out examples)")
     t.add_argument("--results", type=Path, default=None, help="append one JSON line per sync to this file")
     _add_parallel_flags(p)
     add_common_flags(p)
@@ -198,6 +204,8 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
     if dataset is None:
         raise ValueError(f"no --dataset given and the project ships no sample data for {args.specialty!r}; "
                          "pass --dataset PATH.jsonl")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {args.threads}")
     modules = tuple(m.strip() for m in args.target_modules.split(",") if m.strip()) if args.target_modules else ()
     deepspeed = deepspeed_plan(args)
     train_kwargs = {"batch_size": args.batch_size, "max_seq_len": args.max_seq_len, "seed": args.seed,
@@ -223,8 +231,9 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         lora=LoraSettings(rank=args.lora_rank, alpha=args.lora_alpha, target_modules=modules),
         train=TrainSettings(**train_kwargs), use_huggingface=args.use_huggingface,
         use_proxy=args.use_proxy, device=args.device, compression=compression, pull=pull, token=args.token,
-        ca_cert=args.ca_cert, progress=False if args.log_format == "json" else None,
-        parallel=parallel_settings(args, deepspeed), profile=profile_settings(args), tensorboard=tensorboard_dir(args))
+        ca_cert=args.ca_cert, progress=False if args.log_format == "json" else None, threads=args.threads,
+        heldout_eval=not args.no_heldout_eval, parallel=parallel_settings(args, deepspeed),
+        profile=profile_settings(args), tensorboard=tensorboard_dir(args))
 
 
 def _check_address_and_files(args: argparse.Namespace) -> None:

@@ -17,6 +17,7 @@ from worker.models import load_base_model
 from worker.profiling import ProfileSettings, StepProfiler
 from worker.step_metrics import StepLog
 from worker.strategies import ParallelSettings
+from worker.threads import apply_thread_budget
 from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,10 @@ class WorkerConfig:
     """--profile DIR --profile-steps N: every rank profiles N steps and writes its trace there."""
     tensorboard: Path | None = None
     """--tensorboard DIR: rank 0 writes per-step and per-sync scalars there."""
+    threads: int | None = None
+    """CPU threads torch may use in this process (each rank under torchrun); None = all cores."""
+    heldout_eval: bool = True
+    """Log the held-out loss before and after training (two forward passes over the held-out examples)."""
 
 
 def build_worker(config: WorkerConfig, collective: SingleProcess | None = None,
@@ -111,6 +116,7 @@ def _step_sinks(config: WorkerConfig, collective: SingleProcess, board) -> Calla
 
 def run_worker(config: WorkerConfig) -> None:
     """Train and sync until done; under torchrun, every rank runs this and rank 0 does the talking."""
+    apply_thread_budget(config.threads)
     with process_group(config.device) as (collective, device):
         if not collective.is_primary:  # the other ranks log warnings and errors only
             logging.getLogger("worker").setLevel(logging.WARNING)
@@ -122,8 +128,13 @@ def run_worker(config: WorkerConfig) -> None:
         if not collective.is_primary and not trainer.sharded:
             worker.run()
             return
-        before = trainer.eval_loss(heldout)
-        log.info("held-out loss at start: %.4f", before)
-        worker.run()
-        log.info("held-out loss at end: %.4f (start %.4f); %d sync(s)", trainer.eval_loss(heldout), before,
-                 worker.syncs)
+        before = trainer.eval_loss(heldout) if config.heldout_eval else None
+        if before is not None:
+            log.info("held-out loss at start: %.4f", before)
+        summary = worker.run()
+        # CPU seconds next to wall seconds: on a shared machine they tell what the run would take alone.
+        log.info("trained %d steps, %d tokens in %.1f s (%.1f CPU s)", summary.steps, summary.tokens,
+                 summary.seconds, summary.cpu_seconds)
+        if before is not None:
+            log.info("held-out loss at end: %.4f (start %.4f); %d sync(s)", trainer.eval_loss(heldout), before,
+                     worker.syncs)
