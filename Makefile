@@ -10,7 +10,7 @@ export TOKENIZERS_PARALLELISM := false
 CHROMIUM ?= /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install browser smollm2 test test-fast demo demo-tiny bench bench-quality clean
+.PHONY: install browser smollm2 lint test test-fast demo demo-tiny bench bench-quality clean
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,9 @@ $(CHROMIUM):
 		|| ($(SUDO) apt-get update -q && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium)
 
 browser: $(CHROMIUM)  ## headless Chromium for tests/e2e/test_dashboard_browser.py
+
+lint: $(STAMP)  ## pyflakes and pycodestyle errors (ruff.toml)
+	$(VENV)/bin/ruff check .
 
 test: $(STAMP) $(CHROMIUM)  ## the whole test suite (offline; the browser test is required here)
 	FEDMOE_REQUIRE_BROWSER=1 HF_HUB_OFFLINE=1 $(PY) -m pytest -q

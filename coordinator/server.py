@@ -82,7 +82,7 @@ def serve(config: CoordinatorConfig, options: ServeOptions) -> None:
     """Run until interrupted. Opens the store once up front so errors surface here, not in a fork."""
     # The coordinator's tensor work (finiteness checks, in-place aggregation) is memory-bound, and
     # on a busy machine torch's second thread stalls it: checking a 1 GiB update took 13.7 s with
-    # 2 threads and 2.4 s with 1 on 2 loaded cores (bench/transport.py). 
+    # 2 threads and 2.4 s with 1 on 2 loaded cores (bench/transport.py).
     torch.set_num_threads(1)
     _limit_malloc_arenas()
     check_tls_files(options.tls_cert, options.tls_key)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import calendar
-import codecs
 import datetime
 import itertools
 import re
