@@ -24,8 +24,10 @@ and the code disagree). Every script also has `--version`; a mistake you can fix
 
 
 def help_text(script: str) -> str:
-    # A fixed width: argparse wraps to $COLUMNS, and the page must not depend on the terminal.
-    env = {**os.environ, "COLUMNS": "100", "HF_HUB_OFFLINE": "1"}
+    # A fixed width (argparse wraps to $COLUMNS) and a fixed config dir (defaults shown in the help, e.g.
+    # serve.py's key file, live there): the page must not depend on the terminal or the user.
+    env = {k: v for k, v in os.environ.items() if k != "XDG_CONFIG_HOME"}
+    env |= {"COLUMNS": "100", "HF_HUB_OFFLINE": "1", "FEDMOE_CONFIG_DIR": "~/.config/fedmoe"}
     done = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120, check=True)
     return done.stdout.rstrip()
