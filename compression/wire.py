@@ -106,16 +106,21 @@ def inspect_update(payload: bytes, manifest: Manifest, codec: Codec) -> UpdateSt
     )
 
 
-def split_update(payload: bytes, manifest: Manifest) -> list[memoryview]:
-    """Check the framing and return one codec payload per manifest entry."""
-    reader = Reader(check_bytes(payload))
-    magic, version, count = reader.unpack("4sBI", "update header")
+def _check_header(magic: bytes, version: int, count: int, manifest: Manifest) -> None:
+    """The frame header must be this format's, for as many tensors as the manifest lists."""
     if magic != MAGIC:
         raise PayloadError(f"bad magic {magic!r}, expected {MAGIC!r}: not a compressed update")
     if version != FORMAT_VERSION:
         raise PayloadError(f"unsupported format version {version}, this build reads {FORMAT_VERSION}")
     if count != len(manifest):
         raise PayloadError(f"payload holds {count} tensors, manifest lists {len(manifest)}")
+
+
+def split_update(payload: bytes, manifest: Manifest) -> list[memoryview]:
+    """Check the framing and return one codec payload per manifest entry."""
+    reader = Reader(check_bytes(payload))
+    magic, version, count = reader.unpack("4sBI", "update header")
+    _check_header(magic, version, count, manifest)
     bodies = []
     for name, _ in manifest:
         (length,) = reader.unpack("I", f"length of tensor {name!r}")
@@ -135,12 +140,7 @@ def index_update_file(f: BinaryIO, size: int, manifest: Manifest) -> list[tuple[
     if len(header) < HEADER.size:
         raise PayloadError(f"update header: needs {HEADER.size} bytes but only {len(header)} remain")
     magic, version, count = HEADER.unpack(header)
-    if magic != MAGIC:
-        raise PayloadError(f"bad magic {magic!r}, expected {MAGIC!r}: not a compressed update")
-    if version != FORMAT_VERSION:
-        raise PayloadError(f"unsupported format version {version}, this build reads {FORMAT_VERSION}")
-    if count != len(manifest):
-        raise PayloadError(f"payload holds {count} tensors, manifest lists {len(manifest)}")
+    _check_header(magic, version, count, manifest)
     spans, position = [], HEADER.size
     for name, _ in manifest:
         f.seek(position)
