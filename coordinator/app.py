@@ -33,7 +33,7 @@ def create_app(config: CoordinatorConfig | None = None) -> Flask:
     app.extensions["fedmoe"] = coordinator
     app.register_blueprint(api_bp)
     _log_requests_at_debug(app)  # before auth's hook, so refused requests are timed and logged too
-    auth.install(app, config)
+    auth.install(app, config, coordinator.record_event)
     metrics = CoordinatorMetrics(coordinator)
     coordinator.on_aggregated = metrics.aggregation.observe
     metrics.install(app)
