@@ -16,7 +16,7 @@ from typing import Any
 from compression import Codec
 from compression.errors import CompressionError
 from compression.wire import encode_update
-from coordinator.adapters import make_codec_or_400
+from coordinator.adapters import make_checked_codec
 from coordinator.expert_store import ExpertStore, WeightsRef
 from protocol.errors import NotFound
 from protocol.streaming import FileTensors
@@ -37,7 +37,7 @@ class DiffCache:
 
     def get(self, name: str, since: int, codec: str, codec_config: dict[str, Any]) -> tuple[bytes, int]:
         """(payload, current version); the payload is empty when nothing changed since ``since``."""
-        encoder = make_codec_or_400(codec, codec_config)
+        encoder = make_checked_codec(codec, codec_config)
         for attempt in range(ATTEMPTS):
             current = self._store.weights(name)
             if since == current.version:

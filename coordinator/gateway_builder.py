@@ -32,11 +32,11 @@ import torch
 
 from coordinator.adapters import non_finite_tensor
 from coordinator.config import CoordinatorConfig
+from coordinator.errors import REFUSALS
 from coordinator.expert_store import ExpertStore
 from gateway.build import Source, build_gateway, gateway_weights
-from gateway.errors import MergeError
 from gateway.files import SAFETENSORS_META_KEY
-from protocol.errors import Conflict, FedMoEError, NotFound, Unavailable
+from protocol.errors import Conflict, NotFound, Unavailable
 from protocol.schemas import ExpertSpec
 from protocol.streaming import FileTensors
 from protocol.tensors import load_file, save_file
@@ -73,7 +73,7 @@ class GatewayBuilder:
         self._urgent = False  # a new expert: build without waiting for the interval
         self._last_end = -math.inf  # when the last gateway was stored; the interval counts from there
         self._closed = False
-        self._failure: tuple[str, FedMoEError] | None = None  # (key, why) of the last failed build
+        self._failure: tuple[str, Exception] | None = None  # (key, why) of the last failed build: a refusal
         self.builds = 0
         """Gateways built and stored by this process (tests and metrics)."""
         self._open_files = contextlib.ExitStack()  # blobs read lazily by the build running now
@@ -212,10 +212,7 @@ class GatewayBuilder:
             self._failure = None
         except NotFound as exc:  # an expert moved on (and its version was pruned) mid-build
             log.info("gateway build skipped, a newer one follows: %s", exc)
-        except MergeError as exc:
-            log.warning("cannot build the gateway: %s", exc)
-            self._failure = (plan.key, Conflict(str(exc)))
-        except FedMoEError as exc:
+        except REFUSALS as exc:  # e.g. a MergeError: reads answer it (409, coordinator.errors)
             log.warning("cannot build the gateway: %s", exc)
             self._failure = (plan.key, exc)
         except Exception as exc:  # noqa: BLE001 - the builder thread must outlive one failed build

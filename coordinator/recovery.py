@@ -15,9 +15,10 @@ from collections.abc import Callable
 
 from coordinator import audit
 from coordinator.adapters import check_update
+from coordinator.errors import REFUSALS
 from coordinator.expert_store import ExpertStore
 from coordinator.store import ExpertRow, UpdateRow
-from protocol.errors import FedMoEError, NotFound
+from protocol.errors import NotFound
 from protocol.streaming import check_file, read_header
 from protocol.tensors import manifest_from_json
 
@@ -46,7 +47,7 @@ def expert_problem(store: ExpertStore, expert: ExpertRow) -> str | None:
             if read_header(path).manifest != sorted(manifest):
                 return "its weights do not hold the tensors its manifest names"
             check_file(path, manifest)  # chunked: bounded memory; finiteness too
-    except (FedMoEError, OSError) as exc:
+    except (*REFUSALS, OSError) as exc:
         return _reason(exc)
     return None
 
@@ -59,7 +60,7 @@ def update_problem(store: ExpertStore, expert: ExpertRow, update: UpdateRow) -> 
         with store.local_file(update.blob) as path:
             check_update(path, update.meta["codec"], update.meta.get("codec_config") or {},
                          manifest_from_json(expert.manifest))
-    except (FedMoEError, OSError, KeyError) as exc:
+    except (*REFUSALS, OSError, KeyError) as exc:
         return _reason(exc)
     return None
 

@@ -22,6 +22,8 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from compression.errors import PayloadError
+
 from coordinator.adapters import (check_full_weights, check_lora_adapter, check_update, non_finite_tensor,
                                   stored_deltas)
 from coordinator.aggregation import AGGREGATORS, AggregationParams, StateDict, Update, l2_norm, robust_aggregator
@@ -30,14 +32,15 @@ from coordinator.audit import Event
 from coordinator.blobs import BlobStore
 from coordinator.config import CoordinatorConfig
 from coordinator.diffs import DiffCache
+from coordinator.errors import REFUSALS
 from coordinator.expert_store import ExpertStore, StaleAggregation, WeightsRef
 from coordinator.gateway_builder import GatewayBuilder
 from coordinator.norm_check import judge_norm
 from coordinator.recovery import quarantine_updates, recover
 from coordinator.store import ExpertRow, ManifestStore, UpdateRow
-from gateway.router import ProfileError, combine_profiles, profile_from_json, profile_to_json
+from gateway.router import combine_profiles, profile_from_json, profile_to_json
 from gateway.router import route as route_prompt
-from protocol.errors import (BadRequest, Conflict, FedMoEError, InsufficientStorage, InvalidPayload, InvalidUpdate,
+from protocol.errors import (BadRequest, Conflict, InsufficientStorage, InvalidPayload, InvalidUpdate,
                              NotFound, PayloadTooLarge)
 from protocol.files import private_dir, private_file
 from protocol.integrity import DIGEST_HEADER
@@ -231,7 +234,7 @@ class Coordinator:
                                       norm=verdict.accepted_norm, events=audit.update_accepted(name, meta, verdict, size))
                 try:
                     self._aggregate_locked(name, step)
-                except FedMoEError as exc:  # recorded (durable) all the same, so not an error to the client
+                except REFUSALS as exc:  # recorded (durable) all the same, so not an error to the client
                     level = logging.WARNING if isinstance(exc, InsufficientStorage) else logging.ERROR
                     log.log(level, "update %s of %s is recorded but not applied yet: %s", meta.update_id, name, exc)
         finally:
@@ -324,7 +327,7 @@ class Coordinator:
         else:
             try:
                 new, updates = self._candidate(expert, batch)
-            except (InvalidPayload, FileNotFoundError):  # raw payloads are opened here, others decoded
+            except (InvalidPayload, PayloadError, FileNotFoundError):  # raw payloads are opened here, others decoded
                 if all(self.store.update(u.update_id).status == "pending" for u in batch):
                     raise
                 log.warning("dropped an aggregation step of %s: its updates were applied meanwhile", name)
@@ -359,10 +362,7 @@ class Coordinator:
         """Store one worker's summary of its data (n-gram statistics, no examples) for routing."""
         self.require_expert(name)
         check_name(worker_id, "worker_id")
-        try:
-            vector, count = profile_from_json(profile)
-        except ProfileError as exc:
-            raise BadRequest(str(exc)) from None
+        vector, count = profile_from_json(profile)  # ProfileError: a 400 (coordinator.errors)
         if not 1 <= count <= MAX_COUNT:
             raise BadRequest(f"profile num_examples must be in [1, {MAX_COUNT}], got {count}: "
                              "a profile of no examples cannot route")
@@ -384,10 +384,7 @@ class Coordinator:
         profiles = {name: combine_profiles([(np.frombuffer(v, dtype="<f4"), n) for v, n in rows])
                     for name, rows in stored.items()}
         threshold = self.config.route_threshold if threshold is None else threshold
-        try:
-            result = route_prompt(prompt, profiles, threshold)
-        except ProfileError as exc:
-            raise BadRequest(str(exc)) from None
+        result = route_prompt(prompt, profiles, threshold)  # ProfileError: a 400 (coordinator.errors)
         return {"expert": result.expert, "target": result.expert or "gateway", "confidence": result.confidence,
                 "threshold": threshold, "scores": result.scores}
 
