@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 
 from compression import Codec, wire
-from compression.errors import CompressionError
+from compression.errors import CompressionError, PayloadError
 from compression.registry import make_codec
-from protocol.errors import BadRequest, InvalidPayload, InvalidUpdate
+from protocol.errors import BadRequest, InvalidUpdate
 from protocol.schemas import RAW_CODEC, FullSpec, LoraSpec
 from protocol.streaming import FileTensors, check_file, read_header
 from protocol.tensors import Manifest, StateDict, check_against_manifest, manifest_of
@@ -78,18 +78,21 @@ def check_update(path: Path, codec: str, codec_config: dict, manifest: Manifest)
         _check_raw_config(codec_config)
         check_file(path, manifest)
         return FileTensors(path)
-    return CompressedUpdate(path, make_codec_or_400(codec, codec_config), codec, manifest)
+    return CompressedUpdate(path, make_checked_codec(codec, codec_config), codec, manifest)
 
 
 def stored_deltas(path: Path, codec: str, codec_config: dict, manifest: Manifest) -> Mapping[str, torch.Tensor]:
     """An accepted update's deltas for aggregation, read (and decoded) tensor by tensor from the blob."""
     if codec == RAW_CODEC:
         return FileTensors(path)
-    return CompressedUpdate(path, make_codec_or_400(codec, codec_config), codec, manifest)
+    return CompressedUpdate(path, make_checked_codec(codec, codec_config), codec, manifest)
 
 
 class CompressedUpdate(Mapping[str, torch.Tensor]):
-    """A compressed update stored in a file, each tensor decoded (and checked) only when asked for."""
+    """A compressed update stored in a file, each tensor decoded (and checked) only when asked for.
+
+    Any decoding failure is a PayloadError naming the codec (an HTTP 400 invalid_payload).
+    """
 
     def __init__(self, path: Path, decoder: Codec, codec: str, manifest: Manifest) -> None:
         self.path, self.decoder, self.codec = path, decoder, codec
@@ -119,8 +122,8 @@ class CompressedUpdate(Mapping[str, torch.Tensor]):
     def __len__(self) -> int:
         return len(self.spans)
 
-    def _invalid(self, exc: Exception) -> InvalidPayload:
-        return InvalidPayload(f"update body is not a valid {self.codec!r} payload for this expert: {exc}")
+    def _invalid(self, exc: Exception) -> PayloadError:
+        return PayloadError(f"update body is not a valid {self.codec!r} payload for this expert: {exc}")
 
 
 def _check_raw_config(codec_config: dict) -> None:
@@ -128,11 +131,12 @@ def _check_raw_config(codec_config: dict) -> None:
         raise BadRequest(f"codec {RAW_CODEC!r} takes no codec_config, got {codec_config!r}")
 
 
-def make_codec_or_400(codec: str, codec_config: dict) -> Codec:
+def make_checked_codec(codec: str, codec_config: dict) -> Codec:
+    """The codec a request names; a CompressionError (HTTP 400) that also names the raw alternative."""
     try:
         return make_codec(codec, codec_config)
     except CompressionError as exc:
-        raise BadRequest(f"codec {codec!r}: {exc} (or {RAW_CODEC!r} for uncompressed tensors)") from None
+        raise CompressionError(f"codec {codec!r}: {exc} (or {RAW_CODEC!r} for uncompressed tensors)") from None
 
 
 
