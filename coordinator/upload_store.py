@@ -24,7 +24,8 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -174,7 +175,8 @@ class UploadStore:
             upload.lock.release()
 
     def abandon(self, upload: Upload) -> None:
-        self._drop(upload)
+        with self.holding(upload):
+            self.discard(upload)
 
     def open(self, expert: str, owner: str | None, meta: UpdateMeta, size: int, digest: str) -> tuple[Upload, bool]:
         """The upload of ``meta.update_id`` (new, or the one already open for it); (upload, created)."""
@@ -232,6 +234,16 @@ class UploadStore:
                                       f"free, open uploads still need {owed}); nothing was recorded. Free space in "
                                       "its --data-dir, then send it again")
 
+    @contextmanager
+    def holding(self, upload: Upload) -> Iterator[Upload]:
+        """The upload's lock, once no one else holds it; NotFound if it expired or was dropped meanwhile."""
+        with upload.lock:
+            with self._guard:
+                live = self._uploads.get(upload.upload_id) is upload
+            if not live:
+                raise NotFound(f"upload {upload.upload_id} expired or was dropped; open a new one")
+            yield upload
+
     def get(self, upload_id: str, expert: str, caller: str | None) -> Upload:
         """The upload, if ``caller`` (a worker id; None for the admin) may use it; else NotFound."""
         with self._guard:
@@ -245,7 +257,7 @@ class UploadStore:
 
     def write(self, upload: Upload, start: int, stream: BinaryIO, length: int, chunk_digest: str | None) -> None:
         """Append ``length`` bytes read from ``stream`` at ``start`` (which must be the offset); durable on return."""
-        with upload.lock:
+        with self.holding(upload):
             self._check_start(upload, start, length)
             hasher, chunk_hash = self._hasher(upload).copy(), hashlib.sha256()
             part = self.part(upload)

@@ -153,7 +153,7 @@ def abandon_upload(name: str, upload_id: str) -> tuple[Response, int]:
 def complete_upload(name: str, upload_id: str) -> tuple[Response, int]:
     c, store = coordinator(), uploads()
     upload = store.get(upload_id, name, _caller())
-    with upload.lock:
+    with store.holding(upload):
         if upload.completed:  # a retried finish: the push's answer to a retry
             return jsonify(c.update_status(upload.meta.update_id)), 200
         if upload.offset != upload.size:
