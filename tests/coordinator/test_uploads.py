@@ -1,6 +1,7 @@
 """Resumable uploads (coordinator/uploads.py): every bad request, the bounds, restarts, exactly-once."""
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -317,11 +318,12 @@ def test_a_full_disk_is_a_507_that_records_nothing(make_app, small_disk):
     body = os.urandom(free // 2)
     upload_id = open_upload(client, body).get_json()["upload_id"]
     filler = small_disk / "filler"
-    with open(filler, "wb") as f:  # something else takes the space meanwhile
+    with open(filler, "wb", buffering=0) as f:  # something else takes the space meanwhile
         try:
-            f.write(b"\0" * free)
-        except OSError:
-            pass
+            while f.write(b"\0" * (64 << 10)):
+                pass
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
     r = put_chunk(client, upload_id, body, 0, len(body) - 1)
     assert error(r) == (507, "insufficient_storage")
     assert client.get(f"/api/v1/experts/e/uploads/{upload_id}").get_json()["offset"] == 0
