@@ -7,8 +7,9 @@ coordinator stands (``GET .../uploads/<id>``) and continues from there: a break 
 in flight. ``complete`` then runs the coordinator's one-shot push path, so the answer (and exactly-once
 by update_id) is the same as a one-shot push's.
 
-Chunks are sized from the measured rate to take about ``chunk_seconds`` each (between ``min_chunk``
-and ``max_chunk``): few round trips on a fast link, little lost to a break on a slow one.
+Chunks are sized from the measured rate to take about ``chunk_seconds`` each, and at most
+``max_fraction`` of the body (within ``min_chunk``..``max_chunk``): few round trips on a fast link, and a
+break costs at most ~2 s of transfer and 1/8 of the body.
 """
 from __future__ import annotations
 
@@ -36,14 +37,16 @@ class UploadPolicy:
     max_chunk: int = 64 * MiB
     chunk_seconds: float = 2.0
     """Later chunks are sized to take about this long at the rate measured so far."""
+    max_fraction: float = 1 / 8
+    """No chunk is larger than this fraction of the body (unless that is below min_chunk)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_chunk <= self.first_chunk <= self.max_chunk:
             raise ValueError(f"need 1 <= min_chunk <= first_chunk <= max_chunk, got {self.min_chunk}, "
                              f"{self.first_chunk}, {self.max_chunk}")
-        if self.threshold < 1 or not self.chunk_seconds > 0:
-            raise ValueError(f"threshold must be >= 1 and chunk_seconds > 0, got {self.threshold}, "
-                             f"{self.chunk_seconds}")
+        if self.threshold < 1 or not self.chunk_seconds > 0 or not 0 < self.max_fraction <= 1:
+            raise ValueError(f"need threshold >= 1, chunk_seconds > 0 and 0 < max_fraction <= 1, got "
+                             f"{self.threshold}, {self.chunk_seconds}, {self.max_fraction}")
 
 
 @dataclass
@@ -105,7 +108,8 @@ class ResumablePush:
         self._done: dict[str, Any] | None = opened.get("update")
         self._upload_id: str | None = opened.get("upload_id")
         self._offset: int = int(opened["offset"])
-        self._limit = min(self.policy.max_chunk, int(opened.get("chunk_limit") or self.policy.max_chunk))
+        self._limit = max(self.policy.min_chunk, min(self.policy.max_chunk, int(len(self.body) * self.policy.max_fraction)))
+        self._limit = min(self._limit, int(opened.get("chunk_limit") or self._limit))  # the coordinator's own bound
 
     def _resync(self) -> None:
         """Ask where the coordinator stands; open the upload again if it is gone (expired, dropped)."""
@@ -149,7 +153,7 @@ class ResumablePush:
 
     def _next_chunk(self, n: int, seconds: float) -> int:
         wanted = int(n / max(seconds, 1e-3) * self.policy.chunk_seconds)
-        return max(self.policy.min_chunk, min(self._limit, wanted))
+        return min(self._limit, max(self.policy.min_chunk, wanted))
 
 
 class _Body:

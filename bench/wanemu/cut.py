@@ -33,8 +33,12 @@ class CutProxy:
         self._server = socket.create_server(("127.0.0.1", 0))
         threading.Thread(target=self._accept_loop, name="cut-proxy", daemon=True).start()
 
+    @property
+    def address(self) -> tuple[str, int]:
+        return self._server.getsockname()[:2]
+
     def url(self) -> str:
-        host, port = self._server.getsockname()[:2]
+        host, port = self.address
         return f"http://{host}:{port}"
 
     def retarget(self, target: tuple[str, int]) -> None:
