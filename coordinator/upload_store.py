@@ -248,7 +248,8 @@ class UploadStore:
         """The upload, if ``caller`` (a worker id; None for the admin) may use it; else NotFound."""
         with self._guard:
             upload = self._uploads.get(upload_id) if UPLOAD_ID_RE.fullmatch(upload_id) else None
-        if upload is None or upload.expert != expert or caller not in (None, upload.owner):
+        expired = upload is not None and upload.touched_at < self.clock() - self.limits.idle_seconds
+        if upload is None or expired or upload.expert != expert or caller not in (None, upload.owner):
             raise NotFound(f"no open upload {upload_id!r} for expert {expert!r} (finished, expired after "
                            f"{self.limits.idle_seconds:g} s idle, or never opened); open a new one")
         return upload

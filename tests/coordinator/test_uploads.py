@@ -249,6 +249,8 @@ def test_idle_uploads_expire_and_their_files_are_removed(make_app):
     now[0] += 50
     put_chunk(client, busy, body_of(2), 0, 99)  # a chunk keeps an upload alive
     now[0] += 20
+    assert error(client.get(f"/api/v1/experts/e/uploads/{idle}")) == (404, "not_found")  # expired: gone at once
+    assert (store.root / f"{idle}.part").exists()  # a read never writes: its files wait for the next sweep
     open_upload(client, body_of(3))  # opening sweeps
     assert error(client.get(f"/api/v1/experts/e/uploads/{idle}")) == (404, "not_found")
     assert not (store.root / f"{idle}.part").exists() and not (store.root / f"{idle}.json").exists()
