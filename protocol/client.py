@@ -44,7 +44,7 @@ from protocol.resume import can_resume, resumable_body
 from protocol.schemas import API_PREFIX, EXPERT_HEADER, UPDATE_HEADER, VERSION_HEADER, WORKER_HEADER
 from protocol.streaming import tensors_from_buffer
 from protocol.tensors import StateDict, dumps
-from protocol.uploads import ResumablePush, UploadPolicy, UploadStats
+from protocol.uploads import ResumablePush, UploadPolicy, UploadStats, UploadsUnsupported
 
 PULL_CHUNK = 4 << 20  # bytes read from the socket at a time into a pull's preallocated buffer
 
@@ -297,7 +297,11 @@ class CoordinatorClient:
     def push_update(self, name: str, body: bytes, meta: dict[str, Any]) -> dict[str, Any]:
         """Push an update; the coordinator's UpdateStatus. Large bodies go through a resumable upload."""
         if len(body) >= self.upload.threshold:
-            return self._push_resumable(name, body, meta)
+            try:
+                return self._push_resumable(name, body, meta)
+            except UploadsUnsupported as exc:
+                log.info("%s has no resumable uploads (%s); pushing update %s in one request", self.base_url, exc,
+                         meta.get("update_id"))
         return self._json("POST", f"/experts/{name}/updates", data=Chunks(body), worker=meta.get("worker_id"),
                           expert=name, headers={UPDATE_HEADER: json.dumps(meta),
                                                 "Content-Type": "application/octet-stream",

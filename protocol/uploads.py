@@ -27,6 +27,10 @@ log = logging.getLogger(__name__)
 MiB = 1 << 20
 
 
+class UploadsUnsupported(Exception):
+    """The coordinator has no upload routes (an older one, or a relay without them): push in one request."""
+
+
 @dataclass(frozen=True)
 class UploadPolicy:
     threshold: int = 8 * MiB
@@ -86,7 +90,11 @@ class ResumablePush:
     def run(self) -> dict[str, Any]:
         """Push the body; the coordinator's answer to the push (its UpdateStatus)."""
         self.stats.size = len(self.body)
-        self._adopt(self._open())
+        try:
+            opened = self._open()
+        except NotFound as exc:  # no such route, or no such expert: the one-shot push tells which
+            raise UploadsUnsupported(str(exc)) from None
+        self._adopt(opened)
         chunk, failures = min(self.policy.first_chunk, self._limit), 0
         while self._done is None:
             try:

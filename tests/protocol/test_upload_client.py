@@ -12,6 +12,7 @@ from coordinator.config import CoordinatorConfig
 from bench.wanemu.cut import CutProxy
 from protocol.client import CoordinatorClient, RetryPolicy
 from protocol.credentials import local_token
+from protocol.errors import NotFound
 from protocol.tensors import dumps
 from protocol.uploads import UploadPolicy
 from tests.helpers import expert_spec, make_adapter, random_like, update_meta
@@ -97,3 +98,29 @@ def test_upload_policy_checks_its_settings():
         UploadPolicy(min_chunk=8, first_chunk=4, max_chunk=16)
     with pytest.raises(ValueError, match="max_fraction"):
         UploadPolicy(max_fraction=0)
+
+
+def test_a_coordinator_without_upload_routes_gets_a_one_shot_push(tmp_path):
+    """An older coordinator (or a relay) answers the upload routes 404: the client pushes in one request."""
+    app = create_app(CoordinatorConfig(data_dir=tmp_path / "data", gateway_interval=3600, auth=False))
+
+    def older(environ, start_response):
+        if "/uploads" in environ["PATH_INFO"]:  # as Flask answers a route it does not have
+            start_response("404 NOT FOUND", [("Content-Type", "application/json")])
+            return [b'{"error": {"code": "not_found", "message": "The requested URL was not found"}}']
+        return app(environ, start_response)
+
+    server = make_server("127.0.0.1", 0, older, threaded=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}"
+    try:
+        CoordinatorClient(url).create_expert("e", ADAPTER, expert_spec(rank=8))
+        client = CoordinatorClient(url, upload=FIXED)
+        assert client.push_update("e", dumps(random_like(ADAPTER, 2, scale=0.01)), update_meta())["status"] == "applied"
+        assert client.last_upload.chunks == 0
+        with pytest.raises(NotFound, match="no expert named 'nope'"):  # a real 404 stays one
+            client.push_update("nope", dumps(random_like(ADAPTER, 2)), update_meta())
+    finally:
+        server.shutdown()
+        server.server_close()
+        app.extensions["fedmoe"].close()
