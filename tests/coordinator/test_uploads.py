@@ -332,3 +332,11 @@ def test_a_full_disk_is_a_507_that_records_nothing(make_app, small_disk):
     assert (app.extensions["fedmoe_uploads"].root / f"{upload_id}.part").stat().st_size == 0
     filler.unlink()
     assert put_chunk(client, upload_id, body, 0, len(body) - 1).get_json()["offset"] == len(body)
+
+
+def test_resumable_pushes_count_in_the_metrics_like_pushes(client):
+    body = body_of()
+    complete(client, uploaded(client, body))
+    text = client.get("/metrics").get_data(as_text=True)
+    assert 'fedmoe_updates_total{expert="e",outcome="accepted"} 1.0' in text
+    assert f'fedmoe_update_bytes_total{{direction="in",expert="e"}} {float(len(body))}' in text
