@@ -311,6 +311,8 @@ class CoordinatorClient:
         worker = meta.get("worker_id")
 
         def call(method: str, path: str, attempts: int | None = None, **kwargs: Any) -> requests.Response:
+            if "data" in kwargs:  # a chunk: sent as views, each under the socket timeout
+                kwargs["data"] = Chunks(kwargs["data"])
             return self._request(method, path, worker=worker, expert=name, attempts=attempts, **kwargs)
 
         push = ResumablePush(call, name, body, meta, self.upload, self.retry.attempts, self.retry.delay)

@@ -70,7 +70,8 @@ class UploadStats:
 
 Call = Callable[..., Any]
 """``call(method, path, attempts=None, **requests_kwargs) -> requests.Response`` with the client's auth;
-``attempts=1`` for a single try (no retry inside), None for the client's retry policy."""
+``attempts=1`` for a single try (no retry inside), None for the client's retry policy. A ``data`` body
+is a memoryview of the chunk (the client sends it as protocol.client.Chunks)."""
 
 
 @dataclass
@@ -137,7 +138,7 @@ class ResumablePush:
         view = memoryview(self.body)[offset:offset + n]
         self.stats.sent += n
         self.stats.chunks += 1
-        r = self.call("PUT", f"/experts/{self.expert}/uploads/{self._upload_id}", attempts=1, data=_Body(view),
+        r = self.call("PUT", f"/experts/{self.expert}/uploads/{self._upload_id}", attempts=1, data=view,
                       headers={"Content-Range": f"bytes {offset}-{offset + n - 1}/{len(self.body)}",
                                "Content-Type": "application/octet-stream",
                                "X-FedMoE-Digest": "sha256=" + hashlib.sha256(view).hexdigest()})
@@ -162,16 +163,3 @@ class ResumablePush:
     def _next_chunk(self, n: int, seconds: float) -> int:
         wanted = int(n / max(seconds, 1e-3) * self.policy.chunk_seconds)
         return min(self._limit, max(self.policy.min_chunk, wanted))
-
-
-class _Body:
-    """A chunk as 4 MiB views with its length (see protocol.client.Chunks: the socket timeout per view)."""
-
-    def __init__(self, view: memoryview) -> None:
-        self._view = view
-
-    def __len__(self) -> int:
-        return len(self._view)
-
-    def __iter__(self):
-        return (self._view[i:i + 4 * MiB] for i in range(0, len(self._view), 4 * MiB))
