@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from protocol.errors import FedMoEError, NotFound, RequestTimeout, Unavailable
@@ -128,10 +129,13 @@ class ResumablePush:
             self.stats.reopened += 1
             self._adopt(self._open())
 
+    @cached_property
+    def digest(self) -> str:
+        return "sha256=" + hashlib.sha256(self.body).hexdigest()
+
     def _open(self) -> dict[str, Any]:
-        digest = "sha256=" + hashlib.sha256(self.body).hexdigest()
         return self.call("POST", f"/experts/{self.expert}/uploads",
-                         json={"update": self.meta, "size": len(self.body), "digest": digest}).json()
+                         json={"update": self.meta, "size": len(self.body), "digest": self.digest}).json()
 
     def _put(self, n: int) -> int:
         offset = self._offset
