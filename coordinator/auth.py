@@ -46,6 +46,8 @@ RULES: dict[str, str] = {
     "api.route": READ, "api.profiles": READ, "api.gateway_info": READ, "api.events": READ, "metrics": READ,
     "api.create_expert": EXPERT, "api.expert_weights": EXPERT, "api.push_update": EXPERT,
     "api.put_profile": EXPERT,
+    "uploads.open_upload": EXPERT, "uploads.upload_status": EXPERT, "uploads.upload_chunk": EXPERT,
+    "uploads.complete_upload": EXPERT, "uploads.abandon_upload": EXPERT,
     "api.heartbeat": SELF,
     "api.gateway_weights": ADMIN_ONLY, "api.revoke_worker": ADMIN_ONLY,
 }

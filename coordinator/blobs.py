@@ -133,6 +133,25 @@ class BlobStore:
             self._received_digests.pop(tmp, None)
         tmp.unlink(missing_ok=True)
 
+    def link_received(self, path: Path, digest: str) -> Path:
+        """A received temp file that is a hard link to ``path`` (a finished resumable upload, fsynced, in this
+        data dir), whose SHA-256 is already known; ``adopt`` or ``forget`` it like one ``receive`` wrote."""
+        tmp = self.new_temp()
+        tmp.unlink()
+        try:
+            os.link(path, tmp)
+        except OSError:  # another file system (EXDEV) or no hard links: copy
+            try:
+                shutil.copyfile(path, tmp)
+                with open(tmp, "rb+") as f:
+                    os.fsync(f.fileno())
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+        with self._digests_guard:
+            self._received_digests[tmp] = digest
+        return tmp
+
     def write_temp(self, write: Callable[[Path], None]) -> Path:
         """Let ``write(path)`` fill a temp file and fsync it; ``adopt`` it to store it."""
         tmp = self.new_temp()

@@ -62,11 +62,13 @@ class CoordinatorMetrics:
         rule = request.url_rule.rule if request.url_rule else "unmatched"
         self.requests.labels(rule, request.method, str(response.status_code)).inc()
         expert = (request.view_args or {}).get("name")
-        if request.endpoint == "api.push_update" and expert:
+        if request.endpoint in ("api.push_update", "uploads.complete_upload") and expert:  # one-shot, resumable
             outcome = UPDATE_OUTCOMES.get(response.status_code, "rejected")
             self.updates.labels(expert, outcome).inc()
-            if outcome == "accepted":
+            if outcome == "accepted" and request.endpoint == "api.push_update":
                 self.update_bytes.labels(expert, "in").inc(request.content_length or 0)
+        elif request.endpoint == "uploads.upload_chunk" and expert and response.status_code == 200:
+            self.update_bytes.labels(expert, "in").inc(request.content_length or 0)  # a resumable push's chunk
         elif request.endpoint == "api.expert_weights" and expert and response.status_code == 200:
             self.update_bytes.labels(expert, "out").inc(response.content_length or 0)
         return response

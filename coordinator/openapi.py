@@ -292,6 +292,68 @@ _api: dict[str, Any] = {
                       "503": _error("The first gateway is still being built; retry after Retry-After.")}}},
 }
 
+UPLOAD_ID = _path_param("upload_id", "^[0-9a-f]{32}$", "0" * 32, "The id POST /experts/{name}/uploads returned.")
+UPLOAD_STATUS = {
+    "type": "object", "required": ["upload_id", "update_id", "offset", "size", "complete", "expires_at"],
+    "properties": {"upload_id": {"type": ["string", "null"]}, "update_id": {"type": "string"},
+                   "expert": {"type": "string"},
+                   "offset": {"type": "integer", "description": "Bytes received and durable: send from here."},
+                   "size": {"type": "integer"}, "complete": {"type": "boolean"},
+                   "expires_at": {"type": "number", "description": "Unix time it expires if no chunk comes."},
+                   "chunk_limit": {"type": "integer", "description": "Largest chunk accepted (--max-body-mb)."},
+                   "update": _ref("UpdateStatus")}}
+OFFSET_HEADERS = {"X-FedMoE-Upload-Offset": {"description": "The offset.", "schema": {"type": "string"}}}
+UNKNOWN_UPLOAD = _error("No such expert, or no open upload of that id for this caller (finished, expired, "
+                        "another worker's, or never opened).")
+_api.update({  # resumable pushes (coordinator/uploads.py, docs/wan.md)
+    "/experts/{name}/uploads": {"post": {
+        "operationId": "openUpload", "summary": "Open a resumable push of a large update (or find the open one "
+                                                "of this update_id, with its offset).",
+        "parameters": [EXPERT_NAME],
+        "requestBody": {"required": True, "content": {"application/json": {"schema": {
+            "type": "object", "required": ["update", "size", "digest"],
+            "properties": {"update": _ref("UpdateMeta"), "size": {"type": "integer", "minimum": 1},
+                           "digest": {"type": "string", "pattern": "^sha256=[0-9a-f]{64}$"}}}}}},
+        "responses": {"201": _json(UPLOAD_STATUS, "Opened at offset 0."),
+                      "200": _json(UPLOAD_STATUS, "Already open (offset says where to continue), or the update "
+                                                  "is already recorded (``update``, nothing to send)."),
+                      "400": BAD_REQUEST, "404": NOT_FOUND,
+                      "409": _error("update_id already open or recorded with another body, size or expert."),
+                      "413": _error("size over --max-body-mb."), "507": STORAGE_FULL}}},
+    "/experts/{name}/uploads/{upload_id}": {
+        "get": {"operationId": "uploadStatus", "summary": "Where an upload stands (HEAD: the offset header only).",
+                "parameters": [EXPERT_NAME, UPLOAD_ID],
+                "responses": {"200": _json(UPLOAD_STATUS, "The upload.") | {"headers": OFFSET_HEADERS},
+                              "404": UNKNOWN_UPLOAD}},
+        "put": {"operationId": "uploadChunk", "summary": "Append a chunk at the offset; 200 once it is durable.",
+                "parameters": [EXPERT_NAME, UPLOAD_ID,
+                               _header("Content-Range", "bytes <start>-<end>/<size>; start must be the offset.",
+                                       required=True),
+                               _header("X-FedMoE-Digest", "sha256=<hex> of this chunk (optional).")],
+                "requestBody": TENSOR_BODY | {"description": "The chunk's bytes."},
+                "responses": {"200": _json(UPLOAD_STATUS, "Stored; the new offset."), "400": BAD_REQUEST,
+                              "404": UNKNOWN_UPLOAD,
+                              "409": _error("The chunk overlaps bytes already received (details.offset)."),
+                              "413": _error("Chunk over --max-body-mb."),
+                              "416": _error("The chunk leaves a gap after the offset or ends past the size "
+                                            "(details.offset)."),
+                              "507": STORAGE_FULL}},
+        "delete": {"operationId": "abandonUpload", "summary": "Drop an upload and its bytes.",
+                   "parameters": [EXPERT_NAME, UPLOAD_ID],
+                   "responses": {"204": {"description": "Dropped."}, "404": UNKNOWN_UPLOAD}}},
+    "/experts/{name}/uploads/{upload_id}/complete": {"post": {
+        "operationId": "completeUpload", "summary": "Check size and digest, then push it as POST .../updates "
+                                                    "would: 202 recorded, 200 seen before (a retry).",
+        "parameters": [EXPERT_NAME, UPLOAD_ID],
+        "responses": {"202": _json(_ref("UpdateStatus"), "Recorded on disk (and maybe applied)."),
+                      "200": _json(_ref("UpdateStatus"), "Finished before, or the update_id was seen before."),
+                      "400": BAD_REQUEST, "404": UNKNOWN_UPLOAD,
+                      "409": _error("Bytes missing (details.offset), or the push's own conflicts."),
+                      "422": _error("The bytes do not match the digest (the upload is dropped), or the push's "
+                                    "own checks refused the update."),
+                      "507": STORAGE_FULL}}},
+})
+
 _root: dict[str, Any] = {
     "/": {"get": {"operationId": "dashboard", "summary": "The dashboard page.",
                   "responses": {"200": {"description": "HTML page.",

@@ -13,7 +13,8 @@ that worker's pushes, pulls, heartbeats and profiles, and registers again once i
 it is rejected (expired). It also keeps it on disk (``protocol.credentials``): a worker id
 that holds a valid token can only be registered again with that token (or by the admin), so
 registering presents the worker's own token first, the join token only if that is refused.
-Uploads carry their SHA-256 (``protocol.integrity``).
+Uploads carry their SHA-256 (``protocol.integrity``). Pushes of at least ``UploadPolicy.threshold`` bytes
+(8 MiB) go up in chunks and resume after a break where it stopped (``protocol.uploads``, docs/wan.md).
 
 Exception tree (``protocol.errors``; the status each answers with in parentheses)::
 
@@ -56,6 +57,7 @@ from protocol.resume import can_resume, resumable_body
 from protocol.schemas import API_PREFIX, EXPERT_HEADER, UPDATE_HEADER, VERSION_HEADER, WORKER_HEADER
 from protocol.streaming import tensors_from_buffer
 from protocol.tensors import StateDict, dumps
+from protocol.uploads import ResumablePush, UploadPolicy, UploadStats, UploadsUnsupported
 
 PULL_CHUNK = 4 << 20  # bytes read from the socket at a time into a pull's preallocated buffer
 
@@ -92,11 +94,15 @@ class Pulled:
 class CoordinatorClient:
     def __init__(self, base_url: str, *, timeout: tuple[float, float] = (5.0, 120.0),
                  retry: RetryPolicy = RetryPolicy(), use_proxy: bool = False, token: str | None = None,
-                 ca_cert: str | Path | None = None) -> None:
-        """``timeout`` is (connect, read) seconds for every call; ``ca_cert`` a PEM file to trust for https."""
+                 ca_cert: str | Path | None = None, upload: UploadPolicy = UploadPolicy()) -> None:
+        """``timeout`` is (connect, read) seconds for every call; ``ca_cert`` a PEM file to trust for https;
+        ``upload`` when and how pushes go through a resumable upload."""
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self.retry = retry
+        self.upload = upload
+        self.last_upload: UploadStats | None = None
+        """What the latest resumable push cost (bytes sent and re-sent, resumes); None before one."""
         self.session = requests.Session()
         self.session.trust_env = use_proxy  # honour HTTP(S)_PROXY only when asked to
         if ca_cert is not None:
@@ -128,10 +134,11 @@ class CoordinatorClient:
         return self.token, None
 
     def _request(self, method: str, path: str, *, worker: str | None = None, expert: str | None = None,
-                 **kwargs: Any) -> requests.Response:
+                 attempts: int | None = None, **kwargs: Any) -> requests.Response:
+        """One call with the right token; ``attempts`` overrides RetryPolicy.attempts (1: no retry)."""
         token, owner = self._token_for(worker, expert)
         try:
-            return self._attempts(method, path, token, **kwargs)
+            return self._attempts(method, path, token, attempts, **kwargs)
         except Unauthorized as exc:
             if owner is None or owner not in self._registrations:
                 if owner is None and token is not None:
@@ -140,15 +147,17 @@ class CoordinatorClient:
                 raise
             log.info("worker token of %s rejected (%s); registering again", owner, exc)
             self.register_worker(**self._registrations.pop(owner))
-            return self._attempts(method, path, self._token_for(worker, expert)[0], **kwargs)
+            return self._attempts(method, path, self._token_for(worker, expert)[0], attempts, **kwargs)
 
-    def _attempts(self, method: str, path: str, token: str | None, **kwargs: Any) -> requests.Response:
+    def _attempts(self, method: str, path: str, token: str | None, attempts: int | None = None,
+                  **kwargs: Any) -> requests.Response:
         url = f"{self.base_url}{API_PREFIX}{path}"
         headers = dict(kwargs.pop("headers", None) or {})
         if token:
             headers["Authorization"] = f"Bearer {token}"
         last, wait = "", None
-        for attempt in range(self.retry.attempts):
+        attempts = self.retry.attempts if attempts is None else attempts
+        for attempt in range(attempts):
             if attempt:
                 time.sleep(self.retry.delay(attempt - 1) if wait is None else wait)
             wait = None
@@ -171,7 +180,7 @@ class CoordinatorClient:
             if response.status_code == 429:
                 wait = _retry_after(response, self.retry.max_retry_after)
                 last = f"coordinator rate-limited {method} {path} (HTTP 429)"
-                if attempt + 1 == self.retry.attempts:
+                if attempt + 1 == attempts:
                     raise error_from_response(429, _json(response))
                 log.info("rate-limited by the coordinator; retrying in %.1f s", wait)
                 continue
@@ -183,7 +192,7 @@ class CoordinatorClient:
             if response.status_code == 503 and "Retry-After" in response.headers:  # e.g. the first gateway builds
                 wait = _retry_after(response, self.retry.max_retry_after)
                 last += f": {error_from_response(503, _json(response)).message}"
-        raise Unavailable(last + f" (gave up after {self.retry.attempts} tries)")
+        raise Unavailable(last + f" (gave up after {attempts} tries)")
 
     def _plain_http_to_tls(self) -> bool:
         """After a dropped http:// connection: does the port answer a TLS handshake? (Retrying would not help.)"""
@@ -299,10 +308,34 @@ class CoordinatorClient:
         return (b"" if r.status_code == 304 else r.content), int(r.headers.get(VERSION_HEADER, -1))
 
     def push_update(self, name: str, body: bytes, meta: dict[str, Any]) -> dict[str, Any]:
+        """Push an update; the coordinator's UpdateStatus. Large bodies go through a resumable upload."""
+        if len(body) >= self.upload.threshold:
+            try:
+                return self._push_resumable(name, body, meta)
+            except UploadsUnsupported as exc:
+                log.info("%s has no resumable uploads (%s); pushing update %s in one request", self.base_url, exc,
+                         meta.get("update_id"))
         return self._json("POST", f"/experts/{name}/updates", data=Chunks(body), worker=meta.get("worker_id"),
                           expert=name, headers={UPDATE_HEADER: json.dumps(meta),
                                                 "Content-Type": "application/octet-stream",
                                                 DIGEST_HEADER: digest_header(body)})
+
+    def _push_resumable(self, name: str, body: bytes, meta: dict[str, Any]) -> dict[str, Any]:
+        worker = meta.get("worker_id")
+
+        def call(method: str, path: str, attempts: int | None = None, **kwargs: Any) -> requests.Response:
+            if "data" in kwargs:  # a chunk: sent as views, each under the socket timeout
+                kwargs["data"] = Chunks(kwargs["data"])
+            return self._request(method, path, worker=worker, expert=name, attempts=attempts, **kwargs)
+
+        push = ResumablePush(call, name, body, meta, self.upload, self.retry.attempts, self.retry.delay)
+        try:
+            return push.run()
+        finally:
+            self.last_upload = push.stats
+            if push.stats.resumes:
+                log.info("push of update %s resumed %d times: %d of %d body bytes sent again", meta.get("update_id"),
+                         push.stats.resumes, push.stats.resent, len(body))
 
     def update_status(self, update_id: str) -> dict[str, Any]:
         return self._json("GET", f"/updates/{update_id}")

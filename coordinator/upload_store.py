@@ -1,0 +1,346 @@
+"""Resumable uploads on disk: a push's body arriving in chunks, kept across broken connections and restarts.
+
+Each open upload is two files under ``<data dir>/uploads``: ``<id>.part`` (the bytes received so far)
+and ``<id>.json`` (what the push is: expert, owner, update metadata, size, SHA-256, and the offset
+acknowledged so far). A chunk is written after the acknowledged offset, fsynced, and only then is the
+new offset written (atomically, fsynced): an acknowledged offset is durable, and on restart the
+``.part`` file is cut back to it (bytes of a chunk that was never acknowledged are dropped).
+
+The SHA-256 of the received prefix is kept in memory as the chunks arrive, so finishing needs no
+second read of the body; after a restart it is rebuilt once from the file.
+
+Bounds: a worker keeps at most ``per_worker`` uploads open (opening one more evicts its least recently
+used); an upload idle for ``idle_seconds`` expires and its files are removed (swept whenever an
+upload is opened, and at start); an upload is only opened if the disk can hold it plus what the
+other open uploads still need (else 507, nothing recorded).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from coordinator.blobs import storage_errors
+from protocol.errors import BadRequest, Conflict, FedMoEError, InsufficientStorage, NotFound
+from protocol.files import private_dir, write_atomically
+from protocol.schemas import UpdateMeta
+
+log = logging.getLogger(__name__)
+
+UPLOAD_ID_RE = re.compile(r"[0-9a-f]{32}")
+WRITE_CHUNK = 4 << 20  # bytes read from a chunk's request body at a time
+HASH_CHUNK = 1 << 20
+
+
+class RangeNotSatisfiable(FedMoEError):
+    """A chunk that starts after the received bytes (a gap) or reaches past the upload's size."""
+
+    code, status = "range_not_satisfiable", 416
+
+
+@dataclass(frozen=True)
+class UploadLimits:
+    idle_seconds: float = 3600.0
+    """An upload with no chunk for this long expires; its files are removed."""
+    per_worker: int = 2
+    """Open uploads one worker may hold; opening one more evicts its least recently used."""
+
+
+@dataclass
+class Upload:
+    """One resumable push. ``offset`` is the number of bytes received and acknowledged (durable)."""
+
+    upload_id: str
+    expert: str
+    owner: str | None
+    """Worker whose token opened it (only it, or the admin, may use it); None when opened by the admin."""
+    meta: UpdateMeta
+    size: int
+    digest: str
+    """SHA-256 (hex) the whole body must have."""
+    offset: int = 0
+    created_at: float = 0.0
+    touched_at: float = 0.0
+    completed: bool = False
+    """The push ran; the body is gone and the record stays (until it expires) to answer a retried finish."""
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    hasher: Any = field(default=None, repr=False, compare=False)
+    """SHA-256 of body[:offset], or None until rebuilt after a restart."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"upload_id": self.upload_id, "expert": self.expert, "owner": self.owner, "meta": self.meta.to_json(),
+                "size": self.size, "digest": self.digest, "offset": self.offset, "created_at": self.created_at,
+                "touched_at": self.touched_at, "completed": self.completed}
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> "Upload":
+        upload = cls(upload_id=str(obj["upload_id"]), expert=str(obj["expert"]), owner=obj["owner"],
+                     meta=UpdateMeta.from_json(obj["meta"]), size=int(obj["size"]), digest=str(obj["digest"]),
+                     offset=int(obj["offset"]), created_at=float(obj["created_at"]),
+                     touched_at=float(obj["touched_at"]), completed=bool(obj["completed"]))
+        if not UPLOAD_ID_RE.fullmatch(upload.upload_id) or not 0 <= upload.offset <= upload.size:
+            raise ValueError(f"bad upload record {upload.upload_id!r}")
+        return upload
+
+    def status(self, idle_seconds: float) -> dict[str, Any]:
+        return {"upload_id": self.upload_id, "update_id": self.meta.update_id, "expert": self.expert,
+                "offset": self.offset, "size": self.size, "complete": self.completed,
+                "expires_at": self.touched_at + idle_seconds}
+
+
+class UploadStore:
+    """The open (and recently finished) uploads of one data dir."""
+
+    def __init__(self, root: Path, limits: UploadLimits = UploadLimits(),
+                 clock: Callable[[], float] = time.time) -> None:
+        self.root = private_dir(root)
+        self.limits = limits
+        self.clock = clock
+        self._uploads: dict[str, Upload] = {}
+        self._guard = threading.Lock()  # the index; each upload's own lock guards its files
+        self._opening = threading.Lock()  # two opens of one update_id at once must not make two uploads
+        self._load()
+
+    # files ----------------------------------------------------------------------
+
+    def part(self, upload: Upload) -> Path:
+        return self.root / f"{upload.upload_id}.part"
+
+    def _record(self, upload: Upload) -> Path:
+        return self.root / f"{upload.upload_id}.json"
+
+    def _save(self, upload: Upload) -> None:
+        write_atomically(self._record(upload), json.dumps(upload.to_json()).encode())
+
+    def _remove_files(self, upload: Upload) -> None:
+        self._record(upload).unlink(missing_ok=True)
+        self.part(upload).unlink(missing_ok=True)
+
+    def _load(self) -> None:
+        """Reopen the uploads a previous run left; cut each body back to its acknowledged offset."""
+        for path in sorted(self.root.iterdir()):
+            if path.name.startswith(".") or path.suffix not in (".json", ".part"):  # write_atomically leftovers
+                path.unlink(missing_ok=True)
+            elif path.suffix == ".json":
+                try:
+                    upload = Upload.from_json(json.loads(path.read_text()))
+                except (OSError, ValueError, KeyError, TypeError, FedMoEError) as exc:
+                    log.warning("dropping unreadable upload record %s: %s", path.name, exc)
+                    path.unlink(missing_ok=True)
+                    continue
+                part = self.part(upload)
+                if not upload.completed:
+                    if not part.is_file() or part.stat().st_size < upload.offset:
+                        log.warning("dropping upload %s: its body is shorter than acknowledged", upload.upload_id)
+                        self._remove_files(upload)
+                        continue
+                    os.truncate(part, upload.offset)
+                self._uploads[upload.upload_id] = upload
+        for path in self.root.glob("*.part"):  # a body without a record: its open never completed
+            if path.stem not in self._uploads:
+                path.unlink(missing_ok=True)
+        self.sweep()
+
+    # lifecycle ------------------------------------------------------------------
+
+    def sweep(self) -> None:
+        """Remove uploads idle for longer than ``limits.idle_seconds`` (not those being written or finished)."""
+        deadline = self.clock() - self.limits.idle_seconds
+        with self._guard:
+            stale = [u for u in self._uploads.values() if u.touched_at < deadline]
+        for upload in stale:
+            if self._drop(upload, blocking=False):
+                log.info("upload %s of update %s expired at %d of %d bytes", upload.upload_id,
+                         upload.meta.update_id, upload.offset, upload.size)
+
+    def _drop(self, upload: Upload, blocking: bool = True) -> bool:
+        if not upload.lock.acquire(blocking=blocking):
+            return False
+        try:
+            with self._guard:
+                self._uploads.pop(upload.upload_id, None)
+            self._remove_files(upload)
+            return True
+        finally:
+            upload.lock.release()
+
+    def abandon(self, upload: Upload) -> None:
+        with self.holding(upload):
+            self.discard(upload)
+
+    def open(self, expert: str, owner: str | None, meta: UpdateMeta, size: int, digest: str) -> tuple[Upload, bool]:
+        """The upload of ``meta.update_id`` (new, or the one already open for it); (upload, created)."""
+        self.sweep()
+        with self._opening:
+            return self._open(expert, owner, meta, size, digest)
+
+    def _open(self, expert: str, owner: str | None, meta: UpdateMeta, size: int, digest: str) -> tuple[Upload, bool]:
+        with self._guard:
+            existing = next((u for u in self._uploads.values() if u.meta.update_id == meta.update_id), None)
+        if existing is not None:
+            if (existing.expert, existing.owner, existing.size, existing.digest, existing.meta) != \
+                    (expert, owner, size, digest, meta):
+                raise Conflict(f"update_id {meta.update_id!r} already has an open upload with other metadata, "
+                               "size or digest; a retry must describe the same body, a new update needs a new "
+                               "update_id", update_id=meta.update_id)
+            return existing, False
+        self._make_room(owner)
+        now = self.clock()
+        upload = Upload(secrets.token_hex(16), expert, owner, meta, size, digest, created_at=now, touched_at=now,
+                        hasher=hashlib.sha256())
+        with storage_errors(f"open an upload for update {meta.update_id!r}"):
+            self._check_space(size)
+            try:
+                self.part(upload).touch(mode=0o600)
+                self._save(upload)
+            except BaseException:
+                self._remove_files(upload)
+                raise
+        with self._guard:
+            self._uploads[upload.upload_id] = upload
+        return upload, True
+
+    def _make_room(self, owner: str | None) -> None:
+        """Evict the owner's least recently used uploads until it may open one more."""
+        if owner is None:
+            return
+        with self._guard:
+            mine = sorted((u for u in self._uploads.values() if u.owner == owner and not u.completed),
+                          key=lambda u: u.touched_at)
+        for upload in mine[:max(0, len(mine) - self.limits.per_worker + 1)]:
+            if not self._drop(upload, blocking=False):
+                raise Conflict(f"worker {owner!r} already has {len(mine)} uploads open (the limit), and they are "
+                               "being written; finish one first", reason="too_many_uploads")
+            log.info("worker %s opened more than %d uploads: evicted upload %s of update %s", owner,
+                     self.limits.per_worker, upload.upload_id, upload.meta.update_id)
+
+    def _check_space(self, size: int) -> None:
+        with self._guard:
+            owed = sum(u.size - u.offset for u in self._uploads.values() if not u.completed)
+        st = os.statvfs(self.root)
+        free = st.f_bavail * st.f_frsize
+        if free < size + owed:
+            raise InsufficientStorage(f"the coordinator's disk cannot hold an upload of {size} bytes ({free} bytes "
+                                      f"free, open uploads still need {owed}); nothing was recorded. Free space in "
+                                      "its --data-dir, then send it again")
+
+    @contextmanager
+    def holding(self, upload: Upload) -> Iterator[Upload]:
+        """The upload's lock, once no one else holds it; NotFound if it expired or was dropped meanwhile."""
+        with upload.lock:
+            with self._guard:
+                live = self._uploads.get(upload.upload_id) is upload
+            if not live:
+                raise NotFound(f"upload {upload.upload_id} expired or was dropped; open a new one")
+            yield upload
+
+    def get(self, upload_id: str, expert: str, caller: str | None) -> Upload:
+        """The upload, if ``caller`` (a worker id; None for the admin) may use it; else NotFound."""
+        with self._guard:
+            upload = self._uploads.get(upload_id) if UPLOAD_ID_RE.fullmatch(upload_id) else None
+        expired = upload is not None and upload.touched_at < self.clock() - self.limits.idle_seconds
+        if upload is None or expired or upload.expert != expert or caller not in (None, upload.owner):
+            raise NotFound(f"no open upload {upload_id!r} for expert {expert!r} (finished, expired after "
+                           f"{self.limits.idle_seconds:g} s idle, or never opened); open a new one")
+        return upload
+
+    # chunks ---------------------------------------------------------------------
+
+    def write(self, upload: Upload, start: int, stream: BinaryIO, length: int, chunk_digest: str | None) -> None:
+        """Append ``length`` bytes read from ``stream`` at ``start`` (which must be the offset); durable on return."""
+        with self.holding(upload):
+            self._check_start(upload, start, length)
+            hasher, chunk_hash = self._hasher(upload).copy(), hashlib.sha256()
+            part = self.part(upload)
+            with storage_errors(f"store a chunk of upload {upload.upload_id}"):
+                try:
+                    with open(part, "r+b") as out:
+                        out.seek(start)
+                        _copy(stream, out, length, (hasher, chunk_hash))
+                        if chunk_digest is not None and chunk_hash.hexdigest() != chunk_digest:
+                            raise BadRequest("the chunk does not match its digest: it was damaged on the way; "
+                                             "send it again", reason="chunk_digest_mismatch", offset=upload.offset)
+                        out.flush()
+                        os.fsync(out.fileno())
+                    touched = self.clock()
+                    self._save_offset(upload, start + length, touched)
+                except BaseException:
+                    os.truncate(part, upload.offset)  # nothing past the acknowledged offset stays
+                    raise
+            upload.offset, upload.touched_at, upload.hasher = start + length, touched, hasher
+
+    def _check_start(self, upload: Upload, start: int, length: int) -> None:
+        if upload.completed:
+            raise Conflict(f"upload {upload.upload_id} is finished", reason="upload_complete", offset=upload.offset)
+        if start + length > upload.size:
+            raise RangeNotSatisfiable(f"the chunk ends at byte {start + length} of an upload of {upload.size} bytes",
+                                      reason="past_end", offset=upload.offset)
+        if start > upload.offset:
+            raise RangeNotSatisfiable(f"the chunk starts at byte {start} but only {upload.offset} bytes were "
+                                      "received: send the bytes from the offset", reason="offset_mismatch",
+                                      offset=upload.offset)
+        if start < upload.offset:
+            raise Conflict(f"the chunk starts at byte {start}, before the {upload.offset} bytes already received "
+                           "(chunks must not overlap): send the bytes from the offset", reason="offset_mismatch",
+                           offset=upload.offset)
+
+    def _save_offset(self, upload: Upload, offset: int, touched: float) -> None:
+        record = upload.to_json() | {"offset": offset, "touched_at": touched}
+        write_atomically(self._record(upload), json.dumps(record).encode())
+
+    def _hasher(self, upload: Upload) -> Any:
+        """SHA-256 of the received prefix (rebuilt from the file once after a restart)."""
+        if upload.hasher is None:
+            hasher = hashlib.sha256()
+            with open(self.part(upload), "rb") as f:
+                while block := f.read(HASH_CHUNK):
+                    hasher.update(block)
+            upload.hasher = hasher
+        return upload.hasher
+
+    # finishing ------------------------------------------------------------------
+
+    def received_digest(self, upload: Upload) -> str:
+        """SHA-256 of every byte received (call with the upload's lock held)."""
+        return self._hasher(upload).hexdigest()
+
+    def mark_completed(self, upload: Upload) -> None:
+        """The push ran: keep a small record to answer a retried finish, drop the body (lock held)."""
+        upload.completed, upload.touched_at, upload.hasher = True, self.clock(), None
+        try:
+            self._save(upload)
+            self.part(upload).unlink(missing_ok=True)
+        except OSError as exc:  # the push is recorded either way; a stale .part only costs space until it expires
+            log.warning("could not mark upload %s finished: %s", upload.upload_id, exc)
+
+    def discard(self, upload: Upload) -> None:
+        """Remove an upload whose push was refused (lock held): resending the same bytes cannot succeed."""
+        with self._guard:
+            self._uploads.pop(upload.upload_id, None)
+        self._remove_files(upload)
+
+    def open_count(self) -> int:
+        with self._guard:
+            return sum(not u.completed for u in self._uploads.values())
+
+
+def _copy(stream: BinaryIO, out: BinaryIO, length: int, hashers: tuple[Any, ...]) -> None:
+    got = 0
+    while got < length:
+        block = stream.read(min(WRITE_CHUNK, length - got))
+        if not block:
+            raise BadRequest(f"the chunk ended after {got} of its {length} bytes (Content-Length)")
+        out.write(block)
+        for h in hashers:
+            h.update(block)
+        got += len(block)

@@ -1,0 +1,116 @@
+"""Resumable pushes against a real coordinator (run_coordinator.py) behind a proxy that breaks the upload once."""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.common import CoordinatorProcess, SCRATCH_DIR, coordinator_process
+from bench.wanemu.cut import CutProxy
+from protocol.client import CoordinatorClient, RetryPolicy
+from protocol.credentials import local_token
+from protocol.errors import Unavailable
+from protocol.tensors import dumps
+from protocol.uploads import UploadPolicy
+from tests.helpers import expert_spec, make_adapter, random_like, update_meta
+
+ADAPTER = dict(rank=16, d_in=1024, d_out=1024, layers=8)  # 2 MiB of float32
+CHUNK = 128 << 10
+FIXED_CHUNKS = UploadPolicy(threshold=1, first_chunk=CHUNK, min_chunk=CHUNK, max_chunk=CHUNK)
+HEADERS = 8 << 10  # generous allowance for the HTTP heads of the few requests around a break
+FAST_RETRY = RetryPolicy(attempts=4, base_delay=0.05)
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def coordinator():
+    with tempfile.TemporaryDirectory(prefix="fedmoe-test-", dir=SCRATCH_DIR) as data_dir:
+        with coordinator_process(Path(data_dir) / "data") as server:
+            yield server
+
+
+def _setup(url: str) -> tuple[dict[str, torch.Tensor], bytes]:
+    """Experts "e" (pushed through the proxy) and "ref" (pushed directly), same start; the delta's bytes."""
+    adapter = make_adapter(**ADAPTER)
+    admin = CoordinatorClient(url)
+    for name in ("e", "ref"):
+        admin.create_expert(name, adapter, expert_spec(rank=16))
+    delta = random_like(adapter, seed=3, scale=0.01)
+    admin.push_update("ref", dumps(delta), update_meta())
+    return adapter, dumps(delta)
+
+
+def _port(url: str) -> tuple[str, int]:
+    return "127.0.0.1", int(url.rsplit(":", 1)[1])
+
+
+def _assert_applied_once_like_ref(url: str) -> None:
+    admin = CoordinatorClient(url)
+    info = admin.expert("e")
+    assert info["updates_applied"] == 1 and info["version"] == 1
+    got, want = admin.pull_weights("e").tensors, admin.pull_weights("ref").tensors
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_push_broken_at_90_percent_sends_only_the_rest_and_is_applied_once(coordinator) -> None:
+    _, body = _setup(coordinator.url)
+    cut_at = len(body) * 9 // 10
+    with CutProxy(_port(coordinator.url), cut_at=cut_at) as proxy:
+        client = CoordinatorClient(proxy.url(), token=local_token(coordinator.url), upload=FIXED_CHUNKS,
+                                   retry=FAST_RETRY)
+        status = client.push_update("e", body, update_meta())
+        after_cut, total = proxy.bytes_after_cut, proxy.bytes_to_target
+    assert proxy.cuts == 1 and client.last_upload.resumes == 1
+    assert status["status"] == "applied"
+    # Resuming sent the rest from the last acknowledged chunk: at most one chunk more than the bytes left.
+    assert after_cut <= len(body) - cut_at + CHUNK + HEADERS
+    assert total <= len(body) + CHUNK + 16 * HEADERS
+    assert client.last_upload.resent <= CHUNK
+    _assert_applied_once_like_ref(coordinator.url)
+
+
+def test_a_one_shot_push_broken_at_90_percent_sends_everything_again(coordinator) -> None:
+    """The baseline the resumable path improves on (and what bodies under the threshold still do)."""
+    _, body = _setup(coordinator.url)
+    with CutProxy(_port(coordinator.url), cut_at=len(body) * 9 // 10) as proxy:
+        client = CoordinatorClient(proxy.url(), token=local_token(coordinator.url), retry=FAST_RETRY)
+        client.push_update("e", body, update_meta())
+        after_cut = proxy.bytes_after_cut
+    assert client.last_upload is None  # 2 MiB is under the default threshold (8 MiB): one request
+    assert after_cut >= len(body)
+    _assert_applied_once_like_ref(coordinator.url)
+
+
+def test_acknowledged_chunks_survive_a_kill_9_of_the_coordinator(coordinator: CoordinatorProcess) -> None:
+    """The coordinator dies (SIGKILL) mid-upload and restarts on its data dir: the client continues from the
+    last acknowledged chunk, not from zero, and the update is applied once."""
+    _, body = _setup(coordinator.url)
+    proxy = CutProxy(_port(coordinator.url), cut_at=len(body) // 2)
+
+    def crash_and_restart() -> None:
+        coordinator.kill()
+        coordinator.start()
+        proxy.retarget(_port(coordinator.url))
+
+    proxy.on_cut = crash_and_restart
+    with proxy:
+        client = CoordinatorClient(proxy.url(), token=local_token(coordinator.url), upload=FIXED_CHUNKS,
+                                   retry=FAST_RETRY)
+        client.push_update("e", body, update_meta())
+    assert proxy.cuts == 1 and client.last_upload.resumes == 1
+    assert proxy.bytes_after_cut <= len(body) - len(body) // 2 + CHUNK + HEADERS
+    _assert_applied_once_like_ref(coordinator.url)
+
+
+def test_a_coordinator_gone_for_good_fails_after_bounded_retries(coordinator: CoordinatorProcess) -> None:
+    _, body = _setup(coordinator.url)
+    proxy = CutProxy(_port(coordinator.url), cut_at=len(body) // 2)
+    proxy.on_cut = coordinator.kill
+    with proxy:
+        client = CoordinatorClient(proxy.url(), token=local_token(coordinator.url), upload=FIXED_CHUNKS,
+                                   retry=RetryPolicy(attempts=2, base_delay=0.01), timeout=(2.0, 10.0))
+        with pytest.raises(Unavailable, match="gave up"):
+            client.push_update("e", body, update_meta())

@@ -1,0 +1,126 @@
+"""The resumable push client (protocol/uploads.py) against a real coordinator served in this process."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+from werkzeug.serving import make_server
+
+from bench.common import running_coordinator
+from coordinator.app import create_app
+from coordinator.config import CoordinatorConfig
+from bench.wanemu.cut import CutProxy
+from protocol.client import CoordinatorClient, RetryPolicy
+from protocol.credentials import local_token
+from protocol.errors import NotFound
+from protocol.tensors import dumps
+from protocol.uploads import UploadPolicy
+from tests.helpers import expert_spec, make_adapter, random_like, update_meta
+
+ADAPTER = make_adapter(rank=8, d_in=256, d_out=256, layers=4)  # 128 KiB
+CHUNK = 16 << 10
+FIXED = UploadPolicy(threshold=64 << 10, first_chunk=CHUNK, min_chunk=CHUNK, max_chunk=CHUNK)
+FAST_RETRY = RetryPolicy(attempts=4, base_delay=0.01)
+
+
+@pytest.fixture
+def url():
+    with running_coordinator(gateway_interval=3600) as url:
+        CoordinatorClient(url).create_expert("e", ADAPTER, expert_spec(rank=8))
+        yield url
+
+
+def _port(url: str) -> tuple[str, int]:
+    return "127.0.0.1", int(url.rsplit(":", 1)[1])
+
+
+def test_bodies_under_the_threshold_go_in_one_request_and_larger_ones_in_chunks(url):
+    first, second = dumps(random_like(ADAPTER, 1, scale=0.01)), dumps(random_like(ADAPTER, 2, scale=0.01))
+    one_shot = CoordinatorClient(url, upload=UploadPolicy(threshold=len(first) + 1))
+    assert one_shot.push_update("e", first, update_meta())["status"] == "applied"
+    assert one_shot.last_upload is None
+    chunked = CoordinatorClient(url, upload=FIXED)
+    assert chunked.push_update("e", second, update_meta(base_version=1))["status"] == "applied"
+    assert chunked.last_upload.chunks == -(-len(second) // CHUNK) and chunked.last_upload.resent == 0
+    assert CoordinatorClient(url).expert("e")["updates_applied"] == 2
+
+
+def test_a_break_mid_chunk_on_the_threaded_server_resumes_from_the_last_chunk(url):
+    body = dumps(random_like(ADAPTER, 2, scale=0.01))
+    with CutProxy(_port(url), cut_at=len(body) // 2) as proxy:
+        client = CoordinatorClient(proxy.url(), token=local_token(url), upload=FIXED, retry=FAST_RETRY)
+        client.push_update("e", body, update_meta())
+    assert client.last_upload.resumes == 1 and client.last_upload.resent <= CHUNK
+    assert CoordinatorClient(url).expert("e")["updates_applied"] == 1
+
+
+def test_an_upload_that_expired_mid_push_is_opened_again_and_applied_once(tmp_path):
+    """The coordinator's upload expires while the link is down: the client opens it again under the same
+    update_id, sends it all again, and it is applied once."""
+    app = create_app(CoordinatorConfig(data_dir=tmp_path / "data", gateway_interval=3600, auth=False))
+    store, now = app.extensions["fedmoe_uploads"], [1000.0]
+    store.clock = lambda: now[0]
+    server = make_server("127.0.0.1", 0, app, threaded=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}"
+    try:
+        CoordinatorClient(url).create_expert("e", ADAPTER, expert_spec(rank=8))
+        body, meta = dumps(random_like(ADAPTER, 2, scale=0.01)), update_meta()
+
+        def link_down_for_an_hour() -> None:
+            now[0] += store.limits.idle_seconds + 1
+
+        with CutProxy(_port(url), cut_at=len(body) // 2, on_cut=link_down_for_an_hour) as proxy:
+            client = CoordinatorClient(proxy.url(), upload=FIXED, retry=FAST_RETRY)
+            status = client.push_update("e", body, meta)
+        assert status["status"] == "applied" and client.last_upload.reopened == 1
+        assert client.last_upload.sent >= len(body) + len(body) // 2 - 2 * CHUNK  # started over after the break
+        info = CoordinatorClient(url).expert("e")
+        assert (info["version"], info["updates_applied"]) == (1, 1)
+        assert store.open_count() == 0 and not list(store.root.glob("*.part"))  # the expired one was swept
+    finally:
+        server.shutdown()
+        server.server_close()
+        app.extensions["fedmoe"].close()
+
+
+def test_a_push_already_recorded_sends_no_chunk(url):
+    body, meta = dumps(random_like(ADAPTER, 2, scale=0.01)), update_meta()
+    client = CoordinatorClient(url, upload=FIXED)
+    first = client.push_update("e", body, meta)
+    again = client.push_update("e", body, meta)  # e.g. a restarted worker pushing its pending update again
+    assert again["update_id"] == first["update_id"] and client.last_upload.sent == 0
+    assert CoordinatorClient(url).expert("e")["updates_applied"] == 1
+
+
+def test_upload_policy_checks_its_settings():
+    with pytest.raises(ValueError, match="min_chunk"):
+        UploadPolicy(min_chunk=8, first_chunk=4, max_chunk=16)
+    with pytest.raises(ValueError, match="max_fraction"):
+        UploadPolicy(max_fraction=0)
+
+
+def test_a_coordinator_without_upload_routes_gets_a_one_shot_push(tmp_path):
+    """An older coordinator (or a relay) answers the upload routes 404: the client pushes in one request."""
+    app = create_app(CoordinatorConfig(data_dir=tmp_path / "data", gateway_interval=3600, auth=False))
+
+    def older(environ, start_response):
+        if "/uploads" in environ["PATH_INFO"]:  # as Flask answers a route it does not have
+            start_response("404 NOT FOUND", [("Content-Type", "application/json")])
+            return [b'{"error": {"code": "not_found", "message": "The requested URL was not found"}}']
+        return app(environ, start_response)
+
+    server = make_server("127.0.0.1", 0, older, threaded=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}"
+    try:
+        CoordinatorClient(url).create_expert("e", ADAPTER, expert_spec(rank=8))
+        client = CoordinatorClient(url, upload=FIXED)
+        assert client.push_update("e", dumps(random_like(ADAPTER, 2, scale=0.01)), update_meta())["status"] == "applied"
+        assert client.last_upload.chunks == 0
+        with pytest.raises(NotFound, match="no expert named 'nope'"):  # a real 404 stays one
+            client.push_update("nope", dumps(random_like(ADAPTER, 2)), update_meta())
+    finally:
+        server.shutdown()
+        server.server_close()
+        app.extensions["fedmoe"].close()
