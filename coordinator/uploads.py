@@ -97,7 +97,7 @@ def open_upload(name: str) -> tuple[Response, int]:
 
 def _recorded(c: Coordinator, name: str, meta: UpdateMeta, digest: str) -> dict[str, Any] | None:
     """The status of an update already recorded under this update_id (nothing left to send), else None."""
-    known = c.db.update(meta.update_id)
+    known = c.store.update(meta.update_id)
     if known is None:
         return None
     if known.expert != name or (known.body_sha256 is not None and known.body_sha256 != digest):
@@ -176,7 +176,7 @@ def _push(c: Coordinator, store: UploadStore, upload: Upload) -> tuple[dict[str,
                             f"{upload.digest[:16]}... the upload was opened with; it was dropped: send the update "
                             "again", reason="digest_mismatch")
     try:
-        result = c.submit_update(upload.expert, upload.meta, c.blobs.link_received(store.part(upload), digest))
+        result = c.submit_update(upload.expert, upload.meta, c.store.link_received(store.part(upload), digest))
     except Unavailable:  # disk full (507) and the like: keep the bytes, finishing again may succeed
         raise
     except FedMoEError:
