@@ -83,7 +83,7 @@ class RelayService:
         self.store = RelayStore(data_dir / "relay.sqlite")
         self.blobs_guard = threading.RLock()
         self._push_lock = threading.Lock()
-        self.relay_id = config.relay_id or _default_relay_id(port)
+        self.relay_id = config.relay_id or self.store.relay_id(_default_relay_id(port))
         self.upstream = UpstreamClient(config.upstream, config.join_token, data_dir / "relay_token")
         self.cache = WeightsCache(self.store, self.blobs, self.upstream, config.revalidate_seconds,
                                   self.drop_unreferenced)

@@ -145,6 +145,15 @@ class RelayStore:
             db.execute("INSERT INTO state VALUES ('epoch', ?)", (epoch,))
             return epoch
 
+    def relay_id(self, default: str) -> str:
+        """The relay id this data dir was first started with (``default`` then), so a restart keeps it."""
+        with self.transaction() as db:
+            row = db.execute("SELECT value FROM state WHERE key = 'relay_id'").fetchone()
+            if row is not None:
+                return row[0]
+            db.execute("INSERT INTO state VALUES ('relay_id', ?)", (default,))
+            return default
+
     def stats(self) -> dict[str, int]:
         (received, received_bytes), = self._all("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM updates")
         (queued, queued_bytes), = self._all("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM updates WHERE blob IS NOT NULL")

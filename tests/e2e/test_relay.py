@@ -1,0 +1,160 @@
+"""A real relay (run_coordinator.py --upstream) between clients and a real root, on loopback.
+
+Checks: one combined update per expert per interval (FedBuff's sample-weighted mean, exactly),
+retries applied once, pulls served from the relay's cache, the tree at the root, a root of another
+base model refused at start with one line, an unreachable root (queue, 507 when full, forward
+later), and kill -9 of the relay at random moments (bench/relay_crash.py).
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from bench.common import CoordinatorProcess
+from bench.relay_crash import free_port
+from bench.relay_crash import run as crash_run
+from protocol.client import CoordinatorClient, RetryPolicy
+from protocol.errors import Unavailable
+from protocol.tensors import dumps
+from tests.e2e.conftest import ROOT, env
+from tests.helpers import FINGERPRINT, expert_spec, make_adapter, random_like
+
+pytestmark = pytest.mark.e2e
+BASE = expert_spec()["base_model"]
+
+
+def start_pair(tmp_path: Path, *relay_flags: str, root_flags: tuple[str, ...] = ()) -> tuple[CoordinatorProcess,
+                                                                                           CoordinatorProcess]:
+    root = CoordinatorProcess(tmp_path / "root", "--staleness-decay", "0", *root_flags)
+    root.start()
+    (tmp_path / "join").write_text((tmp_path / "root" / "join_token").read_text())
+    relay = CoordinatorProcess(tmp_path / "relay", "--upstream", root.url, "--join-token-file", str(tmp_path / "join"),
+                               "--relay-id", "site-a", "--staleness-decay", "0", *relay_flags)
+    try:
+        relay.start()
+    except BaseException:
+        root.stop()
+        raise
+    return root, relay
+
+
+def worker_client(url: str, tmp_path: Path, worker_id: str, attempts: int = 3) -> CoordinatorClient:
+    client = CoordinatorClient(url, token=(tmp_path / "join").read_text().strip(),
+                               retry=RetryPolicy(attempts=attempts, base_delay=0.1, max_delay=0.5))
+    client.register_worker(worker_id, "e1", BASE)
+    return client
+
+
+def admin(root: CoordinatorProcess) -> CoordinatorClient:
+    return CoordinatorClient(root.url, token=(root.data_dir / "admin_token").read_text().strip())
+
+
+def wait_for(predicate, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError("condition not reached in time")
+
+
+def test_relay_forwards_one_sample_weighted_mean_and_serves_pulls_from_its_cache(tmp_path):
+    root, relay = start_pair(tmp_path, "--forward-interval", "0.3", "--advertise-url", "http://127.0.0.1:9")
+    try:
+        adapter = make_adapter()
+        clients = [worker_client(relay.url, tmp_path, f"w{i}") for i in range(3)]
+        assert clients[0].create_expert("e1", adapter, expert_spec())["version"] == 0
+        for c in clients[1:]:  # answered from the relay's cache: the adapter does not go upstream again
+            assert c.create_expert("e1", adapter, expert_spec())["version"] == 0
+        deltas, samples = [random_like(adapter, i) for i in range(3)], [10, 20, 30]
+        for i, c in enumerate(clients):
+            meta = {"update_id": f"u{i}", "base_version": 0, "num_samples": samples[i], "worker_id": f"w{i}"}
+            assert c.push_update("e1", dumps(deltas[i]), meta)["status"] == "queued"
+        retry = clients[0].push_update("e1", dumps(deltas[0]), {"update_id": "u0", "base_version": 0,
+                                                                "num_samples": 10, "worker_id": "w0"})
+        assert retry["update_id"] == "u0"
+        root_admin = admin(root)
+        expert = wait_for(lambda: (e := root_admin.expert("e1"))["samples_seen"] == 60 and e)
+        assert expert["updates_applied"] == 1 and expert["version"] == 1  # one combined update for three
+        weights = root_admin.pull_weights("e1").tensors
+        for k in adapter:  # FedBuff's sample-weighted mean, applied once by the root (fedasync, lr 1)
+            expected = adapter[k] + sum(n / 60 * d[k] for n, d in zip(samples, deltas))
+            assert (weights[k] - expected).abs().max() < 1e-6
+        time.sleep(1.1)  # past the relay's revalidation interval
+        pulled = clients[1].pull_weights("e1", worker_id="w1")
+        assert pulled.version == 1 and all((pulled.tensors[k] == weights[k]).all() for k in weights)
+        assert clients[2].pull_weights("e1", etag=pulled.etag, worker_id="w2").tensors is None  # 304
+        status = clients[0].update_status("u0")
+        assert status["status"] == "forwarded" and status["forwarded_as"].startswith("site-a.")
+        tree = wait_for(lambda: (t := requests.get(f"{root.url}/api/v1/relays", headers=root.headers,
+                                                   timeout=10).json()["relays"]) and t[0]["stats"].get("bytes_served")
+                        and t)
+        (site,) = tree
+        assert site["relay_id"] == "site-a" and site["url"] == "http://127.0.0.1:9"
+        assert sorted(w["worker_id"] for w in site["workers"]) == ["w0", "w1", "w2"]
+        assert site["stats"]["updates_forwarded"] == 3 and site["stats"]["batches_forwarded"] == 1
+        assert site["bytes_saved"] > 0
+    finally:
+        relay.stop()
+        root.stop()
+
+
+def test_a_root_of_another_base_model_stops_the_relay_with_one_line(tmp_path):
+    root = CoordinatorProcess(tmp_path / "root")
+    root.start()
+    try:
+        admin(root).create_expert("e1", make_adapter(), expert_spec())
+        join = tmp_path / "join"
+        join.write_text((tmp_path / "root" / "join_token").read_text())
+        done = subprocess.run(
+            [sys.executable, str(ROOT / "run_coordinator.py"), "--port", "0", "--host", "127.0.0.1", "--data-dir",
+             str(tmp_path / "relay"), "--upstream", root.url, "--join-token-file", str(join),
+             "--base-model-fingerprint", "12" * 32], env=env(), capture_output=True, text=True, timeout=120)
+    finally:
+        root.stop()
+    assert done.returncode != 0
+    lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "base model" in lines[0] and "e1" in lines[0], done.stderr
+    assert "Traceback" not in done.stderr
+    assert FINGERPRINT[:12] in lines[0]
+
+
+def test_an_unreachable_root_queues_answers_507_when_full_and_forwards_later(tmp_path):
+    port = free_port()
+    root, relay = start_pair(tmp_path, "--forward-interval", "0.2", "--max-queue-mb", "0.004",
+                             root_flags=("--port", str(port)))
+    try:
+        adapter = make_adapter()
+        client = worker_client(relay.url, tmp_path, "w0", attempts=1)
+        client.create_expert("e1", adapter, expert_spec())
+        client.pull_weights("e1", worker_id="w0")  # the relay caches version 0
+        root.stop()
+        acked, n = 0, 0
+        with pytest.raises(Unavailable, match="HTTP 507"):  # the client retries a 507 like any 5xx
+            while n < 20:  # each update is ~1.3 KB: the fourth does not fit in 4 KiB
+                n += 1
+                client.push_update("e1", dumps(random_like(adapter, n)), {"update_id": f"u{n}", "base_version": 0,
+                                                                            "num_samples": n, "worker_id": "w0"})
+                acked += n
+        assert 0 < acked and n <= 4
+        assert requests.get(f"{relay.url}/api/v1/health", timeout=10).json()["upstream_reachable"] is False
+        assert client.pull_weights("e1", worker_id="w0").version == 0  # served from the cache meanwhile
+        root.start()  # the same port and data dir
+        expert = wait_for(lambda: (e := admin(root).expert("e1"))["samples_seen"] == acked and e)
+        assert expert["updates_applied"] == 1
+    finally:
+        relay.stop()
+        root.stop()
+
+
+def test_kill_9_of_the_relay_loses_no_acknowledged_update_and_applies_none_twice(tmp_path):
+    report = crash_run(kills=3, clients=3, seed=1, max_uptime=0.8, work_dir=tmp_path)
+    assert report["server_errors"] == []
+    assert report["pushes_acknowledged"] > 0
+    assert report["root_samples_seen"] == report["samples_acknowledged"]
