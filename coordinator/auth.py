@@ -47,6 +47,7 @@ RULES: dict[str, str] = {
     "api.put_profile": EXPERT,
     "api.heartbeat": SELF,
     "api.gateway_weights": ADMIN_ONLY, "auth.revoke_worker": ADMIN_ONLY,
+    "relays.probe": PUBLIC, "api.probe": PUBLIC,  # protocol/probe.py: throughput, before a worker has a token
     "relays.register_relay": JOIN_ONLY, "relays.list_relays": READ, "relays.relay_report": SELF,
 }
 ADMIN_PRINCIPAL = Principal(ADMIN)

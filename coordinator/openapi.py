@@ -293,6 +293,11 @@ _api: dict[str, Any] = {
 }
 
 _relays: dict[str, Any] = {  # coordinator/relays.py; docs/wan.md, "Relays"
+    "/probe": {"get": {
+        "operationId": "probe", "summary": "Public: N zero bytes, for clients measuring throughput (protocol/probe.py).",
+        "security": [],
+        "parameters": [_query("bytes", {"type": "integer", "minimum": 0, "maximum": 4 << 20}, "Bytes to send.")],
+        "responses": {"200": _bytes("Zero bytes."), "400": BAD_REQUEST}}},
     "/relays": {
         "get": {"operationId": "listRelays",
                 "summary": "The tree below this root: relays, their workers and bytes saved (workers probe the URLs).",

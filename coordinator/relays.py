@@ -129,6 +129,23 @@ def list_relays() -> Response:
     return jsonify({"relays": registry().tree()})
 
 
+def probe_body() -> Response:
+    """``?bytes=N`` zero bytes (at most protocol.probe.MAX_PROBE_BYTES): a client measures throughput."""
+    from flask import request
+
+    from protocol.probe import MAX_PROBE_BYTES
+
+    raw = request.args.get("bytes", "65536")
+    if not raw.isdigit() or not 0 <= int(raw) <= MAX_PROBE_BYTES:
+        raise BadRequest(f"bytes must be an integer 0-{MAX_PROBE_BYTES}, got {raw!r}")
+    response = Response(bytes(int(raw)), mimetype="application/octet-stream")
+    response.headers["Cache-Control"] = "no-store"
+    return response
+
+
+bp.add_url_rule("/probe", "probe", probe_body, methods=["GET"])
+
+
 def install(app: Flask) -> None:
     app.extensions["fedmoe_relays"] = RelayRegistry()
     app.register_blueprint(bp)

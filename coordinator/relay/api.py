@@ -16,6 +16,7 @@ from coordinator.api import _int_arg, json_body, receive_body
 from coordinator.app import StrictJSONProvider, _log_requests_at_debug, _register_error_handlers
 from coordinator.auth import acting_worker, check_may_register, issue_token
 from coordinator.relay.service import RelayConfig, RelayService
+from coordinator.relays import probe_body
 from protocol.errors import BadRequest, Conflict, NotFound, Unavailable
 from protocol.schemas import (API_PREFIX, EXPERT_HEADER, UPDATE_HEADER, VERSION_HEADER, WORKER_HEADER,
                               BaseModelSpec, ExpertSpec, UpdateMeta, check_name, is_finite_number, parse_header_json)
@@ -132,6 +133,9 @@ def update_status(update_id: str) -> Response:
 @bp.put("/experts/<name>/profiles/<worker_id>")
 def put_profile(name: str, worker_id: str) -> Response:
     return jsonify(relay().upstream.passthrough("PUT", f"/experts/{name}/profiles/{worker_id}", json=json_body()))
+
+
+bp.add_url_rule("/probe", "probe", probe_body, methods=["GET"])
 
 
 def create_relay_app(config: RelayConfig, port: int | None = None) -> Flask:
