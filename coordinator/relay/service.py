@@ -192,7 +192,10 @@ class RelayService:
         """Answered from the cache when the expert exists with this setup (the adapter is not sent on);
         otherwise sent upstream, which creates it or answers 409."""
         try:
-            cached = self.cache.known(name)
+            try:  # an expert upstream already has is only fetched (egress), never uploaded again (ingress)
+                cached = self.cache.known(name) or self.cache.get(name)
+            except NotFound:
+                cached = None
             if cached is not None and _same_setup(cached.info, spec):
                 return cached.info | {"version": cached.version}, 200
             response = self.upstream.create_expert_from_file(name, body, spec.to_json())

@@ -22,6 +22,7 @@ from protocol.client import CoordinatorClient, RetryPolicy
 from protocol.errors import Unavailable
 from protocol.tensors import dumps
 from tests.e2e.conftest import ROOT, env
+from tests.e2e.test_wan import namespaces  # noqa: F401 - the fixture: skips where namespaces are not permitted
 from tests.helpers import FINGERPRINT, expert_spec, make_adapter, random_like
 
 pytestmark = pytest.mark.e2e
@@ -158,3 +159,60 @@ def test_kill_9_of_the_relay_loses_no_acknowledged_update_and_applies_none_twice
     assert report["server_errors"] == []
     assert report["pushes_acknowledged"] > 0
     assert report["root_samples_seen"] == report["samples_acknowledged"]
+
+
+PUSH_THROUGH_RELAY = """
+import json, sys
+from protocol.client import CoordinatorClient
+from protocol.tensors import dumps
+from tests.helpers import expert_spec, make_adapter, random_like
+url, token = sys.argv[1], sys.argv[2]
+adapter, pushed, samples = make_adapter(rank=8, d_in=256, d_out=256), 0, 0
+for w in range(3):
+    c = CoordinatorClient(url, token=token)
+    c.register_worker(f"site-w{w}", "e1", expert_spec()["base_model"])
+    c.create_expert("e1", adapter, expert_spec(rank=8))
+    for n in range(2):
+        body = dumps(random_like(adapter, 10 * w + n))
+        c.push_update("e1", body, {"update_id": f"w{w}-{n}", "base_version": 0, "num_samples": 1 + w + 3 * n,
+                                   "worker_id": f"site-w{w}"})
+        pushed, samples = pushed + len(body), samples + 1 + w + 3 * n
+print(json.dumps({"pushed": pushed, "samples": samples}))
+"""
+
+
+@pytest.mark.usefixtures("namespaces")
+def test_a_relay_inside_an_emulated_site_sends_less_over_the_wan(tmp_path):
+    """One namespace (a site behind 20 Mbit/s, 50 ms RTT) with a relay inside; three workers push through it."""
+    import json
+
+    from bench.wanemu import WanLink
+    from tests.e2e.test_wan import WAN_MBIT, WAN_RTT_MS
+
+    root = CoordinatorProcess(tmp_path / "root", "--staleness-decay", "0")
+    root.start()
+    relay_proc = None
+    try:
+        admin(root).create_expert("e1", make_adapter(rank=8, d_in=256, d_out=256), expert_spec(rank=8))
+        join = (tmp_path / "root" / "join_token").read_text().strip()
+        (tmp_path / "join").write_text(join)
+        with WanLink(("127.0.0.1", int(root.url.rsplit(":", 1)[1])), WAN_MBIT, WAN_RTT_MS) as link:
+            relay_proc = link.site.popen(
+                [sys.executable, str(ROOT / "run_coordinator.py"), "--host", "127.0.0.1", "--port", "0",
+                 "--data-dir", str(tmp_path / "relay"), "--upstream", link.url, "--join-token-file",
+                 str(tmp_path / "join"), "--forward-interval", "3", "--relay-id", "site-a"],
+                cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            relay_url = next(line.split("listening on ", 1)[1].split()[0] for line in relay_proc.stdout
+                             if "listening on " in line)
+            out = subprocess.run(link.site.command([sys.executable, "-c", PUSH_THROUGH_RELAY, relay_url, join]),
+                                 capture_output=True, text=True, timeout=300, cwd=ROOT, env=env())
+            assert out.returncode == 0, out.stderr
+            sent = json.loads(out.stdout.strip().splitlines()[-1])
+            wait_for(lambda: admin(root).expert("e1")["samples_seen"] == sent["samples"])
+            ingress = link.proxy.bytes_to_target
+        assert ingress < sent["pushed"] / 2  # 6 pushes crossed the WAN as at most a few combined updates
+    finally:
+        if relay_proc is not None:
+            relay_proc.kill()
+            relay_proc.wait()
+        root.stop()
