@@ -69,7 +69,7 @@ MODES: dict[str, Mode] = {
     "flat topk+int8": Mode(TOPK_INT8),
     "relays": Mode(["--compression", "safetensors"], relays=["--forward-compression", "safetensors"]),
     # lossless inside the site (a fast LAN), compressed with error feedback on the long link only
-    "relays, topk+int8 upstream": Mode(["--compression", "safetensors"],
+    "relays + topk+int8 upstream": Mode(["--compression", "safetensors"],
                                        relays=["--forward-compression", "topk+int8",
                                                "--forward-compression-config", '{"ratio": 0.05}']),
     # The slot for adaptive compression (issue 16 item 3, branch worker-adaptive): the workers pick their
