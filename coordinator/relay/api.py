@@ -135,6 +135,15 @@ def put_profile(name: str, worker_id: str) -> Response:
     return jsonify(relay().upstream.passthrough("PUT", f"/experts/{name}/profiles/{worker_id}", json=json_body()))
 
 
+@bp.post("/forward")
+def forward_now() -> Response:
+    """Admin: forward what is queued now, not at the next interval (e.g. draining before maintenance)."""
+    r = relay()
+    delivered = r.forwarder.flush()
+    return jsonify({"delivered": delivered, "upstream_reachable": r.forwarder.upstream_reachable,
+                    "queued_bytes": r.store.queued_bytes()})
+
+
 bp.add_url_rule("/probe", "probe", probe_body, methods=["GET"])
 
 
