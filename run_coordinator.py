@@ -7,6 +7,7 @@ Examples:
   python run_coordinator.py --gateway-weights python_expert=2,sql_expert=1
   python run_coordinator.py --port 0 --log-format json     # a free port; JSON log lines for machines
   python run_coordinator.py --aggregation fedbuff --buffer-size 5 --robust trimmed_mean --norm-check reject
+  python run_coordinator.py --upstream http://root:5000 --join-token-file join_token --port 5001   # a relay
 """
 from __future__ import annotations
 
@@ -77,6 +78,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="robust combination of each fedbuff buffer (default: %(default)s = weighted mean)")
     p.add_argument("--trim-fraction", type=float, default=0.2,
                    help="share of values trimmed at each end by --robust trimmed_mean (default: %(default)s)")
+    r = p.add_argument_group("relay (docs/wan.md, \"Relays\"): with --upstream this process is a relay")
+    r.add_argument("--upstream", default=None, metavar="URL",
+                   help="root coordinator to relay to; workers then register, push and pull here")
+    r.add_argument("--join-token-file", type=Path, default=None,
+                   help="file holding the root's join token (default: $FEDMOE_JOIN_TOKEN); the relay joins "
+                        "with it, and its workers join the relay with it")
+    r.add_argument("--forward-interval", type=float, default=10.0,
+                   help="seconds between combined updates sent upstream (default: %(default)s)")
+    r.add_argument("--forward-compression", default="safetensors", metavar="CODEC",
+                   help="codec of the combined update, with error feedback, e.g. topk+int8 "
+                        "(default: %(default)s = lossless)")
+    r.add_argument("--forward-compression-config", default="{}", metavar="JSON",
+                   help='settings of --forward-compression, e.g. \'{"ratio": 0.05}\' (default: its defaults)')
+    r.add_argument("--relay-id", default=None, help="this relay's name at the root (default: host name and port)")
+    r.add_argument("--advertise-url", default=None, metavar="URL",
+                   help="URL workers reach this relay at, published at the root's /api/v1/relays")
+    r.add_argument("--max-queue-mb", type=float, default=1024.0,
+                   help="updates held for forwarding at most; a push beyond is a 507 (default: %(default)s)")
+    r.add_argument("--base-model-fingerprint", default=None, metavar="HEX",
+                   help="pin the base model: refuse to start under a root, and refuse workers, of another one")
     add_common_flags(p)
     return p.parse_args(argv)
 
@@ -94,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(args, logging.DEBUG if args.debug else logging.INFO)
     from coordinator.config import CoordinatorConfig
+    from coordinator.relay.upstream import RelayStartError
     from coordinator.server import ServeOptions, ServerStartError, serve
     from protocol.schemas import parse_json_flag
 
@@ -115,12 +137,47 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--port must be 0-65535, got {args.port}")
         if not args.socket_timeout > 0:
             raise ValueError(f"--socket-timeout must be > 0 seconds, got {args.socket_timeout}")
-        serve(config, ServeOptions(host=args.host, port=args.port, debug=args.debug, threads=args.threads,
-                                   socket_timeout=args.socket_timeout, tls_cert=args.tls_cert, tls_key=args.tls_key))
-    except (ValueError, ServerStartError, OSError) as exc:
+        options = ServeOptions(host=args.host, port=args.port, debug=args.debug, threads=args.threads,
+                               socket_timeout=args.socket_timeout, tls_cert=args.tls_cert, tls_key=args.tls_key)
+        if args.upstream:
+            return _serve_relay(args, config, options)
+        serve(config, options)
+    except (ValueError, ServerStartError, OSError, RelayStartError) as exc:
         return report_error(args, exc)
     except KeyboardInterrupt:
         return 0
+    return 0
+
+
+def _serve_relay(args: argparse.Namespace, base, options) -> int:
+    """Build the relay's config from the flags and serve it (coordinator.relay)."""
+    import os
+
+    from compression.errors import CompressionError
+    from compression.registry import make_codec
+    from coordinator.relay.forwarder import ForwardPolicy
+    from coordinator.relay.server import serve_relay
+    from coordinator.relay.service import RelayConfig
+    from protocol.schemas import RAW_CODEC, parse_json_flag
+
+    codec_config = parse_json_flag(args.forward_compression_config, "--forward-compression-config")
+    if args.forward_compression != RAW_CODEC:
+        try:
+            make_codec(args.forward_compression, codec_config)
+        except (CompressionError, ValueError, TypeError) as exc:
+            raise ValueError(f"--forward-compression {args.forward_compression!r}: {exc}") from None
+    join_token = os.environ.get("FEDMOE_JOIN_TOKEN")
+    if args.join_token_file is not None:
+        if not args.join_token_file.is_file():
+            raise ValueError(f"--join-token-file {str(args.join_token_file)!r} does not exist")
+        join_token = args.join_token_file.read_text().strip()
+    config = RelayConfig(
+        upstream=args.upstream.rstrip("/"), coordinator=base, join_token=join_token, relay_id=args.relay_id,
+        advertise_url=args.advertise_url, max_queue_mb=args.max_queue_mb,
+        base_model_fingerprint=args.base_model_fingerprint,
+        forward=ForwardPolicy(interval=args.forward_interval, codec=args.forward_compression,
+                              codec_config=codec_config, staleness_decay=args.staleness_decay))
+    serve_relay(config, options)
     return 0
 
 

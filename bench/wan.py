@@ -1,19 +1,27 @@
 #!/usr/bin/env python3
-"""WAN benchmark (baseline): a flat federation whose workers reach the root over an emulated WAN.
+"""WAN benchmark: flat federation against relay coordinators, over emulated WAN links.
 
-One emulated site (``bench.wanemu``: a network namespace, a veth pair shaped with tbf, a delay
-proxy) holds ``--workers`` real ``run_worker.py`` processes training one expert on tiny-qwen2; the
-root coordinator runs on this host's loopback, behind the site's 20 Mbit/s, 50 ms RTT link. For
-each configuration in ``CODECS`` (uncompressed pushes; topk+int8 pushes with error feedback; the
-same with fp16 diff pulls) it reports the median time of a sync, the bytes that crossed the link
-into the root (ingress: pushes, requests) and out of it (egress: pulls), counted by the proxy on
-the wire, headers included.
+``--sites`` emulated sites (``bench.wanemu``: a network namespace, a veth pair shaped with tbf, a
+delay proxy) each hold ``--workers`` real ``run_worker.py`` processes training one expert on
+tiny-qwen2; the root coordinator runs on this host's loopback, behind each site's 20 Mbit/s,
+50 ms RTT link. Modes (``MODES``):
 
-This is the flat baseline that relay coordinators (issue 16) are to be compared against; the
-per-sync figures come from the workers' own ``--results`` records.
+- ``flat``: every worker talks to the root over its site's link (uncompressed pushes);
+- ``flat topk+int8``: the same with the best fixed codec of the flat baseline (docs/wan.md);
+- ``relays``: one relay per site runs *inside* the site (``run_coordinator.py --upstream``); the
+  site's workers reach it on the namespace's loopback (fast), and only the relay crosses the WAN,
+  forwarding one combined update per expert per ``--forward-interval``;
+- ``relays+adaptive``: a slot for the workers' ``--compression auto`` (branch worker-adaptive):
+  it runs once ``run_worker.py --help`` offers ``auto``, and is skipped with a note until then.
 
-    python -m bench.wan --quick      # 2 workers, ~40 s per codec
-    python -m bench.wan              # 3 workers, 90 s per codec
+Reported per mode: root ingress and egress bytes (counted on the wire by the proxies, headers
+included), syncs, and time to a target held-out loss. Held-out loss is measured after the run,
+off the clock, on every version the root kept (weights pulled by version, evaluated on the
+expert's held-out split); the target is the best loss ``flat`` reached, and a mode's time is from
+the expert's creation (version 0) to the first version at or below it (None: never within the run).
+
+    python -m bench.wan --quick      # 2 sites x 3 workers, 40 s per mode
+    python -m bench.wan              # 2 sites x 3 workers, 120 s per mode
 
 Needs root (network namespaces). Table on stdout, progress on stderr, results in bench/results/wan.json.
 """
@@ -27,74 +35,154 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from dataclasses import asdict, dataclass
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common import RESULTS_DIR, SCRATCH_DIR, configure_logging, format_table, running_coordinator, write_json_atomic
+from bench.common import (RESULTS_DIR, SCRATCH_DIR, configure_logging, format_table, running_coordinator,
+                          sample_suite, write_json_atomic)
 from bench.wanemu import NamespaceUnavailable, WanLink, check_available
+from protocol.client import CoordinatorClient
 from protocol.credentials import TOKEN_ENV, local_token
 
 log = logging.getLogger("bench.wan")
 ROOT = Path(__file__).resolve().parents[1]
 SPECIALTY = "sql_expert"
 TOPK_INT8 = ["--compression", "topk+int8", "--compression-config", '{"ratio": 0.05}']
-CODECS = {"uncompressed": ["--compression", "safetensors"],
-          "topk+int8": TOPK_INT8,
-          "topk+int8, fp16 diff pulls": [*TOPK_INT8, "--pull-compression", "fp16"]}
-"""name -> the workers' compression flags (push codec, and optionally compressed diff pulls)."""
+
+
+@dataclass(frozen=True)
+class Mode:
+    workers: list[str]
+    """The workers' compression flags."""
+    relays: list[str] | None = None
+    """Flags of one relay per site (None: flat, workers talk to the root)."""
+    needs: str | None = None
+    """A run_worker.py --help text this mode needs (a flag built on another branch)."""
+
+
+MODES: dict[str, Mode] = {
+    "flat": Mode(["--compression", "safetensors"]),
+    "flat topk+int8": Mode(TOPK_INT8),
+    "relays": Mode(["--compression", "safetensors"], relays=["--forward-compression", "safetensors"]),
+    # lossless inside the site (a fast LAN), compressed with error feedback on the long link only
+    "relays + topk+int8 upstream": Mode(["--compression", "safetensors"],
+                                       relays=["--forward-compression", "topk+int8",
+                                               "--forward-compression-config", '{"ratio": 0.05}']),
+    # The slot for adaptive compression (issue 16 item 3, branch worker-adaptive): the workers pick their
+    # codec per sync for --sync-budget; relays forward losslessly. Skipped until run_worker.py has it.
+    "relays+adaptive": Mode(["--compression", "auto", "--sync-budget", "2"],
+                            relays=["--forward-compression", "safetensors"], needs="auto"),
+}
 
 
 @dataclass(frozen=True)
 class Settings:
+    sites: int
     workers: int
-    """run_worker.py processes in the site."""
+    """run_worker.py processes per site."""
     duration: float
     """Seconds each worker trains."""
     sync_interval: float
-    """Seconds between a worker's syncs."""
+    """Seconds between a worker's syncs (and a relay's forwards)."""
     rate_mbit: float = 20.0
-    """Bandwidth of the site's link to the root, each way."""
+    """Bandwidth of a site's link to the root, each way."""
     rtt_ms: float = 50.0
     """Round-trip time the delay proxy adds on that link."""
+    heldout: int = 48
+    """Held-out examples each kept version is evaluated on."""
 
 
-def worker_command(index: int, url: str, results: Path, codec: list[str], s: Settings) -> list[str]:
+@dataclass
+class Run:
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    relays: list[subprocess.Popen] = field(default_factory=list)
+
+
+def worker_command(name: str, url: str, results: Path, flags: list[str], s: Settings) -> list[str]:
     return [sys.executable, str(ROOT / "run_worker.py"), "--specialty", SPECIALTY, "--base-model", "tiny-qwen2",
-            "--device", "cpu", "--coordinator-url", url, "--worker-id", f"wan-{index}", "--results", str(results),
+            "--device", "cpu", "--coordinator-url", url, "--worker-id", name, "--results", str(results),
             "--state-dir", str(results.with_suffix(".state")), "--duration", str(s.duration),
-            "--sync-interval", str(s.sync_interval), "--batch-size", "4", "--max-seq-len", "64",
-            *codec]
+            "--sync-interval", str(s.sync_interval), "--batch-size", "4", "--max-seq-len", "64", *flags]
 
 
-def run_codec(name: str, s: Settings, scratch: Path) -> dict[str, Any]:
-    """One flat federation over the emulated link with the workers pushing with codec ``name``."""
-    paths = [scratch / f"{name}-{i}.jsonl" for i in range(s.workers)]
-    with running_coordinator() as url:
+def start_relay(link: WanLink, index: int, flags: list[str], s: Settings, scratch: Path,
+                env: dict[str, str]) -> tuple[subprocess.Popen, str]:
+    """A relay inside the site's namespace, upstream over the site's WAN link; its URL inside the site."""
+    proc = link.site.popen([sys.executable, str(ROOT / "run_coordinator.py"), "--host", "127.0.0.1", "--port", "0",
+                            "--data-dir", str(scratch / f"relay-{index}"), "--upstream", link.url,
+                            "--relay-id", f"site-{index}", "--forward-interval", str(s.sync_interval),
+                            "--rate-limit", "0", *flags],
+                           cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "listening on " in line:
+            url = line.split("listening on ", 1)[1].split()[0]
+            threading.Thread(target=lines.extend, args=(proc.stdout,), daemon=True).start()  # keep the pipe drained
+            return proc, url
+    raise RuntimeError(f"relay {index} exited before listening:\n{''.join(lines[-20:])}")
+
+
+def run_mode(name: str, s: Settings, scratch: Path) -> dict[str, Any]:
+    """One federation of ``s.sites`` x ``s.workers`` workers in mode ``name``; figures and the root's versions."""
+    mode = MODES[name]
+    paths = [scratch / f"{name}-{site}-{i}.jsonl".replace(" ", "_") for site in range(s.sites)
+             for i in range(s.workers)]
+    with running_coordinator(keep_versions=1000) as url, ExitStack() as stack:
         port = int(url.rsplit(":", 1)[1])
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-               "HF_HUB_OFFLINE": "1", TOKEN_ENV: local_token(url)}  # the site cannot see this host's token file by URL
-        with WanLink(("127.0.0.1", port), s.rate_mbit, s.rtt_ms) as link:
-            started = time.monotonic()
-            procs = [link.site.popen(worker_command(i, link.url, p, CODECS[name], s), cwd=ROOT, env=env,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-                     for i, p in enumerate(paths)]
-            try:
-                errors = [p.communicate(timeout=s.duration + 300)[1] for p in procs]
-            finally:
-                for p in procs:
-                    if p.poll() is None:
-                        p.kill()
-                        p.wait()
-            wall = time.monotonic() - started
-            ingress, egress = link.proxy.bytes_to_target, link.proxy.bytes_to_client
-    failed = [(p.returncode, e) for p, e in zip(procs, errors) if p.returncode != 0]
+               "HF_HUB_OFFLINE": "1", TOKEN_ENV: local_token(url),  # the site cannot see this host's token file
+               "FEDMOE_JOIN_TOKEN": local_token(url)}  # relays join with it (the admin may register relays)
+        links = [stack.enter_context(WanLink(("127.0.0.1", port), s.rate_mbit, s.rtt_ms)) for _ in range(s.sites)]
+        run = Run()
+        started = time.monotonic()
+        try:
+            for site, link in enumerate(links):
+                target = link.url
+                if mode.relays is not None:
+                    proc, target = start_relay(link, site, mode.relays, s, scratch / name.replace(" ", "_"), env)
+                    run.relays.append(proc)
+                for i in range(s.workers):
+                    path = paths[site * s.workers + i]
+                    run.procs.append(link.site.popen(worker_command(f"wan-{site}-{i}", target, path, mode.workers, s),
+                                                     cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                                                     stderr=subprocess.PIPE, text=True))
+            errors = [p.communicate(timeout=s.duration + 300)[1] for p in run.procs]
+            if run.relays:
+                time.sleep(s.sync_interval + 2)  # the relays' last forward
+        finally:
+            for p in run.procs + run.relays:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        wall = time.monotonic() - started
+        ingress = sum(link.proxy.bytes_to_target for link in links)
+        egress = sum(link.proxy.bytes_to_client for link in links)
+        versions = kept_versions(url)
+    failed = [(p.returncode, e) for p, e in zip(run.procs, errors) if p.returncode != 0]
     if failed:
         raise RuntimeError(f"{name}: worker exited {failed[0][0]}:\n{failed[0][1][-3000:]}")
     records = [json.loads(line) for p in paths for line in p.read_text().splitlines()]
-    return {"codec": name, **figures(records), "root_ingress_bytes": ingress, "root_egress_bytes": egress,
-            "wall_seconds": round(wall, 1)}
+    return {"mode": name, **figures(records), "root_ingress_bytes": ingress, "root_egress_bytes": egress,
+            "wall_seconds": round(wall, 1), "versions": versions}
+
+
+def kept_versions(url: str) -> list[dict[str, Any]]:
+    """Every version the root kept: seconds since version 0 (the expert's creation: worker start-up on a
+    loaded machine is not federation time), and its weights (held for evaluation)."""
+    client = CoordinatorClient(url)
+    out = []
+    versions = client.expert(SPECIALTY)["versions"]
+    for v in versions:
+        if v["stored"]:
+            weights = client.pull_weights(SPECIALTY, version=v["version"]).tensors
+            out.append({"version": v["version"], "seconds": v["created_at"] - versions[0]["created_at"],
+                        "weights": weights})
+    return out
 
 
 def figures(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -106,9 +194,40 @@ def figures(records: list[dict[str, Any]]) -> dict[str, Any]:
             "pull_bytes_total": sum(r.get("bytes_down", 0) for r in syncs)}
 
 
+def evaluate(rows: list[dict[str, Any]], s: Settings) -> None:
+    """Held-out loss of every kept version (off the clock), then each mode's time to the target."""
+    from worker.models import load_base_model
+    from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
+
+    domain = next(d for d in sample_suite().domains if d.name == SPECIALTY)
+    heldout = list(domain.heldout[:s.heldout])
+    trainer = LoraTrainer(load_base_model("tiny-qwen2"), LoraSettings(), TrainSettings(batch_size=4, max_seq_len=64),
+                          list(domain.train))
+    for row in rows:
+        for v in row["versions"]:
+            trainer.load_adapter_state(v.pop("weights"))
+            v["heldout_loss"] = round(trainer.eval_loss(heldout, batch_size=8), 4)
+        losses = [v["heldout_loss"] for v in row["versions"]]
+        row["heldout_start"], row["heldout_best"] = (losses[0], min(losses)) if losses else (None, None)
+    flat = next(r for r in rows if r["mode"] == "flat")
+    target = flat["heldout_best"]
+    for row in rows:
+        hit = [v["seconds"] for v in row["versions"] if v["heldout_loss"] <= target]
+        row["target_loss"], row["time_to_target_s"] = target, (round(hit[0], 1) if hit else None)
+
+
+def available(mode: Mode) -> bool:
+    if mode.needs is None:
+        return True
+    help_text = subprocess.run([sys.executable, str(ROOT / "run_worker.py"), "--help"], capture_output=True,
+                               text=True, cwd=ROOT).stdout
+    return mode.needs in help_text.split("--compression", 1)[-1][:400]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="2 workers, 30 s of training per codec")
+    parser.add_argument("--quick", action="store_true", help="40 s of training per mode")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma list of modes (default: all)")
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args(argv)
     configure_logging(args.verbose)
@@ -117,15 +236,32 @@ def main(argv: list[str] | None = None) -> int:
     except NamespaceUnavailable as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    s = Settings(workers=2, duration=30, sync_interval=8) if args.quick else Settings(workers=3, duration=90, sync_interval=10)
-    rows = []
+    names = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in names if m not in MODES]
+    if unknown or "flat" not in names:
+        print(f"error: --modes must include flat and name only {list(MODES)}, got {names}", file=sys.stderr)
+        return 2
+    s = Settings(sites=2, workers=3, duration=40, sync_interval=8) if args.quick else \
+        Settings(sites=2, workers=3, duration=120, sync_interval=10)
+    rows, skipped = [], {}
     with tempfile.TemporaryDirectory(prefix="fedmoe-wan-", dir=SCRATCH_DIR) as scratch:
-        for name in CODECS:
-            log.info("%s: %d workers over %.0f Mbit/s, %.0f ms RTT", name, s.workers, s.rate_mbit, s.rtt_ms)
-            rows.append(run_codec(name, s, Path(scratch)))
-    keys = ["codec", "syncs", "sync_seconds_median", "push_bytes_median", "root_ingress_bytes", "root_egress_bytes"]
+        for name in names:
+            if not available(MODES[name]):
+                skipped[name] = f"run_worker.py has no --compression {MODES[name].needs} on this branch"
+                log.warning("%s: skipped (%s)", name, skipped[name])
+                continue
+            log.info("%s: %d sites x %d workers over %.0f Mbit/s, %.0f ms RTT", name, s.sites, s.workers,
+                     s.rate_mbit, s.rtt_ms)
+            rows.append(run_mode(name, s, Path(scratch)))
+    evaluate(rows, s)
+    base = next(r for r in rows if r["mode"] == "flat")
+    for r in rows:
+        r["ingress_vs_flat"] = round(base["root_ingress_bytes"] / max(1, r["root_ingress_bytes"]), 2)
+    keys = ["mode", "syncs", "root_ingress_bytes", "ingress_vs_flat", "root_egress_bytes", "heldout_best",
+            "time_to_target_s"]
     print(format_table(keys, [[r[k] for k in keys] for r in rows]))
     write_json_atomic(RESULTS_DIR / "wan.json", {"settings": asdict(s), "quick": args.quick, "results": rows,
+                                                 "skipped": skipped,
                                                  "note": "measured on a shared 2-core machine under heavy load"})
     return 0
 

@@ -34,7 +34,7 @@ from flask.testing import FlaskClient
 from coordinator.audit import Event, refusal_event, rejection_event
 from coordinator.config import CoordinatorConfig
 from coordinator.ratelimit import RateLimiter
-from coordinator.tokens import ADMIN, JOIN, WORKER, Principal, TokenStore
+from coordinator.tokens import ADMIN, JOIN, RELAY, WORKER, Principal, TokenStore
 from protocol.errors import FedMoEError, Forbidden, TooManyRequests, Unauthorized
 from protocol.schemas import UPDATE_HEADER, WORKER_HEADER
 
@@ -50,6 +50,8 @@ RULES: dict[str, str] = {
     "uploads.complete_upload": EXPERT, "uploads.abandon_upload": EXPERT,
     "api.heartbeat": SELF,
     "api.gateway_weights": ADMIN_ONLY, "api.revoke_worker": ADMIN_ONLY,
+    "relays.probe": PUBLIC, "api.probe": PUBLIC,  # protocol/probe.py: throughput, before a worker has a token
+    "relays.register_relay": JOIN_ONLY, "relays.list_relays": READ, "relays.relay_report": SELF,
 }
 ADMIN_PRINCIPAL = Principal(ADMIN)
 
@@ -106,7 +108,8 @@ class Authenticator:
         g.principal = caller
         if caller.role != ADMIN and self.limiter is not None:
             # per worker; join-token calls (registrations, reads) per client address
-            key = caller.worker_id if caller.role == WORKER else f"join@{request.remote_addr}"
+            key = caller.worker_id if caller.role == WORKER else \
+                f"relay:{caller.worker_id}" if caller.role == RELAY else f"join@{request.remote_addr}"
             wait = self.limiter.acquire(key or "")
             if wait > 0:
                 response, exc = _too_many(key or "", wait)
@@ -159,6 +162,12 @@ def _authorize(p: Principal, rule: str, args: dict[str, Any]) -> None:
                         "registering (POST /api/v1/workers) returned")
     if rule == ADMIN_ONLY:
         raise Forbidden("this endpoint needs the admin token")
+    if p.role == RELAY:  # a relay acts for its workers on any expert; SELF is its own report only
+        if rule == SELF and args.get("relay_id") != p.worker_id:
+            raise Forbidden(f"the token of relay {p.worker_id!r} can only report for itself")
+        return
+    if "relay_id" in args:
+        raise Forbidden("this endpoint needs a relay's token")
     if rule in (EXPERT, SELF) and "worker_id" in args and args["worker_id"] != p.worker_id:
         raise Forbidden(f"a token of worker {p.worker_id!r} cannot act for worker {args['worker_id']!r}")
     if rule == EXPERT and args.get("name") != p.specialty:
@@ -189,7 +198,7 @@ def acting_worker(claimed: str | None, field: str) -> str | None:
     """The worker a request is recorded under: a worker token's own id (a different ``claimed`` id,
     from the request's ``field``, is a 403), else the claimed one (admin, or auth off)."""
     p = principal()
-    if p.role != WORKER:
+    if p.role != WORKER:  # admin, or a relay acting for its workers
         return claimed
     if claimed is not None and claimed != p.worker_id:
         raise Forbidden(f"a token of worker {p.worker_id!r} cannot act for worker {claimed!r} ({field})")

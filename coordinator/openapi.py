@@ -353,6 +353,40 @@ _api.update({  # resumable pushes (coordinator/uploads.py, docs/wan.md)
                                     "own checks refused the update."),
                       "507": STORAGE_FULL}}},
 })
+_relays: dict[str, Any] = {  # coordinator/relays.py; docs/wan.md, "Relays"
+    "/probe": {"get": {
+        "operationId": "probe", "summary": "Public: N zero bytes, for clients measuring throughput (protocol/probe.py).",
+        "security": [],
+        "parameters": [_query("bytes", {"type": "integer", "minimum": 0, "maximum": 4 << 20}, "Bytes to send.")],
+        "responses": {"200": _bytes("Zero bytes."), "400": BAD_REQUEST}}},
+    "/relays": {
+        "get": {"operationId": "listRelays",
+                "summary": "The tree below this root: relays, their workers and bytes saved (workers probe the URLs).",
+                "responses": {"200": _json({"type": "object", "required": ["relays"],
+                                            "properties": {"relays": {"type": "array", "items": {"type": "object"}}}},
+                                           "Relays that registered or reported since this root started.")}},
+        "post": {"operationId": "registerRelay",
+                 "summary": "A relay joins with the join token (or renews with its own) and gets a relay token.",
+                 "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                     "type": "object", "required": ["relay_id"],
+                     "properties": {"relay_id": {"type": "string", "pattern": NAME_PATTERN},
+                                    "url": {"type": ["string", "null"], "maxLength": 512},
+                                    "base_model": {"oneOf": [_ref("BaseModel"), {"type": "null"}]}}}}}},
+                 "responses": {"200": _json({"type": "object", "required": ["relay_id", "experts"]},
+                                            "Registered; ``token`` is the relay's token when auth is on."),
+                               "400": BAD_REQUEST,
+                               "403": _error("The relay id is active, or the token may not register relays."),
+                               "409": _error("The relay's base model differs from an expert's."),
+                               "413": _error("JSON body over 1 MiB.")}}},
+    "/relays/{relay_id}/report": {"post": {
+        "operationId": "relayReport", "summary": "A relay reports its workers and byte counters.",
+        "parameters": [_path_param("relay_id", NAME_PATTERN, "site-a", "The relay's id.")],
+        "requestBody": {"required": True, "content": {"application/json": {"schema": {
+            "type": "object", "properties": {"workers": {"type": "array", "items": {"type": "object"}},
+                                             "stats": {"type": "object"}}}}}},
+        "responses": {"200": _json({"type": "object"}, "Noted."), "400": BAD_REQUEST,
+                      "403": _error("Not this relay's token."), "413": _error("JSON body over 1 MiB.")}}},
+}
 
 _root: dict[str, Any] = {
     "/": {"get": {"operationId": "dashboard", "summary": "The dashboard page.",
@@ -367,7 +401,7 @@ OPENAPI: dict[str, Any] = {
     "openapi": "3.1.0",
     "info": {"title": "FedMoE coordinator", "version": "1",
              "description": "Federated fine-tuning of LoRA experts. Every bad request is a 4xx with an Error body."},
-    "paths": {**{API_PREFIX + path: item for path, item in _api.items()}, **_root},
+    "paths": {**{API_PREFIX + path: item for path, item in {**_api, **_relays}.items()}, **_root},
     "components": {"schemas": SCHEMAS,
                    "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer",
                                                   "description": "admin, join or worker token (README: Security)"}}},

@@ -86,21 +86,12 @@ class Coordinator:
 
     def check_body_size(self, length: int | None) -> None:
         """413 if a body's announced size (Content-Length) is over --max-body-mb."""
-        limit = self.config.max_body_bytes
-        if length is not None and length > limit:
-            raise PayloadTooLarge(f"body of {length} bytes is over the limit of {limit} bytes "
-                                  "(coordinator flag --max-body-mb)", limit=limit)
+        check_body_size(length, self.config.max_body_bytes)
 
     def receive_body(self, stream: BinaryIO, length: int | None, expected_digest: str | None) -> Path:
         """A request body in a fsynced temp file: 413 past --max-body-mb, 400 if it does not match
         ``expected_digest`` (nothing is left behind). ``length`` (Content-Length): read exactly that."""
-        self.check_body_size(length)
-        body = self.store.receive(stream, self.config.max_body_bytes, length)
-        if expected_digest is not None and (actual := self.store.digest_of(body)) != expected_digest:
-            self.store.forget(body)
-            raise BadRequest(f"body does not match its {DIGEST_HEADER} (sha256 {actual[:16]}... "
-                             f"!= {expected_digest[:16]}...); it was damaged on the way, send it again")
-        return body
+        return receive_checked(self.store, stream, length, self.config.max_body_bytes, expected_digest)
 
     # experts ------------------------------------------------------------------
 
@@ -315,6 +306,25 @@ class Coordinator:
     def list_workers(self) -> list[dict[str, Any]]:
         now = time.time()
         return [w | {"status": liveness(now - w["last_seen"], w["sync_interval"])} for w in self.store.workers()]
+
+
+def check_body_size(length: int | None, limit: int) -> None:
+    if length is not None and length > limit:
+        raise PayloadTooLarge(f"body of {length} bytes is over the limit of {limit} bytes "
+                              "(coordinator flag --max-body-mb)", limit=limit)
+
+
+def receive_checked(spool: ExpertStore | BlobStore, stream: BinaryIO, length: int | None, limit: int,
+                    expected_digest: str | None) -> Path:
+    """A body in a fsynced temp file of ``spool``; 413 past ``limit``, 400 (nothing left) on a digest mismatch.
+    Shared by the root and the relay (coordinator/relay/service.py)."""
+    check_body_size(length, limit)
+    body = spool.receive(stream, limit, length)
+    if expected_digest is not None and (actual := spool.digest_of(body)) != expected_digest:
+        spool.forget(body)
+        raise BadRequest(f"body does not match its {DIGEST_HEADER} (sha256 {actual[:16]}... "
+                         f"!= {expected_digest[:16]}...); it was damaged on the way, send it again")
+    return body
 
 
 def liveness(silent_for: float, sync_interval: float | None) -> str:

@@ -36,8 +36,16 @@ from protocol.files import private_dir, private_file
 
 log = logging.getLogger(__name__)
 
-ADMIN, JOIN, WORKER = "admin", "join", "worker"
-PREFIX = {ADMIN: "fmadm_", JOIN: "fmjoin_", WORKER: "fmwrk_"}
+ADMIN, JOIN, WORKER, RELAY = "admin", "join", "worker", "relay"
+PREFIX = {ADMIN: "fmadm_", JOIN: "fmjoin_", WORKER: "fmwrk_", RELAY: "fmrly_"}
+RELAY_SPECIALTY = "*"
+"""A relay's token is kept among worker tokens under worker id ``relay:<id>`` and this specialty (no
+expert can be named "*"): it may push and pull for any expert, on behalf of the relay's workers."""
+
+
+def relay_key(relay_id: str) -> str:
+    """The worker-token row key of a relay (never a valid worker id: ':' is not allowed in one)."""
+    return f"relay:{relay_id}"
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS worker_tokens (
@@ -165,6 +173,8 @@ class TokenStore:
                                "or the join token once no token of this worker is valid)",
                                reason="expired")
         principal = Principal(WORKER, worker_id, specialty)
+        if specialty == RELAY_SPECIALTY:  # a relay coordinator (coordinator.relays)
+            principal = Principal(RELAY, worker_id.removeprefix("relay:"))
         with self._valid_lock:
             if len(self._valid) > 10_000:
                 self._valid.clear()
@@ -210,19 +220,36 @@ class TokenStore:
                             "(a restarted worker's client keeps it under ~/.config/fedmoe) or the admin can register "
                             "it again: start this worker with another --worker-id", reason="worker_id_in_use")
 
-    def issue(self, worker_id: str, specialty: str, caller: Principal = Principal(ADMIN)) -> dict[str, object]:
+    def issue(self, worker_id: str, specialty: str, caller: Principal = Principal(ADMIN),
+              role: str = WORKER) -> dict[str, object]:
         """A new token for this worker and specialty, if ``caller`` may register it.
 
         Expired tokens are dropped on the way, except each worker's newest: that one may still renew.
+        ``role=RELAY``: a relay's token (``worker_id`` is then ``relay_key(relay id)``).
         """
-        token, now = new_token(WORKER), self.clock()
+        token, now = new_token(role), self.clock()
         with self._issue_lock, self._db() as db:  # two joins of one new id: the second sees the first's token
-            self.check_may_register(caller, worker_id, specialty)
+            if role == RELAY:
+                self.check_may_register_relay(caller, worker_id)
+            else:
+                self.check_may_register(caller, worker_id, specialty)
             db.execute("DELETE FROM worker_tokens WHERE expires_at <= ? AND issued_at < (SELECT MAX(t.issued_at) "
                        "FROM worker_tokens t WHERE t.worker_id = worker_tokens.worker_id)", (now,))
             db.execute("INSERT INTO worker_tokens VALUES (?, ?, ?, ?, ?)",
                        (token_hash(token), worker_id, specialty, now, now + self.token_ttl))
         return {"token": token, "token_expires_at": now + self.token_ttl}
+
+    def check_may_register_relay(self, caller: Principal, key: str) -> None:
+        """Like check_may_register, for a relay: the join token (if the relay id is not active), the
+        relay's own token (renewal) or the admin."""
+        self.check_not_revoked(key)
+        if caller.role == ADMIN or (caller.role == RELAY and relay_key(caller.worker_id or "") == key):
+            return
+        if caller.role != JOIN:
+            raise Forbidden("only the join token, the admin or the relay's own token can register a relay")
+        if self.active_until(key) is not None:
+            raise Forbidden(f"relay id {key.removeprefix('relay:')!r} is in use (it holds a valid token); restart "
+                            "that relay on its own data dir, or use another --relay-id", reason="relay_id_in_use")
 
     def revoke(self, worker_id: str, known: bool) -> dict[str, object]:
         """Revoke every token of ``worker_id`` and refuse its registration from now on."""

@@ -42,9 +42,13 @@ def report_error(args: argparse.Namespace, message: object) -> int:
 
 
 def check_coordinator_url(url: str) -> str:
-    """Refuse what requests would only fail on later with a cryptic InvalidSchema/InvalidURL."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"--coordinator-url {url!r} is not an http(s) address; "
-                         "use e.g. http://127.0.0.1:5000")
+    """Refuse what requests would only fail on later with a cryptic InvalidSchema/InvalidURL.
+
+    A comma list (relays and the root, protocol/probe.py) is checked URL by URL.
+    """
+    for one in (url.split(",") if "," in url else [url]):
+        parts = urlsplit(one.strip())
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"--coordinator-url {one.strip()!r} is not an http(s) address; "
+                             "use e.g. http://127.0.0.1:5000 (or several, comma-separated)")
     return url

@@ -41,6 +41,7 @@ import random
 import socket
 import ssl
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,7 @@ from protocol.credentials import resolve_token, store_worker_token, stored_worke
 from protocol.errors import (FedMoEError, Forbidden, TLSFailure, TooManyRequests, Unauthorized, Unavailable,
                              error_from_response)
 from protocol.integrity import DIGEST_HEADER, digest_header
+from protocol.probe import LinkEstimate, choose, probe, split_urls
 from protocol.resume import can_resume, resumable_body
 from protocol.schemas import API_PREFIX, EXPERT_HEADER, UPDATE_HEADER, VERSION_HEADER, WORKER_HEADER
 from protocol.streaming import tensors_from_buffer
@@ -94,10 +96,19 @@ class Pulled:
 class CoordinatorClient:
     def __init__(self, base_url: str, *, timeout: tuple[float, float] = (5.0, 120.0),
                  retry: RetryPolicy = RetryPolicy(), use_proxy: bool = False, token: str | None = None,
-                 ca_cert: str | Path | None = None, upload: UploadPolicy = UploadPolicy()) -> None:
+                 ca_cert: str | Path | None = None, upload: UploadPolicy = UploadPolicy(),
+                 failback_seconds: float = 300.0, prober: Callable[[str], LinkEstimate] = probe) -> None:
         """``timeout`` is (connect, read) seconds for every call; ``ca_cert`` a PEM file to trust for https;
-        ``upload`` when and how pushes go through a resumable upload."""
-        self.base_url = base_url.rstrip("/")
+        ``upload`` when and how pushes go through a resumable upload.
+
+        ``base_url`` may be a comma list (relays and the root): the client probes them and talks to the
+        best (protocol/probe.py), fails over to the next best when its coordinator stops answering, and
+        re-probes every ``failback_seconds`` to fail back when a better one is up again.
+        """
+        self._candidates = split_urls(base_url) if "," in base_url else []
+        self._prober, self.failback_seconds = prober, failback_seconds
+        self._probed_at = time.monotonic()
+        self.base_url = self._best()[0] if self._candidates else base_url.rstrip("/")
         self.timeout = timeout
         self.retry = retry
         self.upload = upload
@@ -133,8 +144,30 @@ class CoordinatorClient:
             return self._expert_tokens[expert]
         return self.token, None
 
-    def _request(self, method: str, path: str, *, worker: str | None = None, expert: str | None = None,
-                 attempts: int | None = None, **kwargs: Any) -> requests.Response:
+    def _best(self, exclude: str | None = None) -> list[str]:
+        """Reachable candidates, best first (``exclude`` left out); all of them if none answers."""
+        self._probed_at = time.monotonic()
+        ranked = choose([u for u in self._candidates if u != exclude], prober=self._prober)
+        return [e.url for e in ranked if e.reachable] or [e.url for e in ranked]
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> requests.Response:
+        """One call at the current coordinator; with several (a comma list), fail over and back."""
+        if self._candidates and time.monotonic() - self._probed_at >= self.failback_seconds:
+            best = self._best()[0]
+            if best != self.base_url:
+                log.info("switching from %s to %s (measured better)", self.base_url, best)
+                self.base_url = best
+        try:
+            return self._request_here(method, path, **kwargs)
+        except Unavailable as exc:
+            if len(self._candidates) < 2 or isinstance(exc, TooManyRequests):
+                raise
+            failed, self.base_url = self.base_url, self._best(exclude=self.base_url)[0]
+            log.warning("%s; failing over from %s to %s", exc, failed, self.base_url)
+            return self._request_here(method, path, **kwargs)
+
+    def _request_here(self, method: str, path: str, *, worker: str | None = None, expert: str | None = None,
+                      attempts: int | None = None, **kwargs: Any) -> requests.Response:
         """One call with the right token; ``attempts`` overrides RetryPolicy.attempts (1: no retry)."""
         token, owner = self._token_for(worker, expert)
         try:
@@ -235,9 +268,10 @@ class CoordinatorClient:
 
     def _register(self, worker_id: str, body: dict[str, Any]) -> dict[str, Any]:
         """POST /workers with the worker's own token (renewal; expired is fine), else with our token."""
-        own = self._worker_tokens[worker_id][0] if worker_id in self._worker_tokens else \
-            stored_worker_token(self.base_url, worker_id)
-        if own:
+        # the token this coordinator issued (kept per URL: after failing back to a relay, its own), else ours
+        owns = [stored_worker_token(self.base_url, worker_id),
+                self._worker_tokens[worker_id][0] if worker_id in self._worker_tokens else None]
+        for own in dict.fromkeys(t for t in owns if t):
             try:
                 return self._attempts("POST", "/workers", own, json=body).json()
             except (Unauthorized, Forbidden) as exc:  # e.g. a coordinator on a fresh data dir never issued it
@@ -258,6 +292,10 @@ class CoordinatorClient:
     def revoke_worker(self, worker_id: str) -> dict[str, Any]:
         """Admin: revoke every token of ``worker_id``; it cannot register again."""
         return self._json("DELETE", f"/workers/{worker_id}")
+
+    def relays(self) -> list[dict[str, Any]]:
+        """The root's relays (GET /api/v1/relays): their URLs, workers and bytes saved."""
+        return self._json("GET", "/relays")["relays"]
 
     def list_workers(self) -> list[dict[str, Any]]:
         return self._json("GET", "/workers")["workers"]

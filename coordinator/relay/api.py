@@ -1,0 +1,160 @@
+"""A relay's HTTP API: the root's paths and token rules (``coordinator.auth.RULES``), served locally.
+
+Workers cannot tell a relay from the root: they register (with the same join token), push, pull,
+heartbeat and send profiles at the same paths. The blueprint is named ``api`` like the root's so
+the same access rule applies to each endpoint; request bodies are received by the root's own
+``receive_body`` (fsynced temp file, digest checked, size limit).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from flask import Blueprint, Flask, Response, current_app, jsonify, request, send_file
+
+from coordinator import auth
+from coordinator.api import _int_arg, json_body, receive_body
+from coordinator.app import StrictJSONProvider, _log_requests_at_debug, _register_error_handlers
+from coordinator.auth import acting_worker, check_may_register, issue_token
+from coordinator.relay.service import RelayConfig, RelayService
+from coordinator.relays import probe_body
+from protocol.errors import BadRequest, Conflict, NotFound, Unavailable
+from protocol.schemas import (API_PREFIX, EXPERT_HEADER, UPDATE_HEADER, VERSION_HEADER, WORKER_HEADER,
+                              BaseModelSpec, ExpertSpec, UpdateMeta, check_name, is_finite_number, parse_header_json)
+
+bp = Blueprint("api", __name__, url_prefix=API_PREFIX)
+
+
+def relay() -> RelayService:
+    return current_app.extensions["fedmoe"]
+
+
+@bp.get("/health")
+def health() -> Response:
+    r = relay()
+    return jsonify({"status": "ok", "role": "relay", "relay_id": r.relay_id, "upstream": r.upstream.base_url,
+                    "upstream_reachable": r.forwarder.upstream_reachable, "experts": len(r.store.cached_experts())})
+
+
+@bp.post("/workers")
+def register_worker() -> tuple[Response, int]:
+    body = json_body()
+    worker_id = check_name(body.get("worker_id"), "worker_id")
+    specialty = check_name(body.get("specialty"), "specialty")
+    interval = body.get("sync_interval")
+    if interval is not None and (not is_finite_number(interval) or interval <= 0):
+        raise BadRequest(f"'sync_interval' must be a positive number of seconds, got {interval!r}")
+    check_may_register(worker_id, specialty)
+    info = relay().register_worker(worker_id, specialty, BaseModelSpec.from_json(body.get("base_model")), interval)
+    return jsonify(info | issue_token(worker_id, specialty)), 200
+
+
+@bp.post("/workers/<worker_id>/heartbeat")
+def heartbeat(worker_id: str) -> Response:
+    relay().heartbeat(worker_id)
+    return jsonify({"worker_id": worker_id, "status": "ok"})
+
+
+@bp.get("/workers")
+def list_workers() -> Response:
+    return jsonify({"workers": relay().list_workers()})
+
+
+@bp.get("/experts")
+def list_experts() -> Response:
+    return jsonify({"experts": relay().list_experts()})
+
+
+@bp.get("/experts/<name>")
+def expert_info(name: str) -> Response:
+    return jsonify(relay().expert_info(check_name(name, "expert name")))
+
+
+@bp.put("/experts/<name>")
+def create_expert(name: str) -> tuple[Response, int]:
+    check_name(name, "expert name")
+    spec = ExpertSpec.from_json(parse_header_json(request.headers.get(EXPERT_HEADER), EXPERT_HEADER))
+    spec = replace(spec, worker_id=acting_worker(spec.worker_id, f"worker_id in {EXPERT_HEADER}"))
+    info, status = relay().create_expert(name, spec, receive_body())
+    return jsonify(info), status
+
+
+@bp.get("/experts/<name>/weights")
+def expert_weights(name: str) -> Response:
+    """Full weights from the relay's cache (ETag, Range); ?since= diffs are asked of upstream."""
+    r = relay()
+    acting_worker(request.headers.get(WORKER_HEADER), WORKER_HEADER)
+    if "since" in request.args:
+        return _diff_from_upstream(r, name)
+    for attempt in range(3):  # the cache may replace the blob between the lookup and the open
+        cached = r.weights(name)
+        try:
+            response = send_file(r.blobs.path(cached.blob), mimetype="application/octet-stream", etag=cached.etag,
+                                 conditional=True, download_name=f"{name}-v{cached.version}.safetensors", max_age=0)
+            break
+        except FileNotFoundError:
+            if attempt == 2:
+                raise Conflict(f"expert {name!r} kept changing while its weights were opened; pull again") from None
+    response.headers[VERSION_HEADER] = str(cached.version)
+    if response.status_code in (200, 206):
+        r.bytes_served += response.content_length or 0
+    return response
+
+
+def _diff_from_upstream(r: RelayService, name: str) -> Response:
+    params = {k: request.args[k] for k in ("since", "codec", "codec_config") if k in request.args}
+    _int_arg("since")
+    try:
+        upstream = r.upstream._request("GET", f"/experts/{name}/weights", params=params)
+    except Unavailable:  # the worker falls back to a full pull, which the cache serves
+        raise NotFound("this relay cannot build a diff while its upstream is unreachable; pull the full "
+                       "weights") from None
+    response = Response(upstream.content, status=upstream.status_code, mimetype="application/octet-stream")
+    response.headers[VERSION_HEADER] = upstream.headers.get(VERSION_HEADER, "-1")
+    return response
+
+
+@bp.post("/experts/<name>/updates")
+def push_update(name: str) -> tuple[Response, int]:
+    r = relay()
+    check_name(name, "expert name")
+    meta = UpdateMeta.from_json(parse_header_json(request.headers.get(UPDATE_HEADER), UPDATE_HEADER))
+    meta = replace(meta, worker_id=acting_worker(meta.worker_id, f"worker_id in {UPDATE_HEADER}"))
+    if request.content_length is not None:
+        r.room_for(request.content_length)  # 507 before reading a body we could not keep
+    status, is_new = r.submit_update(name, meta, receive_body())
+    return jsonify(status), 202 if is_new else 200
+
+
+@bp.get("/updates/<update_id>")
+def update_status(update_id: str) -> Response:
+    return jsonify(relay().update_status(update_id))
+
+
+@bp.put("/experts/<name>/profiles/<worker_id>")
+def put_profile(name: str, worker_id: str) -> Response:
+    return jsonify(relay().upstream.passthrough("PUT", f"/experts/{name}/profiles/{worker_id}", json=json_body()))
+
+
+@bp.post("/forward")
+def forward_now() -> Response:
+    """Admin: forward what is queued now, not at the next interval (e.g. draining before maintenance)."""
+    r = relay()
+    delivered = r.forwarder.flush()
+    return jsonify({"delivered": delivered, "upstream_reachable": r.forwarder.upstream_reachable,
+                    "queued_bytes": r.store.queued_bytes()})
+
+
+bp.add_url_rule("/probe", "probe", probe_body, methods=["GET"])
+
+
+def create_relay_app(config: RelayConfig, port: int | None = None) -> Flask:
+    """The relay's Flask app; ``app.extensions["fedmoe"].join_upstream()`` starts it forwarding."""
+    app = Flask(__name__)
+    app.json = StrictJSONProvider(app)
+    app.config.update(MAX_CONTENT_LENGTH=config.coordinator.max_body_bytes, **dict(config.coordinator.extra))
+    app.extensions["fedmoe"] = RelayService(config, port)
+    app.register_blueprint(bp)
+    _log_requests_at_debug(app)
+    auth.install(app, config.coordinator, app.extensions["fedmoe"].record_event)
+    _register_error_handlers(app)
+    return app

@@ -1,0 +1,194 @@
+"""Forwarding: one combined update per expert upstream per forward interval.
+
+Each interval, for each expert with work: a batch still pending (built before a crash or an
+outage) is resent as stored; otherwise the queued worker updates are combined with the root's own
+rule, FedBuff's staleness-weighted sample mean (``coordinator.aggregation.fedbuff`` applied to
+zeros: sum_i (n_i / N) * s(tau_i) * delta_i, tau_i = cached root version - the version the worker
+started from), compressed with the relay's codec plus error feedback, recorded durably
+(``RelayStore.add_batch``) and sent under the update id ``<relay id>.<epoch>.<expert>.<seq>``.
+The root deduplicates update ids, so resending after a timeout or a kill -9 applies it once.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from compression.error_feedback import ErrorFeedback
+from compression.registry import make_codec
+from coordinator.adapters import stored_deltas
+from coordinator.aggregation import AggregationParams, Update, fedbuff
+from coordinator.blobs import BlobStore
+from coordinator.relay.store import Batch, RelayStore
+from coordinator.relay.upstream import UpstreamClient, WeightsCache
+from protocol.errors import FedMoEError, Unavailable
+from protocol.schemas import RAW_CODEC, UPDATE_ID_RE
+from protocol.tensors import StateDict, dumps, load_file, loads, manifest_of
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ForwardPolicy:
+    interval: float = 10.0
+    """Seconds between forwards upstream."""
+    codec: str = RAW_CODEC
+    """Codec of the combined update (safetensors = lossless, no error feedback)."""
+    codec_config: dict[str, Any] | None = None
+    staleness_decay: float = 0.1
+    """Worker updates weigh 1 / (1 + decay * staleness) in the combination (as at the root)."""
+
+
+def batch_update_id(relay_id: str, epoch: str, expert: str, seq: int) -> str:
+    """Deterministic: the same batch always goes upstream under the same id."""
+    update_id = f"{relay_id}.{epoch}.{expert}.{seq}"
+    if UPDATE_ID_RE.fullmatch(update_id):
+        return update_id
+    return f"{relay_id[:40]}.{epoch}.{hashlib.sha256(expert.encode()).hexdigest()[:16]}.{seq}"
+
+
+def combine(updates: list[tuple[dict[str, Any], StateDict | Any]], manifest: list[tuple[str, tuple[int, ...]]],
+            version: int, staleness_decay: float) -> StateDict:
+    """FedBuff's weighted mean of the workers' deltas (the root's code, applied to zeros)."""
+    zeros = {name: torch.zeros(shape, dtype=torch.float32) for name, shape in manifest}
+    entries = [Update(delta=delta, num_samples=meta["num_samples"], staleness=max(0, version - meta["base_version"]))
+               for meta, delta in updates]
+    return fedbuff(zeros, entries, AggregationParams(1.0, staleness_decay))
+
+
+class Forwarder:
+    def __init__(self, relay_id: str, store: RelayStore, blobs: BlobStore, upstream: UpstreamClient,
+                 cache: WeightsCache, policy: ForwardPolicy, drop_unreferenced: Callable[[list[str]], None],
+                 report: Callable[[], None], blobs_guard: threading.RLock) -> None:
+        self.relay_id, self.epoch = relay_id, store.epoch()
+        self.store, self.blobs, self.upstream, self.cache = store, blobs, upstream, cache
+        self.policy = policy
+        self.drop_unreferenced = drop_unreferenced
+        self.report = report
+        self.blobs_guard = blobs_guard
+        self._codec = None if policy.codec == RAW_CODEC else make_codec(policy.codec, policy.codec_config or {})
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._cycle_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.upstream_reachable = True
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="fedmoe-relay-forward", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.policy.interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            try:
+                self.forward_once()
+            except Exception:  # noqa: BLE001 - the loop must outlive one bad cycle; the next retries
+                log.exception("forwarding cycle failed; retrying next interval")
+
+    def forward_once(self) -> int:
+        """One cycle: at most one batch per expert upstream, then the report. Batches delivered."""
+        delivered = 0
+        with self._cycle_lock:
+            for expert in self.store.experts_with_work():
+                try:
+                    batch = self.store.pending_batch(expert) or self._build(expert)
+                    if batch is not None and self._send(batch):
+                        delivered += 1
+                except Unavailable as exc:
+                    self.upstream_reachable = False
+                    log.warning("upstream unreachable (%s); %d byte(s) stay queued for later", exc,
+                                self.store.queued_bytes())
+                    break
+            try:
+                self.report()
+                self.upstream_reachable = True
+            except Unavailable:
+                self.upstream_reachable = False
+            except FedMoEError as exc:
+                log.warning("upstream refused the relay's report: %s", exc)
+        return delivered
+
+    def _build(self, expert: str) -> Batch | None:
+        queued = self.store.queued(expert)
+        if not queued:
+            return None
+        cached = self.cache.get(expert)  # the version staleness is measured against (Unavailable: cached)
+        manifest = manifest_of(load_file(self.blobs.path(cached.blob)))
+        deltas = [(u.meta, stored_deltas(self.blobs.path(u.blob), u.meta["codec"], u.meta["codec_config"], manifest))
+                  for u in queued]
+        combined = combine(deltas, manifest, cached.version, self.policy.staleness_decay)
+        seq = self.store.next_seq(expert)
+        payload, residual = self._encode(expert, combined, manifest, seq)
+        samples = sum(u.meta["num_samples"] for u in queued)
+        meta = {"update_id": batch_update_id(self.relay_id, self.epoch, expert, seq), "base_version": cached.version,
+                "num_samples": samples, "train_loss": _mean_loss([u.meta for u in queued]),
+                "codec": self.policy.codec, "codec_config": self.policy.codec_config or {}}
+        old_residual = self.store.residual(expert)
+        with self.blobs_guard:  # adopted and recorded together: a sweep never sees them unreferenced
+            digest = self.blobs.put_bytes(payload)
+            residual_blob = None if residual is None else self.blobs.put_bytes(dumps(residual))
+            batch = Batch(expert, seq, meta["update_id"], meta, digest, len(payload), len(queued),
+                          sum(u.size for u in queued))
+            self.store.add_batch(batch, [u.update_id for u in queued], residual_blob)
+        if old_residual is not None and old_residual != residual_blob:
+            self.drop_unreferenced([old_residual])
+        log.info("batch %s: %d update(s) of %s (%d bytes) combined into %d bytes", meta["update_id"], len(queued),
+                 expert, batch.member_bytes, len(payload))
+        return batch
+
+    def _encode(self, expert: str, combined: StateDict, manifest: list, seq: int) -> tuple[bytes, StateDict | None]:
+        if self._codec is None:
+            return dumps(combined), None
+        feedback = ErrorFeedback(self._codec)
+        residual = self.store.residual(expert)
+        if residual is not None:
+            feedback.load_state_dict(loads(self.blobs.path(residual).read_bytes()))
+        payload, _ = feedback.compress(combined, manifest, seed=seq)
+        return payload, feedback.state_dict()
+
+    def _send(self, batch: Batch) -> bool:
+        payload = self.blobs.path(batch.blob).read_bytes()
+        members = self.store.member_blobs(batch)
+        try:
+            self.upstream.push_update(batch.expert, payload, batch.meta)
+        except Unavailable:
+            raise
+        except FedMoEError as exc:  # refused for good: retrying the same bytes cannot help
+            log.error("upstream refused batch %s (%d worker update(s)) for good: %s", batch.update_id,
+                      batch.members, exc)
+            self.store.batch_done(batch, "refused")
+            self.drop_unreferenced([batch.blob, *members])
+            return False
+        self.store.batch_done(batch, "forwarded")
+        self.drop_unreferenced([batch.blob, *members])
+        log.info("forwarded %s upstream (%d bytes for %d worker update(s))", batch.update_id, batch.size,
+                 batch.members)
+        return True
+
+    def flush(self) -> int:
+        """Forward now (tests; the loop does this every interval)."""
+        return self.forward_once()
+
+
+def _mean_loss(metas: list[dict[str, Any]]) -> float | None:
+    pairs = [(m.get("train_loss"), max(1, m["num_samples"])) for m in metas if m.get("train_loss") is not None]
+    if not pairs:
+        return None
+    total = sum(n for _, n in pairs)
+    loss = math.fsum(v * (n / total) for v, n in pairs)
+    return loss if math.isfinite(loss) else None

@@ -1,0 +1,293 @@
+"""A relay coordinator's domain logic: its workers, their queued updates, the cache, the forwarder.
+
+It stands where ``coordinator.service.Coordinator`` stands in the root's app (``app.extensions
+["fedmoe"]``), with the attributes the shared pieces use: ``config`` and ``blobs`` (request bodies,
+``coordinator.api.receive_body``), ``record_event`` and ``list_workers`` (``coordinator.auth``).
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from coordinator.adapters import check_update
+from coordinator.aggregation import l2_norm
+from coordinator.audit import Event
+from coordinator.blobs import BlobStore, storage_errors
+from coordinator.config import CoordinatorConfig
+from coordinator.relay.forwarder import Forwarder, ForwardPolicy
+from coordinator.relay.store import RelayStore
+from coordinator.relay.upstream import RelayStartError, UpstreamClient, WeightsCache
+from coordinator.service import check_body_size, liveness, receive_checked
+from protocol.errors import Conflict, InsufficientStorage, InvalidUpdate, NotFound, Unavailable
+from protocol.files import private_dir
+from protocol.schemas import BaseModelSpec, ExpertSpec, UpdateMeta, check_name
+from protocol.tensors import load_file, manifest_of
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RelayConfig:
+    upstream: str
+    """URL of the root coordinator this relay forwards to."""
+    coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
+    """Data dir, tokens, body limit and staleness decay, as for the root."""
+    join_token: str | None = None
+    """The root's join token: the relay joins with it, and its workers join the relay with it too."""
+    relay_id: str | None = None
+    """Name of this relay at the root (default: host name and port)."""
+    advertise_url: str | None = None
+    """URL workers reach this relay at, published by the root at /api/v1/relays (None: not published)."""
+    forward: ForwardPolicy = field(default_factory=ForwardPolicy)
+    max_queue_mb: float = 1024.0
+    """Bytes of updates held for forwarding at most (MiB); a push beyond it is a 507."""
+    base_model_fingerprint: str | None = None
+    """Pin the base model: the root and workers with another fingerprint are refused."""
+    revalidate_seconds: float = 1.0
+    """A worker's pull revalidates the cached weights upstream at most this often per expert."""
+
+    def __post_init__(self) -> None:
+        if not self.upstream.startswith(("http://", "https://")):
+            raise ValueError(f"--upstream must be an http(s):// URL of the root coordinator, got {self.upstream!r}")
+        if not 0.05 <= self.forward.interval <= 86400:
+            raise ValueError(f"--forward-interval must be 0.05-86400 seconds, got {self.forward.interval}")
+        if not self.max_queue_mb > 0:
+            raise ValueError(f"--max-queue-mb must be > 0, got {self.max_queue_mb}")
+        if self.relay_id is not None:
+            try:
+                check_name(self.relay_id, "--relay-id")
+            except Exception as exc:  # noqa: BLE001 - a BadRequest here is a flag error
+                raise ValueError(str(exc)) from None
+        if self.base_model_fingerprint is not None:
+            try:
+                BaseModelSpec.from_json({"id": "relay", "fingerprint": self.base_model_fingerprint})
+            except Exception:  # noqa: BLE001
+                raise ValueError("--base-model-fingerprint must be the lowercase hex fingerprint a worker logs, got "
+                                 f"{self.base_model_fingerprint!r}") from None
+
+
+class RelayService:
+    def __init__(self, config: RelayConfig, port: int | None = None) -> None:
+        self.relay_config = config
+        self.config = config.coordinator
+        data_dir = private_dir(self.config.data_dir)
+        if config.join_token:  # workers join this relay with the root's join token (coordinator.tokens)
+            _write_private(data_dir / "join_token", config.join_token)
+        self.blobs = BlobStore(data_dir / "blobs")
+        self.store = RelayStore(data_dir / "relay.sqlite")
+        self.blobs_guard = threading.RLock()
+        self._push_lock = threading.Lock()
+        self.relay_id = config.relay_id or self.store.relay_id(_default_relay_id(port))
+        self.upstream = UpstreamClient(config.upstream, config.join_token, data_dir / "relay_token")
+        self.cache = WeightsCache(self.store, self.blobs, self.upstream, config.revalidate_seconds,
+                                  self.drop_unreferenced)
+        self.forwarder = Forwarder(self.relay_id, self.store, self.blobs, self.upstream, self.cache, config.forward,
+                                   self.drop_unreferenced, self.report, self.blobs_guard)
+        self.bytes_served = 0
+        self._remove_orphan_blobs()
+
+    def join_upstream(self) -> dict[str, Any]:
+        """Register with the root (RelayStartError if it refuses, e.g. another base model), start forwarding."""
+        fingerprint = self.relay_config.base_model_fingerprint
+        base = {"id": "relay-pinned", "fingerprint": fingerprint} if fingerprint else None
+        try:
+            info = self.upstream.register_relay(self.relay_id, self.relay_config.advertise_url, base)
+        except Unavailable as exc:
+            if self.upstream.relay_token is None:  # never joined: nothing to forward with
+                raise RelayStartError(f"cannot reach the upstream {self.relay_config.upstream} to join it: "
+                                      f"{exc}") from None
+            log.warning("upstream unreachable (%s); accepting and queueing, forwarding once it is back", exc)
+            info = {}
+        self.forwarder.start()
+        return info
+
+    def close(self) -> None:
+        self.forwarder.close()
+        self.upstream.close()
+        self.store.close()
+
+    # what coordinator.auth and coordinator.api use -------------------------------
+
+    def check_body_size(self, length: int | None) -> None:
+        check_body_size(length, self.config.max_body_bytes)
+
+    def receive_body(self, stream: BinaryIO, length: int | None, expected_digest: str | None) -> Path:
+        """As the root's: a fsynced temp file, 413 past --max-body-mb, 400 on a digest mismatch, 507 on a full disk."""
+        with storage_errors("receive the request body"):
+            return receive_checked(self.blobs, stream, length, self.config.max_body_bytes, expected_digest)
+
+    def record_event(self, event: Event) -> None:
+        log.info("refused: %s %s", event.kind, event.detail)
+
+    def list_workers(self) -> list[dict[str, Any]]:
+        now = time.time()
+        return [w | {"status": liveness(now - w["last_seen"], w["sync_interval"])} for w in self.store.workers()]
+
+    def drop_unreferenced(self, digests: list[str]) -> None:
+        with self.blobs_guard:
+            referenced = self.store.referenced_blobs()
+            for digest in set(digests) - referenced:
+                self.blobs.delete(digest)
+
+    def _remove_orphan_blobs(self) -> None:
+        """Blobs written just before a crash and never recorded (a batch not committed): safe to delete."""
+        orphans = set(self.blobs.digests()) - self.store.referenced_blobs()
+        for digest in orphans:
+            self.blobs.delete(digest)
+        if orphans:
+            log.info("removed %d unrecorded blob(s) left by an interrupted write", len(orphans))
+
+    # workers ------------------------------------------------------------------
+
+    def register_worker(self, worker_id: str, specialty: str, base_model: BaseModelSpec,
+                        sync_interval: float | None) -> dict[str, Any]:
+        pinned = self.relay_config.base_model_fingerprint
+        if pinned and base_model.fingerprint != pinned:
+            raise Conflict(f"worker {worker_id!r} runs base model {base_model.id!r} (fingerprint "
+                           f"{base_model.fingerprint[:12]}) but this relay serves fingerprint {pinned[:12]}; use "
+                           "the same --base-model")
+        expert = self.expert_info_or_none(specialty)
+        if expert is not None and expert["base_model"]["fingerprint"] != base_model.fingerprint:
+            raise Conflict(f"worker {worker_id!r} runs base model {base_model.id!r} (fingerprint "
+                           f"{base_model.fingerprint[:12]}) but expert {specialty!r} was trained from "
+                           f"{expert['base_model']['id']!r} ({expert['base_model']['fingerprint'][:12]}); use the "
+                           "same --base-model")
+        self.store.upsert_worker(worker_id, specialty, {"id": base_model.id, "fingerprint": base_model.fingerprint},
+                                 sync_interval)
+        return {"worker_id": worker_id, "specialty": specialty, "expert": expert, "relay": self.relay_id}
+
+    def heartbeat(self, worker_id: str) -> None:
+        if not self.store.touch_worker(worker_id):
+            raise NotFound(f"no worker {worker_id!r}; register first (POST /api/v1/workers)")
+
+    def report(self) -> None:
+        workers = [{"worker_id": w["worker_id"], "specialty": w["specialty"], "status": w["status"]}
+                   for w in self.list_workers()]
+        stats = self.store.stats() | {"bytes_served": self.bytes_served,
+                                      "bytes_fetched": self.cache.bytes_fetched}
+        self.upstream.report(self.relay_id, workers, stats)
+
+    # experts ------------------------------------------------------------------
+
+    def expert_info_or_none(self, name: str) -> dict[str, Any] | None:
+        try:
+            return self.expert_info(name)
+        except NotFound:
+            return None
+
+    def expert_info(self, name: str) -> dict[str, Any]:
+        try:
+            return self.upstream.passthrough("GET", f"/experts/{name}")
+        except Unavailable:
+            cached = self.cache.known(name)
+            if cached is None:
+                raise
+            return cached.info | {"version": cached.version, "versions": []}
+
+    def list_experts(self) -> list[dict[str, Any]]:
+        try:
+            return self.upstream.passthrough("GET", "/experts")["experts"]
+        except Unavailable:
+            return [c.info | {"version": c.version} for c in self.store.cached_experts()]
+
+    def create_expert(self, name: str, spec: ExpertSpec, body: Path) -> tuple[dict[str, Any], int]:
+        """Answered from the cache when the expert exists with this setup (the adapter is not sent on);
+        otherwise sent upstream, which creates it or answers 409."""
+        try:
+            try:  # an expert upstream already has is only fetched (egress), never uploaded again (ingress)
+                cached = self.cache.known(name) or self.cache.get(name)
+            except NotFound:
+                cached = None
+            if cached is not None and _same_setup(cached.info, spec):
+                return cached.info | {"version": cached.version}, 200
+            response = self.upstream.create_expert_from_file(name, body, spec.to_json())
+            return response.json(), response.status_code
+        finally:
+            self.blobs.forget(body)
+
+    def weights(self, name: str):
+        return self.cache.get(name)
+
+    # updates ------------------------------------------------------------------
+
+    def room_for(self, size: int) -> None:
+        limit = int(self.relay_config.max_queue_mb * (1 << 20))
+        held = self.store.queued_bytes()
+        if held + size > limit:
+            raise InsufficientStorage(f"the relay holds {held} bytes of updates for forwarding and takes at most "
+                                      f"{limit} (--max-queue-mb); its upstream may be unreachable. Retry later",
+                                      retry_after=30)
+
+    def submit_update(self, name: str, meta: UpdateMeta, body: Path) -> tuple[dict[str, Any], bool]:
+        """Record a worker's update durably (then 202); the same update_id again is a 200, applied once."""
+        try:
+            digest = self.blobs.digest_of(body)
+            known = self.store.update(meta.update_id)
+            if known is not None:
+                return self._seen_before(known, name, digest), False
+            cached = self.cache.known(name) or self.cache.get(name)
+            manifest = manifest_of(load_file(self.blobs.path(cached.blob)))
+            norm = l2_norm(check_update(body, meta.codec, meta.codec_config, manifest))
+            if norm != norm or norm == float("inf"):
+                raise InvalidUpdate(f"update {meta.update_id!r} holds NaN or Inf values; it was not recorded",
+                                    reason="not_finite")
+            size = body.stat().st_size
+            with self._push_lock:
+                known = self.store.update(meta.update_id)  # a concurrent retry may have won
+                if known is not None:
+                    return self._seen_before(known, name, digest), False
+                self.room_for(size)
+                with self.blobs_guard, storage_errors(f"record update {meta.update_id!r}"):
+                    blob = self.blobs.adopt(body, digest)
+                    try:
+                        self.store.add_update(name, meta.to_json(), blob, size)
+                    except (sqlite3.Error, OSError):
+                        self.drop_unreferenced([blob])
+                        raise
+        finally:
+            self.blobs.forget(body)
+        return self.update_status(meta.update_id), True
+
+    def _seen_before(self, known: dict[str, Any], name: str, digest: str) -> dict[str, Any]:
+        if known["expert"] != name:
+            raise Conflict(f"update_id {known['update_id']!r} was already used for expert {known['expert']!r}")
+        if known["body_sha256"] != digest:
+            raise Conflict(f"update_id {known['update_id']!r} was already used for a different body; a retry must "
+                           "resend the same bytes, and a new update needs a new update_id",
+                           update_id=known["update_id"])
+        return self.update_status(known["update_id"])
+
+    def update_status(self, update_id: str) -> dict[str, Any]:
+        row = self.store.update(update_id)
+        if row is None:
+            raise NotFound(f"no update with id {update_id!r} on this relay")
+        status = "queued" if row["batch"] is None else row["batch_status"]
+        return {"update_id": update_id, "expert": row["expert"], "status": status, "relay": self.relay_id,
+                "forwarded_as": row["batch_id"]}
+
+
+def _same_setup(info: dict[str, Any], spec: ExpertSpec) -> bool:
+    mine = spec.to_json()
+    return (info.get("kind", "lora") == mine["kind"] and info.get("lora") == mine["lora"]
+            and info.get("full") == mine.get("full")
+            and info.get("base_model", {}).get("fingerprint") == spec.base_model.fingerprint)
+
+
+def _write_private(path: Path, text: str) -> None:
+    if path.is_file() and path.read_text().strip() == text:
+        return
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text + "\n")
+    tmp.chmod(0o600)
+    tmp.replace(path)
+
+
+def _default_relay_id(port: int | None) -> str:
+    host = "".join(c if c.isalnum() or c in "_.-" else "-" for c in socket.gethostname())[:48] or "relay"
+    return f"{host}-{port}" if port else host

@@ -1,0 +1,288 @@
+"""A relay's durable state: queued worker updates, the batches forwarded from them, cached weights.
+
+One SQLite file (``relay.sqlite``, WAL, synchronous=FULL) beside a content-addressed ``BlobStore``.
+The invariants, each owned by one method here:
+
+- ``add_update``: a worker's update row is committed after its blob is fsynced; only then is the
+  push acknowledged (202). Its row stays after forwarding (blob dropped), so a retry is a 200.
+- ``add_batch``: a batch (one combined update per expert, under a deterministic update id made of
+  the relay id, the expert and its sequence number), its members and the new error-feedback residual
+  are committed in one transaction, after the batch payload's blob is fsynced. A crash before the
+  commit leaves the members queued (rebuilt later under the same sequence number, never sent); after
+  it, the stored bytes are resent as they are until the root answers, so the root's update-id
+  deduplication makes forwarding exactly-once.
+- ``batch_delivered``: a forwarded batch's payload and its members' blobs are dropped.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import secrets
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from protocol.files import private_file
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS state (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS updates (
+    update_id TEXT PRIMARY KEY,
+    expert TEXT NOT NULL,
+    worker_id TEXT,
+    meta TEXT NOT NULL,
+    blob TEXT,                    -- NULL once forwarded
+    body_sha256 TEXT NOT NULL,    -- a retry must resend the same bytes
+    size INTEGER NOT NULL,
+    received_at REAL NOT NULL,
+    batch INTEGER                 -- seq of the batch that carries it; NULL while queued
+);
+CREATE INDEX IF NOT EXISTS updates_queued ON updates (expert, batch);
+CREATE TABLE IF NOT EXISTS batches (
+    expert TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    update_id TEXT NOT NULL UNIQUE,
+    meta TEXT NOT NULL,
+    blob TEXT,                    -- NULL once forwarded
+    size INTEGER NOT NULL,
+    members INTEGER NOT NULL,
+    member_bytes INTEGER NOT NULL,
+    status TEXT NOT NULL,         -- pending, forwarded, refused
+    created_at REAL NOT NULL,
+    PRIMARY KEY (expert, seq)
+);
+CREATE TABLE IF NOT EXISTS residuals (expert TEXT PRIMARY KEY, blob TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS cache (
+    expert TEXT PRIMARY KEY,
+    version INTEGER NOT NULL,
+    etag TEXT NOT NULL,
+    blob TEXT NOT NULL,
+    info TEXT NOT NULL            -- the root's expert info (spec, counters) as last seen
+);
+CREATE TABLE IF NOT EXISTS workers (
+    worker_id TEXT PRIMARY KEY,
+    specialty TEXT NOT NULL,
+    base_model TEXT NOT NULL,
+    registered_at REAL NOT NULL,
+    last_seen REAL NOT NULL,
+    sync_interval REAL
+);
+"""
+
+
+@dataclass(frozen=True)
+class QueuedUpdate:
+    update_id: str
+    expert: str
+    meta: dict[str, Any]
+    blob: str
+    size: int
+
+
+@dataclass(frozen=True)
+class Batch:
+    expert: str
+    seq: int
+    update_id: str
+    meta: dict[str, Any]
+    blob: str
+    size: int
+    members: int
+    member_bytes: int
+
+
+@dataclass(frozen=True)
+class CachedWeights:
+    expert: str
+    version: int
+    etag: str
+    blob: str
+    info: dict[str, Any]
+
+
+class RelayStore:
+    def __init__(self, path: Path) -> None:
+        self._db = sqlite3.connect(str(private_file(path)), timeout=30, isolation_level=None,
+                                   check_same_thread=False)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.executescript(SCHEMA)
+        self._lock = threading.RLock()
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def _all(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
+    # identity and counters ----------------------------------------------------
+
+    def epoch(self) -> str:
+        """Random, made once per data dir: a relay restarted on a fresh data dir never reuses an update id."""
+        with self.transaction() as db:
+            row = db.execute("SELECT value FROM state WHERE key = 'epoch'").fetchone()
+            if row is not None:
+                return row[0]
+            epoch = secrets.token_hex(4)
+            db.execute("INSERT INTO state VALUES ('epoch', ?)", (epoch,))
+            return epoch
+
+    def relay_id(self, default: str) -> str:
+        """The relay id this data dir was first started with (``default`` then), so a restart keeps it."""
+        with self.transaction() as db:
+            row = db.execute("SELECT value FROM state WHERE key = 'relay_id'").fetchone()
+            if row is not None:
+                return row[0]
+            db.execute("INSERT INTO state VALUES ('relay_id', ?)", (default,))
+            return default
+
+    def stats(self) -> dict[str, int]:
+        (received, received_bytes), = self._all("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM updates")
+        (queued, queued_bytes), = self._all("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM updates WHERE blob IS NOT NULL")
+        (batches, forwarded, forwarded_updates), = self._all(
+            "SELECT COUNT(*), COALESCE(SUM(size), 0), COALESCE(SUM(members), 0) FROM batches "
+            "WHERE status = 'forwarded'")
+        return {"updates_received": received, "bytes_received": received_bytes, "queued_updates": queued,
+                "queued_bytes": queued_bytes, "batches_forwarded": batches, "bytes_forwarded": forwarded,
+                "updates_forwarded": forwarded_updates}
+
+    def queued_bytes(self) -> int:
+        """Bytes held for forwarding: queued updates and batch payloads not yet delivered."""
+        (a,), = self._all("SELECT COALESCE(SUM(size), 0) FROM updates WHERE blob IS NOT NULL AND batch IS NULL")
+        (b,), = self._all("SELECT COALESCE(SUM(size), 0) FROM batches WHERE blob IS NOT NULL")
+        return a + b
+
+    # worker updates -----------------------------------------------------------
+
+    def update(self, update_id: str) -> dict[str, Any] | None:
+        rows = self._all("SELECT u.*, b.status AS batch_status, b.update_id AS batch_id FROM updates u "
+                         "LEFT JOIN batches b ON b.expert = u.expert AND b.seq = u.batch WHERE u.update_id = ?",
+                         (update_id,))
+        return dict(rows[0]) if rows else None
+
+    def add_update(self, expert: str, meta: dict[str, Any], blob: str, size: int) -> None:
+        with self.transaction() as db:
+            db.execute("INSERT INTO updates VALUES (?, ?, ?, ?, ?, ?, ?, ?, NULL)",
+                       (meta["update_id"], expert, meta.get("worker_id"), json.dumps(meta), blob, blob, size,
+                        time.time()))
+
+    def queued(self, expert: str) -> list[QueuedUpdate]:
+        rows = self._all("SELECT * FROM updates WHERE expert = ? AND batch IS NULL ORDER BY received_at, update_id",
+                         (expert,))
+        return [QueuedUpdate(r["update_id"], r["expert"], json.loads(r["meta"]), r["blob"], r["size"]) for r in rows]
+
+    def experts_with_work(self) -> list[str]:
+        rows = self._all("SELECT DISTINCT expert FROM updates WHERE batch IS NULL UNION "
+                         "SELECT DISTINCT expert FROM batches WHERE status = 'pending' ORDER BY 1")
+        return [r[0] for r in rows]
+
+    # batches ------------------------------------------------------------------
+
+    def pending_batch(self, expert: str) -> Batch | None:
+        rows = self._all("SELECT * FROM batches WHERE expert = ? AND status = 'pending' ORDER BY seq LIMIT 1",
+                         (expert,))
+        return None if not rows else _batch(rows[0])
+
+    def next_seq(self, expert: str) -> int:
+        (seq,), = self._all("SELECT COALESCE(MAX(seq), 0) + 1 FROM batches WHERE expert = ?", (expert,))
+        return seq
+
+    def add_batch(self, batch: Batch, member_ids: list[str], residual_blob: str | None) -> None:
+        """Record a batch, claim its members and store the residual, all or nothing."""
+        with self.transaction() as db:
+            db.execute("INSERT INTO batches VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'pending', ?)",
+                       (batch.expert, batch.seq, batch.update_id, json.dumps(batch.meta), batch.blob, batch.size,
+                        batch.members, batch.member_bytes, time.time()))
+            for update_id in member_ids:
+                cur = db.execute("UPDATE updates SET batch = ? WHERE update_id = ? AND batch IS NULL",
+                                 (batch.seq, update_id))
+                if cur.rowcount != 1:
+                    raise RuntimeError(f"update {update_id} was claimed by another batch")
+            if residual_blob is None:
+                db.execute("DELETE FROM residuals WHERE expert = ?", (batch.expert,))
+            else:
+                db.execute("INSERT INTO residuals VALUES (?, ?) ON CONFLICT(expert) DO UPDATE SET blob = excluded.blob",
+                           (batch.expert, residual_blob))
+
+    def batch_done(self, batch: Batch, status: str) -> None:
+        """The root answered for ``batch`` (forwarded, or refused for good): drop its payloads."""
+        with self.transaction() as db:
+            db.execute("UPDATE batches SET status = ?, blob = NULL WHERE expert = ? AND seq = ?",
+                       (status, batch.expert, batch.seq))
+            db.execute("UPDATE updates SET blob = NULL WHERE expert = ? AND batch = ?", (batch.expert, batch.seq))
+
+    def member_blobs(self, batch: Batch) -> list[str]:
+        rows = self._all("SELECT blob FROM updates WHERE expert = ? AND batch = ? AND blob IS NOT NULL",
+                         (batch.expert, batch.seq))
+        return [r[0] for r in rows]
+
+    def residual(self, expert: str) -> str | None:
+        rows = self._all("SELECT blob FROM residuals WHERE expert = ?", (expert,))
+        return rows[0][0] if rows else None
+
+    def referenced_blobs(self) -> set[str]:
+        rows = self._all("SELECT blob FROM updates WHERE blob IS NOT NULL UNION SELECT blob FROM batches WHERE "
+                         "blob IS NOT NULL UNION SELECT blob FROM residuals UNION SELECT blob FROM cache")
+        return {r[0] for r in rows}
+
+    # cached weights -----------------------------------------------------------
+
+    def cached(self, expert: str) -> CachedWeights | None:
+        rows = self._all("SELECT * FROM cache WHERE expert = ?", (expert,))
+        if not rows:
+            return None
+        r = rows[0]
+        return CachedWeights(r["expert"], r["version"], r["etag"], r["blob"], json.loads(r["info"]))
+
+    def cached_experts(self) -> list[CachedWeights]:
+        return [CachedWeights(r["expert"], r["version"], r["etag"], r["blob"], json.loads(r["info"]))
+                for r in self._all("SELECT * FROM cache ORDER BY expert")]
+
+    def put_cached(self, entry: CachedWeights) -> None:
+        with self.transaction() as db:
+            db.execute("INSERT INTO cache VALUES (?, ?, ?, ?, ?) ON CONFLICT(expert) DO UPDATE SET "
+                       "version = excluded.version, etag = excluded.etag, blob = excluded.blob, info = excluded.info",
+                       (entry.expert, entry.version, entry.etag, entry.blob, json.dumps(entry.info)))
+
+    # workers ------------------------------------------------------------------
+
+    def upsert_worker(self, worker_id: str, specialty: str, base_model: dict[str, str],
+                      sync_interval: float | None) -> None:
+        now = time.time()
+        with self.transaction() as db:
+            db.execute("INSERT INTO workers VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(worker_id) DO UPDATE SET "
+                       "specialty = excluded.specialty, base_model = excluded.base_model, "
+                       "last_seen = excluded.last_seen, sync_interval = excluded.sync_interval",
+                       (worker_id, specialty, json.dumps(base_model), now, now, sync_interval))
+
+    def touch_worker(self, worker_id: str) -> bool:
+        with self.transaction() as db:
+            return db.execute("UPDATE workers SET last_seen = ? WHERE worker_id = ?",
+                              (time.time(), worker_id)).rowcount == 1
+
+    def workers(self) -> list[dict[str, Any]]:
+        return [dict(r) | {"base_model": json.loads(r["base_model"])}
+                for r in self._all("SELECT * FROM workers ORDER BY worker_id")]
+
+
+def _batch(r: sqlite3.Row) -> Batch:
+    return Batch(r["expert"], r["seq"], r["update_id"], json.loads(r["meta"]), r["blob"], r["size"], r["members"],
+                 r["member_bytes"])

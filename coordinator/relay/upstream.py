@@ -1,0 +1,186 @@
+"""The relay's link to its upstream (the root, or another relay): joining, and the weights cache.
+
+``UpstreamClient`` is the project's ``CoordinatorClient`` (timeouts, retries with backoff, errors
+mapped back to exceptions) plus the calls only a relay makes: registering itself with the join
+token for a relay-scoped token (kept in ``<data dir>/relay_token`` so a restart renews it), and
+reporting its workers. ``WeightsCache`` serves workers' pulls from the relay's disk, revalidated
+upstream with ``If-None-Match`` at most once per ``revalidate_seconds`` per expert; an unreachable
+upstream serves the cached copy.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from coordinator.blobs import BlobStore
+from coordinator.relay.store import CachedWeights, RelayStore
+from protocol.client import CoordinatorClient, RetryPolicy, _read_body
+from protocol.errors import Conflict, FedMoEError, Forbidden, NotFound, Unauthorized, Unavailable
+from protocol.schemas import VERSION_HEADER
+
+log = logging.getLogger(__name__)
+
+
+class RelayStartError(Exception):
+    """The relay cannot start (upstream refused it, or a different base model)."""
+
+
+class UpstreamClient(CoordinatorClient):
+    def __init__(self, url: str, join_token: str | None, token_file: Path, *,
+                 retry: RetryPolicy = RetryPolicy(attempts=2, base_delay=0.5, max_delay=2.0)) -> None:
+        super().__init__(url, retry=retry, token=join_token, timeout=(5.0, 120.0))
+        self.join_token = join_token
+        self.token_file = token_file
+        self.relay_token: str | None = token_file.read_text().strip() if token_file.is_file() else None
+        self._registration: dict[str, Any] | None = None
+
+    @property
+    def token(self) -> str | None:
+        return self.relay_token or super().token
+
+    def register_relay(self, relay_id: str, url: str | None, base_model: dict[str, str] | None) -> dict[str, Any]:
+        """Join the upstream; a relay-scoped token from now on. RelayStartError on a 409 (other base model)."""
+        body = {"relay_id": relay_id, "url": url, "base_model": base_model}
+        self._registration = body
+        info = None
+        if self.relay_token:  # renewal with our own token (also when it has expired)
+            try:
+                info = self._attempts("POST", "/relays", self.relay_token, json=body).json()
+            except (Unauthorized, Forbidden) as exc:
+                log.info("upstream did not renew the relay token (%s); registering with the join token", exc)
+            except Conflict as exc:
+                raise RelayStartError(f"upstream {self.base_url} refused this relay: {exc}") from None
+        if info is None:
+            try:
+                info = self._attempts("POST", "/relays", self.join_token, json=body).json()
+            except Conflict as exc:
+                raise RelayStartError(f"upstream {self.base_url} refused this relay: {exc}") from None
+            except (Unauthorized, Forbidden) as exc:
+                raise RelayStartError(f"upstream {self.base_url} refused the join token ({exc}); pass the root's "
+                                      "join token with --join-token-file") from None
+        token = info.pop("token", None)
+        if token:
+            self.relay_token = token
+            tmp = self.token_file.with_name(".relay_token.tmp")
+            tmp.write_text(token + "\n")
+            tmp.chmod(0o600)
+            tmp.replace(self.token_file)
+        return info
+
+    def _request(self, method: str, path: str, **kwargs: Any):  # type: ignore[override]
+        try:
+            return super()._request(method, path, **kwargs)
+        except Unauthorized:  # our token expired or the root forgot it: join again, once
+            if self._registration is None:
+                raise
+            self.relay_token = None
+            self.register_relay(**self._registration)
+            return super()._request(method, path, **kwargs)
+
+    def report(self, relay_id: str, workers: list[dict[str, Any]], stats: dict[str, int]) -> None:
+        self._request("POST", f"/relays/{relay_id}/report", json={"workers": workers, "stats": stats})
+
+    def weights_body(self, name: str, etag: str | None) -> tuple[bytes | None, int, str | None]:
+        """(body or None if unchanged, version, ETag) of the expert's current weights, as raw bytes."""
+        headers = {"If-None-Match": f'"{etag}"'} if etag else {}
+        r = self._request("GET", f"/experts/{name}/weights", headers=headers, stream=True)
+        version = int(r.headers.get(VERSION_HEADER, -1))
+        if r.status_code == 304:
+            r.close()
+            return None, version, etag
+        return bytes(_read_body(r, self.base_url)), version, r.headers.get("ETag", "").strip('"') or None
+
+    def create_expert_from_file(self, name: str, body: Path, spec: dict[str, Any]):
+        """PUT the expert's initial adapter (a received file) upstream; the response (201 or 200)."""
+        from protocol.client import Chunks
+        from protocol.integrity import DIGEST_HEADER, digest_header
+        from protocol.schemas import EXPERT_HEADER
+
+        data = body.read_bytes()
+        return self._request("PUT", f"/experts/{name}", data=Chunks(data),
+                             headers={EXPERT_HEADER: json.dumps(spec), DIGEST_HEADER: digest_header(data)})
+
+    def passthrough(self, method: str, path: str, **kwargs: Any) -> Any:
+        """A JSON call relayed as it is (expert metadata, profiles)."""
+        return self._json(method, path, **kwargs)
+
+
+@dataclass
+class _Freshness:
+    checked: float = float("-inf")
+    lock: threading.Lock = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        self.lock = threading.Lock()
+
+
+class WeightsCache:
+    """The newest weights of each expert as the relay last saw them upstream, on disk."""
+
+    def __init__(self, store: RelayStore, blobs: BlobStore, upstream: UpstreamClient, revalidate_seconds: float,
+                 drop_unreferenced: Callable[[list[str]], None], clock: Callable[[], float] = time.monotonic) -> None:
+        self.store, self.blobs, self.upstream = store, blobs, upstream
+        self.revalidate_seconds = revalidate_seconds
+        self.drop_unreferenced = drop_unreferenced
+        self.clock = clock
+        self._fresh: dict[str, _Freshness] = {}
+        self._guard = threading.Lock()
+        self.upstream_fetches = 0
+        """Full bodies downloaded from upstream (a test's and the report's count)."""
+        self.bytes_fetched = 0
+
+    def get(self, name: str) -> CachedWeights:
+        """The expert's weights, revalidated upstream unless checked within revalidate_seconds.
+
+        Upstream unreachable: the cached copy (stale is better than nothing); none cached: Unavailable.
+        An expert upstream does not know: NotFound.
+        """
+        with self._guard:
+            fresh = self._fresh.setdefault(name, _Freshness())
+        with fresh.lock:  # concurrent pulls of one expert wait for one revalidation
+            cached = self.store.cached(name)
+            if cached is not None and self.clock() - fresh.checked < self.revalidate_seconds:
+                return cached
+            try:
+                cached = self._revalidate(name, cached)
+                fresh.checked = self.clock()
+            except Unavailable as exc:
+                if cached is None:
+                    raise Unavailable(f"the relay has no copy of expert {name!r} and cannot reach upstream: "
+                                      f"{exc}") from None
+                log.warning("upstream unreachable (%s); serving cached %s version %d", exc, name, cached.version)
+            return cached
+
+    def _revalidate(self, name: str, cached: CachedWeights | None) -> CachedWeights:
+        body, version, etag = self.upstream.weights_body(name, cached.etag if cached else None)
+        if body is None and cached is not None:
+            return cached
+        if body is None:
+            raise NotFound(f"upstream sent no weights for {name!r}")
+        self.upstream_fetches += 1
+        self.bytes_fetched += len(body)
+        info = self.upstream.passthrough("GET", f"/experts/{name}")
+        digest = self.blobs.put_bytes(body)
+        entry = CachedWeights(name, version, etag or hashlib.sha256(body).hexdigest(), digest,
+                              {k: v for k, v in info.items() if k != "versions"})
+        self.store.put_cached(entry)
+        if cached is not None and cached.blob != digest:
+            self.drop_unreferenced([cached.blob])
+        log.info("cached expert %s version %d (%d bytes) from upstream", name, version, len(body))
+        return entry
+
+    def known(self, name: str) -> CachedWeights | None:
+        """The cached copy without revalidation (None if never fetched)."""
+        return self.store.cached(name)
+
+
+def upstream_error_is_final(exc: FedMoEError) -> bool:
+    """A 4xx other than 429/507: the upstream will never take this request as it is."""
+    return not isinstance(exc, Unavailable)

@@ -1,0 +1,151 @@
+"""The root's side of relay coordinators (docs/wan.md, "Relays"): registration, reports, the tree.
+
+A relay (``coordinator.relay``) registers with the join token at ``POST /api/v1/relays`` and gets a
+relay-scoped token (``coordinator.tokens``, role ``relay``): it may push and pull for any expert, on
+behalf of its workers. Registration refuses (409) a relay whose base model fingerprint differs from
+an existing expert's, so a relay for another model never starts. Each forward interval the relay
+reports its workers and byte counts at ``POST /api/v1/relays/<id>/report``; ``GET /api/v1/relays``
+lists the tree (relays, their workers, bytes saved), which is also how workers discover relays.
+
+Reports are soft state, kept in memory: a restarted root shows a relay again after its next report.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from flask import Blueprint, Flask, Response, current_app, jsonify
+
+from protocol.errors import BadRequest, Conflict, Forbidden
+from protocol.schemas import API_PREFIX, BaseModelSpec, ExpertSpec, check_name, is_finite_number
+
+bp = Blueprint("relays", __name__, url_prefix=API_PREFIX)
+
+REPORT_COUNTERS = ("bytes_received", "bytes_forwarded", "updates_received", "updates_forwarded",
+                   "batches_forwarded", "queued_updates", "queued_bytes", "bytes_served", "bytes_fetched")
+MAX_REPORTED_WORKERS = 10_000
+
+
+class RelayRegistry:
+    """Relays known to this root and their latest reports (in memory)."""
+
+    def __init__(self) -> None:
+        self._relays: dict[str, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+
+    def registered(self, relay_id: str, url: str | None, base_model: dict[str, str] | None) -> None:
+        with self._lock:
+            entry = self._relays.setdefault(relay_id, {"relay_id": relay_id, "workers": [], "stats": {}})
+            entry |= {"url": url, "base_model": base_model, "registered_at": time.time(), "last_report": None}
+
+    def report(self, relay_id: str, workers: list[dict[str, Any]], stats: dict[str, int]) -> None:
+        with self._lock:
+            entry = self._relays.setdefault(relay_id, {"relay_id": relay_id, "url": None, "base_model": None,
+                                                       "registered_at": None})
+            entry |= {"workers": workers, "stats": stats, "last_report": time.time()}
+
+    def tree(self) -> list[dict[str, Any]]:
+        with self._lock:
+            relays = [dict(r) for r in self._relays.values()]
+        for r in relays:
+            stats = r.get("stats") or {}
+            # pushes: worker bodies taken minus combined updates sent on; pulls: served from cache minus fetched
+            r["bytes_saved"] = max(0, stats.get("bytes_received", 0) - stats.get("bytes_forwarded", 0)) + \
+                max(0, stats.get("bytes_served", 0) - stats.get("bytes_fetched", 0))
+        return sorted(relays, key=lambda r: r["relay_id"])
+
+
+def registry() -> RelayRegistry:
+    return current_app.extensions["fedmoe_relays"]
+
+
+@bp.post("/relays")
+def register_relay() -> tuple[Response, int]:
+    from coordinator.api import coordinator, json_body
+    from coordinator.auth import authenticator, principal
+
+    body = json_body()
+    relay_id = check_name(body.get("relay_id"), "relay_id")
+    url = body.get("url")
+    if url is not None and (not isinstance(url, str) or not url.startswith(("http://", "https://")) or len(url) > 512):
+        raise BadRequest(f"'url' must be an http(s) URL of at most 512 characters, got {url!r}")
+    base = body.get("base_model")
+    spec = None if base is None else BaseModelSpec.from_json(base)
+    if spec is not None:
+        for expert in coordinator().store.experts():
+            theirs = ExpertSpec.from_json(expert.spec).base_model
+            if theirs.fingerprint != spec.fingerprint:
+                raise Conflict(f"relay {relay_id!r} serves base model {spec.id!r} (fingerprint {spec.fingerprint[:12]}) "
+                               f"but expert {expert.name!r} here was trained from {theirs.id!r} "
+                               f"({theirs.fingerprint[:12]}); point the relay at a root of the same base model",
+                               expert=expert.name)
+    token: dict[str, object] = {}
+    auth = authenticator()
+    if auth is not None:
+        from coordinator.tokens import RELAY, relay_key
+
+        token = auth.tokens.issue(relay_key(relay_id), "*", principal(), role=RELAY)
+    registry().registered(relay_id, url, None if spec is None else {"id": spec.id, "fingerprint": spec.fingerprint})
+    return jsonify({"relay_id": relay_id, "experts": coordinator().list_experts()} | token), 200
+
+
+@bp.post("/relays/<relay_id>/report")
+def relay_report(relay_id: str) -> Response:
+    from coordinator.api import json_body
+    from coordinator.auth import principal
+    from coordinator.tokens import ADMIN, RELAY
+
+    caller = principal()
+    if caller.role not in (ADMIN, RELAY):
+        raise Forbidden("only a relay's token may report for it")
+    body = json_body()
+    workers = body.get("workers", [])
+    if not isinstance(workers, list) or len(workers) > MAX_REPORTED_WORKERS:
+        raise BadRequest(f"'workers' must be a list of at most {MAX_REPORTED_WORKERS} objects")
+    clean = []
+    for w in workers:
+        if not isinstance(w, dict):
+            raise BadRequest(f"each of 'workers' must be an object, got {w!r}")
+        clean.append({"worker_id": check_name(w.get("worker_id"), "worker_id"),
+                      "specialty": check_name(w.get("specialty"), "specialty"),
+                      "status": str(w.get("status", "alive"))[:16]})
+    stats = body.get("stats", {})
+    if not isinstance(stats, dict):
+        raise BadRequest("'stats' must be an object")
+    counters = {}
+    for key in REPORT_COUNTERS:
+        value = stats.get(key, 0)
+        if not is_finite_number(value) or value < 0:
+            raise BadRequest(f"stats.{key} must be a non-negative number, got {value!r}")
+        counters[key] = int(value)
+    registry().report(check_name(relay_id, "relay_id"), clean, counters)
+    return jsonify({"relay_id": relay_id, "status": "ok"})
+
+
+@bp.get("/relays")
+def list_relays() -> Response:
+    """The tree below this root: relays (with their URL, for workers to probe), their workers, bytes saved."""
+    return jsonify({"relays": registry().tree()})
+
+
+def probe_body() -> Response:
+    """``?bytes=N`` zero bytes (at most protocol.probe.MAX_PROBE_BYTES): a client measures throughput."""
+    from flask import request
+
+    from protocol.probe import MAX_PROBE_BYTES
+
+    raw = request.args.get("bytes", "65536")
+    if not raw.isdigit() or not 0 <= int(raw) <= MAX_PROBE_BYTES:
+        raise BadRequest(f"bytes must be an integer 0-{MAX_PROBE_BYTES}, got {raw!r}")
+    response = Response(bytes(int(raw)), mimetype="application/octet-stream")
+    response.headers["Cache-Control"] = "no-store"
+    return response
+
+
+bp.add_url_rule("/probe", "probe", probe_body, methods=["GET"])
+
+
+def install(app: Flask) -> None:
+    app.extensions["fedmoe_relays"] = RelayRegistry()
+    app.register_blueprint(bp)

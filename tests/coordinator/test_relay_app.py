@@ -1,0 +1,99 @@
+"""A relay app (coordinator/relay) in front of a real root served on a loopback port: bad input and checks."""
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+from werkzeug.serving import make_server
+
+from coordinator.app import create_app
+from coordinator.config import CoordinatorConfig
+from coordinator.relay.api import create_relay_app
+from coordinator.relay.forwarder import ForwardPolicy, batch_update_id, combine
+from coordinator.relay.service import RelayConfig
+from protocol.client import CoordinatorClient
+from protocol.integrity import DIGEST_HEADER, digest_header
+from protocol.schemas import UPDATE_HEADER
+from protocol.tensors import dumps, manifest_of
+from tests.helpers import FINGERPRINT, expert_spec, make_adapter, random_like
+
+
+@pytest.fixture
+def root(tmp_path):
+    app = create_app(CoordinatorConfig(data_dir=tmp_path / "root", gateway_interval=0))
+    server = make_server("127.0.0.1", 0, app, threaded=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}"
+    admin = CoordinatorClient(url, token=app.extensions["fedmoe_auth"].admin_token)
+    admin.create_expert("e1", make_adapter(), expert_spec())
+    yield url, (tmp_path / "root" / "join_token").read_text().strip()
+    server.shutdown()
+    server.server_close()
+    app.extensions["fedmoe"].close()
+
+
+@pytest.fixture
+def relay(root, tmp_path):
+    url, join = root
+    app = create_relay_app(RelayConfig(upstream=url, join_token=join, relay_id="r1",
+                                       coordinator=CoordinatorConfig(data_dir=tmp_path / "relay"),
+                                       forward=ForwardPolicy(interval=3600)))
+    app.extensions["fedmoe"].join_upstream()
+    yield app, join
+    app.extensions["fedmoe"].close()
+
+
+def register(app, join, worker_id="w1", fingerprint=FINGERPRINT):
+    return app.test_client(token=join).post("/api/v1/workers", json={
+        "worker_id": worker_id, "specialty": "e1", "base_model": {"id": "m", "fingerprint": fingerprint}})
+
+
+def push(app, token, body, update_id="u1", expert="e1", **meta):
+    meta = {"update_id": update_id, "base_version": 0, "num_samples": 5, **meta}
+    return app.test_client(token=token).post(f"/api/v1/experts/{expert}/updates", data=body, headers={
+        UPDATE_HEADER: json.dumps(meta), DIGEST_HEADER: digest_header(body)})
+
+
+def test_workers_of_another_base_model_are_refused_with_409(relay):
+    app, join = relay
+    r = register(app, join, fingerprint="12" * 32)
+    assert r.status_code == 409 and "same --base-model" in r.json["error"]["message"]
+    assert register(app, join).status_code == 200
+
+
+def test_bad_pushes_are_4xx_and_leave_nothing_queued(relay):
+    app, join = relay
+    token = register(app, join).json["token"]
+    good = dumps(random_like(make_adapter(), 1))
+    assert push(app, token, good, expert="e2").status_code == 403  # its token is for e1
+    nan = random_like(make_adapter(), 2)
+    next(iter(nan.values()))[0, 0] = float("nan")
+    assert push(app, token, dumps(nan), update_id="nan").status_code in (400, 422)
+    wrong_shape = {k: torch.zeros(1) for k in make_adapter()}
+    assert push(app, token, dumps(wrong_shape), update_id="shape").status_code in (400, 422)
+    bad_digest = app.test_client(token=token).post("/api/v1/experts/e1/updates", data=good, headers={
+        UPDATE_HEADER: json.dumps({"update_id": "d", "base_version": 0, "num_samples": 1}),
+        DIGEST_HEADER: "sha256=" + "0" * 64})
+    assert bad_digest.status_code == 400
+    assert app.extensions["fedmoe"].store.stats()["queued_updates"] == 0
+    assert push(app, token, good).status_code == 202
+    assert push(app, token, good).status_code == 200  # a retry
+    other = dumps(random_like(make_adapter(), 3))
+    assert push(app, token, other).status_code == 409  # same id, other bytes
+    assert app.extensions["fedmoe"].store.stats()["queued_updates"] == 1
+    assert app.test_client(token=token).post("/api/v1/forward").status_code == 403  # admin only
+
+
+def test_combine_is_fedbuffs_staleness_weighted_mean_and_ids_are_deterministic():
+    adapter = make_adapter()
+    manifest = manifest_of(adapter)
+    d1, d2 = random_like(adapter, 1), random_like(adapter, 2)
+    metas = [{"num_samples": 10, "base_version": 4}, {"num_samples": 30, "base_version": 2}]
+    out = combine(list(zip(metas, [d1, d2])), manifest, version=4, staleness_decay=0.5)
+    for k in adapter:  # weights (n_i / N) / (1 + 0.5 * staleness): 0.25 * 1 and 0.75 / 2
+        assert torch.allclose(out[k], 0.25 * d1[k] + 0.375 * d2[k])
+    assert batch_update_id("r1", "ab12", "e1", 7) == "r1.ab12.e1.7"
+    long = batch_update_id("r" * 64, "ab12", "e" * 64, 7)
+    assert len(long) <= 128 and long == batch_update_id("r" * 64, "ab12", "e" * 64, 7)
