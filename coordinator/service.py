@@ -23,14 +23,14 @@ from typing import Any
 
 import numpy as np
 
-from coordinator.adapters import (check_full_weights, check_lora_adapter, check_update, non_finite_tensor,
-                                  stored_deltas)
-from coordinator.aggregation import AGGREGATORS, AggregationParams, StateDict, Update, l2_norm, robust_aggregator
+from coordinator.adapters import check_full_weights, check_lora_adapter, non_finite_tensor, stored_deltas
+from coordinator.aggregation import AGGREGATORS, AggregationParams, StateDict, Update, robust_aggregator
 from coordinator import audit
 from coordinator.audit import Event
 from coordinator.blobs import BlobStore, is_storage_full, storage_errors
 from coordinator.config import CoordinatorConfig
 from coordinator.diffs import DiffCache
+from coordinator.fused_check import checked_norm
 from coordinator.gateway_builder import GatewayBuilder
 from coordinator.norm_check import NormVerdict, judge_norm
 from coordinator.recovery import quarantine_updates, recover
@@ -40,6 +40,7 @@ from gateway.router import route as route_prompt
 from protocol.errors import (BadRequest, Conflict, FedMoEError, InsufficientStorage, InvalidPayload, InvalidUpdate,
                              NotFound)
 from protocol.files import private_dir, private_file
+from protocol.integrity import algorithm_of
 from protocol.schemas import MAX_COUNT, BaseModelSpec, ExpertSpec, UpdateMeta, check_name
 from protocol.tensors import load_file, manifest_from_json, manifest_to_json, save_file
 
@@ -207,20 +208,20 @@ class Coordinator:
             body_digest = self.blobs.digest_of(body)
             known = self.db.update(meta.update_id)
             if known is not None:
-                return self._seen_before(known, name, meta, body_digest), False
+                return self._seen_before(known, name, meta, body_digest, body), False
             if meta.base_version > expert.version:
                 raise Conflict(f"base_version {meta.base_version} is ahead of expert {name!r}, "
                                f"which is at version {expert.version}")
             manifest = manifest_from_json(expert.manifest)
-            # Raw bodies come back as a per-tensor view of the file (a second read, bounded memory);
-            # compressed ones decoded once. Either way the decoded update is dropped before we wait
-            # for the expert's lock, and read again from the body when its step is computed.
-            norm = l2_norm(check_update(body, meta.codec, meta.codec_config, manifest))
+            # int8 bodies are checked and measured from their codes (coordinator/fused_check.py); others are
+            # decoded tensor by tensor. Either way nothing decoded is kept while we wait for the expert's
+            # lock: the step reads the body again when it is computed.
+            norm = checked_norm(body, meta.codec, meta.codec_config, manifest)
             size = body.stat().st_size
             with self._lock(name):
                 known = self.db.update(meta.update_id)  # a concurrent retry may have won
                 if known is not None:
-                    return self._seen_before(known, name, meta, body_digest), False
+                    return self._seen_before(known, name, meta, body_digest, body), False
                 verdict = judge_norm(norm, self.db.recent_norms(name, self.config.norm_history),
                                      self.config.norm_policy)  # InvalidUpdate (422) in reject mode
                 stored = meta.to_json() | ({"norm_scale": verdict.scale} if verdict.clipped else {})
@@ -276,9 +277,12 @@ class Coordinator:
                           staleness=max(0, expert.version - meta["base_version"])) for meta, path in entries]
         return self._aggregate_fn(current, updates, self.params), updates
 
-    def _seen_before(self, known: UpdateRow, name: str, meta: UpdateMeta, body_digest: str) -> dict[str, Any]:
+    def _seen_before(self, known: UpdateRow, name: str, meta: UpdateMeta, body_digest: str,
+                     body: Path) -> dict[str, Any]:
         if known.expert != name:
             raise Conflict(f"update_id {known.update_id!r} was already used for expert {known.expert!r}")
+        if known.body_sha256 is not None and algorithm_of(known.body_sha256) != algorithm_of(body_digest):
+            body_digest = self.blobs.digest_of(body, algorithm_of(known.body_sha256))  # sent before 0.7
         if known.body_sha256 is not None and known.body_sha256 != body_digest:
             raise Conflict(f"update_id {known.update_id!r} was already used for a different body; a retry "
                            "must resend the same bytes, and a new update needs a new update_id",
