@@ -17,12 +17,13 @@ from werkzeug.exceptions import ClientDisconnected, HTTPException
 from coordinator.audit import rejection_event
 from coordinator.auth import acting_worker, authenticator, check_may_register, issue_token, principal
 from coordinator.blobs import storage_errors
+from coordinator.front import SPOOLED_BODY
 from coordinator.openapi import OPENAPI
 from coordinator.service import Coordinator
 from coordinator.tokens import WORKER
 from gateway.files import npz_bytes
 from protocol.errors import BadRequest, Conflict, FedMoEError, PayloadTooLarge, RequestTimeout, Unavailable
-from protocol.integrity import DIGEST_HEADER, ClientReader, parse_digest
+from protocol.integrity import DEFAULT_ALGORITHM, DIGEST_HEADER, ClientReader, algorithm_of, hex_of, parse_digest
 from protocol.schemas import (API_PREFIX, EXPERT_HEADER, UPDATE_HEADER, VERSION_HEADER, WORKER_HEADER,
                               BaseModelSpec, ExpertSpec, UpdateMeta, check_name, is_finite_number, loads_json,
                               parse_header_json)
@@ -59,7 +60,8 @@ def receive_body() -> Path:
     """Stream the request body into a fsynced temp file, enforcing the size limit up front.
 
     With an X-FedMoE-Digest header (our workers always send one; worker tokens must) the body is
-    hashed on the way and a mismatch is a 400 that leaves nothing behind.
+    hashed on the way and a mismatch is a 400 that leaves nothing behind. A large body the front
+    already spooled into the blob store's temp dir (hashing it as it arrived) is taken as it is.
     """
     c = coordinator()
     limit = c.config.max_body_bytes
@@ -68,20 +70,26 @@ def receive_body() -> Path:
                               "(coordinator flag --max-body-mb)", limit=limit)
     header = request.headers.get(DIGEST_HEADER)
     if header is None and principal().role == WORKER:
-        raise BadRequest(f"a worker's upload must carry {DIGEST_HEADER}: sha256=<hex digest of the body>")
+        raise BadRequest(f"a worker's upload must carry {DIGEST_HEADER}: blake3=<hex digest of the body>")
     expected = parse_digest(header) if header is not None else None
+    algorithm = algorithm_of(expected) if expected else DEFAULT_ALGORITHM
     try:
         with storage_errors("receive the request body"):
-            if request.content_length is None:  # chunked: let werkzeug find the end
-                body = c.blobs.receive(ClientReader(request.stream), limit)
+            spooled = request.environ.get(SPOOLED_BODY)
+            if spooled is not None and spooled.size <= limit and algorithm_of(spooled.digest) == algorithm:
+                body = c.blobs.take_spooled(spooled.path, spooled.digest)
+                spooled.taken = True
+            elif request.content_length is None:  # chunked: let werkzeug find the end
+                body = c.blobs.receive(ClientReader(request.stream), limit, algorithm=algorithm)
             else:  # the raw input: werkzeug's wrapper would copy every chunk twice more
-                body = c.blobs.receive(ClientReader(request.environ["wsgi.input"]), limit, request.content_length)
+                body = c.blobs.receive(ClientReader(request.environ["wsgi.input"]), limit, request.content_length,
+                                       algorithm=algorithm)
     except ClientDisconnected:  # a read that failed: stalled past --socket-timeout, or gone
         raise RequestTimeout("the request body stopped arriving before its Content-Length; send it again") from None
-    if expected is not None and (actual := c.blobs.digest_of(body)) != expected:
+    if expected is not None and (actual := c.blobs.digest_of(body, algorithm)) != expected:
         c.blobs.forget(body)
-        raise BadRequest(f"body does not match its {DIGEST_HEADER} (sha256 {actual[:16]}... "
-                         f"!= {expected[:16]}...); it was damaged on the way, send it again")
+        raise BadRequest(f"body does not match its {DIGEST_HEADER} ({algorithm} {hex_of(actual)[:16]}... "
+                         f"!= {hex_of(expected)[:16]}...); it was damaged on the way, send it again")
     return body
 
 

@@ -36,9 +36,9 @@ import requests
 import urllib3
 
 from protocol.credentials import resolve_token, store_worker_token, stored_worker_token
-from protocol.errors import (FedMoEError, Forbidden, TLSFailure, TooManyRequests, Unauthorized, Unavailable,
+from protocol.errors import (BadRequest, FedMoEError, Forbidden, TLSFailure, TooManyRequests, Unauthorized, Unavailable,
                              error_from_response)
-from protocol.integrity import DIGEST_HEADER, digest_header
+from protocol.integrity import DEFAULT_ALGORITHM, DIGEST_HEADER, digest_header, is_old_server_refusal
 from protocol.resume import can_resume, resumable_body
 from protocol.schemas import API_PREFIX, EXPERT_HEADER, UPDATE_HEADER, VERSION_HEADER, WORKER_HEADER
 from protocol.streaming import tensors_from_buffer
@@ -94,6 +94,7 @@ class CoordinatorClient:
         self._worker_tokens: dict[str, tuple[str, str]] = {}  # worker_id -> (token, specialty)
         self._expert_tokens: dict[str, tuple[str, str]] = {}  # specialty -> its latest (token, worker_id)
         self._registrations: dict[str, dict[str, Any]] = {}  # worker_id -> body, to renew its token
+        self.digest_algorithm = DEFAULT_ALGORITHM  # sha256 once a coordinator older than 0.7 refused blake3
 
     def close(self) -> None:
         self.session.close()
@@ -249,8 +250,20 @@ class CoordinatorClient:
     def create_expert(self, name: str, adapter: StateDict, spec: dict[str, Any]) -> dict[str, Any]:
         """Create the expert, or get it if it exists with the same setup (409 if not)."""
         body = dumps(adapter)
-        return self._json("PUT", f"/experts/{name}", data=Chunks(body), expert=name,
-                          headers={EXPERT_HEADER: json.dumps(spec), DIGEST_HEADER: digest_header(body)})
+        return self._upload("PUT", f"/experts/{name}", body, expert=name, headers={EXPERT_HEADER: json.dumps(spec)})
+
+    def _upload(self, method: str, path: str, body: bytes, headers: dict[str, str], **kwargs: Any) -> Any:
+        """Send a body with its digest; against a coordinator older than 0.7 (sha256 only), once more in SHA-256."""
+        for _ in range(2):
+            try:
+                return self._json(method, path, data=Chunks(body), **kwargs,
+                                  headers=headers | {DIGEST_HEADER: digest_header(body, self.digest_algorithm)})
+            except BadRequest as exc:
+                if self.digest_algorithm == "sha256" or not is_old_server_refusal(str(exc)):
+                    raise
+                log.info("%s takes SHA-256 body digests only (before 0.7); using SHA-256", self.base_url)
+                self.digest_algorithm = "sha256"
+        raise AssertionError("unreachable")
 
     def pull_weights(self, name: str, etag: str | None = None, version: int | None = None,
                      worker_id: str | None = None) -> Pulled:
@@ -286,10 +299,8 @@ class CoordinatorClient:
         return (b"" if r.status_code == 304 else r.content), int(r.headers.get(VERSION_HEADER, -1))
 
     def push_update(self, name: str, body: bytes, meta: dict[str, Any]) -> dict[str, Any]:
-        return self._json("POST", f"/experts/{name}/updates", data=Chunks(body), worker=meta.get("worker_id"),
-                          expert=name, headers={UPDATE_HEADER: json.dumps(meta),
-                                                "Content-Type": "application/octet-stream",
-                                                DIGEST_HEADER: digest_header(body)})
+        return self._upload("POST", f"/experts/{name}/updates", body, worker=meta.get("worker_id"), expert=name,
+                            headers={UPDATE_HEADER: json.dumps(meta), "Content-Type": "application/octet-stream"})
 
     def update_status(self, update_id: str) -> dict[str, Any]:
         return self._json("GET", f"/updates/{update_id}")
