@@ -22,24 +22,12 @@ from pathlib import Path
 import numpy as np
 
 from compression import wire
-from coordinator.adapters import check_update
-from coordinator.aggregation import l2_norm
 from compression.codecs.blockwise import SCALE_FORMATS, BlockwiseConfig
 from compression.errors import CompressionError
 from protocol.tensors import Manifest
 
 FUSED_CODECS = ("int8",)
 _FP32_MAX = float(np.finfo(np.float32).max)
-
-
-def checked_norm(path: Path, codec: str, codec_config: dict, manifest: Manifest) -> float:
-    """Refuse (4xx) an update body that does not fit the expert, else return its L2 norm."""
-    config = int8_config(codec, codec_config)
-    if config is not None:
-        norm = int8_update_norm(path, config, manifest)
-        if norm is not None:
-            return norm
-    return l2_norm(check_update(path, codec, codec_config, manifest))
 
 
 def int8_config(codec: str, codec_config: dict) -> BlockwiseConfig | None:
@@ -101,3 +89,23 @@ def _norm(scales: np.ndarray, codes: np.ndarray, block: int) -> float | None:
     s64 = scales.astype(np.float64)
     norm = math.sqrt(float(np.dot(s64 * s64, per_block.astype(np.float64))))
     return norm if math.isfinite(norm) else None
+
+
+def int8_decode(payload: memoryview, numel: int, config: BlockwiseConfig) -> np.ndarray | None:
+    """One tensor's values (float32, ``numel``), exactly as the int8 codec decodes them (code * scale of its
+    block, in float32), in one pass; None if the payload is not clean (the caller then decodes it the
+    generic way, which raises the right error). Finiteness follows from the scale check, not a pass."""
+    scale_dtype = np.dtype(SCALE_FORMATS[config.scale_dtype][0])
+    parts = _int8_parts(payload, numel, config.block_size, scale_dtype)
+    if parts is None:
+        return None
+    scales, codes = parts
+    if numel == 0:
+        return np.zeros(0, dtype=np.float32)
+    if not (np.isfinite(scales).all() and (scales >= 0).all()) or codes.min() < -127:
+        return None
+    if float(scales.max()) * 127.0 > _FP32_MAX:
+        return None
+    out = np.empty(codes.size, dtype=np.float32)
+    np.multiply(codes.reshape(-1, config.block_size), scales[:, None], out=out.reshape(-1, config.block_size))
+    return out[:numel]

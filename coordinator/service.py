@@ -23,14 +23,13 @@ from typing import Any
 
 import numpy as np
 
-from coordinator.adapters import check_full_weights, check_lora_adapter, non_finite_tensor, stored_deltas
+from coordinator.adapters import check_full_weights, check_lora_adapter, checked_norm, non_finite_tensor, stored_deltas
 from coordinator.aggregation import AGGREGATORS, AggregationParams, StateDict, Update, robust_aggregator
 from coordinator import audit
 from coordinator.audit import Event
 from coordinator.blobs import BlobStore, is_storage_full, storage_errors
 from coordinator.config import CoordinatorConfig
 from coordinator.diffs import DiffCache
-from coordinator.fused_check import checked_norm
 from coordinator.gateway_builder import GatewayBuilder
 from coordinator.norm_check import NormVerdict, judge_norm
 from coordinator.recovery import quarantine_updates, recover

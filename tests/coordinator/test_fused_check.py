@@ -8,9 +8,9 @@ import torch
 
 from compression import make_codec
 from compression.wire import encode_update
-from coordinator.adapters import check_update
+from coordinator.adapters import check_update, checked_norm, stored_deltas
 from coordinator.aggregation import l2_norm
-from coordinator.fused_check import checked_norm, int8_config, int8_update_norm
+from coordinator.fused_check import int8_config, int8_update_norm
 from protocol.errors import FedMoEError
 
 MANIFEST = sorted([("a.lora_A.weight", (8, 96)), ("a.lora_B.weight", (100, 8)), ("b.weight", (3, 7))])
@@ -86,3 +86,24 @@ def test_decoder_still_refuses_out_of_range_codes():
     with pytest.raises(Exception, match="outside"):
         codec.decode(payload, 3)
     assert codec.decode(np.float32(0.5).tobytes() + bytes([1, 2, 0xFF]), 3).tolist() == [0.5, 1.0, -0.5]
+
+
+@pytest.mark.parametrize("config", [{}, {"block_size": 48, "scale_dtype": "fp16"}])
+def test_stored_int8_deltas_decode_exactly_as_the_codec(tmp_path, config):
+    path, _ = body(tmp_path, config)
+    fast = stored_deltas(path, "int8", config, MANIFEST)
+    generic = check_update(path, "int8", config, MANIFEST)  # the codec's own decode
+    assert fast.int8 is not None
+    for name, shape in MANIFEST:
+        assert fast[name].shape == shape and fast[name].dtype == torch.float32
+        assert torch.equal(fast[name], generic[name])
+
+
+def test_a_stored_body_that_is_not_clean_still_raises(tmp_path):
+    path, _ = body(tmp_path)
+    data = bytearray(path.read_bytes())
+    data[_codes_start(path)] = 0x80
+    path.write_bytes(bytes(data))
+    deltas = stored_deltas(path, "int8", {}, MANIFEST)
+    with pytest.raises(FedMoEError, match="outside"):
+        deltas["b.weight"]
