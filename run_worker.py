@@ -266,8 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         _check_address_and_files(args)
     except ValueError as exc:
         return report_error(args, exc)
-    from worker.data import DatasetError
-    from worker.models import ModelLoadError
+    from worker.errors import WorkerError
     from worker.runner import run_worker
 
     # peft asks transformers for is_gradient_checkpointing; the deprecation notice is not the user's to act on.
@@ -275,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     previous = _stop_on_sigterm()
     try:
         run_worker(build_config(args))
-    except (ValueError, DatasetError, ModelLoadError, FedMoEError) as exc:
+    except (ValueError, WorkerError, FedMoEError) as exc:
         return report_error(args, exc)
     except KeyboardInterrupt:  # before training started: nothing to push
         return 130

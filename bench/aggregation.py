@@ -89,9 +89,7 @@ def coordinator_step_seconds(rule: str, size_mb: int, k: int, repeats: int) -> f
 
 
 def write(c: Coordinator, tensors: dict[str, torch.Tensor]) -> Path:
-    path = c.blobs.new_temp()
-    save_file(tensors, path)
-    return path
+    return c.store.write_temp(lambda path: save_file(tensors, path))
 
 
 def measure(size_mb: int, repeats: int) -> dict[str, Any]:

@@ -9,11 +9,11 @@ import torch
 
 from compression import Codec, wire
 from compression.codecs.blockwise import BlockwiseConfig
-from compression.errors import CompressionError
+from compression.errors import CompressionError, PayloadError
 from compression.registry import make_codec
 from coordinator.aggregation import l2_norm
 from coordinator.fused_check import int8_config, int8_decode, int8_update_norm
-from protocol.errors import BadRequest, InvalidPayload, InvalidUpdate
+from protocol.errors import BadRequest, InvalidUpdate
 from protocol.schemas import RAW_CODEC, FullSpec, LoraSpec
 from protocol.streaming import FileTensors, check_file, read_header
 from protocol.tensors import Manifest, StateDict, check_against_manifest, manifest_of
@@ -81,7 +81,7 @@ def check_update(path: Path, codec: str, codec_config: dict, manifest: Manifest)
         _check_raw_config(codec_config)
         check_file(path, manifest)
         return FileTensors(path)
-    return CompressedUpdate(path, make_codec_or_400(codec, codec_config), codec, manifest)
+    return CompressedUpdate(path, make_checked_codec(codec, codec_config), codec, manifest)
 
 
 def checked_norm(path: Path, codec: str, codec_config: dict, manifest: Manifest) -> float:
@@ -98,12 +98,15 @@ def stored_deltas(path: Path, codec: str, codec_config: dict, manifest: Manifest
     """An accepted update's deltas for aggregation, read (and decoded) tensor by tensor from the blob."""
     if codec == RAW_CODEC:
         return FileTensors(path)
-    return CompressedUpdate(path, make_codec_or_400(codec, codec_config), codec, manifest,
+    return CompressedUpdate(path, make_checked_codec(codec, codec_config), codec, manifest,
                             int8=int8_config(codec, codec_config))
 
 
 class CompressedUpdate(Mapping[str, torch.Tensor]):
-    """A compressed update stored in a file, each tensor decoded (and checked) only when asked for."""
+    """A compressed update stored in a file, each tensor decoded (and checked) only when asked for.
+
+    Any decoding failure is a PayloadError naming the codec (an HTTP 400 invalid_payload).
+    """
 
     def __init__(self, path: Path, decoder: Codec, codec: str, manifest: Manifest,
                  int8: BlockwiseConfig | None = None) -> None:
@@ -143,8 +146,8 @@ class CompressedUpdate(Mapping[str, torch.Tensor]):
     def __len__(self) -> int:
         return len(self.spans)
 
-    def _invalid(self, exc: Exception) -> InvalidPayload:
-        return InvalidPayload(f"update body is not a valid {self.codec!r} payload for this expert: {exc}")
+    def _invalid(self, exc: Exception) -> PayloadError:
+        return PayloadError(f"update body is not a valid {self.codec!r} payload for this expert: {exc}")
 
 
 def _check_raw_config(codec_config: dict) -> None:
@@ -152,11 +155,12 @@ def _check_raw_config(codec_config: dict) -> None:
         raise BadRequest(f"codec {RAW_CODEC!r} takes no codec_config, got {codec_config!r}")
 
 
-def make_codec_or_400(codec: str, codec_config: dict) -> Codec:
+def make_checked_codec(codec: str, codec_config: dict) -> Codec:
+    """The codec a request names; a CompressionError (HTTP 400) that also names the raw alternative."""
     try:
         return make_codec(codec, codec_config)
     except CompressionError as exc:
-        raise BadRequest(f"codec {codec!r}: {exc} (or {RAW_CODEC!r} for uncompressed tensors)") from None
+        raise CompressionError(f"codec {codec!r}: {exc} (or {RAW_CODEC!r} for uncompressed tensors)") from None
 
 
 

@@ -13,21 +13,22 @@ from typing import Any
 
 from flask import Blueprint, Response, current_app, g, jsonify, request, send_file
 from werkzeug.exceptions import ClientDisconnected, HTTPException
+from werkzeug.exceptions import NotFound as NoRoute
 
 from coordinator.audit import rejection_event
 from coordinator.auth import acting_worker, authenticator, check_may_register, issue_token, principal
-from coordinator.blobs import storage_errors
+from coordinator.errors import REFUSALS, as_http_error
 from coordinator.front import SPOOLED_BODY
 from coordinator.openapi import OPENAPI
 from coordinator.service import Coordinator
 from coordinator.tokens import WORKER
 from gateway.files import npz_bytes
 from protocol.errors import BadRequest, Conflict, FedMoEError, PayloadTooLarge, RequestTimeout, Unavailable
-from protocol.integrity import DEFAULT_ALGORITHM, DIGEST_HEADER, ClientReader, algorithm_of, hex_of, parse_digest
+from protocol.integrity import DIGEST_HEADER, ClientReader, parse_digest
 from protocol.schemas import (API_PREFIX, EXPERT_HEADER, UPDATE_HEADER, VERSION_HEADER, WORKER_HEADER,
                               BaseModelSpec, ExpertSpec, UpdateMeta, check_name, is_finite_number, loads_json,
                               parse_header_json)
-from protocol.tensors import load_file
+from protocol.tensors import StateDict, load_file, loads
 
 bp = Blueprint("api", __name__, url_prefix=API_PREFIX)
 
@@ -64,38 +65,23 @@ def receive_body() -> Path:
     already spooled into the blob store's temp dir (hashing it as it arrived) is taken as it is.
     """
     c = coordinator()
-    limit = c.config.max_body_bytes
-    if request.content_length is not None and request.content_length > limit:
-        raise PayloadTooLarge(f"body of {request.content_length} bytes is over the limit of {limit} bytes "
-                              "(coordinator flag --max-body-mb)", limit=limit)
+    c.check_body_size(request.content_length)  # 413 before anything is read
     header = request.headers.get(DIGEST_HEADER)
     if header is None and principal().role == WORKER:
         raise BadRequest(f"a worker's upload must carry {DIGEST_HEADER}: blake3=<hex digest of the body>")
     expected = parse_digest(header) if header is not None else None
-    algorithm = algorithm_of(expected) if expected else DEFAULT_ALGORITHM
+    # chunked: let werkzeug find the end; else the raw input (werkzeug's wrapper would copy every chunk twice more)
+    stream = request.stream if request.content_length is None else request.environ["wsgi.input"]
     try:
-        with storage_errors("receive the request body"):
-            spooled = request.environ.get(SPOOLED_BODY)
-            if spooled is not None and spooled.size <= limit and algorithm_of(spooled.digest) == algorithm:
-                body = c.blobs.take_spooled(spooled.path, spooled.digest)
-                spooled.taken = True
-            elif request.content_length is None:  # chunked: let werkzeug find the end
-                body = c.blobs.receive(ClientReader(request.stream), limit, algorithm=algorithm)
-            else:  # the raw input: werkzeug's wrapper would copy every chunk twice more
-                body = c.blobs.receive(ClientReader(request.environ["wsgi.input"]), limit, request.content_length,
-                                       algorithm=algorithm)
+        return c.receive_body(ClientReader(stream), request.content_length, expected,
+                              request.environ.get(SPOOLED_BODY))
     except ClientDisconnected:  # a read that failed: stalled past --socket-timeout, or gone
         raise RequestTimeout("the request body stopped arriving before its Content-Length; send it again") from None
-    if expected is not None and (actual := c.blobs.digest_of(body, algorithm)) != expected:
-        c.blobs.forget(body)
-        raise BadRequest(f"body does not match its {DIGEST_HEADER} ({algorithm} {hex_of(actual)[:16]}... "
-                         f"!= {hex_of(expected)[:16]}...); it was damaged on the way, send it again")
-    return body
 
 
 @bp.get("/health")
 def health() -> Response:
-    return jsonify({"status": "ok", "experts": len(coordinator().db.experts())})
+    return jsonify({"status": "ok", "experts": coordinator().expert_count()})
 
 
 @bp.post("/workers")
@@ -116,6 +102,16 @@ def register_worker() -> tuple[Response, int]:
 def heartbeat(worker_id: str) -> Response:
     coordinator().heartbeat(worker_id)
     return jsonify({"worker_id": worker_id, "status": "ok"})
+
+
+@bp.delete("/workers/<worker_id>")
+def revoke_worker(worker_id: str) -> Response:
+    """Revoke a worker's tokens; it cannot register again under this id. There are none with auth off."""
+    auth = authenticator()
+    if auth is None:
+        raise NoRoute()
+    known = any(w["worker_id"] == worker_id for w in coordinator().list_workers())
+    return jsonify(auth.tokens.revoke(worker_id, known))
 
 
 @bp.get("/workers")
@@ -155,9 +151,7 @@ def expert_weights(name: str) -> Response:
     for attempt in range(3):  # a version pruned between the lookup and the open is looked up again
         ref = c.weights(name, _int_arg("version"))
         try:
-            response = send_file(ref.path, mimetype="application/octet-stream", etag=ref.digest,
-                                 conditional=True, download_name=f"{name}-v{ref.version}.safetensors",
-                                 max_age=0)
+            response = _send_blob(c, ref.digest, f"{name}-v{ref.version}.safetensors")
             break
         except FileNotFoundError:
             if attempt == 2:
@@ -199,8 +193,8 @@ def push_update(name: str) -> tuple[Response, int]:
         meta = replace(meta, worker_id=acting_worker(meta.worker_id, f"worker_id in {UPDATE_HEADER}"))
         c.require_expert(name)  # 404 before reading a body we would throw away
         status, is_new = c.submit_update(name, meta, receive_body())
-    except (FedMoEError, HTTPException) as exc:  # every refused push goes to the audit log
-        _record_rejection(c, name, exc)
+    except (*REFUSALS, HTTPException) as exc:  # every refused push goes to the audit log
+        _record_rejection(c, name, exc if isinstance(exc, HTTPException) else as_http_error(exc))
         raise
     return jsonify(status), 202 if is_new else 200
 
@@ -274,13 +268,11 @@ def gateway_weights() -> Response:
     for attempt in range(3):  # a build may prune the gateway just looked up: look it up again
         info = c.gateway.current(fresh=fresh)
         try:
-            if fmt == "safetensors":  # a path, not an open file: send_file then knows the size and honours Range
-                response = send_file(c.blobs.path(info["blob"]), mimetype="application/octet-stream",
-                                     etag=info["blob"], conditional=True, download_name="gateway.safetensors",
-                                     max_age=0)
+            if fmt == "safetensors":
+                response = _send_blob(c, info["blob"], "gateway.safetensors")
             else:
                 public = {k: v for k, v in info.items() if k != "blob"}
-                response = Response(npz_bytes(load_file(c.blobs.path(info["blob"])), public),
+                response = Response(npz_bytes(_blob_tensors(c, info["blob"]), public),
                                     mimetype="application/octet-stream")
                 response.headers["Content-Disposition"] = "attachment; filename=gateway.npz"
             break
@@ -298,6 +290,26 @@ def _fresh() -> bool:
     if value not in ("0", "1"):
         raise BadRequest(f"fresh must be 0 or 1, got {value!r}")
     return value == "1"
+
+
+def _send_blob(c: Coordinator, digest: str, download_name: str) -> Response:
+    """A stored blob as the response body, ETag its digest; Range and If-None-Match honoured.
+
+    A local file goes by path (send_file then knows its size and can use sendfile); FileNotFoundError
+    if the blob was pruned meanwhile.
+    """
+    path = c.local_path(digest)
+    return send_file(path if path is not None else c.open_blob(digest), mimetype="application/octet-stream",
+                     etag=digest, conditional=True, download_name=download_name, max_age=0)
+
+
+def _blob_tensors(c: Coordinator, digest: str) -> StateDict:
+    """A stored blob's tensors (memory-mapped when local); FileNotFoundError if it was pruned meanwhile."""
+    path = c.local_path(digest)
+    if path is not None:
+        return load_file(path)
+    with c.open_blob(digest) as f:
+        return loads(f.read())
 
 
 @bp.get("/openapi.json")

@@ -15,6 +15,7 @@ from coordinator import auth
 from coordinator.api import bp as api_bp
 from coordinator.blobs import is_storage_full
 from coordinator.config import CoordinatorConfig
+from coordinator.errors import DOMAIN_ROOTS, as_http_error
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.service import Coordinator
 from protocol.errors import FedMoEError, InsufficientStorage
@@ -33,7 +34,7 @@ def create_app(config: CoordinatorConfig | None = None) -> Flask:
     app.extensions["fedmoe"] = coordinator
     app.register_blueprint(api_bp)
     _log_requests_at_debug(app)  # before auth's hook, so refused requests are timed and logged too
-    auth.install(app, config)
+    auth.install(app, config, coordinator.record_event)
     metrics = CoordinatorMetrics(coordinator)
     coordinator.on_aggregated = metrics.aggregation.observe
     metrics.install(app)
@@ -91,6 +92,9 @@ def _register_error_handlers(app: Flask) -> None:
         if "retry_after" in exc.details:  # 503 while the first gateway builds
             response.headers["Retry-After"] = str(exc.details["retry_after"])
         return response, exc.status
+
+    for root in DOMAIN_ROOTS:  # compression, gateway and router errors: coordinator.errors maps them
+        app.register_error_handler(root, lambda exc: domain_error(as_http_error(exc)))
 
     @app.errorhandler(HTTPException)
     def http_error(exc: HTTPException) -> tuple[Response, int]:

@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable
 from typing import Any
 
-from flask import Blueprint, Flask, Response, current_app, g, jsonify, request
+from flask import Flask, Response, current_app, g, jsonify, request
 from flask.testing import FlaskClient
 
 from coordinator.audit import Event, refusal_event, rejection_event
@@ -35,7 +36,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.ratelimit import RateLimiter
 from coordinator.tokens import ADMIN, JOIN, WORKER, Principal, TokenStore
 from protocol.errors import FedMoEError, Forbidden, TooManyRequests, Unauthorized
-from protocol.schemas import API_PREFIX, UPDATE_HEADER, WORKER_HEADER
+from protocol.schemas import UPDATE_HEADER, WORKER_HEADER
 
 PUBLIC, JOIN_ONLY, READ, EXPERT, SELF, ADMIN_ONLY = "public", "join", "read", "expert", "self", "admin"
 RULES: dict[str, str] = {
@@ -46,11 +47,9 @@ RULES: dict[str, str] = {
     "api.create_expert": EXPERT, "api.expert_weights": EXPERT, "api.push_update": EXPERT,
     "api.put_profile": EXPERT,
     "api.heartbeat": SELF,
-    "api.gateway_weights": ADMIN_ONLY, "auth.revoke_worker": ADMIN_ONLY,
+    "api.gateway_weights": ADMIN_ONLY, "api.revoke_worker": ADMIN_ONLY,
 }
 ADMIN_PRINCIPAL = Principal(ADMIN)
-
-bp = Blueprint("auth", __name__, url_prefix=API_PREFIX)
 
 
 REFUSALS_LOGGED_PER_CALLER = 6.0
@@ -62,15 +61,14 @@ REFUSALS_LOGGED = 120.0
 class RefusalLog:
     """Writes refusals to the audit log, at most so many a minute per caller and overall."""
 
-    def __init__(self) -> None:
+    def __init__(self, record_event: Callable[[Event], None]) -> None:
+        self._record_event = record_event
         self.per_caller = RateLimiter(REFUSALS_LOGGED_PER_CALLER)
         self.overall = RateLimiter(REFUSALS_LOGGED)
         self._unlogged: dict[str, int] = {}  # caller -> refusals not written since its last row
         self._lock = threading.Lock()
 
     def record(self, caller_key: str, event: Event) -> None:
-        from coordinator.api import coordinator
-
         with self._lock:
             if len(self._unlogged) > 10_000:  # keys include client addresses: keep the table bounded
                 self._unlogged.clear()
@@ -80,14 +78,15 @@ class RefusalLog:
             skipped = self._unlogged.pop(caller_key, 0)
         if skipped:
             event.detail["not_logged_before"] = skipped
-        coordinator().record_event(event)
+        self._record_event(event)
 
 
 class Authenticator:
-    def __init__(self, config: CoordinatorConfig) -> None:
+    def __init__(self, config: CoordinatorConfig, record_event: Callable[[Event], None]) -> None:
+        """``record_event`` writes an audit row (``Coordinator.record_event``): refusals go there."""
         self.tokens = TokenStore(config.data_dir, config.admin_token_file, config.token_ttl_hours * 3600)
         self.limiter = RateLimiter(config.rate_limit) if config.rate_limit else None
-        self.refusals = RefusalLog()
+        self.refusals = RefusalLog(record_event)
 
     @property
     def admin_token(self) -> str:
@@ -208,15 +207,6 @@ def issue_token(worker_id: str, specialty: str) -> dict[str, object]:
     return auth.tokens.issue(worker_id, specialty, principal()) if auth is not None else {}
 
 
-@bp.delete("/workers/<worker_id>")
-def revoke_worker(worker_id: str) -> Response:
-    """Revoke a worker's tokens; it cannot register again under this id."""
-    from coordinator.api import coordinator
-
-    known = any(w["worker_id"] == worker_id for w in coordinator().list_workers())
-    return jsonify(current_app.extensions["fedmoe_auth"].tokens.revoke(worker_id, known))
-
-
 class AdminTestClient(FlaskClient):
     """Flask's in-process test client, acting as the admin unless given ``token=`` (None: no token).
 
@@ -233,12 +223,11 @@ class AdminTestClient(FlaskClient):
             self.environ_base["HTTP_AUTHORIZATION"] = f"Bearer {token}"
 
 
-def install(app: Flask, config: CoordinatorConfig) -> None:
-    """Turn authentication on for ``app`` (unless ``config.auth`` is off)."""
+def install(app: Flask, config: CoordinatorConfig, record_event: Callable[[Event], None]) -> None:
+    """Turn authentication on for ``app`` (unless ``config.auth`` is off); refusals go to ``record_event``."""
     app.test_client_class = AdminTestClient
     if not config.auth:
         return
-    app.register_blueprint(bp)
-    auth = Authenticator(config)
+    auth = Authenticator(config, record_event)
     app.extensions["fedmoe_auth"] = auth
     app.before_request(auth.check_request)

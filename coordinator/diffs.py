@@ -11,18 +11,16 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from compression import Codec
 from compression.errors import CompressionError
 from compression.wire import encode_update
-from coordinator.adapters import make_codec_or_400
+from coordinator.adapters import make_checked_codec
+from coordinator.expert_store import ExpertStore, WeightsRef
 from protocol.errors import NotFound
 from protocol.streaming import FileTensors
-from protocol.tensors import load_file
-
-if TYPE_CHECKING:
-    from coordinator.service import Coordinator, WeightsRef
+from protocol.tensors import load_file, manifest_from_json
 
 log = logging.getLogger(__name__)
 DIFF_CACHE_BYTES = 256 << 20
@@ -31,20 +29,20 @@ ATTEMPTS = 3
 
 
 class DiffCache:
-    def __init__(self, coordinator: "Coordinator") -> None:
-        self._c = coordinator
+    def __init__(self, store: ExpertStore) -> None:
+        self._store = store
         self._diffs: dict[tuple, bytes] = {}  # (expert, since, version, codec, config) -> encoded diff
         self._compute_lock = threading.Lock()  # concurrent pulls of one diff wait: one model copy in memory, not N
         self._guard = threading.Lock()
 
     def get(self, name: str, since: int, codec: str, codec_config: dict[str, Any]) -> tuple[bytes, int]:
         """(payload, current version); the payload is empty when nothing changed since ``since``."""
-        encoder = make_codec_or_400(codec, codec_config)
+        encoder = make_checked_codec(codec, codec_config)
         for attempt in range(ATTEMPTS):
-            current = self._c.weights(name)
+            current = self._store.weights(name)
             if since == current.version:
                 return b"", current.version
-            old = self._c.weights(name, since)  # NotFound once ``since`` itself is pruned
+            old = self._store.weights(name, since)  # NotFound once ``since`` itself is pruned
             try:
                 return self._encoded(name, since, current, old, codec, codec_config, encoder), current.version
             except FileNotFoundError:
@@ -53,7 +51,7 @@ class DiffCache:
         raise NotFound(f"expert {name!r} kept changing while the difference from version {since} was computed; "
                        "pull full weights", reason="diff_unavailable")
 
-    def _encoded(self, name: str, since: int, current: "WeightsRef", old: "WeightsRef", codec: str,
+    def _encoded(self, name: str, since: int, current: WeightsRef, old: WeightsRef, codec: str,
                  codec_config: dict[str, Any], encoder: Codec) -> bytes:
         key = (name, since, current.version, codec, json.dumps(codec_config, sort_keys=True))
         with self._compute_lock:
@@ -61,11 +59,13 @@ class DiffCache:
                 cached = self._diffs.get(key)
             if cached is not None:
                 return cached
-            diff, base = load_file(current.path), FileTensors(old.path)
-            for k, t in diff.items():
-                t.sub_(base[k])
+            with self._store.local_file(current.digest) as new_path, self._store.local_file(old.digest) as old_path:
+                diff, base = load_file(new_path), FileTensors(old_path)
+                for k, t in diff.items():
+                    t.sub_(base[k])
+            manifest = manifest_from_json(self._store.require_expert(name).manifest)
             try:
-                cached = encode_update(diff, self._c.manifest(name), encoder, seed=current.version)
+                cached = encode_update(diff, manifest, encoder, seed=current.version)
             except CompressionError as exc:  # e.g. a change beyond fp16's range
                 raise NotFound(f"the change of {name!r} since version {since} cannot be encoded with "
                                f"{codec!r}: {exc}; pull full weights (or use another --pull-compression)",

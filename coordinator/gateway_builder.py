@@ -17,6 +17,7 @@ The merge itself is gateway.build.build_gateway, shared with get_gateway_model.p
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -25,21 +26,20 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from coordinator.adapters import non_finite_tensor
+from coordinator.config import CoordinatorConfig
+from coordinator.errors import REFUSALS
+from coordinator.expert_store import ExpertStore
 from gateway.build import Source, build_gateway, gateway_weights
-from gateway.errors import MergeError
 from gateway.files import SAFETENSORS_META_KEY
-from protocol.errors import Conflict, FedMoEError, NotFound, Unavailable
+from protocol.errors import Conflict, NotFound, Unavailable
 from protocol.schemas import ExpertSpec
 from protocol.streaming import FileTensors
 from protocol.tensors import load_file, save_file
-
-if TYPE_CHECKING:
-    from coordinator.service import Coordinator
 
 log = logging.getLogger(__name__)
 WAIT_SECONDS = 30.0
@@ -58,8 +58,12 @@ class Plan:
 
 
 class GatewayBuilder:
-    def __init__(self, coordinator: "Coordinator", clock: Callable[[], float] = time.monotonic) -> None:
-        self._c = coordinator
+    """Lock order: ``_cond`` is never held while the store is used (the store's locks are taken alone)."""
+
+    def __init__(self, store: ExpertStore, config: CoordinatorConfig,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._store = store
+        self._config = config
         self._clock = clock
         self._cond = threading.Condition()
         self._requested = 0  # changes notified so far
@@ -69,14 +73,15 @@ class GatewayBuilder:
         self._urgent = False  # a new expert: build without waiting for the interval
         self._last_end = -math.inf  # when the last gateway was stored; the interval counts from there
         self._closed = False
-        self._failure: tuple[str, FedMoEError] | None = None  # (key, why) of the last failed build
+        self._failure: tuple[str, Exception] | None = None  # (key, why) of the last failed build: a refusal
         self.builds = 0
         """Gateways built and stored by this process (tests and metrics)."""
+        self._open_files = contextlib.ExitStack()  # blobs read lazily by the build running now
         self._thread = threading.Thread(target=self._run, name="gateway-builder", daemon=True)
 
     @property
     def _interval(self) -> float:
-        return self._c.config.gateway_interval
+        return self._config.gateway_interval
 
     def start(self) -> None:
         self._thread.start()
@@ -109,20 +114,20 @@ class GatewayBuilder:
         interval, and waits for it: the read itself still builds nothing.
         """
         plan = self._plan()
-        built = self._c.db.gateway(plan.key)
+        built = self._store.gateway(plan.key)
         if built is not None:
             return built | {"stale": False}
         self._raise_failure(plan.key)
         if fresh:
             self.notify(urgent=True)
-        latest = self._c.db.gateway()
+        latest = self._store.gateway()
         if latest is None or fresh or self._due():
             self._wait(WAIT_SECONDS)
             plan = self._plan()
-            if (built := self._c.db.gateway(plan.key)) is not None:
+            if (built := self._store.gateway(plan.key)) is not None:
                 return built | {"stale": False}
             self._raise_failure(plan.key)
-            latest = self._c.db.gateway()
+            latest = self._store.gateway()
         if latest is None:  # the first build runs at once (nothing holds it back) but is slow: try again soon
             raise Unavailable(f"the first gateway is still being built; retry in {RETRY_SECONDS} s",
                               retry_after=RETRY_SECONDS)
@@ -149,12 +154,11 @@ class GatewayBuilder:
             raise failure[1]
 
     def _plan(self) -> Plan:
-        experts = self._c.db.experts()
+        experts = self._store.experts()
         if not experts:
             raise NotFound("there is no gateway yet: no expert exists (start a worker first)")
-        weights = gateway_weights({e.name: e.samples_seen for e in experts},
-                                  dict(self._c.config.gateway_weights or {}))
-        config = self._c.config
+        config = self._config
+        weights = gateway_weights({e.name: e.samples_seen for e in experts}, dict(config.gateway_weights or {}))
         sources = [Source(e.name, e.version, ExpertSpec.from_json(e.spec), self._loader(e.name, e.version, e.spec))
                    for e in experts]
         identity = [config.gateway_strategy, dict(config.gateway_config), weights, {e.name: e.version for e in experts}]
@@ -162,11 +166,14 @@ class GatewayBuilder:
         return Plan(key, weights, sources)
 
     def _loader(self, name: str, version: int, spec: Mapping[str, Any]) -> Callable[[], Mapping[str, Any]]:
-        full = spec.get("full") is not None  # a whole model: read one tensor at a time
+        full = spec.get("full") is not None  # a whole model: read one tensor at a time, while the build runs
 
         def load() -> Mapping[str, Any]:
-            path = self._c.weights(name, version).path  # NotFound if pruned since: a newer build follows
-            return FileTensors(path) if full else load_file(path)
+            digest = self._store.weights(name, version).digest  # NotFound if pruned since: a newer build follows
+            if full:
+                return FileTensors(self._open_files.enter_context(self._store.local_file(digest)))
+            with self._store.local_file(digest) as path:
+                return load_file(path)
 
         return load
 
@@ -187,7 +194,8 @@ class GatewayBuilder:
                     self._cond.wait(delay)
                     continue
                 target, self._building, self._urgent = self._requested, True, False
-            self._build_once()
+            with self._open_files:
+                self._build_once()
             with self._cond:
                 self._built, self._building = target, False
                 self._finished += 1
@@ -199,15 +207,12 @@ class GatewayBuilder:
         except NotFound:
             return  # no expert yet
         try:
-            if self._c.db.gateway(plan.key) is None:
-                self._store(plan)
+            if self._store.gateway(plan.key) is None:
+                self._build_and_store(plan)
             self._failure = None
         except NotFound as exc:  # an expert moved on (and its version was pruned) mid-build
             log.info("gateway build skipped, a newer one follows: %s", exc)
-        except MergeError as exc:
-            log.warning("cannot build the gateway: %s", exc)
-            self._failure = (plan.key, Conflict(str(exc)))
-        except FedMoEError as exc:
+        except REFUSALS as exc:  # e.g. a MergeError: reads answer it (409, coordinator.errors)
             log.warning("cannot build the gateway: %s", exc)
             self._failure = (plan.key, exc)
         except Exception as exc:  # noqa: BLE001 - the builder thread must outlive one failed build
@@ -215,21 +220,14 @@ class GatewayBuilder:
             self._failure = (plan.key, Unavailable(f"the gateway build failed ({type(exc).__name__}: {exc}); "
                                                    "see the coordinator log"))
 
-    def _store(self, plan: Plan) -> None:
+    def _build_and_store(self, plan: Plan) -> None:
         started = time.perf_counter()
-        config = self._c.config
+        config = self._config
         built = build_gateway(plan.sources, plan.weights, config.gateway_strategy, config.gateway_config)
         _check_finite(built.tensors)
         meta = {SAFETENSORS_META_KEY: json.dumps(built.info)}
-        written = self._c.blobs.write_temp(lambda p: save_file(built.tensors, p, meta))
-        with self._c.blobs_guard:  # adopt and record together: see Coordinator.blobs_guard
-            digest = self._c.blobs.adopt(written)
-            try:
-                version = self._c.db.add_gateway(plan.key, digest, built.info)
-            except BaseException:  # a row that cannot be committed (e.g. a full disk) leaves no blob behind
-                self._c.drop_unreferenced([digest])
-                raise
-        self._c.drop_unreferenced(self._c.db.prune_gateways(config.keep_gateways))
+        written = self._store.write_temp(lambda p: save_file(built.tensors, p, meta))
+        version = self._store.add_gateway(plan.key, written, built.info, config.keep_gateways)
         self.builds += 1
         with self._cond:  # only stored builds hold the next one back, not checks that found nothing to do
             self._last_end = self._clock()

@@ -11,80 +11,75 @@ ERROR and the audit log gets an ``update_quarantined`` / ``expert_quarantined`` 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from coordinator import audit
 from coordinator.adapters import check_update
+from coordinator.errors import REFUSALS
+from coordinator.expert_store import ExpertStore
 from coordinator.store import ExpertRow, UpdateRow
-from protocol.errors import FedMoEError, NotFound
+from protocol.errors import NotFound
 from protocol.streaming import check_file, read_header
 from protocol.tensors import manifest_from_json
-
-if TYPE_CHECKING:
-    from coordinator.service import Coordinator
 
 log = logging.getLogger(__name__)
 
 
-def recover(c: "Coordinator") -> None:
-    """Check each expert and its pending updates, quarantine what is unusable, then aggregate."""
-    for expert in c.db.experts():
-        problem = expert_problem(c, expert)
+def recover(store: ExpertStore, aggregate: Callable[[str], None]) -> None:
+    """Check each expert and its pending updates, quarantine what is unusable, then ``aggregate`` each."""
+    for expert in store.experts():
+        problem = expert_problem(store, expert)
         if problem is not None:
-            quarantine_expert(c, expert, problem)
+            quarantine_expert(store, expert, problem)
             continue
-        for update in c.db.pending_updates(expert.name):
-            problem = update_problem(c, expert, update)
+        for update in store.pending_updates(expert.name):
+            problem = update_problem(store, expert, update)
             if problem is not None:
-                quarantine_updates(c, expert.name, [update], problem)
-        c.aggregate(expert.name)
+                quarantine_updates(store, expert.name, [update], problem)
+        aggregate(expert.name)
 
 
-def expert_problem(c: "Coordinator", expert: ExpertRow) -> str | None:
+def expert_problem(store: ExpertStore, expert: ExpertRow) -> str | None:
     """Why the expert's current weights cannot be used (unreadable, other tensors, NaN/Inf), or None."""
     manifest = manifest_from_json(expert.manifest)
     try:
-        path = c.weights(expert.name).path
-        if read_header(path).manifest != sorted(manifest):
-            return "its weights do not hold the tensors its manifest names"
-        check_file(path, manifest)  # chunked: bounded memory; finiteness too
-    except (FedMoEError, OSError) as exc:
+        with store.local_file(store.weights(expert.name).digest) as path:
+            if read_header(path).manifest != sorted(manifest):
+                return "its weights do not hold the tensors its manifest names"
+            check_file(path, manifest)  # chunked: bounded memory; finiteness too
+    except (*REFUSALS, OSError) as exc:
         return _reason(exc)
     return None
 
 
-def update_problem(c: "Coordinator", expert: ExpertRow, update: UpdateRow) -> str | None:
+def update_problem(store: ExpertStore, expert: ExpertRow, update: UpdateRow) -> str | None:
     """Why a pending update cannot be applied to its expert, or None."""
     if update.blob is None:
         return "its payload is missing"
     try:
-        check_update(c.blobs.path(update.blob), update.meta["codec"], update.meta.get("codec_config") or {},
-                     manifest_from_json(expert.manifest))
-    except (FedMoEError, OSError, KeyError) as exc:
+        with store.local_file(update.blob) as path:
+            check_update(path, update.meta["codec"], update.meta.get("codec_config") or {},
+                         manifest_from_json(expert.manifest))
+    except (*REFUSALS, OSError, KeyError) as exc:
         return _reason(exc)
     return None
 
 
-def quarantine_updates(c: "Coordinator", name: str, updates: list[UpdateRow], reason: str) -> None:
+def quarantine_updates(store: ExpertStore, name: str, updates: list[UpdateRow], reason: str) -> None:
     """Set pending updates aside for good (never applied); keep a copy of their payloads."""
-    marked = []
-    for u in updates:
-        kept = c.blobs.quarantine(u.blob, reason) if u.blob else None
-        marked.append((u.seq, audit.update_quarantined(name, u.update_id, u.worker_id, reason,
-                                                       kept.name if kept else None)))
-    if c.db.quarantine_updates(marked):
+    def event(u: UpdateRow, kept: str | None) -> audit.Event:
+        return audit.update_quarantined(name, u.update_id, u.worker_id, reason, kept)
+
+    if store.quarantine_updates(name, updates, reason, event):
         log.error("pending update(s) %s of expert %s quarantined: %s", [u.update_id for u in updates], name, reason)
-    c.drop_unreferenced([u.blob for u in updates if u.blob])
 
 
-def quarantine_expert(c: "Coordinator", expert: ExpertRow, reason: str) -> None:
+def quarantine_expert(store: ExpertStore, expert: ExpertRow, reason: str) -> None:
     """Remove an expert whose weights cannot be used; keep copies of all its blobs."""
-    digests = c.db.expert_blobs(expert.name)
-    kept = [p.name for d in digests if (p := c.blobs.quarantine(d, reason)) is not None]
-    c.db.remove_expert(expert.name, events=(audit.expert_quarantined(expert.name, expert.version, reason, kept),))
-    c.drop_unreferenced(digests)
+    kept = store.remove_expert(expert, reason,
+                               lambda kept: audit.expert_quarantined(expert.name, expert.version, reason, kept))
     log.error("expert %s quarantined at start: %s; %d blob(s) kept in %s; the next worker of %s creates it again",
-              expert.name, reason, len(kept), c.blobs.quarantine_dir, expert.name)
+              expert.name, reason, len(kept), store.quarantine_location, expert.name)
 
 
 def _reason(exc: BaseException) -> str:

@@ -124,7 +124,7 @@ def _serve_front(app: Flask, config: CoordinatorConfig, options: ServeOptions, s
         tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         tls.load_cert_chain(str(options.tls_cert), str(options.tls_key))
     front_options = FrontOptions(threads=options.threads, socket_timeout=options.socket_timeout,
-                                 max_body=config.max_body_bytes, spool_dir=app.extensions["fedmoe"].blobs.tmp_dir,
+                                 max_body=config.max_body_bytes, spool_dir=app.extensions["fedmoe"].spool_dir,
                                  max_connections=max(64, limit - 256))
     try:
         BufferingFront(app, sock, front_options, tls).run()

@@ -11,35 +11,38 @@ is applied twice.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-import sqlite3
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
+
+from compression.errors import PayloadError
 
 from coordinator.adapters import check_full_weights, check_lora_adapter, checked_norm, non_finite_tensor, stored_deltas
 from coordinator.aggregation import AGGREGATORS, AggregationParams, StateDict, Update, robust_aggregator
 from coordinator import audit
 from coordinator.audit import Event
-from coordinator.blobs import BlobStore, is_storage_full, storage_errors
+from coordinator.blobs import BlobStore
 from coordinator.config import CoordinatorConfig
 from coordinator.diffs import DiffCache
+from coordinator.errors import REFUSALS
+from coordinator.expert_store import ExpertStore, StaleAggregation, WeightsRef
 from coordinator.gateway_builder import GatewayBuilder
-from coordinator.norm_check import NormVerdict, judge_norm
+from coordinator.norm_check import judge_norm
 from coordinator.recovery import quarantine_updates, recover
-from coordinator.store import ExpertRow, ManifestStore, StaleAggregation, UpdateRow
-from gateway.router import ProfileError, combine_profiles, profile_from_json, profile_to_json
+from coordinator.store import ExpertRow, ManifestStore, UpdateRow
+from gateway.router import combine_profiles, profile_from_json, profile_to_json
 from gateway.router import route as route_prompt
-from protocol.errors import (BadRequest, Conflict, FedMoEError, InsufficientStorage, InvalidPayload, InvalidUpdate,
-                             NotFound)
+from protocol.errors import (BadRequest, Conflict, InsufficientStorage, InvalidPayload, InvalidUpdate,
+                             NotFound, PayloadTooLarge)
 from protocol.files import private_dir, private_file
-from protocol.integrity import algorithm_of
+from protocol.integrity import DEFAULT_ALGORITHM, DIGEST_HEADER, algorithm_of, hex_of
 from protocol.schemas import MAX_COUNT, BaseModelSpec, ExpertSpec, UpdateMeta, check_name
 from protocol.tensors import load_file, manifest_from_json, manifest_to_json, save_file
 
@@ -56,43 +59,68 @@ class PreparedStep:
     updates: list[Update]
 
 
-@dataclass(frozen=True)
-class WeightsRef:
-    path: Path
-    version: int
-    digest: str
-
-
 class Coordinator:
+    """The service: what the API asks for, on top of an ``ExpertStore`` (blobs + manifest).
+
+    Lock order (outermost first): ``store.expert_lock(name)`` -> the store's own locks. The
+    gateway builder and the diff cache take theirs without holding an expert lock.
+    """
+
     def __init__(self, config: CoordinatorConfig) -> None:
         self.config = config
         private_dir(config.data_dir)  # 0700: tokens, audit log and weights are the operator's only
-        self.blobs = BlobStore(config.data_dir / "blobs")
-        self.db = ManifestStore(private_file(config.data_dir / "manifest.sqlite"))
+        self.store = ExpertStore(BlobStore(config.data_dir / "blobs"),
+                                 ManifestStore(private_file(config.data_dir / "manifest.sqlite")), config.keep_versions)
         self.params = AggregationParams(config.server_lr, config.staleness_decay)
         self._aggregate_fn = AGGREGATORS[config.aggregation]
         if config.robust != "none":  # a robust combination of fedbuff's buffer (coordinator.aggregation.robust)
             self._aggregate_fn = robust_aggregator(config.robust, config.trim_fraction)
-        self._locks: dict[str, threading.Lock] = {}
-        self._locks_guard = threading.Lock()
-        # Blobs are shared by digest across experts: adopting one and recording its row must not
-        # interleave with dropping "unreferenced" blobs, or a new row could point at a deleted file.
-        self.blobs_guard = threading.RLock()
-        self.diffs = DiffCache(self)
-        self.gateway = GatewayBuilder(self)
+        self.diffs = DiffCache(self.store)
+        self.gateway = GatewayBuilder(self.store, config)
         self.on_aggregated: Callable[[float], None] = lambda seconds: None
         """Called with the seconds each aggregation step took (metrics hook)."""
-        self._remove_orphan_blobs()
-        recover(self)  # finish what a crash interrupted; quarantine what can never be used
+        orphans = self.store.remove_orphans()  # blobs written just before a crash, never recorded
+        if orphans:
+            log.info("removed %d unrecorded blob(s) left by an interrupted write", orphans)
+        recover(self.store, self.aggregate)  # finish what a crash interrupted; quarantine what can never be used
         self.gateway.start()
 
     def close(self) -> None:
         self.gateway.close()
-        self.db.close()
+        self.store.close()
 
-    def _lock(self, name: str) -> threading.Lock:
-        with self._locks_guard:
-            return self._locks.setdefault(name, threading.Lock())
+    # request bodies -------------------------------------------------------------
+
+    @property
+    def spool_dir(self) -> Path:
+        """Where request bodies may be spooled on their way in (a local directory)."""
+        return self.store.spool_dir
+
+    def check_body_size(self, length: int | None) -> None:
+        """413 if a body's announced size (Content-Length) is over --max-body-mb."""
+        limit = self.config.max_body_bytes
+        if length is not None and length > limit:
+            raise PayloadTooLarge(f"body of {length} bytes is over the limit of {limit} bytes "
+                                  "(coordinator flag --max-body-mb)", limit=limit)
+
+    def receive_body(self, stream: BinaryIO, length: int | None, expected_digest: str | None,
+                     spooled: Any = None) -> Path:
+        """A request body in a fsynced temp file: 413 past --max-body-mb, 400 if it does not match
+        ``expected_digest`` (nothing is left behind). ``length`` (Content-Length): read exactly that.
+        ``spooled``: the front's coordinator.front.SpooledBody, taken over instead of copying ``stream``."""
+        self.check_body_size(length)
+        algorithm = algorithm_of(expected_digest) if expected_digest else DEFAULT_ALGORITHM
+        if spooled is not None and spooled.size <= self.config.max_body_bytes \
+                and algorithm_of(spooled.digest) == algorithm:
+            body = self.store.take_spooled(spooled.path, spooled.digest)
+            spooled.taken = True
+        else:
+            body = self.store.receive(stream, self.config.max_body_bytes, length, algorithm)
+        if expected_digest is not None and (actual := self.store.digest_of(body, algorithm)) != expected_digest:
+            self.store.forget(body)
+            raise BadRequest(f"body does not match its {DIGEST_HEADER} ({algorithm} {hex_of(actual)[:16]}... "
+                             f"!= {hex_of(expected_digest)[:16]}...); it was damaged on the way, send it again")
+        return body
 
     # experts ------------------------------------------------------------------
 
@@ -100,23 +128,17 @@ class Coordinator:
         """Create an expert from its first adapter; (info, created). Same spec again is a no-op."""
         check_name(name, "expert name")
         try:
-            with self._lock(name):
-                existing = self.db.expert(name)
+            with self.store.expert_lock(name):
+                existing = self.store.expert(name)
                 if existing is not None:
                     self._check_compatible(existing, spec)
                     return self.expert_info(name), False
                 manifest = (check_full_weights(body, spec.full) if spec.full is not None
                             else check_lora_adapter(_load_adapter(body), spec.lora))
-                with self.blobs_guard, storage_errors(f"store expert {name!r}"):
-                    digest = self.blobs.adopt(body)
-                    try:
-                        self.db.create_expert(name, spec.to_json(), manifest_to_json(manifest), digest, events=(
-                            audit.expert_created(name, spec.lora.rank if spec.lora else None, spec.base_model.id),))
-                    except BaseException:  # not recorded: the adopted blob must not stay behind
-                        self.drop_unreferenced([digest])
-                        raise
+                self.store.create_expert(name, spec.to_json(), manifest_to_json(manifest), body, events=(
+                    audit.expert_created(name, spec.lora.rank if spec.lora else None, spec.base_model.id),))
         finally:
-            self.blobs.forget(body)
+            self.store.forget(body)
         self.gateway.notify(urgent=True)
         log.info("created expert %s (%s)", name, "full-parameter" if spec.lora is None else f"rank {spec.lora.rank}")
         return self.expert_info(name), True
@@ -140,42 +162,38 @@ class Coordinator:
 
     def require_expert(self, name: str) -> ExpertRow:
         """The expert's row, or NotFound listing the known experts."""
-        expert = self.db.expert(name)
-        if expert is None:
-            known = [e.name for e in self.db.experts()]
-            raise NotFound(f"no expert named {name!r}; known experts: {known}")
-        return expert
+        return self.store.require_expert(name)
+
+    def expert_count(self) -> int:
+        return len(self.store.experts())
 
     def expert_info(self, name: str) -> dict[str, Any]:
         return self._info(self.require_expert(name))
 
     def list_experts(self) -> list[dict[str, Any]]:
-        return [self._info(e) for e in self.db.experts()]
+        return [self._info(e) for e in self.store.experts()]
 
     def _info(self, e: ExpertRow) -> dict[str, Any]:
         return {"name": e.name, "version": e.version, **e.spec, "updates_applied": e.updates_applied,
                 "samples_seen": e.samples_seen, "last_train_loss": e.last_train_loss,
-                "pending_updates": self.db.pending_count(e.name),
+                "pending_updates": self.store.pending_count(e.name),
                 "created_at": e.created_at, "updated_at": e.updated_at}
 
     def versions(self, name: str) -> list[dict[str, Any]]:
         self.require_expert(name)
-        return self.db.versions(name)
+        return self.store.versions(name)
 
     def weights(self, name: str, version: int | None = None) -> WeightsRef:
-        """Where version ``version`` (default: the current one) is stored; NotFound if absent or pruned."""
-        expert = self.require_expert(name)
-        exists, digest = self.db.version_blob(name, expert.version if version is None else version)
-        while version is None and digest is None:  # replaced and pruned between the two reads
-            expert = self.require_expert(name)
-            exists, digest = self.db.version_blob(name, expert.version)
-        version = expert.version if version is None else version
-        if not exists:
-            raise NotFound(f"expert {name!r} has no version {version} (current: {expert.version})")
-        if digest is None:
-            raise NotFound(f"version {version} of {name!r} was pruned; the newest "
-                           f"{self.config.keep_versions} versions are kept (--keep-versions)")
-        return WeightsRef(self.blobs.path(digest), version, digest)
+        """Version ``version`` (default: the current one) of an expert; NotFound if absent or pruned."""
+        return self.store.weights(name, version)
+
+    def local_path(self, digest: str) -> Path | None:
+        """A stored blob's local file, for a server to send directly; None if the backend is remote."""
+        return self.store.local_path(digest)
+
+    def open_blob(self, digest: str) -> BinaryIO:
+        """A stored blob's bytes; FileNotFoundError if it was pruned meanwhile."""
+        return self.store.open_blob(digest)
 
     def weights_diff(self, name: str, since: int, codec: str, codec_config: dict[str, Any]) -> tuple[bytes, int]:
         """The current weights minus version ``since``, encoded with a codec: (payload, current version)."""
@@ -183,13 +201,7 @@ class Coordinator:
 
     def record_pull(self, worker_id: str | None, name: str, body_bytes: int) -> None:
         if worker_id:
-            raw = 4 * sum(math.prod(shape) for _, shape in self.manifest(name))
-            try:
-                self.db.record_pull(worker_id, body_bytes, raw)
-            except sqlite3.Error as exc:  # a tally: a full disk must not fail the pull it counts
-                if not is_storage_full(exc):
-                    raise
-                log.warning("disk full: pull by %s not counted", worker_id)
+            self.store.record_pull(worker_id, body_bytes, _fp32_bytes(self.manifest(name)))
 
     def manifest(self, name: str) -> list[tuple[str, tuple[int, ...]]]:
         return manifest_from_json(self.require_expert(name).manifest)
@@ -204,8 +216,8 @@ class Coordinator:
         """
         try:
             expert = self.require_expert(name)
-            body_digest = self.blobs.digest_of(body)
-            known = self.db.update(meta.update_id)
+            body_digest = self.store.digest_of(body)
+            known = self.store.update(meta.update_id)
             if known is not None:
                 return self._seen_before(known, name, meta, body_digest, body), False
             if meta.base_version > expert.version:
@@ -217,35 +229,24 @@ class Coordinator:
             # lock: the step reads the body again when it is computed.
             norm = checked_norm(body, meta.codec, meta.codec_config, manifest)
             size = body.stat().st_size
-            with self._lock(name):
-                known = self.db.update(meta.update_id)  # a concurrent retry may have won
+            with self.store.expert_lock(name):
+                known = self.store.update(meta.update_id)  # a concurrent retry may have won
                 if known is not None:
                     return self._seen_before(known, name, meta, body_digest, body), False
-                verdict = judge_norm(norm, self.db.recent_norms(name, self.config.norm_history),
+                verdict = judge_norm(norm, self.store.recent_norms(name, self.config.norm_history),
                                      self.config.norm_policy)  # InvalidUpdate (422) in reject mode
                 stored = meta.to_json() | ({"norm_scale": verdict.scale} if verdict.clipped else {})
                 step = self._step_completed_by(name, stored, body)  # InvalidUpdate (422) if not finite
-                self._record_update(name, meta, verdict, stored, body, body_digest, size, _fp32_bytes(manifest))
+                self.store.add_update(name, stored, body, body_digest, size, _fp32_bytes(manifest),
+                                      norm=verdict.accepted_norm, events=audit.update_accepted(name, meta, verdict, size))
                 try:
                     self._aggregate_locked(name, step)
-                except FedMoEError as exc:  # recorded (durable) all the same, so not an error to the client
+                except REFUSALS as exc:  # recorded (durable) all the same, so not an error to the client
                     level = logging.WARNING if isinstance(exc, InsufficientStorage) else logging.ERROR
                     log.log(level, "update %s of %s is recorded but not applied yet: %s", meta.update_id, name, exc)
         finally:
-            self.blobs.forget(body)
+            self.store.forget(body)
         return self.update_status(meta.update_id), True
-
-    def _record_update(self, name: str, meta: UpdateMeta, verdict: NormVerdict, stored: dict[str, Any], body: Path,
-                       body_digest: str, size: int, raw_bytes: int) -> None:
-        """The point of no loss: blob, then row. Disk full at either step is a 507 and leaves nothing."""
-        with self.blobs_guard, storage_errors(f"record update {meta.update_id!r}"):
-            digest = self.blobs.adopt(body, body_digest)
-            try:
-                self.db.add_update(name, stored, digest, size, raw_bytes, norm=verdict.accepted_norm,
-                                   events=audit.update_accepted(name, meta, verdict, size))
-            except BaseException:
-                self.drop_unreferenced([digest])
-                raise
 
     def _step_completed_by(self, name: str, stored: dict[str, Any], body: Path) -> PreparedStep | None:
         """The aggregation step this update would complete, computed before it is recorded.
@@ -254,12 +255,11 @@ class Coordinator:
         expert that is Inf cannot be pulled, merged or trained. Refusing here (422) means nothing
         was recorded; the step is then committed as computed (not computed twice).
         """
-        pending = self.db.pending_updates(name)
+        pending = self.store.pending_updates(name)
         if len(pending) != self.config.updates_per_step - 1:
             return None
-        entries = [(u.meta, self.blobs.path(u.blob)) for u in pending] + [(stored, body)]
         expert = self.require_expert(name)
-        new, updates = self._candidate(expert, entries)
+        new, updates = self._candidate(expert, pending, (stored, body))
         bad = non_finite_tensor(new)
         if bad is not None:
             raise InvalidUpdate(f"applying update {stored['update_id']!r} would make tensor {bad!r} of expert "
@@ -268,20 +268,26 @@ class Coordinator:
                                 reason="result_not_finite", tensor=bad)
         return PreparedStep([u.update_id for u in pending] + [stored["update_id"]], expert.version, new, updates)
 
-    def _candidate(self, expert: ExpertRow, entries: list[tuple[dict[str, Any], Path]]) -> tuple[StateDict, list[Update]]:
-        """The expert's next weights from updates given as (stored meta, payload path)."""
+    def _candidate(self, expert: ExpertRow, recorded: list[UpdateRow],
+                   incoming: tuple[dict[str, Any], Path] | None = None) -> tuple[StateDict, list[Update]]:
+        """The expert's next weights from recorded updates and, if given, one not yet recorded
+        (its stored meta and temp file). Payloads are read tensor by tensor while aggregating."""
         manifest = manifest_from_json(expert.manifest)
-        current = load_file(self.weights(expert.name).path)  # our own copy: the aggregator updates it in place
-        updates = [Update(delta=self._deltas(meta, path, manifest), num_samples=meta["num_samples"],
-                          staleness=max(0, expert.version - meta["base_version"])) for meta, path in entries]
-        return self._aggregate_fn(current, updates, self.params), updates
+        with contextlib.ExitStack() as files:
+            # our own copy of the current weights: the aggregator updates it in place
+            current = load_file(files.enter_context(self.store.local_file(self.weights(expert.name).digest)))
+            entries = [(u.meta, files.enter_context(self.store.local_file(_payload(u)))) for u in recorded]
+            entries += [incoming] if incoming is not None else []
+            updates = [Update(delta=self._deltas(meta, path, manifest), num_samples=meta["num_samples"],
+                              staleness=max(0, expert.version - meta["base_version"])) for meta, path in entries]
+            return self._aggregate_fn(current, updates, self.params), updates
 
     def _seen_before(self, known: UpdateRow, name: str, meta: UpdateMeta, body_digest: str,
                      body: Path) -> dict[str, Any]:
         if known.expert != name:
             raise Conflict(f"update_id {known.update_id!r} was already used for expert {known.expert!r}")
         if known.body_sha256 is not None and algorithm_of(known.body_sha256) != algorithm_of(body_digest):
-            body_digest = self.blobs.digest_of(body, algorithm_of(known.body_sha256))  # sent before 0.7
+            body_digest = self.store.digest_of(body, algorithm_of(known.body_sha256))  # sent before 0.7
         if known.body_sha256 is not None and known.body_sha256 != body_digest:
             raise Conflict(f"update_id {known.update_id!r} was already used for a different body; a retry "
                            "must resend the same bytes, and a new update needs a new update_id",
@@ -292,16 +298,16 @@ class Coordinator:
     def record_event(self, event: Event) -> None:
         """Add an event that records no other change; a failure to log is logged, never raised."""
         try:
-            self.db.add_event(event)
+            self.store.add_event(event)
         except Exception:  # noqa: BLE001 - the audit log must not turn the answer into a 5xx
             log.exception("could not record %s event", event.kind)
 
     def events(self, limit: int, after: int | None = None, expert: str | None = None,
                kind: str | None = None) -> list[dict[str, Any]]:
-        return self.db.events(limit, after, expert, kind)
+        return self.store.events(limit, after, expert, kind)
 
     def update_status(self, update_id: str) -> dict[str, Any]:
-        row = self.db.update(update_id)
+        row = self.store.update(update_id)
         if row is None:
             raise NotFound(f"no update with id {update_id!r}")
         expert = self.require_expert(row.expert)
@@ -309,11 +315,11 @@ class Coordinator:
                 "applied_version": row.applied_version, "expert_version": expert.version}
 
     def aggregate(self, name: str) -> None:
-        with self._lock(name):
+        with self.store.expert_lock(name):
             self._aggregate_locked(name)
 
     def _aggregate_locked(self, name: str, prepared: PreparedStep | None = None) -> None:
-        pending = self.db.pending_updates(name)
+        pending = self.store.pending_updates(name)
         k = self.config.updates_per_step
         while len(pending) >= k:
             batch, pending = pending[:k], pending[k:]
@@ -330,33 +336,24 @@ class Coordinator:
             new, updates = prepared.weights, prepared.updates
         else:
             try:
-                new, updates = self._candidate(expert, [(u.meta, self.blobs.path(u.blob)) for u in batch])
-            except (InvalidPayload, FileNotFoundError):  # raw payloads are opened here, others decoded
-                if all(self.db.update(u.update_id).status == "pending" for u in batch):
+                new, updates = self._candidate(expert, batch)
+            except (InvalidPayload, PayloadError, FileNotFoundError):  # raw payloads are opened here, others decoded
+                if all(self.store.update(u.update_id).status == "pending" for u in batch):
                     raise
                 log.warning("dropped an aggregation step of %s: its updates were applied meanwhile", name)
                 return False  # another process applied them and dropped their payloads
             bad = non_finite_tensor(new)
             if bad is not None:  # recorded before results were checked (an older version): never apply it
-                quarantine_updates(self, name, batch, f"applying it makes tensor {bad!r} overflow to Inf/NaN")
+                quarantine_updates(self.store, name, batch, f"applying it makes tensor {bad!r} overflow to Inf/NaN")
                 return False
-        with storage_errors(f"write version {expert.version + 1} of {name!r}"):
-            written = self.blobs.write_temp(lambda p: save_file(new, p))
+        written = self.store.write_temp(lambda p: save_file(new, p), f"write version {expert.version + 1} of {name!r}")
         loss = _mean_loss(batch)
-        with self.blobs_guard, storage_errors(f"record version {expert.version + 1} of {name!r}"):
-            digest = self.blobs.adopt(written)
-            try:
-                self.db.commit_version(name, expert.version + 1, digest, batch, loss, events=(audit.version_applied(
-                    name, expert.version + 1, [u.update_id for u in batch], [u.staleness for u in updates], loss),))
-            except StaleAggregation as exc:
-                log.warning("dropped an aggregation step of %s: %s", name, exc)
-                self.drop_unreferenced([digest])
-                return False
-            except BaseException:
-                self.drop_unreferenced([digest])
-                raise
-        self.drop_unreferenced([u.blob for u in batch if u.blob]
-                                + self.db.prune_versions(name, self.config.keep_versions))
+        try:
+            self.store.commit_version(name, expert.version + 1, written, batch, loss, events=(audit.version_applied(
+                name, expert.version + 1, [u.update_id for u in batch], [u.staleness for u in updates], loss),))
+        except StaleAggregation as exc:
+            log.warning("dropped an aggregation step of %s: %s", name, exc)
+            return False
         self.on_aggregated(time.perf_counter() - started)
         self.gateway.notify()
         log.info("expert %s -> version %d (%d update(s), staleness %s)", name, expert.version + 1,
@@ -369,57 +366,35 @@ class Coordinator:
         scale = meta.get("norm_scale", 1.0)  # clipped at receipt (--norm-check clip)
         return deltas if scale == 1.0 else {k: t * scale for k, t in deltas.items()}
 
-    def drop_unreferenced(self, digests: list[str]) -> None:
-        if not digests:
-            return
-        with self.blobs_guard:
-            referenced = self.db.referenced_blobs()
-            for digest in set(digests) - referenced:
-                self.blobs.delete(digest)
-
-    def _remove_orphan_blobs(self) -> None:
-        """Blobs written just before a crash, never recorded: safe to delete."""
-        orphans = set(self.blobs.digests()) - self.db.referenced_blobs()
-        for digest in orphans:
-            self.blobs.delete(digest)
-        if orphans:
-            log.info("removed %d unrecorded blob(s) left by an interrupted write", len(orphans))
-
     # routing ------------------------------------------------------------------
 
     def put_profile(self, name: str, worker_id: str, profile: dict[str, Any]) -> dict[str, Any]:
         """Store one worker's summary of its data (n-gram statistics, no examples) for routing."""
         self.require_expert(name)
         check_name(worker_id, "worker_id")
-        try:
-            vector, count = profile_from_json(profile)
-        except ProfileError as exc:
-            raise BadRequest(str(exc)) from None
+        vector, count = profile_from_json(profile)  # ProfileError: a 400 (coordinator.errors)
         if not 1 <= count <= MAX_COUNT:
             raise BadRequest(f"profile num_examples must be in [1, {MAX_COUNT}], got {count}: "
                              "a profile of no examples cannot route")
-        self.db.put_profile(name, worker_id, vector.astype("<f4").tobytes(), count)
+        self.store.put_profile(name, worker_id, vector.astype("<f4").tobytes(), count)
         return {"expert": name, "worker_id": worker_id, "num_examples": count}
 
     def profiles(self) -> dict[str, Any]:
         """Every expert's combined routing profile (wire form) and the threshold, for routing elsewhere."""
-        stored = self.db.profiles()
+        stored = self.store.profiles()
         profiles = {name: profile_to_json(combine_profiles([(np.frombuffer(v, dtype="<f4"), n) for v, n in rows]),
                                           sum(n for _, n in rows)) for name, rows in stored.items()}
         return {"threshold": self.config.route_threshold, "profiles": profiles}
 
     def route(self, prompt: str, threshold: float | None = None) -> dict[str, Any]:
         """Pick the expert whose data the prompt resembles, or the gateway when unsure."""
-        stored = self.db.profiles()
+        stored = self.store.profiles()
         if not stored:
             raise NotFound("no expert has a routing profile yet (workers send one when they join)")
         profiles = {name: combine_profiles([(np.frombuffer(v, dtype="<f4"), n) for v, n in rows])
                     for name, rows in stored.items()}
         threshold = self.config.route_threshold if threshold is None else threshold
-        try:
-            result = route_prompt(prompt, profiles, threshold)
-        except ProfileError as exc:
-            raise BadRequest(str(exc)) from None
+        result = route_prompt(prompt, profiles, threshold)  # ProfileError: a 400 (coordinator.errors)
         return {"expert": result.expert, "target": result.expert or "gateway", "confidence": result.confidence,
                 "threshold": threshold, "scores": result.scores}
 
@@ -429,26 +404,26 @@ class Coordinator:
                         sync_interval: float | None = None) -> dict[str, Any]:
         check_name(worker_id, "worker_id")
         check_name(specialty, "specialty")
-        expert = self.db.expert(specialty)
+        expert = self.store.expert(specialty)
         if expert is not None:
             stored = ExpertSpec.from_json(expert.spec).base_model
             if stored.fingerprint != base_model.fingerprint:
                 raise Conflict(f"worker {worker_id!r} runs base model {base_model.id!r} (fingerprint "
                                f"{base_model.fingerprint[:12]}) but expert {specialty!r} was trained from "
                                f"{stored.id!r} ({stored.fingerprint[:12]}); use the same --base-model")
-        self.db.upsert_worker(worker_id, specialty, {"id": base_model.id, "fingerprint": base_model.fingerprint},
+        self.store.upsert_worker(worker_id, specialty, {"id": base_model.id, "fingerprint": base_model.fingerprint},
                               sync_interval,
                               events=(audit.worker_registered(worker_id, specialty, base_model.id, sync_interval),))
         return {"worker_id": worker_id, "specialty": specialty,
                 "expert": None if expert is None else self._info(expert)}
 
     def heartbeat(self, worker_id: str) -> None:
-        if not self.db.touch_worker(worker_id):
+        if not self.store.touch_worker(worker_id):
             raise NotFound(f"no worker {worker_id!r}; register first (POST /api/v1/workers)")
 
     def list_workers(self) -> list[dict[str, Any]]:
         now = time.time()
-        return [w | {"status": liveness(now - w["last_seen"], w["sync_interval"])} for w in self.db.workers()]
+        return [w | {"status": liveness(now - w["last_seen"], w["sync_interval"])} for w in self.store.workers()]
 
 
 def liveness(silent_for: float, sync_interval: float | None) -> str:
@@ -473,6 +448,13 @@ def _mean_loss(batch: list[UpdateRow]) -> float | None:
     total = sum(n for _, n in pairs)
     # loss x n overflowed for a finite loss near 1e308 (an Inf in JSON); weights of at most 1 cannot
     return math.fsum(loss * (n / total) for loss, n in pairs)
+
+
+def _payload(update: UpdateRow) -> str:
+    """A pending update's payload digest; FileNotFoundError if another process applied it meanwhile."""
+    if update.blob is None:
+        raise FileNotFoundError(f"the payload of update {update.update_id!r} is gone")
+    return update.blob
 
 
 def _load_adapter(body: Path) -> StateDict:

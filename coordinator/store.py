@@ -336,19 +336,16 @@ class ManifestStore:
         return {"version": row["version"], "blob": row["blob"], "created_at": row["created_at"],
                 **json.loads(row["info"])}
 
-    def add_gateway(self, key: str, blob: str, info: dict[str, Any]) -> int:
+    def add_gateway(self, key: str, blob: str, info: dict[str, Any], keep: int) -> tuple[int, list[str]]:
+        """Record a gateway and delete all but the newest ``keep``, in one transaction (a reader never
+        sees more than ``keep``); returns its version and the deleted gateways' blob digests."""
         with self.transaction() as db:
             cur = db.execute("INSERT INTO gateways (key, blob, info, created_at) VALUES (?, ?, ?, ?)",
                              (key, blob, json.dumps(info), time.time()))
-        return int(cur.lastrowid)
-
-    def prune_gateways(self, keep: int) -> list[str]:
-        """Delete all but the newest ``keep`` gateways; return their blobs' digests."""
-        with self.transaction() as db:
             rows = db.execute("SELECT version, blob FROM gateways ORDER BY version DESC LIMIT -1 OFFSET ?",
                               (keep,)).fetchall()
             db.executemany("DELETE FROM gateways WHERE version = ?", [(r["version"],) for r in rows])
-        return [r["blob"] for r in rows]
+        return int(cur.lastrowid), [r["blob"] for r in rows]
 
     # audit log and norm history (coordinator.audit) ------------------------
 

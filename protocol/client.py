@@ -15,9 +15,22 @@ that holds a valid token can only be registered again with that token (or by the
 registering presents the worker's own token first, the join token only if that is refused.
 Uploads carry their SHA-256 (``protocol.integrity``).
 
-Exception tree (``protocol.errors``): FedMoEError > BadRequest > InvalidPayload,
-Unauthorized, Forbidden, NotFound, Conflict, PayloadTooLarge, InvalidUpdate,
-Unavailable.
+Exception tree (``protocol.errors``; the status each answers with in parentheses)::
+
+    FedMoEError
+    ├── BadRequest (400)
+    │   └── InvalidPayload (400)
+    ├── Unauthorized (401)
+    ├── Forbidden (403)
+    ├── NotFound (404)
+    ├── RequestTimeout (408)
+    ├── Conflict (409)
+    ├── PayloadTooLarge (413)
+    ├── InvalidUpdate (422)
+    ├── TLSFailure            (client side only: the handshake failed)
+    └── Unavailable (503)     (also: unreachable after the last retry)
+        ├── TooManyRequests (429)
+        └── InsufficientStorage (507)
 """
 from __future__ import annotations
 

@@ -36,6 +36,7 @@ import torch
 from protocol.errors import InvalidPayload
 from protocol.files import fsync_dir, write_atomically
 from protocol.tensors import StateDict, dumps, load_file
+from worker.errors import WorkerError
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ MANIFEST = "checkpoint.json"
 TENSOR_FILES = ("adapter", "reference", "pulled", "residual", "optimizer")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(WorkerError, ValueError):
     """A checkpoint that cannot be used here; the message says which flag to change."""
 
 

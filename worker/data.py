@@ -17,6 +17,8 @@ from typing import Iterator, Sequence
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from worker.errors import WorkerError
+
 IGNORE_INDEX = -100
 """Label value that cross-entropy skips (prompt and padding positions)."""
 
@@ -24,7 +26,7 @@ SAMPLE_DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 REQUIRED_FIELDS = ("prompt", "reference_code")
 
 
-class DatasetError(Exception):
+class DatasetError(WorkerError):
     """A dataset file that cannot be used; the message names the file and, when known, the line."""
 
 

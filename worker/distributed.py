@@ -22,6 +22,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from worker.errors import WorkerError
+
 log = logging.getLogger(__name__)
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
@@ -30,7 +32,7 @@ PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat1
 COLLECTIVE_TIMEOUT = datetime.timedelta(hours=2)
 
 
-class DistributedSetupError(ValueError):
+class DistributedSetupError(WorkerError, ValueError):
     """A device, precision or launch combination that cannot work; the message is one line for the user."""
 
 

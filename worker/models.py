@@ -17,6 +17,7 @@ from typing import Iterator
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from worker.errors import WorkerError
 from worker.presets import PRESETS, PresetError, build_preset
 from worker.pretrained import PRETRAINED_PRESETS, load_pretrained_preset
 
@@ -30,7 +31,7 @@ VOLATILE_CONFIG_KEYS = frozenset({"transformers_version", "_name_or_path", "_com
                                   "_attn_implementation", "_attn_implementation_autoset", "attn_implementation"})
 
 
-class ModelLoadError(Exception):
+class ModelLoadError(WorkerError):
     """The base model could not be loaded; the message is meant for the user as is."""
 
 

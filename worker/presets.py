@@ -20,6 +20,8 @@ from typing import Iterator
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 
+from worker.errors import WorkerError
+
 logger = logging.getLogger(__name__)
 
 CORPUS_DIR = Path(__file__).resolve().parent.parent / "data"
@@ -39,7 +41,7 @@ CHATML_TEMPLATE = (
 )
 
 
-class PresetError(Exception):
+class PresetError(WorkerError):
     """A preset cannot be built (unknown name, missing corpus)."""
 
 

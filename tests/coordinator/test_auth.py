@@ -136,7 +136,7 @@ def test_body_digest_is_checked_and_a_mismatch_stores_nothing(make_app):
     assert error(put_expert(admin, "e", body, digest=wrong)) == (400, "bad_request")
     assert error(put_expert(admin, "e", body, digest="md5=abc")) == (400, "bad_request")
     assert admin.get("/api/v1/experts").get_json()["experts"] == []
-    assert list(c.blobs.tmp_dir.iterdir()) == [] and list(c.blobs.digests()) == []
+    assert list(c.store._blobs.tmp_dir.iterdir()) == [] and list(c.store._blobs.digests()) == []
     assert put_expert(admin, "e", body).status_code == 201
     # the admin may omit the digest (curl); a worker token must send one
     assert put_expert(admin, "e", body, digest=None).status_code == 200

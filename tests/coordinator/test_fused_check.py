@@ -11,7 +11,10 @@ from compression.wire import encode_update
 from coordinator.adapters import check_update, checked_norm, stored_deltas
 from coordinator.aggregation import l2_norm
 from coordinator.fused_check import int8_config, int8_update_norm
+from compression.errors import CompressionError
 from protocol.errors import FedMoEError
+
+REFUSED = (FedMoEError, CompressionError)  # both are answered 4xx (coordinator/errors.py)
 
 MANIFEST = sorted([("a.lora_A.weight", (8, 96)), ("a.lora_B.weight", (100, 8)), ("b.weight", (3, 7))])
 
@@ -44,7 +47,7 @@ def test_code_minus_128_is_refused_as_by_the_decoder(tmp_path):
     data[_codes_start(path)] = 0x80  # -128 is outside [-127, 127]
     path.write_bytes(bytes(data))
     assert int8_update_norm(path, int8_config("int8", {}), MANIFEST) is None
-    with pytest.raises(FedMoEError, match="outside"):
+    with pytest.raises(REFUSED, match="outside"):
         checked_norm(path, "int8", {}, MANIFEST)
 
 
@@ -57,7 +60,7 @@ def test_bad_or_overflowing_scale_is_refused(tmp_path, bad_scale):
     data[_codes_start(path)] = 127  # with 3e38 the decoded 127 * scale overflows float32
     path.write_bytes(bytes(data))
     assert int8_update_norm(path, int8_config("int8", {}), MANIFEST) is None
-    with pytest.raises(FedMoEError):
+    with pytest.raises(REFUSED):
         checked_norm(path, "int8", {}, MANIFEST)
 
 
@@ -65,7 +68,7 @@ def test_truncated_body_takes_the_generic_path_and_is_refused(tmp_path):
     path, _ = body(tmp_path)
     path.write_bytes(path.read_bytes()[:-1])
     assert int8_update_norm(path, int8_config("int8", {}), MANIFEST) is None
-    with pytest.raises(FedMoEError):
+    with pytest.raises(REFUSED):
         checked_norm(path, "int8", {}, MANIFEST)
 
 
@@ -74,7 +77,7 @@ def test_other_codecs_and_bad_configs_use_the_generic_path(tmp_path):
     assert int8_config("topk+int8", {}) is None
     assert int8_config("int8", {"block_size": 0}) is None
     path, tensors = body(tmp_path)
-    with pytest.raises(FedMoEError):
+    with pytest.raises(REFUSED):
         checked_norm(path, "int8", {"block_size": 0}, MANIFEST)
     exact = math.sqrt(sum(float((t.double() ** 2).sum()) for t in tensors.values()))
     assert math.isclose(checked_norm(path, "int8", {}, MANIFEST), exact, rel_tol=1e-2)  # quantisation error only
@@ -105,5 +108,5 @@ def test_a_stored_body_that_is_not_clean_still_raises(tmp_path):
     data[_codes_start(path)] = 0x80
     path.write_bytes(bytes(data))
     deltas = stored_deltas(path, "int8", {}, MANIFEST)
-    with pytest.raises(FedMoEError, match="outside"):
+    with pytest.raises(REFUSED, match="outside"):
         deltas["b.weight"]

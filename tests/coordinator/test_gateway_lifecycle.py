@@ -8,8 +8,8 @@ from tests.helpers import make_adapter, push, put_expert, random_like
 def stored(app) -> tuple[int, int]:
     """(gateway rows, blob files) in the coordinator's data dir."""
     c = app.extensions["fedmoe"]
-    rows = c.db._one("SELECT COUNT(*) AS n FROM gateways")["n"]
-    return rows, len(list(c.blobs.digests()))
+    rows = c.store._rows._one("SELECT COUNT(*) AS n FROM gateways")["n"]
+    return rows, len(list(c.store._blobs.digests()))
 
 
 def test_polling_the_gateway_writes_nothing(make_app):

@@ -58,9 +58,9 @@ def test_applied_payloads_and_orphans_are_removed_and_blobs_match_hashes(make_ap
     # the restart below has nothing to build.
     assert client.get("/api/v1/gateway").get_json()["stale"] is False
     app.extensions["fedmoe"].gateway.close()
-    blobs: BlobStore = app.extensions["fedmoe"].blobs
+    blobs: BlobStore = app.extensions["fedmoe"].store._blobs
     digests = set(blobs.digests())
-    gateways = {r["blob"] for r in app.extensions["fedmoe"].db._all("SELECT blob FROM gateways")}
+    gateways = {r["blob"] for r in app.extensions["fedmoe"].store._rows._all("SELECT blob FROM gateways")}
     assert len(digests - gateways) == 2  # versions 0 and 1; the applied payload is gone
     assert all(blobs.verify(d) for d in digests)
     app.extensions["fedmoe"].close()
@@ -68,8 +68,8 @@ def test_applied_payloads_and_orphans_are_removed_and_blobs_match_hashes(make_ap
     orphan = blobs.put_bytes(b"written just before a crash")
     (blobs.tmp_dir / "half.part").write_bytes(b"half")
     app = make_app()
-    assert set(app.extensions["fedmoe"].blobs.digests()) == digests
-    assert orphan not in set(app.extensions["fedmoe"].blobs.digests())
+    assert set(app.extensions["fedmoe"].store._blobs.digests()) == digests
+    assert orphan not in set(app.extensions["fedmoe"].store._blobs.digests())
     assert list(blobs.tmp_dir.iterdir()) == []
 
 
@@ -113,18 +113,18 @@ def test_a_second_process_on_the_same_data_dir_cannot_apply_an_update_twice(make
     put_expert(first.test_client(), "e", adapter)
     push(first.test_client(), "e", random_like(adapter, 1), update_meta(num_samples=5))
     c2 = second.extensions["fedmoe"]
-    stale = c2.db.pending_updates("e")
+    stale = c2.store.pending_updates("e")
     push(first.test_client(), "e", random_like(adapter, 2), update_meta(num_samples=7))  # first applies both
     weights = first.test_client().get("/api/v1/experts/e/weights").data
 
     assert len(stale) == 1 and c2._apply("e", stale + stale) is False
     with pytest.raises(StaleAggregation):  # the commit itself refuses a stale step
-        c2.db.commit_version("e", 2, c2.weights("e").digest, stale, None)
+        c2.store._rows.commit_version("e", 2, c2.weights("e").digest, stale, None)
     info = first.test_client().get("/api/v1/experts/e").get_json()
     assert info["version"] == 1 and info["samples_seen"] == 12 and info["updates_applied"] == 2
     assert first.test_client().get("/api/v1/experts/e/weights").data == weights
     first.extensions["fedmoe"].gateway.close()  # its background gateway builds write blobs too: let them finish
-    assert set(c2.blobs.digests()) == c2.db.referenced_blobs()
+    assert set(c2.store._blobs.digests()) == c2.store._rows.referenced_blobs()
 
 
 def test_commit_refuses_a_step_whose_base_version_moved(make_app):
@@ -133,7 +133,7 @@ def test_commit_refuses_a_step_whose_base_version_moved(make_app):
     put_expert(app.test_client(), "e", adapter)
     push(app.test_client(), "e", random_like(adapter, 1))
     c = app.extensions["fedmoe"]
-    pending = c.db.pending_updates("e")
+    pending = c.store.pending_updates("e")
     with pytest.raises(StaleAggregation):
-        c.db.commit_version("e", 2, c.weights("e").digest, pending, None)  # expert is at 0, not 1
-    assert c.db.pending_count("e") == 1 and c.db.expert("e").version == 0
+        c.store._rows.commit_version("e", 2, c.weights("e").digest, pending, None)  # expert is at 0, not 1
+    assert c.store.pending_count("e") == 1 and c.store.expert("e").version == 0

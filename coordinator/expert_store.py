@@ -1,0 +1,289 @@
+"""The expert store (DESIGN.md's WeightStore): the one object that holds blobs and manifest rows.
+
+Two backends sit behind it: ``blobs`` (immutable content-addressed bytes; ``BlobStore`` keeps
+them as local files) and ``rows`` (the durable manifest: experts, versions, updates, gateways;
+``ManifestStore`` keeps it in SQLite). The store owns the rule that ties them together:
+
+    a blob is adopted and the row naming it recorded as one step, and a blob is deleted only
+    once no row names it; the two never interleave (``_guard``).
+
+So every method that records a blob takes the fsynced temp file and adopts it itself, and
+``drop_unreferenced`` is the only way a blob goes. Nothing outside this module touches a blob
+and a row together. Reads hand out digests (``WeightsRef``), never storage handles: a caller
+reads a blob with ``open_blob`` or ``local_file`` (a local path, fetched first if the backend is
+remote), and asks ``local_path`` only to let a server send a local file directly.
+
+Lock order (outermost first), wherever more than one is taken:
+``expert_lock(name)`` -> ``_guard`` -> the manifest's connection lock. A caller holding
+``_guard`` or a manifest lock never waits for an expert lock.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, TypeVar
+
+from coordinator.audit import Event
+from coordinator.blobs import BlobStore, is_storage_full, storage_errors
+from protocol.integrity import DEFAULT_ALGORITHM
+from coordinator.store import ExpertRow, ManifestStore, StaleAggregation, UpdateRow
+from protocol.errors import NotFound
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+__all__ = ["ExpertStore", "StaleAggregation", "WeightsRef"]
+
+
+@dataclass(frozen=True)
+class WeightsRef:
+    """One stored version of an expert: read its bytes through the store by ``digest``."""
+
+    version: int
+    digest: str
+
+
+class ExpertStore:
+    def __init__(self, blobs: BlobStore, rows: ManifestStore, keep_versions: int) -> None:
+        self._blobs = blobs
+        self._rows = rows
+        self.keep_versions = keep_versions
+        """Versions of each expert whose weights are kept (--keep-versions); older ones are pruned."""
+        self._guard = threading.RLock()  # adopt+record vs. drop-unreferenced (see the module docstring)
+        self._expert_locks: dict[str, threading.Lock] = {}
+        self._expert_locks_guard = threading.Lock()
+
+    def close(self) -> None:
+        self._rows.close()
+
+    def expert_lock(self, name: str) -> threading.Lock:
+        """Serialises changes to one expert (checks, recording an update, aggregation steps)."""
+        with self._expert_locks_guard:
+            return self._expert_locks.setdefault(name, threading.Lock())
+
+    # bodies on their way in: always a local, fsynced temp file whatever the backend ---------
+
+    @property
+    def spool_dir(self) -> Path:
+        """A local directory for request bodies on their way in (same file system as the temp files)."""
+        return self._blobs.tmp_dir
+
+    def receive(self, stream: BinaryIO, limit: int, length: int | None = None,
+                algorithm: str = DEFAULT_ALGORITHM) -> Path:
+        """A request body copied to a fsynced temp file (see ``BlobStore.receive``)."""
+        with storage_errors("receive the request body"):
+            return self._blobs.receive(stream, limit, length, algorithm)
+
+    def take_spooled(self, path: Path, digest: str) -> Path:
+        """A body the HTTP front already wrote into ``spool_dir`` and hashed, fsynced (no second copy)."""
+        with storage_errors("receive the request body"):
+            return self._blobs.take_spooled(path, digest)
+
+    def digest_of(self, tmp: Path, algorithm: str | None = None) -> str:
+        """Content id of a temp file (protocol/integrity.py), in ``algorithm`` if given."""
+        return self._blobs.digest_of(tmp, algorithm)
+
+    def forget(self, tmp: Path) -> None:
+        """Drop a temp file that will not be stored (refused, a duplicate, or already adopted)."""
+        self._blobs.forget(tmp)
+
+    def write_temp(self, write: Callable[[Path], None], action: str | None = None) -> Path:
+        """A temp file filled by ``write(path)`` and fsynced; a full disk is a 507 naming ``action``."""
+        if action is None:
+            return self._blobs.write_temp(write)
+        with storage_errors(action):
+            return self._blobs.write_temp(write)
+
+    # adopt and record: every row that names a blob is written here --------------------------
+
+    def _adopt_and_record(self, tmp: Path, record: Callable[[str], T], action: str | None,
+                          digest: str | None = None) -> T:
+        """Move ``tmp`` into the blob store, then ``record(digest)`` its row; a row that cannot be
+        committed leaves no blob behind. With ``action``, a full disk at either step is a 507 naming it."""
+        with self._guard, (storage_errors(action) if action else contextlib.nullcontext()):
+            digest = self._blobs.adopt(tmp, digest)
+            try:
+                return record(digest)
+            except BaseException:
+                self.drop_unreferenced([digest])
+                raise
+
+    def create_expert(self, name: str, spec: dict[str, Any], manifest: str, body: Path,
+                      events: tuple[Event, ...] = ()) -> None:
+        """Store an expert's first weights (version 0) from a temp file."""
+        self._adopt_and_record(body, lambda digest: self._rows.create_expert(name, spec, manifest, digest, events),
+                               f"store expert {name!r}")
+
+    def add_update(self, name: str, meta: dict[str, Any], body: Path, body_digest: str, body_bytes: int,
+                   raw_bytes: int, norm: float | None, events: tuple[Event, ...] = ()) -> UpdateRow:
+        """Record a pending update with its payload: the point of no loss (202 only after this)."""
+        return self._adopt_and_record(
+            body, lambda digest: self._rows.add_update(name, meta, digest, body_bytes, raw_bytes, norm, events),
+            f"record update {meta['update_id']!r}", body_digest)
+
+    def commit_version(self, name: str, version: int, written: Path, applied: list[UpdateRow],
+                       train_loss: float | None, events: tuple[Event, ...] = ()) -> None:
+        """Record a new version from a temp file and mark ``applied`` as applied, atomically; then drop
+        their payloads and prune versions past ``keep_versions``. StaleAggregation (nothing stored) if
+        the expert or the updates moved on meanwhile (another process on this data dir)."""
+        self._adopt_and_record(
+            written, lambda digest: self._rows.commit_version(name, version, digest, applied, train_loss, events),
+            f"record version {version} of {name!r}")
+        self.drop_unreferenced([u.blob for u in applied if u.blob]
+                               + self._rows.prune_versions(name, self.keep_versions))
+
+    def add_gateway(self, key: str, written: Path, info: dict[str, Any], keep: int) -> int:
+        """Store a built gateway from a temp file; delete all but the newest ``keep``. Returns its version."""
+        version, pruned = self._adopt_and_record(written, lambda digest: self._rows.add_gateway(key, digest, info, keep),
+                                                 None)  # a full disk fails the build, as any error does
+        self.drop_unreferenced(pruned)
+        return version
+
+    # reading blobs --------------------------------------------------------------------------
+
+    def weights(self, name: str, version: int | None = None) -> WeightsRef:
+        """Version ``version`` (default: the current one) of an expert; NotFound if absent or pruned."""
+        expert = self.require_expert(name)
+        exists, digest = self._rows.version_blob(name, expert.version if version is None else version)
+        while version is None and digest is None:  # replaced and pruned between the two reads
+            expert = self.require_expert(name)
+            exists, digest = self._rows.version_blob(name, expert.version)
+        version = expert.version if version is None else version
+        if not exists:
+            raise NotFound(f"expert {name!r} has no version {version} (current: {expert.version})")
+        if digest is None:
+            raise NotFound(f"version {version} of {name!r} was pruned; the newest "
+                           f"{self.keep_versions} versions are kept (--keep-versions)")
+        return WeightsRef(version, digest)
+
+    def local_path(self, digest: str) -> Path | None:
+        """The blob's own file when the backend keeps it locally (for sendfile), else None."""
+        return self._blobs.path(digest)
+
+    def open_blob(self, digest: str) -> BinaryIO:
+        """The blob's bytes for reading; FileNotFoundError if it was deleted (pruned) meanwhile."""
+        return open(self._blobs.path(digest), "rb")
+
+    @contextlib.contextmanager
+    def local_file(self, digest: str) -> Iterator[Path]:
+        """A local file holding the blob, valid inside the block (a remote backend fetches it first).
+
+        A local blob can be pruned while it is read: readers catch FileNotFoundError and look again.
+        """
+        yield self._blobs.path(digest)
+
+    # housekeeping ---------------------------------------------------------------------------
+
+    def drop_unreferenced(self, digests: list[str]) -> None:
+        """Delete those of ``digests`` that no row names any more."""
+        if not digests:
+            return
+        with self._guard:
+            for digest in set(digests) - self._rows.referenced_blobs():
+                self._blobs.delete(digest)
+
+    def remove_orphans(self) -> int:
+        """Delete blobs written just before a crash and never recorded; how many there were."""
+        with self._guard:
+            orphans = set(self._blobs.digests()) - self._rows.referenced_blobs()
+            for digest in orphans:
+                self._blobs.delete(digest)
+        return len(orphans)
+
+    def quarantine_updates(self, name: str, updates: list[UpdateRow], reason: str,
+                           event: Callable[[UpdateRow, str | None], Event]) -> int:
+        """Set pending updates aside for good, keeping a copy of each payload for a human;
+        ``event(update, copy name)`` says why in the audit log. Returns how many were still pending."""
+        marked = [(u.seq, event(u, self._quarantine(u.blob, reason) if u.blob else None)) for u in updates]
+        count = self._rows.quarantine_updates(marked)
+        self.drop_unreferenced([u.blob for u in updates if u.blob])
+        return count
+
+    def remove_expert(self, expert: ExpertRow, reason: str, event: Callable[[list[str]], Event]) -> list[str]:
+        """Forget an expert whose weights cannot be used, keeping copies of all its blobs;
+        ``event(copy names)`` is its audit row. Returns the copies' names."""
+        digests = self._rows.expert_blobs(expert.name)
+        kept = [copy for d in digests if (copy := self._quarantine(d, reason)) is not None]
+        self._rows.remove_expert(expert.name, events=(event(kept),))
+        self.drop_unreferenced(digests)
+        return kept
+
+    def _quarantine(self, digest: str, reason: str) -> str | None:
+        """Keep a copy of a blob aside for a human; the copy's name, None if the blob was gone."""
+        kept = self._blobs.quarantine(digest, reason)
+        return None if kept is None else kept.name
+
+    @property
+    def quarantine_location(self) -> str:
+        """Where quarantined copies are kept (for log lines)."""
+        return str(self._blobs.quarantine_dir)
+
+    # rows that name no blob -----------------------------------------------------------------
+
+    def require_expert(self, name: str) -> ExpertRow:
+        """The expert's row, or NotFound listing the known experts."""
+        expert = self._rows.expert(name)
+        if expert is None:
+            raise NotFound(f"no expert named {name!r}; known experts: {[e.name for e in self._rows.experts()]}")
+        return expert
+
+    def expert(self, name: str) -> ExpertRow | None:
+        return self._rows.expert(name)
+
+    def experts(self) -> list[ExpertRow]:
+        return self._rows.experts()
+
+    def versions(self, name: str) -> list[dict[str, Any]]:
+        return self._rows.versions(name)
+
+    def update(self, update_id: str) -> UpdateRow | None:
+        return self._rows.update(update_id)
+
+    def pending_updates(self, name: str) -> list[UpdateRow]:
+        return self._rows.pending_updates(name)
+
+    def pending_count(self, name: str) -> int:
+        return self._rows.pending_count(name)
+
+    def recent_norms(self, name: str, n: int) -> list[float]:
+        return self._rows.recent_norms(name, n)
+
+    def gateway(self, key: str | None = None) -> dict[str, Any] | None:
+        """The gateway built under ``key`` (default: the newest), its blob's digest under "blob"."""
+        return self._rows.gateway(key)
+
+    def add_event(self, event: Event) -> None:
+        self._rows.add_event(event)
+
+    def events(self, limit: int, after: int | None = None, expert: str | None = None,
+               kind: str | None = None) -> list[dict[str, Any]]:
+        return self._rows.events(limit, after, expert, kind)
+
+    def upsert_worker(self, worker_id: str, specialty: str, base_model: dict[str, Any],
+                      sync_interval: float | None, events: tuple[Event, ...] = ()) -> None:
+        self._rows.upsert_worker(worker_id, specialty, base_model, sync_interval, events)
+
+    def touch_worker(self, worker_id: str) -> bool:
+        return self._rows.touch_worker(worker_id)
+
+    def workers(self) -> list[dict[str, Any]]:
+        return self._rows.workers()
+
+    def record_pull(self, worker_id: str, body_bytes: int, raw_bytes: int) -> None:
+        """Count a pull; a tally, so a full disk is logged, never raised into the pull it counts."""
+        try:
+            self._rows.record_pull(worker_id, body_bytes, raw_bytes)
+        except Exception as exc:
+            if not is_storage_full(exc):
+                raise
+            log.warning("disk full: pull by %s not counted", worker_id)
+
+    def put_profile(self, expert: str, worker_id: str, vector: bytes, num_examples: int) -> None:
+        self._rows.put_profile(expert, worker_id, vector, num_examples)
+
+    def profiles(self) -> dict[str, list[tuple[bytes, int]]]:
+        return self._rows.profiles()

@@ -1,0 +1,15 @@
+"""The worker's exception tree: one root, so an entry script reports any of them as one line.
+
+    WorkerError
+    ├── CheckpointError        (worker.checkpoint; also a ValueError)
+    ├── DatasetError           (worker.data)
+    ├── DistributedSetupError  (worker.distributed; also a ValueError)
+    ├── ModelLoadError         (worker.models)
+    └── PresetError            (worker.presets)
+
+Errors from the coordinator arrive as ``protocol.errors.FedMoEError`` (the client's own tree).
+"""
+
+
+class WorkerError(Exception):
+    """Base of every error the worker raises on purpose; its message is meant for the user as is."""
