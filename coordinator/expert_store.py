@@ -25,7 +25,7 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, TypeVar
+from typing import Any, BinaryIO, ContextManager, TypeVar
 
 from coordinator.audit import Event
 from coordinator.blobs import BlobStore, is_storage_full, storage_errors
@@ -48,8 +48,10 @@ class WeightsRef:
 
 
 class ExpertStore:
-    def __init__(self, blobs: BlobStore, rows: ManifestStore, keep_versions: int) -> None:
+    def __init__(self, blobs: BlobStore, rows: ManifestStore, keep_versions: int, locks: Any = None) -> None:
         self._blobs = blobs
+        self._locks = locks
+        """Cross-process expert locks (coordinator/backends/postgres.py ExpertLocks) when replicas share rows."""
         self._rows = rows
         self.keep_versions = keep_versions
         """Versions of each expert whose weights are kept (--keep-versions); older ones are pruned."""
@@ -60,8 +62,11 @@ class ExpertStore:
     def close(self) -> None:
         self._rows.close()
 
-    def expert_lock(self, name: str) -> threading.Lock:
-        """Serialises changes to one expert (checks, recording an update, aggregation steps)."""
+    def expert_lock(self, name: str) -> ContextManager[Any]:
+        """Serialises changes to one expert (checks, recording an update, aggregation steps), across
+        replicas too when the rows are shared (PostgreSQL advisory locks)."""
+        if self._locks is not None:
+            return self._locks.hold(name)
         with self._expert_locks_guard:
             return self._expert_locks.setdefault(name, threading.Lock())
 
@@ -287,3 +292,12 @@ class ExpertStore:
 
     def profiles(self) -> dict[str, list[tuple[bytes, int]]]:
         return self._rows.profiles()
+
+    def redirect_url(self, digest: str, min_bytes: int) -> tuple[str, int] | None:
+        """(URL, size): a short-lived URL to GET a blob of at least ``min_bytes`` from directly (the object store's
+        bandwidth, not ours), when the blob backend offers one; else None (serve it ourselves)."""
+        presign = getattr(self._blobs, "presigned_url", None)
+        if presign is None or min_bytes <= 0:
+            return None
+        size = self._blobs.remote_size(digest)
+        return (presign(digest), size) if size >= min_bytes else None

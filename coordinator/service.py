@@ -69,8 +69,7 @@ class Coordinator:
     def __init__(self, config: CoordinatorConfig) -> None:
         self.config = config
         private_dir(config.data_dir)  # 0700: tokens, audit log and weights are the operator's only
-        self.store = ExpertStore(BlobStore(config.data_dir / "blobs"),
-                                 ManifestStore(private_file(config.data_dir / "manifest.sqlite")), config.keep_versions)
+        self.store = open_store(config)
         self.params = AggregationParams(config.server_lr, config.staleness_decay)
         self._aggregate_fn = AGGREGATORS[config.aggregation]
         if config.robust != "none":  # a robust combination of fedbuff's buffer (coordinator.aggregation.robust)
@@ -424,6 +423,21 @@ class Coordinator:
     def list_workers(self) -> list[dict[str, Any]]:
         now = time.time()
         return [w | {"status": liveness(now - w["last_seen"], w["sync_interval"])} for w in self.store.workers()]
+
+
+def open_store(config: CoordinatorConfig) -> ExpertStore:
+    """SQLite + local files (the default), or PostgreSQL and/or S3 when --manifest / --blobs name them."""
+    blobs: BlobStore
+    if config.blobs:
+        from coordinator.backends.s3 import S3BlobStore  # boto3 only when asked for
+        blobs = S3BlobStore(config.data_dir / "blobs", config.blobs)
+    else:
+        blobs = BlobStore(config.data_dir / "blobs")
+    if config.manifest:
+        from coordinator.backends.postgres import ExpertLocks, PostgresManifestStore
+        return ExpertStore(blobs, PostgresManifestStore(config.manifest), config.keep_versions,
+                           locks=ExpertLocks(config.manifest))
+    return ExpertStore(blobs, ManifestStore(private_file(config.data_dir / "manifest.sqlite")), config.keep_versions)
 
 
 def liveness(silent_for: float, sync_interval: float | None) -> str:

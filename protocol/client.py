@@ -52,8 +52,8 @@ from protocol.credentials import resolve_token, store_worker_token, stored_worke
 from protocol.errors import (BadRequest, FedMoEError, Forbidden, TLSFailure, TooManyRequests, Unauthorized, Unavailable,
                              error_from_response)
 from protocol.integrity import DEFAULT_ALGORITHM, DIGEST_HEADER, digest_header, is_old_server_refusal
-from protocol.resume import can_resume, resumable_body
-from protocol.schemas import API_PREFIX, EXPERT_HEADER, UPDATE_HEADER, VERSION_HEADER, WORKER_HEADER
+from protocol.resume import can_resume, check_etag, resumable_body
+from protocol.schemas import API_PREFIX, EXPERT_HEADER, REDIRECT_HEADER, UPDATE_HEADER, VERSION_HEADER, WORKER_HEADER
 from protocol.streaming import tensors_from_buffer
 from protocol.tensors import StateDict, dumps
 
@@ -281,11 +281,13 @@ class CoordinatorClient:
     def pull_weights(self, name: str, etag: str | None = None, version: int | None = None,
                      worker_id: str | None = None) -> Pulled:
         headers = {"If-None-Match": etag} if etag else {}
+        headers[REDIRECT_HEADER] = "1"  # a coordinator on an object store may send us to a presigned URL
         if worker_id:
             headers[WORKER_HEADER] = worker_id
         params = {"version": version} if version is not None else {}
         path = f"/experts/{name}/weights"
         r = self._request("GET", path, headers=headers, params=params, worker=worker_id, expert=name, stream=True)
+        origin = r.history[0] if r.history else r  # the coordinator's answer: version and content-id ETag
         resumes = 0
         if can_resume(r):  # a drop mid-body resumes with Range + If-Range (protocol/resume.py)
             resend = {k: v for k, v in headers.items() if k != "If-None-Match"}
@@ -295,8 +297,11 @@ class CoordinatorClient:
                 self.retry.attempts, self.base_url)
         else:
             body = bytearray() if r.status_code == 304 else _read_body(r, self.base_url)
+        if r.status_code != 304 and origin is not r and origin.headers.get("ETag"):
+            check_etag(body, origin.headers["ETag"], self.base_url)  # the object store's bytes are ours
         tensors = None if r.status_code == 304 else tensors_from_buffer(body)
-        return Pulled(tensors, int(r.headers.get(VERSION_HEADER, -1)), r.headers.get("ETag"), len(body), resumes)
+        return Pulled(tensors, int(origin.headers.get(VERSION_HEADER, -1)), origin.headers.get("ETag"), len(body),
+                      resumes)
 
     def pull_diff(self, name: str, since: int, codec: str, codec_config: dict[str, Any] | None = None,
                   worker_id: str | None = None) -> tuple[bytes, int]:
