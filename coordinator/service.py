@@ -29,6 +29,7 @@ from coordinator.aggregation import AGGREGATORS, AggregationParams, StateDict, U
 from coordinator import audit
 from coordinator.audit import Event
 from coordinator.blobs import BlobStore
+from coordinator.backends.errors import BackendUnavailable
 from coordinator.config import CoordinatorConfig
 from coordinator.diffs import DiffCache
 from coordinator.errors import REFUSALS
@@ -298,6 +299,8 @@ class Coordinator:
         """Add an event that records no other change; a failure to log is logged, never raised."""
         try:
             self.store.add_event(event)
+        except BackendUnavailable:  # the backend's own log line already says what failed
+            log.debug("could not record %s event: a backend is unavailable", event.kind)
         except Exception:  # noqa: BLE001 - the audit log must not turn the answer into a 5xx
             log.exception("could not record %s event", event.kind)
 

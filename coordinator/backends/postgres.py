@@ -32,7 +32,7 @@ import psycopg
 from psycopg.rows import dict_row, tuple_row
 
 from coordinator.audit import AUDIT_SCHEMA
-from coordinator.backends.errors import BackendUnavailable
+from coordinator.backends.errors import BackendUnavailable, log_outage
 from coordinator.store import SCHEMA, ManifestStore
 from coordinator.tokens import TokenStore
 from protocol.errors import Conflict
@@ -129,7 +129,7 @@ def _connect(url: str, rows: Any = dict_row) -> psycopg.Connection:
 def unavailable(url: str, exc: Exception) -> BackendUnavailable:
     where = re.sub(r"//[^@/]*@", "//", url)  # never log a password
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    log.error("manifest backend PostgreSQL %s failed: %s", where, first)
+    log_outage(log, url, "manifest backend PostgreSQL %s failed: %s", where, first)
     return BackendUnavailable(f"the coordinator's database (PostgreSQL) is not answering ({first}); "
                               "nothing was recorded, try again", backend="postgresql")
 

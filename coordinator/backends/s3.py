@@ -26,7 +26,7 @@ import boto3
 import botocore.exceptions
 from botocore.config import Config
 
-from coordinator.backends.errors import BackendUnavailable
+from coordinator.backends.errors import BackendUnavailable, log_outage
 from coordinator.blobs import BlobStore
 from protocol.files import fsync_dir
 from protocol.integrity import hex_of, is_content_id
@@ -167,7 +167,7 @@ class _S3Errors:
             str(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", "")).startswith("5")
         upload = type(exc).__name__ == "S3UploadFailedError"
         if isinstance(exc, retryable) or server_side or upload:
-            log.error("blob backend S3 %s failed to %s: %s", self.url, self.action, exc)
+            log_outage(log, self.url, "blob backend S3 %s failed to %s: %s", self.url, self.action, exc)
             raise BackendUnavailable(f"the coordinator's object store (S3 {self.url}) could not {self.action}; "
                                      "nothing was recorded, try again", backend="s3") from None
         return False

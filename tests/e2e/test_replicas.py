@@ -74,6 +74,8 @@ def _reset_database(url: str) -> None:
 
 
 def admin(server: CoordinatorProcess) -> dict[str, str]:
+    if "--admin-token-file" not in server.flags:
+        return server.headers
     token_file = Path(server.flags[server.flags.index("--admin-token-file") + 1])
     return {"Authorization": f"Bearer {token_file.read_text().strip()}"}
 
@@ -165,3 +167,28 @@ def test_kill_9_of_a_replica_loses_nothing_acknowledged(replicas):
     info = requests.get(survivor.url + f"{API_PREFIX}/experts/sql", headers=admin(survivor), timeout=30).json()
     assert info["updates_applied"] + info["pending_updates"] >= len(acknowledged)
     assert info["samples_seen"] == info["updates_applied"]  # one sample each: nothing applied twice
+
+
+def test_a_database_that_goes_down_is_a_503_with_retry_after_and_one_log_line(tmp_path):
+    pg = start_postgres()
+    if isinstance(pg, str):
+        pytest.skip(f"PostgreSQL cannot start here: {pg}")
+    server = CoordinatorProcess(tmp_path / "d", "--manifest", pg.url, "--aggregation", "fedbuff", "--buffer-size",
+                                "2", new_session=True)
+    try:
+        server.start()
+        headers = server.headers
+        CoordinatorClient(server.url, token=headers["Authorization"].split()[1]).create_expert(
+            "sql", random_tensors(MANIFEST, 7, 0.01), SPEC)
+        token = register(server, "w1")
+        assert push(server, token, "w1", 0, update_body(0), 1).status_code == 202
+        pg.stop()
+        down = push(server, token, "w1", 1, update_body(1), 1)
+        assert down.status_code == 503, down.text
+        assert down.headers["Retry-After"].isdigit()
+        assert down.json()["error"]["details"]["backend"] == "postgresql"
+        assert sum("PostgreSQL" in line and "ERROR" in line for line in server.log) == 1  # one line, naming it
+        assert not any("Traceback" in line for line in server.log), "".join(server.log[-60:])
+    finally:
+        server.stop()
+        pg.stop()
