@@ -156,9 +156,9 @@ def verify(url: str, pushed: list[Pushed], experts: list[str]) -> dict[str, Any]
     return {"lost": lost, "duplicated": duplicated, "known": len(known)}
 
 
-def create_experts(url: str, settings: Settings, experts: list[str]) -> None:
+def create_experts(url: str, settings: Settings, experts: list[str], token: str | None = None) -> None:
     manifest = lora_manifest(settings.model, settings.rank)
-    setup = CoordinatorClient(url)
+    setup = CoordinatorClient(url, token=token)
     spec = {"lora": {"rank": settings.rank, "alpha": 2.0 * settings.rank, "target_modules": list(PROJECTIONS)},
             "base_model": {"id": settings.model, "fingerprint": FINGERPRINT}}
     for i, name in enumerate(experts):
@@ -202,12 +202,13 @@ def run(settings: Settings) -> dict[str, Any]:
             "--threads", str(settings.threads), new_session=True) as server:
         create_experts(server.url, settings, experts)
         log.info("%s load: %d workers, generator in its own process", settings.mode, settings.workers)
+        cpu_before = process_cpu_seconds(server.pid)  # startup (importing torch) is not the pushes' cost
         load = run_in_process(load_plan([server.url], server.headers["Authorization"].split()[1], settings, experts))
         results = [Pushed(**{k: r[k] for k in ("update_id", "expert", "num_samples", "seconds", "status")})
                    for r in load["results"]]
         checked = verify(server.url, results, experts)
         peaks = peak_rss_bytes(server.pid)
-        cpu = process_cpu_seconds(server.pid)
+        cpu = process_cpu_seconds(server.pid) - cpu_before
     report = summarise(settings, load, checked)
     report["coordinator_cpu_s_per_push"] = round(cpu / max(1, len(results)), 4)
     report["coordinator_peak_rss_mb"] = {"max_process": round(max(peaks.values()) / 2**20, 1),

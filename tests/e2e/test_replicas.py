@@ -21,7 +21,7 @@ from protocol.client import CoordinatorClient
 from protocol.integrity import DIGEST_HEADER, digest_header
 from protocol.schemas import API_PREFIX, REDIRECT_HEADER, UPDATE_HEADER
 from protocol.tensors import loads
-from tests.servers import s3_env, start_postgres, start_s3
+from bench.servers import s3_env, start_postgres, start_s3
 
 MANIFEST = lora_manifest("tiny-qwen2", 4)
 SPEC = {"lora": {"rank": 4, "alpha": 8.0, "target_modules": list(PROJECTIONS)},

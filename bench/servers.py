@@ -1,4 +1,4 @@
-"""Real backend servers for tests and benchmarks: a PostgreSQL 15 cluster and an S3-compatible server.
+"""Real backend servers for tests and benchmarks (bench.scale, tests/e2e/test_replicas.py): PostgreSQL 15 and S3.
 
 PostgreSQL: ``initdb`` + ``postgres`` from /usr/lib/postgresql/15/bin (Debian package
 ``postgresql``) in a temp dir, on a free loopback port, trust auth. ``initdb`` refuses to run as
