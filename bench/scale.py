@@ -133,6 +133,7 @@ def crash_rounds(root: Path, pg_url: str, rounds: int, settings: Settings, rng: 
     bodies = [encode_update(random_tensors(manifest, i, 1e-3), manifest, make_codec("int8", {}), seed=1)
               for i in range(4)]
     acked: set[str] = set()
+    attempted: set[str] = set()  # acknowledged or not: a push cut off by the kill may still be recorded
     lock = threading.Lock()
     with Federation(root / "crash", pg_url, 2, Settings(**{**settings.__dict__, "buffer_size": 2})) as fed:
         tiny = Settings(**{**settings.__dict__, "model": "tiny-qwen2", "rank": 4})
@@ -152,6 +153,8 @@ def crash_rounds(root: Path, pg_url: str, rounds: int, settings: Settings, rng: 
                     time.sleep(0.05)
                     continue
                 update_id = f"crash-{index}-{n}"
+                with lock:
+                    attempted.add(update_id)
                 ok = _push(server.url, worker_token, update_id, bodies[n % len(bodies)])
                 if ok:
                     with lock:
@@ -175,8 +178,9 @@ def crash_rounds(root: Path, pg_url: str, rounds: int, settings: Settings, rng: 
             t.join(timeout=120)
         url = fed.servers[0].url
         auth = {"Authorization": f"Bearer {fed.token}"}
-        lost = sum(requests.get(f"{url}{API_PREFIX}/updates/{u}", headers=auth, timeout=30).status_code != 200
-                   for u in sorted(acked))
+        known = {u for u in sorted(attempted)
+                 if requests.get(f"{url}{API_PREFIX}/updates/{u}", headers=auth, timeout=30).status_code == 200}
+        lost = len(acked - known)
         info = requests.get(f"{url}{API_PREFIX}/experts/crash_expert", headers=auth, timeout=30).json()
         bucket, _, prefix = fed.prefix.partition("/")
         s3 = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"])
@@ -189,7 +193,9 @@ def crash_rounds(root: Path, pg_url: str, rounds: int, settings: Settings, rng: 
                 bad_blobs += hash_bytes(data, algorithm_of(name)) != name
     counted = info["updates_applied"] + info["pending_updates"]
     return {"rounds": kills, "acknowledged": len(acked), "lost": lost,
-            "applied_twice": max(0, counted - len(acked)) + (info["samples_seen"] != info["updates_applied"]),
+            # rows counted beyond the ids the server knows, or samples (one per push) beyond the updates applied
+            "applied_twice": max(0, counted - len(known)) + abs(info["samples_seen"] - info["updates_applied"]),
+            "recorded_not_acknowledged": len(known - acked),
             "updates_applied": info["updates_applied"], "pending": info["pending_updates"],
             "s3_blobs": blobs, "bad_blobs": bad_blobs}
 
