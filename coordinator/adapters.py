@@ -12,7 +12,7 @@ from compression.codecs.blockwise import BlockwiseConfig
 from compression.errors import CompressionError, PayloadError
 from compression.registry import make_codec
 from coordinator.aggregation import l2_norm
-from coordinator.fused_check import int8_config, int8_decode, int8_update_norm
+from coordinator.fused_check import int8_config, int8_decode, int8_update_norm, raw_update_norm
 from protocol.errors import BadRequest, InvalidUpdate
 from protocol.schemas import RAW_CODEC, FullSpec, LoraSpec
 from protocol.streaming import FileTensors, check_file, read_header
@@ -86,6 +86,9 @@ def check_update(path: Path, codec: str, codec_config: dict, manifest: Manifest)
 
 def checked_norm(path: Path, codec: str, codec_config: dict, manifest: Manifest) -> float:
     """Refuse (4xx) an update body that does not fit the expert, else return its L2 norm."""
+    if codec == RAW_CODEC:
+        _check_raw_config(codec_config)
+        return raw_update_norm(path, manifest)
     config = int8_config(codec, codec_config)
     if config is not None:
         norm = int8_update_norm(path, config, manifest)

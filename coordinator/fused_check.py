@@ -20,10 +20,13 @@ import math
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from compression import wire
 from compression.codecs.blockwise import SCALE_FORMATS, BlockwiseConfig
 from compression.errors import CompressionError
+from protocol.errors import InvalidUpdate
+from protocol.streaming import CHECK_CHUNK, check_header
 from protocol.tensors import Manifest
 
 FUSED_CODECS = ("int8",)
@@ -109,3 +112,29 @@ def int8_decode(payload: memoryview, numel: int, config: BlockwiseConfig) -> np.
     out = np.empty(codes.size, dtype=np.float32)
     np.multiply(codes.reshape(-1, config.block_size), scales[:, None], out=out.reshape(-1, config.block_size))
     return out[:numel]
+
+
+def raw_update_norm(path: Path, manifest: Manifest) -> float:
+    """Check an uncompressed (safetensors) update and take its L2 norm in one read of its data.
+
+    The generic path read the file twice (``check_file``'s finiteness pass, then ``l2_norm`` over
+    the tensors). A chunk whose float32 norm is finite holds only finite values; only a chunk whose
+    norm is not finite is looked at again, to tell NaN/Inf (422) from a sum of squares that overflowed
+    float32 (then summed in float64). Raises what ``check_file`` raises.
+    """
+    header = check_header(path, manifest)
+    chunk = bytearray(CHECK_CHUNK)
+    squares = 0.0
+    with open(path, "rb", buffering=0) as f:
+        for e in header.entries:
+            f.seek(header.data_start + e.begin)
+            for start in range(e.begin, e.end, CHECK_CHUNK):
+                n = f.readinto(memoryview(chunk)[:min(CHECK_CHUNK, e.end - start)])
+                values = torch.frombuffer(chunk, dtype=torch.float32, count=n // 4)
+                norm = float(torch.linalg.vector_norm(values))
+                if not math.isfinite(norm):
+                    if not bool(torch.isfinite(values).all()):
+                        raise InvalidUpdate(f"tensor {e.name!r} contains NaN or Inf")
+                    norm = float(torch.linalg.vector_norm(values, dtype=torch.float64))
+                squares += norm * norm
+    return math.sqrt(squares)

@@ -110,3 +110,28 @@ def test_a_stored_body_that_is_not_clean_still_raises(tmp_path):
     deltas = stored_deltas(path, "int8", {}, MANIFEST)
     with pytest.raises(REFUSED, match="outside"):
         deltas["b.weight"]
+
+
+def _raw(tmp_path, tensors):
+    from protocol.tensors import save_file
+
+    path = tmp_path / "raw.safetensors"
+    save_file(tensors, path)
+    return path
+
+
+def test_raw_norm_in_one_pass_equals_the_decoded_norm(tmp_path):
+    g = torch.Generator().manual_seed(3)
+    tensors = {n: torch.randn(s, generator=g) for n, s in MANIFEST}
+    path = _raw(tmp_path, tensors)
+    assert math.isclose(checked_norm(path, "safetensors", {}, MANIFEST), l2_norm(tensors), rel_tol=1e-6)
+
+
+def test_raw_norm_refuses_nan_and_survives_float32_overflow(tmp_path):
+    tensors = {n: torch.zeros(s) for n, s in MANIFEST}
+    tensors["b.weight"][0, 0] = 3e38
+    tensors["b.weight"][0, 1] = 3e38  # the sum of squares overflows float32, the values are finite
+    assert math.isclose(checked_norm(_raw(tmp_path, tensors), "safetensors", {}, MANIFEST), 3e38 * math.sqrt(2), rel_tol=1e-6)
+    tensors["a.lora_A.weight"][1, 2] = float("nan")
+    with pytest.raises(REFUSED, match="NaN or Inf"):
+        checked_norm(_raw(tmp_path, tensors), "safetensors", {}, MANIFEST)
