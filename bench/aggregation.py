@@ -9,7 +9,7 @@ in place (no copy of the model per step), reading each delta's tensors as they a
 Two figures per rule, best of ``--repeats``:
 
 - ``gbps``: the aggregator alone, on tensors in memory (what the target is about);
-- ``step_gbps``: a whole coordinator step as ``Coordinator._apply`` runs it, deltas read one
+- ``step_gbps``: a whole coordinator step as ``AggregationSteps.apply`` (coordinator/steps.py) runs it, deltas read one
   tensor at a time from their stored blobs, the current version loaded, the new one written,
   fsynced and hashed (data dir in RAM when there is one), so it shows what the I/O around the
   maths costs.
@@ -67,7 +67,7 @@ def in_memory_seconds(rule: str, size_mb: int, k: int, repeats: int) -> float:
 
 
 def coordinator_step_seconds(rule: str, size_mb: int, k: int, repeats: int) -> float:
-    """Seconds of ``Coordinator._apply`` for k stored updates, as reported by its metrics hook."""
+    """Seconds of ``AggregationSteps.apply`` (coordinator/steps.py) for k stored updates, as reported by its metrics hook."""
     times: list[float] = []
     with tempfile.TemporaryDirectory(dir=SCRATCH_DIR) as scratch:
         config = CoordinatorConfig(data_dir=Path(scratch) / "data", aggregation=rule, buffer_size=k)

@@ -212,7 +212,7 @@ def push_update(name: str) -> tuple[Response, int]:
         meta = replace(meta, worker_id=acting_worker(meta.worker_id, f"worker_id in {UPDATE_HEADER}"))
         c.require_expert(name)  # 404 before reading a body we would throw away
         status, is_new = c.submit_update(name, meta, receive_body())
-    except (*REFUSALS, HTTPException) as exc:  # every refused push goes to the audit log
+    except REFUSALS + (HTTPException,) as exc:  # every refused push goes to the audit log
         _record_rejection(c, name, exc if isinstance(exc, HTTPException) else as_http_error(exc))
         raise
     return jsonify(status), 202 if is_new else 200

@@ -48,6 +48,19 @@ class BlobStore:
     def path(self, digest: str) -> Path:
         return self.root / hex_of(digest)[:2] / digest
 
+    # reads, as coordinator.expert_store.BlobBackend names them
+
+    def local_path(self, digest: str) -> Path | None:
+        """The blob's own file (it may be gone if pruned meanwhile)."""
+        return self.path(digest)
+
+    def open(self, digest: str) -> BinaryIO:
+        return open(self.path(digest), "rb")
+
+    @contextlib.contextmanager
+    def local_file(self, digest: str) -> Iterator[Path]:
+        yield self.path(digest)
+
     def exists(self, digest: str) -> bool:
         return self.path(digest).is_file()
 
@@ -161,9 +174,9 @@ class BlobStore:
     def delete(self, digest: str) -> None:
         self.path(digest).unlink(missing_ok=True)
 
-    def quarantine(self, digest: str, reason: str) -> Path | None:
+    def quarantine(self, digest: str, reason: str) -> str | None:
         """Keep a copy of a blob that cannot be used under ``<data dir>/quarantine`` (for a human to
-        inspect); the blob itself is dropped with its rows. Returns the copy's path, None if it was gone."""
+        inspect); the blob itself is dropped with its rows. Returns the copy's name, None if it was gone."""
         private_dir(self.quarantine_dir)
         kept = self.quarantine_dir / digest
         try:
@@ -175,7 +188,11 @@ class BlobStore:
         except OSError:  # e.g. blobs/ on another file system (EXDEV): copy
             shutil.copyfile(self.path(digest), kept)
         log.error("quarantined blob %s (%s): a copy is kept in %s", digest[:16], reason, self.quarantine_dir)
-        return kept
+        return kept.name
+
+    @property
+    def quarantine_location(self) -> str:
+        return str(self.quarantine_dir)
 
     def digests(self) -> Iterator[str]:
         for sub in self.root.iterdir():

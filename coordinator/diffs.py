@@ -33,7 +33,9 @@ class DiffCache:
         self._store = store
         self._diffs: dict[tuple, bytes] = {}  # (expert, since, version, codec, config) -> encoded diff
         self._compute_lock = threading.Lock()  # concurrent pulls of one diff wait: one model copy in memory, not N
-        self._guard = threading.Lock()
+        self._guard = threading.Lock()  # the dict itself
+        # Lock order: _compute_lock -> _guard, and _compute_lock -> the store's locks (reads); the
+        # store never calls back here, and no expert lock is held by a pull.
 
     def get(self, name: str, since: int, codec: str, codec_config: dict[str, Any]) -> tuple[bytes, int]:
         """(payload, current version); the payload is empty when nothing changed since ``since``."""

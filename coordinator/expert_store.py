@@ -25,18 +25,83 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, ContextManager, TypeVar
+from typing import Any, BinaryIO, ContextManager, Protocol, TypeVar
 
 from coordinator.audit import Event
-from coordinator.blobs import BlobStore, is_storage_full, storage_errors
+from coordinator.blobs import is_storage_full, storage_errors
 from protocol.integrity import DEFAULT_ALGORITHM
-from coordinator.store import ExpertRow, ManifestStore, StaleAggregation, UpdateRow
+from coordinator.store import ExpertRow, StaleAggregation, UpdateRow
 from protocol.errors import NotFound
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-__all__ = ["ExpertStore", "StaleAggregation", "WeightsRef"]
+__all__ = ["BlobBackend", "ExpertStore", "ManifestBackend", "StaleAggregation", "WeightsRef"]
+
+
+class BlobBackend(Protocol):
+    """Immutable blobs named by their SHA-256 (``coordinator.blobs.BlobStore``: local files).
+
+    Temp files are always local (bodies are checked before they are stored); ``adopt`` moves one
+    into the backend, durably, under its digest. ``receive`` and ``write_temp`` leave nothing behind
+    when they fail, and ``adopt`` of a digest already stored just drops the temp file.
+    """
+
+    tmp_dir: Path
+
+    def receive(self, stream: BinaryIO, limit: int, length: int | None = None,
+                algorithm: str = DEFAULT_ALGORITHM) -> Path: ...
+    def take_spooled(self, path: Path, digest: str) -> Path: ...  # a body the HTTP front spooled and hashed
+    def write_temp(self, write: Callable[[Path], None]) -> Path: ...
+    def digest_of(self, tmp: Path, algorithm: str | None = None) -> str: ...
+    def forget(self, tmp: Path) -> None: ...
+    def adopt(self, tmp: Path, digest: str | None = None) -> str: ...
+    def delete(self, digest: str) -> None: ...
+    def digests(self) -> Iterator[str]: ...
+    def open(self, digest: str) -> BinaryIO: ...  # FileNotFoundError once deleted
+    def local_file(self, digest: str) -> ContextManager[Path]: ...  # fetched first if remote
+    def local_path(self, digest: str) -> Path | None: ...  # None: not a local file (no sendfile)
+    def quarantine(self, digest: str, reason: str) -> str | None: ...  # a copy's name; None if gone
+    @property
+    def quarantine_location(self) -> str: ...
+
+
+class ManifestBackend(Protocol):
+    """The durable rows (``coordinator.store.ManifestStore``: SQLite). Rows name blobs by digest;
+    each method commits atomically (one transaction)."""
+
+    def close(self) -> None: ...
+    def create_expert(self, name: str, spec: dict[str, Any], manifest: str, blob: str,
+                      events: tuple[Event, ...] = ()) -> None: ...
+    def expert(self, name: str) -> ExpertRow | None: ...
+    def experts(self) -> list[ExpertRow]: ...
+    def version_blob(self, name: str, version: int) -> tuple[bool, str | None]: ...
+    def versions(self, name: str) -> list[dict[str, Any]]: ...
+    def commit_version(self, name: str, version: int, blob: str, applied: list[UpdateRow],
+                       train_loss: float | None, events: tuple[Event, ...] = ()) -> None: ...
+    def prune_versions(self, name: str, keep: int) -> list[str]: ...
+    def add_update(self, name: str, meta: dict[str, Any], blob: str, body_bytes: int, raw_bytes: int,
+                   norm: float | None = None, events: tuple[Event, ...] = ()) -> UpdateRow: ...
+    def update(self, update_id: str) -> UpdateRow | None: ...
+    def pending_count(self, name: str) -> int: ...
+    def pending_updates(self, name: str) -> list[UpdateRow]: ...
+    def quarantine_updates(self, marked: list[tuple[int, Event]]) -> int: ...
+    def remove_expert(self, name: str, events: tuple[Event, ...] = ()) -> None: ...
+    def expert_blobs(self, name: str) -> list[str]: ...
+    def upsert_worker(self, worker_id: str, specialty: str, base_model: dict[str, Any],
+                      sync_interval: float | None, events: tuple[Event, ...] = ()) -> None: ...
+    def record_pull(self, worker_id: str, body_bytes: int, raw_bytes: int) -> None: ...
+    def touch_worker(self, worker_id: str) -> bool: ...
+    def workers(self) -> list[dict[str, Any]]: ...
+    def put_profile(self, expert: str, worker_id: str, vector: bytes, num_examples: int) -> None: ...
+    def profiles(self) -> dict[str, list[tuple[bytes, int]]]: ...
+    def gateway(self, key: str | None = None) -> dict[str, Any] | None: ...
+    def add_gateway(self, key: str, blob: str, info: dict[str, Any], keep: int) -> tuple[int, list[str]]: ...
+    def add_event(self, event: Event) -> None: ...
+    def events(self, limit: int, after: int | None = None, expert: str | None = None,
+               kind: str | None = None) -> list[dict[str, Any]]: ...
+    def recent_norms(self, expert: str, n: int) -> list[float]: ...
+    def referenced_blobs(self) -> set[str]: ...
 
 
 @dataclass(frozen=True)
@@ -48,7 +113,7 @@ class WeightsRef:
 
 
 class ExpertStore:
-    def __init__(self, blobs: BlobStore, rows: ManifestStore, keep_versions: int, locks: Any = None) -> None:
+    def __init__(self, blobs: BlobBackend, rows: ManifestBackend, keep_versions: int, locks: Any = None) -> None:
         self._blobs = blobs
         self._locks = locks
         """Cross-process expert locks (coordinator/backends/postgres.py ExpertLocks) when replicas share rows."""
@@ -167,19 +232,18 @@ class ExpertStore:
 
     def local_path(self, digest: str) -> Path | None:
         """The blob's own file when the backend keeps it locally (for sendfile), else None."""
-        return self._blobs.path(digest)
+        return self._blobs.local_path(digest)
 
     def open_blob(self, digest: str) -> BinaryIO:
         """The blob's bytes for reading; FileNotFoundError if it was deleted (pruned) meanwhile."""
-        return open(self._blobs.path(digest), "rb")
+        return self._blobs.open(digest)
 
-    @contextlib.contextmanager
-    def local_file(self, digest: str) -> Iterator[Path]:
+    def local_file(self, digest: str) -> ContextManager[Path]:
         """A local file holding the blob, valid inside the block (a remote backend fetches it first).
 
         A local blob can be pruned while it is read: readers catch FileNotFoundError and look again.
         """
-        yield self._blobs.path(digest)
+        return self._blobs.local_file(digest)
 
     # housekeeping ---------------------------------------------------------------------------
 
@@ -219,13 +283,12 @@ class ExpertStore:
 
     def _quarantine(self, digest: str, reason: str) -> str | None:
         """Keep a copy of a blob aside for a human; the copy's name, None if the blob was gone."""
-        kept = self._blobs.quarantine(digest, reason)
-        return None if kept is None else kept.name
+        return self._blobs.quarantine(digest, reason)
 
     @property
     def quarantine_location(self) -> str:
         """Where quarantined copies are kept (for log lines)."""
-        return str(self._blobs.quarantine_dir)
+        return self._blobs.quarantine_location
 
     # rows that name no blob -----------------------------------------------------------------
 

@@ -47,7 +47,7 @@ def expert_problem(store: ExpertStore, expert: ExpertRow) -> str | None:
             if read_header(path).manifest != sorted(manifest):
                 return "its weights do not hold the tensors its manifest names"
             check_file(path, manifest)  # chunked: bounded memory; finiteness too
-    except (*REFUSALS, OSError) as exc:
+    except REFUSALS + (OSError,) as exc:
         return _reason(exc)
     return None
 
@@ -60,7 +60,7 @@ def update_problem(store: ExpertStore, expert: ExpertRow, update: UpdateRow) -> 
         with store.local_file(update.blob) as path:
             check_update(path, update.meta["codec"], update.meta.get("codec_config") or {},
                          manifest_from_json(expert.manifest))
-    except (*REFUSALS, OSError, KeyError) as exc:
+    except REFUSALS + (OSError, KeyError) as exc:
         return _reason(exc)
     return None
 

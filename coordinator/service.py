@@ -11,21 +11,17 @@ is applied twice.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
 
-from compression.errors import PayloadError
-
-from coordinator.adapters import check_full_weights, check_lora_adapter, checked_norm, non_finite_tensor, stored_deltas
-from coordinator.aggregation import AGGREGATORS, AggregationParams, StateDict, Update, robust_aggregator
+from coordinator.adapters import check_full_weights, check_lora_adapter, checked_norm
+from coordinator.aggregation import StateDict
 from coordinator import audit
 from coordinator.audit import Event
 from coordinator.blobs import BlobStore
@@ -33,31 +29,21 @@ from coordinator.backends.errors import BackendUnavailable
 from coordinator.config import CoordinatorConfig
 from coordinator.diffs import DiffCache
 from coordinator.errors import REFUSALS
-from coordinator.expert_store import ExpertStore, StaleAggregation, WeightsRef
+from coordinator.expert_store import ExpertStore, WeightsRef
 from coordinator.gateway_builder import GatewayBuilder
 from coordinator.norm_check import judge_norm
-from coordinator.recovery import quarantine_updates, recover
+from coordinator.recovery import recover
+from coordinator.steps import AggregationSteps
 from coordinator.store import ExpertRow, ManifestStore, UpdateRow
 from gateway.router import combine_profiles, profile_from_json, profile_to_json
 from gateway.router import route as route_prompt
-from protocol.errors import (BadRequest, Conflict, InsufficientStorage, InvalidPayload, InvalidUpdate,
-                             NotFound, PayloadTooLarge)
+from protocol.errors import BadRequest, Conflict, InsufficientStorage, InvalidPayload, NotFound, PayloadTooLarge
 from protocol.files import private_dir, private_file
 from protocol.integrity import DEFAULT_ALGORITHM, DIGEST_HEADER, algorithm_of, hex_of
 from protocol.schemas import MAX_COUNT, BaseModelSpec, ExpertSpec, UpdateMeta, check_name
-from protocol.tensors import load_file, manifest_from_json, manifest_to_json, save_file
+from protocol.tensors import load_file, manifest_from_json, manifest_to_json
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PreparedStep:
-    """An aggregation step computed (and checked finite) before its last update was recorded."""
-
-    update_ids: list[str]
-    base_version: int
-    weights: StateDict
-    updates: list[Update]
 
 
 class Coordinator:
@@ -71,23 +57,25 @@ class Coordinator:
         self.config = config
         private_dir(config.data_dir)  # 0700: tokens, audit log and weights are the operator's only
         self.store = open_store(config)
-        self.params = AggregationParams(config.server_lr, config.staleness_decay)
-        self._aggregate_fn = AGGREGATORS[config.aggregation]
-        if config.robust != "none":  # a robust combination of fedbuff's buffer (coordinator.aggregation.robust)
-            self._aggregate_fn = robust_aggregator(config.robust, config.trim_fraction)
         self.diffs = DiffCache(self.store)
         self.gateway = GatewayBuilder(self.store, config)
+        self.steps = AggregationSteps(self.store, config, self._stepped)
         self.on_aggregated: Callable[[float], None] = lambda seconds: None
         """Called with the seconds each aggregation step took (metrics hook)."""
         orphans = self.store.remove_orphans()  # blobs written just before a crash, never recorded
         if orphans:
             log.info("removed %d unrecorded blob(s) left by an interrupted write", orphans)
-        recover(self.store, self.aggregate)  # finish what a crash interrupted; quarantine what can never be used
+        recover(self.store, self.steps.run)  # finish what a crash interrupted; quarantine what can never be used
         self.gateway.start()
 
     def close(self) -> None:
         self.gateway.close()
         self.store.close()
+
+    def _stepped(self, seconds: float) -> None:
+        """An aggregation step committed: count it, and mark the gateway out of date."""
+        self.on_aggregated(seconds)
+        self.gateway.notify()
 
     # request bodies -------------------------------------------------------------
 
@@ -236,51 +224,17 @@ class Coordinator:
                 verdict = judge_norm(norm, self.store.recent_norms(name, self.config.norm_history),
                                      self.config.norm_policy)  # InvalidUpdate (422) in reject mode
                 stored = meta.to_json() | ({"norm_scale": verdict.scale} if verdict.clipped else {})
-                step = self._step_completed_by(name, stored, body)  # InvalidUpdate (422) if not finite
+                step = self.steps.prepare(name, stored, body)  # InvalidUpdate (422) if not finite
                 self.store.add_update(name, stored, body, body_digest, size, _fp32_bytes(manifest),
                                       norm=verdict.accepted_norm, events=audit.update_accepted(name, meta, verdict, size))
                 try:
-                    self._aggregate_locked(name, step)
+                    self.steps.run_locked(name, step)
                 except REFUSALS as exc:  # recorded (durable) all the same, so not an error to the client
                     level = logging.WARNING if isinstance(exc, InsufficientStorage) else logging.ERROR
                     log.log(level, "update %s of %s is recorded but not applied yet: %s", meta.update_id, name, exc)
         finally:
             self.store.forget(body)
         return self.update_status(meta.update_id), True
-
-    def _step_completed_by(self, name: str, stored: dict[str, Any], body: Path) -> PreparedStep | None:
-        """The aggregation step this update would complete, computed before it is recorded.
-
-        Its result must be finite: two finite pushes of 3e38 summed to +Inf in float32, and an
-        expert that is Inf cannot be pulled, merged or trained. Refusing here (422) means nothing
-        was recorded; the step is then committed as computed (not computed twice).
-        """
-        pending = self.store.pending_updates(name)
-        if len(pending) != self.config.updates_per_step - 1:
-            return None
-        expert = self.require_expert(name)
-        new, updates = self._candidate(expert, pending, (stored, body))
-        bad = non_finite_tensor(new)
-        if bad is not None:
-            raise InvalidUpdate(f"applying update {stored['update_id']!r} would make tensor {bad!r} of expert "
-                                f"{name!r} overflow to Inf/NaN (float32); it was not recorded. Check the worker's "
-                                "training (learning rate, divergence) and send a smaller update",
-                                reason="result_not_finite", tensor=bad)
-        return PreparedStep([u.update_id for u in pending] + [stored["update_id"]], expert.version, new, updates)
-
-    def _candidate(self, expert: ExpertRow, recorded: list[UpdateRow],
-                   incoming: tuple[dict[str, Any], Path] | None = None) -> tuple[StateDict, list[Update]]:
-        """The expert's next weights from recorded updates and, if given, one not yet recorded
-        (its stored meta and temp file). Payloads are read tensor by tensor while aggregating."""
-        manifest = manifest_from_json(expert.manifest)
-        with contextlib.ExitStack() as files:
-            # our own copy of the current weights: the aggregator updates it in place
-            current = load_file(files.enter_context(self.store.local_file(self.weights(expert.name).digest)))
-            entries = [(u.meta, files.enter_context(self.store.local_file(_payload(u)))) for u in recorded]
-            entries += [incoming] if incoming is not None else []
-            updates = [Update(delta=self._deltas(meta, path, manifest), num_samples=meta["num_samples"],
-                              staleness=max(0, expert.version - meta["base_version"])) for meta, path in entries]
-            return self._aggregate_fn(current, updates, self.params), updates
 
     def _seen_before(self, known: UpdateRow, name: str, meta: UpdateMeta, body_digest: str,
                      body: Path) -> dict[str, Any]:
@@ -315,58 +269,6 @@ class Coordinator:
         expert = self.require_expert(row.expert)
         return {"update_id": row.update_id, "expert": row.expert, "status": row.status,
                 "applied_version": row.applied_version, "expert_version": expert.version}
-
-    def aggregate(self, name: str) -> None:
-        with self.store.expert_lock(name):
-            self._aggregate_locked(name)
-
-    def _aggregate_locked(self, name: str, prepared: PreparedStep | None = None) -> None:
-        pending = self.store.pending_updates(name)
-        k = self.config.updates_per_step
-        while len(pending) >= k:
-            batch, pending = pending[:k], pending[k:]
-            ready = prepared if prepared is not None and prepared.update_ids == [u.update_id for u in batch] else None
-            prepared = None
-            if not self._apply(name, batch, ready):
-                return
-
-    def _apply(self, name: str, batch: list[UpdateRow], prepared: PreparedStep | None = None) -> bool:
-        """One aggregation step; False if another process sharing the data dir got there first."""
-        started = time.perf_counter()
-        expert = self.require_expert(name)
-        if prepared is not None and prepared.base_version == expert.version:
-            new, updates = prepared.weights, prepared.updates
-        else:
-            try:
-                new, updates = self._candidate(expert, batch)
-            except (InvalidPayload, PayloadError, FileNotFoundError):  # raw payloads are opened here, others decoded
-                if all(self.store.update(u.update_id).status == "pending" for u in batch):
-                    raise
-                log.warning("dropped an aggregation step of %s: its updates were applied meanwhile", name)
-                return False  # another process applied them and dropped their payloads
-            bad = non_finite_tensor(new)
-            if bad is not None:  # recorded before results were checked (an older version): never apply it
-                quarantine_updates(self.store, name, batch, f"applying it makes tensor {bad!r} overflow to Inf/NaN")
-                return False
-        written = self.store.write_temp(lambda p: save_file(new, p), f"write version {expert.version + 1} of {name!r}")
-        loss = _mean_loss(batch)
-        try:
-            self.store.commit_version(name, expert.version + 1, written, batch, loss, events=(audit.version_applied(
-                name, expert.version + 1, [u.update_id for u in batch], [u.staleness for u in updates], loss),))
-        except StaleAggregation as exc:
-            log.warning("dropped an aggregation step of %s: %s", name, exc)
-            return False
-        self.on_aggregated(time.perf_counter() - started)
-        self.gateway.notify()
-        log.info("expert %s -> version %d (%d update(s), staleness %s)", name, expert.version + 1,
-                 len(batch), [u.staleness for u in updates])
-        return True
-
-    def _deltas(self, meta: dict[str, Any], path: Path, manifest: list[tuple[str, tuple[int, ...]]]) -> StateDict:
-        """Deltas read from the update's payload when aggregated (not kept in memory while pending)."""
-        deltas = stored_deltas(path, meta["codec"], meta["codec_config"], manifest)
-        scale = meta.get("norm_scale", 1.0)  # clipped at receipt (--norm-check clip)
-        return deltas if scale == 1.0 else {k: t * scale for k, t in deltas.items()}
 
     # routing ------------------------------------------------------------------
 
@@ -455,23 +357,6 @@ def liveness(silent_for: float, sync_interval: float | None) -> str:
 
 def _fp32_bytes(manifest: list[tuple[str, tuple[int, ...]]]) -> int:
     return 4 * sum(math.prod(shape) for _, shape in manifest)
-
-
-def _mean_loss(batch: list[UpdateRow]) -> float | None:
-    pairs = [(u.meta.get("train_loss"), max(1, u.meta["num_samples"])) for u in batch]
-    pairs = [(loss, n) for loss, n in pairs if loss is not None]
-    if not pairs:
-        return None
-    total = sum(n for _, n in pairs)
-    # loss x n overflowed for a finite loss near 1e308 (an Inf in JSON); weights of at most 1 cannot
-    return math.fsum(loss * (n / total) for loss, n in pairs)
-
-
-def _payload(update: UpdateRow) -> str:
-    """A pending update's payload digest; FileNotFoundError if another process applied it meanwhile."""
-    if update.blob is None:
-        raise FileNotFoundError(f"the payload of update {update.update_id!r} is gone")
-    return update.blob
 
 
 def _load_adapter(body: Path) -> StateDict:

@@ -209,3 +209,10 @@ def test_no_auth_needs_no_token_and_issues_none(make_app):
     assert put_expert(anonymous, "e").status_code == 201
     assert error(put_expert(anonymous, "f", digest="sha256=" + "1" * 64)) == (400, "bad_request")
     assert not (app.extensions["fedmoe"].config.data_dir / "join_token").exists()
+
+
+def test_with_auth_off_there_is_nothing_to_revoke(make_app):
+    anonymous = make_app(auth=False).test_client(token=None)
+    anonymous.post("/api/v1/workers", json={"worker_id": "w1", "specialty": "e", "base_model": BASE})
+    assert error(anonymous.delete("/api/v1/workers/w1")) == (404, "not_found")  # as when the route was auth's
+    assert anonymous.post("/api/v1/workers/w1/heartbeat").status_code == 200  # and w1 is still registered

@@ -117,7 +117,7 @@ def test_a_second_process_on_the_same_data_dir_cannot_apply_an_update_twice(make
     push(first.test_client(), "e", random_like(adapter, 2), update_meta(num_samples=7))  # first applies both
     weights = first.test_client().get("/api/v1/experts/e/weights").data
 
-    assert len(stale) == 1 and c2._apply("e", stale + stale) is False
+    assert len(stale) == 1 and c2.steps.apply("e", stale + stale) is False
     with pytest.raises(StaleAggregation):  # the commit itself refuses a stale step
         c2.store._rows.commit_version("e", 2, c2.weights("e").digest, stale, None)
     info = first.test_client().get("/api/v1/experts/e").get_json()

@@ -1,0 +1,165 @@
+"""Aggregation steps: pending updates of an expert become its next version.
+
+A step reads the current weights and each update's payload tensor by tensor (payloads are not
+kept in memory while pending), applies the configured aggregator, refuses a result that is not
+finite, and commits the new version and the applied updates together through the store. The step
+an incoming update would complete is computed before that update is recorded (``prepare``), so a
+push whose step would overflow is refused with nothing recorded.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from compression.errors import PayloadError
+from coordinator import audit
+from coordinator.adapters import non_finite_tensor, stored_deltas
+from coordinator.aggregation import AGGREGATORS, AggregationParams, StateDict, Update, robust_aggregator
+from coordinator.config import CoordinatorConfig
+from coordinator.expert_store import ExpertStore, StaleAggregation
+from coordinator.recovery import quarantine_updates
+from coordinator.store import ExpertRow, UpdateRow
+from protocol.errors import InvalidPayload, InvalidUpdate
+from protocol.tensors import load_file, manifest_from_json, save_file
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PreparedStep:
+    """An aggregation step computed (and checked finite) before its last update was recorded."""
+
+    update_ids: list[str]
+    base_version: int
+    weights: StateDict
+    updates: list[Update]
+
+
+class AggregationSteps:
+    """When pending updates become a new version of their expert, and the step that makes it.
+
+    The policy (``--updates-per-step``: fedasync applies each update, fedbuff K at a time) and the
+    maths (``coordinator.aggregation``) meet here; every step is written through the store, so a
+    step either commits whole (version row + updates marked applied) or leaves nothing.
+    Callers hold ``store.expert_lock(name)`` around ``run_locked`` and ``prepare``.
+    """
+
+    def __init__(self, store: ExpertStore, config: CoordinatorConfig, on_step: Callable[[float], None]) -> None:
+        """``on_step(seconds)`` is called after each committed step (metrics, gateway rebuild)."""
+        self.store = store
+        self.updates_per_step = config.updates_per_step
+        self.params = AggregationParams(config.server_lr, config.staleness_decay)
+        self._aggregate_fn = AGGREGATORS[config.aggregation]
+        if config.robust != "none":  # a robust combination of fedbuff's buffer (coordinator.aggregation.robust)
+            self._aggregate_fn = robust_aggregator(config.robust, config.trim_fraction)
+        self._on_step = on_step
+
+    def prepare(self, name: str, stored: dict[str, Any], body: Path) -> PreparedStep | None:
+        """The aggregation step this update would complete, computed before it is recorded.
+
+        Its result must be finite: two finite pushes of 3e38 summed to +Inf in float32, and an
+        expert that is Inf cannot be pulled, merged or trained. Refusing here (422) means nothing
+        was recorded; the step is then committed as computed (not computed twice).
+        """
+        pending = self.store.pending_updates(name)
+        if len(pending) != self.updates_per_step - 1:
+            return None
+        expert = self.store.require_expert(name)
+        new, updates = self._candidate(expert, pending, (stored, body))
+        bad = non_finite_tensor(new)
+        if bad is not None:
+            raise InvalidUpdate(f"applying update {stored['update_id']!r} would make tensor {bad!r} of expert "
+                                f"{name!r} overflow to Inf/NaN (float32); it was not recorded. Check the worker's "
+                                "training (learning rate, divergence) and send a smaller update",
+                                reason="result_not_finite", tensor=bad)
+        return PreparedStep([u.update_id for u in pending] + [stored["update_id"]], expert.version, new, updates)
+
+    def _candidate(self, expert: ExpertRow, recorded: list[UpdateRow],
+                   incoming: tuple[dict[str, Any], Path] | None = None) -> tuple[StateDict, list[Update]]:
+        """The expert's next weights from recorded updates and, if given, one not yet recorded
+        (its stored meta and temp file). Payloads are read tensor by tensor while aggregating."""
+        manifest = manifest_from_json(expert.manifest)
+        with contextlib.ExitStack() as files:
+            # our own copy of the current weights: the aggregator updates it in place
+            current = load_file(files.enter_context(self.store.local_file(self.store.weights(expert.name).digest)))
+            entries = [(u.meta, files.enter_context(self.store.local_file(_payload(u)))) for u in recorded]
+            entries += [incoming] if incoming is not None else []
+            updates = [Update(delta=self._deltas(meta, path, manifest), num_samples=meta["num_samples"],
+                              staleness=max(0, expert.version - meta["base_version"])) for meta, path in entries]
+            return self._aggregate_fn(current, updates, self.params), updates
+
+    def run(self, name: str) -> None:
+        """Apply whatever steps the pending updates of ``name`` make up."""
+        with self.store.expert_lock(name):
+            self.run_locked(name)
+
+    def run_locked(self, name: str, prepared: PreparedStep | None = None) -> None:
+        """``run`` under the expert's lock; ``prepared`` is used if it is the first step's batch."""
+        pending = self.store.pending_updates(name)
+        k = self.updates_per_step
+        while len(pending) >= k:
+            batch, pending = pending[:k], pending[k:]
+            ready = prepared if prepared is not None and prepared.update_ids == [u.update_id for u in batch] else None
+            prepared = None
+            if not self.apply(name, batch, ready):
+                return
+
+    def apply(self, name: str, batch: list[UpdateRow], prepared: PreparedStep | None = None) -> bool:
+        """One aggregation step; False if another process sharing the data dir got there first."""
+        started = time.perf_counter()
+        expert = self.store.require_expert(name)
+        if prepared is not None and prepared.base_version == expert.version:
+            new, updates = prepared.weights, prepared.updates
+        else:
+            try:
+                new, updates = self._candidate(expert, batch)
+            except (InvalidPayload, PayloadError, FileNotFoundError):  # raw payloads are opened here, others decoded
+                if all(self.store.update(u.update_id).status == "pending" for u in batch):
+                    raise
+                log.warning("dropped an aggregation step of %s: its updates were applied meanwhile", name)
+                return False  # another process applied them and dropped their payloads
+            bad = non_finite_tensor(new)
+            if bad is not None:  # recorded before results were checked (an older version): never apply it
+                quarantine_updates(self.store, name, batch, f"applying it makes tensor {bad!r} overflow to Inf/NaN")
+                return False
+        written = self.store.write_temp(lambda p: save_file(new, p), f"write version {expert.version + 1} of {name!r}")
+        loss = _mean_loss(batch)
+        try:
+            self.store.commit_version(name, expert.version + 1, written, batch, loss, events=(audit.version_applied(
+                name, expert.version + 1, [u.update_id for u in batch], [u.staleness for u in updates], loss),))
+        except StaleAggregation as exc:
+            log.warning("dropped an aggregation step of %s: %s", name, exc)
+            return False
+        self._on_step(time.perf_counter() - started)
+        log.info("expert %s -> version %d (%d update(s), staleness %s)", name, expert.version + 1,
+                 len(batch), [u.staleness for u in updates])
+        return True
+
+    def _deltas(self, meta: dict[str, Any], path: Path, manifest: list[tuple[str, tuple[int, ...]]]) -> StateDict:
+        """Deltas read from the update's payload when aggregated (not kept in memory while pending)."""
+        deltas = stored_deltas(path, meta["codec"], meta["codec_config"], manifest)
+        scale = meta.get("norm_scale", 1.0)  # clipped at receipt (--norm-check clip)
+        return deltas if scale == 1.0 else {k: t * scale for k, t in deltas.items()}
+
+
+def _mean_loss(batch: list[UpdateRow]) -> float | None:
+    pairs = [(u.meta.get("train_loss"), max(1, u.meta["num_samples"])) for u in batch]
+    pairs = [(loss, n) for loss, n in pairs if loss is not None]
+    if not pairs:
+        return None
+    total = sum(n for _, n in pairs)
+    # loss x n overflowed for a finite loss near 1e308 (an Inf in JSON); weights of at most 1 cannot
+    return math.fsum(loss * (n / total) for loss, n in pairs)
+
+
+def _payload(update: UpdateRow) -> str:
+    """A pending update's payload digest; FileNotFoundError if another process applied it meanwhile."""
+    if update.blob is None:
+        raise FileNotFoundError(f"the payload of update {update.update_id!r} is gone")
+    return update.blob
