@@ -53,6 +53,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="router confidence below which prompts go to the gateway (default: %(default)s)")
     p.add_argument("--max-body-mb", type=float, default=1024.0, help="largest accepted request body (default: %(default)s)")
     p.add_argument("--threads", type=int, default=16, help="request threads (default: %(default)s)")
+    b = p.add_argument_group("backends for replicas (docs/scale.md)")
+    b.add_argument("--manifest", default=None, metavar="postgresql://USER@HOST:PORT/DB",
+                   help="keep the manifest in PostgreSQL, shared by every replica (default: SQLite in --data-dir)")
+    b.add_argument("--blobs", default=None, metavar="s3://BUCKET/PREFIX",
+                   help="keep blobs in an S3-compatible store (endpoint and keys from AWS_ENDPOINT_URL, "
+                        "AWS_ACCESS_KEY_ID, ...; default: files in --data-dir)")
+    b.add_argument("--redirect-pulls-mb", type=float, default=1.0,
+                   help="with --blobs: redirect weight pulls of at least this many MiB to a presigned URL "
+                        "(default: %(default)s; 0 = never)")
     s = p.add_argument_group("security (README, \"Security\")")
     s.add_argument("--no-auth", action="store_true",
                    help="accept requests without tokens; only on a trusted lab network")
@@ -128,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
             gateway_strategy=args.gateway_strategy,
             gateway_config=parse_json_flag(args.gateway_config, "--gateway-config"),
             gateway_interval=args.gateway_interval, keep_gateways=args.keep_gateways,
-            route_threshold=args.route_threshold, max_body_mb=args.max_body_mb,
+            route_threshold=args.route_threshold, max_body_mb=args.max_body_mb, manifest=args.manifest,
+            blobs=args.blobs, redirect_pulls_mb=args.redirect_pulls_mb,
             auth=not args.no_auth, admin_token_file=args.admin_token_file, token_ttl_hours=args.token_ttl_hours,
             rate_limit=args.rate_limit,
             norm_check=args.norm_check, norm_factor=args.norm_factor, norm_history=args.norm_history,

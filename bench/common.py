@@ -170,11 +170,13 @@ class CoordinatorProcess:
     def start(self, timeout: float = 60.0) -> float:
         """Spawn, wait until /health answers and return the seconds that took; stopped again if it fails."""
         started = time.monotonic()
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        # FEDMOE_BENCH_SERVER_ROOT: another checkout's coordinator, for an A/B ratio in one run (docs/scale.md)
+        root = Path(os.environ.get("FEDMOE_BENCH_SERVER_ROOT") or ROOT)
+        env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "run_coordinator.py"), "--host", "127.0.0.1", "--port", "0",
+            [sys.executable, str(root / "run_coordinator.py"), "--host", "127.0.0.1", "--port", "0",
              "--data-dir", str(self.data_dir), *self.flags],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             start_new_session=self.new_session)
         try:
             self._wait_until_up(started, timeout)

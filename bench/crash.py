@@ -24,7 +24,6 @@ Table on stdout, progress on stderr, results in bench/results/crash.json.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import random
@@ -42,6 +41,7 @@ import requests
 import torch
 
 from bench.common import RESULTS_DIR, CoordinatorProcess, configure_logging, format_table, write_json_atomic
+from protocol.integrity import algorithm_of, hash_file
 from protocol.schemas import EXPERT_HEADER, UPDATE_HEADER
 from protocol.tensors import dumps, loads
 
@@ -197,7 +197,7 @@ def check(server: CoordinatorProcess, pushes: Sequence[Push], initial: dict[str,
         if path.parent.name == "tmp":
             continue
         blobs += 1
-        if hashlib.sha256(path.read_bytes()).hexdigest() != path.name:
+        if hash_file(path, algorithm_of(path.name)) != path.name:
             problems.append(f"blob {path.name} does not match its hash")
     leftovers = list((server.data_dir / "blobs" / "tmp").iterdir())
     if leftovers:

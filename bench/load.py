@@ -1,13 +1,17 @@
 #!/usr/bin/env python3
 """Load benchmark: 100 simulated workers push real-sized compressed updates to one coordinator on loopback.
 
-The coordinator is a separate real process (run_coordinator.py, durable data dir on disk).
-Each simulated worker is a thread with its own ``CoordinatorClient`` (the workers' real client, with
-its retries): it registers, then pushes ``--rounds`` updates to its expert as fast as the server takes
-them. An update is what a Qwen2-0.5B worker with LoRA r=8 on all seven projections sends: the
-manifest shapes come from the model's config (no download), the deltas are random tensors of those
-shapes, encoded with a real codec from compression/ (int8 by default, ~4.7 MB per push). Payloads
-are encoded before the clock starts, so the latencies are the server's, not the encoder's.
+The coordinator is a separate real process (run_coordinator.py, durable data dir on disk). The load
+comes from bench/loadgen.py in a process of its own: simulated workers register for real, then push
+pre-encoded bodies (each stamped to be distinct) over raw HTTP/1.1 with their tokens and digests, so
+the generator costs little of the two cores. An update is what a Qwen2-0.5B worker with LoRA r=8 on
+all seven projections sends: the manifest shapes come from the model's config (no download), the
+deltas are random tensors of those shapes, encoded with a real codec from compression/ (int8 by
+default, ~4.7 MB per push).
+
+Closed mode (default): each worker pushes ``--rounds`` updates back to back (throughput). Open mode:
+``--workers`` workers each push every ``--interval`` s from a random phase until ``--pushes`` were
+sent; latency counts from the scheduled moment, so a coordinator that falls behind shows it.
 
 At the end every acknowledged update_id is looked up (lost = acknowledged but unknown) and each
 expert's updates_applied + pending_updates and samples_seen are compared with the updates the
@@ -17,20 +21,19 @@ server knows (duplicated = counted more than once). Peak RSS is the kernel's hig
     python -m bench.load                  # 100 workers x 2 pushes of Qwen2-0.5B LoRA r=8, int8, ~1-2 min
     python -m bench.load --quick          # 8 workers, tiny-qwen2 shapes, K=2, ~10 s (the smoke test)
     python -m bench.load --codec topk+int8 --rounds 5
+    python -m bench.load --mode open --workers 1000 --interval 30 --pushes 1000   # ~35 s of pushes
 
 Table on stdout, progress on stderr, results in bench/results/load.json.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import logging
 import math
-import random
 import re
 import sys
 import tempfile
-import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,9 +41,8 @@ from typing import Any
 
 import torch
 
+from bench.loadgen import LoadPlan, run_in_process
 from bench.common import RESULTS_DIR, configure_logging, coordinator_process, format_table, write_json_atomic
-from compression import make_codec
-from compression.wire import encode_update
 from protocol.client import CoordinatorClient
 from protocol.errors import FedMoEError
 from protocol.tensors import Manifest
@@ -116,6 +118,11 @@ class Settings:
     aggregation: str = "fedbuff"
     buffer_size: int = 10
     seed: int = 0
+    mode: str = "closed"
+    interval: float = 30.0
+    pushes: int = 1000
+    threads: int = 16
+    digest: str = "blake3"
 
 
 @dataclass
@@ -127,28 +134,6 @@ class Pushed:
     status: str  # "accepted" (202), "duplicate" (200), or the error
 
 
-def simulated_worker(url: str, index: int, expert: str, payloads: list[bytes], settings: Settings,
-                     start: threading.Event, results: list[Pushed], lock: threading.Lock) -> None:
-    client = CoordinatorClient(url, timeout=(10.0, 300.0))
-    worker_id = f"load-worker-{index}"
-    base = {"id": settings.model, "fingerprint": FINGERPRINT}
-    version = client.register_worker(worker_id, expert, base, sync_interval=10.0)["expert"]["version"]
-    start.wait()
-    for n, body in enumerate(payloads):
-        meta = {"update_id": f"{worker_id}:{n}", "base_version": version, "num_samples": 1 + (index * 7 + n) % 50,
-                "codec": settings.codec, "codec_config": {}, "worker_id": worker_id, "train_loss": 1.0}
-        began = time.perf_counter()
-        try:
-            answer = client.push_update(expert, body, meta)
-            status = "accepted"
-            version = answer["expert_version"]
-        except FedMoEError as exc:
-            status = f"{type(exc).__name__}: {exc}"
-        with lock:
-            results.append(Pushed(meta["update_id"], expert, meta["num_samples"], time.perf_counter() - began, status))
-    client.close()
-
-
 def verify(url: str, pushed: list[Pushed], experts: list[str]) -> dict[str, Any]:
     """lost: acknowledged ids the server does not know; duplicated: updates counted more than once."""
     client = CoordinatorClient(url)
@@ -158,7 +143,7 @@ def verify(url: str, pushed: list[Pushed], experts: list[str]) -> dict[str, Any]
         try:
             known[p.update_id] = client.update_status(p.update_id)
         except FedMoEError:
-            lost += p.status == "accepted"
+            lost += p.status in ("accepted", "duplicate")
     duplicated = 0
     for name in experts:
         info = client.expert(name)
@@ -171,60 +156,75 @@ def verify(url: str, pushed: list[Pushed], experts: list[str]) -> dict[str, Any]
     return {"lost": lost, "duplicated": duplicated, "known": len(known)}
 
 
-def run(settings: Settings) -> dict[str, Any]:
-    torch.set_num_threads(1)
-    rng = random.Random(settings.seed)
+def create_experts(url: str, settings: Settings, experts: list[str], token: str | None = None) -> None:
     manifest = lora_manifest(settings.model, settings.rank)
-    codec = make_codec(settings.codec, {})
-    numel = sum(math.prod(shape) for _, shape in manifest)
-    experts = [f"load_expert_{i}" for i in range(settings.experts)]
-    log.info("encoding %d payloads of %d parameters with %s", settings.workers * settings.rounds, numel, settings.codec)
-    started = time.perf_counter()
-    payloads = [[encode_update(random_tensors(manifest, rng.randrange(2**31), 1e-3), manifest, codec, seed=r + 1)
-                 for r in range(settings.rounds)] for _ in range(settings.workers)]
-    encode_s = time.perf_counter() - started
-    # on disk (durability included); its own process group, so that stopping it stops all it started
-    with tempfile.TemporaryDirectory(prefix="fedmoe-load-") as data_dir, coordinator_process(
-            Path(data_dir), "--aggregation", settings.aggregation, "--buffer-size", str(settings.buffer_size),
-            "--threads", "16", new_session=True) as server:
-        setup = CoordinatorClient(server.url)
-        spec = {"lora": {"rank": settings.rank, "alpha": 2.0 * settings.rank, "target_modules": list(PROJECTIONS)},
-                "base_model": {"id": settings.model, "fingerprint": FINGERPRINT}}
-        for i, name in enumerate(experts):
-            setup.create_expert(name, random_tensors(manifest, 10_000 + i, 0.01), spec)
-        setup.close()
-        start, lock, results = threading.Event(), threading.Lock(), []
-        threads = [threading.Thread(target=simulated_worker, args=(
-            server.url, i, experts[i % len(experts)], payloads[i], settings, start, results, lock))
-            for i in range(settings.workers)]
-        for t in threads:
-            t.start()
-        time.sleep(0.5)  # let every worker register before the clock starts
-        log.info("%d workers pushing", settings.workers)
-        began = time.perf_counter()
-        start.set()
-        for t in threads:
-            t.join()
-        push_s = time.perf_counter() - began
-        checked = verify(server.url, results, experts)
-        peaks = peak_rss_bytes(server.pid)
+    setup = CoordinatorClient(url, token=token)
+    spec = {"lora": {"rank": settings.rank, "alpha": 2.0 * settings.rank, "target_modules": list(PROJECTIONS)},
+            "base_model": {"id": settings.model, "fingerprint": FINGERPRINT}}
+    for i, name in enumerate(experts):
+        setup.create_expert(name, random_tensors(manifest, 10_000 + i, 0.01), spec)
+    setup.close()
+
+
+def load_plan(urls: list[str], admin_token: str, settings: Settings, experts: list[str]) -> LoadPlan:
+    return LoadPlan(urls=urls, admin_token=admin_token, experts=experts, model=settings.model, rank=settings.rank,
+                    codec=settings.codec, mode=settings.mode, workers=settings.workers, rounds=settings.rounds,
+                    interval=settings.interval, pushes=settings.pushes, seed=settings.seed, fingerprint=FINGERPRINT,
+                    digest=settings.digest)
+
+
+def summarise(settings: Settings, load: dict[str, Any], checked: dict[str, Any]) -> dict[str, Any]:
+    results = [Pushed(**{k: r[k] for k in ("update_id", "expert", "num_samples", "seconds", "status")})
+               for r in load["results"]]
     latencies = [p.seconds for p in results]
-    errors = [p.status for p in results if p.status != "accepted"]
-    body_bytes = sum(len(b) for w in payloads for b in w)
+    errors = [p.status for p in results if p.status not in ("accepted", "duplicate")]
     return {
-        "settings": settings.__dict__, "parameters_per_update": numel,
-        "body_bytes_per_update": body_bytes // max(1, settings.workers * settings.rounds),
+        "settings": settings.__dict__, "parameters_per_update": sum(math.prod(s) for _, s in lora_manifest(
+            settings.model, settings.rank)),
+        "body_bytes_per_update": load["pool_body_bytes"],
         "pushes": len(results), "acknowledged": len(results) - len(errors), "errors": errors[:20],
+        "retried": sum(r["attempts"] > 1 for r in load["results"]), "late_starts": load["late_starts"],
         "lost": checked["lost"], "duplicated": checked["duplicated"],
         "latency_s": {"p50": round(percentile(latencies, 50), 4), "p95": round(percentile(latencies, 95), 4),
                       "p99": round(percentile(latencies, 99), 4), "max": round(max(latencies), 4)},
-        "pushes_per_s": round(len(results) / push_s, 2), "mb_per_s": round(body_bytes / push_s / 1e6, 1),
-        "push_seconds": round(push_s, 2), "encode_seconds": round(encode_s, 2),
-        "coordinator_peak_rss_mb": {"max_process": round(max(peaks.values()) / 2**20, 1),
-                                    "sum_processes": round(sum(peaks.values()) / 2**20, 1),
-                                    "processes": len(peaks)},
-        "server_errors": [line.strip() for line in server.log if "unhandled error" in line][:20],
+        "pushes_per_s": round(len(results) / load["seconds"], 2),
+        "mb_per_s": round(load["body_bytes"] / load["seconds"] / 1e6, 1),
+        "push_seconds": round(load["seconds"], 2), "encode_seconds": round(load["encode_seconds"], 2),
     }
+
+
+def run(settings: Settings) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    experts = [f"load_expert_{i}" for i in range(settings.experts)]
+    # on disk (durability included); its own process group, so that stopping it stops all it started
+    with tempfile.TemporaryDirectory(prefix="fedmoe-load-") as data_dir, coordinator_process(
+            Path(data_dir), "--aggregation", settings.aggregation, "--buffer-size", str(settings.buffer_size),
+            "--threads", str(settings.threads), new_session=True) as server:
+        create_experts(server.url, settings, experts)
+        log.info("%s load: %d workers, generator in its own process", settings.mode, settings.workers)
+        cpu_before = process_cpu_seconds(server.pid)  # startup (importing torch) is not the pushes' cost
+        load = run_in_process(load_plan([server.url], server.headers["Authorization"].split()[1], settings, experts))
+        results = [Pushed(**{k: r[k] for k in ("update_id", "expert", "num_samples", "seconds", "status")})
+                   for r in load["results"]]
+        checked = verify(server.url, results, experts)
+        peaks = peak_rss_bytes(server.pid)
+        cpu = process_cpu_seconds(server.pid) - cpu_before
+    report = summarise(settings, load, checked)
+    report["coordinator_cpu_s_per_push"] = round(cpu / max(1, len(results)), 4)
+    report["coordinator_peak_rss_mb"] = {"max_process": round(max(peaks.values()) / 2**20, 1),
+                                         "sum_processes": round(sum(peaks.values()) / 2**20, 1),
+                                         "processes": len(peaks)}
+    report["server_errors"] = [line.strip() for line in server.log if "unhandled error" in line][:20]
+    return report
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a live process has used so far (/proc/<pid>/stat)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -237,6 +237,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--codec", default=d.codec, help="compression codec of the updates (default: %(default)s)")
     p.add_argument("--aggregation", choices=("fedasync", "fedbuff"), default=d.aggregation)
     p.add_argument("--buffer-size", type=int, default=d.buffer_size, help="fedbuff K (default: %(default)s)")
+    p.add_argument("--mode", choices=("closed", "open"), default=d.mode,
+                   help="closed: each worker pushes --rounds times back to back (throughput); open: each of "
+                        "--workers pushes every --interval s from a random phase until --pushes were sent")
+    p.add_argument("--interval", type=float, default=d.interval, help="open mode: sync interval s (default: %(default)s)")
+    p.add_argument("--pushes", type=int, default=d.pushes, help="open mode: pushes in all (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=d.threads, help="coordinator --threads (default: %(default)s)")
+    p.add_argument("--digest", choices=("blake3", "sha256"), default=d.digest,
+                   help="body digest the load sends (sha256 for a coordinator before 0.7)")
     p.add_argument("--quick", action="store_true", help="8 workers on tiny-qwen2 shapes, fedbuff K=2 (the smoke test)")
     p.add_argument("--out", type=Path, default=RESULTS, help="results JSON (default: %(default)s)")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -250,14 +258,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     log.setLevel(logging.INFO)
     settings = Settings(workers=8 if args.quick else args.workers, rounds=args.rounds, experts=args.experts,
                         model="tiny-qwen2" if args.quick else args.model, codec=args.codec,
-                        aggregation=args.aggregation, buffer_size=2 if args.quick else args.buffer_size)
+                        aggregation=args.aggregation, buffer_size=2 if args.quick else args.buffer_size,
+                        mode=args.mode, interval=1.0 if args.quick else args.interval,
+                        pushes=16 if args.quick else args.pushes, threads=args.threads,
+                        digest=args.digest)
     report = run(settings)
     write_json_atomic(args.out, report)
     lat = report["latency_s"]
     print(format_table(
-        ["workers", "pushes", "MB/push", "lost", "dup", "p50 s", "p95 s", "p99 s", "pushes/s", "MB/s", "peak RSS MB"],
-        [[settings.workers, report["pushes"], round(report["body_bytes_per_update"] / 1e6, 2), report["lost"],
-          report["duplicated"], lat["p50"], lat["p95"], lat["p99"], report["pushes_per_s"], report["mb_per_s"],
+        ["mode", "workers", "pushes", "MB/push", "lost", "dup", "retried", "p50 s", "p95 s", "p99 s", "pushes/s",
+         "MB/s", "CPU s/push", "peak RSS MB"],
+        [[settings.mode, settings.workers, report["pushes"], round(report["body_bytes_per_update"] / 1e6, 2),
+          report["lost"], report["duplicated"], report["retried"], lat["p50"], lat["p95"], lat["p99"],
+          report["pushes_per_s"], report["mb_per_s"], report["coordinator_cpu_s_per_push"],
           report["coordinator_peak_rss_mb"]["max_process"]]]))
     bad = report["lost"] or report["duplicated"] or report["errors"] or report["server_errors"]
     for line in report["errors"] + report["server_errors"]:

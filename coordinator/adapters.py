@@ -8,8 +8,11 @@ from pathlib import Path
 import torch
 
 from compression import Codec, wire
+from compression.codecs.blockwise import BlockwiseConfig
 from compression.errors import CompressionError, PayloadError
 from compression.registry import make_codec
+from coordinator.aggregation import l2_norm
+from coordinator.fused_check import int8_config, int8_decode, int8_update_norm, raw_update_norm
 from protocol.errors import BadRequest, InvalidUpdate
 from protocol.schemas import RAW_CODEC, FullSpec, LoraSpec
 from protocol.streaming import FileTensors, check_file, read_header
@@ -81,11 +84,25 @@ def check_update(path: Path, codec: str, codec_config: dict, manifest: Manifest)
     return CompressedUpdate(path, make_checked_codec(codec, codec_config), codec, manifest)
 
 
+def checked_norm(path: Path, codec: str, codec_config: dict, manifest: Manifest) -> float:
+    """Refuse (4xx) an update body that does not fit the expert, else return its L2 norm."""
+    if codec == RAW_CODEC:
+        _check_raw_config(codec_config)
+        return raw_update_norm(path, manifest)
+    config = int8_config(codec, codec_config)
+    if config is not None:
+        norm = int8_update_norm(path, config, manifest)
+        if norm is not None:
+            return norm
+    return l2_norm(check_update(path, codec, codec_config, manifest))
+
+
 def stored_deltas(path: Path, codec: str, codec_config: dict, manifest: Manifest) -> Mapping[str, torch.Tensor]:
     """An accepted update's deltas for aggregation, read (and decoded) tensor by tensor from the blob."""
     if codec == RAW_CODEC:
         return FileTensors(path)
-    return CompressedUpdate(path, make_checked_codec(codec, codec_config), codec, manifest)
+    return CompressedUpdate(path, make_checked_codec(codec, codec_config), codec, manifest,
+                            int8=int8_config(codec, codec_config))
 
 
 class CompressedUpdate(Mapping[str, torch.Tensor]):
@@ -94,7 +111,8 @@ class CompressedUpdate(Mapping[str, torch.Tensor]):
     Any decoding failure is a PayloadError naming the codec (an HTTP 400 invalid_payload).
     """
 
-    def __init__(self, path: Path, decoder: Codec, codec: str, manifest: Manifest) -> None:
+    def __init__(self, path: Path, decoder: Codec, codec: str, manifest: Manifest,
+                 int8: BlockwiseConfig | None = None) -> None:
         self.path, self.decoder, self.codec = path, decoder, codec
         self.shapes = dict(manifest)
         with open(path, "rb") as f:
@@ -103,18 +121,27 @@ class CompressedUpdate(Mapping[str, torch.Tensor]):
             except CompressionError as exc:
                 raise self._invalid(exc) from None
         self.spans = {name: span for (name, _), span in zip(manifest, spans)}
+        self.int8 = int8
+        """Plain int8: the whole body is read once (a few MB) and decoded in one pass per tensor."""
+        self._data: memoryview | None = None
 
     def __getitem__(self, name: str) -> torch.Tensor:
         offset, length = self.spans[name]
-        with open(self.path, "rb") as f:
-            f.seek(offset)
-            body = f.read(length)
-        try:
-            tensor = wire.decode_tensor(body, name, self.shapes[name], self.decoder)
+        if self.int8 is not None:
+            if self._data is None:
+                self._data = memoryview(self.path.read_bytes())
+            body = self._data[offset:offset + length]
+            values = int8_decode(body, math.prod(self.shapes[name]), self.int8)
+            if values is not None:
+                return torch.from_numpy(values).reshape(self.shapes[name])
+        else:
+            with open(self.path, "rb") as f:
+                f.seek(offset)
+                body = f.read(length)
+        try:  # decode checks size and finiteness, returns float32, and decode_tensor gives it its shape
+            return wire.decode_tensor(body, name, self.shapes[name], self.decoder)
         except CompressionError as exc:
             raise self._invalid(exc) from None
-        check_against_manifest({name: tensor}, [(name, self.shapes[name])])
-        return tensor
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.spans)

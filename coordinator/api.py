@@ -18,13 +18,15 @@ from werkzeug.exceptions import NotFound as NoRoute
 from coordinator.audit import rejection_event
 from coordinator.auth import acting_worker, authenticator, check_may_register, issue_token, principal
 from coordinator.errors import REFUSALS, as_http_error
+from coordinator.expert_store import WeightsRef
+from coordinator.front import SPOOLED_BODY
 from coordinator.openapi import OPENAPI
 from coordinator.service import Coordinator
 from coordinator.tokens import WORKER
 from gateway.files import npz_bytes
 from protocol.errors import BadRequest, Conflict, FedMoEError, PayloadTooLarge, RequestTimeout, Unavailable
 from protocol.integrity import DIGEST_HEADER, ClientReader, parse_digest
-from protocol.schemas import (API_PREFIX, EXPERT_HEADER, UPDATE_HEADER, VERSION_HEADER, WORKER_HEADER,
+from protocol.schemas import (API_PREFIX, EXPERT_HEADER, REDIRECT_HEADER, UPDATE_HEADER, VERSION_HEADER, WORKER_HEADER,
                               BaseModelSpec, ExpertSpec, UpdateMeta, check_name, is_finite_number, loads_json,
                               parse_header_json)
 from protocol.tensors import StateDict, load_file, loads
@@ -60,18 +62,20 @@ def receive_body() -> Path:
     """Stream the request body into a fsynced temp file, enforcing the size limit up front.
 
     With an X-FedMoE-Digest header (our workers always send one; worker tokens must) the body is
-    hashed on the way and a mismatch is a 400 that leaves nothing behind.
+    hashed on the way and a mismatch is a 400 that leaves nothing behind. A large body the front
+    already spooled into the blob store's temp dir (hashing it as it arrived) is taken as it is.
     """
     c = coordinator()
     c.check_body_size(request.content_length)  # 413 before anything is read
     header = request.headers.get(DIGEST_HEADER)
     if header is None and principal().role == WORKER:
-        raise BadRequest(f"a worker's upload must carry {DIGEST_HEADER}: sha256=<hex digest of the body>")
+        raise BadRequest(f"a worker's upload must carry {DIGEST_HEADER}: blake3=<hex digest of the body>")
     expected = parse_digest(header) if header is not None else None
     # chunked: let werkzeug find the end; else the raw input (werkzeug's wrapper would copy every chunk twice more)
     stream = request.stream if request.content_length is None else request.environ["wsgi.input"]
     try:
-        return c.receive_body(ClientReader(stream), request.content_length, expected)
+        return c.receive_body(ClientReader(stream), request.content_length, expected,
+                              request.environ.get(SPOOLED_BODY))
     except ClientDisconnected:  # a read that failed: stalled past --socket-timeout, or gone
         raise RequestTimeout("the request body stopped arriving before its Content-Length; send it again") from None
 
@@ -147,6 +151,8 @@ def expert_weights(name: str) -> Response:
         return _weights_diff(c, name, worker_id)
     for attempt in range(3):  # a version pruned between the lookup and the open is looked up again
         ref = c.weights(name, _int_arg("version"))
+        if (redirect := _presigned_redirect(c, ref, worker_id, name)) is not None:
+            return redirect
         try:
             response = _send_blob(c, ref.digest, f"{name}-v{ref.version}.safetensors")
             break
@@ -156,6 +162,22 @@ def expert_weights(name: str) -> Response:
     response.headers[VERSION_HEADER] = str(ref.version)
     if response.status_code in (200, 206):  # send_file honours Range + If-Range (a resumed pull gets a 206)
         c.record_pull(worker_id, name, response.content_length or 0)
+    return response
+
+
+def _presigned_redirect(c: Coordinator, ref: WeightsRef, worker_id: str | None, name: str) -> Response | None:
+    """307 to a short-lived object-store URL (--blobs s3://, large weights, a client that says it follows
+    it), so the bytes flow from the store, not through us. Conditional and Range requests stay here."""
+    if request.headers.get(REDIRECT_HEADER) != "1" or "Range" in request.headers or \
+            ('"' + ref.digest + '"') in request.headers.get("If-None-Match", ""):
+        return None
+    found = c.store.redirect_url(ref.digest, int(c.config.redirect_pulls_mb * (1 << 20)))
+    if found is None:
+        return None
+    url, size = found
+    response = Response(status=307, headers={"Location": url, "ETag": f'"{ref.digest}"', "Cache-Control": "no-store",
+                                             VERSION_HEADER: str(ref.version)})
+    c.record_pull(worker_id, name, size)
     return response
 
 

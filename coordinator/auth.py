@@ -88,7 +88,12 @@ class RefusalLog:
 class Authenticator:
     def __init__(self, config: CoordinatorConfig, record_event: Callable[[Event], None]) -> None:
         """``record_event`` writes an audit row (``Coordinator.record_event``): refusals go there."""
-        self.tokens = TokenStore(config.data_dir, config.admin_token_file, config.token_ttl_hours * 3600)
+        if config.manifest:  # replicas: tokens in the shared database (coordinator/backends/postgres.py)
+            from coordinator.backends.postgres import PostgresTokenStore
+            self.tokens = PostgresTokenStore(config.manifest, config.data_dir, config.admin_token_file,
+                                             config.token_ttl_hours * 3600)
+        else:
+            self.tokens = TokenStore(config.data_dir, config.admin_token_file, config.token_ttl_hours * 3600)
         self.limiter = RateLimiter(config.rate_limit) if config.rate_limit else None
         self.refusals = RefusalLog(record_event)
 

@@ -1,6 +1,7 @@
 """Immutable content-addressed blobs on disk.
 
-A blob's file name is the SHA-256 of its bytes. Every write goes to a temp file
+A blob's file name is its content id (protocol/integrity.py): ``b3-<BLAKE3 hex>`` for blobs
+written since 0.7, the bare SHA-256 hex for older ones (both kinds are read and verified). Every write goes to a temp file
 in the same directory tree, is fsynced, renamed into place and the directory is
 fsynced, so a crash leaves either the whole blob or nothing under its name.
 """
@@ -8,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import logging
 import os
 import shutil
@@ -24,6 +24,7 @@ from safetensors import SafetensorError
 
 from protocol.errors import BadRequest, InsufficientStorage, PayloadTooLarge
 from protocol.files import fsync_dir, private_dir
+from protocol.integrity import DEFAULT_ALGORITHM, algorithm_of, hash_file, hex_of, new_hasher, content_id
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ RECEIVE_CHUNK = 4 << 20  # reads of a request body: measured best of 1-16 MiB (b
 
 
 class BlobStore:
-    """Blobs under ``root/<aa>/<sha256>``, temp files under ``root/tmp``."""
+    """Blobs under ``root/<aa>/<content id>`` (aa: its first two hex digits), temp files under ``root/tmp``."""
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root).absolute()  # paths handed to send_file must not depend on its base folder
@@ -45,7 +46,7 @@ class BlobStore:
         self._digests_guard = threading.Lock()
 
     def path(self, digest: str) -> Path:
-        return self.root / digest[:2] / digest
+        return self.root / hex_of(digest)[:2] / digest
 
     # reads, as coordinator.expert_store.BlobBackend names them
 
@@ -68,19 +69,21 @@ class BlobStore:
         os.close(fd)
         return Path(name)
 
-    def receive(self, stream: BinaryIO, limit: int, length: int | None = None) -> Path:
+    def receive(self, stream: BinaryIO, limit: int, length: int | None = None,
+                algorithm: str = DEFAULT_ALGORITHM) -> Path:
         """Copy a request body to a fsynced temp file, failing past ``limit`` bytes.
 
         With ``length`` (the Content-Length) exactly that many bytes are read from ``stream``,
         which may then be the server's raw ``wsgi.input``: werkzeug's LimitedStream around it
         copies every chunk twice more (measured: receive 1.6x slower under gunicorn).
 
-        The SHA-256 is computed on a second thread while the body arrives (hashlib releases
-        the GIL), so ``adopt`` need not read a large body back; at most two chunks are in memory.
+        The digest (``algorithm``, the one the client named) is computed on a second thread while the
+        body arrives (both hashes release the GIL), so ``adopt`` need not read a large body back; at
+        most two chunks are in memory.
         """
         tmp = self.new_temp()
         total = 0
-        hasher = hashlib.sha256()
+        hasher = new_hasher(algorithm, length or 0)
         try:
             with open(tmp, "wb") as out, ThreadPoolExecutor(1) as hashing:
                 hashed = hashing.submit(lambda: None)
@@ -101,17 +104,30 @@ class BlobStore:
             tmp.unlink(missing_ok=True)
             raise
         with self._digests_guard:
-            self._received_digests[tmp] = hasher.hexdigest()
+            self._received_digests[tmp] = content_id(algorithm, hasher.hexdigest())
         return tmp
+
+    def take_spooled(self, path: Path, digest: str) -> Path:
+        """Take over a body the HTTP front already spooled into ``tmp_dir`` and hashed: fsync it, keep its
+        digest for ``adopt``. Saves the copy ``receive`` makes (the front wrote the file as it arrived)."""
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        with self._digests_guard:
+            self._received_digests[path] = digest
+        return path
 
     def adopt(self, tmp: Path, digest: str | None = None) -> str:
         """Move a fsynced temp file into the store under its digest; return the digest.
 
-        The digest is the one given, else the one hashed while the file was received, else computed.
+        The digest is the one given, else the one hashed while the file was received, else computed
+        (BLAKE3).
         """
         with self._digests_guard:
             received = self._received_digests.pop(tmp, None)
-        digest = digest or received or file_sha256(tmp)
+        digest = digest or received or hash_file(tmp)
         dest = self.path(digest)
         dest.parent.mkdir(exist_ok=True)
         if dest.exists():
@@ -121,11 +137,14 @@ class BlobStore:
             fsync_dir(dest.parent)
         return digest
 
-    def digest_of(self, tmp: Path) -> str:
-        """SHA-256 of a temp file: the one hashed while it was received, else read and hashed now."""
+    def digest_of(self, tmp: Path, algorithm: str | None = None) -> str:
+        """Content id of a temp file: the one hashed while it was received (if of ``algorithm``, when
+        given), else read and hashed now."""
         with self._digests_guard:
             received = self._received_digests.get(tmp)
-        return received or file_sha256(tmp)
+        if received and (algorithm is None or algorithm_of(received) == algorithm):
+            return received
+        return hash_file(tmp, algorithm or DEFAULT_ALGORITHM)
 
     def forget(self, tmp: Path) -> None:
         """Drop a received temp file that was not adopted (refused or a duplicate)."""
@@ -200,7 +219,7 @@ class BlobStore:
                 yield from (p.name for p in sub.iterdir() if p.is_file())
 
     def verify(self, digest: str) -> bool:
-        return file_sha256(self.path(digest)) == digest
+        return hash_file(self.path(digest), algorithm_of(digest)) == digest
 
 
 FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
@@ -229,12 +248,3 @@ def storage_errors(action: str) -> Iterator[None]:
         log.error("disk full: could not %s (%s)", action, exc)
         raise InsufficientStorage(f"the coordinator's disk is full: could not {action}; nothing was recorded. "
                                   "Free space in its --data-dir, then send it again") from None
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-

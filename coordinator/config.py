@@ -52,6 +52,12 @@ class CoordinatorConfig:
     """Worker tokens expire after this long; workers renew them by registering again."""
     rate_limit: float = 600.0
     """Requests per minute one worker may make (a bucket of as many); 0 = no limit."""
+    manifest: str | None = None
+    """postgresql://... keeps the manifest in PostgreSQL (replicas); None = SQLite in data_dir."""
+    blobs: str | None = None
+    """s3://bucket/prefix keeps blobs in an S3-compatible store (replicas); None = files in data_dir."""
+    redirect_pulls_mb: float = 1.0
+    """With --blobs s3://: weight pulls at least this large (MiB) are redirected to a presigned URL."""
     norm_check: str = "off"
     """off, reject (422) or clip updates whose norm is over norm_factor x the recent median."""
     norm_factor: float = 10.0
@@ -71,6 +77,10 @@ class CoordinatorConfig:
         # Absolute once, here: Flask's send_file resolves a relative path against the package
         # folder, not the working directory (every download answered 500 with the default).
         object.__setattr__(self, "data_dir", Path(self.data_dir).expanduser().absolute())
+        if self.manifest is not None and not self.manifest.startswith(("postgresql://", "postgres://")):
+            raise ValueError(f"--manifest must be a postgresql://user@host:port/db URL, got {self.manifest!r}")
+        if self.blobs is not None and not self.blobs.startswith("s3://"):
+            raise ValueError(f"--blobs must be an s3://bucket/prefix URL, got {self.blobs!r}")
         if self.gateway_strategy not in MERGES:
             raise ValueError(f"--gateway-strategy must be one of {sorted(MERGES)}, got {self.gateway_strategy!r}")
         try:

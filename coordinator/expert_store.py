@@ -29,6 +29,7 @@ from typing import Any, BinaryIO, ContextManager, Protocol, TypeVar
 
 from coordinator.audit import Event
 from coordinator.blobs import is_storage_full, storage_errors
+from protocol.integrity import DEFAULT_ALGORITHM
 from coordinator.store import ExpertRow, StaleAggregation, UpdateRow
 from protocol.errors import NotFound
 
@@ -48,9 +49,11 @@ class BlobBackend(Protocol):
 
     tmp_dir: Path
 
-    def receive(self, stream: BinaryIO, limit: int, length: int | None = None) -> Path: ...
+    def receive(self, stream: BinaryIO, limit: int, length: int | None = None,
+                algorithm: str = DEFAULT_ALGORITHM) -> Path: ...
+    def take_spooled(self, path: Path, digest: str) -> Path: ...  # a body the HTTP front spooled and hashed
     def write_temp(self, write: Callable[[Path], None]) -> Path: ...
-    def digest_of(self, tmp: Path) -> str: ...
+    def digest_of(self, tmp: Path, algorithm: str | None = None) -> str: ...
     def forget(self, tmp: Path) -> None: ...
     def link_received(self, path: Path, digest: str) -> Path: ...
     def adopt(self, tmp: Path, digest: str | None = None) -> str: ...
@@ -111,8 +114,10 @@ class WeightsRef:
 
 
 class ExpertStore:
-    def __init__(self, blobs: BlobBackend, rows: ManifestBackend, keep_versions: int) -> None:
+    def __init__(self, blobs: BlobBackend, rows: ManifestBackend, keep_versions: int, locks: Any = None) -> None:
         self._blobs = blobs
+        self._locks = locks
+        """Cross-process expert locks (coordinator/backends/postgres.py ExpertLocks) when replicas share rows."""
         self._rows = rows
         self.keep_versions = keep_versions
         """Versions of each expert whose weights are kept (--keep-versions); older ones are pruned."""
@@ -123,8 +128,11 @@ class ExpertStore:
     def close(self) -> None:
         self._rows.close()
 
-    def expert_lock(self, name: str) -> threading.Lock:
-        """Serialises changes to one expert (checks, recording an update, aggregation steps)."""
+    def expert_lock(self, name: str) -> ContextManager[Any]:
+        """Serialises changes to one expert (checks, recording an update, aggregation steps), across
+        replicas too when the rows are shared (PostgreSQL advisory locks)."""
+        if self._locks is not None:
+            return self._locks.hold(name)
         with self._expert_locks_guard:
             return self._expert_locks.setdefault(name, threading.Lock())
 
@@ -135,13 +143,20 @@ class ExpertStore:
         """A local directory for request bodies on their way in (same file system as the temp files)."""
         return self._blobs.tmp_dir
 
-    def receive(self, stream: BinaryIO, limit: int, length: int | None = None) -> Path:
+    def receive(self, stream: BinaryIO, limit: int, length: int | None = None,
+                algorithm: str = DEFAULT_ALGORITHM) -> Path:
         """A request body copied to a fsynced temp file (see ``BlobStore.receive``)."""
         with storage_errors("receive the request body"):
-            return self._blobs.receive(stream, limit, length)
+            return self._blobs.receive(stream, limit, length, algorithm)
 
-    def digest_of(self, tmp: Path) -> str:
-        return self._blobs.digest_of(tmp)
+    def take_spooled(self, path: Path, digest: str) -> Path:
+        """A body the HTTP front already wrote into ``spool_dir`` and hashed, fsynced (no second copy)."""
+        with storage_errors("receive the request body"):
+            return self._blobs.take_spooled(path, digest)
+
+    def digest_of(self, tmp: Path, algorithm: str | None = None) -> str:
+        """Content id of a temp file (protocol/integrity.py), in ``algorithm`` if given."""
+        return self._blobs.digest_of(tmp, algorithm)
 
     def link_received(self, path: Path, digest: str) -> Path:
         """A temp file holding the finished resumable upload at ``path`` (hard-linked when it can be), whose
@@ -347,3 +362,12 @@ class ExpertStore:
 
     def profiles(self) -> dict[str, list[tuple[bytes, int]]]:
         return self._rows.profiles()
+
+    def redirect_url(self, digest: str, min_bytes: int) -> tuple[str, int] | None:
+        """(URL, size): a short-lived URL to GET a blob of at least ``min_bytes`` from directly (the object store's
+        bandwidth, not ours), when the blob backend offers one; else None (serve it ourselves)."""
+        presign = getattr(self._blobs, "presigned_url", None)
+        if presign is None or min_bytes <= 0:
+            return None
+        size = self._blobs.remote_size(digest)
+        return (presign(digest), size) if size >= min_bytes else None

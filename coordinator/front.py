@@ -9,6 +9,12 @@ the application only once its request is complete, and returns as soon as the an
 Files (weight pulls) are sent by the loop with sendfile; a slow reader costs a socket, not a thread.
 Measured (bench/hostile.py, docs/benchmarks.md): 1,000 slow connections, /health p99 well under 1 s.
 
+A body over 1 MiB is written as it arrives to a named file in ``spool_dir`` (the blob store's temp
+dir) and hashed on the way (the algorithm the client's X-FedMoE-Digest names, BLAKE3 by default) on
+a hashing thread that overlaps the next read. The application finds it as ``environ[SPOOLED_BODY]``
+and may take the file over (rename it into the store) instead of copying the body again: the copy
+and the second hashing pass were a third of a 1 GiB push (issue 18, docs/scale.md).
+
 --socket-timeout keeps its meaning: a connection whose head, body or answer makes no progress for
 that long is dropped (a stalled body is answered 408 first).
 """
@@ -30,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from protocol.integrity import DIGEST_HEADER, content_id, new_hasher, requested_algorithm
 from coordinator.http1 import HEAD_LIMIT, HttpError, RequestHead, error_response, parse_head, response_head, \
     wsgi_environ
 
@@ -44,6 +51,20 @@ SENDFILE_CHUNK = 4 << 20  # the same for files: fewer steps, so pulls run near g
 GRACE_SECONDS = 10.0  # on SIGTERM, how long requests being answered get to finish
 
 WsgiApp = Callable[[dict[str, Any], Callable], Iterable[bytes]]
+SPOOLED_BODY = "fedmoe.spooled_body"
+"""environ key of a ``SpooledBody`` (bodies over SPOOL_IN_MEMORY when a spool_dir is set)."""
+
+
+@dataclass
+class SpooledBody:
+    """A request body spooled to a named file as it arrived, with its digest."""
+
+    path: Path
+    size: int
+    digest: str
+    """Content id (protocol/integrity.py) of the bytes, in the algorithm the client's digest header names."""
+    taken: bool = False
+    """Set by the application when it moved the file away; otherwise the front deletes it."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +122,7 @@ class BufferingFront:
         self.app, self.sock, self.options, self.tls = app, sock, options, tls
         self.scheme = "https" if tls else "http"
         self.pool = ThreadPoolExecutor(options.threads, thread_name_prefix="fedmoe-request")
+        self.hashing = ThreadPoolExecutor(2, thread_name_prefix="fedmoe-hash")  # digests of spooled bodies
         self.connections: set[asyncio.Task] = set()
         self.busy = 0  # requests inside the application right now
         self.stopping: asyncio.Event | None = None
@@ -125,6 +147,7 @@ class BufferingFront:
             task.cancel()
         await asyncio.gather(*self.connections, return_exceptions=True)
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.hashing.shutdown(wait=False, cancel_futures=True)
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if len(self.connections) >= self.options.max_connections:
@@ -228,28 +251,46 @@ class Connection:
                             "(coordinator flag --max-body-mb)")
         if head.expects_continue and (length or head.chunked):
             await self._write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        body = tempfile.SpooledTemporaryFile(SPOOL_IN_MEMORY, dir=self.front.options.spool_dir)
+        spool = self._spool_file(head)
+        body = spool.file if spool else tempfile.SpooledTemporaryFile(SPOOL_IN_MEMORY, dir=self.front.options.spool_dir)
         try:
-            size = await (self._receive_chunked(body) if head.chunked else self._receive(body, length))
+            size = await (self._receive_chunked(body, spool) if head.chunked else self._receive(body, length, spool))
             body.seek(0)
             environ = wsgi_environ(head, body, size, self.server, self.peer, self.front.scheme, FileBody)
+            if spool is not None:
+                environ[SPOOLED_BODY] = await spool.finish(size)
             answer = await self.front.call_app(environ)
         finally:
             body.close()
+            if spool is not None:
+                spool.discard()
         keep = head.keep_alive() and not self.front.stopping.is_set() and not any(
             k.lower() == "connection" and "close" in v.lower() for k, v in answer.headers)
         await self._send(head, answer, keep)
         return keep
 
-    async def _receive(self, body: BinaryIO, length: int) -> int:
+    def _spool_file(self, head: RequestHead) -> Spool | None:
+        """A named, hashed spool file for a large (or chunked) body when a spool_dir is set."""
+        if self.front.options.spool_dir is None or not (head.chunked or head.content_length > SPOOL_IN_MEMORY):
+            return None
+        algorithm = requested_algorithm(head.header(DIGEST_HEADER.lower()))
+        try:
+            return Spool(self.front.options.spool_dir, algorithm, head.content_length, self.front.hashing)
+        except OSError as exc:
+            _raise_if_full(exc)
+            raise
+
+    async def _receive(self, body: BinaryIO, length: int, spool: Spool | None = None) -> int:
         left = length
         while left:
             chunk = await self._read_body(min(READ_CHUNK, left))
             _spool(body, chunk)
+            if spool is not None:
+                await spool.hash(chunk)
             left -= len(chunk)
         return length
 
-    async def _receive_chunked(self, body: BinaryIO) -> int:
+    async def _receive_chunked(self, body: BinaryIO, spool: Spool | None = None) -> int:
         size = 0
         while True:
             line = await self._with_timeout(self.reader.readuntil(b"\r\n"))
@@ -269,6 +310,8 @@ class Connection:
             while left:
                 chunk = await self._read_body(min(READ_CHUNK, left))
                 _spool(body, chunk)
+                if spool is not None:
+                    await spool.hash(chunk)
                 left -= len(chunk)
             if await self._with_timeout(self.reader.readexactly(2)) != b"\r\n":
                 raise HttpError(400, "bad_request", "chunk not followed by CRLF")
@@ -331,14 +374,49 @@ class Connection:
             pass
 
 
+class Spool:
+    """A body being written to a named file in ``directory`` and hashed on a thread, one chunk behind."""
+
+    def __init__(self, directory: Path, algorithm: str, size_hint: int, hashing: ThreadPoolExecutor) -> None:
+        fd, name = tempfile.mkstemp(dir=directory, suffix=".part")
+        self.path, self.file = Path(name), open(fd, "w+b")
+        self.algorithm, self.hasher, self.hashing = algorithm, new_hasher(algorithm, size_hint), hashing
+        self.pending: asyncio.Future | None = None
+        self.spooled: SpooledBody | None = None
+
+    async def hash(self, chunk: bytes) -> None:
+        """Hash ``chunk`` after the previous one, without waiting for it (the loop reads the next meanwhile)."""
+        if self.pending is not None:
+            await self.pending
+        self.pending = asyncio.get_running_loop().run_in_executor(self.hashing, self.hasher.update, chunk)
+
+    async def finish(self, size: int) -> SpooledBody:
+        if self.pending is not None:
+            await self.pending
+        self.file.flush()
+        self.spooled = SpooledBody(self.path, size, content_id(self.algorithm, self.hasher.hexdigest()))
+        return self.spooled
+
+    def discard(self) -> None:
+        """Delete the file unless the application took it (renamed it into its store)."""
+        if self.pending is not None:
+            self.pending.cancel()
+        if self.spooled is None or not self.spooled.taken:
+            self.path.unlink(missing_ok=True)
+
+
 def _spool(body: BinaryIO, chunk: bytes) -> None:
     try:
         body.write(chunk)
     except OSError as exc:
-        if exc.errno == errno.ENOSPC:
-            raise HttpError(507, "insufficient_storage", "the coordinator's disk is full; nothing was recorded, "
-                            "try again later") from None
+        _raise_if_full(exc)
         raise
+
+
+def _raise_if_full(exc: OSError) -> None:
+    if exc.errno == errno.ENOSPC:
+        raise HttpError(507, "insufficient_storage", "the coordinator's disk is full; nothing was recorded, "
+                        "try again later") from None
 
 
 def _declared_length(headers: list[tuple[str, str]], default: int) -> int:

@@ -20,11 +20,12 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from coordinator.adapters import check_full_weights, check_lora_adapter, check_update
-from coordinator.aggregation import StateDict, l2_norm
+from coordinator.adapters import check_full_weights, check_lora_adapter, checked_norm
+from coordinator.aggregation import StateDict
 from coordinator import audit
 from coordinator.audit import Event
 from coordinator.blobs import BlobStore
+from coordinator.backends.errors import BackendUnavailable
 from coordinator.config import CoordinatorConfig
 from coordinator.diffs import DiffCache
 from coordinator.errors import REFUSALS
@@ -38,7 +39,7 @@ from gateway.router import combine_profiles, profile_from_json, profile_to_json
 from gateway.router import route as route_prompt
 from protocol.errors import BadRequest, Conflict, InsufficientStorage, InvalidPayload, NotFound, PayloadTooLarge
 from protocol.files import private_dir, private_file
-from protocol.integrity import DIGEST_HEADER
+from protocol.integrity import DEFAULT_ALGORITHM, DIGEST_HEADER, algorithm_of, hex_of
 from protocol.schemas import MAX_COUNT, BaseModelSpec, ExpertSpec, UpdateMeta, check_name
 from protocol.tensors import load_file, manifest_from_json, manifest_to_json
 
@@ -55,8 +56,7 @@ class Coordinator:
     def __init__(self, config: CoordinatorConfig) -> None:
         self.config = config
         private_dir(config.data_dir)  # 0700: tokens, audit log and weights are the operator's only
-        self.store = ExpertStore(BlobStore(config.data_dir / "blobs"),
-                                 ManifestStore(private_file(config.data_dir / "manifest.sqlite")), config.keep_versions)
+        self.store = open_store(config)
         self.diffs = DiffCache(self.store)
         self.gateway = GatewayBuilder(self.store, config)
         self.steps = AggregationSteps(self.store, config, self._stepped)
@@ -88,10 +88,12 @@ class Coordinator:
         """413 if a body's announced size (Content-Length) is over --max-body-mb."""
         check_body_size(length, self.config.max_body_bytes)
 
-    def receive_body(self, stream: BinaryIO, length: int | None, expected_digest: str | None) -> Path:
+    def receive_body(self, stream: BinaryIO, length: int | None, expected_digest: str | None,
+                     spooled: Any = None) -> Path:
         """A request body in a fsynced temp file: 413 past --max-body-mb, 400 if it does not match
-        ``expected_digest`` (nothing is left behind). ``length`` (Content-Length): read exactly that."""
-        return receive_checked(self.store, stream, length, self.config.max_body_bytes, expected_digest)
+        ``expected_digest`` (nothing is left behind). ``length`` (Content-Length): read exactly that.
+        ``spooled``: the front's coordinator.front.SpooledBody, taken over instead of copying ``stream``."""
+        return receive_checked(self.store, stream, length, self.config.max_body_bytes, expected_digest, spooled)
 
     # experts ------------------------------------------------------------------
 
@@ -190,20 +192,20 @@ class Coordinator:
             body_digest = self.store.digest_of(body)
             known = self.store.update(meta.update_id)
             if known is not None:
-                return self._seen_before(known, name, meta, body_digest), False
+                return self._seen_before(known, name, meta, body_digest, body), False
             if meta.base_version > expert.version:
                 raise Conflict(f"base_version {meta.base_version} is ahead of expert {name!r}, "
                                f"which is at version {expert.version}")
             manifest = manifest_from_json(expert.manifest)
-            # Raw bodies come back as a per-tensor view of the file (a second read, bounded memory);
-            # compressed ones decoded once. Either way the decoded update is dropped before we wait
-            # for the expert's lock, and read again from the body when its step is computed.
-            norm = l2_norm(check_update(body, meta.codec, meta.codec_config, manifest))
+            # int8 bodies are checked and measured from their codes (coordinator/fused_check.py); others are
+            # decoded tensor by tensor. Either way nothing decoded is kept while we wait for the expert's
+            # lock: the step reads the body again when it is computed.
+            norm = checked_norm(body, meta.codec, meta.codec_config, manifest)
             size = body.stat().st_size
             with self.store.expert_lock(name):
                 known = self.store.update(meta.update_id)  # a concurrent retry may have won
                 if known is not None:
-                    return self._seen_before(known, name, meta, body_digest), False
+                    return self._seen_before(known, name, meta, body_digest, body), False
                 verdict = judge_norm(norm, self.store.recent_norms(name, self.config.norm_history),
                                      self.config.norm_policy)  # InvalidUpdate (422) in reject mode
                 stored = meta.to_json() | ({"norm_scale": verdict.scale} if verdict.clipped else {})
@@ -219,9 +221,12 @@ class Coordinator:
             self.store.forget(body)
         return self.update_status(meta.update_id), True
 
-    def _seen_before(self, known: UpdateRow, name: str, meta: UpdateMeta, body_digest: str) -> dict[str, Any]:
+    def _seen_before(self, known: UpdateRow, name: str, meta: UpdateMeta, body_digest: str,
+                     body: Path) -> dict[str, Any]:
         if known.expert != name:
             raise Conflict(f"update_id {known.update_id!r} was already used for expert {known.expert!r}")
+        if known.body_sha256 is not None and algorithm_of(known.body_sha256) != algorithm_of(body_digest):
+            body_digest = self.store.digest_of(body, algorithm_of(known.body_sha256))  # sent before 0.7
         if known.body_sha256 is not None and known.body_sha256 != body_digest:
             raise Conflict(f"update_id {known.update_id!r} was already used for a different body; a retry "
                            "must resend the same bytes, and a new update needs a new update_id",
@@ -233,6 +238,8 @@ class Coordinator:
         """Add an event that records no other change; a failure to log is logged, never raised."""
         try:
             self.store.add_event(event)
+        except BackendUnavailable:  # the backend's own log line already says what failed
+            log.debug("could not record %s event: a backend is unavailable", event.kind)
         except Exception:  # noqa: BLE001 - the audit log must not turn the answer into a 5xx
             log.exception("could not record %s event", event.kind)
 
@@ -315,16 +322,37 @@ def check_body_size(length: int | None, limit: int) -> None:
 
 
 def receive_checked(spool: ExpertStore | BlobStore, stream: BinaryIO, length: int | None, limit: int,
-                    expected_digest: str | None) -> Path:
-    """A body in a fsynced temp file of ``spool``; 413 past ``limit``, 400 (nothing left) on a digest mismatch.
+                    expected_digest: str | None, spooled: Any = None) -> Path:
+    """A body in a fsynced temp file of ``spool``: 413 past ``limit``, 400 (nothing left) on a digest mismatch.
+    ``spooled`` (the front's SpooledBody) is taken over when it fits and was hashed with the expected algorithm.
     Shared by the root and the relay (coordinator/relay/service.py)."""
     check_body_size(length, limit)
-    body = spool.receive(stream, limit, length)
-    if expected_digest is not None and (actual := spool.digest_of(body)) != expected_digest:
+    algorithm = algorithm_of(expected_digest) if expected_digest else DEFAULT_ALGORITHM
+    if spooled is not None and spooled.size <= limit and algorithm_of(spooled.digest) == algorithm:
+        body = spool.take_spooled(spooled.path, spooled.digest)
+        spooled.taken = True
+    else:
+        body = spool.receive(stream, limit, length, algorithm)
+    if expected_digest is not None and (actual := spool.digest_of(body, algorithm)) != expected_digest:
         spool.forget(body)
-        raise BadRequest(f"body does not match its {DIGEST_HEADER} (sha256 {actual[:16]}... "
-                         f"!= {expected_digest[:16]}...); it was damaged on the way, send it again")
+        raise BadRequest(f"body does not match its {DIGEST_HEADER} ({algorithm} {hex_of(actual)[:16]}... "
+                         f"!= {hex_of(expected_digest)[:16]}...); it was damaged on the way, send it again")
     return body
+
+
+def open_store(config: CoordinatorConfig) -> ExpertStore:
+    """SQLite + local files (the default), or PostgreSQL and/or S3 when --manifest / --blobs name them."""
+    blobs: BlobStore
+    if config.blobs:
+        from coordinator.backends.s3 import S3BlobStore  # boto3 only when asked for
+        blobs = S3BlobStore(config.data_dir / "blobs", config.blobs)
+    else:
+        blobs = BlobStore(config.data_dir / "blobs")
+    if config.manifest:
+        from coordinator.backends.postgres import ExpertLocks, PostgresManifestStore
+        return ExpertStore(blobs, PostgresManifestStore(config.manifest), config.keep_versions,
+                           locks=ExpertLocks(config.manifest))
+    return ExpertStore(blobs, ManifestStore(private_file(config.data_dir / "manifest.sqlite")), config.keep_versions)
 
 
 def liveness(silent_for: float, sync_interval: float | None) -> str:

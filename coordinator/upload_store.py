@@ -16,7 +16,6 @@ other open uploads still need (else 507, nothing recorded).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -33,6 +32,7 @@ from typing import Any, BinaryIO
 from coordinator.blobs import storage_errors
 from protocol.errors import BadRequest, Conflict, FedMoEError, InsufficientStorage, NotFound
 from protocol.files import private_dir, write_atomically
+from protocol.integrity import algorithm_of, content_id, new_hasher
 from protocol.schemas import UpdateMeta
 
 log = logging.getLogger(__name__)
@@ -197,7 +197,7 @@ class UploadStore:
         self._make_room(owner)
         now = self.clock()
         upload = Upload(secrets.token_hex(16), expert, owner, meta, size, digest, created_at=now, touched_at=now,
-                        hasher=hashlib.sha256())
+                        hasher=new_hasher(algorithm_of(digest)))
         with storage_errors(f"open an upload for update {meta.update_id!r}"):
             self._check_space(size)
             try:
@@ -260,14 +260,16 @@ class UploadStore:
         """Append ``length`` bytes read from ``stream`` at ``start`` (which must be the offset); durable on return."""
         with self.holding(upload):
             self._check_start(upload, start, length)
-            hasher, chunk_hash = self._hasher(upload).copy(), hashlib.sha256()
+            hasher = self._hasher(upload).copy()
+            chunk_algorithm = algorithm_of(chunk_digest) if chunk_digest is not None else "sha256"
+            chunk_hash = new_hasher(chunk_algorithm)
             part = self.part(upload)
             with storage_errors(f"store a chunk of upload {upload.upload_id}"):
                 try:
                     with open(part, "r+b") as out:
                         out.seek(start)
                         _copy(stream, out, length, (hasher, chunk_hash))
-                        if chunk_digest is not None and chunk_hash.hexdigest() != chunk_digest:
+                        if chunk_digest is not None and content_id(chunk_algorithm, chunk_hash.hexdigest()) != chunk_digest:
                             raise BadRequest("the chunk does not match its digest: it was damaged on the way; "
                                              "send it again", reason="chunk_digest_mismatch", offset=upload.offset)
                         out.flush()
@@ -299,9 +301,10 @@ class UploadStore:
         write_atomically(self._record(upload), json.dumps(record).encode())
 
     def _hasher(self, upload: Upload) -> Any:
-        """SHA-256 of the received prefix (rebuilt from the file once after a restart)."""
+        """The digest state of the received prefix, in the upload's algorithm (rebuilt from the file once after a
+        restart)."""
         if upload.hasher is None:
-            hasher = hashlib.sha256()
+            hasher = new_hasher(algorithm_of(upload.digest))
             with open(self.part(upload), "rb") as f:
                 while block := f.read(HASH_CHUNK):
                     hasher.update(block)
@@ -311,8 +314,8 @@ class UploadStore:
     # finishing ------------------------------------------------------------------
 
     def received_digest(self, upload: Upload) -> str:
-        """SHA-256 of every byte received (call with the upload's lock held)."""
-        return self._hasher(upload).hexdigest()
+        """The content id of every byte received, in the upload's algorithm (call with the upload's lock held)."""
+        return content_id(algorithm_of(upload.digest), self._hasher(upload).hexdigest())
 
     def mark_completed(self, upload: Upload) -> None:
         """The push ran: keep a small record to answer a retried finish, drop the body (lock held)."""

@@ -33,7 +33,7 @@ from coordinator.tokens import WORKER
 from coordinator.upload_store import Upload, UploadLimits, UploadStore
 from protocol.errors import (BadRequest, Conflict, FedMoEError, InvalidUpdate, PayloadTooLarge, RequestTimeout,
                              Unavailable)
-from protocol.integrity import DIGEST_HEADER, ClientReader, parse_digest
+from protocol.integrity import DIGEST_HEADER, ClientReader, algorithm_of, hex_of, parse_digest
 from protocol.schemas import API_PREFIX, UpdateMeta, check_name
 
 OFFSET_HEADER = "X-FedMoE-Upload-Offset"
@@ -84,7 +84,7 @@ def open_upload(name: str) -> tuple[Response, int]:
         raise PayloadTooLarge(f"an upload of {size} bytes is over the limit of {c.config.max_body_bytes} bytes "
                               "(coordinator flag --max-body-mb)", limit=c.config.max_body_bytes)
     if not isinstance(digest, str):
-        raise BadRequest(f"'digest' must be 'sha256=<64 hex digits>' of the whole body, got {digest!r}")
+        raise BadRequest(f"'digest' must be 'blake3=<64 hex digits>' or 'sha256=<64 hex digits>' of the whole body, got {digest!r}")
     digest = parse_digest(digest)
     c.require_expert(name)
     if (done := _recorded(c, name, meta, digest)) is not None:
@@ -100,7 +100,9 @@ def _recorded(c: Coordinator, name: str, meta: UpdateMeta, digest: str) -> dict[
     known = c.store.update(meta.update_id)
     if known is None:
         return None
-    if known.expert != name or (known.body_sha256 is not None and known.body_sha256 != digest):
+    same_algorithm = known.body_sha256 is not None and algorithm_of(known.body_sha256) == algorithm_of(digest)
+    # (digests in different algorithms cannot be compared here: the push at finish checks the body itself)
+    if known.expert != name or (same_algorithm and known.body_sha256 != digest):
         raise Conflict(f"update_id {meta.update_id!r} was already used for another expert or body; a new update "
                        "needs a new update_id", update_id=meta.update_id)
     return c.update_status(meta.update_id)
@@ -172,8 +174,8 @@ def _push(c: Coordinator, store: UploadStore, upload: Upload) -> tuple[dict[str,
     digest = store.received_digest(upload)
     if digest != upload.digest:
         store.discard(upload)
-        raise InvalidUpdate(f"the {upload.size} bytes received have sha256 {digest[:16]}..., not the "
-                            f"{upload.digest[:16]}... the upload was opened with; it was dropped: send the update "
+        raise InvalidUpdate(f"the {upload.size} bytes received have digest {hex_of(digest)[:16]}..., not the "
+                            f"{hex_of(upload.digest)[:16]}... the upload was opened with; it was dropped: send the update "
                             "again", reason="digest_mismatch")
     try:
         result = c.submit_update(upload.expert, upload.meta, c.store.link_received(store.part(upload), digest))

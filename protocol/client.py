@@ -51,12 +51,12 @@ import requests
 import urllib3
 
 from protocol.credentials import resolve_token, store_worker_token, stored_worker_token
-from protocol.errors import (FedMoEError, Forbidden, TLSFailure, TooManyRequests, Unauthorized, Unavailable,
+from protocol.errors import (BadRequest, FedMoEError, Forbidden, TLSFailure, TooManyRequests, Unauthorized, Unavailable,
                              error_from_response)
-from protocol.integrity import DIGEST_HEADER, digest_header
+from protocol.integrity import DEFAULT_ALGORITHM, DIGEST_HEADER, digest_header, is_old_server_refusal
 from protocol.probe import LinkEstimate, choose, probe, split_urls
-from protocol.resume import can_resume, resumable_body
-from protocol.schemas import API_PREFIX, EXPERT_HEADER, UPDATE_HEADER, VERSION_HEADER, WORKER_HEADER
+from protocol.resume import can_resume, check_etag, resumable_body
+from protocol.schemas import API_PREFIX, EXPERT_HEADER, REDIRECT_HEADER, UPDATE_HEADER, VERSION_HEADER, WORKER_HEADER
 from protocol.streaming import tensors_from_buffer
 from protocol.tensors import StateDict, dumps
 from protocol.uploads import ResumablePush, UploadPolicy, UploadStats, UploadsUnsupported
@@ -124,6 +124,7 @@ class CoordinatorClient:
         self._worker_tokens: dict[str, tuple[str, str]] = {}  # worker_id -> (token, specialty)
         self._expert_tokens: dict[str, tuple[str, str]] = {}  # specialty -> its latest (token, worker_id)
         self._registrations: dict[str, dict[str, Any]] = {}  # worker_id -> body, to renew its token
+        self.digest_algorithm = DEFAULT_ALGORITHM  # sha256 once a coordinator older than 0.7 refused blake3
 
     def close(self) -> None:
         self.session.close()
@@ -309,17 +310,31 @@ class CoordinatorClient:
     def create_expert(self, name: str, adapter: StateDict, spec: dict[str, Any]) -> dict[str, Any]:
         """Create the expert, or get it if it exists with the same setup (409 if not)."""
         body = dumps(adapter)
-        return self._json("PUT", f"/experts/{name}", data=Chunks(body), expert=name,
-                          headers={EXPERT_HEADER: json.dumps(spec), DIGEST_HEADER: digest_header(body)})
+        return self._upload("PUT", f"/experts/{name}", body, expert=name, headers={EXPERT_HEADER: json.dumps(spec)})
+
+    def _upload(self, method: str, path: str, body: bytes, headers: dict[str, str], **kwargs: Any) -> Any:
+        """Send a body with its digest; against a coordinator older than 0.7 (sha256 only), once more in SHA-256."""
+        for _ in range(2):
+            try:
+                return self._json(method, path, data=Chunks(body), **kwargs,
+                                  headers=headers | {DIGEST_HEADER: digest_header(body, self.digest_algorithm)})
+            except BadRequest as exc:
+                if self.digest_algorithm == "sha256" or not is_old_server_refusal(str(exc)):
+                    raise
+                log.info("%s takes SHA-256 body digests only (before 0.7); using SHA-256", self.base_url)
+                self.digest_algorithm = "sha256"
+        raise AssertionError("unreachable")
 
     def pull_weights(self, name: str, etag: str | None = None, version: int | None = None,
                      worker_id: str | None = None) -> Pulled:
         headers = {"If-None-Match": etag} if etag else {}
+        headers[REDIRECT_HEADER] = "1"  # a coordinator on an object store may send us to a presigned URL
         if worker_id:
             headers[WORKER_HEADER] = worker_id
         params = {"version": version} if version is not None else {}
         path = f"/experts/{name}/weights"
         r = self._request("GET", path, headers=headers, params=params, worker=worker_id, expert=name, stream=True)
+        origin = r.history[0] if r.history else r  # the coordinator's answer: version and content-id ETag
         resumes = 0
         if can_resume(r):  # a drop mid-body resumes with Range + If-Range (protocol/resume.py)
             resend = {k: v for k, v in headers.items() if k != "If-None-Match"}
@@ -329,8 +344,11 @@ class CoordinatorClient:
                 self.retry.attempts, self.base_url)
         else:
             body = bytearray() if r.status_code == 304 else _read_body(r, self.base_url)
+        if r.status_code != 304 and origin is not r and origin.headers.get("ETag"):
+            check_etag(body, origin.headers["ETag"], self.base_url)  # the object store's bytes are ours
         tensors = None if r.status_code == 304 else tensors_from_buffer(body)
-        return Pulled(tensors, int(r.headers.get(VERSION_HEADER, -1)), r.headers.get("ETag"), len(body), resumes)
+        return Pulled(tensors, int(origin.headers.get(VERSION_HEADER, -1)), origin.headers.get("ETag"), len(body),
+                      resumes)
 
     def pull_diff(self, name: str, since: int, codec: str, codec_config: dict[str, Any] | None = None,
                   worker_id: str | None = None) -> tuple[bytes, int]:
@@ -353,10 +371,8 @@ class CoordinatorClient:
             except UploadsUnsupported as exc:
                 log.info("%s has no resumable uploads (%s); pushing update %s in one request", self.base_url, exc,
                          meta.get("update_id"))
-        return self._json("POST", f"/experts/{name}/updates", data=Chunks(body), worker=meta.get("worker_id"),
-                          expert=name, headers={UPDATE_HEADER: json.dumps(meta),
-                                                "Content-Type": "application/octet-stream",
-                                                DIGEST_HEADER: digest_header(body)})
+        return self._upload("POST", f"/experts/{name}/updates", body, worker=meta.get("worker_id"), expert=name,
+                            headers={UPDATE_HEADER: json.dumps(meta), "Content-Type": "application/octet-stream"})
 
     def _push_resumable(self, name: str, body: bytes, meta: dict[str, Any]) -> dict[str, Any]:
         worker = meta.get("worker_id")
@@ -366,7 +382,8 @@ class CoordinatorClient:
                 kwargs["data"] = Chunks(kwargs["data"])
             return self._request(method, path, worker=worker, expert=name, attempts=attempts, **kwargs)
 
-        push = ResumablePush(call, name, body, meta, self.upload, self.retry.attempts, self.retry.delay)
+        push = ResumablePush(call, name, body, meta, self.upload, self.retry.attempts, self.retry.delay,
+                             algorithm=self.digest_algorithm)
         try:
             return push.run()
         finally:

@@ -8,7 +8,6 @@ body. The ETag is the SHA-256 of the body, so the assembled bytes are checked ag
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import re
 from collections.abc import Callable
@@ -17,11 +16,12 @@ import requests
 import urllib3
 
 from protocol.errors import Unavailable
+from protocol.integrity import algorithm_of, hash_bytes
 
 log = logging.getLogger(__name__)
 
 READ_CHUNK = 4 << 20
-SHA256_ETAG = re.compile(r'^"?([0-9a-f]{64})"?$')
+CONTENT_ID_ETAG = re.compile(r'^"?((?:b3-)?[0-9a-f]{64})"?$')  # the coordinator's: a blob's content id
 
 Refetch = Callable[[dict[str, str]], requests.Response]
 """Send the same GET again with these extra headers (the caller's retries and auth included)."""
@@ -72,9 +72,10 @@ def resumable_body(response: requests.Response, refetch: Refetch, max_resumes: i
 
 
 def check_etag(body: bytearray, etag: str, where: str) -> None:
-    """When the ETag is a SHA-256 (the coordinator's are), the assembled body must hash to it."""
-    m = SHA256_ETAG.match(etag)
-    if m and hashlib.sha256(body).hexdigest() != m.group(1):
+    """When the ETag is a content id (the coordinator's are: BLAKE3 ``b3-<hex>`` or SHA-256 hex), the
+    assembled body must hash to it."""
+    m = CONTENT_ID_ETAG.match(etag)
+    if m and hash_bytes(body, algorithm_of(m.group(1))) != m.group(1):
         raise Unavailable(f"pull from {where} does not match its ETag after reassembly; pull again")
 
 

@@ -27,6 +27,7 @@ UPDATE_HEADER = "X-FedMoE-Update"
 EXPERT_HEADER = "X-FedMoE-Expert"
 VERSION_HEADER = "X-FedMoE-Version"
 WORKER_HEADER = "X-FedMoE-Worker"  # optional on pulls: lets the coordinator tally bytes per worker
+REDIRECT_HEADER = "X-FedMoE-Accept-Redirect"  # "1": the client follows a 307 to a presigned object-store URL
 RAW_CODEC = "safetensors"  # an uncompressed update: the body is a safetensors file
 
 # Matched with fullmatch: "$" also matches before a trailing newline, so "e\n" used to pass.

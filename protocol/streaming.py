@@ -153,6 +153,19 @@ def check_file(path: Path, manifest: Manifest) -> None:
     each tensor in ``CHECK_CHUNK`` pieces, so a 1 GiB update costs 8 MiB of memory, not 1 GiB.
     Raises InvalidPayload (malformed) or InvalidUpdate (does not fit the expert).
     """
+    header = check_header(path, manifest)
+    chunk = bytearray(CHECK_CHUNK)
+    with open(path, "rb", buffering=0) as f:
+        for e in header.entries:
+            f.seek(header.data_start + e.begin)
+            for start in range(e.begin, e.end, CHECK_CHUNK):
+                n = f.readinto(memoryview(chunk)[:min(CHECK_CHUNK, e.end - start)])
+                if not bool(torch.isfinite(torch.frombuffer(chunk, dtype=torch.float32, count=n // 4)).all()):
+                    raise InvalidUpdate(f"tensor {e.name!r} contains NaN or Inf")
+
+
+def check_header(path: Path, manifest: Manifest):
+    """The file's header, checked against the manifest (names, shapes, float32); the data is not read."""
     header = read_header(path)
     by_name = {e.name: e for e in header.entries}
     expected = dict(manifest)
@@ -167,14 +180,7 @@ def check_file(path: Path, manifest: Manifest) -> None:
             raise InvalidUpdate(f"tensor {name!r} has shape {list(e.shape)}, expected {list(shape)}")
         if e.dtype != "F32":
             raise InvalidUpdate(f"tensor {name!r} has dtype {e.dtype}, expected float32 (F32)")
-    chunk = bytearray(CHECK_CHUNK)
-    with open(path, "rb", buffering=0) as f:
-        for e in header.entries:
-            f.seek(header.data_start + e.begin)
-            for start in range(e.begin, e.end, CHECK_CHUNK):
-                n = f.readinto(memoryview(chunk)[:min(CHECK_CHUNK, e.end - start)])
-                if not bool(torch.isfinite(torch.frombuffer(chunk, dtype=torch.float32, count=n // 4)).all()):
-                    raise InvalidUpdate(f"tensor {e.name!r} contains NaN or Inf")
+    return header
 
 
 class FileTensors(Mapping[str, torch.Tensor]):

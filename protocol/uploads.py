@@ -13,7 +13,6 @@ break costs at most ~2 s of transfer and 1/8 of the body.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from functools import cached_property
 from typing import Any
 
 from protocol.errors import FedMoEError, NotFound, RequestTimeout, Unavailable
+from protocol.integrity import DEFAULT_ALGORITHM, digest_header
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +88,8 @@ class ResumablePush:
     clock: Callable[[], float] = time.monotonic
     sleep: Callable[[float], None] = time.sleep
     stats: UploadStats = field(default_factory=UploadStats)
+    algorithm: str = DEFAULT_ALGORITHM
+    """Digest of the body and of each chunk (the client's; sha256 for a coordinator before 0.7)."""
 
     def run(self) -> dict[str, Any]:
         """Push the body; the coordinator's answer to the push (its UpdateStatus)."""
@@ -131,7 +133,7 @@ class ResumablePush:
 
     @cached_property
     def digest(self) -> str:
-        return "sha256=" + hashlib.sha256(self.body).hexdigest()
+        return digest_header(self.body, self.algorithm)
 
     def _open(self) -> dict[str, Any]:
         return self.call("POST", f"/experts/{self.expert}/uploads",
@@ -145,7 +147,7 @@ class ResumablePush:
         r = self.call("PUT", f"/experts/{self.expert}/uploads/{self._upload_id}", attempts=1, data=view,
                       headers={"Content-Range": f"bytes {offset}-{offset + n - 1}/{len(self.body)}",
                                "Content-Type": "application/octet-stream",
-                               "X-FedMoE-Digest": "sha256=" + hashlib.sha256(view).hexdigest()})
+                               "X-FedMoE-Digest": digest_header(view, self.algorithm)})
         return int(r.json()["offset"])
 
     def _failed(self, exc: FedMoEError, failures: int) -> int:

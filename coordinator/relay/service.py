@@ -117,10 +117,11 @@ class RelayService:
     def check_body_size(self, length: int | None) -> None:
         check_body_size(length, self.config.max_body_bytes)
 
-    def receive_body(self, stream: BinaryIO, length: int | None, expected_digest: str | None) -> Path:
+    def receive_body(self, stream: BinaryIO, length: int | None, expected_digest: str | None,
+                     spooled: Any = None) -> Path:
         """As the root's: a fsynced temp file, 413 past --max-body-mb, 400 on a digest mismatch, 507 on a full disk."""
         with storage_errors("receive the request body"):
-            return receive_checked(self.blobs, stream, length, self.config.max_body_bytes, expected_digest)
+            return receive_checked(self.blobs, stream, length, self.config.max_body_bytes, expected_digest, spooled)
 
     def record_event(self, event: Event) -> None:
         log.info("refused: %s %s", event.kind, event.detail)

@@ -37,3 +37,29 @@ def test_quick_run_pushes_everything_once(tmp_path):
     assert report["coordinator_peak_rss_mb"]["processes"] == 1  # one process serves everything (coordinator/front.py)
     assert report["coordinator_peak_rss_mb"]["max_process"] > 50
     assert "lost" in proc.stdout and [p.name for p in tmp_path.iterdir()] == ["load.json"]
+
+
+def test_quick_open_loop_run_sends_on_schedule_and_loses_nothing(tmp_path):
+    out = tmp_path / "open.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.load", "--quick", "--mode", "open", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["settings"]["mode"] == "open"
+    assert report["pushes"] == report["acknowledged"] == 16  # --quick: 16 pushes from 8 workers, 1 s apart
+    assert report["lost"] == 0 and report["duplicated"] == 0
+    assert report["coordinator_cpu_s_per_push"] > 0
+
+
+def test_stamped_bodies_are_distinct_and_still_decode():
+    from bench.loadgen import stamped
+    from compression import make_codec
+    from compression.wire import decode_update, encode_update
+    from bench.load import random_tensors
+
+    manifest = lora_manifest("tiny-qwen2", 8)
+    body = encode_update(random_tensors(manifest, 1, 1e-3), manifest, make_codec("int8", {}), seed=1)
+    a, b = stamped(body, 1, "int8"), stamped(body, 2, "int8")
+    assert len({body, a, b}) == 3 and len(a) == len(body)
+    assert decode_update(a, manifest, make_codec("int8", {}))  # still a valid update of the same shapes
+    assert stamped(body, 5, "int4") is body  # other codecs: sent as they are

@@ -4,6 +4,8 @@ from __future__ import annotations
 import hashlib
 import io
 
+import blake3
+
 import pytest
 
 from coordinator.blobs import BlobStore
@@ -18,12 +20,35 @@ class Trickle(io.BytesIO):
         return super().read(min(1000, size if size >= 0 else 1000))
 
 
-def test_digest_computed_while_receiving_is_the_sha256_of_the_body(tmp_path):
+def test_digest_computed_while_receiving_is_the_blake3_of_the_body(tmp_path):
     store = BlobStore(tmp_path)
     body = bytes(range(256)) * 40_000  # ~10 MiB: several receive chunks
     tmp = store.receive(io.BytesIO(body), limit=len(body))
-    assert store.adopt(tmp) == hashlib.sha256(body).hexdigest()
-    assert store.path(hashlib.sha256(body).hexdigest()).read_bytes() == body
+    digest = store.adopt(tmp)
+    assert digest == "b3-" + blake3.blake3(body).hexdigest()
+    assert store.path(digest) == tmp_path / digest[3:5] / digest
+    assert store.path(digest).read_bytes() == body
+    assert store.verify(digest)
+
+
+def test_a_sha256_digest_names_blobs_as_before_0_7(tmp_path):
+    store = BlobStore(tmp_path)
+    body = b"old client" * 1000
+    tmp = store.receive(io.BytesIO(body), limit=len(body), algorithm="sha256")
+    digest = store.adopt(tmp)
+    assert digest == hashlib.sha256(body).hexdigest()
+    assert store.path(digest).read_bytes() == body
+    assert store.verify(digest)
+    store.path(digest).write_bytes(b"bit rot")
+    assert not store.verify(digest)
+
+
+def test_a_digest_of_another_algorithm_is_computed_from_the_file(tmp_path):
+    store = BlobStore(tmp_path)
+    body = b"x" * 5000
+    tmp = store.receive(io.BytesIO(body), limit=len(body))
+    assert store.digest_of(tmp, "sha256") == hashlib.sha256(body).hexdigest()
+    assert store.digest_of(tmp) == "b3-" + blake3.blake3(body).hexdigest()
 
 
 def test_with_a_length_exactly_that_many_bytes_are_read(tmp_path):

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import subprocess
 from pathlib import Path
 
 import pytest
+
+from protocol.integrity import digest_header
 import torch
 
 from protocol.tensors import dumps, load_file
@@ -22,8 +23,9 @@ def body_of(seed: int = 1) -> bytes:
     return dumps(random_like(ADAPTER, seed))
 
 
-def sha(data: bytes) -> str:
-    return "sha256=" + hashlib.sha256(data).hexdigest()
+def sha(data: bytes, algorithm: str = "blake3") -> str:
+    """The whole-body digest as today's client sends it (BLAKE3; coordinators also take sha256)."""
+    return digest_header(data, algorithm)
 
 
 def open_upload(client, body: bytes, meta: dict | None = None, expert: str = "e", **overrides):
@@ -106,6 +108,13 @@ def test_opening_again_finds_the_open_upload_and_its_offset(client):
     head = client.head(f"/api/v1/experts/e/uploads/{first['upload_id']}")
     assert head.status_code == 200 and head.headers["X-FedMoE-Upload-Offset"] == "1000"
     assert error(open_upload(client, body_of(2), meta)) == (409, "conflict")  # same update_id, other bytes
+
+
+def test_an_upload_with_a_sha256_digest_completes_like_a_blake3_one(client):
+    body = body_of()
+    upload_id = open_upload(client, body, digest=sha(body, "sha256")).get_json()["upload_id"]
+    assert put_chunk(client, upload_id, body, 0, len(body) - 1, **{"X-FedMoE-Digest": sha(body, "sha256")}).status_code == 200
+    assert complete(client, upload_id).status_code == 202
 
 
 def test_opening_an_update_already_recorded_sends_nothing(client):

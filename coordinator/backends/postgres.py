@@ -1,0 +1,248 @@
+"""The manifest in PostgreSQL (``--manifest postgresql://...``), so several coordinators share one federation.
+
+The SQL is ManifestStore's own (coordinator/store.py, coordinator/audit.py): one schema and one set
+of queries for both engines, through a thin connection that speaks SQLite's dialect to the store
+and PostgreSQL's to the server (``?`` placeholders, ``LIMIT -1``, AUTOINCREMENT, lastrowid).
+
+Serialisation across replicas:
+- every write transaction takes one transaction-scoped advisory lock first, exactly what SQLite's
+  ``BEGIN IMMEDIATE`` gives one data dir: writes are tiny, so this costs little and keeps every
+  read-check-write of the store (commit_version's "still at version v", add_update's status) atomic
+  across processes;
+- ``expert_lock(name)`` holds a session advisory lock keyed by the expert on a connection of its own
+  for as long as an update is checked, recorded and aggregated, so one replica at a time computes a
+  step of an expert (a second would only lose at commit, but after wasting the work);
+- update ids are UNIQUE: a push recorded by another replica since our check is a duplicate, never a
+  second row (the store re-reads and answers it as a retry).
+
+A server that is down or refuses a connection becomes ``BackendUnavailable`` (503 + Retry-After), with
+one log line naming the backend; a transaction that fails is rolled back, so nothing is half-recorded.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import re
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row, tuple_row
+
+from coordinator.audit import AUDIT_SCHEMA
+from coordinator.backends.errors import BackendUnavailable, log_outage
+from coordinator.store import SCHEMA, ManifestStore
+from coordinator.tokens import TokenStore
+from protocol.errors import Conflict
+
+log = logging.getLogger(__name__)
+
+WRITE_LOCK = 0x0FED_0E  # the advisory lock every write transaction takes (the "database write lock")
+_ID_COLUMNS = {"events": "id", "update_norms": "id", "updates": "seq", "gateways": "version"}
+_INSERT_TABLE = re.compile(r"^\s*INSERT INTO (\w+)", re.I)
+
+
+def pg_schema(sqlite_schema: str) -> str:
+    """ManifestStore's SQLite schema in PostgreSQL types (comments dropped: some hold semicolons)."""
+    s = re.sub(r"--[^\n]*", "", sqlite_schema)
+    s = re.sub(r"INTEGER PRIMARY KEY AUTOINCREMENT", "BIGSERIAL PRIMARY KEY", s)
+    s = re.sub(r"\bINTEGER\b", "BIGINT", s)
+    s = re.sub(r"\bREAL\b", "DOUBLE PRECISION", s)
+    return re.sub(r"\bBLOB\b", "BYTEA", s)
+
+
+def pg_sql(sql: str) -> str:
+    """One statement of the stores' SQLite dialect in PostgreSQL's."""
+    sql = sql.replace("%", "%%").replace("?", "%s")
+    if sql.lstrip().upper().startswith("INSERT OR IGNORE INTO"):
+        sql = sql.replace("INSERT OR IGNORE INTO", "INSERT INTO", 1) + " ON CONFLICT DO NOTHING"
+    return sql.replace("LIMIT -1 OFFSET", "OFFSET")
+
+
+class PgCursor:
+    """What the store reads from a cursor: rows by column name, rowcount, lastrowid."""
+
+    def __init__(self, cursor: psycopg.Cursor, lastrowid: int | None = None) -> None:
+        self._cursor, self.lastrowid = cursor, lastrowid
+        self.rowcount = cursor.rowcount
+
+    def fetchone(self) -> dict[str, Any] | None:
+        return self._cursor.fetchone()
+
+    def fetchall(self) -> list[dict[str, Any]]:
+        return self._cursor.fetchall()
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return iter(self._cursor.fetchall())
+
+
+class PgConnection:
+    """A psycopg connection that takes the store's SQLite-dialect statements."""
+
+    def __init__(self, url: str, rows: Any = dict_row) -> None:
+        self.url = url
+        self._conn = _connect(url, rows)
+
+    def executescript(self, script: str) -> None:
+        for statement in pg_schema(script).split(";"):
+            if statement.strip():
+                self._conn.execute(statement)
+
+    def execute(self, sql: str, args: tuple | list = ()) -> PgCursor:
+        text = sql.strip()
+        if text.upper().startswith("PRAGMA"):
+            raise NotImplementedError("PRAGMA is SQLite's")
+        if text.upper() == "BEGIN IMMEDIATE":
+            self._conn.execute("BEGIN")
+            self._conn.execute("SELECT pg_advisory_xact_lock(%s)", (WRITE_LOCK,))
+            return PgCursor(self._conn.cursor())
+        table = _INSERT_TABLE.match(text)
+        column = _ID_COLUMNS.get(table.group(1).lower()) if table else None
+        statement = pg_sql(text) + (f" RETURNING {column}" if column else "")
+        cursor = self._conn.execute(statement, tuple(args))
+        lastrowid = cursor.fetchone()[column] if column else None
+        return PgCursor(cursor, lastrowid)
+
+    def executemany(self, sql: str, rows: list[tuple]) -> PgCursor:
+        cursor = self._conn.cursor()
+        total = 0
+        for row in rows:  # psycopg's executemany would report only the last statement's rowcount
+            cursor.execute(pg_sql(sql), tuple(row))
+            total += max(0, cursor.rowcount)
+        wrapped = PgCursor(cursor)
+        wrapped.rowcount = total
+        return wrapped
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+def _connect(url: str, rows: Any = dict_row) -> psycopg.Connection:
+    try:
+        return psycopg.connect(url, autocommit=True, row_factory=rows, connect_timeout=10)
+    except psycopg.OperationalError as exc:
+        raise unavailable(url, exc) from None
+
+
+def unavailable(url: str, exc: Exception) -> BackendUnavailable:
+    where = re.sub(r"//[^@/]*@", "//", url)  # never log a password
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    log_outage(log, url, "manifest backend PostgreSQL %s failed: %s", where, first)
+    return BackendUnavailable(f"the coordinator's database (PostgreSQL) is not answering ({first}); "
+                              "nothing was recorded, try again", backend="postgresql")
+
+
+class PostgresManifestStore(ManifestStore):
+    """ManifestStore over PostgreSQL: same queries, one connection serialised by a lock (writes are tiny)."""
+
+    def __init__(self, url: str) -> None:  # not super().__init__: that opens SQLite
+        self.url = url
+        self._lock = threading.RLock()
+        self._db = PgConnection(url)
+        with self._guarded():
+            self._db.execute("SELECT pg_advisory_lock(%s)" % WRITE_LOCK)  # one replica creates the schema
+            try:
+                self._db.executescript(SCHEMA + AUDIT_SCHEMA)
+            finally:
+                self._db.execute("SELECT pg_advisory_unlock(%s)" % WRITE_LOCK)
+
+    @contextlib.contextmanager
+    def _guarded(self) -> Iterator[None]:
+        """A dropped connection or a server that went away is a 503; the connection is made anew next time."""
+        try:
+            yield
+        except psycopg.OperationalError as exc:
+            self._reconnect()
+            raise unavailable(self.url, exc) from None
+
+    def _reconnect(self) -> None:
+        with contextlib.suppress(Exception):
+            self._db.close()
+        try:
+            self._db = PgConnection(self.url)
+        except BackendUnavailable:
+            pass  # the next call tries again
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[Any]:
+        with self._lock, self._guarded():
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException as exc:
+                with contextlib.suppress(psycopg.Error):
+                    self._db.execute("ROLLBACK")
+                if isinstance(exc, psycopg.errors.UniqueViolation):  # e.g. one update_id pushed to two experts
+                    raise Conflict(f"another replica recorded the same key meanwhile ({str(exc).splitlines()[0]}); "
+                                   "a retry is answered with what was recorded") from None
+                raise
+            self._db.execute("COMMIT")
+
+    def _all(self, sql: str, *args: Any) -> list[dict[str, Any]]:
+        with self._lock, self._guarded():
+            return self._db.execute(sql, args).fetchall()
+
+    def _one(self, sql: str, *args: Any) -> dict[str, Any] | None:
+        with self._lock, self._guarded():
+            return self._db.execute(sql, args).fetchone()
+
+    def events(self, *args: Any, **kwargs: Any) -> list[dict[str, Any]]:
+        with self._guarded():
+            return super().events(*args, **kwargs)
+
+    def recent_norms(self, expert: str, n: int) -> list[float]:
+        with self._guarded():
+            return super().recent_norms(expert, n)
+
+
+class PostgresTokenStore(TokenStore):
+    """Worker tokens and revocations in PostgreSQL, so a token issued by one replica is good at every other.
+
+    Each replica keeps its cache of tokens seen valid (coordinator/tokens.py); a revocation reaches
+    the other replicas' caches only when those entries expire from it (see docs/scale.md).
+    """
+
+    def __init__(self, url: str, *args: Any, **kwargs: Any) -> None:
+        self.url = url
+        super().__init__(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _db(self) -> Iterator[Any]:
+        try:
+            db = PgConnection(self.url, rows=tuple_row)
+        except BackendUnavailable:
+            raise
+        try:
+            yield db
+        except psycopg.OperationalError as exc:
+            raise unavailable(self.url, exc) from None
+        finally:
+            db.close()
+
+
+class ExpertLocks:
+    """Per-expert locks that hold across replicas: a thread lock here, a PostgreSQL advisory lock there."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._local: dict[str, threading.Lock] = {}
+        self._guard = threading.Lock()
+
+    @contextlib.contextmanager
+    def hold(self, name: str) -> Iterator[None]:
+        with self._guard:
+            local = self._local.setdefault(name, threading.Lock())
+        with local:
+            key = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "big", signed=True)
+            try:
+                conn = _connect(self.url)  # its own session: the lock is released if this process dies
+                conn.execute("SELECT pg_advisory_lock(%s)", (key,))
+            except psycopg.OperationalError as exc:
+                raise unavailable(self.url, exc) from None
+            try:
+                yield
+            finally:
+                with contextlib.suppress(psycopg.Error):
+                    conn.close()  # ends the session, and with it the lock

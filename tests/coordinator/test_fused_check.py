@@ -1,0 +1,137 @@
+"""The one-pass int8 check and norm agree with the full decode, and accept nothing it refuses."""
+import math
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from compression import make_codec
+from compression.wire import encode_update
+from coordinator.adapters import check_update, checked_norm, stored_deltas
+from coordinator.aggregation import l2_norm
+from coordinator.fused_check import int8_config, int8_update_norm
+from compression.errors import CompressionError
+from protocol.errors import FedMoEError
+
+REFUSED = (FedMoEError, CompressionError)  # both are answered 4xx (coordinator/errors.py)
+
+MANIFEST = sorted([("a.lora_A.weight", (8, 96)), ("a.lora_B.weight", (100, 8)), ("b.weight", (3, 7))])
+
+
+def body(tmp_path, config=None, scale=1e-2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    tensors = {n: torch.randn(s, generator=g) * scale for n, s in MANIFEST}
+    path = tmp_path / f"u{seed}"
+    path.write_bytes(encode_update(tensors, MANIFEST, make_codec("int8", config or {}), seed=1))
+    return path, tensors
+
+
+@pytest.mark.parametrize("config", [{}, {"block_size": 32, "scale_dtype": "fp16"}, {"block_size": 2048}])
+def test_norm_equals_the_decoded_norm(tmp_path, config):
+    path, _ = body(tmp_path, config)
+    generic = l2_norm(check_update(path, "int8", config, MANIFEST))
+    fused = int8_update_norm(path, int8_config("int8", config), MANIFEST)
+    assert fused is not None
+    assert math.isclose(fused, generic, rel_tol=1e-6)
+
+
+def _codes_start(path):
+    """Offset of the last tensor's codes (it ends the body; 'b.weight' has 21 values, one block)."""
+    return path.stat().st_size - 21
+
+
+def test_code_minus_128_is_refused_as_by_the_decoder(tmp_path):
+    path, _ = body(tmp_path)
+    data = bytearray(path.read_bytes())
+    data[_codes_start(path)] = 0x80  # -128 is outside [-127, 127]
+    path.write_bytes(bytes(data))
+    assert int8_update_norm(path, int8_config("int8", {}), MANIFEST) is None
+    with pytest.raises(REFUSED, match="outside"):
+        checked_norm(path, "int8", {}, MANIFEST)
+
+
+@pytest.mark.parametrize("bad_scale", [float("nan"), float("inf"), -1.0, 3e38])
+def test_bad_or_overflowing_scale_is_refused(tmp_path, bad_scale):
+    path, _ = body(tmp_path)
+    data = bytearray(path.read_bytes())
+    start = _codes_start(path) - 4  # the last tensor's single fp32 scale
+    data[start:start + 4] = struct.pack("<f", bad_scale)
+    data[_codes_start(path)] = 127  # with 3e38 the decoded 127 * scale overflows float32
+    path.write_bytes(bytes(data))
+    assert int8_update_norm(path, int8_config("int8", {}), MANIFEST) is None
+    with pytest.raises(REFUSED):
+        checked_norm(path, "int8", {}, MANIFEST)
+
+
+def test_truncated_body_takes_the_generic_path_and_is_refused(tmp_path):
+    path, _ = body(tmp_path)
+    path.write_bytes(path.read_bytes()[:-1])
+    assert int8_update_norm(path, int8_config("int8", {}), MANIFEST) is None
+    with pytest.raises(REFUSED):
+        checked_norm(path, "int8", {}, MANIFEST)
+
+
+def test_other_codecs_and_bad_configs_use_the_generic_path(tmp_path):
+    assert int8_config("int4", {}) is None
+    assert int8_config("topk+int8", {}) is None
+    assert int8_config("int8", {"block_size": 0}) is None
+    path, tensors = body(tmp_path)
+    with pytest.raises(REFUSED):
+        checked_norm(path, "int8", {"block_size": 0}, MANIFEST)
+    exact = math.sqrt(sum(float((t.double() ** 2).sum()) for t in tensors.values()))
+    assert math.isclose(checked_norm(path, "int8", {}, MANIFEST), exact, rel_tol=1e-2)  # quantisation error only
+
+
+def test_decoder_still_refuses_out_of_range_codes():
+    codec = make_codec("int8", {})
+    payload = np.float32(0.5).tobytes() + bytes([0x80, 1, 2])
+    with pytest.raises(Exception, match="outside"):
+        codec.decode(payload, 3)
+    assert codec.decode(np.float32(0.5).tobytes() + bytes([1, 2, 0xFF]), 3).tolist() == [0.5, 1.0, -0.5]
+
+
+@pytest.mark.parametrize("config", [{}, {"block_size": 48, "scale_dtype": "fp16"}])
+def test_stored_int8_deltas_decode_exactly_as_the_codec(tmp_path, config):
+    path, _ = body(tmp_path, config)
+    fast = stored_deltas(path, "int8", config, MANIFEST)
+    generic = check_update(path, "int8", config, MANIFEST)  # the codec's own decode
+    assert fast.int8 is not None
+    for name, shape in MANIFEST:
+        assert fast[name].shape == shape and fast[name].dtype == torch.float32
+        assert torch.equal(fast[name], generic[name])
+
+
+def test_a_stored_body_that_is_not_clean_still_raises(tmp_path):
+    path, _ = body(tmp_path)
+    data = bytearray(path.read_bytes())
+    data[_codes_start(path)] = 0x80
+    path.write_bytes(bytes(data))
+    deltas = stored_deltas(path, "int8", {}, MANIFEST)
+    with pytest.raises(REFUSED, match="outside"):
+        deltas["b.weight"]
+
+
+def _raw(tmp_path, tensors):
+    from protocol.tensors import save_file
+
+    path = tmp_path / "raw.safetensors"
+    save_file(tensors, path)
+    return path
+
+
+def test_raw_norm_in_one_pass_equals_the_decoded_norm(tmp_path):
+    g = torch.Generator().manual_seed(3)
+    tensors = {n: torch.randn(s, generator=g) for n, s in MANIFEST}
+    path = _raw(tmp_path, tensors)
+    assert math.isclose(checked_norm(path, "safetensors", {}, MANIFEST), l2_norm(tensors), rel_tol=1e-6)
+
+
+def test_raw_norm_refuses_nan_and_survives_float32_overflow(tmp_path):
+    tensors = {n: torch.zeros(s) for n, s in MANIFEST}
+    tensors["b.weight"][0, 0] = 3e38
+    tensors["b.weight"][0, 1] = 3e38  # the sum of squares overflows float32, the values are finite
+    assert math.isclose(checked_norm(_raw(tmp_path, tensors), "safetensors", {}, MANIFEST), 3e38 * math.sqrt(2), rel_tol=1e-6)
+    tensors["a.lora_A.weight"][1, 2] = float("nan")
+    with pytest.raises(REFUSED, match="NaN or Inf"):
+        checked_norm(_raw(tmp_path, tensors), "safetensors", {}, MANIFEST)
