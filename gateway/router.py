@@ -188,6 +188,30 @@ def route(
     return RouteResult(expert, scores, confidence)
 
 
+def fit_threshold(confidences: Sequence[float], gains: Sequence[float]) -> float:
+    """The confidence threshold that maximises the summed gain of the validation prompts it routes.
+
+    ``gains[i]`` is what answering validation prompt i with its top-scoring expert is worth
+    against the gateway (e.g. the gateway's loss minus that expert's): positive when the top
+    expert is the right one and better, negative when it is a wrong one. Prompts at or above the
+    threshold are routed, the rest go to the gateway. Among equally good cuts the one that routes
+    most wins; the threshold returned lies midway between the lowest routed confidence and the
+    highest one sent to the gateway (0 when every prompt is routed).
+    """
+    if len(confidences) != len(gains) or not len(confidences):
+        raise ProfileError("fit_threshold needs one gain per confidence, and at least one of each")
+    order = sorted(range(len(confidences)), key=lambda i: -confidences[i])
+    best_count, best_gain, running = 0, 0.0, 0.0
+    for count, i in enumerate(order, start=1):  # route the `count` most confident prompts
+        running += gains[i]
+        if running >= best_gain:
+            best_count, best_gain = count, running
+    if best_count == len(order):
+        return 0.0
+    above = confidences[order[best_count - 1]] if best_count else 1.0
+    return (above + confidences[order[best_count]]) / 2
+
+
 def _profile_matrix(profiles: Mapping[str, np.ndarray]) -> tuple[list[str], np.ndarray]:
     """Expert names and their profiles stacked as rows, after checking they share one dim."""
     if not isinstance(profiles, Mapping) or not profiles:
