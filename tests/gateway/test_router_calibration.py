@@ -20,6 +20,8 @@ def test_the_cut_that_saves_most_is_chosen_midway_between_confidences():
 
 def test_every_prompt_is_routed_when_every_top_expert_helps():
     assert fit_threshold([0.4, 0.9, 0.55], [0.1, 2.0, 0.3]) == 0.0
+    # with a floor (1 / experts: a prompt like no expert) the cut lies between it and the lowest routed
+    assert fit_threshold([0.4, 0.9, 0.55], [0.1, 2.0, 0.3], floor=1 / 3) == pytest.approx((0.4 + 1 / 3) / 2)
 
 
 def test_nothing_is_routed_when_every_top_expert_hurts():
@@ -29,6 +31,7 @@ def test_nothing_is_routed_when_every_top_expert_hurts():
 
 def test_equal_gains_prefer_routing_more():
     assert fit_threshold([0.9, 0.5], [1.0, 0.0]) == 0.0
+    assert fit_threshold([0.9, 0.5], [1.0, 0.0], floor=0.6) == 0.5  # a floor above the lowest routed: that one
 
 
 def test_mismatched_inputs_are_refused():
@@ -38,10 +41,9 @@ def test_mismatched_inputs_are_refused():
         fit_threshold([], [])
 
 
-def test_the_default_is_the_threshold_the_real_model_benchmark_fitted():
-    report = json.loads((ROOT / "bench" / "results" / "quality_gateway.json").read_text())
-    assert not report["quick"] and report["base_model"] == "smollm2-135m"
-    assert DEFAULT_THRESHOLD == report["router"]["validation"]["fitted_threshold"]
+def test_the_default_is_the_threshold_fitted_on_the_validation_split():
+    report = json.loads((ROOT / "bench" / "results" / "router_calibration.json").read_text())
+    assert DEFAULT_THRESHOLD == report["fitted_threshold"]
 
 
 def _records(path: Path) -> list[dict]:
