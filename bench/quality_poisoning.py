@@ -43,11 +43,11 @@ class Settings:
     model: str = REAL_MODEL
     honest: int = 4
     """Honest workers; one attacker joins them (20% of five)."""
-    rounds: int = 5
+    rounds: int = 3
     steps: int = 1
     """AdamW steps per worker per round (batch 4 x <= 128 tokens)."""
     seeds: int = 3
-    defences: tuple[str, ...] = ("median", "trimmed_mean", "clip")
+    defences: tuple[str, ...] = ("median", "trimmed_mean")
     """Coordinator --robust rules tried against each attack (plain averaging runs once, for contrast)."""
 
 

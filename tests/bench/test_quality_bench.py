@@ -87,7 +87,10 @@ def test_gateway_quick_run(tmp_path):
     assert exact["loss"] != naive["loss"]  # mean(B) mean(A) != mean(BA)
     fitted = report["router"]["validation"]["fitted_threshold"]
     assert 0 <= fitted <= 1 and f"router (threshold {fitted:.2f})" in methods
-    assert report["router"]["heldout"]["fitted"]["accuracy"] > 0.9
+    assert report["router"]["heldout"]["fitted on losses"]["accuracy"] > 0.9
+    calibration = report["router"]["calibration"]  # the model-free fit that sets the default
+    assert calibration["heldout"]["fitted"]["right_top_sent_to_gateway"] == 0
+    assert calibration["heldout"]["old_0.7"]["right_top_sent_to_gateway"] > 0
     for label, figures in report["codec_true_delta"].items():
         assert 0 <= figures["relative_error"]["mean"] and figures["cosine"]["mean"] <= 1 + 1e-6, label
     assert "macro-F1" in stdout
