@@ -10,7 +10,7 @@ export TOKENIZERS_PARALLELISM := false
 CHROMIUM ?= /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install browser smollm2 lint test test-fast demo demo-tiny bench bench-quality clean
+.PHONY: install browser smollm2 lint test test-fast demo demo-tiny bench bench-quality bench-robustness clean
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -48,8 +48,11 @@ demo-tiny: $(STAMP)  ## the same on the random offline tiny-qwen2 preset and the
 bench: $(STAMP)  ## performance benchmarks (transport, aggregation, sync overhead, load; < 10 min): tables, bench/results/*.json
 	HF_HUB_OFFLINE=1 $(PY) -m bench.run_all
 
-bench-quality: $(STAMP)  ## learning-quality and robustness benchmarks (compression, gateway, poisoning, scaling, crash; ~25 min)
+bench-quality: smollm2  ## learning quality on smollm2-135m: compression, gateway + router, poisoning, federated vs central (<= 45 min)
 	HF_HUB_OFFLINE=1 $(PY) -m bench.run_all --quality
+
+bench-robustness: $(STAMP)  ## tiny-qwen2 codec sweep, merges, poisoning; scaling, training options, crash, hostile clients (~25 min)
+	HF_HUB_OFFLINE=1 $(PY) -m bench.run_all --robustness
 
 clean:
 	rm -rf demo-runs fedmoe-data .pytest_cache artifacts

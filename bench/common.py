@@ -3,8 +3,8 @@ run_coordinator.py), tables and result files.
 
 A *suite* is one federated job's data: three domains, each with its own train and held-out
 examples (one worker and one expert per domain). ``sample`` is the project's own data/;
-``ds1000`` is the pandas/numpy/sklearn split of DS-1000, read from ../shared/datasets/ds1000/
-when it is there and skipped (with a log line saying so) when it is not.
+``ds1000`` is the numpy/pandas/sklearn part of DS-1000 the repository ships in data/ds1000/
+(train/ and heldout/ per domain, whole problem families held out; CC BY-SA 4.0).
 """
 from __future__ import annotations
 
@@ -40,12 +40,12 @@ log = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = ROOT / "bench" / "results"
-DS1000_DIR = ROOT.parent / "shared" / "datasets" / "ds1000"
+DS1000_DIR = ROOT / "data" / "ds1000"
 # The coordinator fsyncs every update; on a virtual disk that is ~40% of a compression job's time,
 # and durability is not what the benchmarks measure. Their data dirs go to RAM when there is one.
 SCRATCH_DIR = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 SAMPLE_DOMAINS = ("python_expert", "sql_expert", "docs_expert")
-DS1000_DOMAINS = ("pandas", "numpy", "sklearn")
+DS1000_DOMAINS = ("pandas_expert", "numpy_expert", "sklearn_expert")
 LISTENING = re.compile(r"listening on (https?://[\d.]+:\d+)")
 """The line run_coordinator.py logs once it accepts connections (the same as tests/e2e/conftest.py's)."""
 
@@ -59,7 +59,7 @@ class Domain:
     train: tuple[Example, ...]
     """Examples the worker trains on."""
     heldout: tuple[Example, ...]
-    """Examples never trained on (the dataset's own hash split, ``worker.data.split_examples``)."""
+    """Examples never trained on (``worker.data.split_examples``'s hash split, or DS-1000's shipped heldout/)."""
 
 
 @dataclass(frozen=True)
@@ -88,13 +88,15 @@ def sample_suite() -> Suite:
 
 
 def ds1000_suite(directory: Path = DS1000_DIR) -> Suite | None:
-    """DS-1000's pandas, numpy and sklearn domains, or None (logged) when the files are absent."""
-    paths = {name: directory / f"{name}.jsonl" for name in DS1000_DOMAINS}
-    missing = [str(p) for p in paths.values() if not p.is_file()]
+    """DS-1000's pandas, numpy and sklearn domains as shipped (train/ and heldout/), or None (logged) if absent."""
+    paths = {name: (directory / "train" / f"{name}.jsonl", directory / "heldout" / f"{name}.jsonl")
+             for name in DS1000_DOMAINS}
+    missing = [str(p) for pair in paths.values() for p in pair if not p.is_file()]
     if missing:
         log.warning("DS-1000 not found (%s); skipping the ds1000 suite", ", ".join(missing))
         return None
-    return Suite("ds1000", tuple(load_domain(name, path) for name, path in paths.items()))
+    return Suite("ds1000", tuple(Domain(name, tuple(load_examples(train)), tuple(load_examples(heldout)))
+                                 for name, (train, heldout) in paths.items()))
 
 
 SUITES: dict[str, Callable[[], Suite | None]] = {"sample": sample_suite, "ds1000": ds1000_suite}

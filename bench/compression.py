@@ -425,7 +425,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="smoke run: 3 codecs, 2 rounds of 2 short steps, sample data only, in this process")
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "compression.json", help="results JSON (default: %(default)s)")
     p.add_argument("--suites", nargs="+", default=["sample", "ds1000"],
-                   help="data suites; ds1000 is skipped when ../shared/datasets/ds1000 is absent (default: %(default)s)")
+                   help="data suites: sample (data/*.jsonl) and ds1000 (data/ds1000/) (default: %(default)s)")
     p.add_argument("--only", nargs="+", default=None, metavar="CODEC",
                    help="run only these codec specs (plus the safetensors reference), e.g. --only int8 topk+int4")
     p.add_argument("--rounds", type=int, default=None, help=f"sync rounds (default: {defaults.rounds})")

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Gateway benchmark: how much of each expert's gain a merge or the router keeps.
 
-Three experts are trained on tiny-qwen2, one per domain (DS-1000 pandas/numpy/sklearn from
-../shared/datasets/ds1000/, or the project's sample data when that folder is absent), each by
-its own LoraTrainer; no coordinator is involved. Every method is then scored by its held-out
+Three experts are trained on tiny-qwen2, one per domain (DS-1000 numpy/pandas/sklearn as shipped
+in data/ds1000/, or the project's sample data with --suite sample), each by its own LoraTrainer;
+no coordinator is involved. The real-model version of this benchmark is bench/quality_gateway.py. Every method is then scored by its held-out
 answer-token loss per domain, and by the retained gain
 
     R(d) = (L_base(d) - L_method(d)) / (L_base(d) - L_expert_d(d)),
@@ -16,10 +16,11 @@ weight average (gateway.merges weighted_average), each merge of gateway.merges.M
 to that expert or, when not confident, to the exact-average gateway) and the oracle router
 (each domain's own expert).
 
-Splits, all by worker.data.split_examples (a stable hash of the prompt): held-out is hash <
-0.1 as everywhere in the project; validation is hash in [0.1, 0.2), taken from the rest with
-split_examples(rest, 0.2); the experts train on hash >= 0.2. The router profiles only the
-training prompts.
+Splits: DS-1000 uses its shipped heldout/ and a validation split carved from train/ by whole
+problem families (bench.realdata). The sample data splits by worker.data.split_examples (a stable
+hash of the prompt): held-out is hash < 0.1 as everywhere in the project; validation is hash in
+[0.1, 0.2), taken from the rest with split_examples(rest, 0.2); the experts train on hash >= 0.2.
+The router profiles only the training prompts.
 
     python -m bench.gateway            # 60 s of training per expert, ~3.5 min on 2 cores
     python -m bench.gateway --quick    # ~5 s per expert and no lam tuning, ~30 s
@@ -45,6 +46,7 @@ import numpy as np
 import torch
 
 from bench.common import write_json_atomic
+from bench.realdata import ds1000_domains
 from gateway.lora import split_modules
 from gateway.merges import MERGES, merge
 from gateway.router import DEFAULT_THRESHOLD, route, text_profile
@@ -59,8 +61,6 @@ log = logging.getLogger("bench.gateway")
 
 BASE_MODEL = "tiny-qwen2"
 RESULTS = ROOT / "bench" / "results" / "gateway.json"
-DS1000_DIR = ROOT.parent / "shared" / "datasets" / "ds1000"
-DS1000_DOMAINS = ("pandas", "numpy", "sklearn")
 SAMPLE_DOMAINS = ("python_expert", "sql_expert", "docs_expert")
 GATEWAY = "exact_average"
 """The method a router falls back to: the coordinator's default gateway."""
@@ -126,23 +126,15 @@ BASE = Adapter(None, None)
 
 
 def load_domains(suite: str) -> tuple[str, list[Domain]]:
-    """DS-1000 when present (or asked for), else the project's sample data."""
-    if suite in ("auto", "ds1000") and all((DS1000_DIR / f"{d}.jsonl").is_file() for d in DS1000_DOMAINS):
-        paths = {d: DS1000_DIR / f"{d}.jsonl" for d in DS1000_DOMAINS}
-        suite = "ds1000"
-    elif suite == "ds1000":
-        raise SystemExit(f"DS-1000 not found in {DS1000_DIR}; use --suite sample")
-    else:
-        if suite == "auto":
-            log.warning("DS-1000 not found in %s; using the sample data", DS1000_DIR)
-        paths = {d: sample_dataset_path(d) for d in SAMPLE_DOMAINS}
-        suite = "sample"
+    """DS-1000 as shipped in data/ds1000/ (auto, ds1000), or the project's sample data."""
+    if suite in ("auto", "ds1000"):
+        return "ds1000", [Domain(d.name, list(d.train), list(d.validation), list(d.heldout)) for d in ds1000_domains()]
     domains = []
-    for name, path in paths.items():
-        rest, heldout = split_examples(load_examples(path), 0.1)
+    for name in SAMPLE_DOMAINS:
+        rest, heldout = split_examples(load_examples(sample_dataset_path(name)), 0.1)
         train, validation = split_examples(rest, 0.2)  # every hash left is >= 0.1: [0.1, 0.2)
         domains.append(Domain(name, train, validation, heldout))
-    return suite, domains
+    return "sample", domains
 
 
 def train_experts(domains: Sequence[Domain], settings: Settings) -> tuple[dict[str, Adapter], dict[str, Any]]:
@@ -389,7 +381,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="training budget per expert (default: 60, or 5 with --quick)")
     p.add_argument("--steps", type=int, default=None, help="fixed steps per expert instead of a time budget")
     p.add_argument("--suite", choices=("auto", "ds1000", "sample"), default="auto",
-                   help="data: DS-1000 when present (auto), or the project's sample data")
+                   help="data: DS-1000 from data/ds1000/ (auto, ds1000), or the project's sample data")
     p.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD, help="router confidence threshold")
     p.add_argument("--out", type=Path, default=RESULTS, help="results JSON (default: %(default)s)")
     p.add_argument("-v", "--verbose", action="store_true", help="library logs too")

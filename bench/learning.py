@@ -5,7 +5,7 @@ One expert is fine-tuned for a fixed number of steps from the same start under e
 option (fp32, bf16 autocast, gradient accumulation, gradient checkpointing) and judged by its
 held-out loss. The model is the optional pretrained preset `smollm2-135m` when it is installed
 (`make smollm2`), else the random `tiny-qwen2` (the JSON says which); the data is DS-1000 pandas
-when ../shared/datasets/ds1000 is there, else the sample python_expert set.
+as shipped in data/ds1000/ (train/ and heldout/).
 
 What to expect: accumulation and checkpointing take the fp32 step (equal losses up to rounding),
 bf16 lands close to it; tokens/s says what each option costs on this machine (2 shared cores).
@@ -36,8 +36,8 @@ from bench.common import (
     RESULTS_DIR,
     Domain,
     configure_logging,
+    ds1000_suite,
     format_table,
-    load_domain,
     sample_suite,
     write_json_atomic,
 )
@@ -79,10 +79,10 @@ def learning_model() -> str:
 
 
 def pick_domain() -> Domain:
-    path = DS1000_DIR / "pandas.jsonl"
-    if path.is_file():
-        return load_domain("pandas", path)
-    log.warning("DS-1000 not found at %s; using the sample python_expert data", path)
+    suite = ds1000_suite()
+    if suite is not None:
+        return next(d for d in suite.domains if d.name == "pandas_expert")
+    log.warning("DS-1000 not found in %s; using the sample python_expert data", DS1000_DIR)
     return next(d for d in sample_suite().domains if d.name == "python_expert")
 
 

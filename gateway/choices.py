@@ -7,5 +7,5 @@ from __future__ import annotations
 
 MERGE_NAMES = ("dare", "dare_ties", "task_arithmetic", "ties", "weighted_average")
 """Keys of ``gateway.merges.MERGES`` (``--gateway-strategy``, ``--strategy``), sorted."""
-DEFAULT_ROUTE_THRESHOLD = 0.7
+DEFAULT_ROUTE_THRESHOLD = 0.46
 """``gateway.router.DEFAULT_THRESHOLD`` (``--route-threshold``), here without importing numpy."""

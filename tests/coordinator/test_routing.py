@@ -1,7 +1,7 @@
 """Routing prompts to experts through the API, from profiles workers send."""
 import pytest
 
-from gateway.router import profile_to_json, text_profile
+from gateway.router import DEFAULT_THRESHOLD, profile_to_json, text_profile
 from tests.helpers import make_adapter, put_expert
 
 SQL = [f"Write a SQL query that selects the {c} column from the {t} table where {c} > {i}"
@@ -76,7 +76,7 @@ def test_profiles_endpoint_routes_locally_as_the_coordinator_does(routed):
     extra = profile_to_json(text_profile(["Write a SQL query that deletes rows from the orders table"]), 1)
     routed.put("/api/v1/experts/sql_expert/profiles/w2", json=extra)
     body = routed.get("/api/v1/profiles").get_json()
-    assert set(body["profiles"]) == {"sql_expert", "python_expert"} and body["threshold"] == 0.7
+    assert set(body["profiles"]) == {"sql_expert", "python_expert"} and body["threshold"] == DEFAULT_THRESHOLD
     assert body["profiles"]["sql_expert"]["num_examples"] == len(SQL) + 1
     router = LocalRouter()
     router.update(body)

@@ -189,8 +189,10 @@ def test_scores_and_confidence_are_the_documented_formulas(profiles):
 
 def test_an_unlike_or_ambiguous_prompt_goes_to_the_gateway(profiles):
     ambiguous = toy_prompts("sql", 1, seed=5)[0] + " " + toy_prompts("cooking", 1, seed=5)[0]
-    result = route(ambiguous, profiles)  # half SQL, half cooking
-    assert result.expert is None and result.confidence < DEFAULT_THRESHOLD
+    # half SQL, half cooking: confidence ~0.55, under a cautious 0.7 (the calibrated default, 0.46, fitted on
+    # DS-1000 where right answers came with confidences down to 0.5, routes it to one of its two domains)
+    result = route(ambiguous, profiles, threshold=0.7)
+    assert result.expert is None and result.confidence < 0.7 and route(ambiguous, profiles).expert == "sql"
     assert min(result.scores, key=result.scores.get) == "python"
     nothing = route("?!", profiles)  # shorter than any n-gram
     assert nothing == RouteResult(None, {d: 0.0 for d in TEMPLATES}, 0.0)

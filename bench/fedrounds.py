@@ -1,0 +1,132 @@
+"""Synchronous federated rounds in one process: real trainers, real codecs, real aggregation rules.
+
+What the coordinator and workers do over HTTP, minus the HTTP (which the quality suites do not
+measure): every round each worker starts from the expert's weights (plus its own undelivered
+error-feedback residual, as ``worker.federation`` keeps it), takes ``steps`` AdamW steps on its
+own shard, and sends its delta through ``worker.encoding.UpdateEncoder`` (the codec and error
+feedback the worker uses; what the coordinator decodes is ``EncodedUpdate.sent``). The coordinator's
+rule then makes the next version: FedBuff over the round's updates (``coordinator.aggregation``,
+sample-weighted, staleness 0), FedAsync (the coordinator's default: each update added as it arrives)
+or a ``--robust`` rule. An attacker replaces what it sends.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+from bench.realdata import Lab, loss_pair
+from coordinator.aggregation import AGGREGATORS, AggregationParams, Update, robust_aggregator
+from protocol.tensors import StateDict, manifest_of
+from worker.data import Example
+from worker.encoding import CompressionSettings, UpdateEncoder
+
+Attack = Callable[[StateDict], StateDict]
+ATTACKS: dict[str, Attack] = {
+    "sign_flip": lambda delta: {k: -4.0 * t for k, t in delta.items()},
+    "scale": lambda delta: {k: 10.0 * t for k, t in delta.items()},
+}
+"""What an attacker sends instead of an honest delta (as bench/byzantine.py)."""
+
+
+@dataclass(frozen=True)
+class FedJob:
+    """One federated run of one expert."""
+
+    shards: tuple[tuple[Example, ...], ...]
+    """One shard of training examples per honest worker."""
+    rounds: int
+    steps: int
+    """AdamW steps per worker per round."""
+    seed: int = 0
+    """Worker i trains with seed + i (data order); the expert's LoRA init comes from seed."""
+    compression: CompressionSettings = field(default_factory=CompressionSettings)
+    codec_seed: int = 0
+    aggregation: str = "fedbuff"
+    """The coordinator's --aggregation: fedbuff (the round's sample-weighted mean) or fedasync (each update
+    added as it arrives, weighted 1 / (1 + 0.1 * staleness); the i-th of a round has staleness i)."""
+    robust: str = "none"
+    """'none' or a coordinator --robust rule (buffered rounds)."""
+    attack: str | None = None
+    """Key of ATTACKS: one extra worker sends worker 0's honest delta, attacked."""
+    track: tuple[Example, ...] = ()
+    """Examples whose loss is measured after every round (rounds to a target)."""
+
+
+@dataclass
+class FedResult:
+    weights: StateDict
+    lora: dict[str, Any]
+    track_losses: list[dict[str, float]] = field(default_factory=list)
+    """Per round: loss with and without the end-of-answer token on ``FedJob.track``."""
+    bytes_sent: int = 0
+    bytes_raw: int = 0
+    relative_error: list[float] = field(default_factory=list)
+    cosine: list[float] = field(default_factory=list)
+    updates: int = 0
+
+
+def run_fed(lab: Lab, job: FedJob, on_round: Callable[[int], None] | None = None) -> FedResult:
+    """Run ``job``; the expert's final weights and what the rounds sent."""
+    trainers = [lab.trainer(shard, job.seed + i) for i, shard in enumerate(job.shards)]
+    weights = trainers[0].adapter_state()  # the expert's initial adapter (B = 0): every worker pulls it
+    manifest = manifest_of(weights)
+    encoders = [UpdateEncoder(job.compression) for _ in trainers]
+    combine = _combiner(job.aggregation, job.robust)
+    result = FedResult(weights, trainers[0].lora_config)
+    for round_index in range(job.rounds):
+        updates = []
+        for i, (trainer, encoder) in enumerate(zip(trainers, encoders)):
+            carried = encoder.carried()
+            start = {k: weights[k] + carried[k] for k in weights} if carried else weights
+            trainer.load_adapter_state(start)
+            lab.train(trainer, job.steps)
+            after = trainer.adapter_state()
+            delta = {k: after[k] - start[k] for k in start}
+            encoded = encoder.encode(delta, manifest, seed=_update_seed(job, round_index, i))
+            _account(result, encoded.metrics)
+            samples = job.steps * lab.batch_size
+            updates.append(Update(encoded.sent, samples, i if job.aggregation == "fedasync" else 0))
+            if i == 0 and job.attack is not None:  # the attacker knows an honest update and twists it
+                updates.append(Update(ATTACKS[job.attack](encoded.sent), samples, 0))
+        weights = combine({k: v.clone() for k, v in weights.items()}, updates, AggregationParams())
+        result.weights = weights
+        if job.track:
+            result.track_losses.append(loss_pair(lab.losses(job.track, weights, result.lora)))
+        if on_round:
+            on_round(round_index + 1)
+    return result
+
+
+def _combiner(aggregation: str, robust: str) -> Callable[[StateDict, list[Update], AggregationParams], StateDict]:
+    return AGGREGATORS[aggregation] if robust == "none" else robust_aggregator(robust)
+
+
+def _update_seed(job: FedJob, round_index: int, worker: int) -> int:
+    """A distinct codec seed per update (the worker sends one with each), shifted by the run's codec seed."""
+    return job.codec_seed * 1_000_003 + round_index * 101 + worker
+
+
+def _account(result: FedResult, metrics: dict[str, Any]) -> None:
+    result.bytes_sent += metrics["bytes_sent"]
+    result.bytes_raw += metrics["bytes_raw"]
+    result.relative_error.append(metrics["relative_error"])
+    result.cosine.append(metrics["cosine"])
+    result.updates += 1
+
+
+def run_central(lab: Lab, examples: Sequence[Example], steps: int, seed: int,
+                track: Sequence[Example] = (), every: int = 0) -> FedResult:
+    """One worker on all the data for ``steps`` steps (the federated run's total compute)."""
+    trainer = lab.trainer(examples, seed)
+    result = FedResult(trainer.adapter_state(), trainer.lora_config)
+    done = 0
+    while done < steps:
+        chunk = min(every or steps, steps - done)
+        lab.train(trainer, chunk)
+        done += chunk
+        if track and every:
+            result.track_losses.append(loss_pair(lab.losses(track, trainer.adapter_state(), result.lora)))
+    result.weights = trainer.adapter_state()
+    return result

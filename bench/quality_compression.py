@@ -1,0 +1,271 @@
+#!/usr/bin/env python3
+"""Compression and federated-vs-central quality on a real model (smollm2-135m, DS-1000 pandas).
+
+One expert, three workers, each on its own third of pandas_expert's training problems, in
+synchronous rounds (bench/fedrounds.py: real trainer, real codecs and error feedback, FedBuff
+averaging). The same job runs once per codec; the uncompressed job (fp32 safetensors) is the
+reference and also the federated side of federated-vs-central, where one worker trains on all
+of the domain for the same total number of optimiser steps (same compute).
+
+Figures, all on the 33 held-out pandas problems (with and without the end-of-answer token):
+- per codec: bytes ratio vs fp32 (every byte of every pushed update), held-out loss increase vs
+  the fp32 run after the same steps (mean +/- spread over codec seeds for random codecs), the
+  mean relative error and cosine of what was decoded against what the worker meant to send, and
+  the rounds to a target loss (80% of the fp32 run's gain on a validation subset);
+- federated vs central: held-out loss of each over training seeds.
+The per-codec error against a whole expert's true delta comes from the gateway suite's experts
+(bench/quality_gateway.py, ``codec_true_delta``).
+
+    python -m bench.quality_compression            # smollm2-135m (make smollm2)
+    python -m bench.quality_compression --quick    # tiny-qwen2 smoke run, seconds
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.common import RESULTS_DIR, configure_logging, format_table, write_json_atomic
+from bench.compression import FP16, UNBIASED, CodecRun
+from bench.fedrounds import FedJob, FedResult, run_central, run_fed
+from bench.realdata import REAL_MODEL, SMOKE_MODEL, Lab, ds1000_domains, loss_pair, pct, quiet_estimate, shards, spread
+from compression import encode_update, make_codec, measure
+from compression.wire import decode_update
+from protocol.schemas import RAW_CODEC
+from protocol.tensors import StateDict, dumps, manifest_of
+from worker.encoding import CompressionSettings
+
+log = logging.getLogger("bench.quality_compression")
+warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+
+DOMAIN = "pandas_expert"
+SWEEP: tuple[CodecRun, ...] = (
+    CodecRun(RAW_CODEC),
+    CodecRun("int8", {"block_size": 256, **FP16}),
+    CodecRun("signsgd"),
+    CodecRun("randomk+terngrad", {"ratio": 0.1, **UNBIASED}, error_feedback=False),
+    CodecRun("topk+int8", {"ratio": 0.01, **FP16}),
+)
+QUICK_SWEEP = (SWEEP[0], SWEEP[1], SWEEP[3])
+TARGETS = (  # (name, codec family or None for any, min ratio, max held-out loss increase in %)
+    ("int8 within 0.1%", "int8", 3.9, 0.1),
+    (">= 100x within 1% (moonshot)", None, 100.0, 1.0),
+)
+FED_VS_CENTRAL_PCT = 2.0
+TARGET_GAIN = 0.8
+"""Rounds to target: the first round a run's validation loss has 80% of the fp32 run's final gain."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    model: str = REAL_MODEL
+    workers: int = 3
+    rounds: int = 4
+    steps: int = 2
+    """AdamW steps per worker per round (batch 4 x <= 128 tokens)."""
+    seeds: int = 3
+    """Training seeds of the fp32 and central runs."""
+    codec_seeds: int = 3
+    """Codec seeds of each random codec (training seed 0)."""
+    track: int = 8
+    """Validation problems whose loss is taken after every round."""
+
+
+QUICK = Settings(model=SMOKE_MODEL, rounds=2, steps=1, seeds=1, codec_seeds=1, track=4)
+
+
+def run_job(lab: Lab, train: Sequence, track: Sequence, s: Settings, run: CodecRun, seed: int,
+            codec_seed: int, aggregation: str = "fedbuff") -> FedResult:
+    compression = CompressionSettings(codec=run.codec, config=run.seeded_config(codec_seed),
+                                      error_feedback=run.error_feedback)
+    job = FedJob(tuple(tuple(x) for x in shards(train, s.workers)), s.rounds, s.steps, seed=seed,
+                 compression=compression, codec_seed=codec_seed, aggregation=aggregation, track=tuple(track))
+    return run_fed(lab, job)
+
+
+def job_record(lab: Lab, result: FedResult, heldout: Sequence, label: str, seed: int, codec_seed: int,
+               base_track: float) -> dict[str, Any]:
+    losses = loss_pair(lab.losses(heldout, result.weights, result.lora))
+    return {"label": label, "seed": seed, "codec_seed": codec_seed, **losses,
+            "ratio": result.bytes_raw / result.bytes_sent if result.bytes_sent else None,
+            "bytes_sent": result.bytes_sent, "updates": result.updates,
+            "relative_error": statistics.fmean(result.relative_error) if result.relative_error else None,
+            "cosine": statistics.fmean(result.cosine) if result.cosine else None,
+            "track": [round(t["loss"], 5) for t in result.track_losses], "track_base": base_track}
+
+
+def rounds_to(track: Sequence[float], target: float) -> int | None:
+    """First round (1-based) whose tracked loss is at or below ``target``."""
+    return next((i + 1 for i, loss in enumerate(track) if loss <= target), None)
+
+
+def summarize(records: Sequence[dict[str, Any]], fedasync: Sequence[dict[str, Any]],
+              central: Sequence[dict[str, Any]], base: Mapping[str, float], s: Settings) -> dict[str, Any]:
+    fp32 = [r for r in records if r["label"] == CodecRun(RAW_CODEC).label]
+    reference = next(r for r in fp32 if r["seed"] == 0)
+    target = reference["track_base"] - TARGET_GAIN * (reference["track_base"] - reference["track"][-1])
+    codecs = {}
+    for label in dict.fromkeys(r["label"] for r in records):
+        group = [r for r in records if r["label"] == label and (r["seed"] == 0)]
+        codecs[label] = {
+            "ratio": group[0]["ratio"],
+            "increase_pct": spread([pct(r["loss"], reference["loss"]) for r in group]),
+            "increase_pct_without_end": spread([pct(r["loss_without_end"], reference["loss_without_end"])
+                                                for r in group]),
+            "relative_error": spread([r["relative_error"] for r in group]),
+            "cosine": spread([r["cosine"] for r in group]),
+            "rounds_to_target": [rounds_to(r["track"], target) for r in group],
+        }
+    fvc = {"central": versus(central, central)}
+    fvc["fedbuff"] = versus(fp32, central)
+    fvc["fedasync"] = versus(fedasync, central)
+    return {
+        "base_heldout": base, "reference": {k: reference[k] for k in ("loss", "loss_without_end")},
+        "target_track_loss": target, "codecs": codecs,
+        "targets": {name: target_status(codecs, family, ratio, limit) for name, family, ratio, limit in TARGETS},
+        "best_ratio_within_1pct": max((c["ratio"] for label, c in codecs.items()
+                                       if c["increase_pct"]["max"] is not None and c["increase_pct"]["max"] <= 1.0),
+                                      default=None),
+        "federated_vs_central": fvc,
+    }
+
+
+def versus(runs: Sequence[dict[str, Any]], central: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Held-out loss of ``runs`` over seeds and its gap to the central runs' mean (target: within 2%)."""
+    loss, loss_ne = spread([r["loss"] for r in runs]), spread([r["loss_without_end"] for r in runs])
+    ref, ref_ne = statistics.fmean(r["loss"] for r in central), statistics.fmean(r["loss_without_end"] for r in central)
+    gap = pct(loss["mean"], ref)
+    return {"loss": loss, "loss_without_end": loss_ne, "gap_pct": gap, "gap_pct_without_end": pct(loss_ne["mean"], ref_ne),
+            "met": gap <= FED_VS_CENTRAL_PCT}
+
+
+def target_status(codecs: Mapping[str, Mapping[str, Any]], family: str | None, min_ratio: float,
+                  max_pct: float) -> dict[str, Any]:
+    """Met by every configuration whose ratio reaches ``min_ratio`` with its *worst* codec seed within ``max_pct``."""
+    met = [label for label, c in codecs.items() if not label.startswith(RAW_CODEC)
+           and (family is None or label.split(" ")[0] == family) and c["ratio"] >= min_ratio
+           and c["increase_pct"]["max"] is not None and c["increase_pct"]["max"] <= max_pct]
+    return {"met": bool(met), "by": met}
+
+
+def true_delta_figures(deltas: Sequence[StateDict], sweep: Sequence[CodecRun] = SWEEP) -> dict[str, Any]:
+    """Each codec applied once to whole experts' deltas: ratio, relative error and cosine to the true delta."""
+    out = {}
+    for run in sweep:
+        if run.codec == RAW_CODEC:
+            continue
+        codec = make_codec(run.codec, run.seeded_config(0))
+        rows = []
+        for i, delta in enumerate(deltas):
+            manifest = manifest_of(delta)
+            body = encode_update(delta, manifest, codec, seed=i)
+            rows.append(measure(delta, decode_update(body, manifest, codec), body, 0.0, 0.0))
+        out[run.label] = {"ratio": statistics.fmean(r["ratio"] for r in rows),
+                          "relative_error": spread([r["relative_error"] for r in rows]),
+                          "cosine": spread([r["cosine"] for r in rows]), "deltas": len(rows)}
+    out[CodecRun(RAW_CODEC).label] = {"ratio": 4 * sum(t.numel() for t in deltas[0].values()) / len(dumps(deltas[0])),
+                                      "relative_error": spread([0.0]), "cosine": spread([1.0]), "deltas": len(deltas)}
+    return out
+
+
+def render(report: Mapping[str, Any]) -> str:
+    rows = []
+    for label, c in report["summary"]["codecs"].items():
+        inc, inc_ne = c["increase_pct"], c["increase_pct_without_end"]
+        rows.append([label, f"{c['ratio']:.1f}x", f"{inc['mean']:+.2f} ({inc['min']:+.2f}..{inc['max']:+.2f}, n={inc['n']})",
+                     f"{inc_ne['mean']:+.2f}", f"{c['relative_error']['mean']:.3f}", f"{c['cosine']['mean']:.3f}",
+                     ",".join(str(r) for r in c["rounds_to_target"])])
+    lines = [format_table(["codec", "ratio", "held-out loss vs fp32 % (seeds)", "w/o end %", "rel err", "cosine",
+                           "rounds to target"], rows, align="lrlrrrl"), ""]
+    for label, v in report["summary"]["federated_vs_central"].items():
+        lines.append(f"{label:8s} held-out {v['loss']['mean']:.4f} +/- {v['loss']['std']:.4f} (n={v['loss']['n']}), "
+                     f"{v['gap_pct']:+.2f}% vs central (without end token {v['gap_pct_without_end']:+.2f}%)"
+                     + ("" if label == "central" else f": {'met' if v['met'] else 'NOT met'}"))
+    for name, t in report["summary"]["targets"].items():
+        lines.append(f"target {name}: " + (f"met by {', '.join(t['by'])}" if t["met"] else "NOT met"))
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny-qwen2 smoke run: 3 codecs, 2 rounds, 1 seed")
+    p.add_argument("--rounds", type=int, default=None, help=f"rounds per job (default: {Settings.rounds})")
+    p.add_argument("--steps", type=int, default=None, help=f"steps per worker per round (default: {Settings.steps})")
+    p.add_argument("--seeds", type=int, default=None, help=f"training seeds of fp32 and central (default: {Settings.seeds})")
+    p.add_argument("--codec-seeds", type=int, default=None,
+                   help=f"codec seeds per random codec (default: {Settings.codec_seeds})")
+    p.add_argument("--only", nargs="+", default=None, metavar="CODEC",
+                   help="only these codec specs of the sweep (the fp32 reference always runs), e.g. --only int8 topk+int8")
+    p.add_argument("--track", type=int, default=None,
+                   help=f"validation problems whose loss is taken every round (default: {Settings.track})")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR / "quality_compression.json",
+                   help="results JSON (default: %(default)s)")
+    p.add_argument("-v", "--verbose", action="store_true", help="library logs too")
+    args = p.parse_args(argv)
+    for name in ("rounds", "steps", "seeds", "codec_seeds", "track"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    configure_logging(args.verbose)
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    s = QUICK if args.quick else Settings()
+    s = dataclasses.replace(s, **{k: v for k, v in {"rounds": args.rounds, "steps": args.steps, "seeds": args.seeds,
+                                                      "codec_seeds": args.codec_seeds,
+                                                      "track": args.track}.items() if v is not None})
+    domain = next(d for d in ds1000_domains() if d.name == DOMAIN)
+    lab = Lab(s.model)
+    track, heldout = domain.validation[:s.track], domain.heldout
+    base = loss_pair(lab.losses(heldout))
+    base_track = loss_pair(lab.losses(track))["loss"]
+    sweep = QUICK_SWEEP if args.quick else SWEEP
+    if args.only:
+        unknown = set(args.only) - {run.codec for run in SWEEP}
+        if unknown:
+            raise SystemExit(f"--only: {sorted(unknown)} not in the sweep; choose from {sorted({r.codec for r in SWEEP})}")
+        sweep = tuple(run for run in SWEEP if run.codec == RAW_CODEC or run.codec in args.only)
+    plan = [(run, seed, 0) for run in sweep[:1] for seed in range(s.seeds)]
+    plan += [(run, 0, c) for run in sweep[1:] for c in range(s.codec_seeds if run.random_stages() else 1)]
+    records = []
+    for i, (run, seed, codec_seed) in enumerate(plan, start=1):
+        result = run_job(lab, domain.train, track, s, run, seed, codec_seed)
+        records.append(job_record(lab, result, heldout, run.label, seed, codec_seed, base_track))
+        log.info("[%d/%d] %s seed %d codec seed %d: held-out %.4f, %.1fx", i, len(plan), run.label, seed, codec_seed,
+                 records[-1]["loss"], records[-1]["ratio"] or 0)
+    fedasync = []
+    for seed in range(s.seeds):
+        result = run_job(lab, domain.train, track, s, sweep[0], seed, 0, aggregation="fedasync")
+        fedasync.append(job_record(lab, result, heldout, "fedasync", seed, 0, base_track))
+        log.info("fedasync seed %d: held-out %.4f", seed, fedasync[-1]["loss"])
+    central = []
+    total_steps = s.rounds * s.steps * s.workers
+    for seed in range(s.seeds):
+        result = run_central(lab, domain.train, total_steps, seed, track, every=s.steps * s.workers)
+        central.append(job_record(lab, result, heldout, "central", seed, 0, base_track))
+        log.info("central seed %d: held-out %.4f", seed, central[-1]["loss"])
+    report = {"benchmark": "quality_compression", "base_model": s.model, "domain": DOMAIN, "quick": args.quick,
+              "settings": asdict(s), "heldout_problems": len(heldout), "records": records, "fedasync": fedasync, "central": central,
+              "summary": summarize(records, fedasync, central, base, s),
+              "cost": quiet_estimate(lab.compute, time.perf_counter() - started)}
+    write_json_atomic(args.out, report)
+    print(render(report))
+    log.info("wrote %s", args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
