@@ -18,7 +18,7 @@ Reported per configuration: held-out loss of the expert as the coordinator holds
 and pulled, push and pull seconds (median, and the share of pushes within the budget), the codecs
 used, and the bytes that crossed the link (counted by the proxy).
 
-    python -m bench.adaptive --quick                  # tiny-qwen2, 2 workers x 6 rounds, ~4 min
+    python -m bench.adaptive --quick                  # tiny-qwen2, 2 workers x 4 rounds, ~15 min on a loaded 2-core machine
     python -m bench.adaptive --base-model smollm2-135m --rate-mbit 20 --budget 2
 
 Needs root (network namespaces). Table on stdout, progress on stderr, results in
@@ -54,14 +54,14 @@ class Settings:
     base_model: str = "tiny-qwen2"
     workers: int = 2
     """In-process workers of the one expert (one driver process in the site)."""
-    rounds: int = 6
+    rounds: int = 4
     """Syncs per worker."""
-    steps: int = 3
+    steps: int = 2
     """Training steps of each worker between its syncs."""
-    rate_mbit: float = 1.0
+    rate_mbit: float = 0.5
     """Bandwidth of the site's link, each way."""
     rtt_ms: float = 40.0
-    budget: float = 0.25
+    budget: float = 1.0
     """--sync-budget of the auto configuration (seconds a push and a pull may take)."""
     batch_size: int = 4
     max_seq_len: int = 64
@@ -194,7 +194,7 @@ def same_bytes_ratio(auto: dict[str, Any]) -> float:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="tiny-qwen2, 2 workers x 6 rounds (the default settings)")
+    p.add_argument("--quick", action="store_true", help="tiny-qwen2, 2 workers x 4 rounds (the default settings)")
     p.add_argument("--base-model", default=Settings.base_model, help="tiny-qwen2 or smollm2-135m (default: %(default)s)")
     p.add_argument("--workers", type=int, default=Settings.workers)
     p.add_argument("--rounds", type=int, default=Settings.rounds)
