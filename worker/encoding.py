@@ -91,9 +91,6 @@ class PullSettings:
         if self.full_every < 1:
             raise ValueError(f"--full-pull-every must be >= 1, got {self.full_every}")
 
-    def decoder(self):
-        return make_codec(self.codec, self.config) if self.codec else None
-
 
 @dataclass(frozen=True)
 class EncodedUpdate:
