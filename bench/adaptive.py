@@ -147,7 +147,9 @@ def run_config(c: Config, s: Settings, scratch: Path) -> dict[str, Any]:
     records = json.loads(out.read_text())
     return {"name": c.name, "codec": c.codec, "config": c.config, "budget": c.budget,
             **figures(records, s.budget), "heldout_loss": round(loss, 4), "tensors": tensors,
-            "link_bytes_up": ingress, "link_bytes_down": egress, "wall_seconds": round(wall, 1)}
+            "link_bytes_up": ingress, "link_bytes_down": egress, "wall_seconds": round(wall, 1),
+            "syncs": [{k: r.get(k) for k in ("worker_id", "codec", "codec_config", "bytes_sent", "push_seconds",
+                                             "pull_codec", "bytes_down", "pull_seconds")} for r in records]}
 
 
 def expert_loss(url: str, s: Settings) -> tuple[float, int]:
@@ -183,11 +185,18 @@ def figures(records: list[dict[str, Any]], budget: float) -> dict[str, Any]:
             "mean_relative_error": round(statistics.fmean(r["relative_error"] for r in pushes), 4) if pushes else None}
 
 
-def same_bytes_ratio(auto: dict[str, Any]) -> float:
-    """The top-k ratio whose top-k+int8 pushes are as large, on average, as auto's were."""
-    from worker.adaptive import topk_ratio_for
+def same_bytes_ratio(auto: dict[str, Any], records: list[dict[str, Any]]) -> float:
+    """The top-k ratio whose top-k+int8 pushes are as large, on average, as auto's were.
 
-    return round(topk_ratio_for(auto["mean_push_bytes"], auto["numel"], auto["tensors"]), 5)
+    The policy's size model is calibrated on auto's own top-k pushes (actual / expected bytes), so
+    the fixed codec matches the bytes auto really sent, not what the model expected.
+    """
+    from worker.adaptive import topk_bytes, topk_ratio_for
+
+    topk = [r for r in records if r.get("codec") == "topk+int8" and r.get("bytes_sent")]
+    scale = (statistics.fmean(r["bytes_sent"] for r in topk) / statistics.fmean(
+        topk_bytes(r["codec_config"]["ratio"], auto["numel"], auto["tensors"]) for r in topk)) if topk else 1.0
+    return round(topk_ratio_for(auto["mean_push_bytes"] / scale, auto["numel"], auto["tensors"]), 5)
 
 
 # -- main -------------------------------------------------------------------------------------
@@ -236,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="fedmoe-adaptive-", dir=SCRATCH_DIR) as scratch:
         log.info("auto (--sync-budget %.3g s) over %.3g Mbit/s, %.0f ms RTT", s.budget, s.rate_mbit, s.rtt_ms)
         auto = run_config(Config("auto", "auto", {}, s.budget), s, Path(scratch))
-        ratio = same_bytes_ratio(auto)
+        ratio = same_bytes_ratio(auto, json.loads((Path(scratch) / "auto.records.json").read_text()))
         rows = [auto]
         for c in (Config("topk+int8 same bytes", "topk+int8", {"ratio": ratio}),
                   Config("int8", "int8", {}), Config("safetensors", "safetensors", {})):
