@@ -40,6 +40,6 @@ def test_smallest_run_compares_auto_with_fixed_codecs_of_the_same_bytes(tmp_path
     same = records["topk+int8 same bytes"]
     assert same["codecs"] == {"topk+int8": 1} and same["config"] == {"ratio": report["same_bytes_ratio"]}
     raw = records["safetensors"]
-    assert 4 * raw["numel"] < raw["bytes_up"] < 4 * raw["numel"] + 100 * raw["tensors"]  # fp32 + a safetensors header
-    assert records["safetensors"]["bytes_up"] > 3.9 * records["int8"]["bytes_up"]  # fp32 vs ~1.07 bytes a parameter
+    assert 4 * raw["numel"] < raw["bytes_up"] < 4 * raw["numel"] + 200 * raw["tensors"]  # fp32 + a header naming each tensor
+    assert records["safetensors"]["bytes_up"] > 3.7 * records["int8"]["bytes_up"]  # fp32 vs ~1.06 bytes a parameter
     assert "held-out loss" in proc.stdout and "auto" in proc.stdout
