@@ -6,12 +6,14 @@ Examples:
   python run_worker.py --specialty sql_expert --base-model tiny-qwen2 --duration 120 --sync-interval 5
   python run_worker.py --specialty docs_expert --dataset my_docs.jsonl --coordinator-url http://10.0.0.5:5000
   python run_worker.py --specialty sql_expert --compression topk+int8 --compression-config '{"ratio": 0.05}'
+  python run_worker.py --specialty sql_expert --compression auto --sync-budget 2   # fit each push in ~2 s
   python run_worker.py --specialty python_expert --results runs/python.results.jsonl --log-format json
   torchrun --nproc_per_node 2 run_worker.py --specialty sql_expert --base-model tiny-qwen2   # data parallel
 """
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import signal
@@ -67,8 +69,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="pause training during each push and pull (default: sync in the background)")
     c = p.add_argument_group("compression")
     c.add_argument("--compression", default="safetensors",
-                   help="update codec: safetensors (uncompressed) or a compression spec such as int8, "
-                        "topk+int8 (default: %(default)s)")
+                   help="update codec: safetensors (uncompressed), a compression spec such as int8, topk+int8, "
+                        "or auto (picked at each sync to fit --sync-budget) (default: %(default)s)")
+    c.add_argument("--sync-budget", type=float, default=None, metavar="SECONDS",
+                   help="with --compression auto: seconds a push (and a pull) may take; the codec and ratio are "
+                        "picked from the measured throughput, and pulls become compressed diffs when full weights "
+                        "would take longer")
     c.add_argument("--compression-config", default="{}", metavar="JSON",
                    help='codec options, e.g. \'{"ratio": 0.01}\' (default: %(default)s)')
     c.add_argument("--no-error-feedback", action="store_true", help="drop what a lossy codec loses")
@@ -217,7 +223,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         train_kwargs["lr"] = lr
     compression = CompressionSettings(codec=args.compression, config=parse_json_flag(args.compression_config,
                                                                                 "--compression-config"),
-                                      error_feedback=not args.no_error_feedback)
+                                      error_feedback=not args.no_error_feedback, sync_budget=args.sync_budget)
     pull = PullSettings(codec=args.pull_compression, full_every=args.full_pull_every,
                         config=parse_json_flag(args.pull_compression_config, "--pull-compression-config"))
     worker_id = args.worker_id or default_worker_id(args.specialty)
@@ -244,6 +250,13 @@ def _check_address_and_files(args: argparse.Namespace) -> None:
                          "'reference_code' on each line")
     if args.ca_cert is not None and not args.ca_cert.is_file():
         raise ValueError(f"--ca-cert {str(args.ca_cert)!r} does not exist")
+    if args.sync_budget is not None and args.compression != "auto":
+        raise ValueError(f"--sync-budget applies to --compression auto only, got --compression {args.compression}; "
+                         "pass --compression auto or drop --sync-budget")
+    if args.sync_budget is not None and not (args.sync_budget > 0 and math.isfinite(args.sync_budget)):
+        raise ValueError(f"--sync-budget must be a positive number of seconds, got {args.sync_budget}")
+    if args.compression == "auto" and args.sync_budget is None:
+        raise ValueError("--compression auto needs --sync-budget SECONDS (how long a push may take)")
 
 
 def _check_names(args: argparse.Namespace) -> None:

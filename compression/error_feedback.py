@@ -4,8 +4,15 @@ Each call compresses ``delta + residual`` and keeps
 ``residual = decay * (delta + residual - decoded)``, so with ``decay = 1`` the
 sum of everything the receiver decoded plus the final residual equals the sum
 of the deltas that were meant to be sent.
+
+The residual lives in the space of the tensors (weight space for a worker's delta), not of any
+codec's payload, so ``compress`` may be given a different codec each call (the worker's
+``--compression auto`` does): what one codec dropped is offered to the next.
 """
 from __future__ import annotations
+
+import time
+from dataclasses import dataclass
 
 import torch
 
@@ -15,26 +22,45 @@ from compression.errors import CompressionError
 from compression.wire import Manifest, check_manifest, check_tensor_names, decode_update, encode_update
 
 
+@dataclass(frozen=True)
+class Compressed:
+    """One compressed update: its payload and exactly what the receiver will decode from it."""
+
+    payload: bytes
+    decoded: dict[str, torch.Tensor]
+    encode_ms: float
+    """Encoding time (without the decode and the residual update)."""
+    decode_ms: float
+    """Decoding time: what the receiver will spend on the payload."""
+
+
 class ErrorFeedback:
     """Per-tensor residual memory around a codec."""
 
-    def __init__(self, codec: Codec, decay: float = 1.0) -> None:
+    def __init__(self, codec: Codec | None, decay: float = 1.0) -> None:
+        """``codec``: the default of ``compress`` (None: every call names its codec)."""
         require_real("decay", decay, 0.0, 1.0)
         self.codec = codec
         self.decay = float(decay)
         self._residual: dict[str, torch.Tensor] = {}
 
     def compress(
-        self, tensors: dict[str, torch.Tensor], manifest: Manifest, seed: int = 0
-    ) -> tuple[bytes, dict[str, torch.Tensor]]:
-        """Encode ``tensors + residual``; return the payload and what the receiver will decode."""
+        self, tensors: dict[str, torch.Tensor], manifest: Manifest, seed: int = 0, codec: Codec | None = None
+    ) -> Compressed:
+        """Encode ``tensors + residual`` with ``codec`` (default: this object's); the payload and its decoding."""
+        codec = codec or self.codec
+        if codec is None:
+            raise CompressionError("ErrorFeedback.compress needs a codec: none given and no default")
         entries = check_manifest(manifest)
         check_tensor_names(tensors, entries)
         target = {name: self._corrected(name, shape, tensors) for name, shape in entries}
-        payload = encode_update(target, entries, self.codec, seed)
-        sent = decode_update(payload, entries, self.codec)
+        started = time.perf_counter()
+        payload = encode_update(target, entries, codec, seed)
+        encoded = time.perf_counter()
+        sent = decode_update(payload, entries, codec)
+        decoded = time.perf_counter()
         self._residual = {name: (target[name] - sent[name]) * self.decay for name, _ in entries}
-        return payload, sent
+        return Compressed(payload, sent, (encoded - started) * 1000, (decoded - encoded) * 1000)
 
     def _corrected(self, name: str, shape: tuple[int, ...], tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         delta = tensors[name].detach().to(torch.float32)

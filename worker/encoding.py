@@ -9,32 +9,72 @@ trained stays behind when the worker exits.
 """
 from __future__ import annotations
 
+import json
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from compression import ErrorFeedback, make_codec, measure
+from compression import Codec, ErrorFeedback, make_codec, measure
+from compression.error_feedback import Compressed
 from compression.wire import decode_update, encode_update
 from protocol.schemas import RAW_CODEC
 from protocol.tensors import Manifest, StateDict, dumps, loads
 
 
+AUTO_CODEC = "auto"
+"""--compression auto: the codec and ratio are picked at each sync to fit --sync-budget (worker.adaptive)."""
+
+
+@dataclass(frozen=True)
+class CodecChoice:
+    """One update's codec: a spec such as 'int8' or 'topk+int8' with its options, or 'safetensors' (exact)."""
+
+    codec: str
+    config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        """The update metadata's codec fields."""
+        return {"codec": self.codec, "codec_config": dict(self.config)}
+
+
+RAW = CodecChoice(RAW_CODEC)
+
+
 @dataclass(frozen=True)
 class CompressionSettings:
     codec: str = RAW_CODEC
-    """'safetensors' (uncompressed) or a compression spec such as 'int8' or 'topk+int8'."""
+    """'safetensors' (uncompressed), a compression spec such as 'int8' or 'topk+int8', or 'auto'."""
     config: dict[str, Any] = field(default_factory=dict)
     """Codec options, e.g. {"ratio": 0.01}; sent to the coordinator with each update."""
     error_feedback: bool = True
     """Carry what a lossy codec dropped into the next update."""
     decay: float = 1.0
     """Residual decay in [0, 1] (1 = keep everything)."""
+    sync_budget: float | None = None
+    """With codec 'auto': seconds a push (and a pull) may take; the codec is picked per sync to fit it."""
 
     def __post_init__(self) -> None:
-        if self.codec != RAW_CODEC:
+        if self.codec == AUTO_CODEC:
+            if self.config:
+                raise ValueError("--compression-config does not apply to --compression auto (it picks the codec "
+                                 "and ratio at each sync); drop it")
+            if self.sync_budget is None:
+                raise ValueError("--compression auto needs --sync-budget SECONDS (how long a push may take)")
+        elif self.sync_budget is not None:
+            raise ValueError(f"--sync-budget applies to --compression auto only, got --compression {self.codec}; "
+                             "pass --compression auto or drop --sync-budget")
+        if self.sync_budget is not None and not (self.sync_budget > 0 and math.isfinite(self.sync_budget)):
+            raise ValueError(f"--sync-budget must be a positive number of seconds, got {self.sync_budget}")
+        if self.codec not in (RAW_CODEC, AUTO_CODEC):
             make_codec(self.codec, self.config)  # raises CompressionError listing valid names/keys
+
+    @property
+    def adaptive(self) -> bool:
+        return self.codec == AUTO_CODEC
 
 
 @dataclass(frozen=True)
@@ -51,9 +91,6 @@ class PullSettings:
         if self.full_every < 1:
             raise ValueError(f"--full-pull-every must be >= 1, got {self.full_every}")
 
-    def decoder(self):
-        return make_codec(self.codec, self.config) if self.codec else None
-
 
 @dataclass(frozen=True)
 class EncodedUpdate:
@@ -66,53 +103,80 @@ class EncodedUpdate:
 
 
 class UpdateEncoder:
+    """Encodes each sync's delta with the configured codec, or with the one ``encode`` is given (auto).
+
+    The error-feedback residual is a tensor per weight, whatever codec produced it, so the codec may
+    change from one update to the next: an exact (safetensors) update sends delta + residual and
+    leaves nothing behind; a lossy one leaves what it dropped for the next.
+    """
+
     def __init__(self, settings: CompressionSettings) -> None:
         self.settings = settings
-        self._codec = None if settings.codec == RAW_CODEC else make_codec(settings.codec, settings.config)
-        self._feedback = (ErrorFeedback(self._codec, settings.decay)
-                          if self._codec is not None and settings.error_feedback else None)
+        self._codecs: dict[str, Codec] = {}
+        fixed = None if settings.codec in (RAW_CODEC, AUTO_CODEC) else self._codec(self.default_choice)
+        self._feedback = ErrorFeedback(fixed, settings.decay) if self.lossy and settings.error_feedback else None
         self._pending: StateDict = {}
         """A residual from a checkpoint this encoder keeps none of (another codec): added to the next update."""
 
     @property
+    def default_choice(self) -> CodecChoice:
+        """The configured codec (for 'auto', the placeholder its checkpoints record)."""
+        return CodecChoice(self.settings.codec, dict(self.settings.config))
+
+    @property
     def codec_meta(self) -> dict[str, Any]:
-        return {"codec": self.settings.codec, "codec_config": dict(self.settings.config)}
+        return self.default_choice.meta
 
     @property
     def lossy(self) -> bool:
-        return self._codec is not None
+        """Whether updates may leave a residual (a lossy codec, or auto, which picks one on slow links)."""
+        return self.settings.codec != RAW_CODEC
 
-    def encode(self, delta: StateDict, manifest: Manifest, seed: int, flush: bool = False) -> EncodedUpdate:
+    def _codec(self, choice: CodecChoice) -> Codec:
+        key = f"{choice.codec} {json.dumps(choice.config, sort_keys=True)}"
+        if key not in self._codecs:
+            self._codecs[key] = make_codec(choice.codec, choice.config)
+        return self._codecs[key]
+
+    def encode(self, delta: StateDict, manifest: Manifest, seed: int, flush: bool = False,
+               choice: CodecChoice | None = None) -> EncodedUpdate:
         """Encode ``delta`` (plus the carried residual); metrics compare it with what will be decoded.
 
+        ``choice``: the codec of this update (auto); default the configured one.
         ``flush``: send delta + residual exactly (fp32 safetensors) and carry nothing on; the last
         update of a run, so the coordinator ends with everything this worker trained.
-        ``encode_ms`` covers encoding (and, with error feedback, the residual update);
-        ``decode_ms`` is a separate timing of what the coordinator will do with the body.
+        ``encode_ms`` covers encoding, ``decode_ms`` decoding the body once, as the coordinator will
+        (the decoded tensors are also what the residual is computed from).
         """
+        choice = RAW if flush else choice or self.default_choice
+        if choice.codec == AUTO_CODEC:
+            raise ValueError("--compression auto: encode() needs the codec picked for this sync")
         carried = self.carried()
         target = {k: v + carried[k] for k, v in delta.items()} if carried else delta  # what this update carries
-        started = time.perf_counter()
-        if self._codec is None or flush:
-            body, codec = dumps(target), None
+        if choice.codec == RAW_CODEC:
+            codec, out = None, self._encode_raw(target)
             self._forget_carried()
         elif self._feedback is not None:
-            body, _ = self._feedback.compress(delta, manifest, seed)
-            codec = self._codec
+            codec = self._codec(choice)
+            out = self._feedback.compress(delta, manifest, seed, codec=codec)
         else:
-            body, codec = encode_update(target, manifest, self._codec, seed), self._codec
+            codec = self._codec(choice)
+            out = _encode_lossy(target, manifest, codec, seed)
             self._forget_carried()
-        encode_ms = (time.perf_counter() - started) * 1000
-        started = time.perf_counter()
-        sent = loads(body) if codec is None else decode_update(body, manifest, codec)
-        decode_ms = (time.perf_counter() - started) * 1000
-        metrics = measure(target, sent, body, encode_ms, decode_ms, codec=codec,
+        metrics = measure(target, out.decoded, out.payload, out.encode_ms, out.decode_ms, codec=codec,
                           manifest=manifest if codec is not None else None)
         metrics["residual_norm"] = self.residual_norm()
         if flush and self.lossy:
             metrics["flushed_residual_norm"] = _norm(carried)
-        meta = self.codec_meta if codec is not None else {"codec": RAW_CODEC, "codec_config": {}}
-        return EncodedUpdate(body, sent, metrics, meta)
+        return EncodedUpdate(out.payload, out.decoded, metrics, choice.meta)
+
+    @staticmethod
+    def _encode_raw(target: StateDict) -> Compressed:
+        started = time.perf_counter()
+        body = dumps(target)
+        encoded = time.perf_counter()
+        sent = loads(body)  # fp32 safetensors round-trips exactly; decoded to time what the coordinator does
+        return Compressed(body, sent, (encoded - started) * 1000, (time.perf_counter() - encoded) * 1000)
 
     def carried(self) -> StateDict:
         """What the next update adds to its delta: the error-feedback residual (or one loaded from a checkpoint)."""
@@ -141,6 +205,14 @@ class UpdateEncoder:
         else:
             ErrorFeedback.check_residual(state)
             self._pending = {k: v.detach().to(torch.float32).clone() for k, v in state.items()}
+
+
+def _encode_lossy(target: StateDict, manifest: Manifest, codec: Codec, seed: int) -> Compressed:
+    started = time.perf_counter()
+    body = encode_update(target, manifest, codec, seed)
+    encoded = time.perf_counter()
+    sent = decode_update(body, manifest, codec)
+    return Compressed(body, sent, (encoded - started) * 1000, (time.perf_counter() - encoded) * 1000)
 
 
 def _norm(tensors: StateDict) -> float:

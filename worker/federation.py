@@ -8,12 +8,15 @@ goes on, so when the coordinator is back every delta arrives once, however
 many retries it took. Only after the outbox is empty do we pull the latest
 expert weights and continue from them.
 
-Overlapped sync. A sync has three parts, so that training need not wait for the network:
+Overlapped sync. A sync is a ``SyncJob`` (worker.sync_state) handed through five steps, begin ->
+encode -> push -> pull -> apply, in three parts so that training need not wait for the network:
 
 - ``begin_sync`` (training thread, at a step boundary): snapshot the adapter; the next delta is
   measured from that snapshot; capture what a checkpoint needs (optimiser moments, data position).
 - ``exchange`` (a background thread while training goes on): encode the delta into the outbox,
-  save the checkpoint, push the outbox, pull the expert. This is *the* network step of a sync.
+  save the checkpoint, push the outbox, pull the expert (``worker.pulling``). This is *the*
+  network part of a sync. Where this worker stands with its expert (version, pulled weights,
+  reference, outbox) is one ``ExpertState``, which only these steps change.
 - ``finish_sync`` (training thread, at the first step boundary after ``exchange`` ended): adopt
   the pulled weights W as ``W + r + (local_now - snapshot)``, so steps taken meanwhile are kept, and
   measure the next delta from ``W + r``, so they are sent once (in the next update).
@@ -25,6 +28,10 @@ coordinator's weights trail them by r. (Adopting bare W instead threw r out of t
 so training learned it again while the encoder still owed it: the residual grew every sync.)
 The final sync is a *flush*: delta + r sent losslessly (worker.encoding), so the coordinator ends
 with the weights local training reached.
+
+Adaptive compression (``--compression auto --sync-budget S``): the encode step picks the codec of
+each update from the measured upload throughput and the pull step chooses full weights or a
+compressed diff from the download throughput (worker.adaptive); every push and pull is timed.
 
 One sync is in flight at a time: a sync that falls due meanwhile starts when the previous one
 ends. ``sync()`` runs the three parts in a row; the final sync (duration over, or Ctrl-C) does.
@@ -42,7 +49,6 @@ import json
 import logging
 import time
 import uuid
-from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,17 +57,18 @@ from typing import Any, Callable, Protocol
 import torch
 
 from compression.errors import CompressionError
-from compression.wire import decode_update
 from protocol.client import CoordinatorClient
-from protocol.errors import FedMoEError, NotFound, Unavailable
+from protocol.errors import BadRequest, FedMoEError, NotFound, Unavailable
 from protocol.tensors import StateDict, manifest_of
+from worker import resume
+from worker.adaptive import Decision, LinkEstimate, choose_push
+from worker.checkpoint import CheckpointError, discard_checkpoint, load_checkpoint
 from worker.console import SyncConsole
-from worker.checkpoint import (CheckpointError, WorkerCheckpoint, clone_optimizer_state, discard_checkpoint,
-                               load_checkpoint, save_checkpoint)
 from worker.data import StreamPosition
 from worker.distributed import SingleProcess
 from worker.encoding import CompressionSettings, PullSettings, UpdateEncoder
-from worker.sync_state import Fetched, IntervalStats, Outgoing, RunSummary, SyncJob
+from worker.pulling import ExpertPuller
+from worker.sync_state import ExpertState, Fetched, IntervalStats, Outgoing, RunSummary, SyncJob
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +121,14 @@ class SyncSettings:
 
 
 @dataclass
+class Links:
+    """Measured throughput each way (--compression auto): every push and pull is timed into it."""
+
+    up: LinkEstimate = field(default_factory=LinkEstimate)
+    down: LinkEstimate = field(default_factory=LinkEstimate)
+
+
+@dataclass
 class FederatedWorker:
     settings: SyncSettings
     client: CoordinatorClient
@@ -122,34 +137,45 @@ class FederatedWorker:
     """{"lora": ..., "base_model": {"id", "fingerprint"}} sent when creating the expert."""
     encoder: UpdateEncoder = field(default_factory=lambda: UpdateEncoder(CompressionSettings()))
     pull: PullSettings = field(default_factory=PullSettings)
-    base_version: int = -1
-    """Expert version our weights came from."""
-    etag: str | None = None
-    pulled: StateDict = field(default_factory=dict)
-    """Weights as of the last pull (exact after a full pull, approximate after a lossy diff pull)."""
-    reference: StateDict = field(default_factory=dict)
-    """Weights the next delta is measured from: the last pull, or the last sync's snapshot."""
-    pulls: int = 0
+    state: ExpertState = field(default_factory=ExpertState)
+    """Where we stand with the expert: version, pulled weights, reference, outbox (changed by the sync steps)."""
     profile: dict[str, Any] | None = None
     """Routing summary of our training prompts (gateway.router), sent when joining."""
-    outbox: deque[Outgoing] = field(default_factory=deque)
     interval: IntervalStats = field(default_factory=IntervalStats)
     """Training since the last sync point (what the next update will carry)."""
-    syncs: int = 0
     console: SyncConsole | None = None
+    """Progress bar and the one log line per sync (worker.console); None: no console output."""
     on_result: Callable[[dict[str, Any]], None] | None = None
     """Also called with each sync's --results record (e.g. worker.tensorboard_log.TensorBoardLog.sync)."""
-    """Progress bar and the one log line per sync (worker.console); None: no console output."""
     totals: IntervalStats = field(default_factory=IntervalStats)
     """All training steps of this process."""
     blocked_seconds: float = 0.0
     """Training-thread seconds spent syncing (all syncs of this process)."""
+    links: Links = field(default_factory=Links)
+    """Measured upload and download throughput (what --compression auto decides from)."""
     _inflight: tuple[SyncJob, Future] | None = field(default=None, repr=False)
     _executor: ThreadPoolExecutor | None = field(default=None, repr=False)
     collective: SingleProcess = field(default_factory=SingleProcess)
     """dist: the data-parallel ranks of this worker; only rank 0 talks to the coordinator."""
     dataset: dict[str, str] | None = None
     """{"path", "sha256"} of the training data: a checkpoint trained on other data is not resumed."""
+
+    def __post_init__(self) -> None:
+        self.puller = ExpertPuller(self.client, self.settings.specialty, self.settings.worker_id, self.pull,
+                                   self.encoder.settings.sync_budget)
+
+    @property
+    def base_version(self) -> int:
+        """Expert version our weights came from."""
+        return self.state.version
+
+    @property
+    def outbox(self):
+        return self.state.outbox
+
+    @property
+    def syncs(self) -> int:
+        return self.state.syncs
 
     # joining ------------------------------------------------------------------
 
@@ -171,19 +197,35 @@ class FederatedWorker:
             return {}
         resumed = self._resume()
         self.client.register_worker(s.worker_id, s.specialty, self.expert_spec["base_model"], s.sync_interval)
-        info = self.client.create_expert(s.specialty, self.trainer.adapter_state(), self.expert_spec)
-        if resumed and info["version"] < self.base_version:
+        info = self._join_expert()
+        if resumed and info["version"] < self.state.version:
             self._forget_history(info["version"])
         if self.profile is not None:
             self.client.put_profile(s.specialty, s.worker_id, self.profile)
-        if self.outbox and not self._flush_outbox():
+        if self.state.outbox and not self._push():
             raise Unavailable("cannot deliver the updates saved in the checkpoint; is the coordinator up?")
         fetched = self._fetch()
         if fetched.weights is not None:
             self._adopt(fetched)
         self._share_weights()
-        log.info("joined expert %s at version %d as %s", s.specialty, self.base_version, s.worker_id)
+        log.info("joined expert %s at version %d as %s", s.specialty, self.state.version, s.worker_id)
         return info
+
+    def _join_expert(self) -> dict[str, Any]:
+        """Create the expert from our adapter if it does not exist; else only check our setup against it.
+
+        An existing expert is pulled, not uploaded to: the PUT carries an empty adapter, which the
+        coordinator ignores once it has checked that rank, base model etc. match (409 if not).
+        """
+        name = self.settings.specialty
+        try:
+            self.client.expert(name)
+        except NotFound:
+            return self.client.create_expert(name, self.trainer.adapter_state(), self.expert_spec)
+        try:
+            return self.client.create_expert(name, {}, self.expert_spec)
+        except BadRequest:  # a coordinator that checks the body before looking the expert up
+            return self.client.create_expert(name, self.trainer.adapter_state(), self.expert_spec)
 
     def _resume(self) -> bool:
         """Load the checkpoint in the state dir into trainer, encoder and loop; False if there is none."""
@@ -200,38 +242,12 @@ class FederatedWorker:
         checkpoint = load_checkpoint(s.state_dir, self.identity)
         if checkpoint is None:
             return False
-        progress = checkpoint.progress
-        optimizer = checkpoint.optimizer
-        current = self.trainer.optimizer_state()["param_groups"]  # today's --lr etc. win over the saved ones
-        optimizer["param_groups"] = [{**now, "params": saved["params"]}
-                                     for now, saved in zip(current, optimizer["param_groups"], strict=True)]
-        try:
-            self.trainer.load_adapter_state(checkpoint.adapter)
-            self.trainer.load_optimizer_state(optimizer)
-            self.trainer.seek(StreamPosition.from_dict(progress["data_position"]))
-            self.encoder.load_state_dict(checkpoint.residual)
-        except (ValueError, KeyError, CompressionError) as exc:
-            raise CheckpointError(f"--state-dir {s.state_dir}: cannot resume this checkpoint ({exc}); "
-                                  "pass --fresh to discard it") from None
-        self.trainer.global_step = progress["global_step"]
-        self.reference, self.pulled = checkpoint.reference, checkpoint.pulled
-        self.base_version, self.etag = progress["base_version"], progress["etag"]
-        self.pulls, self.syncs = progress["pulls"], progress["syncs"]
-        self.outbox = deque(Outgoing(body, meta) for body, meta in checkpoint.outbox)
+        self.state = resume.restore(checkpoint, self.trainer, self.encoder, s.state_dir)
         log.warning("resuming the checkpoint in %s (sync %d, step %d, expert version %d, %d queued update(s)%s); "
-                    "pass --fresh to start over", s.state_dir, self.syncs, self.trainer.global_step,
-                    self.base_version, len(self.outbox), self._codec_change(progress.get("codec")))
+                    "pass --fresh to start over", s.state_dir, self.state.syncs, self.trainer.global_step,
+                    self.state.version, len(self.state.outbox),
+                    resume.codec_change(checkpoint.progress.get("codec"), self.encoder))
         return True
-
-    def _codec_change(self, saved: dict[str, Any] | None) -> str:
-        """', trained with another codec ...' when the checkpoint's codec differs from today's (allowed)."""
-        now = self.encoder.codec_meta
-        if saved is None or saved == now:
-            return ""
-        carried = self.encoder.residual_norm()
-        return (f", trained with --compression {saved['codec']} {json.dumps(saved['codec_config'])}, now "
-                f"{now['codec']} {json.dumps(now['codec_config'])}"
-                + (f"; its residual (norm {carried:.3g}) goes into the next update" if carried else ""))
 
     def _forget_history(self, version: int) -> None:
         """The coordinator lacks the versions our checkpoint builds on (a new data dir?): start from it.
@@ -242,10 +258,9 @@ class FederatedWorker:
         """
         log.warning("the coordinator has expert %s at version %d, behind this worker's checkpoint (version %d): "
                     "dropping %d queued update(s) and starting from the coordinator's weights",
-                    self.settings.specialty, version, self.base_version, len(self.outbox))
-        self.outbox.clear()
+                    self.settings.specialty, version, self.state.version, len(self.state.outbox))
+        self.state.forget_history(version)
         self.encoder.reset()
-        self.pulled, self.etag, self.base_version = {}, None, version
 
     # the loop -----------------------------------------------------------------
 
@@ -268,8 +283,8 @@ class FederatedWorker:
             log.info("interrupted: pushing what was trained before exiting")
         finally:
             summary = RunSummary(time.monotonic() - started, time.process_time() - cpu_started,
-                                 self.totals.steps - steps_before,
-                                 self.totals.tokens - tokens_before, self.blocked_seconds - blocked_before, self.syncs)
+                                 self.totals.steps - steps_before, self.totals.tokens - tokens_before,
+                                 self.blocked_seconds - blocked_before, self.state.syncs)
             self.wait_sync()
             self.sync(final=True)
             self._report_undelivered()
@@ -289,17 +304,17 @@ class FederatedWorker:
             self.totals.throttled += pause
 
     def _report_undelivered(self) -> None:
-        if not self.outbox:
+        if not self.state.outbox:
             return
         if self.settings.state_dir is not None:
             log.warning("%d update(s) could not be delivered before exit (coordinator unreachable); they are saved "
-                        "in %s and will be pushed when this worker starts again", len(self.outbox),
+                        "in %s and will be pushed when this worker starts again", len(self.state.outbox),
                         self.settings.state_dir)
         else:
             log.error("%d update(s) could not be delivered before exit (coordinator unreachable); "
-                      "their training is lost", len(self.outbox))
+                      "their training is lost", len(self.state.outbox))
 
-    # syncing ------------------------------------------------------------------
+    # a sync: begin -> encode -> push -> pull -> apply, one SyncJob handed along ---------------
 
     def sync(self, final: bool = False) -> dict[str, Any]:
         """A whole sync, waiting for the network (the final sync, tests, --no-overlap, data parallel)."""
@@ -346,49 +361,53 @@ class FederatedWorker:
         return self.finish_sync(job, overlapped=True)
 
     def begin_sync(self, final: bool = False) -> SyncJob:
-        """Snapshot the adapter and what a checkpoint needs; from here the next delta starts."""
+        """Step 1 (training thread): snapshot the adapter and what a checkpoint needs; the next delta starts here."""
         started = time.perf_counter()
         stats, self.interval = self.interval, IntervalStats()
         snapshot = self.trainer.adapter_state()
         delta_from = None
         if stats.samples or (final and self.encoder.residual_norm() > 0):  # the final sync flushes the residual
-            delta_from, self.reference = self.reference, snapshot
-        record = {"time": time.time(), "sync": self.syncs, "final": final, "worker_id": self.settings.worker_id,
-                  "base_version": self.base_version, "global_step": self.trainer.global_step}
-        self.syncs += 1
-        checkpoint = self._capture(snapshot) if self.settings.state_dir is not None else None
+            delta_from, self.state.reference = self.state.reference, snapshot
+        record = {"time": time.time(), "sync": self.state.syncs, "final": final, "worker_id": self.settings.worker_id,
+                  "base_version": self.state.version, "global_step": self.trainer.global_step}
+        self.state.syncs += 1
+        checkpoint = (resume.capture(self.identity, self.state, self.trainer, self.encoder, snapshot, self.dataset)
+                      if self.settings.state_dir is not None else None)
         job = SyncJob(record["sync"], final, stats, snapshot, delta_from, checkpoint, record, started=started)
         job.blocked = time.perf_counter() - started
         return job
 
     def exchange(self, job: SyncJob) -> SyncJob:
-        """The network step of a sync: queue the delta, checkpoint, push the outbox, pull the expert.
+        """Steps 2-4, the network part: encode the delta into the outbox, checkpoint, push, pull.
 
         Runs on the background thread when overlapping; the training thread does not touch the
-        outbox, encoder, etag or pulled weights until finish_sync.
+        state, encoder or links until finish_sync.
         """
         started = time.perf_counter()
         if job.delta_from is not None:
-            job.record |= self._queue_update(job)
+            job.record |= self._encode(job)
         if job.checkpoint is not None:
-            job.record["checkpoint_seconds"] = self._save_checkpoint(job.checkpoint)
-        job.record["delivered"] = self._flush_outbox()
-        job.fetched = self._fetch_quietly() if job.record["delivered"] and not job.final else None
-        if job.fetched is not None:
-            self._heartbeat()
-        job.record |= {"pulled": job.fetched is not None, "bytes_down": job.fetched.nbytes if job.fetched else 0}
+            job.record["checkpoint_seconds"] = resume.save(self.settings.state_dir, job.checkpoint, self.encoder,
+                                                           self.state)
+        pushing = time.perf_counter()
+        job.delivered = job.record["delivered"] = self._push()
+        pulling = time.perf_counter()
+        job.fetched = self._pull(job) if job.delivered and not job.final else None
+        job.record |= {"pulled": job.fetched is not None, "bytes_down": job.fetched.nbytes if job.fetched else 0,
+                       "push_seconds": round(pulling - pushing, 4),
+                       "pull_seconds": round(job.fetched.seconds, 4) if job.fetched else 0.0}
         job.background = time.perf_counter() - started
         return job
 
     def finish_sync(self, job: SyncJob, overlapped: bool) -> dict[str, Any]:
-        """Adopt what the sync pulled, write its result line (the loop's per-sync point)."""
+        """Step 5 (training thread): apply what the sync pulled, write its result line."""
         started = time.perf_counter()
         if job.fetched is not None and job.fetched.weights is not None:
             self._adopt(job.fetched, carry_from=None if job.dropped else job.snapshot)
         seconds = time.perf_counter() - job.started
         blocked = job.blocked + time.perf_counter() - started if overlapped else seconds
         self.blocked_seconds += blocked
-        record = job.record | {"version": self.base_version, "outbox": len(self.outbox),
+        record = job.record | {"version": self.state.version, "outbox": len(self.state.outbox),
                                "sync_seconds": round(seconds, 4), "blocked_seconds": round(blocked, 4),
                                "background_seconds": round(job.background if overlapped else 0.0, 4),
                                "steps_during_sync": self.interval.steps}
@@ -397,22 +416,34 @@ class FederatedWorker:
             self.console.on_sync(record)
         return record
 
-    def _queue_update(self, job: SyncJob) -> dict[str, Any]:
-        """Turn the job's interval into an outgoing update; returns its metrics."""
+    def _encode(self, job: SyncJob) -> dict[str, Any]:
+        """Step 2: turn the job's interval into an outgoing update; returns its metrics."""
         stats, snapshot = job.stats, job.snapshot
         delta = {k: snapshot[k] - job.delta_from[k] for k in snapshot}
+        manifest = manifest_of(delta)
+        decision = self._choose_push(delta) if self.encoder.settings.adaptive and not job.final else None
         try:
-            encoded = self.encoder.encode(delta, manifest_of(delta), seed=job.number, flush=job.final)
+            encoded = self.encoder.encode(delta, manifest, seed=job.number, flush=job.final,
+                                          choice=decision.choice if decision else None)
         except CompressionError as exc:  # e.g. training diverged to NaN: skip it, resync from the expert
             log.error("cannot encode this interval's update (%s); dropping it and the carried residual", exc)
             self.encoder.reset()
-            self.etag = None  # force a full pull, replacing the local weights
+            self.state.etag = None  # force a full pull, replacing the local weights
             job.dropped = True
             return {"dropped": True}
         meta = {"update_id": f"{self.settings.worker_id}-{uuid.uuid4().hex[:16]}",
                 "base_version": job.record["base_version"], "num_samples": stats.samples,
                 "train_loss": stats.loss, "worker_id": self.settings.worker_id, **encoded.codec_meta}
-        self.outbox.append(Outgoing(encoded.body, meta))
+        adaptive = {}
+        if decision is not None:
+            adaptive = {"push_choice": decision.record()}
+            meta["codec_choice"] = {"by": "auto", "sync_budget": self.encoder.settings.sync_budget,
+                                    "upload_bytes_per_second": round(decision.bytes_per_second, 1)}
+            log.info("sync %d: --compression auto picked %s %s for ~%d bytes (upload %.0f B/s, budget %.3g s%s)",
+                     job.number, encoded.codec_meta["codec"], json.dumps(encoded.codec_meta["codec_config"]),
+                     len(encoded.body), decision.bytes_per_second, self.encoder.settings.sync_budget,
+                     "" if decision.fits else ", cannot fit: smallest codec")
+        self.state.outbox.append(Outgoing(encoded.body, meta))
         m = encoded.metrics
         log.debug("sync %d: %d steps, loss %.4f, %.0f tokens/s; update %d bytes (%.1fx smaller than fp32)",
                   job.number, stats.steps, stats.loss or float("nan"), stats.tokens_per_second,
@@ -421,56 +452,55 @@ class FederatedWorker:
                 "train_seconds": round(stats.seconds, 4), "throttle_seconds": round(stats.throttled, 4),
                 "tokens_per_second": round(stats.tokens_per_second, 2),
                 "compute_tokens_per_second": round(stats.tokens / max(stats.seconds, 1e-9), 2),
-                "update_id": meta["update_id"], "codec": meta["codec"], **m}
+                "update_id": meta["update_id"], "codec": meta["codec"], "codec_config": meta["codec_config"],
+                **adaptive, **m}
 
-    def _flush_outbox(self) -> bool:
-        """Push queued updates in order; False if the coordinator is unreachable (kept for later)."""
-        while self.outbox:
-            update = self.outbox[0]
+    def _choose_push(self, delta: StateDict) -> Decision:
+        numel = sum(t.numel() for t in delta.values())
+        return choose_push(numel, len(delta), self.encoder.settings.sync_budget, self.links.up)
+
+    def _push(self) -> bool:
+        """Step 3: push queued updates in order; False if the coordinator is unreachable (kept for later)."""
+        outbox = self.state.outbox
+        while outbox:
+            update = outbox[0]
+            started = time.perf_counter()
             try:
                 self.client.push_update(self.settings.specialty, update.body, update.meta)
             except Unavailable as exc:
-                log.warning("%s; keeping %d update(s) queued and training on", exc, len(self.outbox))
+                log.warning("%s; keeping %d update(s) queued and training on", exc, len(outbox))
                 return False
             except FedMoEError as exc:  # refused for good (e.g. NaN after divergence): drop, resync
                 log.error("coordinator refused update %s: %s; dropping it", update.meta["update_id"], exc)
-            self.outbox.popleft()
+            else:
+                self.links.up.observe(len(update.body), time.perf_counter() - started)
+            outbox.popleft()
         return True
 
-    # pulling ------------------------------------------------------------------
+    # pulling and applying -----------------------------------------------------
+
+    def _pull(self, job: SyncJob) -> Fetched | None:
+        """Step 4: the expert's latest weights (unreachable coordinator: logged, None); sends a heartbeat."""
+        try:
+            fetched = self._fetch()
+        except Unavailable as exc:
+            log.warning("%s; training on from local weights", exc)
+            return None
+        if fetched.diff_codec is not None:
+            job.record["pull_codec"] = fetched.diff_codec
+        self._heartbeat()
+        return fetched
 
     def _fetch(self) -> Fetched:
-        """The expert's latest weights (a diff pull when configured); does not change local weights."""
-        name, worker_id = self.settings.specialty, self.settings.worker_id
-        decoder = self.pull.decoder()
-        self.pulls += 1
-        if decoder is not None and self.pulled and self.pulls % self.pull.full_every != 0:
-            try:
-                payload, version = self.client.pull_diff(name, self.base_version, self.pull.codec,
-                                                         self.pull.config, worker_id)
-            except NotFound:  # our version was pruned on the coordinator: fall back to full weights
-                log.info("version %d is no longer kept; pulling full weights", self.base_version)
-            else:
-                weights = None
-                if payload:
-                    diff = decode_update(payload, manifest_of(self.pulled), decoder)
-                    weights = {k: self.pulled[k] + diff[k] for k in self.pulled}
-                return Fetched(weights, version, None, len(payload))
-        pulled = self.client.pull_weights(name, etag=self.etag, worker_id=worker_id)
-        return Fetched(pulled.tensors, pulled.version, pulled.etag, pulled.nbytes)
+        fetched = self.puller.fetch(self.state, self.puller.next_diff(self.state, self.links.down))
+        if fetched.nbytes and fetched.weights is not None:
+            self.links.down.observe(fetched.nbytes, fetched.seconds)
+        return fetched
 
     def _share_weights(self) -> None:
         """dist: every data-parallel rank continues from the weights rank 0 holds (no-op in one process)."""
         if self.collective.world_size > 1:
             self.trainer.share_primary_weights()
-
-    def _fetch_quietly(self) -> Fetched | None:
-        """Like _fetch, but an unreachable coordinator is logged and gives None."""
-        try:
-            return self._fetch()
-        except Unavailable as exc:
-            log.warning("%s; training on from local weights", exc)
-            return None
 
     def _adopt(self, fetched: Fetched, carry_from: StateDict | None = None) -> None:
         """Take the expert's weights W plus our undelivered residual r; with ``carry_from`` keep what was
@@ -487,37 +517,13 @@ class FederatedWorker:
                 log.error("local training diverged while syncing; continuing from the expert's weights")
                 self.interval = IntervalStats()
         self.trainer.load_adapter_state(local)
-        self.pulled, self.reference = weights, ours
-        self.base_version, self.etag = fetched.version, fetched.etag
+        self.state.adopt(weights, ours, fetched.version, fetched.etag)
 
     def _heartbeat(self) -> None:
         try:
             self.client.heartbeat(self.settings.worker_id)
         except FedMoEError as exc:  # liveness is best effort; the next sync tries again
             log.debug("heartbeat failed: %s", exc)
-
-    # checkpoints and results --------------------------------------------------
-
-    def _capture(self, snapshot: StateDict) -> WorkerCheckpoint:
-        """The checkpoint of this sync point; exchange adds the residual and outbox after encoding."""
-        progress = {"syncs": self.syncs, "base_version": self.base_version, "etag": self.etag, "pulls": self.pulls,
-                    "global_step": self.trainer.global_step, "data_position": self.trainer.data_position.to_dict(),
-                    "time": time.time(), "codec": self.encoder.codec_meta,
-                    "dataset": self.dataset["path"] if self.dataset else None}
-        return WorkerCheckpoint(self.identity, progress, adapter=snapshot, reference=self.reference,
-                                pulled=self.pulled, residual={},
-                                optimizer=clone_optimizer_state(self.trainer.optimizer_state()))
-
-    def _save_checkpoint(self, checkpoint: WorkerCheckpoint) -> float:
-        started = time.perf_counter()
-        checkpoint.residual = self.encoder.state_dict()
-        checkpoint.outbox = [(o.body, o.meta) for o in self.outbox]
-        try:
-            save_checkpoint(self.settings.state_dir, checkpoint)
-        except OSError as exc:  # never push what we could not checkpoint: a restart would send it twice
-            raise CheckpointError(f"cannot write a checkpoint to --state-dir {self.settings.state_dir}: "
-                                  f"{exc}") from None
-        return round(time.perf_counter() - started, 4)
 
     def _write_result(self, record: dict[str, Any]) -> None:
         if self.on_result is not None:

@@ -1,8 +1,15 @@
-"""What one sync carries between its parts (worker.federation): the interval's training, the
-snapshot, the checkpoint being written, the pull's result; and the outbox entries."""
+"""The state the sync steps of worker.federation share.
+
+- ``ExpertState``: where this worker stands with its expert between syncs (version, the weights
+  last pulled, the reference the next delta is measured from, the outbox of undelivered updates).
+- ``SyncJob``: one sync in progress, handed from step to step: begin (snapshot) -> encode (queue
+  the delta) -> push (flush the outbox) -> pull (fetch the expert) -> apply (adopt it, write the
+  result line). Each step reads what the previous ones put in the job.
+"""
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +61,46 @@ class Fetched:
     version: int
     etag: str | None
     nbytes: int
+    seconds: float = 0.0
+    """How long the request took (the download throughput estimate of --compression auto)."""
+    diff_codec: str | None = None
+    """The codec of a diff pull; None for a full pull."""
+
+
+@dataclass
+class ExpertState:
+    """This worker's standing with its expert; the sync steps read and replace it, checkpoints save it."""
+
+    version: int = -1
+    """Expert version our weights came from."""
+    etag: str | None = None
+    pulled: StateDict = field(default_factory=dict)
+    """Weights as of the last pull (exact after a full pull, approximate after a lossy diff pull)."""
+    reference: StateDict = field(default_factory=dict)
+    """Weights the next delta is measured from: the last pull, or the last sync's snapshot."""
+    pulls: int = 0
+    syncs: int = 0
+    outbox: deque[Outgoing] = field(default_factory=deque)
+    """Updates queued in order, each pushed (and retried) under its own update id."""
+
+    def progress(self) -> dict[str, Any]:
+        """The checkpoint's counters for this state (JSON scalars)."""
+        return {"syncs": self.syncs, "base_version": self.version, "etag": self.etag, "pulls": self.pulls}
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint: WorkerCheckpoint) -> ExpertState:
+        progress = checkpoint.progress
+        return cls(progress["base_version"], progress["etag"], checkpoint.pulled, checkpoint.reference,
+                   progress["pulls"], progress["syncs"], deque(Outgoing(body, meta) for body, meta in checkpoint.outbox))
+
+    def adopt(self, weights: StateDict, reference: StateDict, version: int, etag: str | None) -> None:
+        """The expert's weights were taken at ``version``; the next delta is measured from ``reference``."""
+        self.pulled, self.reference, self.version, self.etag = weights, reference, version, etag
+
+    def forget_history(self, version: int) -> None:
+        """Start over at ``version`` of an expert that lacks ours: drop queued updates and pulled weights."""
+        self.outbox.clear()
+        self.pulled, self.etag, self.version = {}, None, version
 
 
 @dataclass
@@ -76,6 +123,9 @@ class SyncJob:
     background: float = 0.0
     """Seconds exchange ran on the background thread."""
     fetched: Fetched | None = None
+    """What the pull step found (None: no pull, e.g. the push failed or the final sync)."""
+    delivered: bool = False
+    """The push step emptied the outbox."""
     dropped: bool = False
     """The delta could not be encoded (e.g. NaN): local weights get replaced, not carried."""
 

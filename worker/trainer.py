@@ -199,12 +199,24 @@ class LoraTrainer:
         self.lora = lora
         self.settings = train
         self.device = device
-        if train.gradient_checkpointing:
+        self.step_log = step_log
+        """Called on this rank with each step's metrics (worker.step_metrics.StepLog appends them to --results)."""
+        self.profiler: Any = None
+        """A worker.profiling.StepProfiler wrapping each step (--profile), or None."""
+        self.global_step = 0
+        self._setup_model(parallel or ParallelSettings())
+        self._setup_optimizer()
+        self._setup_data(train_examples)
+
+    def _setup_model(self, parallel: ParallelSettings) -> None:
+        """Attach the LoRA adapter (or unfreeze every weight for rank 0) and wrap the model for the ranks."""
+        base, lora = self.base, self.lora
+        if self.settings.gradient_checkpointing:
             # Non-reentrant checkpointing works with frozen inputs and with DDP; reentrant does neither well.
             base.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         if lora.rank == 0:  # a full-parameter expert: every weight trains, no adapter (worker/full_params.py)
             self.target_modules: tuple[str, ...] = ()
-            self.model = base.model.to(device)
+            self.model = base.model.to(self.device)
             self._adapter = trainable_weights(self.model)
         else:
             self.target_modules = lora.target_modules or tuple(default_target_modules(base.model))
@@ -212,21 +224,23 @@ class LoraTrainer:
                                 lora_dropout=lora.dropout, init_lora_weights=True, bias="none",
                                 task_type="CAUSAL_LM")
             with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(train.seed)  # A is drawn from the seeded CPU RNG; B starts at zero
+                torch.manual_seed(self.settings.seed)  # A is drawn from the seeded CPU RNG; B starts at zero
                 self.model = get_peft_model(base.model, config)
-            self.model.to(device)
+            self.model.to(self.device)
             self._adapter = get_peft_model_state_dict(self.model)  # live views of the LoRA parameters
-        self._wrap(parallel or ParallelSettings())
-        self.step_log = step_log
-        """Called on this rank with each step's metrics (worker.step_metrics.StepLog appends them to --results)."""
-        self.profiler: Any = None
-        """A worker.profiling.StepProfiler wrapping each step (--profile), or None."""
+        self._wrap(parallel)
+
+    def _setup_optimizer(self) -> None:
+        """AdamW over the trainable parameters (after _wrap: FSDP replaces them) and the fp16 gradient scaler."""
         self._params = [p for p in self.model.parameters() if p.requires_grad]
-        self._optimizer = torch.optim.AdamW(self._params, lr=train.lr, weight_decay=train.weight_decay)
-        self._scaler = grad_scaler(device, train.precision)
-        encoded = [encode_example(base.tokenizer, ex, train.max_seq_len) for ex in train_examples]
-        self._stream = BatchStream(encoded, train.batch_size, seed=train.seed, pad_id=pad_token_id(base.tokenizer))
-        self.global_step = 0
+        self._optimizer = torch.optim.AdamW(self._params, lr=self.settings.lr, weight_decay=self.settings.weight_decay)
+        self._scaler = grad_scaler(self.device, self.settings.precision)
+
+    def _setup_data(self, train_examples: Sequence[Example]) -> None:
+        """Tokenise the examples once and deal them in seeded batches."""
+        tokenizer, train = self.base.tokenizer, self.settings
+        encoded = [encode_example(tokenizer, ex, train.max_seq_len) for ex in train_examples]
+        self._stream = BatchStream(encoded, train.batch_size, seed=train.seed, pad_id=pad_token_id(tokenizer))
 
     def _wrap(self, parallel: ParallelSettings) -> None:
         """Pick the strategy and wrap (or shard) the model for it; before the optimiser sees the parameters."""
@@ -315,11 +329,17 @@ class LoraTrainer:
         if total == 0:  # every answer was truncated away; nothing to learn from this batch
             self.global_step += 1
             return math.nan
+        self._optimizer.zero_grad(set_to_none=True)
+        loss_sum = self._accumulate_gradients(batch, micro, counts, total)
+        self._optimizer_step()
+        return self.collective.sum(loss_sum) / total
+
+    def _accumulate_gradients(self, batch: Batch, micro: list[Batch | None], counts: list[int], total: float) -> float:
+        """Forward and backward every micro-batch, reducing gradients across ranks after the last; the loss sum."""
         # Each backward adds sum/(total/N); DDP averages over the N ranks, so the gradient is sum/total.
         per_rank = total / self.collective.world_size
         last = len(micro) - 1
         loss_sum = 0.0
-        self._optimizer.zero_grad(set_to_none=True)
         with torch.random.fork_rng(devices=[], enabled=self.lora.dropout > 0):
             if self.lora.dropout > 0:
                 torch.manual_seed(self.settings.seed * 1_000_003 + self.global_step)  # reproducible dropout
@@ -328,17 +348,24 @@ class LoraTrainer:
                 if count == 0 and (i < last or self.collective.world_size == 1) and not self.sharded:
                     continue
                 with self._strategy.no_sync(self._train_model) if i < last else contextlib.nullcontext():
-                    with autocast(self.device, self.settings.precision):
-                        # A rank with nothing to learn from still joins the last all-reduce, with zero gradients.
-                        loss = batch_loss_sum(self._train_model, part)[0] if count else self._zero_loss(batch)
+                    loss = self._micro_loss(batch, part, count)
                     self._scaler.scale(loss / per_rank).backward()
                 loss_sum += float(loss.detach())
+        return loss_sum
+
+    def _micro_loss(self, batch: Batch, part: Batch | None, count: int) -> torch.Tensor:
+        """The summed answer-token loss of one micro-batch under autocast."""
+        with autocast(self.device, self.settings.precision):
+            # A rank with nothing to learn from still joins the last all-reduce, with zero gradients.
+            return batch_loss_sum(self._train_model, part)[0] if count else self._zero_loss(batch)
+
+    def _optimizer_step(self) -> None:
+        """Clip the global gradient norm and step (skipped, and the scale lowered, if fp16 gradients overflowed)."""
         self._scaler.unscale_(self._optimizer)
         torch.nn.utils.clip_grad_norm_(self._params, self.settings.max_grad_norm)
-        self._scaler.step(self._optimizer)  # skipped (and the scale lowered) if fp16 gradients overflowed
+        self._scaler.step(self._optimizer)
         self._scaler.update()
         self.global_step += 1
-        return self.collective.sum(loss_sum) / total
 
     def _step_record(self, batch: Batch, loss: float, seconds: float) -> dict[str, Any]:
         """One --results line per optimiser step: time, throughput, memory and what the all-reduce sent."""

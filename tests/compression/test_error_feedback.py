@@ -20,7 +20,8 @@ def test_sent_plus_residual_equals_everything_meant_to_be_sent(spec):
     sent_total = {name: torch.zeros(shape) for name, shape in MANIFEST}
     for step in range(6):
         update = deltas(step)
-        payload, sent = ef.compress(update, MANIFEST, seed=step)
+        out = ef.compress(update, MANIFEST, seed=step)
+        payload, sent = out.payload, out.decoded
         assert all(torch.equal(sent[n], t) for n, t in decode_update(payload, MANIFEST, ef.codec).items())
         for name in meant:
             meant[name] += update[name]
@@ -34,8 +35,8 @@ def test_sent_plus_residual_equals_everything_meant_to_be_sent(spec):
 def test_residual_is_fed_into_the_next_sync():
     ef = ErrorFeedback(make_codec("topk", {"ratio": 0.1}))
     first = deltas(0)
-    _, sent = ef.compress(first, MANIFEST)
-    _, sent_again = ef.compress({n: torch.zeros_like(t) for n, t in first.items()}, MANIFEST)
+    sent = ef.compress(first, MANIFEST).decoded
+    sent_again = ef.compress({n: torch.zeros_like(t) for n, t in first.items()}, MANIFEST).decoded
     # with a zero delta, the second sync transmits the largest leftovers of the first
     leftover = first["a"] - sent["a"]
     picked = sent_again["a"] != 0
@@ -45,7 +46,7 @@ def test_residual_is_fed_into_the_next_sync():
 def test_decay_scales_the_residual():
     update = deltas(0)
     ef = ErrorFeedback(make_codec("signsgd"), decay=0.5)
-    _, sent = ef.compress(update, MANIFEST)
+    sent = ef.compress(update, MANIFEST).decoded
     assert torch.allclose(ef.state_dict()["a"], 0.5 * (update["a"] - sent["a"]))
     ef0 = ErrorFeedback(make_codec("signsgd"), decay=0.0)
     ef0.compress(update, MANIFEST)
@@ -60,7 +61,7 @@ def test_state_survives_safetensors_and_resumes_identically(tmp_path):
     save_file(ef.state_dict(), tmp_path / "residual.safetensors")
     resumed = ErrorFeedback(codec)
     resumed.load_state_dict(load_file(tmp_path / "residual.safetensors"))
-    assert resumed.compress(deltas(3), MANIFEST, seed=3)[0] == ef.compress(deltas(3), MANIFEST, seed=3)[0]
+    assert resumed.compress(deltas(3), MANIFEST, seed=3).payload == ef.compress(deltas(3), MANIFEST, seed=3).payload
 
 
 def test_misuse_is_reported():

@@ -220,7 +220,7 @@ def test_a_nan_update_is_dropped_and_the_worker_resyncs(start_coordinator, codec
                              encoder=UpdateEncoder(CompressionSettings(codec)))
     worker.join()
     worker.interval.add(trainer.train_steps(1))
-    worker.reference = {k: torch.full_like(v, float("nan")) for k, v in worker.reference.items()}  # diverged
+    worker.state.reference = {k: torch.full_like(v, float("nan")) for k, v in worker.state.reference.items()}  # diverged
     worker.sync()
     assert client.expert("sql_expert")["version"] == 0  # nothing poisoned the expert
     worker.interval.add(trainer.train_steps(1))

@@ -1,0 +1,45 @@
+"""bench.adaptive end to end at its smallest (1 worker, 1 round), checked for schema and byte arithmetic."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = [pytest.mark.bench, pytest.mark.e2e, pytest.mark.slow]
+
+
+def test_bad_flags_answer_with_one_line():
+    proc = subprocess.run([sys.executable, "-m", "bench.adaptive", "--budget", "0"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == ["error: --budget must be positive, got 0.0"]
+
+
+def test_smallest_run_compares_auto_with_fixed_codecs_of_the_same_bytes(tmp_path):
+    from bench.wanemu import NamespaceUnavailable, check_available
+
+    try:
+        check_available()
+    except NamespaceUnavailable as exc:
+        pytest.skip(f"network namespaces are not available here: {exc}")
+    out = tmp_path / "adaptive.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.adaptive", "--workers", "1", "--rounds", "1", "--steps", "1",
+                           "--rate-mbit", "2", "--budget", "1", "--out", str(out)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    records = {r["name"]: r for r in report["records"]}
+    assert list(records) == ["auto", "topk+int8 same bytes", "int8", "safetensors"]
+    for r in records.values():
+        assert r["pushes"] == 1 and sum(r["codecs"].values()) == 1 and r["heldout_loss"] > 0
+        assert r["link_bytes_up"] > r["bytes_up"] > 0  # the proxy counts every request on the wire, headers too
+    same = records["topk+int8 same bytes"]
+    assert same["codecs"] == {"topk+int8": 1} and same["config"] == {"ratio": report["same_bytes_ratio"]}
+    raw = records["safetensors"]
+    assert 4 * raw["numel"] < raw["bytes_up"] < 4 * raw["numel"] + 200 * raw["tensors"]  # fp32 + a header naming each tensor
+    assert records["safetensors"]["bytes_up"] > 3.7 * records["int8"]["bytes_up"]  # fp32 vs ~1.06 bytes a parameter
+    assert "held-out loss" in proc.stdout and "auto" in proc.stdout

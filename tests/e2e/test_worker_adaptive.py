@@ -1,0 +1,95 @@
+"""Joining an existing expert pulls it; --compression auto against a real coordinator on loopback."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from bench.wanemu import DelayProxy
+from protocol.client import CoordinatorClient
+from protocol.credentials import local_token
+from protocol.errors import Conflict
+from protocol.tensors import dumps
+from worker.adaptive import LinkEstimate
+from worker.data import load_examples, sample_dataset_path, split_examples
+from worker.encoding import CompressionSettings, UpdateEncoder
+from worker.federation import FederatedWorker, SyncSettings
+from worker.models import load_base_model
+from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
+
+pytestmark = pytest.mark.e2e
+
+
+def make_worker(url: str, worker_id: str, seed: int, rank: int = 2, token: str | None = None,
+                **kwargs) -> tuple[FederatedWorker, LoraTrainer]:
+    train, _ = split_examples(load_examples(sample_dataset_path("sql_expert")))
+    base = load_base_model("tiny-qwen2")
+    trainer = LoraTrainer(base, LoraSettings(rank=rank), TrainSettings(lr=1e-2, batch_size=2, max_seq_len=64, seed=seed),
+                          train)
+    spec = {"lora": trainer.lora_config, "base_model": {"id": base.model_id, "fingerprint": base.fingerprint}}
+    worker = FederatedWorker(SyncSettings(specialty="sql_expert", worker_id=worker_id),
+                             CoordinatorClient(url, token=token),
+                             trainer, spec, **kwargs)
+    return worker, trainer
+
+
+def test_a_worker_joining_an_existing_expert_pulls_it_instead_of_uploading_its_adapter(start_coordinator):
+    _, url = start_coordinator()
+    host, port = url.rsplit("//", 1)[1].split(":")
+    token = local_token(url)
+    with DelayProxy((host, int(port)), one_way_s=0.0) as proxy:  # counts the bytes each worker sends
+        first, first_trainer = make_worker(proxy.url(), "w1", seed=1, token=token)
+        first.join()
+        adapter = first_trainer.adapter_state()
+        creator_sent = proxy.bytes_to_target
+        assert creator_sent > len(dumps(adapter))  # the first worker creates the expert from its adapter
+
+        second, second_trainer = make_worker(proxy.url(), "w2", seed=2, token=token)
+        assert not all(torch.equal(second_trainer.adapter_state()[k], adapter[k]) for k in adapter)  # other seed
+        info = second.join()
+        joiner_sent = proxy.bytes_to_target - creator_sent
+    assert info["version"] == 0 and second.base_version == 0
+    assert all(torch.equal(second_trainer.adapter_state()[k], adapter[k]) for k in adapter)  # pulled the expert
+    assert joiner_sent < len(dumps(adapter)) / 4  # requests and headers only, no adapter
+
+    other_rank, _ = make_worker(url, "w3", seed=3, rank=4)
+    with pytest.raises(Conflict, match="rank 4 != expert's 2"):  # the setup is still checked
+        other_rank.join()
+
+
+def test_auto_compression_switches_codecs_and_keeps_local_equal_to_the_experts_plus_residual(start_coordinator,
+                                                                                             tmp_path):
+    _, url = start_coordinator()
+    results = tmp_path / "results.jsonl"
+    encoder = UpdateEncoder(CompressionSettings("auto", sync_budget=0.5))
+    worker, trainer = make_worker(url, "w1", seed=0, encoder=encoder)
+    worker = FederatedWorker(SyncSettings(specialty="sql_expert", worker_id="w1", results_path=results),
+                             worker.client, trainer, worker.expert_spec, encoder=encoder)
+    worker.join()
+    # Pretend the first measurements said a 4 kB/s uplink and a 1 kB/s downlink.
+    worker.links.up = LinkEstimate(4000.0, observed=1)
+    worker.links.down = LinkEstimate(1000.0, observed=1)
+    records = []
+    for up in (None, 1e9, 20_000.0):  # then a fast uplink, then a slow one again
+        if up is not None:
+            worker.links.up = LinkEstimate(up, observed=1)
+        worker.interval.add(trainer.train_steps(1))
+        records.append(worker.sync())
+        assert worker.links.up.observed == 2  # the push was timed into the estimate
+    codecs = [r["codec"] for r in records]
+    assert codecs == ["topk+int8", "safetensors", "topk+int8"]
+    assert records[0]["push_choice"]["allowed_bytes"] == 2000 and records[0]["bytes_sent"] <= 2000 * 1.1
+    assert records[2]["push_choice"]["allowed_bytes"] == 10_000 and records[2]["bytes_sent"] <= 10_000 * 1.1
+    assert records[1]["residual_norm"] == 0 < records[2]["residual_norm"]  # an exact push sends the residual too
+    assert records[0]["pull_codec"] == "int4"  # full weights at 1 kB/s would overrun 0.5 s: a diff pull
+    assert [r["version"] for r in records] == [1, 2, 3]
+    assert [json.loads(line)["codec"] for line in results.read_text().splitlines()] == codecs
+
+    # Error feedback across the switches: after a full pull the local weights are the expert's plus the residual.
+    worker.links.down = LinkEstimate(1e9, observed=1)
+    worker.interval.add(trainer.train_steps(1))
+    worker.sync()
+    server = worker.client.pull_weights("sql_expert").tensors
+    local, residual = trainer.adapter_state(), encoder.state_dict()
+    assert all(torch.allclose(local[k], server[k] + residual.get(k, 0), atol=1e-6) for k in local)

@@ -1,0 +1,149 @@
+"""--compression auto: the pure policy (worker.adaptive) and the encoder switching codecs under error feedback."""
+import math
+
+import pytest
+import torch
+
+from compression import decode_update, encode_update, make_codec
+from protocol.tensors import dumps, loads, manifest_of
+from worker.adaptive import (CONSERVATIVE_BYTES_PER_SECOND, MIN_RATIO, LinkEstimate, choose_pull, choose_push,
+                             dense_bytes, topk_bytes)
+from worker.encoding import CodecChoice, CompressionSettings, UpdateEncoder
+
+# A LoRA-shaped delta: 14 modules of rank 8 on width 128 (the tiny-qwen2 preset's shape).
+SHAPES = [(8, 128), (128, 8)] * 14
+
+
+def lora_delta(seed: int, scale: float = 1e-3) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"m{i}.weight": torch.randn(shape, generator=g) * scale for i, shape in enumerate(SHAPES)}
+
+
+NUMEL = sum(a * b for a, b in SHAPES)
+TENSORS = len(SHAPES)
+
+
+def test_link_estimate_starts_conservative_then_averages_in_log_space():
+    link = LinkEstimate()
+    assert link.bytes_per_second == CONSERVATIVE_BYTES_PER_SECOND and link.observed == 0
+    link.observe(1000, 0.5)  # the first measurement replaces the guess
+    assert link.bytes_per_second == 2000
+    link.observe(8000, 0.5)  # 16000 B/s: the geometric mean of 2000 and 16000 with weight 0.5
+    assert link.bytes_per_second == pytest.approx(math.sqrt(2000 * 16000))
+    link.observe(0, 1.0)
+    link.observe(10, 0.0)  # nothing to learn from an empty or untimed request
+    assert link.observed == 2
+
+
+@pytest.mark.parametrize("rate, codec", [(1e9, "safetensors"), (2.2 * NUMEL, "fp16"), (1.2 * NUMEL, "int8")])
+def test_a_fast_link_gets_the_most_exact_dense_codec_that_fits(rate, codec):
+    decision = choose_push(NUMEL, TENSORS, 1.0, LinkEstimate(rate, observed=1))
+    assert decision.choice == CodecChoice(codec) and decision.fits
+    assert decision.expected_bytes <= decision.allowed_bytes == int(rate)
+
+
+def test_a_slow_link_gets_topk_int8_sized_to_the_budget():
+    link = LinkEstimate(5000.0, observed=3)
+    decision = choose_push(NUMEL, TENSORS, 2.0, link)  # 10 kB allowed, int8 would be ~31 kB
+    assert decision.choice.codec == "topk+int8" and decision.fits
+    ratio = decision.choice.config["ratio"]
+    assert 0.05 < ratio < 0.2
+    assert decision.expected_bytes <= 10_000 < topk_bytes(ratio * 1.1, NUMEL, TENSORS)  # as large as allowed
+    record = decision.record()
+    assert record["codec"] == "topk+int8" and record["allowed_bytes"] == 10_000 and record["fits"]
+
+
+def test_a_link_too_slow_for_anything_gets_the_smallest_ratio_and_says_it_does_not_fit():
+    decision = choose_push(NUMEL, TENSORS, 0.1, LinkEstimate(100.0, observed=1))
+    assert decision.choice == CodecChoice("topk+int8", {"ratio": MIN_RATIO}) and not decision.fits
+
+
+@pytest.mark.parametrize("choice", [CodecChoice("safetensors"), CodecChoice("fp16"), CodecChoice("int8"),
+                                    CodecChoice("topk+int8", {"ratio": 0.2}), CodecChoice("topk+int8", {"ratio": 0.02}),
+                                    CodecChoice("topk+int8", {"ratio": MIN_RATIO})])
+def test_the_size_model_never_underestimates_a_real_update_by_much(choice):
+    """What the policy expects a codec to send vs the bytes encode_update really produces."""
+    delta = lora_delta(0)
+    if choice.codec == "safetensors":
+        actual, expected = len(dumps(delta)), dense_bytes("safetensors", 4.0, NUMEL, TENSORS)
+    else:
+        actual = len(encode_update(delta, manifest_of(delta), make_codec(choice.codec, choice.config), 0))
+        expected = (topk_bytes(choice.config["ratio"], NUMEL, TENSORS) if choice.codec == "topk+int8"
+                    else dense_bytes(choice.codec, {"fp16": 2.0, "int8": 1.07}[choice.codec], NUMEL, TENSORS))
+    assert 0.95 * actual <= expected <= 1.6 * actual
+
+
+def test_pushes_grow_from_a_low_guess_until_they_fill_the_budget_of_a_link_with_latency():
+    """50 ms latency, 400 kB/s, budget 0.5 s: (0.5 - 0.05) * 400 kB = 180 kB fit, so exact safetensors
+    updates (117 kB) do. Starting from a 10 kB/s guess, each push measured lifts the estimate."""
+    latency, bandwidth, budget = 0.05, 400_000.0, 0.5
+    link, chosen = LinkEstimate(10_000.0), []
+    for _ in range(8):
+        decision = choose_push(NUMEL, TENSORS, budget, link)
+        seconds = latency + decision.expected_bytes / bandwidth
+        assert seconds <= budget
+        link.observe(decision.expected_bytes, seconds)
+        chosen.append(decision.choice.codec)
+    assert chosen[0] == "topk+int8" and "int8" in chosen and chosen[-3:] == ["safetensors"] * 3
+
+
+def test_pushes_shrink_when_the_link_slows_down():
+    link = LinkEstimate(1e9, observed=1)
+    assert choose_push(NUMEL, TENSORS, 1.0, link).choice.codec == "safetensors"
+    for _ in range(6):  # the link drops to 4 kB/s
+        decision = choose_push(NUMEL, TENSORS, 1.0, link)
+        link.observe(decision.expected_bytes, 0.02 + decision.expected_bytes / 4000)
+    final = choose_push(NUMEL, TENSORS, 1.0, link)
+    assert final.choice.codec == "topk+int8" and 0.02 + final.expected_bytes / 4000 <= 1.5
+
+
+def test_pulls_are_full_while_they_fit_else_the_largest_diff_that_does():
+    full = dense_bytes("safetensors", 4.0, NUMEL, TENSORS)
+    assert choose_pull(full, NUMEL, TENSORS, 1.0, LinkEstimate(2.0 * full, observed=1)).choice is None
+    assert choose_pull(full, NUMEL, TENSORS, 1.0, LinkEstimate(0.6 * full, observed=1)).choice == CodecChoice("fp16")
+    assert choose_pull(full, NUMEL, TENSORS, 1.0, LinkEstimate(0.3 * full, observed=1)).choice == CodecChoice("int8")
+    slow = choose_pull(full, NUMEL, TENSORS, 1.0, LinkEstimate(0.01 * full, observed=1))
+    assert slow.choice == CodecChoice("int4") and not slow.fits
+
+
+def test_switching_codecs_between_syncs_keeps_error_feedback_exact():
+    """The residual is in weight space: whatever codec each update used, everything decoded plus the
+    residual equals every delta; an exact (safetensors) update empties the residual."""
+    encoder = UpdateEncoder(CompressionSettings("auto", sync_budget=1.0))
+    choices = [CodecChoice("topk+int8", {"ratio": 0.05}), CodecChoice("int8"), CodecChoice("safetensors"),
+               CodecChoice("topk+int8", {"ratio": 0.01}), CodecChoice("fp16")]
+    deltas = [lora_delta(i) for i in range(len(choices))]
+    manifest = manifest_of(deltas[0])
+    decoded_total = {k: torch.zeros_like(v) for k, v in deltas[0].items()}
+    for i, (choice, delta) in enumerate(zip(choices, deltas)):
+        out = encoder.encode(delta, manifest, seed=i, choice=choice)
+        assert out.codec_meta == choice.meta  # what the coordinator is told to decode with
+        decoded = loads(out.body) if choice.codec == "safetensors" else decode_update(
+            out.body, manifest, make_codec(choice.codec, choice.config))
+        assert all(torch.equal(decoded[k], out.sent[k]) for k in decoded)  # decoded once, and exactly that
+        decoded_total = {k: decoded_total[k] + decoded[k] for k in decoded}
+        residual = encoder.state_dict()
+        meant = {k: sum(d[k] for d in deltas[:i + 1]) for k in delta}
+        assert all(torch.allclose(decoded_total[k] + residual.get(k, 0), meant[k], atol=1e-6) for k in meant)
+        if choice.codec == "safetensors":
+            assert encoder.residual_norm() == 0
+    assert encoder.residual_norm() > 0  # the last two were lossy
+
+
+def test_auto_needs_a_choice_per_update():
+    encoder = UpdateEncoder(CompressionSettings("auto", sync_budget=1.0))
+    with pytest.raises(ValueError, match="picked for this sync"):
+        encoder.encode(lora_delta(0), manifest_of(lora_delta(0)), seed=0)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"codec": "auto"}, "needs --sync-budget"),
+    ({"codec": "int8", "sync_budget": 2.0}, "applies to --compression auto only"),
+    ({"codec": "auto", "sync_budget": 0.0}, "positive number of seconds"),
+    ({"codec": "auto", "sync_budget": -1.0}, "positive number of seconds"),
+    ({"codec": "auto", "sync_budget": float("inf")}, "positive number of seconds"),
+    ({"codec": "auto", "sync_budget": 1.0, "config": {"ratio": 0.1}}, "does not apply to --compression auto"),
+])
+def test_bad_auto_settings_name_the_flag(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        CompressionSettings(**kwargs)
