@@ -1,23 +1,24 @@
-"""The serving limits and knobs, validated once where the command line is read."""
+"""The serving limits and knobs, validated once where the command line is read.
+
+Each field is a serve.py flag with its help (protocol.cli.option), so flag, default and help are declared once.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from protocol.cli import option
 
 
 @dataclass(frozen=True)
 class Limits:
     """What one request may ask for; anything beyond gets a 400 before it reaches the model."""
 
-    max_tokens: int = 256
-    """Largest max_tokens a request may ask for (also the default when it asks for none)."""
-    max_prompt_tokens: int = 1024
-    """Longest prompt, in tokens, after the chat template."""
-    max_body_bytes: int = 1 << 20
-    """Largest request body; larger ones get a 413."""
-    timeout: float = 120.0
-    """Seconds from arrival to the last token; a request still generating then ends with finish_reason 'length'."""
-    max_queue: int = 64
-    """Requests waiting for the model at once; more get a 429 with Retry-After."""
+    max_tokens: int = option(256, "largest max_tokens a request may ask for (also the default when it asks for none)")
+    max_prompt_tokens: int = option(1024, "longest prompt in tokens, after the chat template")
+    max_body_bytes: int = option(1 << 20, "largest request body; larger ones get a 413")
+    timeout: float = option(120.0, "seconds a request may take, queueing included; one still generating then ends "
+                                   "with finish_reason 'length'")
+    max_queue: int = option(64, "requests waiting for the model at once before 429s (with Retry-After)")
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "max_prompt_tokens", "max_body_bytes", "max_queue"):
@@ -32,12 +33,12 @@ class Limits:
 class EngineOptions:
     """How the single generation thread groups requests."""
 
-    max_batch: int = 8
-    """Requests generated together in one batch (1 = one request at a time)."""
-    batch_wait: float = 0.005
-    """Seconds the engine waits for more requests to join a batch once one has arrived."""
-    mix_adapters: bool = True
-    """Rows of different adapters in one generate call (PEFT adapter_names); False: one call per adapter."""
+    max_batch: int = option(8, "requests generated together, any mix of experts (1 = one request at a time)")
+    batch_wait: float = option(0.005, "seconds the engine waits for more requests to join a batch once one has "
+                                      "arrived")
+    mix_adapters: bool = option(True, "generate a batch's rows of each adapter separately instead of in one call "
+                                      "(PEFT adapter_names; see docs/serving.md for which is faster)",
+                                flag="--no-mix-adapters")
 
     def __post_init__(self) -> None:
         if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int) or self.max_batch < 1:
