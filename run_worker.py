@@ -21,7 +21,7 @@ import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from protocol.cli import add_common_flags, add_flags, check_coordinator_url, option, report_error, setup_logging
 from protocol.errors import FedMoEError
@@ -31,6 +31,9 @@ from protocol.errors import FedMoEError
 from worker.choices import STRATEGY_CHOICES
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+    from types import FrameType
+
     from worker.profiling import ProfileSettings
     from worker.runner import WorkerConfig
     from worker.strategies import ParallelSettings
@@ -284,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _stop_on_sigterm() -> object | None:
+def _stop_on_sigterm() -> Callable[[int, FrameType | None], Any] | int | None:
     """Make SIGTERM (systemd, docker stop, kill) end the run like Ctrl-C, with the final push that flushes
     the error-feedback residual; returns the handler it replaced. Not under torchrun: there a rank that
     died would leave the others' final sync waiting in a collective, so SIGTERM ends them at once."""

@@ -162,6 +162,7 @@ def expert_weights(name: str) -> Response:
 
 def _weights_diff(c: Coordinator, name: str, worker_id: str | None) -> Response:
     since = _int_arg("since")
+    assert since is not None  # the route calls this only with ?since=
     codec = request.args.get("codec", "fp16")
     config = loads_json(request.args.get("codec_config", "{}"), "codec_config")
     if not isinstance(config, dict):

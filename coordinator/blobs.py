@@ -18,12 +18,12 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import BinaryIO
 
 from safetensors import SafetensorError
 
 from protocol.errors import BadRequest, InsufficientStorage, PayloadTooLarge
 from protocol.files import fsync_dir, private_dir
+from protocol.integrity import Readable
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class BlobStore:
         os.close(fd)
         return Path(name)
 
-    def receive(self, stream: BinaryIO, limit: int, length: int | None = None) -> Path:
+    def receive(self, stream: Readable, limit: int, length: int | None = None) -> Path:
         """Copy a request body to a fsynced temp file, failing past ``limit`` bytes.
 
         With ``length`` (the Content-Length) exactly that many bytes are read from ``stream``,
@@ -120,7 +120,7 @@ class BlobStore:
             self._received_digests.pop(tmp, None)
         tmp.unlink(missing_ok=True)
 
-    def write_temp(self, write: Callable[[Path], None]) -> Path:
+    def write_temp(self, write: Callable[[Path], object]) -> Path:
         """Let ``write(path)`` fill a temp file and fsync it; ``adopt`` it to store it."""
         tmp = self.new_temp()
         try:
@@ -132,7 +132,7 @@ class BlobStore:
             raise
         return tmp
 
-    def put_file(self, write: Callable[[Path], None]) -> str:
+    def put_file(self, write: Callable[[Path], object]) -> str:
         """Let ``write(path)`` fill a temp file, then fsync and adopt it."""
         return self.adopt(self.write_temp(write))
 

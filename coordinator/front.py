@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import IO, Any, BinaryIO
 
 from coordinator.http1 import HEAD_LIMIT, HttpError, RequestHead, error_response, parse_head, response_head, \
     wsgi_environ
@@ -103,14 +103,13 @@ class BufferingFront:
         self.pool = ThreadPoolExecutor(options.threads, thread_name_prefix="fedmoe-request")
         self.connections: set[asyncio.Task] = set()
         self.busy = 0  # requests inside the application right now
-        self.stopping: asyncio.Event | None = None
+        self.stopping = asyncio.Event()  # binds to the loop that first waits on it (Python >= 3.10)
 
     def run(self) -> None:
         asyncio.run(self._main())
 
     async def _main(self) -> None:
         loop = asyncio.get_running_loop()
-        self.stopping = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
         self.sock.setblocking(False)
@@ -131,6 +130,7 @@ class BufferingFront:
             writer.close()
             return
         task = asyncio.current_task()
+        assert task is not None  # called from a coroutine
         self.connections.add(task)
         try:
             await Connection(self, reader, writer).serve()
@@ -228,7 +228,7 @@ class Connection:
                             "(coordinator flag --max-body-mb)")
         if head.expects_continue and (length or head.chunked):
             await self._write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        body = tempfile.SpooledTemporaryFile(SPOOL_IN_MEMORY, dir=self.front.options.spool_dir)
+        body = tempfile.SpooledTemporaryFile(SPOOL_IN_MEMORY, dir=_str_or_none(self.front.options.spool_dir))
         try:
             size = await (self._receive_chunked(body) if head.chunked else self._receive(body, length))
             body.seek(0)
@@ -241,7 +241,7 @@ class Connection:
         await self._send(head, answer, keep)
         return keep
 
-    async def _receive(self, body: BinaryIO, length: int) -> int:
+    async def _receive(self, body: IO[bytes], length: int) -> int:
         left = length
         while left:
             chunk = await self._read_body(min(READ_CHUNK, left))
@@ -249,7 +249,7 @@ class Connection:
             left -= len(chunk)
         return length
 
-    async def _receive_chunked(self, body: BinaryIO) -> int:
+    async def _receive_chunked(self, body: IO[bytes]) -> int:
         size = 0
         while True:
             line = await self._with_timeout(self.reader.readuntil(b"\r\n"))
@@ -331,7 +331,11 @@ class Connection:
             pass
 
 
-def _spool(body: BinaryIO, chunk: bytes) -> None:
+def _str_or_none(path: Path | None) -> str | None:
+    return None if path is None else str(path)
+
+
+def _spool(body: IO[bytes], chunk: bytes) -> None:
     try:
         body.write(chunk)
     except OSError as exc:

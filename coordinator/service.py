@@ -16,12 +16,13 @@ import math
 import sqlite3
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from coordinator.adapters import (check_full_weights, check_lora_adapter, check_update, non_finite_tensor,
                                   stored_deltas)
@@ -105,8 +106,11 @@ class Coordinator:
                 if existing is not None:
                     self._check_compatible(existing, spec)
                     return self.expert_info(name), False
-                manifest = (check_full_weights(body, spec.full) if spec.full is not None
-                            else check_lora_adapter(_load_adapter(body), spec.lora))
+                if spec.full is not None:
+                    manifest = check_full_weights(body, spec.full)
+                else:
+                    assert spec.lora is not None  # an ExpertSpec holds exactly one of lora and full
+                    manifest = check_lora_adapter(_load_adapter(body), spec.lora)
                 with self.blobs_guard, storage_errors(f"store expert {name!r}"):
                     digest = self.blobs.adopt(body)
                     try:
@@ -257,7 +261,7 @@ class Coordinator:
         pending = self.db.pending_updates(name)
         if len(pending) != self.config.updates_per_step - 1:
             return None
-        entries = [(u.meta, self.blobs.path(u.blob)) for u in pending] + [(stored, body)]
+        entries = [(u.meta, self.blobs.path(_payload(u))) for u in pending] + [(stored, body)]
         expert = self.require_expert(name)
         new, updates = self._candidate(expert, entries)
         bad = non_finite_tensor(new)
@@ -327,9 +331,9 @@ class Coordinator:
             new, updates = prepared.weights, prepared.updates
         else:
             try:
-                new, updates = self._candidate(expert, [(u.meta, self.blobs.path(u.blob)) for u in batch])
+                new, updates = self._candidate(expert, [(u.meta, self.blobs.path(_payload(u))) for u in batch])
             except (InvalidPayload, FileNotFoundError):  # raw payloads are opened here, others decoded
-                if all(self.db.update(u.update_id).status == "pending" for u in batch):
+                if all((row := self.db.update(u.update_id)) is not None and row.status == "pending" for u in batch):
                     raise
                 log.warning("dropped an aggregation step of %s: its updates were applied meanwhile", name)
                 return False  # another process applied them and dropped their payloads
@@ -360,7 +364,8 @@ class Coordinator:
                  len(batch), [u.staleness for u in updates])
         return True
 
-    def _deltas(self, meta: dict[str, Any], path: Path, manifest: list[tuple[str, tuple[int, ...]]]) -> StateDict:
+    def _deltas(self, meta: dict[str, Any], path: Path,
+                manifest: list[tuple[str, tuple[int, ...]]]) -> Mapping[str, torch.Tensor]:
         """Deltas read from the update's payload when aggregated (not kept in memory while pending)."""
         deltas = stored_deltas(path, meta["codec"], meta["codec_config"], manifest)
         scale = meta.get("norm_scale", 1.0)  # clipped at receipt (--norm-check clip)
@@ -477,3 +482,9 @@ def _load_adapter(body: Path) -> StateDict:
         return load_file(body)
     except InvalidPayload as exc:  # the temp file's name says nothing to the client
         raise InvalidPayload("the adapter is not a valid safetensors file: " + str(exc).split(": ", 1)[-1]) from None
+
+
+def _payload(row: UpdateRow) -> str:
+    """The blob of a pending update's payload (a row loses it only once applied)."""
+    assert row.blob is not None, row.update_id
+    return row.blob

@@ -340,7 +340,8 @@ class ManifestStore:
         with self.transaction() as db:
             cur = db.execute("INSERT INTO gateways (key, blob, info, created_at) VALUES (?, ?, ?, ?)",
                              (key, blob, json.dumps(info), time.time()))
-        return int(cur.lastrowid)
+        assert cur.lastrowid is not None  # set by the INSERT above
+        return cur.lastrowid
 
     def prune_gateways(self, keep: int) -> list[str]:
         """Delete all but the newest ``keep`` gateways; return their blobs' digests."""

@@ -98,7 +98,7 @@ def _dest(f: Field) -> str:
 
 
 def _default(f: Field) -> Any:
-    return f.default_factory() if f.default_factory is not MISSING else f.default  # type: ignore[misc]
+    return f.default_factory() if f.default_factory is not MISSING else f.default
 
 
 def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:

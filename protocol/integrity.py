@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from typing import BinaryIO
+from typing import IO, Protocol
 
 from protocol.errors import BadRequest, RequestTimeout
 
@@ -28,6 +28,12 @@ def parse_digest(value: str) -> str:
     return m.group(1)
 
 
+class Readable(Protocol):
+    """What a request body is read through: a file, a socket stream or a ClientReader."""
+
+    def read(self, size: int = -1, /) -> bytes: ...
+
+
 class ClientReader:
     """Wraps a request body stream and turns a failed read into a 408.
 
@@ -37,7 +43,7 @@ class ClientReader:
     it writes (coordinator.blobs.BlobStore.receive).
     """
 
-    def __init__(self, stream: BinaryIO) -> None:
+    def __init__(self, stream: IO[bytes]) -> None:
         self.stream = stream
 
     def read(self, size: int = -1) -> bytes:

@@ -353,7 +353,7 @@ class FederatedWorker:
         delta_from = None
         if stats.samples or (final and self.encoder.residual_norm() > 0):  # the final sync flushes the residual
             delta_from, self.reference = self.reference, snapshot
-        record = {"time": time.time(), "sync": self.syncs, "final": final, "worker_id": self.settings.worker_id,
+        record: dict[str, Any] = {"time": time.time(), "sync": self.syncs, "final": final, "worker_id": self.settings.worker_id,
                   "base_version": self.base_version, "global_step": self.trainer.global_step}
         self.syncs += 1
         checkpoint = self._capture(snapshot) if self.settings.state_dir is not None else None
@@ -399,8 +399,9 @@ class FederatedWorker:
 
     def _queue_update(self, job: SyncJob) -> dict[str, Any]:
         """Turn the job's interval into an outgoing update; returns its metrics."""
-        stats, snapshot = job.stats, job.snapshot
-        delta = {k: snapshot[k] - job.delta_from[k] for k in snapshot}
+        stats, snapshot, base = job.stats, job.snapshot, job.delta_from
+        assert base is not None  # only a job with something to send is queued
+        delta = {k: snapshot[k] - base[k] for k in snapshot}
         try:
             encoded = self.encoder.encode(delta, manifest_of(delta), seed=job.number, flush=job.final)
         except CompressionError as exc:  # e.g. training diverged to NaN: skip it, resync from the expert
@@ -444,7 +445,7 @@ class FederatedWorker:
         name, worker_id = self.settings.specialty, self.settings.worker_id
         decoder = self.pull.decoder()
         self.pulls += 1
-        if decoder is not None and self.pulled and self.pulls % self.pull.full_every != 0:
+        if decoder is not None and self.pull.codec and self.pulled and self.pulls % self.pull.full_every != 0:
             try:
                 payload, version = self.client.pull_diff(name, self.base_version, self.pull.codec,
                                                          self.pull.config, worker_id)
@@ -476,6 +477,7 @@ class FederatedWorker:
         """Take the expert's weights W plus our undelivered residual r; with ``carry_from`` keep what was
         trained since: W + r + (local - carry_from). The next delta is measured from W + r."""
         weights = fetched.weights
+        assert weights is not None  # adopted only when the pull brought weights
         residual = self.encoder.carried()
         ours = local = {k: weights[k] + residual[k] for k in weights} if residual else weights
         if carry_from is not None and self.interval.steps:
@@ -513,6 +515,7 @@ class FederatedWorker:
         checkpoint.residual = self.encoder.state_dict()
         checkpoint.outbox = [(o.body, o.meta) for o in self.outbox]
         try:
+            assert self.settings.state_dir is not None  # checkpoints are captured only with one
             save_checkpoint(self.settings.state_dir, checkpoint)
         except OSError as exc:  # never push what we could not checkpoint: a restart would send it twice
             raise CheckpointError(f"cannot write a checkpoint to --state-dir {self.settings.state_dir}: "

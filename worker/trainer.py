@@ -6,7 +6,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -204,11 +204,11 @@ class LoraTrainer:
             base.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         if lora.rank == 0:  # a full-parameter expert: every weight trains, no adapter (worker/full_params.py)
             self.target_modules: tuple[str, ...] = ()
-            self.model = base.model.to(device)
+            self.model = base.model.to(device)  # type: ignore[arg-type]  # transformers' decorated .to confuses mypy
             self._adapter = trainable_weights(self.model)
         else:
             self.target_modules = lora.target_modules or tuple(default_target_modules(base.model))
-            config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(self.target_modules),
+            config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha,  # type: ignore[arg-type]  # peft says int; float works target_modules=list(self.target_modules),
                                 lora_dropout=lora.dropout, init_lora_weights=True, bias="none",
                                 task_type="CAUSAL_LM")
             with torch.random.fork_rng(devices=[]):
@@ -330,7 +330,7 @@ class LoraTrainer:
                 with self._strategy.no_sync(self._train_model) if i < last else contextlib.nullcontext():
                     with autocast(self.device, self.settings.precision):
                         # A rank with nothing to learn from still joins the last all-reduce, with zero gradients.
-                        loss = batch_loss_sum(self._train_model, part)[0] if count else self._zero_loss(batch)
+                        loss = batch_loss_sum(self._train_model, part)[0] if count and part is not None else self._zero_loss(batch)
                     self._scaler.scale(loss / per_rank).backward()
                 loss_sum += float(loss.detach())
         self._scaler.unscale_(self._optimizer)
@@ -405,7 +405,7 @@ class LoraTrainer:
                 target.copy_(state[key])
 
 
-def _check_adapter_state(expected: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> None:
+def _check_adapter_state(expected: Mapping[str, torch.Tensor], state: dict[str, torch.Tensor]) -> None:
     missing = sorted(expected.keys() - state.keys())
     unexpected = sorted(state.keys() - expected.keys())
     if missing or unexpected:
