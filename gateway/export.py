@@ -75,7 +75,8 @@ def check_adapter(tensors: Mapping[str, Tensor], lora: Mapping[str, Any]) -> Lor
     for key, tensor in tensors.items():
         if not bool(torch.isfinite(tensor).all()):
             raise ExportError(f"{key!r} contains NaN or infinity")
-    return LoraConfig(r=rank, lora_alpha=alpha,  # type: ignore[arg-type]  # peft says int; a float alpha works target_modules=targets, bias="none",
+    # peft annotates lora_alpha as int; a float alpha works (the scale is alpha / r)
+    return LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, bias="none",  # type: ignore[arg-type]
                       task_type="CAUSAL_LM")
 
 

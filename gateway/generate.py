@@ -46,9 +46,9 @@ def generate(
     model.eval()
     try:
         with torch.no_grad():
-            output = model.generate(  # type: ignore[operator]  # GenerationMixin's; transformers types it via __getattr__
-                input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                                    generation_config=config)
+            # GenerationMixin.generate; mypy resolves it through torch's Module.__getattr__ (a Tensor)
+            output = model.generate(  # type: ignore[operator]
+                input_ids=input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config)
     finally:
         model.train(was_training)
     return str(tokenizer.decode(output[0, input_ids.shape[1]:], skip_special_tokens=True))  # one sequence: a str

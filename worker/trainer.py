@@ -208,7 +208,9 @@ class LoraTrainer:
             self._adapter = trainable_weights(self.model)
         else:
             self.target_modules = lora.target_modules or tuple(default_target_modules(base.model))
-            config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha,  # type: ignore[arg-type]  # peft says int; float works target_modules=list(self.target_modules),
+            # peft annotates lora_alpha as int; a float alpha works (the scale is alpha / r)
+            config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha,  # type: ignore[arg-type]
+                                target_modules=list(self.target_modules),
                                 lora_dropout=lora.dropout, init_lora_weights=True, bias="none",
                                 task_type="CAUSAL_LM")
             with torch.random.fork_rng(devices=[]):
