@@ -241,6 +241,8 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
 def _check_address_and_files(args: argparse.Namespace) -> None:
     """The checks that need no worker module: main() runs them before importing torch, so they answer at once."""
     check_coordinator_url(args.coordinator_url)
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {args.threads}")
     if args.dataset is not None and not args.dataset.is_file():
         raise ValueError(f"--dataset {str(args.dataset)!r} does not exist; pass a JSONL file with 'prompt' and "
                          "'reference_code' on each line")

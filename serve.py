@@ -19,7 +19,7 @@ from gateway.errors import GatewayError
 from protocol.cli import add_common_flags, add_flags, check_coordinator_url, from_flags, option, report_error, setup_logging
 from protocol.credentials import config_dir
 from protocol.errors import FedMoEError
-from serving.config import EngineOptions, Limits
+from serving.config import EngineOptions, Limits, ServeOptions
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,9 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def options_from(args: argparse.Namespace):
-    from serving.server import ServeOptions
-
+def options_from(args: argparse.Namespace) -> ServeOptions:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be 0-65535, got {args.port}")
     return ServeOptions(host=args.host, port=args.port, base_model=args.base_model,
@@ -69,10 +67,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(args)
     try:
-        options = options_from(args)
+        options = options_from(args)  # every flag checked before torch is imported: a mistake answers at once
+        check_coordinator_url(args.coordinator_url)
+        if args.threads is not None and args.threads < 1:
+            raise ValueError(f"--threads must be a positive integer, got {args.threads}")
         if args.threads is not None:
-            if args.threads < 1:
-                raise ValueError(f"--threads must be a positive integer, got {args.threads}")
             import torch
 
             torch.set_num_threads(args.threads)
