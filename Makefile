@@ -10,7 +10,7 @@ export TOKENIZERS_PARALLELISM := false
 CHROMIUM ?= /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install browser smollm2 lint test test-fast demo demo-tiny bench bench-quality bench-robustness clean
+.PHONY: install browser smollm2 lint typecheck test test-fast demo demo-tiny bench bench-quality bench-robustness clean
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,9 @@ browser: $(CHROMIUM)  ## headless Chromium for tests/e2e/test_dashboard_browser.
 
 lint: $(STAMP)  ## pyflakes and pycodestyle errors (ruff.toml)
 	$(VENV)/bin/ruff check .
+
+typecheck: $(STAMP)  ## mypy over the packages and entry scripts (mypy.ini)
+	$(VENV)/bin/mypy
 
 test: $(STAMP) $(CHROMIUM)  ## the whole test suite (offline; the browser test is required here)
 	FEDMOE_REQUIRE_BROWSER=1 HF_HUB_OFFLINE=1 $(PY) -m pytest -q

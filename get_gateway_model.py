@@ -18,56 +18,62 @@ import json
 import logging
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 # Light imports only: --help and flag errors must not wait for torch (the work below imports it).
 from gateway.choices import MERGE_NAMES
 from gateway.errors import GatewayError
-from protocol.cli import add_common_flags, check_coordinator_url, report_error, setup_logging
+from protocol.cli import add_common_flags, add_flags, check_coordinator_url, json_object, option, report_error, setup_logging
 from protocol.errors import FedMoEError, NotFound
-from protocol.files import write_atomically
 
 if TYPE_CHECKING:
     from gateway.download import Adapter
     from protocol.client import CoordinatorClient
 
 DEFAULT_SAVE_PATH = Path("gateway_model.npz")
-FILE_FORMATS = {".npz": "npz", ".safetensors": "safetensors"}
 FORMATS = ("npz", "safetensors", "peft", "merged")
+"""gateway.local.FORMATS, here without importing torch."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class GatewayToolFlags:
+    """get_gateway_model.py's flags, one field each (protocol.cli.option)."""
+
+    coordinator_url: str = option("http://127.0.0.1:5000", "coordinator address")
+    list_experts: bool = option(False, "print a table of experts")
+    save_gateway: Path | None = option(
+        None, "save the gateway (or --expert) to PATH: a file for npz/safetensors, a directory for peft/merged "
+              f"(no PATH: {DEFAULT_SAVE_PATH} in the current directory)",
+        type=Path, nargs="?", const=DEFAULT_SAVE_PATH, metavar="PATH")
+    format: str | None = option(None, "npz, safetensors (default: from PATH's extension), peft (adapter directory "
+                                      "for PeftModel.from_pretrained) or merged (full model directory)",
+                                choices=FORMATS)
+    expert: str | None = option(None, "use this expert instead of the gateway", metavar="NAME")
+    strategy: str | None = option(None, "merge the experts here with this strategy instead of using the "
+                                        "coordinator's gateway", choices=MERGE_NAMES)
+    strategy_config: str = option("{}", 'options, e.g. \'{"density": 0.3}\'', metavar="JSON")
+    generate: str | None = option(None, "answer PROMPT locally with the expert the coordinator routes it to (or the "
+                                        "gateway)", metavar="PROMPT")
+    max_new_tokens: int = option(128, "length of a --generate answer")
+    base_model: str | None = option(None, "base model for --format merged / --generate (default: the one the "
+                                          "experts were trained from, e.g. tiny-qwen2 or a hub id); a local "
+                                          "directory works too")
+    use_huggingface: bool = option(False, "load --base-model from the Hugging Face hub")
+    overwrite: bool = option(False, "replace an existing output")
+    use_proxy: bool = option(False, "honour HTTP(S)_PROXY for the coordinator")
+    token: str | None = option(None, "admin token (default: $FEDMOE_TOKEN, or found automatically when the "
+                                     "coordinator runs on this machine)")
+    ca_cert: Path | None = option(None, "PEM certificate (or CA) to trust for an https:// coordinator with a "
+                                        "private certificate", type=Path)
+    revoke_worker: list[str] = option(help="admin: revoke a worker's tokens; it cannot register again (repeatable)",
+                                      default_factory=list, action="append", metavar="WORKER_ID")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--coordinator-url", default="http://127.0.0.1:5000",
-                   help="coordinator address (default: %(default)s)")
-    p.add_argument("--list-experts", action="store_true", help="print a table of experts")
-    p.add_argument("--save-gateway", metavar="PATH", type=Path, nargs="?", const=DEFAULT_SAVE_PATH,
-                   help="save the gateway (or --expert) to PATH: a file for npz/safetensors, a directory for "
-                        f"peft/merged (no PATH: {DEFAULT_SAVE_PATH} in the current directory)")
-    p.add_argument("--format", choices=FORMATS, default=None,
-                   help="npz, safetensors (default: from PATH's extension), peft (adapter directory for "
-                        "PeftModel.from_pretrained) or merged (full model directory)")
-    p.add_argument("--expert", metavar="NAME", help="use this expert instead of the gateway")
-    p.add_argument("--strategy", choices=MERGE_NAMES, default=None,
-                   help="merge the experts here with this strategy instead of using the coordinator's gateway")
-    p.add_argument("--strategy-config", default="{}", metavar="JSON", help='options, e.g. \'{"density": 0.3}\'')
-    p.add_argument("--generate", metavar="PROMPT",
-                   help="answer PROMPT locally with the expert the coordinator routes it to (or the gateway)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="length of a --generate answer")
-    p.add_argument("--base-model", default=None,
-                   help="base model for --format merged / --generate (default: the one the experts were "
-                        "trained from, e.g. tiny-qwen2 or a hub id); a local directory works too")
-    p.add_argument("--use-huggingface", action="store_true", help="load --base-model from the Hugging Face hub")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output")
-    p.add_argument("--use-proxy", action="store_true", help="honour HTTP(S)_PROXY for the coordinator")
-    p.add_argument("--token", default=None,
-                   help="admin token (default: $FEDMOE_TOKEN, or found automatically when the coordinator runs "
-                        "on this machine)")
-    p.add_argument("--ca-cert", type=Path, default=None,
-                   help="PEM certificate (or CA) to trust for an https:// coordinator with a private certificate")
-    p.add_argument("--revoke-worker", metavar="WORKER_ID", action="append", default=[],
-                   help="admin: revoke a worker's tokens; it cannot register again (repeatable)")
+    add_flags(p, GatewayToolFlags)
     add_common_flags(p)
     return p.parse_args(argv)
 
@@ -115,72 +121,26 @@ def workers_table(workers: list[dict[str, Any]]) -> str:
 
 
 def choose_adapter(client: CoordinatorClient, args: argparse.Namespace, expert: str | None) -> Adapter:
-    from gateway.download import fetch_expert, fetch_gateway, merge_experts
-    from protocol.schemas import parse_json_flag
+    from gateway.local import choose_adapter as choose
 
-    if expert:
-        return fetch_expert(client, expert)
-    if args.strategy:
-        return merge_experts(client, args.strategy, parse_json_flag(args.strategy_config, "--strategy-config"))
-    return fetch_gateway(client)
+    return choose(client, expert, args.strategy, json_object(args.strategy_config, "--strategy-config"))
 
 
-def output_format(args: argparse.Namespace) -> str:
-    if args.format:
-        return args.format
-    fmt = FILE_FORMATS.get(args.save_gateway.suffix.lower())
-    if fmt is None:
-        raise ValueError(f"--save-gateway: cannot tell the format from {str(args.save_gateway)!r}; use a .npz or "
-                         f".safetensors name, or --format {{{','.join(FORMATS)}}}")
-    return fmt
+def save(client: CoordinatorClient, args: argparse.Namespace) -> str:
+    """Save what --save-gateway asks for; returns the line that says what was saved."""
+    from gateway.local import load_matching_base, output_format, save_adapter
 
-
-def save(adapter: Adapter, path: Path, fmt: str, args: argparse.Namespace) -> None:
-    if not path.parent.is_dir():
-        raise ValueError(f"--save-gateway: directory {str(path.parent)!r} does not exist")
-    if fmt in FILE_FORMATS.values():
-        from gateway.files import npz_bytes, safetensors_bytes
-
-        if path.exists() and not args.overwrite:
-            raise ValueError(f"--save-gateway: {str(path)!r} exists; pass --overwrite to replace it")
-        write_atomically(path, (npz_bytes if fmt == "npz" else safetensors_bytes)(adapter.tensors, adapter.info))
-        return
-    from gateway.export import save_merged_model, save_peft_adapter
-
-    if adapter.lora is None:  # a full-parameter expert, or a gateway averaged from them
-        save_full(adapter, path, fmt, args)
-    elif fmt == "peft":
-        save_peft_adapter(path, adapter.tensors, adapter.lora, adapter.base_model["id"], overwrite=args.overwrite)
-    else:
-        base = load_base(adapter, args)
-        save_merged_model(path, base.model, base.tokenizer, adapter.tensors, adapter.lora, overwrite=args.overwrite)
-
-
-def save_full(adapter: Adapter, path: Path, fmt: str, args: argparse.Namespace) -> None:
-    from gateway.full import save_full_model
-
-    if fmt == "peft":
-        raise ValueError("--format peft: this is a full-parameter model (every weight, no LoRA factors), not a "
-                         "PEFT adapter; use --format merged for a model directory, or a .safetensors/.npz file")
-    base = load_base(adapter, args)
-    save_full_model(path, base.model, base.tokenizer, adapter.tensors, overwrite=args.overwrite)
-
-
-def load_base(adapter: Adapter, args: argparse.Namespace):
-    from worker.models import ModelLoadError, load_base_model
-
-    try:
-        base = load_base_model(args.base_model or adapter.base_model["id"], use_huggingface=args.use_huggingface)
-    except ModelLoadError as exc:
-        raise ValueError(f"{exc} (or pass --base-model)") from None
-    if base.fingerprint != adapter.base_model["fingerprint"]:
-        raise ValueError(f"base model {base.model_id!r} is not the one the experts were trained from "
-                         f"({adapter.base_model['id']!r}); fix --base-model")
-    return base
+    fmt = output_format(args.save_gateway, args.format)
+    adapter = choose_adapter(client, args, args.expert)
+    save_adapter(adapter, args.save_gateway, fmt, overwrite=args.overwrite,
+                 load_base=lambda: load_matching_base(adapter, args.base_model, args.use_huggingface))
+    what = f"expert {args.expert}" if args.expert else f"gateway ({adapter.info.get('strategy')})"
+    shape = "full-parameter" if adapter.lora is None else f"rank {adapter.lora['rank']}"
+    return f"saved {what}, {shape}, as {fmt} to {args.save_gateway}"
 
 
 def generate(client: CoordinatorClient, args: argparse.Namespace) -> str:
-    from gateway.generate import generate as answer
+    from gateway.local import answer, load_matching_base
 
     expert = args.expert
     if expert is None and not args.strategy:
@@ -191,13 +151,8 @@ def generate(client: CoordinatorClient, args: argparse.Namespace) -> str:
         expert = routed["expert"]
         print(f"[routed to {expert or 'the gateway'} (confidence {routed['confidence']:.2f})]", file=sys.stderr)
     adapter = choose_adapter(client, args, expert)
-    base = load_base(adapter, args)
-    if adapter.lora is None:  # full-parameter weights: answer with the model holding them
-        from gateway.full import with_full_weights
-
-        return answer(with_full_weights(base.model, adapter.tensors), base.tokenizer, args.generate,
-                      max_new_tokens=args.max_new_tokens)
-    return answer(base.model, base.tokenizer, args.generate, adapter.tensors, adapter.lora, args.max_new_tokens)
+    base = load_matching_base(adapter, args.base_model, args.use_huggingface)
+    return answer(adapter, base, args.generate, args.max_new_tokens)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -217,12 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             print()
             print(workers_table(client.list_workers()))
         if args.save_gateway:
-            fmt = output_format(args)
-            adapter = choose_adapter(client, args, args.expert)
-            save(adapter, args.save_gateway, fmt, args)
-            what = f"expert {args.expert}" if args.expert else f"gateway ({adapter.info.get('strategy')})"
-            shape = "full-parameter" if adapter.lora is None else f"rank {adapter.lora['rank']}"
-            print(f"saved {what}, {shape}, as {fmt} to {args.save_gateway}")
+            print(save(client, args))
         if args.generate:
             print(generate(client, args))
         if not (args.list_experts or args.save_gateway or args.generate or args.revoke_worker):

@@ -21,10 +21,11 @@ import socket
 import sys
 import threading
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from protocol.cli import add_common_flags, check_coordinator_url, report_error, setup_logging
+from protocol.cli import add_common_flags, add_flags, check_coordinator_url, option, report_error, setup_logging
 from protocol.errors import FedMoEError
 
 # torch, transformers and peft take seconds to import: the worker modules that need them are imported
@@ -32,6 +33,9 @@ from protocol.errors import FedMoEError
 from worker.choices import STRATEGY_CHOICES
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+    from types import FrameType
+
     from worker.profiling import ProfileSettings
     from worker.runner import WorkerConfig
     from worker.strategies import ParallelSettings
@@ -39,101 +43,100 @@ if TYPE_CHECKING:
 DEFAULT_BASE_MODEL = "qwen/Qwen2-0.5B-Instruct"
 
 
+CHECKPOINT, COMPRESSION, TRAINING = "checkpoint and sync", "compression", "training"
+PARALLEL = "inside a worker (torchrun ranks; docs/bigger-workers.md)"
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerFlags:
+    """run_worker.py's flags, one field each (protocol.cli.option); build_config maps them onto WorkerConfig.
+
+    The worker's settings classes import torch, so they cannot feed --help; tests/cli checks that each
+    default here is the default of the setting it fills."""
+
+    coordinator_url: str = option("http://127.0.0.1:5000", "coordinator address, or a comma list of relays and the "
+                                                           "root: the worker probes them and joins the best")
+    worker_id: str | None = option(None, "unique worker name (default: <hostname>-<specialty>)")
+    specialty: str = option(help="expert to train, e.g. python_expert")
+    dataset: Path | None = option(None, "JSONL with 'prompt' and 'reference_code' (default: data/<specialty>.jsonl "
+                                        "if shipped)", type=Path)
+    base_model: str = option(DEFAULT_BASE_MODEL, "ModelScope id, Hugging Face id (with --use-huggingface), local "
+                                                 "directory, or the offline preset tiny-qwen2")
+    use_huggingface: bool = option(False, "download --base-model from Hugging Face")
+    speed_factor: float = option(1.0, "relative speed in (0, 1]; 0.5 simulates a machine half as fast")
+    duration: float = option(3600.0, "seconds to train")
+    sync_interval: float = option(10.0, "seconds between syncs")
+    use_proxy: bool = option(False, "honour HTTP(S)_PROXY for coordinator and hub")
+    token: str | None = option(None, "the coordinator's join token (default: $FEDMOE_TOKEN, or found automatically "
+                                     "when the coordinator runs on this machine)")
+    ca_cert: Path | None = option(None, "PEM certificate (or CA) to trust for an https:// coordinator with a "
+                                        "private certificate", type=Path)
+    state_dir: Path | None = option(None, "checkpoint at every sync here and resume from it on restart "
+                                          "(default: worker-state/<worker-id>)", type=Path, group=CHECKPOINT)
+    fresh: bool = option(False, "discard the checkpoint in --state-dir and start over", group=CHECKPOINT)
+    no_overlap: bool = option(False, "pause training during each push and pull (default: sync in the background)",
+                              group=CHECKPOINT)
+    compression: str = option("safetensors", "update codec: safetensors (uncompressed), a compression spec such "
+                                             "as int8, topk+int8, or auto (picked at each sync to fit --sync-budget)",
+                              group=COMPRESSION)
+    sync_budget: float | None = option(None, "with --compression auto: seconds a push (and a pull) may take; the "
+                                             "codec and ratio are picked from the measured throughput, and pulls "
+                                             "become compressed diffs when full weights would take longer",
+                                       type=float, metavar="SECONDS", group=COMPRESSION)
+    compression_config: str = option("{}", 'codec options, e.g. \'{"ratio": 0.01}\'', metavar="JSON",
+                                      group=COMPRESSION)
+    no_error_feedback: bool = option(False, "drop what a lossy codec loses", group=COMPRESSION)
+    pull_compression: str | None = option(None, "pull only the compressed difference since our version, e.g. fp16 "
+                                                "(default: full weights)", metavar="CODEC", group=COMPRESSION)
+    pull_compression_config: str = option("{}", "options of --pull-compression", metavar="JSON", group=COMPRESSION)
+    full_pull_every: int = option(10, "with --pull-compression, every N-th pull is a full one", group=COMPRESSION)
+    lora_rank: int = option(8, "LoRA rank; 0 trains every weight (a full-parameter expert)", group=TRAINING)
+    lora_alpha: float = option(16.0, "LoRA alpha", group=TRAINING)
+    target_modules: str | None = option(None, "comma-separated module names (default: all attention and MLP "
+                                              "projections)", group=TRAINING)
+    lr: float | None = option(None, "AdamW learning rate (default: 2e-4; 1e-2 for the random tiny-qwen2 preset)",
+                              type=float, group=TRAINING)
+    batch_size: int = option(8, "examples per step", group=TRAINING)
+    max_seq_len: int = option(256, "tokens per example", group=TRAINING)
+    seed: int = option(0, "seed for init and shuffling", group=TRAINING)
+    device: str = option("auto", "auto (cuda > mps > cpu), cpu, cuda or mps; under torchrun each rank takes its own "
+                                 "GPU", group=TRAINING)
+    precision: str = option("fp32", "autocast precision of the forward pass; fp16 adds a gradient scaler",
+                            choices=("fp32", "bf16", "fp16"), group=TRAINING)
+    grad_accum: int = option(1, "split each step's --batch-size examples into N micro-batches", metavar="N",
+                             group=TRAINING)
+    gradient_checkpointing: bool = option(False, "recompute activations in the backward pass to save memory",
+                                          group=TRAINING)
+    threads: int | None = option(None, "CPU threads torch may use; give each of several workers on one machine its "
+                                       "share of the cores (default: all cores)", type=int, metavar="N",
+                                 group=TRAINING)
+    no_heldout_eval: bool = option(False, "skip the held-out loss logged before and after training (on a large "
+                                          "model it takes two forward passes over the held-out examples)",
+                                   group=TRAINING)
+    results: Path | None = option(None, "append one JSON line per sync to this file", type=Path, group=TRAINING)
+    strategy: str = option("auto", "ddp replicates the model; fsdp shards parameters, gradients and optimiser state "
+                                   "(ZeRO-3-like); fsdp-grad-op shards gradients and optimiser state (ZeRO-2-like); "
+                                   "auto picks by parameter count", choices=STRATEGY_CHOICES, group=PARALLEL)
+    cpu_offload: bool = option(False, "keep FSDP shards and optimiser state in CPU memory", group=PARALLEL)
+    comm_compress: str | None = option(None, "compress DDP's gradient all-reduce: fp16, bf16, powersgd, or a codec "
+                                             "such as int8, topk", metavar="CODEC", group=PARALLEL)
+    comm_config: str = option("{}", 'options of --comm-compress, e.g. \'{"ratio": 0.01}\'', metavar="JSON",
+                              group=PARALLEL)
+    deepspeed: Path | None = option(None, "a DeepSpeed config (ZeRO stage, offload, fp16/bf16, clipping, batch "
+                                          "sizes) mapped onto --strategy, --cpu-offload, --precision, --batch-size "
+                                          "and --grad-accum", type=Path, metavar="JSON", group=PARALLEL)
+    profile: Path | None = option(None, "profile --profile-steps steps; each rank writes a torch.profiler trace and "
+                                        "summary here", type=Path, metavar="DIR", group=PARALLEL)
+    profile_steps: int = option(3, "steps to profile", metavar="N", group=PARALLEL)
+    tensorboard: Path | None = option(None, "write per-step and per-sync scalars (loss, tokens/s, bytes, ratio) for "
+                                            "TensorBoard here", type=Path, metavar="DIR", group=PARALLEL)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--coordinator-url", default="http://127.0.0.1:5000", help="coordinator address (default: %(default)s)")
-    p.add_argument("--worker-id", default=None, help="unique worker name (default: <hostname>-<specialty>)")
-    p.add_argument("--specialty", required=True, help="expert to train, e.g. python_expert")
-    p.add_argument("--dataset", type=Path, default=None,
-                   help="JSONL with 'prompt' and 'reference_code' (default: data/<specialty>.jsonl if shipped)")
-    p.add_argument("--base-model", default=DEFAULT_BASE_MODEL,
-                   help="ModelScope id, Hugging Face id (with --use-huggingface), local directory, "
-                        "or the offline preset tiny-qwen2 (default: %(default)s)")
-    p.add_argument("--use-huggingface", action="store_true", help="download --base-model from Hugging Face")
-    p.add_argument("--speed-factor", type=float, default=1.0,
-                   help="relative speed in (0, 1]; 0.5 simulates a machine half as fast (default: %(default)s)")
-    p.add_argument("--duration", type=float, default=3600, help="seconds to train (default: %(default)s)")
-    p.add_argument("--sync-interval", type=float, default=10, help="seconds between syncs (default: %(default)s)")
-    p.add_argument("--use-proxy", action="store_true", help="honour HTTP(S)_PROXY for coordinator and hub")
-    p.add_argument("--token", default=None,
-                   help="the coordinator's join token (default: $FEDMOE_TOKEN, or found automatically when the "
-                        "coordinator runs on this machine)")
-    p.add_argument("--ca-cert", type=Path, default=None,
-                   help="PEM certificate (or CA) to trust for an https:// coordinator with a private certificate")
-    r = p.add_argument_group("checkpoint and sync")
-    r.add_argument("--state-dir", type=Path, default=None,
-                   help="checkpoint at every sync here and resume from it on restart "
-                        "(default: worker-state/<worker-id>)")
-    r.add_argument("--fresh", action="store_true", help="discard the checkpoint in --state-dir and start over")
-    r.add_argument("--no-overlap", action="store_true",
-                   help="pause training during each push and pull (default: sync in the background)")
-    c = p.add_argument_group("compression")
-    c.add_argument("--compression", default="safetensors",
-                   help="update codec: safetensors (uncompressed), a compression spec such as int8, topk+int8, "
-                        "or auto (picked at each sync to fit --sync-budget) (default: %(default)s)")
-    c.add_argument("--sync-budget", type=float, default=None, metavar="SECONDS",
-                   help="with --compression auto: seconds a push (and a pull) may take; the codec and ratio are "
-                        "picked from the measured throughput, and pulls become compressed diffs when full weights "
-                        "would take longer")
-    c.add_argument("--compression-config", default="{}", metavar="JSON",
-                   help='codec options, e.g. \'{"ratio": 0.01}\' (default: %(default)s)')
-    c.add_argument("--no-error-feedback", action="store_true", help="drop what a lossy codec loses")
-    c.add_argument("--pull-compression", default=None, metavar="CODEC",
-                   help="pull only the compressed difference since our version, e.g. fp16 (default: full weights)")
-    c.add_argument("--pull-compression-config", default="{}", metavar="JSON", help="options of --pull-compression")
-    c.add_argument("--full-pull-every", type=int, default=10,
-                   help="with --pull-compression, every N-th pull is a full one (default: %(default)s)")
-    t = p.add_argument_group("training")
-    t.add_argument("--lora-rank", type=int, default=8,
-                   help="LoRA rank; 0 trains every weight (a full-parameter expert) (default: %(default)s)")
-    t.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA alpha (default: %(default)s)")
-    t.add_argument("--target-modules", default=None,
-                   help="comma-separated module names (default: all attention and MLP projections)")
-    t.add_argument("--lr", type=float, default=None,
-                   help="AdamW learning rate (default: 2e-4; 1e-2 for the random tiny-qwen2 preset)")
-    t.add_argument("--batch-size", type=int, default=8, help="examples per step (default: %(default)s)")
-    t.add_argument("--max-seq-len", type=int, default=256, help="tokens per example (default: %(default)s)")
-    t.add_argument("--seed", type=int, default=0, help="seed for init and shuffling (default: %(default)s)")
-    t.add_argument("--device", default="auto",
-                   help="auto (cuda > mps > cpu), cpu, cuda or mps; under torchrun each rank takes its own GPU "
-                        "(default: %(default)s)")
-    t.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
-                   help="autocast precision of the forward pass; fp16 adds a gradient scaler (default: %(default)s)")
-    t.add_argument("--grad-accum", type=int, default=1, metavar="N",
-                   help="split each step's --batch-size examples into N micro-batches (default: %(default)s)")
-    t.add_argument("--gradient-checkpointing", action="store_true",
-                   help="recompute activations in the backward pass to save memory")
-    t.add_argument("--threads", type=int, default=None, metavar="N",
-                   help="CPU threads torch may use; give each of several workers on one machine its share of "
-                        "the cores (default: all cores)")
-    t.add_argument("--no-heldout-eval", action="store_true",
-                   help="skip the held-out loss logged before and after training (on a large model it takes "
-                        "two forward passes over the held-out examples)")
-    t.add_argument("--results", type=Path, default=None, help="append one JSON line per sync to this file")
-    _add_parallel_flags(p)
+    add_flags(p, WorkerFlags)
     add_common_flags(p)
     return p.parse_args(argv)
-
-
-def _add_parallel_flags(p: argparse.ArgumentParser) -> None:
-    d = p.add_argument_group("inside a worker (torchrun ranks; docs/bigger-workers.md)")
-    d.add_argument("--strategy", default="auto", choices=STRATEGY_CHOICES,
-                   help="ddp replicates the model; fsdp shards parameters, gradients and optimiser state "
-                        "(ZeRO-3-like); fsdp-grad-op shards gradients and optimiser state (ZeRO-2-like); auto "
-                        "picks by parameter count (default: %(default)s)")
-    d.add_argument("--cpu-offload", action="store_true", help="keep FSDP shards and optimiser state in CPU memory")
-    d.add_argument("--comm-compress", default=None, metavar="CODEC",
-                   help="compress DDP's gradient all-reduce: fp16, bf16, powersgd, or a codec such as int8, topk")
-    d.add_argument("--comm-config", default="{}", metavar="JSON",
-                   help='options of --comm-compress, e.g. \'{"ratio": 0.01}\' (default: %(default)s)')
-    d.add_argument("--deepspeed", type=Path, default=None, metavar="JSON",
-                   help="a DeepSpeed config (ZeRO stage, offload, fp16/bf16, clipping, batch sizes) mapped onto "
-                        "--strategy, --cpu-offload, --precision, --batch-size and --grad-accum")
-    d.add_argument("--profile", type=Path, default=None, metavar="DIR",
-                   help="profile --profile-steps steps; each rank writes a torch.profiler trace and summary here")
-    d.add_argument("--profile-steps", type=int, default=3, metavar="N", help="steps to profile (default: %(default)s)")
-    d.add_argument("--tensorboard", type=Path, default=None, metavar="DIR",
-                   help="write per-step and per-sync scalars (loss, tokens/s, bytes, ratio) for TensorBoard here")
 
 
 def profile_settings(args: argparse.Namespace) -> ProfileSettings | None:
@@ -165,8 +168,9 @@ def parallel_settings(args: argparse.Namespace, deepspeed=None) -> ParallelSetti
 
 
 # flag -> (its TrainSettings field, its default): --deepspeed refuses a flag that sets the same thing.
-DEEPSPEED_OVERLAPS = {"--batch-size": ("batch_size", 8), "--grad-accum": ("grad_accum", 1),
-                      "--precision": ("precision", "fp32")}
+DEEPSPEED_OVERLAPS = {flag: (name, WorkerFlags.__dataclass_fields__[name].default)
+                      for flag, name in (("--batch-size", "batch_size"), ("--grad-accum", "grad_accum"),
+                                         ("--precision", "precision"))}
 
 
 def deepspeed_plan(args: argparse.Namespace):
@@ -245,6 +249,8 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
 def _check_address_and_files(args: argparse.Namespace) -> None:
     """The checks that need no worker module: main() runs them before importing torch, so they answer at once."""
     check_coordinator_url(args.coordinator_url)
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {args.threads}")
     if args.dataset is not None and not args.dataset.is_file():
         raise ValueError(f"--dataset {str(args.dataset)!r} does not exist; pass a JSONL file with 'prompt' and "
                          "'reference_code' on each line")
@@ -297,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _stop_on_sigterm() -> object | None:
+def _stop_on_sigterm() -> Callable[[int, FrameType | None], Any] | int | None:
     """Make SIGTERM (systemd, docker stop, kill) end the run like Ctrl-C, with the final push that flushes
     the error-feedback residual; returns the handler it replaced. Not under torchrun: there a rank that
     died would leave the others' final sync waiting in a collective, so SIGTERM ends them at once."""

@@ -12,84 +12,70 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from gateway.errors import GatewayError
-from protocol.cli import add_common_flags, check_coordinator_url, report_error, setup_logging
-from protocol.client import CoordinatorClient, RetryPolicy
+from protocol.cli import add_common_flags, add_flags, check_coordinator_url, from_flags, option, report_error, setup_logging
 from protocol.credentials import config_dir
 from protocol.errors import FedMoEError
+from serving.config import EngineOptions, Limits, ServeOptions
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeFlags:
+    """serve.py's flags besides serving.config's Limits and EngineOptions, one field each (protocol.cli.option)."""
+
+    coordinator_url: str = option("http://127.0.0.1:5000", "coordinator")
+    host: str = option("127.0.0.1", "address to listen on")
+    port: int = option(8000, "port to listen on; 0 picks a free one")
+    token: str | None = option(None, "coordinator admin token (default: $FEDMOE_TOKEN, or found automatically when "
+                                     "the coordinator runs on this machine)")
+    ca_cert: Path | None = option(None, "PEM file to trust for an https:// coordinator", type=Path)
+    use_proxy: bool = option(False, "honour HTTP(S)_PROXY for the coordinator")
+    base_model: str | None = option(None, "base model (default: the one the experts were trained from)")
+    use_huggingface: bool = option(False, "load --base-model from the Hugging Face hub")
+    poll_interval: float = option(10.0, "seconds between polls for new expert versions")
+    api_key_file: Path = option(help="API keys clients must send as 'Authorization: Bearer KEY', one per line; "
+                                     "created with a random key if missing",
+                                default_factory=lambda: config_dir() / "serve-api-keys", type=Path)
+    no_auth: bool = option(False, "no API key (only with a loopback --host)")
+    route_threshold: float | None = option(None, "confidence below which 'auto' answers with the gateway (default: "
+                                                 "the coordinator's)", type=float)
+    threads: int | None = option(None, "torch threads for generation (default: torch's)", type=int)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from serving.config import EngineOptions, Limits
-
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--coordinator-url", default="http://127.0.0.1:5000", help="coordinator (default: %(default)s)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default: 8000)")
-    p.add_argument("--token", default=None, help="coordinator admin token (default: $FEDMOE_TOKEN, or found "
-                                                 "automatically when the coordinator runs on this machine)")
-    p.add_argument("--ca-cert", type=Path, default=None, help="PEM file to trust for an https:// coordinator")
-    p.add_argument("--use-proxy", action="store_true", help="honour HTTP(S)_PROXY for the coordinator")
-    p.add_argument("--base-model", default=None, help="base model (default: the one the experts were trained from)")
-    p.add_argument("--use-huggingface", action="store_true", help="load --base-model from the Hugging Face hub")
-    p.add_argument("--poll-interval", type=float, default=10.0,
-                   help="seconds between polls for new expert versions (default: %(default)s)")
-    p.add_argument("--api-key-file", type=Path, default=config_dir() / "serve-api-keys",
-                   help="API keys clients must send as 'Authorization: Bearer KEY', one per line; created with a "
-                        "random key if missing (default: %(default)s)")
-    p.add_argument("--no-auth", action="store_true", help="no API key (only with a loopback --host)")
-    p.add_argument("--route-threshold", type=float, default=None,
-                   help="confidence below which 'auto' answers with the gateway (default: the coordinator's)")
-    p.add_argument("--max-tokens", type=int, default=Limits.max_tokens, help="largest max_tokens (default: %(default)s)")
-    p.add_argument("--max-prompt-tokens", type=int, default=Limits.max_prompt_tokens,
-                   help="longest prompt in tokens (default: %(default)s)")
-    p.add_argument("--max-body-bytes", type=int, default=Limits.max_body_bytes,
-                   help="largest request body (default: %(default)s)")
-    p.add_argument("--timeout", type=float, default=Limits.timeout,
-                   help="seconds a request may take, queueing included (default: %(default)s)")
-    p.add_argument("--max-queue", type=int, default=Limits.max_queue,
-                   help="requests waiting at once before 429s (default: %(default)s)")
-    p.add_argument("--max-batch", type=int, default=EngineOptions.max_batch,
-                   help="requests generated together, any mix of experts (default: %(default)s)")
-    p.add_argument("--batch-wait", type=float, default=EngineOptions.batch_wait,
-                   help="seconds to wait for a batch to fill (default: %(default)s)")
-    p.add_argument("--no-mix-adapters", action="store_true",
-                   help="generate a batch's rows of each adapter separately instead of in one call (see "
-                        "docs/serving.md for which is faster)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads for generation (default: torch's)")
+    for flags in (ServeFlags, Limits, EngineOptions):
+        add_flags(p, flags)
     add_common_flags(p)
     return p.parse_args(argv)
 
 
-def options_from(args: argparse.Namespace):
-    from serving.config import EngineOptions, Limits
-    from serving.server import ServeOptions
-
+def options_from(args: argparse.Namespace) -> ServeOptions:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be 0-65535, got {args.port}")
-    limits = Limits(max_tokens=args.max_tokens, max_prompt_tokens=args.max_prompt_tokens,
-                    max_body_bytes=args.max_body_bytes, timeout=args.timeout, max_queue=args.max_queue)
     return ServeOptions(host=args.host, port=args.port, base_model=args.base_model,
                         use_huggingface=args.use_huggingface, poll_interval=args.poll_interval,
                         api_key_file=None if args.no_auth else args.api_key_file,
-                        route_threshold=args.route_threshold, limits=limits,
-                        engine=EngineOptions(max_batch=args.max_batch, batch_wait=args.batch_wait,
-                                              mix_adapters=not args.no_mix_adapters))
+                        route_threshold=args.route_threshold, limits=from_flags(Limits, args),
+                        engine=from_flags(EngineOptions, args))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(args)
     try:
-        options = options_from(args)
+        options = options_from(args)  # every flag checked before torch is imported: a mistake answers at once
+        check_coordinator_url(args.coordinator_url)
+        if args.threads is not None and args.threads < 1:
+            raise ValueError(f"--threads must be a positive integer, got {args.threads}")
         if args.threads is not None:
-            if args.threads < 1:
-                raise ValueError(f"--threads must be a positive integer, got {args.threads}")
             import torch
 
             torch.set_num_threads(args.threads)
+        from protocol.client import CoordinatorClient, RetryPolicy  # torch: not for --help
         from serving.server import serve
 
         client = CoordinatorClient(check_coordinator_url(args.coordinator_url), timeout=(5.0, 300.0),

@@ -183,6 +183,7 @@ def _presigned_redirect(c: Coordinator, ref: WeightsRef, worker_id: str | None, 
 
 def _weights_diff(c: Coordinator, name: str, worker_id: str | None) -> Response:
     since = _int_arg("since")
+    assert since is not None  # the route calls this only with ?since=
     codec = request.args.get("codec", "fp16")
     config = loads_json(request.args.get("codec_config", "{}"), "codec_config")
     if not isinstance(config, dict):

@@ -78,6 +78,7 @@ def insert_event(db: sqlite3.Connection, event: Event) -> None:
                      (time.time(), event.kind, _short(event.expert), _short(event.worker_id),
                       _short(event.update_id), _storable(event.message[:1000]),
                       json.dumps(_finite(event.detail), default=str, allow_nan=False)))
+    assert cur.lastrowid is not None  # set by the INSERT above
     db.execute("DELETE FROM events WHERE id <= ?", (cur.lastrowid - EVENTS_KEPT,))
     log.debug("%s: %s", event.kind, _storable(event.message))  # every decision, with --debug
 

@@ -1,4 +1,8 @@
-"""Coordinator settings, validated once when built (the CLI and tests build them)."""
+"""Coordinator settings, validated once when built (the CLI and tests build them).
+
+The fields carry their flag's help and default (protocol.cli.option): run_coordinator.py's flags are built
+from CoordinatorConfig and ServeOptions, so a setting is declared once.
+"""
 from __future__ import annotations
 
 import math
@@ -7,69 +11,67 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from coordinator.aggregation import AGGREGATORS, ROBUST_RULES
-from coordinator.aggregation.robust import trim_count
-from coordinator.audit import NORMS_KEPT
+# Light imports only: run_coordinator.py builds its flags from these dataclasses, and --help must not wait for
+# torch (the registries behind the *choices modules import it; __post_init__ imports what it checks with).
+from coordinator.choices import AGGREGATION_NAMES, ROBUST_NAMES
 from coordinator.norm_check import NORM_CHECK_MODES, NormPolicy
-from gateway.errors import MergeError
-from gateway.merges import MERGES, check_settings
-from gateway.router import DEFAULT_THRESHOLD
+from gateway.choices import DEFAULT_ROUTE_THRESHOLD, MERGE_NAMES
+from protocol.cli import json_object, option
+
+REPLICAS = "replicas (docs/scale.md)"
+SECURITY = 'security (README, "Security")'
 
 
 @dataclass(frozen=True)
 class CoordinatorConfig:
-    data_dir: Path = Path("fedmoe-data")
-    """Where blobs and the SQLite manifest live; restart on it to resume."""
-    aggregation: str = "fedasync"
-    """Aggregation rule: fedasync (apply each update) or fedbuff (buffer K)."""
-    server_lr: float = 1.0
-    """Global step size on aggregated deltas."""
-    staleness_decay: float = 0.1
-    """Stale updates weigh 1 / (1 + staleness_decay * staleness)."""
-    buffer_size: int = 3
-    """K, the number of updates fedbuff waits for before one aggregated step."""
-    keep_versions: int = 20
-    """Weights of the newest N versions of each expert stay downloadable."""
-    gateway_weights: Mapping[str, float] | None = None
-    """Per-expert gateway weights; None = proportional to samples each expert saw."""
-    gateway_strategy: str = "weighted_average"
-    """Merge used for the gateway model."""
-    gateway_config: Mapping[str, Any] = field(default_factory=dict)
-    """Settings of gateway_strategy (gateway.merges.SETTINGS), e.g. {"density": 0.2} for ties."""
-    gateway_interval: float = 30.0
-    """Seconds between gateway builds at most; changes in between coalesce into the next build."""
-    keep_gateways: int = 2
-    """Newest built gateways kept (rows and blobs); older ones are deleted."""
-    route_threshold: float = DEFAULT_THRESHOLD
-    """Router confidence below which a prompt goes to the gateway instead of one expert."""
-    max_body_mb: float = 1024.0
-    """Largest request body accepted, in MiB (413 above it)."""
-    auth: bool = True
-    """Require tokens (README, "Security"); off only on a trusted lab network (--no-auth)."""
-    admin_token_file: Path | None = None
-    """File holding the admin token; None = <data_dir>/admin_token, made on first start."""
-    token_ttl_hours: float = 168.0
-    """Worker tokens expire after this long; workers renew them by registering again."""
-    rate_limit: float = 600.0
-    """Requests per minute one worker may make (a bucket of as many); 0 = no limit."""
-    manifest: str | None = None
-    """postgresql://... keeps the manifest in PostgreSQL (replicas); None = SQLite in data_dir."""
-    blobs: str | None = None
-    """s3://bucket/prefix keeps blobs in an S3-compatible store (replicas); None = files in data_dir."""
-    redirect_pulls_mb: float = 1.0
-    """With --blobs s3://: weight pulls at least this large (MiB) are redirected to a presigned URL."""
-    norm_check: str = "off"
-    """off, reject (422) or clip updates whose norm is over norm_factor x the recent median."""
-    norm_factor: float = 10.0
-    """The norm limit, as a multiple of the median of the expert's recent accepted update norms."""
-    norm_history: int = 20
-    """Accepted update norms (newest) the median is taken over."""
-    norm_warmup: int = 5
-    """Accepted updates before the norm check applies."""
-    robust: str = "none"
-    """Robust combination of a fedbuff buffer: none (weighted mean), clip, median or trimmed_mean."""
-    trim_fraction: float = 0.2
-    """trimmed_mean drops floor(trim_fraction x buffer size) values at each end of every coordinate."""
+    """The coordinator's settings; each field with help is a run_coordinator.py flag (protocol.cli.option)."""
+
+    data_dir: Path = option(Path("fedmoe-data"), "where experts are stored (blobs and the SQLite manifest); "
+                            "restart on it to resume")
+    aggregation: str = option("fedasync", "fedasync applies each update at once; fedbuff waits for --buffer-size",
+                              choices=AGGREGATION_NAMES)
+    server_lr: float = option(1.0, "step size on aggregated deltas")
+    staleness_decay: float = option(0.1, "updates weigh 1/(1 + decay * staleness), staleness = versions behind")
+    buffer_size: int = option(3, "K updates per fedbuff step")
+    keep_versions: int = option(20, "newest versions per expert kept downloadable")
+    gateway_weights: Mapping[str, float] | None = option(
+        None, "per-expert gateway weights (default: proportional to samples trained)", metavar="NAME=W,...",
+        parse=lambda text, flag: _gateway_weights(text))
+    gateway_strategy: str = option("weighted_average", "merge used for the gateway (weighted_average is exact)",
+                                   choices=MERGE_NAMES)
+    gateway_config: Mapping[str, Any] = option(
+        help='settings of --gateway-strategy, e.g. \'{"density": 0.2}\' for ties, \'{"p": 0.5, "lam": 1.0}\' '
+             "for dare; keys: density, p, seed, lam, rank by strategy (default: its defaults)",
+        default_factory=dict, metavar="JSON", parse=json_object)
+    gateway_interval: float = option(30.0, "seconds between gateway builds at most; expert changes in between "
+                                           "coalesce into the next build")
+    keep_gateways: int = option(2, "newest built gateways kept on disk (rows and blobs); older ones are deleted")
+    route_threshold: float = option(DEFAULT_ROUTE_THRESHOLD, "router confidence below which prompts go to the "
+                                                             "gateway instead of one expert")
+    max_body_mb: float = option(1024.0, "largest accepted request body in MiB (413 above it)")
+    auth: bool = option(True, "accept requests without tokens; only on a trusted lab network", flag="--no-auth",
+                        group=SECURITY)
+    admin_token_file: Path | None = option(None, "file holding the admin token (default: <data-dir>/admin_token, "
+                                                 "made on first start)", type=Path, group=SECURITY)
+    token_ttl_hours: float = option(168.0, "worker tokens expire after this long; workers renew them",
+                                    group=SECURITY)
+    rate_limit: float = option(600.0, "requests per minute one worker may make, 0 = no limit", group=SECURITY)
+    manifest: str | None = option(None, "postgresql://user@host:port/db keeps the manifest in PostgreSQL so several "
+                                        "coordinator replicas share it (docs/scale.md; default: SQLite in --data-dir)",
+                                  metavar="URL", group=REPLICAS)
+    blobs: str | None = option(None, "s3://bucket/prefix keeps blobs in an S3-compatible store (endpoint and "
+                                     "credentials from the AWS_* environment; default: files in --data-dir)",
+                               metavar="URL", group=REPLICAS)
+    redirect_pulls_mb: float = option(1.0, "with --blobs s3://, weight pulls at least this large (MiB) are "
+                                           "redirected to a presigned URL", group=REPLICAS)
+    norm_check: str = option("off", "reject (422) or clip updates whose L2 norm is over --norm-factor x the median "
+                                    "of the expert's recent accepted norms", choices=NORM_CHECK_MODES)
+    norm_factor: float = option(10.0, "norm limit multiple")
+    norm_history: int = option(20, "recent accepted norms the median is taken over")
+    norm_warmup: int = option(5, "accepted updates before the norm check applies")
+    robust: str = option("none", "robust combination of each fedbuff buffer (none = weighted mean)",
+                         choices=("none", *ROBUST_NAMES))
+    trim_fraction: float = option(0.2, "share of values trimmed at each end by --robust trimmed_mean")
     extra: Mapping[str, object] = field(default_factory=dict)
     """Flask config overrides (tests)."""
 
@@ -81,8 +83,11 @@ class CoordinatorConfig:
             raise ValueError(f"--manifest must be a postgresql://user@host:port/db URL, got {self.manifest!r}")
         if self.blobs is not None and not self.blobs.startswith("s3://"):
             raise ValueError(f"--blobs must be an s3://bucket/prefix URL, got {self.blobs!r}")
-        if self.gateway_strategy not in MERGES:
-            raise ValueError(f"--gateway-strategy must be one of {sorted(MERGES)}, got {self.gateway_strategy!r}")
+        from gateway.errors import MergeError
+        from gateway.merges import check_settings
+
+        if self.gateway_strategy not in MERGE_NAMES:
+            raise ValueError(f"--gateway-strategy must be one of {list(MERGE_NAMES)}, got {self.gateway_strategy!r}")
         try:
             check_settings(self.gateway_strategy, dict(self.gateway_config))
         except MergeError as exc:
@@ -91,8 +96,8 @@ class CoordinatorConfig:
             raise ValueError(f"--gateway-interval must be 0-86400 seconds, got {self.gateway_interval}")
         if self.keep_gateways < 1:
             raise ValueError(f"--keep-gateways must be >= 1, got {self.keep_gateways}")
-        if self.aggregation not in AGGREGATORS:
-            raise ValueError(f"--aggregation must be one of {sorted(AGGREGATORS)}, got {self.aggregation!r}")
+        if self.aggregation not in AGGREGATION_NAMES:
+            raise ValueError(f"--aggregation must be one of {list(AGGREGATION_NAMES)}, got {self.aggregation!r}")
         if not self.server_lr > 0:
             raise ValueError(f"--server-lr must be > 0, got {self.server_lr}")
         if not self.staleness_decay >= 0:
@@ -117,6 +122,9 @@ class CoordinatorConfig:
                 raise ValueError(f"--gateway-weights: weight of {name!r} must be >= 0, got {weight}")
 
     def _check_robustness(self) -> None:
+        from coordinator.aggregation.robust import trim_count
+        from coordinator.audit import NORMS_KEPT
+
         if self.norm_check not in NORM_CHECK_MODES:
             raise ValueError(f"--norm-check must be one of {list(NORM_CHECK_MODES)}, got {self.norm_check!r}")
         if not self.norm_factor > 1:
@@ -125,8 +133,8 @@ class CoordinatorConfig:
             raise ValueError(f"--norm-history must be 1-{NORMS_KEPT}, got {self.norm_history}")
         if not 1 <= self.norm_warmup <= self.norm_history:
             raise ValueError(f"--norm-warmup must be 1-{self.norm_history} (--norm-history), got {self.norm_warmup}")
-        if self.robust != "none" and self.robust not in ROBUST_RULES:
-            raise ValueError(f"--robust must be one of {['none', *sorted(ROBUST_RULES)]}, got {self.robust!r}")
+        if self.robust != "none" and self.robust not in ROBUST_NAMES:
+            raise ValueError(f"--robust must be one of {['none', *ROBUST_NAMES]}, got {self.robust!r}")
         if not 0 <= self.trim_fraction < 0.5:
             raise ValueError(f"--trim-fraction must be in [0, 0.5), got {self.trim_fraction}")
         if self.robust == "none":
@@ -150,6 +158,34 @@ class CoordinatorConfig:
     @property
     def updates_per_step(self) -> int:
         return self.buffer_size if self.aggregation == "fedbuff" else 1
+
+
+def _gateway_weights(text: str) -> dict[str, float] | None:
+    try:
+        return parse_gateway_weights(text) if text else None
+    except ValueError as exc:
+        raise ValueError(f"--gateway-weights: {exc} (e.g. python_expert=2,sql_expert=1)") from None
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """How the coordinator listens; each field is a run_coordinator.py flag."""
+
+    host: str = option("0.0.0.0", "address to listen on")
+    port: int = option(5000, "port to listen on; 0 picks a free one")
+    debug: bool = option(False, "use Flask's development server and debug logging")
+    threads: int = option(16, "request threads: requests whose application code runs at once (connections are "
+                              "not limited by it)")
+    socket_timeout: float = option(60.0, "seconds a connection may stall mid-request (no byte read or written) "
+                                         "before it is dropped", group=SECURITY)
+    tls_cert: Path | None = option(None, "PEM certificate (chain): serve HTTPS", type=Path, group=SECURITY)
+    tls_key: Path | None = option(None, "PEM private key of --tls-cert", type=Path, group=SECURITY)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be 0-65535, got {self.port}")
+        if not self.socket_timeout > 0:
+            raise ValueError(f"--socket-timeout must be > 0 seconds, got {self.socket_timeout}")
 
 
 def parse_gateway_weights(text: str) -> dict[str, float]:

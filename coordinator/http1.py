@@ -10,7 +10,7 @@ import json
 import re
 import sys
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import IO, Any
 from urllib.parse import unquote_to_bytes
 
 HEAD_LIMIT = 64 << 10  # bytes of request line + headers (a pushed update's metadata header is ~1 KiB)
@@ -93,7 +93,7 @@ def parse_head(raw: bytes) -> RequestHead:
     return head
 
 
-def wsgi_environ(head: RequestHead, body: BinaryIO, body_size: int, server: tuple[str, int],
+def wsgi_environ(head: RequestHead, body: IO[bytes], body_size: int, server: tuple[str, int],
                  peer: tuple[str, int] | None, scheme: str, file_wrapper: Any) -> dict[str, Any]:
     """The WSGI environ of a fully received request (``body`` is already complete and rewound)."""
     target = head.target

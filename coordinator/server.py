@@ -14,34 +14,17 @@ import signal
 import socket
 import ssl
 import sys
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from flask import Flask
 
 from coordinator.app import create_app
-from coordinator.config import CoordinatorConfig
+from coordinator.config import CoordinatorConfig, ServeOptions
 from coordinator.front import BufferingFront, FrontOptions, raise_fd_limit
 from coordinator.hardening import announce, check_tls_files, set_socket_timeouts
 from protocol.credentials import credentials_path, publish_local_token, withdraw_local_token
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ServeOptions:
-    host: str = "0.0.0.0"
-    port: int = 5000
-    debug: bool = False
-    threads: int = 16
-    """Request threads: requests whose application code runs at once (connections are not limited by it)."""
-    socket_timeout: float = 60.0
-    """Seconds a connection may stall mid-request (no byte read or written) before it is dropped."""
-    tls_cert: Path | None = None
-    """PEM certificate (chain) to serve HTTPS with; None = plain HTTP."""
-    tls_key: Path | None = None
-    """PEM private key of ``tls_cert``."""
 
 
 class ServerStartError(Exception):

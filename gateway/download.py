@@ -37,7 +37,7 @@ def fetch_expert(client: CoordinatorClient, name: str) -> Adapter:
     info = client.expert(name)
     pulled = client.pull_weights(name)
     assert pulled.tensors is not None
-    public = {k: info[k] for k in ("name", "version", "updates_applied", "samples_seen") if k in info}
+    public: dict[str, Any] = {k: info[k] for k in ("name", "version", "updates_applied", "samples_seen") if k in info}
     return Adapter(pulled.tensors, info["lora"], info["base_model"], {"kind": "expert", **public})
 
 

@@ -21,7 +21,7 @@ import tempfile
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
@@ -75,7 +75,8 @@ def check_adapter(tensors: Mapping[str, Tensor], lora: Mapping[str, Any]) -> Lor
     for key, tensor in tensors.items():
         if not bool(torch.isfinite(tensor).all()):
             raise ExportError(f"{key!r} contains NaN or infinity")
-    return LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, bias="none",
+    # peft annotates lora_alpha as int; a float alpha works (the scale is alpha / r)
+    return LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, bias="none",  # type: ignore[arg-type]
                       task_type="CAUSAL_LM")
 
 
@@ -125,7 +126,7 @@ def attach_adapter(
     config.init_lora_weights = False  # skip the random init: every weight is loaded next
     with quiet_transformers():
         peft_model = get_peft_model(model, config)
-    result = set_peft_model_state_dict(peft_model, dict(tensors))
+    result = cast(Any, set_peft_model_state_dict(peft_model, dict(tensors)))  # peft types it a bare namedtuple
     # PEFT reports every non-LoRA weight as missing too; only missing LoRA factors matter.
     missing = [key for key in result.missing_keys if ".lora_" in key]
     if result.unexpected_keys or missing:

@@ -24,7 +24,7 @@ def npz_bytes(tensors: Mapping[str, Tensor], info: Mapping[str, Any]) -> bytes:
     arrays = {name: t.detach().cpu().contiguous().numpy() for name, t in tensors.items()}
     arrays[NPZ_META_KEY] = np.array(json.dumps(dict(info)))
     buf = io.BytesIO()
-    np.savez(buf, **arrays)
+    np.savez(buf, **arrays)  # type: ignore[arg-type]  # numpy's stub checks **arrays against allow_pickle: bool
     return buf.getvalue()
 
 

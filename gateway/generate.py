@@ -32,7 +32,7 @@ def generate(
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     if not isinstance(prompt, str):
         raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
-    model = base_model if tensors is None else merged_copy(base_model, tensors, lora)
+    model = base_model if tensors is None or lora is None else merged_copy(base_model, tensors, lora)
     device = next(model.parameters()).device
     input_ids = torch.tensor([_prompt_ids(tokenizer, prompt)], dtype=torch.long, device=device)
     config = GenerationConfig(
@@ -46,11 +46,12 @@ def generate(
     model.eval()
     try:
         with torch.no_grad():
-            output = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                                    generation_config=config)
+            # GenerationMixin.generate; mypy resolves it through torch's Module.__getattr__ (a Tensor)
+            output = model.generate(  # type: ignore[operator]
+                input_ids=input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config)
     finally:
         model.train(was_training)
-    return tokenizer.decode(output[0, input_ids.shape[1]:], skip_special_tokens=True)
+    return str(tokenizer.decode(output[0, input_ids.shape[1]:], skip_special_tokens=True))  # one sequence: a str
 
 
 def _prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:

@@ -254,7 +254,7 @@ class CoordinatorClient:
 
     def register_worker(self, worker_id: str, specialty: str, base_model: dict[str, str],
                         sync_interval: float | None = None) -> dict[str, Any]:
-        body = {"worker_id": worker_id, "specialty": specialty, "base_model": base_model}
+        body: dict[str, Any] = {"worker_id": worker_id, "specialty": specialty, "base_model": base_model}
         if sync_interval is not None:
             body["sync_interval"] = sync_interval  # lets the coordinator tell alive from stale
         info = self._register(worker_id, body)
@@ -513,7 +513,7 @@ def _speaks_tls(host: str, port: int, timeout: float) -> bool:
         return False
 
 
-def _reason(exc: requests.RequestException) -> str:
+def _reason(exc: Exception) -> str:
     if isinstance(exc, requests.ConnectionError):
         return "connection refused or dropped"
     if isinstance(exc, requests.Timeout):

@@ -20,6 +20,41 @@ HEADER = """# Command lines
 Generated from each script's `--help` by `python scripts/cli_docs.py` (a test fails when this page
 and the code disagree). Every script also has `--version`; a mistake you can fix ends with one line
 `error: <what>; <how to fix it>` and exit code 2.
+
+## Adding a flag: one dataclass field
+
+Each flag is a field of a config dataclass that carries its default and its help (as PEFT's
+`LoraConfig` does); `protocol.cli.add_flags` builds argparse from the fields, so the flag, its
+default, its `--help` line and this page come from one place:
+
+| script | flags declared in |
+|---|---|
+| `run_coordinator.py` | `coordinator.config.CoordinatorConfig`, `coordinator.config.ServeOptions` |
+| `run_worker.py` | `run_worker.WorkerFlags` (mapped onto `WorkerConfig` by `build_config`) |
+| `get_gateway_model.py` | `get_gateway_model.GatewayToolFlags` |
+| `serve.py` | `serve.ServeFlags`, `serving.config.Limits`, `serving.config.EngineOptions` |
+
+```python
+from protocol.cli import option
+
+forward_interval: float = option(30.0, "seconds between forwards to --upstream")   # --forward-interval
+upstream: str | None = option(None, "coordinator to forward to", metavar="URL")   # type from the default,
+sync_budget: int | None = option(None, "bytes per sync", type=int)                 #  or given when it is None
+compression: str = option("safetensors", "update codec", choices=CODEC_NAMES, group="compression")
+auth: bool = option(True, "accept requests without tokens", flag="--no-auth")      # True -> store_false flag
+gateway_config: Mapping = option(help="...", default_factory=dict, parse=json_object)  # parsed, errors name the flag
+```
+
+`option(default, help, *, flag=None, parse=None, **add_argument_kwargs)`: the flag is
+`--<field-name>` unless `flag` says otherwise; a `bool` defaulting to False is a `store_true`
+switch and one defaulting to True a `store_false` one; ` (default: ...)` is appended to the help
+unless the default is None or the help states it. `parse(text, flag)` turns the string into the
+value (`protocol.cli.json_object`, `comma_list`) and raises `ValueError` naming the flag; the
+dataclass default stands when the flag is absent. A field without help is not a flag. The
+config's `__post_init__` keeps the one-line checks that quote the flag (`--port must be 0-65535,
+got 70000`). The scripts import only these light modules before parsing, so `--help` never loads
+torch; `tests/cli` checks that, and that `WorkerFlags` defaults equal the worker settings they fill.
+After adding a flag, run `python scripts/cli_docs.py`.
 """
 
 

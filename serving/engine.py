@@ -18,7 +18,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
@@ -62,7 +62,7 @@ class GenerationEngine:
         self._tasks: "queue.Queue[tuple[Callable[[], Any], Future]]" = queue.Queue()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="generation", daemon=True)
-        self.batches = collections.Counter()
+        self.batches: collections.Counter[int] = collections.Counter()
         """Batch size -> how many batches of that size ran (for /metrics-like inspection and the bench)."""
 
     def start(self) -> None:
@@ -122,7 +122,7 @@ class GenerationEngine:
         started = time.perf_counter()
         self.model.add_adapter(slot, config)
         try:
-            result = set_peft_model_state_dict(self.model, weights.tensors, adapter_name=slot)
+            result = cast(Any, set_peft_model_state_dict(self.model, weights.tensors, adapter_name=slot))  # peft: a bare namedtuple
             missing = [k for k in result.missing_keys if ".lora_" in k and f".{slot}." in k]
             if result.unexpected_keys or missing:
                 raise ExportError(f"{weights.model} v{weights.version} does not fit the base model: unexpected "

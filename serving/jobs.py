@@ -50,7 +50,7 @@ class Job:
         if token in stop_ids:
             return self._finish("stop")
         self.tokens.append(token)
-        self._text = tokenizer.decode(self.tokens, skip_special_tokens=True)
+        self._text = str(tokenizer.decode(self.tokens, skip_special_tokens=True))  # one sequence: a str
         cut = self._stop_at()
         if cut is not None:
             self._text = self._text[:max(cut, self._sent)]

@@ -56,8 +56,9 @@ class CompletionRequest:
         """What the router compares with the experts' profiles: the user's words, not the template."""
         if self.prompt is not None:
             return self.prompt
-        users = [m["content"] for m in self.messages or () if m["role"] == "user"]
-        return users[-1] if users else self.messages[-1]["content"]
+        messages = self.messages or ()
+        users = [m["content"] for m in messages if m["role"] == "user"]
+        return users[-1] if users else messages[-1]["content"]
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:

@@ -15,7 +15,6 @@ import signal
 import socket
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 from werkzeug.serving import WSGIRequestHandler, make_server
 
@@ -23,40 +22,13 @@ from protocol.client import CoordinatorClient
 from serving.adapters import AdapterRegistry
 from serving.app import create_app
 from serving.auth import ApiKeys
-from serving.config import EngineOptions, Limits
+from serving.config import ServeOptions
 from serving.engine import GenerationEngine
 from serving.federation import FederationFollower
 from serving.routing import LocalRouter
 from serving.service import ServingService
 
 log = logging.getLogger(__name__)
-LOOPBACK = ("127.0.0.1", "::1", "localhost")
-
-
-@dataclass(frozen=True)
-class ServeOptions:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    base_model: str | None = None
-    """Base model to load; None: the one the experts were trained from."""
-    use_huggingface: bool = False
-    poll_interval: float = 10.0
-    """Seconds between two polls of the coordinator."""
-    api_key_file: Path | None = None
-    """Accepted API keys, one per line; None: no authentication (loopback only)."""
-    route_threshold: float | None = None
-    socket_timeout: float = 60.0
-    """Seconds a connection may stall mid-request before it is dropped."""
-    limits: Limits = Limits()
-    engine: EngineOptions = EngineOptions()
-
-    def __post_init__(self) -> None:
-        if not 0.05 <= self.poll_interval <= 86400:
-            raise ValueError(f"--poll-interval must be between 0.05 and 86400 seconds, got {self.poll_interval}")
-        if self.api_key_file is None and self.host not in LOOPBACK:
-            raise ValueError(f"--no-auth is only allowed with a loopback --host (127.0.0.1), not {self.host!r}")
-        if self.route_threshold is not None and not 0 <= self.route_threshold <= 1:
-            raise ValueError(f"--route-threshold must be in [0, 1], got {self.route_threshold}")
 
 
 @dataclass

@@ -18,11 +18,12 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from compression import CompressionError, make_codec
 
@@ -69,7 +70,8 @@ class CommMeter:
             record["grad_rel_error"] = math.sqrt(self.error_sq / self.exact_sq) if self.exact_sq else 0.0
             norms = math.sqrt(self.exact_sq * self.delivered_sq)
             record["grad_cosine"] = self.dot / norms if norms else 1.0
-        self.__init__()
+        for f in fields(self):  # start over: every counter back to its default
+            setattr(self, f.name, f.default)
         return record
 
 
@@ -93,7 +95,7 @@ def check_comm_codec(name: str, config: dict[str, Any]) -> None:
         raise ValueError(f"--comm-compress {name}: {exc}") from None
 
 
-def register_comm_hook(ddp: torch.nn.Module, name: str, config: dict[str, Any], meter: CommMeter | None) -> None:
+def register_comm_hook(ddp: DistributedDataParallel, name: str, config: dict[str, Any], meter: CommMeter | None) -> None:
     """Register the hook called `name` on a DistributedDataParallel module."""
     meter = meter if meter is not None else CommMeter()
     measure = bool(config.get("measure_error", True))

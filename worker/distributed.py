@@ -41,6 +41,8 @@ class SingleProcess:
 
     rank = 0
     world_size = 1
+    device = torch.device("cpu")
+    """Where collective operations run (TorchCollective: this rank's device)."""
 
     @property
     def is_primary(self) -> bool:
@@ -115,7 +117,7 @@ class TorchCollective(SingleProcess):
         return DistributedDataParallel(model, device_ids=device_ids)
 
     def no_sync(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
-        return model.no_sync()
+        return model.no_sync()  # type: ignore[operator]  # a DDP module; Module.__getattr__ is typed as Tensor
 
     def check_same(self, what: str, value: str) -> None:
         values: list[str | None] = [None] * self.world_size

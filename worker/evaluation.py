@@ -24,7 +24,7 @@ def adapter_loss(base: BaseModel, examples: Sequence[Example], adapter: StateDic
     ``lora`` is the adapter's {"rank", "alpha", "target_modules"} as the coordinator reports it.
     The base model is copied, so ``base`` stays clean for the next call.
     """
-    model = base.model
+    model: torch.nn.Module = base.model
     if adapter is not None:
         if lora is None:
             raise ValueError("an adapter needs its lora config (rank, alpha, target_modules)")

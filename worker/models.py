@@ -65,7 +65,7 @@ def model_fingerprint(model: PreTrainedModel) -> str:
     for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
         tensor = param.detach().to("cpu").contiguous()
         digest.update(f"\0{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode("utf-8"))
-        digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().data)
     return digest.hexdigest()
 
 
@@ -136,10 +136,10 @@ def _looks_like_path(spec: str) -> bool:
 def _finish(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, spec: str, device: str) -> BaseModel:
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # padding is masked out; any known token will do
-    model = model.to(dtype=torch.float32).eval()
+    model = model.to(dtype=torch.float32).eval()  # type: ignore[call-arg]  # transformers' decorated .to confuses mypy
     fingerprint = model_fingerprint(model)
     if device != "cpu":
-        model = model.to(device)
+        model = model.to(device)  # type: ignore[arg-type]  # transformers' decorated .to confuses mypy
     logger.info("base model %s ready (fingerprint %s)", spec, fingerprint[:12])
     return BaseModel(model=model, tokenizer=tokenizer, model_id=spec, fingerprint=fingerprint)
 

@@ -15,7 +15,7 @@ import json
 import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
@@ -141,15 +141,16 @@ def build_preset(name: str, corpus_dir: Path = CORPUS_DIR) -> tuple[PreTrainedMo
         raise PresetError(f"unknown preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
     preset = PRESETS[name]
     tokenizer = build_tokenizer(preset, corpus_dir)
+    # Extra keys land in config.to_dict(), so the fingerprint covers the tokenizer and recipe too.
+    extra: dict[str, Any] = {"fedmoe_preset": name, "fedmoe_preset_settings": asdict(preset),
+                             "fedmoe_tokenizer_sha256": tokenizer_sha256(tokenizer)}
     config = Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=preset.hidden_size, intermediate_size=preset.intermediate_size,
         num_hidden_layers=preset.num_hidden_layers, num_attention_heads=preset.num_attention_heads,
         num_key_value_heads=preset.num_key_value_heads, max_position_embeddings=preset.max_position_embeddings,
         max_window_layers=preset.num_hidden_layers, tie_word_embeddings=True, initializer_range=preset.init_std,
         bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        architectures=["Qwen2ForCausalLM"],
-        # Extra keys land in config.to_dict(), so the fingerprint covers the tokenizer and recipe too.
-        fedmoe_preset=name, fedmoe_preset_settings=asdict(preset), fedmoe_tokenizer_sha256=tokenizer_sha256(tokenizer),
+        architectures=["Qwen2ForCausalLM"], **extra,
     )
     with _float32_cpu_init(preset.seed):
         model = Qwen2ForCausalLM(config)

@@ -111,7 +111,12 @@ def _step_sinks(config: WorkerConfig, collective: SingleProcess, board) -> Calla
         sinks.append(StepLog(path))
     if not sinks:
         return None
-    return lambda record: [sink(record) for sink in sinks]
+
+    def to_every_sink(record: dict) -> None:
+        for sink in sinks:
+            sink(record)
+
+    return to_every_sink
 
 
 def run_worker(config: WorkerConfig) -> None:

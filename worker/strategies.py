@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from worker.choices import STRATEGY_CHOICES
 from worker.distributed import DistributedSetupError, SingleProcess
@@ -95,7 +96,7 @@ def choose_strategy(settings: ParallelSettings, num_parameters: int, world_size:
 class Strategy(ABC):
     """Wraps the model for training across ranks; `shards` says whether parameters become DTensor shards."""
 
-    name: ClassVar[str]
+    name: str
     shards: ClassVar[bool] = False
 
     @abstractmethod
@@ -133,11 +134,12 @@ class Replicated(Strategy):
         if self.settings.comm_compress:
             from worker.comm_hooks import register_comm_hook
 
+            assert isinstance(wrapped, DistributedDataParallel)  # comm hooks need DDP (ParallelSettings checks)
             register_comm_hook(wrapped, self.settings.comm_compress, self.settings.comm_config, self.meter)
         return wrapped
 
     def no_sync(self, module: torch.nn.Module) -> contextlib.AbstractContextManager:
-        return module.no_sync()
+        return module.no_sync()  # type: ignore[operator]  # a DDP module; Module.__getattr__ is typed as Tensor
 
 
 class Sharded(Strategy):
@@ -166,11 +168,12 @@ class Sharded(Strategy):
 
     @contextlib.contextmanager
     def no_sync(self, module: torch.nn.Module):
-        module.set_requires_gradient_sync(False)
+        sharded: Any = module  # an FSDPModule once fully_shard ran; torch types that as a plain Module
+        sharded.set_requires_gradient_sync(False)
         try:
             yield
         finally:
-            module.set_requires_gradient_sync(True)
+            sharded.set_requires_gradient_sync(True)
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -19,11 +19,12 @@ weights (it is FedBuff with bounded inputs). All rules are pure and independent 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 
 import torch
+from torch import Tensor
 
 from coordinator.aggregation.base import AggregationParams, Aggregator, StateDict, Update, staleness_weight
 from coordinator.aggregation.fedbuff import sample_weights
@@ -46,7 +47,7 @@ CombineRule = Callable[[list[Update], AggregationParams, RobustParams], StateDic
 NORM_CHUNK = 1 << 20  # values per float64 chunk in l2_norm (8 MiB)
 
 
-def l2_norm(tensors: StateDict) -> float:
+def l2_norm(tensors: Mapping[str, Tensor]) -> float:
     """The L2 norm of all tensors together, as if flattened into one vector; finite for finite input."""
     # Per tensor in float32 (fast: the coordinator does this for every push, and a full update is a
     # whole model). Its sum of squares overflows for values of ~1e19 and up (two 3e38 updates gave an

@@ -34,7 +34,7 @@ def imported_by(script: str, *args: str) -> tuple[int, list[str]]:
     return int(status), eval(modules)  # noqa: S307 - our own print of a list of names
 
 
-@pytest.mark.parametrize("script", ["run_coordinator", "get_gateway_model"])
+@pytest.mark.parametrize("script", ["run_coordinator", "run_worker", "get_gateway_model", "serve"])
 @pytest.mark.parametrize("args, status", [(["--help"], 0), (["--no-such-flag"], 2), (["--log-format", "xml"], 2)])
 def test_help_and_flag_errors_import_nothing_heavy(script, args, status):
     assert imported_by(script, *args) == (status, [])

@@ -49,6 +49,7 @@ def test_help_and_flag_errors_import_no_heavy_module(args, code, message):
         assert message in stderr and "Traceback" not in stderr
 
 
+@pytest.mark.slow  # imports torch and transformers in a fresh interpreter
 def test_a_valid_command_line_does_load_the_worker():  # the probe would see them: the test above can fail
     outcome, stderr = probe("--specialty", "sql_expert", "--base-model", "tiny-qwen2", "--speed-factor", "3")
     assert outcome["code"] == 2 and "--speed-factor must be in (0, 1]" in stderr

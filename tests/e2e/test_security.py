@@ -177,19 +177,15 @@ def test_a_stalled_client_is_cut_off_by_the_socket_timeout(start_coordinator):
     # headers that stop arriving: the connection is closed, the thread freed
     stalled = socket.create_connection(address, timeout=20)
     stalled.sendall(b"GET /api/v1/experts HTTP/1.1\r\nHost: x\r\n")
-    started = time.monotonic()
-    assert stalled.recv(1024) == b""
-    assert time.monotonic() - started < 10
+    assert stalled.recv(1024) == b""  # closed by the server: our own 20 s timeout would raise instead
     # a body that stops arriving: 408 with a JSON error, nothing stored
     spec = json.dumps(expert_spec())
     slow = socket.create_connection(address, timeout=20)
     slow.sendall(f"PUT /api/v1/experts/e HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n"
                  f"{EXPERT_HEADER}: {spec}\r\nContent-Length: 100000\r\n\r\n".encode() + b"x" * 10)
-    started = time.monotonic()
-    answer = http.client.HTTPResponse(slow)
+    answer = http.client.HTTPResponse(slow)  # within slow's 20 s timeout, or it raises
     answer.begin()
     assert (answer.status, json.loads(answer.read())["error"]["code"]) == (408, "request_timeout")
-    assert time.monotonic() - started < 10
     assert CoordinatorClient(url).list_experts() == []
     assert "Traceback" not in "".join(proc.log)
 

@@ -1,5 +1,4 @@
 import math
-import time
 
 import numpy as np
 import pytest
@@ -88,7 +87,7 @@ def test_bad_weights_are_refused(experts, weights, message):
         merge("weighted_average", experts, weights)
 
 
-def test_qwen2_half_billion_adapter_merges_in_well_under_a_second(helpers):
+def test_qwen2_half_billion_adapter_merges_by_concatenating_ranks(helpers):
     hidden, intermediate, kv = 896, 4864, 128
     shapes = {}
     for layer in range(24):
@@ -104,17 +103,8 @@ def test_qwen2_half_billion_adapter_merges_in_well_under_a_second(helpers):
         }.items():
             shapes[f"{prefix}.{module}"] = shape
     experts = [split_modules(helpers.random_state(shapes, 8, seed), 16, 8) for seed in range(3)]
-    # One thread: on a shared 2-core box, OpenMP's waits between two threads fighting other
-    # processes for the cores turn these ~500 small ops from 0.03 s into ~3 s; one thread
-    # measures the merge, not the neighbours.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        start = time.perf_counter()
-        result = merge("weighted_average", experts, [0.5, 0.3, 0.2])
-        state, alpha, rank = result.state_dict()
-        elapsed = time.perf_counter() - start
-    finally:
-        torch.set_num_threads(threads)
+    # Speed is a benchmark (python -m bench.merge_speed: every strategy as a ratio to this exact average,
+    # measured in the same run); here only what the merge makes of a real model's shapes.
+    result = merge("weighted_average", experts, [0.5, 0.3, 0.2])
+    state, alpha, rank = result.state_dict()
     assert len(state) == 2 * 24 * 7 and rank == 24
-    assert elapsed < 1.0, f"weighted_average took {elapsed:.2f} s"
