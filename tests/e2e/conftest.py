@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import queue
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -63,9 +64,15 @@ class Process:
         return self.proc.wait()
 
 
+def ctrl_c_enabled() -> None:
+    """In the child before exec: SIGINT back to its default, so Python turns Ctrl-C into KeyboardInterrupt even
+    when pytest runs as a background job of a non-interactive shell (which starts children with SIGINT ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def spawn(*args: str, cwd: Path = ROOT) -> Process:
     proc = subprocess.Popen([sys.executable, *args], cwd=cwd, env=env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, preexec_fn=ctrl_c_enabled)
     return Process(proc)
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.e2e.conftest import LISTENING, ROOT, Process
+from tests.e2e.conftest import LISTENING, ROOT, Process, ctrl_c_enabled
 
 PORT = 5000
 URL = f"http://127.0.0.1:{PORT}"
@@ -64,7 +64,7 @@ def user_env() -> dict[str, str]:
 def run(command: str, cwd: Path) -> Process:
     """Start ``command`` as a user types it (split on spaces, ``python`` found on PATH)."""
     proc = subprocess.Popen(command.split(), cwd=cwd, env=user_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, preexec_fn=ctrl_c_enabled)  # Ctrl-C as in a terminal
     return Process(proc)
 
 
