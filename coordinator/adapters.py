@@ -127,6 +127,7 @@ class CompressedUpdate(Mapping[str, torch.Tensor]):
 
     def __getitem__(self, name: str) -> torch.Tensor:
         offset, length = self.spans[name]
+        body: memoryview | bytes
         if self.int8 is not None:
             if self._data is None:
                 self._data = memoryview(self.path.read_bytes())

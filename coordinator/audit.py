@@ -14,11 +14,11 @@ from __future__ import annotations
 import json
 import logging
 import math
-import sqlite3
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from coordinator.sqldb import Connection
 from protocol.errors import BadRequest
 from protocol.schemas import loads_json
 
@@ -71,7 +71,7 @@ class Event:
     detail: dict[str, Any] = field(default_factory=dict)
 
 
-def insert_event(db: sqlite3.Connection, event: Event) -> None:
+def insert_event(db: Connection, event: Event) -> None:
     """Add one event inside the caller's transaction and drop rows beyond ``EVENTS_KEPT``."""
     cur = db.execute("INSERT INTO events (time, kind, expert, worker_id, update_id, message, detail) "
                      "VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -83,7 +83,7 @@ def insert_event(db: sqlite3.Connection, event: Event) -> None:
     log.debug("%s: %s", event.kind, _storable(event.message))  # every decision, with --debug
 
 
-def query_events(db: sqlite3.Connection, limit: int, after: int | None = None, expert: str | None = None,
+def query_events(db: Connection, limit: int, after: int | None = None, expert: str | None = None,
                  kind: str | None = None) -> list[dict[str, Any]]:
     """Newest first, at most ``limit``, optionally only ids above ``after`` / one expert / one kind."""
     where, args = [], []
@@ -97,7 +97,7 @@ def query_events(db: sqlite3.Connection, limit: int, after: int | None = None, e
              "update_id": r["update_id"], "message": r["message"], "detail": json.loads(r["detail"])} for r in rows]
 
 
-def insert_norm(db: sqlite3.Connection, expert: str, norm: float) -> None:
+def insert_norm(db: Connection, expert: str, norm: float) -> None:
     """Remember an accepted update's norm inside the caller's transaction; keep the newest per expert.
 
     A non-finite norm is never stored: one inf made the median inf, and the check was off for good."""
@@ -108,7 +108,7 @@ def insert_norm(db: sqlite3.Connection, expert: str, norm: float) -> None:
                "ORDER BY id DESC LIMIT 1 OFFSET ?)", (expert, expert, NORMS_KEPT))
 
 
-def recent_norms(db: sqlite3.Connection, expert: str, n: int) -> list[float]:
+def recent_norms(db: Connection, expert: str, n: int) -> list[float]:
     """The norms of the expert's newest ``n`` accepted updates, newest first."""
     rows = db.execute("SELECT norm FROM update_norms WHERE expert = ? ORDER BY id DESC LIMIT ?", (expert, n))
     return [r["norm"] for r in rows.fetchall()]

@@ -90,7 +90,7 @@ class Authenticator:
         """``record_event`` writes an audit row (``Coordinator.record_event``): refusals go there."""
         if config.manifest:  # replicas: tokens in the shared database (coordinator/backends/postgres.py)
             from coordinator.backends.postgres import PostgresTokenStore
-            self.tokens = PostgresTokenStore(config.manifest, config.data_dir, config.admin_token_file,
+            self.tokens: TokenStore = PostgresTokenStore(config.manifest, config.data_dir, config.admin_token_file,
                                              config.token_ttl_hours * 3600)
         else:
             self.tokens = TokenStore(config.data_dir, config.admin_token_file, config.token_ttl_hours * 3600)

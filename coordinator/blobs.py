@@ -24,7 +24,7 @@ from safetensors import SafetensorError
 
 from protocol.errors import BadRequest, InsufficientStorage, PayloadTooLarge
 from protocol.files import fsync_dir, private_dir
-from protocol.integrity import DEFAULT_ALGORITHM, algorithm_of, hash_file, hex_of, new_hasher, content_id
+from protocol.integrity import DEFAULT_ALGORITHM, Readable, algorithm_of, hash_file, hex_of, new_hasher, content_id
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class BlobStore:
         os.close(fd)
         return Path(name)
 
-    def receive(self, stream: BinaryIO, limit: int, length: int | None = None,
+    def receive(self, stream: Readable, limit: int, length: int | None = None,
                 algorithm: str = DEFAULT_ALGORITHM) -> Path:
         """Copy a request body to a fsynced temp file, failing past ``limit`` bytes.
 
@@ -171,7 +171,7 @@ class BlobStore:
             self._received_digests[tmp] = digest
         return tmp
 
-    def write_temp(self, write: Callable[[Path], None]) -> Path:
+    def write_temp(self, write: Callable[[Path], object]) -> Path:
         """Let ``write(path)`` fill a temp file and fsync it; ``adopt`` it to store it."""
         tmp = self.new_temp()
         try:
@@ -183,7 +183,7 @@ class BlobStore:
             raise
         return tmp
 
-    def put_file(self, write: Callable[[Path], None]) -> str:
+    def put_file(self, write: Callable[[Path], object]) -> str:
         """Let ``write(path)`` fill a temp file, then fsync and adopt it."""
         return self.adopt(self.write_temp(write))
 

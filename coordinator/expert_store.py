@@ -25,11 +25,11 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, ContextManager, Protocol, TypeVar
+from typing import Any, BinaryIO, ContextManager, Protocol, TypeGuard, TypeVar
 
 from coordinator.audit import Event
 from coordinator.blobs import is_storage_full, storage_errors
-from protocol.integrity import DEFAULT_ALGORITHM
+from protocol.integrity import DEFAULT_ALGORITHM, Readable
 from coordinator.store import ExpertRow, StaleAggregation, UpdateRow
 from protocol.errors import NotFound
 
@@ -49,7 +49,7 @@ class BlobBackend(Protocol):
 
     tmp_dir: Path
 
-    def receive(self, stream: BinaryIO, limit: int, length: int | None = None,
+    def receive(self, stream: Readable, limit: int, length: int | None = None,
                 algorithm: str = DEFAULT_ALGORITHM) -> Path: ...
     def take_spooled(self, path: Path, digest: str) -> Path: ...  # a body the HTTP front spooled and hashed
     def write_temp(self, write: Callable[[Path], None]) -> Path: ...
@@ -65,6 +65,17 @@ class BlobBackend(Protocol):
     def quarantine(self, digest: str, reason: str) -> str | None: ...  # a copy's name; None if gone
     @property
     def quarantine_location(self) -> str: ...
+
+
+class PresigningBlobBackend(BlobBackend, Protocol):
+    """A remote blob backend that hands out direct download URLs (``coordinator.backends.s3``)."""
+
+    def presigned_url(self, digest: str) -> str: ...
+    def remote_size(self, digest: str) -> int: ...  # bytes of the blob in the store (0 if absent)
+
+
+def _presigning(blobs: BlobBackend) -> TypeGuard[PresigningBlobBackend]:
+    return getattr(blobs, "presigned_url", None) is not None
 
 
 class ManifestBackend(Protocol):
@@ -143,7 +154,7 @@ class ExpertStore:
         """A local directory for request bodies on their way in (same file system as the temp files)."""
         return self._blobs.tmp_dir
 
-    def receive(self, stream: BinaryIO, limit: int, length: int | None = None,
+    def receive(self, stream: Readable, limit: int, length: int | None = None,
                 algorithm: str = DEFAULT_ALGORITHM) -> Path:
         """A request body copied to a fsynced temp file (see ``BlobStore.receive``)."""
         with storage_errors("receive the request body"):
@@ -366,8 +377,8 @@ class ExpertStore:
     def redirect_url(self, digest: str, min_bytes: int) -> tuple[str, int] | None:
         """(URL, size): a short-lived URL to GET a blob of at least ``min_bytes`` from directly (the object store's
         bandwidth, not ours), when the blob backend offers one; else None (serve it ourselves)."""
-        presign = getattr(self._blobs, "presigned_url", None)
-        if presign is None or min_bytes <= 0:
+        blobs = self._blobs
+        if not _presigning(blobs) or min_bytes <= 0:
             return None
-        size = self._blobs.remote_size(digest)
-        return (presign(digest), size) if size >= min_bytes else None
+        size = blobs.remote_size(digest)
+        return (blobs.presigned_url(digest), size) if size >= min_bytes else None

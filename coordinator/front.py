@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import IO, Any, BinaryIO
 
 from protocol.integrity import DIGEST_HEADER, content_id, new_hasher, requested_algorithm
 from coordinator.http1 import HEAD_LIMIT, HttpError, RequestHead, error_response, parse_head, response_head, \
@@ -154,6 +154,7 @@ class BufferingFront:
             writer.close()
             return
         task = asyncio.current_task()
+        assert task is not None  # start_server runs each connection's callback in a task of its own
         self.connections.add(task)
         try:
             await Connection(self, reader, writer).serve()
@@ -201,6 +202,7 @@ class Connection:
 
     async def serve(self) -> None:
         first = True
+        assert self.front.stopping is not None  # set before the server accepts connections
         try:
             while not self.front.stopping.is_set():
                 head = await self._read_head(self.timeout if first else self.front.options.keepalive)
@@ -252,7 +254,9 @@ class Connection:
         if head.expects_continue and (length or head.chunked):
             await self._write(b"HTTP/1.1 100 Continue\r\n\r\n")
         spool = self._spool_file(head)
-        body = spool.file if spool else tempfile.SpooledTemporaryFile(SPOOL_IN_MEMORY, dir=self.front.options.spool_dir)
+        spool_dir = self.front.options.spool_dir
+        body: IO[bytes] = spool.file if spool else tempfile.SpooledTemporaryFile(
+            SPOOL_IN_MEMORY, dir=None if spool_dir is None else str(spool_dir))
         try:
             size = await (self._receive_chunked(body, spool) if head.chunked else self._receive(body, length, spool))
             body.seek(0)
@@ -264,6 +268,7 @@ class Connection:
             body.close()
             if spool is not None:
                 spool.discard()
+        assert self.front.stopping is not None  # set before the server accepts connections
         keep = head.keep_alive() and not self.front.stopping.is_set() and not any(
             k.lower() == "connection" and "close" in v.lower() for k, v in answer.headers)
         await self._send(head, answer, keep)
@@ -280,7 +285,7 @@ class Connection:
             _raise_if_full(exc)
             raise
 
-    async def _receive(self, body: BinaryIO, length: int, spool: Spool | None = None) -> int:
+    async def _receive(self, body: IO[bytes], length: int, spool: Spool | None = None) -> int:
         left = length
         while left:
             chunk = await self._read_body(min(READ_CHUNK, left))
@@ -290,7 +295,7 @@ class Connection:
             left -= len(chunk)
         return length
 
-    async def _receive_chunked(self, body: BinaryIO, spool: Spool | None = None) -> int:
+    async def _receive_chunked(self, body: IO[bytes], spool: Spool | None = None) -> int:
         size = 0
         while True:
             line = await self._with_timeout(self.reader.readuntil(b"\r\n"))
@@ -405,7 +410,7 @@ class Spool:
             self.path.unlink(missing_ok=True)
 
 
-def _spool(body: BinaryIO, chunk: bytes) -> None:
+def _spool(body: IO[bytes], chunk: bytes) -> None:
     try:
         body.write(chunk)
     except OSError as exc:

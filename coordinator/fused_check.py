@@ -51,7 +51,8 @@ def int8_update_norm(path: Path, config: BlockwiseConfig, manifest: Manifest) ->
             spans = wire.index_update_file(f, size, manifest)
         except CompressionError:
             return None
-        data = f.seek(0) or f.read()
+        f.seek(0)
+        data = f.read()
     view = memoryview(data)
     scale_dtype = np.dtype(SCALE_FORMATS[config.scale_dtype][0])
     scales, codes = [], []
@@ -88,7 +89,7 @@ def _norm(scales: np.ndarray, codes: np.ndarray, block: int) -> float | None:
         return None
     # Sums of up to 1024 squares of codes stay below 2^24, so float32 holds them exactly.
     wide = codes.astype(np.float32 if block <= 1024 else np.float64).reshape(-1, block)
-    per_block = np.einsum("ij,ij->i", wide, wide)
+    per_block = np.einsum("ij,ij->i", wide, wide)  # type: ignore[arg-type]  # numpy: astype(a or b) is typed dtype[generic]
     s64 = scales.astype(np.float64)
     norm = math.sqrt(float(np.dot(s64 * s64, per_block.astype(np.float64))))
     return norm if math.isfinite(norm) else None

@@ -39,7 +39,7 @@ from gateway.router import combine_profiles, profile_from_json, profile_to_json
 from gateway.router import route as route_prompt
 from protocol.errors import BadRequest, Conflict, InsufficientStorage, InvalidPayload, NotFound, PayloadTooLarge
 from protocol.files import private_dir, private_file
-from protocol.integrity import DEFAULT_ALGORITHM, DIGEST_HEADER, algorithm_of, hex_of
+from protocol.integrity import DEFAULT_ALGORITHM, DIGEST_HEADER, Readable, algorithm_of, hex_of
 from protocol.schemas import MAX_COUNT, BaseModelSpec, ExpertSpec, UpdateMeta, check_name
 from protocol.tensors import load_file, manifest_from_json, manifest_to_json
 
@@ -88,7 +88,7 @@ class Coordinator:
         """413 if a body's announced size (Content-Length) is over --max-body-mb."""
         check_body_size(length, self.config.max_body_bytes)
 
-    def receive_body(self, stream: BinaryIO, length: int | None, expected_digest: str | None,
+    def receive_body(self, stream: Readable, length: int | None, expected_digest: str | None,
                      spooled: Any = None) -> Path:
         """A request body in a fsynced temp file: 413 past --max-body-mb, 400 if it does not match
         ``expected_digest`` (nothing is left behind). ``length`` (Content-Length): read exactly that.
@@ -106,8 +106,11 @@ class Coordinator:
                 if existing is not None:
                     self._check_compatible(existing, spec)
                     return self.expert_info(name), False
-                manifest = (check_full_weights(body, spec.full) if spec.full is not None
-                            else check_lora_adapter(_load_adapter(body), spec.lora))
+                if spec.full is not None:
+                    manifest = check_full_weights(body, spec.full)
+                else:
+                    assert spec.lora is not None  # an ExpertSpec has exactly one of full and lora
+                    manifest = check_lora_adapter(_load_adapter(body), spec.lora)
                 self.store.create_expert(name, spec.to_json(), manifest_to_json(manifest), body, events=(
                     audit.expert_created(name, spec.lora.rank if spec.lora else None, spec.base_model.id),))
         finally:
@@ -321,7 +324,7 @@ def check_body_size(length: int | None, limit: int) -> None:
                               "(coordinator flag --max-body-mb)", limit=limit)
 
 
-def receive_checked(spool: ExpertStore | BlobStore, stream: BinaryIO, length: int | None, limit: int,
+def receive_checked(spool: ExpertStore | BlobStore, stream: Readable, length: int | None, limit: int,
                     expected_digest: str | None, spooled: Any = None) -> Path:
     """A body in a fsynced temp file of ``spool``: 413 past ``limit``, 400 (nothing left) on a digest mismatch.
     ``spooled`` (the front's SpooledBody) is taken over when it fits and was hashed with the expected algorithm.

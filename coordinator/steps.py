@@ -12,10 +12,12 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from compression.errors import PayloadError
 from coordinator import audit
@@ -120,7 +122,7 @@ class AggregationSteps:
             try:
                 new, updates = self._candidate(expert, batch)
             except (InvalidPayload, PayloadError, FileNotFoundError):  # raw payloads are opened here, others decoded
-                if all(self.store.update(u.update_id).status == "pending" for u in batch):
+                if all(self._still_pending(u) for u in batch):
                     raise
                 log.warning("dropped an aggregation step of %s: its updates were applied meanwhile", name)
                 return False  # another process applied them and dropped their payloads
@@ -141,7 +143,13 @@ class AggregationSteps:
                  len(batch), [u.staleness for u in updates])
         return True
 
-    def _deltas(self, meta: dict[str, Any], path: Path, manifest: list[tuple[str, tuple[int, ...]]]) -> StateDict:
+    def _still_pending(self, update: UpdateRow) -> bool:
+        row = self.store.update(update.update_id)
+        assert row is not None  # update rows are never deleted
+        return row.status == "pending"
+
+    def _deltas(self, meta: dict[str, Any], path: Path,
+                manifest: list[tuple[str, tuple[int, ...]]]) -> Mapping[str, torch.Tensor]:
         """Deltas read from the update's payload when aggregated (not kept in memory while pending)."""
         deltas = stored_deltas(path, meta["codec"], meta["codec_config"], manifest)
         scale = meta.get("norm_scale", 1.0)  # clipped at receipt (--norm-check clip)

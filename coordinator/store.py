@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.audit import AUDIT_SCHEMA, Event, insert_event, insert_norm, query_events, recent_norms
+from coordinator.sqldb import Connection, Row
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS experts (
@@ -129,8 +130,9 @@ class ManifestStore:
     """All SQLite access. One connection, serialised by a lock (writes are tiny)."""
 
     def __init__(self, path: Path) -> None:
-        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
-        self._db.row_factory = sqlite3.Row
+        db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        db.row_factory = sqlite3.Row
+        self._db: Connection = db
         self._lock = threading.RLock()
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
@@ -144,7 +146,7 @@ class ManifestStore:
             self._db.close()
 
     @contextmanager
-    def transaction(self) -> Iterator[sqlite3.Connection]:
+    def transaction(self) -> Iterator[Connection]:
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
@@ -154,11 +156,11 @@ class ManifestStore:
                 raise
             self._db.execute("COMMIT")
 
-    def _all(self, sql: str, *args: Any) -> list[sqlite3.Row]:
+    def _all(self, sql: str, *args: Any) -> list[Row]:
         with self._lock:
             return self._db.execute(sql, args).fetchall()
 
-    def _one(self, sql: str, *args: Any) -> sqlite3.Row | None:
+    def _one(self, sql: str, *args: Any) -> Row | None:
         with self._lock:
             return self._db.execute(sql, args).fetchone()
 
@@ -345,6 +347,7 @@ class ManifestStore:
             rows = db.execute("SELECT version, blob FROM gateways ORDER BY version DESC LIMIT -1 OFFSET ?",
                               (keep,)).fetchall()
             db.executemany("DELETE FROM gateways WHERE version = ?", [(r["version"],) for r in rows])
+        assert cur.lastrowid is not None  # set by the INSERT above
         return int(cur.lastrowid), [r["blob"] for r in rows]
 
     # audit log and norm history (coordinator.audit) ------------------------
@@ -372,19 +375,19 @@ class ManifestStore:
         return {r["blob"] for r in rows}
 
 
-def _insert_events(db: sqlite3.Connection, events: tuple[Event, ...]) -> None:
+def _insert_events(db: Connection, events: tuple[Event, ...]) -> None:
     for event in events:
         insert_event(db, event)
 
 
-def _expert(row: sqlite3.Row) -> ExpertRow:
+def _expert(row: Row) -> ExpertRow:
     return ExpertRow(name=row["name"], spec=json.loads(row["spec"]), manifest=row["manifest"],
                      version=row["version"], updates_applied=row["updates_applied"],
                      samples_seen=row["samples_seen"], last_train_loss=row["last_train_loss"],
                      created_at=row["created_at"], updated_at=row["updated_at"])
 
 
-def _update(row: sqlite3.Row) -> UpdateRow:
+def _update(row: Row) -> UpdateRow:
     return UpdateRow(seq=row["seq"], update_id=row["update_id"], expert=row["expert"],
                      worker_id=row["worker_id"], meta=json.loads(row["meta"]), blob=row["blob"],
                      body_sha256=row["body_sha256"], body_bytes=row["body_bytes"], status=row["status"],

@@ -32,7 +32,7 @@ from typing import Any, BinaryIO
 from coordinator.blobs import storage_errors
 from protocol.errors import BadRequest, Conflict, FedMoEError, InsufficientStorage, NotFound
 from protocol.files import private_dir, write_atomically
-from protocol.integrity import algorithm_of, content_id, new_hasher
+from protocol.integrity import Readable, algorithm_of, content_id, new_hasher
 from protocol.schemas import UpdateMeta
 
 log = logging.getLogger(__name__)
@@ -256,7 +256,7 @@ class UploadStore:
 
     # chunks ---------------------------------------------------------------------
 
-    def write(self, upload: Upload, start: int, stream: BinaryIO, length: int, chunk_digest: str | None) -> None:
+    def write(self, upload: Upload, start: int, stream: Readable, length: int, chunk_digest: str | None) -> None:
         """Append ``length`` bytes read from ``stream`` at ``start`` (which must be the offset); durable on return."""
         with self.holding(upload):
             self._check_start(upload, start, length)
@@ -337,7 +337,7 @@ class UploadStore:
             return sum(not u.completed for u in self._uploads.values())
 
 
-def _copy(stream: BinaryIO, out: BinaryIO, length: int, hashers: tuple[Any, ...]) -> None:
+def _copy(stream: Readable, out: BinaryIO, length: int, hashers: tuple[Any, ...]) -> None:
     got = 0
     while got < length:
         block = stream.read(min(WRITE_CHUNK, length - got))

@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import re
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, Protocol
 
 import blake3
 
@@ -105,6 +105,12 @@ def is_old_server_refusal(message: str) -> bool:
     return DIGEST_HEADER in message and "must be 'sha256=" in message
 
 
+class Readable(Protocol):
+    """A body to read from: a file, a request's input stream, a ``ClientReader``."""
+
+    def read(self, size: int = ..., /) -> bytes: ...
+
+
 class ClientReader:
     """Wraps a request body stream and turns a failed read into a 408.
 
@@ -114,7 +120,7 @@ class ClientReader:
     it writes (coordinator.blobs.BlobStore.receive), or by the front as it spools.
     """
 
-    def __init__(self, stream: BinaryIO) -> None:
+    def __init__(self, stream: Readable) -> None:
         self.stream = stream
 
     def read(self, size: int = -1) -> bytes:

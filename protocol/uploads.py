@@ -91,6 +91,14 @@ class ResumablePush:
     algorithm: str = DEFAULT_ALGORITHM
     """Digest of the body and of each chunk (the client's; sha256 for a coordinator before 0.7)."""
 
+    def _adopt(self, opened: dict[str, Any]) -> None:
+        """Continue the upload the coordinator answered an open with (or nothing to send: ``update`` is set)."""
+        self._done: dict[str, Any] | None = opened.get("update")
+        self._upload_id: str | None = opened.get("upload_id")
+        self._offset: int = int(opened["offset"])
+        self._limit = max(self.policy.min_chunk, min(self.policy.max_chunk, int(len(self.body) * self.policy.max_fraction)))
+        self._limit = min(self._limit, int(opened.get("chunk_limit") or self._limit))  # the coordinator's own bound
+
     def run(self) -> dict[str, Any]:
         """Push the body; the coordinator's answer to the push (its UpdateStatus)."""
         self.stats.size = len(self.body)
@@ -114,14 +122,6 @@ class ResumablePush:
                 failures = self._failed(exc, failures)
             self._resync()
         return self._done
-
-    def _adopt(self, opened: dict[str, Any]) -> None:
-        """Continue the upload the coordinator answered an open with (or nothing to send: ``update`` is set)."""
-        self._done: dict[str, Any] | None = opened.get("update")
-        self._upload_id: str | None = opened.get("upload_id")
-        self._offset: int = int(opened["offset"])
-        self._limit = max(self.policy.min_chunk, min(self.policy.max_chunk, int(len(self.body) * self.policy.max_fraction)))
-        self._limit = min(self._limit, int(opened.get("chunk_limit") or self._limit))  # the coordinator's own bound
 
     def _resync(self) -> None:
         """Ask where the coordinator stands; open the upload again if it is gone (expired, dropped)."""

@@ -368,7 +368,7 @@ class FederatedWorker:
         delta_from = None
         if stats.samples or (final and self.encoder.residual_norm() > 0):  # the final sync flushes the residual
             delta_from, self.state.reference = self.state.reference, snapshot
-        record = {"time": time.time(), "sync": self.state.syncs, "final": final, "worker_id": self.settings.worker_id,
+        record: dict[str, Any] = {"time": time.time(), "sync": self.state.syncs, "final": final, "worker_id": self.settings.worker_id,
                   "base_version": self.state.version, "global_step": self.trainer.global_step}
         self.state.syncs += 1
         checkpoint = (resume.capture(self.identity, self.state, self.trainer, self.encoder, snapshot, self.dataset)
@@ -387,6 +387,7 @@ class FederatedWorker:
         if job.delta_from is not None:
             job.record |= self._encode(job)
         if job.checkpoint is not None:
+            assert self.settings.state_dir is not None  # begin_sync captures a checkpoint only with a state dir
             job.record["checkpoint_seconds"] = resume.save(self.settings.state_dir, job.checkpoint, self.encoder,
                                                            self.state)
         pushing = time.perf_counter()
@@ -418,8 +419,9 @@ class FederatedWorker:
 
     def _encode(self, job: SyncJob) -> dict[str, Any]:
         """Step 2: turn the job's interval into an outgoing update; returns its metrics."""
-        stats, snapshot = job.stats, job.snapshot
-        delta = {k: snapshot[k] - job.delta_from[k] for k in snapshot}
+        stats, snapshot, delta_from = job.stats, job.snapshot, job.delta_from
+        assert delta_from is not None  # exchange encodes only a job with a delta
+        delta = {k: snapshot[k] - delta_from[k] for k in snapshot}
         manifest = manifest_of(delta)
         decision = self._choose_push(delta) if self.encoder.settings.adaptive and not job.final else None
         try:
@@ -457,7 +459,9 @@ class FederatedWorker:
 
     def _choose_push(self, delta: StateDict) -> Decision:
         numel = sum(t.numel() for t in delta.values())
-        return choose_push(numel, len(delta), self.encoder.settings.sync_budget, self.links.up)
+        budget = self.encoder.settings.sync_budget
+        assert budget is not None  # --compression auto (adaptive) requires --sync-budget
+        return choose_push(numel, len(delta), budget, self.links.up)
 
     def _push(self) -> bool:
         """Step 3: push queued updates in order; False if the coordinator is unreachable (kept for later)."""
@@ -506,6 +510,7 @@ class FederatedWorker:
         """Take the expert's weights W plus our undelivered residual r; with ``carry_from`` keep what was
         trained since: W + r + (local - carry_from). The next delta is measured from W + r."""
         weights = fetched.weights
+        assert weights is not None  # callers adopt only a pull that brought weights
         residual = self.encoder.carried()
         ours = local = {k: weights[k] + residual[k] for k in weights} if residual else weights
         if carry_from is not None and self.interval.steps:

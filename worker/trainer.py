@@ -6,7 +6,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -216,11 +216,11 @@ class LoraTrainer:
             base.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         if lora.rank == 0:  # a full-parameter expert: every weight trains, no adapter (worker/full_params.py)
             self.target_modules: tuple[str, ...] = ()
-            self.model = base.model.to(self.device)
+            self.model = base.model.to(self.device)  # type: ignore[arg-type]  # transformers: .to's wrapper is typed (model) -> model
             self._adapter = trainable_weights(self.model)
         else:
             self.target_modules = lora.target_modules or tuple(default_target_modules(base.model))
-            config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(self.target_modules),
+            config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=list(self.target_modules),  # type: ignore[arg-type]  # peft hints int; a float alpha works (scaling = alpha / r)
                                 lora_dropout=lora.dropout, init_lora_weights=True, bias="none",
                                 task_type="CAUSAL_LM")
             with torch.random.fork_rng(devices=[]):
@@ -357,7 +357,10 @@ class LoraTrainer:
         """The summed answer-token loss of one micro-batch under autocast."""
         with autocast(self.device, self.settings.precision):
             # A rank with nothing to learn from still joins the last all-reduce, with zero gradients.
-            return batch_loss_sum(self._train_model, part)[0] if count else self._zero_loss(batch)
+            if not count:
+                return self._zero_loss(batch)
+            assert part is not None  # labelled_positions counts 0 for an empty (None) micro-batch
+            return batch_loss_sum(self._train_model, part)[0]
 
     def _optimizer_step(self) -> None:
         """Clip the global gradient norm and step (skipped, and the scale lowered, if fp16 gradients overflowed)."""
@@ -432,7 +435,7 @@ class LoraTrainer:
                 target.copy_(state[key])
 
 
-def _check_adapter_state(expected: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> None:
+def _check_adapter_state(expected: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor]) -> None:
     missing = sorted(expected.keys() - state.keys())
     unexpected = sorted(state.keys() - expected.keys())
     if missing or unexpected:

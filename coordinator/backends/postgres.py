@@ -33,6 +33,7 @@ from psycopg.rows import dict_row, tuple_row
 
 from coordinator.audit import AUDIT_SCHEMA
 from coordinator.backends.errors import BackendUnavailable, log_outage
+from coordinator.sqldb import Row
 from coordinator.store import SCHEMA, ManifestStore
 from coordinator.tokens import TokenStore
 from protocol.errors import Conflict
@@ -62,19 +63,21 @@ def pg_sql(sql: str) -> str:
 
 
 class PgCursor:
-    """What the store reads from a cursor: rows by column name, rowcount, lastrowid."""
+    """What the store reads from a cursor: rows by column name, rowcount, lastrowid.
 
-    def __init__(self, cursor: psycopg.Cursor, lastrowid: int | None = None) -> None:
+    Rows are what the connection's row factory makes: dicts (the manifest), tuples (the tokens)."""
+
+    def __init__(self, cursor: psycopg.Cursor[Any], lastrowid: int | None = None) -> None:
         self._cursor, self.lastrowid = cursor, lastrowid
         self.rowcount = cursor.rowcount
 
-    def fetchone(self) -> dict[str, Any] | None:
+    def fetchone(self) -> Any:
         return self._cursor.fetchone()
 
-    def fetchall(self) -> list[dict[str, Any]]:
+    def fetchall(self) -> list[Any]:
         return self._cursor.fetchall()
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
+    def __iter__(self) -> Iterator[Any]:
         return iter(self._cursor.fetchall())
 
 
@@ -102,7 +105,11 @@ class PgConnection:
         column = _ID_COLUMNS.get(table.group(1).lower()) if table else None
         statement = pg_sql(text) + (f" RETURNING {column}" if column else "")
         cursor = self._conn.execute(statement, tuple(args))
-        lastrowid = cursor.fetchone()[column] if column else None
+        lastrowid = None
+        if column:
+            row = cursor.fetchone()
+            assert row is not None  # INSERT ... RETURNING gives the new row
+            lastrowid = row[column]
         return PgCursor(cursor, lastrowid)
 
     def executemany(self, sql: str, rows: list[tuple]) -> PgCursor:
@@ -119,7 +126,7 @@ class PgConnection:
         self._conn.close()
 
 
-def _connect(url: str, rows: Any = dict_row) -> psycopg.Connection:
+def _connect(url: str, rows: Any = dict_row) -> psycopg.Connection[Any]:
     try:
         return psycopg.connect(url, autocommit=True, row_factory=rows, connect_timeout=10)
     except psycopg.OperationalError as exc:
@@ -180,11 +187,11 @@ class PostgresManifestStore(ManifestStore):
                 raise
             self._db.execute("COMMIT")
 
-    def _all(self, sql: str, *args: Any) -> list[dict[str, Any]]:
+    def _all(self, sql: str, *args: Any) -> list[Row]:
         with self._lock, self._guarded():
             return self._db.execute(sql, args).fetchall()
 
-    def _one(self, sql: str, *args: Any) -> dict[str, Any] | None:
+    def _one(self, sql: str, *args: Any) -> Row | None:
         with self._lock, self._guarded():
             return self._db.execute(sql, args).fetchone()
 

@@ -20,6 +20,7 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Literal
 from urllib.parse import urlsplit
 
 import boto3
@@ -158,7 +159,7 @@ class _S3Errors:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, kind, exc, tb) -> bool:
+    def __exit__(self, kind, exc, tb) -> Literal[False]:  # raises BackendUnavailable, never swallows
         if exc is None:
             return False
         retryable = (botocore.exceptions.EndpointConnectionError, botocore.exceptions.ConnectionClosedError,

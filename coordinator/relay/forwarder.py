@@ -158,7 +158,7 @@ class Forwarder:
         residual = self.store.residual(expert)
         if residual is not None:
             feedback.load_state_dict(loads(self.blobs.path(residual).read_bytes()))
-        payload, _ = feedback.compress(combined, manifest, seed=seq)
+        payload = feedback.compress(combined, manifest, seed=seq).payload
         return payload, feedback.state_dict()
 
     def _send(self, batch: Batch) -> bool:

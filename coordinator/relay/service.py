@@ -13,7 +13,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from coordinator.adapters import check_update
 from coordinator.aggregation import l2_norm
@@ -26,6 +26,7 @@ from coordinator.relay.upstream import RelayStartError, UpstreamClient, WeightsC
 from coordinator.service import check_body_size, liveness, receive_checked
 from protocol.errors import Conflict, InsufficientStorage, InvalidUpdate, NotFound, Unavailable
 from protocol.files import private_dir
+from protocol.integrity import Readable
 from protocol.schemas import BaseModelSpec, ExpertSpec, UpdateMeta, check_name
 from protocol.tensors import load_file, manifest_of
 
@@ -117,7 +118,7 @@ class RelayService:
     def check_body_size(self, length: int | None) -> None:
         check_body_size(length, self.config.max_body_bytes)
 
-    def receive_body(self, stream: BinaryIO, length: int | None, expected_digest: str | None,
+    def receive_body(self, stream: Readable, length: int | None, expected_digest: str | None,
                      spooled: Any = None) -> Path:
         """As the root's: a fsynced temp file, 413 past --max-body-mb, 400 on a digest mismatch, 507 on a full disk."""
         with storage_errors("receive the request body"):

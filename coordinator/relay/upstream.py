@@ -74,7 +74,7 @@ class UpstreamClient(CoordinatorClient):
             tmp.replace(self.token_file)
         return info
 
-    def _request(self, method: str, path: str, **kwargs: Any):  # type: ignore[override]
+    def _request(self, method: str, path: str, **kwargs: Any):
         try:
             return super()._request(method, path, **kwargs)
         except Unauthorized:  # our token expired or the root forgot it: join again, once

@@ -97,3 +97,20 @@ def test_combine_is_fedbuffs_staleness_weighted_mean_and_ids_are_deterministic()
     assert batch_update_id("r1", "ab12", "e1", 7) == "r1.ab12.e1.7"
     long = batch_update_id("r" * 64, "ab12", "e" * 64, 7)
     assert len(long) <= 128 and long == batch_update_id("r" * 64, "ab12", "e" * 64, 7)
+
+
+def test_a_relay_with_a_codec_forwards_a_compressed_batch(root, tmp_path):
+    """Regression: the forwarder unpacked ErrorFeedback.compress's Compressed as a tuple (TypeError)."""
+    url, join = root
+    app = create_relay_app(RelayConfig(upstream=url, join_token=join, relay_id="r1",
+                                       coordinator=CoordinatorConfig(data_dir=tmp_path / "relay"),
+                                       forward=ForwardPolicy(interval=3600, codec="int8")))
+    relay = app.extensions["fedmoe"]
+    relay.join_upstream()
+    try:
+        token = register(app, join).json["token"]
+        assert push(app, token, dumps(random_like(make_adapter(), 1))).status_code == 202
+        assert relay.forwarder.forward_once() == 1
+        assert relay.store.stats()["queued_updates"] == 0
+    finally:
+        relay.close()
