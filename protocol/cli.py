@@ -121,7 +121,9 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
             kwargs.setdefault("action", "store_false" if default else "store_true")
         else:
             if f.metadata["parse"] is None:
-                kwargs.setdefault("type", type(default) if default is not None else str)
+                # a list default (action="append") holds strings: type=list would split "w9" into ["w", "9"]
+                scalar = default is not None and not isinstance(default, (list, tuple))
+                kwargs.setdefault("type", type(default) if scalar else str)
                 kwargs["default"] = default
             else:
                 kwargs["default"] = None  # the dataclass default stands unless the flag is given

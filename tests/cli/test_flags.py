@@ -107,3 +107,10 @@ def test_gateway_tool_formats_are_the_library_formats():
     from gateway.local import FORMATS
 
     assert get_gateway_model.FORMATS == FORMATS
+
+
+def test_a_repeatable_flag_collects_whole_strings():
+    """--revoke-worker w9 once revoked worker ['w', '9'] (the list default became argparse's type)."""
+    args = get_gateway_model.parse_args(["--revoke-worker", "w9", "--revoke-worker", "w10"])
+    assert args.revoke_worker == ["w9", "w10"]
+    assert get_gateway_model.parse_args(["--list-experts"]).revoke_worker == []
