@@ -8,6 +8,7 @@ examples (one worker and one expert per domain). ``sample`` is the project's own
 """
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import math
@@ -298,6 +299,14 @@ def write_json_atomic(path: Path, data: Any) -> None:
     """Write JSON so that readers see the old file or the whole new one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(path, (json.dumps(data, indent=2) + "\n").encode())
+
+
+def require_positive(parser: argparse.ArgumentParser, args: argparse.Namespace, *names: str) -> None:
+    """parser.error for any of these optional count flags given below 1 (None = not given, its default stands)."""
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
 
 
 def configure_logging(verbose: bool = False) -> None:

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from bench.common import RESULTS_DIR, configure_logging, format_table, write_json_atomic
+from bench.common import RESULTS_DIR, configure_logging, format_table, require_positive, write_json_atomic
 from bench.compression import FP16, UNBIASED, CodecRun
 from bench.fedrounds import FedJob, FedResult, run_central, run_fed
 from bench.realdata import REAL_MODEL, SMOKE_MODEL, Lab, ds1000_domains, loss_pair, pct, quiet_estimate, shards, spread
@@ -212,9 +212,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="results JSON (default: %(default)s)")
     p.add_argument("-v", "--verbose", action="store_true", help="library logs too")
     args = p.parse_args(argv)
-    for name in ("rounds", "steps", "seeds", "codec_seeds", "track"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    require_positive(p, args, "rounds", "steps", "seeds", "codec_seeds", "track")
     return args
 
 

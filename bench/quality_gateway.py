@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from bench.common import RESULTS_DIR, configure_logging, format_table, write_json_atomic
+from bench.common import RESULTS_DIR, configure_logging, format_table, require_positive, write_json_atomic
 from bench.gateway import MERGE_PLAN, Adapter, classification_scores, merged_adapter, naive_factor_average
 from bench.quality_compression import true_delta_figures
 from bench.realdata import REAL_MODEL, SMOKE_MODEL, Lab, RealDomain, ds1000_domains, quiet_estimate, spread
@@ -316,9 +316,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="results JSON (default: %(default)s)")
     p.add_argument("-v", "--verbose", action="store_true", help="library logs too")
     args = p.parse_args(argv)
-    for name in ("steps", "seeds", "tune_limit"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    require_positive(p, args, "steps", "seeds", "tune_limit")
     return args
 
 

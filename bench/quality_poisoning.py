@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from bench.common import RESULTS_DIR, configure_logging, format_table, write_json_atomic
+from bench.common import RESULTS_DIR, configure_logging, format_table, require_positive, write_json_atomic
 from bench.fedrounds import ATTACKS, FedJob, run_fed
 from bench.realdata import REAL_MODEL, SMOKE_MODEL, Lab, ds1000_domains, loss_pair, pct, quiet_estimate, shards, spread
 
@@ -108,9 +108,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="results JSON (default: %(default)s)")
     p.add_argument("-v", "--verbose", action="store_true", help="library logs too")
     args = p.parse_args(argv)
-    for name in ("rounds", "seeds"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    require_positive(p, args, "rounds", "seeds")
     return args
 
 
