@@ -16,7 +16,7 @@ from coordinator.api import _int_arg, json_body, receive_body
 from coordinator.app import StrictJSONProvider, _log_requests_at_debug, _register_error_handlers
 from coordinator.auth import acting_worker, check_may_register, issue_token
 from coordinator.relay.service import RelayConfig, RelayService
-from coordinator.relays import probe_body
+from coordinator.relays import check_may_carry_members, probe_body
 from protocol.errors import BadRequest, Conflict, NotFound, Unavailable
 from protocol.schemas import (API_PREFIX, EXPERT_HEADER, UPDATE_HEADER, VERSION_HEADER, WORKER_HEADER,
                               BaseModelSpec, ExpertSpec, UpdateMeta, check_name, is_finite_number, parse_header_json)
@@ -119,6 +119,7 @@ def push_update(name: str) -> tuple[Response, int]:
     check_name(name, "expert name")
     meta = UpdateMeta.from_json(parse_header_json(request.headers.get(UPDATE_HEADER), UPDATE_HEADER))
     meta = replace(meta, worker_id=acting_worker(meta.worker_id, f"worker_id in {UPDATE_HEADER}"))
+    check_may_carry_members(meta)
     if request.content_length is not None:
         r.room_for(request.content_length)  # 507 before reading a body we could not keep
     status, is_new = r.submit_update(name, meta, receive_body())
