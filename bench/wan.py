@@ -4,24 +4,27 @@
 ``--sites`` emulated sites (``bench.wanemu``: a network namespace, a veth pair shaped with tbf, a
 delay proxy) each hold ``--workers`` real ``run_worker.py`` processes training one expert on
 tiny-qwen2; the root coordinator runs on this host's loopback, behind each site's 20 Mbit/s,
-50 ms RTT link. Modes (``MODES``):
+50 ms RTT link. Modes (``MODES``; the default runs flat, flat topk+int8, relays + topk+int8
+upstream and relays+adaptive):
 
-- ``flat``: every worker talks to the root over its site's link (uncompressed pushes);
+- ``flat``: every worker talks to the root over its site's link (uncompressed pushes); the root
+  aggregates with FedBuff over K=3 (the group size), the fair baseline: flat fedasync applies each
+  of 6 workers' deltas in full and oscillates (``flat fedasync``, kept for reference);
 - ``flat topk+int8``: the same with the best fixed codec of the flat baseline (docs/wan.md);
 - ``relays``: one relay per site runs *inside* the site (``run_coordinator.py --upstream``); the
   site's workers reach it on the namespace's loopback (fast), and only the relay crosses the WAN,
-  forwarding one combined update per expert per ``--forward-interval``;
-- ``relays+adaptive``: a slot for the workers' ``--compression auto`` (branch worker-adaptive):
-  it runs once ``run_worker.py --help`` offers ``auto``, and is skipped with a note until then.
+  forwarding one combined update per expert per ``--forward-interval`` (lossless);
+- ``relays + topk+int8 upstream``: the same, the relay compressing the long link (error feedback);
+- ``relays+adaptive``: that, with the workers on ``--compression auto --sync-budget 2``.
 
 Reported per mode: root ingress and egress bytes (counted on the wire by the proxies, headers
 included), syncs, and time to a target held-out loss. Held-out loss is measured after the run,
 off the clock, on every version the root kept (weights pulled by version, evaluated on the
-expert's held-out split); the target is the best loss ``flat`` reached, and a mode's time is from
-the expert's creation (version 0) to the first version at or below it (None: never within the run).
+expert's held-out split); the target is the best loss ``flat`` reached (and, less noisy, 90% of flat's gain), and a mode's time
+is from the expert's creation (version 0) to the first version at or below it (None: never in the run).
 
-    python -m bench.wan --quick      # 2 sites x 3 workers, 40 s per mode
-    python -m bench.wan              # 2 sites x 3 workers, 120 s per mode
+    python -m bench.wan --quick      # 2 sites x 3 workers, 40 s per mode (~10 min for 4 modes)
+    python -m bench.wan              # 2 sites x 3 workers, 120 s per mode (~20 min)
 
 Needs root (network namespaces). Table on stdout, progress on stderr, results in bench/results/wan.json.
 """
