@@ -163,7 +163,7 @@ def run_mode(name: str, s: Settings, scratch: Path) -> dict[str, Any]:
                     run.procs.append(link.site.popen(worker_command(f"wan-{site}-{i}", target, path, mode.workers, s),
                                                      cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                                                      stderr=subprocess.PIPE, text=True))
-            errors = [p.communicate(timeout=s.duration + 300)[1] for p in run.procs]
+            errors = [p.communicate(timeout=s.duration + 900)[1] for p in run.procs]  # start-up under load
             if run.relays:
                 time.sleep(s.sync_interval + 2)  # the relays' last forward
         finally:
