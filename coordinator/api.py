@@ -22,6 +22,7 @@ from coordinator.expert_store import WeightsRef
 from coordinator.front import SPOOLED_BODY
 from coordinator.openapi import OPENAPI
 from coordinator.service import Coordinator
+from coordinator.relays import check_may_carry_members
 from coordinator.tokens import WORKER
 from gateway.files import npz_bytes
 from protocol.errors import BadRequest, Conflict, FedMoEError, PayloadTooLarge, RequestTimeout, Unavailable
@@ -211,6 +212,7 @@ def push_update(name: str) -> tuple[Response, int]:
     try:
         meta = UpdateMeta.from_json(parse_header_json(request.headers.get(UPDATE_HEADER), UPDATE_HEADER))
         meta = replace(meta, worker_id=acting_worker(meta.worker_id, f"worker_id in {UPDATE_HEADER}"))
+        check_may_carry_members(meta)
         c.require_expert(name)  # 404 before reading a body we would throw away
         status, is_new = c.submit_update(name, meta, receive_body())
     except REFUSALS + (HTTPException,) as exc:  # every refused push goes to the audit log

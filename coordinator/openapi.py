@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.router import DEFAULT_DIM, DEFAULT_NGRAMS
-from protocol.schemas import API_PREFIX, EXPERT_HEADER, MAX_COUNT, UPDATE_HEADER, VERSION_HEADER, WORKER_HEADER
+from protocol.schemas import (API_PREFIX, EXPERT_HEADER, MAX_BATCH_MEMBERS, MAX_COUNT, UPDATE_HEADER, VERSION_HEADER,
+                              WORKER_HEADER)
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 UPDATE_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$"
@@ -104,7 +105,12 @@ SCHEMAS: dict[str, Any] = {
                        "train_loss": {"type": ["number", "null"]},
                        "codec": {"type": "string", "minLength": 1, "default": "safetensors"},
                        "codec_config": {"type": "object"},
-                       "worker_id": {"type": "string", "pattern": NAME_PATTERN}},
+                       "worker_id": {"type": "string", "pattern": NAME_PATTERN},
+                       "members": {"type": "object", "minProperties": 1, "maxProperties": MAX_BATCH_MEMBERS,
+                                   "additionalProperties": {"type": "string"},
+                                   "description": "A relay's combined update only (relay or admin token): worker "
+                                                  "update id -> content id of its body. 409 (reason "
+                                                  "members_applied, details.members) if the root has one."}},
     },
     "Expert": {
         "type": "object", "required": ["name", "version", "updates_applied", "samples_seen", "pending_updates"],

@@ -18,7 +18,7 @@ from typing import Any
 from flask import Blueprint, Flask, Response, current_app, jsonify
 
 from protocol.errors import BadRequest, Conflict, Forbidden
-from protocol.schemas import API_PREFIX, BaseModelSpec, ExpertSpec, check_name, is_finite_number
+from protocol.schemas import API_PREFIX, BaseModelSpec, ExpertSpec, UpdateMeta, check_name, is_finite_number
 
 bp = Blueprint("relays", __name__, url_prefix=API_PREFIX)
 
@@ -54,6 +54,16 @@ class RelayRegistry:
             r["bytes_saved"] = max(0, stats.get("bytes_received", 0) - stats.get("bytes_forwarded", 0)) + \
                 max(0, stats.get("bytes_served", 0) - stats.get("bytes_fetched", 0))
         return sorted(relays, key=lambda r: r["relay_id"])
+
+
+def check_may_carry_members(meta: UpdateMeta) -> None:
+    """Only a relay (or the admin) names the worker updates a push carries: a worker that could would
+    claim other workers' update ids, and the root would then refuse their pushes as duplicates."""
+    from coordinator.auth import principal
+    from coordinator.tokens import WORKER
+
+    if meta.members is not None and principal().role == WORKER:
+        raise Forbidden("a worker's update cannot carry 'members' (only a relay's combined update does)")
 
 
 def registry() -> RelayRegistry:

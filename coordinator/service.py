@@ -34,7 +34,7 @@ from coordinator.gateway_builder import GatewayBuilder
 from coordinator.norm_check import judge_norm
 from coordinator.recovery import recover
 from coordinator.steps import AggregationSteps
-from coordinator.store import ExpertRow, ManifestStore, UpdateRow
+from coordinator.store import RELAYED, ExpertRow, ManifestStore, UpdateRow
 from gateway.router import combine_profiles, profile_from_json, profile_to_json
 from gateway.router import route as route_prompt
 from protocol.errors import BadRequest, Conflict, InsufficientStorage, InvalidPayload, NotFound, PayloadTooLarge
@@ -255,8 +255,11 @@ class Coordinator:
         if row is None:
             raise NotFound(f"no update with id {update_id!r}")
         expert = self.require_expert(row.expert)
-        return {"update_id": row.update_id, "expert": row.expert, "status": row.status,
-                "applied_version": row.applied_version, "expert_version": expert.version}
+        relayed = {}
+        if row.status == RELAYED:  # a worker update inside a relay's batch: it shares the batch's fate
+            relayed, row = {"relayed_in": row.meta["relayed_in"]}, self.store.update(row.meta["relayed_in"]) or row
+        return {"update_id": update_id, "expert": row.expert, "status": row.status,
+                "applied_version": row.applied_version, "expert_version": expert.version, **relayed}
 
     # routing ------------------------------------------------------------------
 

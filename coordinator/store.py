@@ -20,6 +20,7 @@ from typing import Any
 
 from coordinator.audit import AUDIT_SCHEMA, Event, insert_event, insert_norm, query_events, recent_norms
 from coordinator.sqldb import Connection, Row
+from protocol.errors import Conflict
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS experts (
@@ -232,6 +233,8 @@ class ManifestStore:
                        "status, received_at) VALUES (?, ?, ?, ?, ?, ?, ?, 'pending', ?)",
                        (meta["update_id"], name, meta.get("worker_id"), json.dumps(meta), blob, blob,
                         body_bytes, time.time()))
+            if meta.get("members"):
+                _record_members(db, name, meta["update_id"], meta["members"])
             if meta.get("worker_id"):
                 db.execute("UPDATE workers SET updates_sent = updates_sent + 1, bytes_up = bytes_up + ?, "
                            "bytes_up_raw = bytes_up_raw + ?, last_seen = ? WHERE worker_id = ?",
@@ -244,6 +247,7 @@ class ManifestStore:
         return row
 
     def update(self, update_id: str) -> UpdateRow | None:
+        """The update's row; for a worker update a relay forwarded, status ``relayed`` and ``meta["relayed_in"]``."""
         row = self._one("SELECT * FROM updates WHERE update_id = ?", update_id)
         return _update(row) if row else None
 
@@ -392,3 +396,25 @@ def _update(row: Row) -> UpdateRow:
                      worker_id=row["worker_id"], meta=json.loads(row["meta"]), blob=row["blob"],
                      body_sha256=row["body_sha256"], body_bytes=row["body_bytes"], status=row["status"],
                      applied_version=row["applied_version"], received_at=row["received_at"])
+
+
+RELAYED = "relayed"
+
+
+def _record_members(db: Connection, name: str, batch_id: str, members: dict[str, str]) -> None:
+    """A relay batch's worker updates get rows of their own (status ``relayed``), in the batch's transaction:
+    their ids are then used like any other (a direct push of one is a duplicate). A batch naming an id this
+    root has recorded in any way is refused whole, with the ids, so the relay re-sends without them."""
+    ids = list(members)
+    marks = ", ".join("?" * len(ids))
+    seen = [r["update_id"] for r in db.execute(f"SELECT update_id FROM updates WHERE update_id IN ({marks})",
+                                               ids).fetchall()]
+    if seen:
+        raise Conflict(f"batch {batch_id!r} carries {len(seen)} update(s) this coordinator already recorded "
+                       f"({', '.join(sorted(seen)[:5])}{', ...' if len(seen) > 5 else ''}); re-send it without them",
+                       reason="members_applied", members=sorted(seen), update_id=batch_id)
+    now = time.time()
+    db.executemany("INSERT INTO updates (update_id, expert, worker_id, meta, blob, body_sha256, body_bytes, status, "
+                   "received_at) VALUES (?, ?, NULL, ?, NULL, ?, 0, ?, ?)",
+                   [(m, name, json.dumps({"update_id": m, "relayed_in": batch_id}), digest, RELAYED, now)
+                    for m, digest in members.items()])

@@ -29,6 +29,7 @@ from coordinator.api import coordinator, json_body
 from coordinator.audit import rejection_event
 from coordinator.auth import acting_worker, principal
 from coordinator.service import Coordinator
+from coordinator.relays import check_may_carry_members
 from coordinator.tokens import WORKER
 from coordinator.upload_store import Upload, UploadLimits, UploadStore
 from protocol.errors import (BadRequest, Conflict, FedMoEError, InvalidUpdate, PayloadTooLarge, RequestTimeout,
@@ -77,6 +78,7 @@ def open_upload(name: str) -> tuple[Response, int]:
         raise BadRequest(f"'update' must be the update's metadata (an object, as in the push header), got {update!r}")
     meta = UpdateMeta.from_json(update)
     meta = replace(meta, worker_id=acting_worker(meta.worker_id, "worker_id in 'update'"))
+    check_may_carry_members(meta)
     size, digest = body.get("size"), body.get("digest")
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise BadRequest(f"'size' must be the body's length in bytes (an integer >= 1), got {size!r}")

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from protocol.errors import BadRequest
+from protocol.integrity import is_content_id
 
 
 def is_finite_number(value: object) -> bool:
@@ -35,6 +36,8 @@ NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 # Counts stored in SQLite's signed 64-bit integers and summed there (samples_seen): far below 2**63.
 MAX_COUNT = 10**12
 UPDATE_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
+MAX_BATCH_MEMBERS = 256
+"""Worker updates one relay batch may carry (its member list travels in the update header: ~120 bytes each)."""
 MAX_JSON_DEPTH = 32
 """Deepest nesting of arrays and objects accepted in request JSON; ours is at most 3 deep. Python's
 parser recurses per level, so 3,000 levels were a RecursionError (a 500) and ~26x the body in memory."""
@@ -235,6 +238,9 @@ class UpdateMeta:
     codec: str = RAW_CODEC
     codec_config: dict[str, Any] = field(default_factory=dict)
     worker_id: str | None = None
+    members: dict[str, str] | None = None
+    """A relay's combined update only: the worker update ids it carries, each with the content id of the body
+    the relay received. The root records them with the batch and refuses (409) a batch naming one it has seen."""
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> "UpdateMeta":
@@ -261,9 +267,27 @@ class UpdateMeta:
         worker_id = obj.get("worker_id")
         if worker_id is not None:
             check_name(worker_id, "worker_id")
+        members = obj.get("members")
+        if members is not None:
+            _check_members(members, update_id, where)
         return cls(update_id=update_id, base_version=base_version, num_samples=num_samples,
                    train_loss=None if loss is None else float(loss), codec=codec,
-                   codec_config=config, worker_id=worker_id)
+                   codec_config=config, worker_id=worker_id, members=members)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        if out["members"] is None:  # a worker's own update: its stored metadata stays as it was
+            del out["members"]
+        return out
+
+
+def _check_members(members: object, update_id: str, where: str) -> None:
+    if not isinstance(members, dict) or not 1 <= len(members) <= MAX_BATCH_MEMBERS:
+        raise BadRequest(f"{where}: members must be an object of 1-{MAX_BATCH_MEMBERS} update ids, got "
+                         f"{str(members)[:80]!r}")
+    for member, digest in members.items():
+        if not UPDATE_ID_RE.fullmatch(member) or member == update_id:
+            raise BadRequest(f"{where}: members: {member[:140]!r} is not a valid update id other than the batch's own")
+        if not isinstance(digest, str) or not is_content_id(digest):
+            raise BadRequest(f"{where}: members[{member!r}] must be the content id of its body, got "
+                             f"{str(digest)[:80]!r}")

@@ -11,15 +11,16 @@ from dataclasses import replace
 
 from flask import Blueprint, Flask, Response, current_app, jsonify, request, send_file
 
+from coordinator import api as root_api
 from coordinator import auth
 from coordinator.api import _int_arg, json_body, receive_body
 from coordinator.app import StrictJSONProvider, _log_requests_at_debug, _register_error_handlers
-from coordinator.auth import acting_worker, check_may_register, issue_token
+from coordinator.auth import acting_worker
 from coordinator.relay.service import RelayConfig, RelayService
-from coordinator.relays import probe_body
-from protocol.errors import BadRequest, Conflict, NotFound, Unavailable
+from coordinator.relays import check_may_carry_members, probe_body
+from protocol.errors import Conflict, NotFound, Unavailable
 from protocol.schemas import (API_PREFIX, EXPERT_HEADER, UPDATE_HEADER, VERSION_HEADER, WORKER_HEADER,
-                              BaseModelSpec, ExpertSpec, UpdateMeta, check_name, is_finite_number, parse_header_json)
+                              ExpertSpec, UpdateMeta, check_name, parse_header_json)
 
 bp = Blueprint("api", __name__, url_prefix=API_PREFIX)
 
@@ -35,23 +36,11 @@ def health() -> Response:
                     "upstream_reachable": r.forwarder.upstream_reachable, "experts": len(r.store.cached_experts())})
 
 
-@bp.post("/workers")
-def register_worker() -> tuple[Response, int]:
-    body = json_body()
-    worker_id = check_name(body.get("worker_id"), "worker_id")
-    specialty = check_name(body.get("specialty"), "specialty")
-    interval = body.get("sync_interval")
-    if interval is not None and (not is_finite_number(interval) or interval <= 0):
-        raise BadRequest(f"'sync_interval' must be a positive number of seconds, got {interval!r}")
-    check_may_register(worker_id, specialty)
-    info = relay().register_worker(worker_id, specialty, BaseModelSpec.from_json(body.get("base_model")), interval)
-    return jsonify(info | issue_token(worker_id, specialty)), 200
-
-
-@bp.post("/workers/<worker_id>/heartbeat")
-def heartbeat(worker_id: str) -> Response:
-    relay().heartbeat(worker_id)
-    return jsonify({"worker_id": worker_id, "status": "ok"})
+# Registration and heartbeats are the root's own views (coordinator/api.py): they validate the body, check
+# the caller's right to register and issue the worker token, then call ``register_worker`` / ``heartbeat``
+# on ``app.extensions["fedmoe"]``, which here is the RelayService (same signatures, its own workers table).
+bp.add_url_rule("/workers", "register_worker", root_api.register_worker, methods=["POST"])
+bp.add_url_rule("/workers/<worker_id>/heartbeat", "heartbeat", root_api.heartbeat, methods=["POST"])
 
 
 @bp.get("/workers")
@@ -119,6 +108,7 @@ def push_update(name: str) -> tuple[Response, int]:
     check_name(name, "expert name")
     meta = UpdateMeta.from_json(parse_header_json(request.headers.get(UPDATE_HEADER), UPDATE_HEADER))
     meta = replace(meta, worker_id=acting_worker(meta.worker_id, f"worker_id in {UPDATE_HEADER}"))
+    check_may_carry_members(meta)
     if request.content_length is not None:
         r.room_for(request.content_length)  # 507 before reading a body we could not keep
     status, is_new = r.submit_update(name, meta, receive_body())

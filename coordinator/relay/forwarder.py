@@ -7,6 +7,12 @@ zeros: sum_i (n_i / N) * s(tau_i) * delta_i, tau_i = cached root version - the v
 started from), compressed with the relay's codec plus error feedback, recorded durably
 (``RelayStore.add_batch``) and sent under the update id ``<relay id>.<epoch>.<expert>.<seq>``.
 The root deduplicates update ids, so resending after a timeout or a kill -9 applies it once.
+
+Exactly once across relays: a batch's metadata names its members (worker update id -> body content
+id, ``UpdateMeta.members``, at most ``MAX_BATCH_MEMBERS``). The root records them with the batch in
+one transaction and refuses (409, ``reason: members_applied``, the ids in ``members``) a batch naming
+an update it already has, from another relay or pushed to it directly after a worker failed over.
+The relay then drops those members and re-sends the rest as a new batch (``_supersede``).
 """
 from __future__ import annotations
 
@@ -27,8 +33,8 @@ from coordinator.aggregation import AggregationParams, Update, fedbuff
 from coordinator.blobs import BlobStore
 from coordinator.relay.store import Batch, RelayStore
 from coordinator.relay.upstream import UpstreamClient, WeightsCache
-from protocol.errors import FedMoEError, Unavailable
-from protocol.schemas import RAW_CODEC, UPDATE_ID_RE
+from protocol.errors import Conflict, FedMoEError, Unavailable
+from protocol.schemas import MAX_BATCH_MEMBERS, RAW_CODEC, UPDATE_ID_RE
 from protocol.tensors import StateDict, dumps, load_file, loads, manifest_of
 
 log = logging.getLogger(__name__)
@@ -43,6 +49,10 @@ class ForwardPolicy:
     codec_config: dict[str, Any] | None = None
     staleness_decay: float = 0.1
     """Worker updates weigh 1 / (1 + decay * staleness) in the combination (as at the root)."""
+
+
+FORWARDED, REFUSED, SUPERSEDED = "forwarded", "refused", "superseded"
+MAX_REBUILDS = 4
 
 
 def batch_update_id(relay_id: str, epoch: str, expert: str, seq: int) -> str:
@@ -106,9 +116,12 @@ class Forwarder:
         with self._cycle_lock:
             for expert in self.store.experts_with_work():
                 try:
-                    batch = self.store.pending_batch(expert) or self._build(expert)
-                    if batch is not None and self._send(batch):
-                        delivered += 1
+                    for _ in range(MAX_REBUILDS):  # a superseded batch is rebuilt from its other members at once
+                        batch = self.store.pending_batch(expert) or self._build(expert)
+                        outcome = None if batch is None else self._send(batch)
+                        delivered += outcome == FORWARDED
+                        if outcome != SUPERSEDED:
+                            break
                 except Unavailable as exc:
                     self.upstream_reachable = False
                     log.warning("upstream unreachable (%s); %d byte(s) stay queued for later", exc,
@@ -124,7 +137,7 @@ class Forwarder:
         return delivered
 
     def _build(self, expert: str) -> Batch | None:
-        queued = self.store.queued(expert)
+        queued = self.store.queued(expert)[:MAX_BATCH_MEMBERS]  # the rest go in the next batches
         if not queued:
             return None
         cached = self.cache.get(expert)  # the version staleness is measured against (Unavailable: cached)
@@ -137,16 +150,16 @@ class Forwarder:
         samples = sum(u.meta["num_samples"] for u in queued)
         meta = {"update_id": batch_update_id(self.relay_id, self.epoch, expert, seq), "base_version": cached.version,
                 "num_samples": samples, "train_loss": _mean_loss([u.meta for u in queued]),
-                "codec": self.policy.codec, "codec_config": self.policy.codec_config or {}}
+                "codec": self.policy.codec, "codec_config": self.policy.codec_config or {},
+                "members": {u.update_id: u.body_digest for u in queued}}
         old_residual = self.store.residual(expert)
         with self.blobs_guard:  # adopted and recorded together: a sweep never sees them unreferenced
             digest = self.blobs.put_bytes(payload)
             residual_blob = None if residual is None else self.blobs.put_bytes(dumps(residual))
             batch = Batch(expert, seq, meta["update_id"], meta, digest, len(payload), len(queued),
                           sum(u.size for u in queued))
-            self.store.add_batch(batch, [u.update_id for u in queued], residual_blob)
-        if old_residual is not None and old_residual != residual_blob:
-            self.drop_unreferenced([old_residual])
+            # the old residual stays referenced by the batch until the root answers (see _supersede)
+            self.store.add_batch(batch, [u.update_id for u in queued], residual_blob, prev_residual=old_residual)
         log.info("batch %s: %d update(s) of %s (%d bytes) combined into %d bytes", meta["update_id"], len(queued),
                  expert, batch.member_bytes, len(payload))
         return batch
@@ -161,24 +174,47 @@ class Forwarder:
         payload = feedback.compress(combined, manifest, seed=seq).payload
         return payload, feedback.state_dict()
 
-    def _send(self, batch: Batch) -> bool:
+    def _send(self, batch: Batch) -> str:
+        """Push ``batch`` upstream; FORWARDED, REFUSED (for good, dropped) or SUPERSEDED (rebuild now)."""
         payload = self.blobs.path(batch.blob).read_bytes()
-        members = self.store.member_blobs(batch)
         try:
             self.upstream.push_update(batch.expert, payload, batch.meta)
         except Unavailable:
             raise
-        except FedMoEError as exc:  # refused for good: retrying the same bytes cannot help
-            log.error("upstream refused batch %s (%d worker update(s)) for good: %s", batch.update_id,
-                      batch.members, exc)
-            self.store.batch_done(batch, "refused")
-            self.drop_unreferenced([batch.blob, *members])
-            return False
-        self.store.batch_done(batch, "forwarded")
-        self.drop_unreferenced([batch.blob, *members])
+        except Conflict as exc:
+            elsewhere = set(exc.details.get("members") or []) & set(batch.meta.get("members") or {})
+            if exc.details.get("reason") == "members_applied" and elsewhere:
+                self._supersede(batch, elsewhere)
+                return SUPERSEDED
+            return self._refused(batch, exc)
+        except FedMoEError as exc:
+            return self._refused(batch, exc)
+        self.drop_unreferenced(self.store.batch_done(batch, "forwarded"))
         log.info("forwarded %s upstream (%d bytes for %d worker update(s))", batch.update_id, batch.size,
                  batch.members)
-        return True
+        return FORWARDED
+
+    def _refused(self, batch: Batch, exc: FedMoEError) -> str:
+        """Refused for good: retrying the same bytes cannot help."""
+        log.error("upstream refused batch %s (%d worker update(s)) for good: %s", batch.update_id, batch.members, exc)
+        self.drop_unreferenced(self.store.batch_done(batch, "refused"))
+        return REFUSED
+
+    def _supersede(self, batch: Batch, elsewhere: set[str]) -> None:
+        """The root already has ``elsewhere`` (a worker failed over and pushed them again via another relay or
+        directly): retire the batch and queue its other members again, for a new batch under the next id.
+
+        Error feedback: the batch was encoded as C(combined + R_old), leaving R_new = combined + R_old -
+        decode(C). The root applied none of it, so R_new is wrong twice over: it would forget R_old (the
+        error the root still owes from earlier batches) and it holds the dropped members' share of
+        ``combined`` (minus what C kept), which a later batch would then send again. So the residual goes
+        back to R_old, and the rebuilt batch re-weights the remaining members alone (FedBuff's n_i / N over
+        their own samples) and encodes them on top of R_old: each update reaches the root once, via one path.
+        """
+        log.warning("upstream already has %d of the %d worker update(s) in batch %s (a worker failed over and "
+                    "pushed them again elsewhere): dropping them and re-sending the rest", len(elsewhere),
+                    batch.members, batch.update_id)
+        self.drop_unreferenced(self.store.supersede_batch(batch, elsewhere))
 
     def flush(self) -> int:
         """Forward now (tests; the loop does this every interval)."""

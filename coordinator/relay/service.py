@@ -21,7 +21,7 @@ from coordinator.audit import Event
 from coordinator.blobs import BlobStore, storage_errors
 from coordinator.config import CoordinatorConfig
 from coordinator.relay.forwarder import Forwarder, ForwardPolicy
-from coordinator.relay.store import RelayStore
+from coordinator.relay.store import APPLIED_ELSEWHERE, RelayStore
 from coordinator.relay.upstream import RelayStartError, UpstreamClient, WeightsCache
 from coordinator.service import check_body_size, liveness, receive_checked
 from protocol.errors import Conflict, InsufficientStorage, InvalidUpdate, NotFound, Unavailable
@@ -269,7 +269,8 @@ class RelayService:
         row = self.store.update(update_id)
         if row is None:
             raise NotFound(f"no update with id {update_id!r} on this relay")
-        status = "queued" if row["batch"] is None else row["batch_status"]
+        status = "queued" if row["batch"] is None else \
+            APPLIED_ELSEWHERE if row["batch_status"] == "superseded" else row["batch_status"]
         return {"update_id": update_id, "expert": row["expert"], "status": status, "relay": self.relay_id,
                 "forwarded_as": row["batch_id"]}
 

@@ -11,7 +11,17 @@ The invariants, each owned by one method here:
   commit leaves the members queued (rebuilt later under the same sequence number, never sent); after
   it, the stored bytes are resent as they are until the root answers, so the root's update-id
   deduplication makes forwarding exactly-once.
-- ``batch_delivered``: a forwarded batch's payload and its members' blobs are dropped.
+- ``batch_done``: a forwarded batch's payload, its members' blobs and the residual it started from
+  are dropped, and old forwarded rows are pruned (``prune_forwarded``).
+- ``supersede_batch``: the root refused a batch because some members reached it another way (a
+  worker that failed over to another relay or to the root): the batch is retired, those members are
+  marked applied elsewhere, the others queued again, and the residual the batch started from restored.
+
+Pruning keeps what recovery needs: the newest batch row of each expert (its sequence number, so a
+restart never reuses a batch id), queued updates and pending batches, and the newest
+``keep_forwarded`` forwarded worker-update rows (a worker's quick retry is answered here). An older
+retry is queued again and forwarded; the root, which records every member id with its batch,
+refuses it (409 with the ids) and the relay drops it: the root is the one place that knows all.
 """
 from __future__ import annotations
 
@@ -51,11 +61,13 @@ CREATE TABLE IF NOT EXISTS batches (
     size INTEGER NOT NULL,
     members INTEGER NOT NULL,
     member_bytes INTEGER NOT NULL,
-    status TEXT NOT NULL,         -- pending, forwarded, refused
+    status TEXT NOT NULL,         -- pending, forwarded, refused, superseded
     created_at REAL NOT NULL,
+    prev_residual TEXT,           -- the residual it was encoded on top of; NULL once it was answered
     PRIMARY KEY (expert, seq)
 );
 CREATE TABLE IF NOT EXISTS residuals (expert TEXT PRIMARY KEY, blob TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS counters (key TEXT PRIMARY KEY, value INTEGER NOT NULL);  -- sums of pruned rows
 CREATE TABLE IF NOT EXISTS cache (
     expert TEXT PRIMARY KEY,
     version INTEGER NOT NULL,
@@ -81,6 +93,8 @@ class QueuedUpdate:
     meta: dict[str, Any]
     blob: str
     size: int
+    body_digest: str
+    """Content id of the body as the worker sent it (a batch names its members with it)."""
 
 
 @dataclass(frozen=True)
@@ -104,14 +118,23 @@ class CachedWeights:
     info: dict[str, Any]
 
 
+APPLIED_ELSEWHERE = "applied_elsewhere"
+"""Status of a worker update the root had already received another way (another relay, or directly)."""
+KEEP_FORWARDED = 4096
+
+
 class RelayStore:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, keep_forwarded: int = KEEP_FORWARDED) -> None:
+        self.keep_forwarded = keep_forwarded
         self._db = sqlite3.connect(str(private_file(path)), timeout=30, isolation_level=None,
                                    check_same_thread=False)
         self._db.row_factory = sqlite3.Row
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(SCHEMA)
+        columns = {r[1] for r in self._db.execute("PRAGMA table_info(batches)")}
+        if "prev_residual" not in columns:  # a data dir from before 0.9
+            self._db.execute("ALTER TABLE batches ADD COLUMN prev_residual TEXT")
         self._lock = threading.RLock()
 
     def close(self) -> None:
@@ -155,14 +178,25 @@ class RelayStore:
             return default
 
     def stats(self) -> dict[str, int]:
+        """Cumulative counters (pruned rows included) for the report to the root."""
         (received, received_bytes), = self._all("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM updates")
         (queued, queued_bytes), = self._all("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM updates WHERE blob IS NOT NULL")
         (batches, forwarded, forwarded_updates), = self._all(
             "SELECT COUNT(*), COALESCE(SUM(size), 0), COALESCE(SUM(members), 0) FROM batches "
             "WHERE status = 'forwarded'")
-        return {"updates_received": received, "bytes_received": received_bytes, "queued_updates": queued,
-                "queued_bytes": queued_bytes, "batches_forwarded": batches, "bytes_forwarded": forwarded,
-                "updates_forwarded": forwarded_updates}
+        pruned = self.counters()
+        return {"updates_received": received + pruned.get("updates_received", 0),
+                "bytes_received": received_bytes + pruned.get("bytes_received", 0), "queued_updates": queued,
+                "queued_bytes": queued_bytes, "batches_forwarded": batches + pruned.get("batches_forwarded", 0),
+                "bytes_forwarded": forwarded + pruned.get("bytes_forwarded", 0),
+                "updates_forwarded": forwarded_updates + pruned.get("updates_forwarded", 0)}
+
+    def counters(self) -> dict[str, int]:
+        return {r[0]: r[1] for r in self._all("SELECT key, value FROM counters")}
+
+    def row_counts(self) -> dict[str, int]:
+        """Rows per table (tests: pruning keeps them bounded)."""
+        return {t: self._all(f"SELECT COUNT(*) FROM {t}")[0][0] for t in ("updates", "batches")}
 
     def queued_bytes(self) -> int:
         """Bytes held for forwarding: queued updates and batch payloads not yet delivered."""
@@ -187,7 +221,8 @@ class RelayStore:
     def queued(self, expert: str) -> list[QueuedUpdate]:
         rows = self._all("SELECT * FROM updates WHERE expert = ? AND batch IS NULL ORDER BY received_at, update_id",
                          (expert,))
-        return [QueuedUpdate(r["update_id"], r["expert"], json.loads(r["meta"]), r["blob"], r["size"]) for r in rows]
+        return [QueuedUpdate(r["update_id"], r["expert"], json.loads(r["meta"]), r["blob"], r["size"], r["body_sha256"])
+                for r in rows]
 
     def experts_with_work(self) -> list[str]:
         rows = self._all("SELECT DISTINCT expert FROM updates WHERE batch IS NULL UNION "
@@ -205,12 +240,15 @@ class RelayStore:
         (seq,), = self._all("SELECT COALESCE(MAX(seq), 0) + 1 FROM batches WHERE expert = ?", (expert,))
         return seq
 
-    def add_batch(self, batch: Batch, member_ids: list[str], residual_blob: str | None) -> None:
-        """Record a batch, claim its members and store the residual, all or nothing."""
+    def add_batch(self, batch: Batch, member_ids: list[str], residual_blob: str | None,
+                  prev_residual: str | None = None) -> None:
+        """Record a batch, claim its members and store the residual, all or nothing. ``prev_residual`` (the
+        residual the batch was encoded on) stays referenced until the root answers: ``supersede_batch`` needs it."""
         with self.transaction() as db:
-            db.execute("INSERT INTO batches VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'pending', ?)",
+            db.execute("INSERT INTO batches (expert, seq, update_id, meta, blob, size, members, member_bytes, status, "
+                       "created_at, prev_residual) VALUES (?, ?, ?, ?, ?, ?, ?, ?, 'pending', ?, ?)",
                        (batch.expert, batch.seq, batch.update_id, json.dumps(batch.meta), batch.blob, batch.size,
-                        batch.members, batch.member_bytes, time.time()))
+                        batch.members, batch.member_bytes, time.time(), prev_residual))
             for update_id in member_ids:
                 cur = db.execute("UPDATE updates SET batch = ? WHERE update_id = ? AND batch IS NULL",
                                  (batch.seq, update_id))
@@ -222,17 +260,44 @@ class RelayStore:
                 db.execute("INSERT INTO residuals VALUES (?, ?) ON CONFLICT(expert) DO UPDATE SET blob = excluded.blob",
                            (batch.expert, residual_blob))
 
-    def batch_done(self, batch: Batch, status: str) -> None:
-        """The root answered for ``batch`` (forwarded, or refused for good): drop its payloads."""
+    def batch_done(self, batch: Batch, status: str) -> list[str]:
+        """The root answered for ``batch`` (forwarded, or refused for good): drop its payloads, prune old
+        rows. The blobs no longer named here (for the caller to delete if unreferenced)."""
         with self.transaction() as db:
-            db.execute("UPDATE batches SET status = ?, blob = NULL WHERE expert = ? AND seq = ?",
+            freed = [r[0] for r in db.execute(
+                "SELECT blob FROM updates WHERE expert = ? AND batch = ? AND blob IS NOT NULL UNION "
+                "SELECT blob FROM batches WHERE expert = ? AND seq = ? AND blob IS NOT NULL UNION "
+                "SELECT prev_residual FROM batches WHERE expert = ? AND seq = ? AND prev_residual IS NOT NULL",
+                (batch.expert, batch.seq) * 3).fetchall()]
+            db.execute("UPDATE batches SET status = ?, blob = NULL, prev_residual = NULL WHERE expert = ? AND seq = ?",
                        (status, batch.expert, batch.seq))
             db.execute("UPDATE updates SET blob = NULL WHERE expert = ? AND batch = ?", (batch.expert, batch.seq))
+            _prune_forwarded(db, self.keep_forwarded)
+        return freed
 
-    def member_blobs(self, batch: Batch) -> list[str]:
-        rows = self._all("SELECT blob FROM updates WHERE expert = ? AND batch = ? AND blob IS NOT NULL",
-                         (batch.expert, batch.seq))
-        return [r[0] for r in rows]
+    def supersede_batch(self, batch: Batch, elsewhere: set[str]) -> list[str]:
+        """The root already has the members in ``elsewhere``: retire ``batch`` (its id is never sent again),
+        mark those members applied elsewhere, queue the others again and restore the residual the batch was
+        encoded on. One transaction, so a crash leaves the batch pending (resent, refused again) or retired.
+        The blobs no longer named here (for the caller to delete if unreferenced)."""
+        with self.transaction() as db:
+            row = db.execute("SELECT blob, prev_residual FROM batches WHERE expert = ? AND seq = ?",
+                             (batch.expert, batch.seq)).fetchone()
+            current = db.execute("SELECT blob FROM residuals WHERE expert = ?", (batch.expert,)).fetchone()
+            dropped = db.execute(f"SELECT update_id, blob FROM updates WHERE expert = ? AND batch = ? AND update_id IN "
+                                 f"({', '.join('?' * len(elsewhere))})", (batch.expert, batch.seq, *elsewhere)).fetchall()
+            freed = [r["blob"] for r in dropped if r["blob"]] + [row["blob"]] + ([current[0]] if current else [])
+            db.execute("UPDATE batches SET status = 'superseded', blob = NULL, prev_residual = NULL "
+                       "WHERE expert = ? AND seq = ?", (batch.expert, batch.seq))
+            db.executemany("UPDATE updates SET blob = NULL WHERE update_id = ?", [(r["update_id"],) for r in dropped])
+            db.execute("UPDATE updates SET batch = NULL WHERE expert = ? AND batch = ? AND blob IS NOT NULL",
+                       (batch.expert, batch.seq))
+            if row["prev_residual"] is None:
+                db.execute("DELETE FROM residuals WHERE expert = ?", (batch.expert,))
+            else:
+                db.execute("INSERT INTO residuals VALUES (?, ?) ON CONFLICT(expert) DO UPDATE SET blob = excluded.blob",
+                           (batch.expert, row["prev_residual"]))
+        return [b for b in freed if b and b != row["prev_residual"]]
 
     def residual(self, expert: str) -> str | None:
         rows = self._all("SELECT blob FROM residuals WHERE expert = ?", (expert,))
@@ -240,7 +305,8 @@ class RelayStore:
 
     def referenced_blobs(self) -> set[str]:
         rows = self._all("SELECT blob FROM updates WHERE blob IS NOT NULL UNION SELECT blob FROM batches WHERE "
-                         "blob IS NOT NULL UNION SELECT blob FROM residuals UNION SELECT blob FROM cache")
+                         "blob IS NOT NULL UNION SELECT prev_residual FROM batches WHERE prev_residual IS NOT NULL "
+                         "UNION SELECT blob FROM residuals UNION SELECT blob FROM cache")
         return {r[0] for r in rows}
 
     # cached weights -----------------------------------------------------------
@@ -281,6 +347,32 @@ class RelayStore:
     def workers(self) -> list[dict[str, Any]]:
         return [dict(r) | {"base_model": json.loads(r["base_model"])}
                 for r in self._all("SELECT * FROM workers ORDER BY worker_id")]
+
+
+def _prune_forwarded(db: sqlite3.Connection, keep: int) -> None:
+    """Forget forwarded worker-update rows past the newest ``keep``, then the answered batches no row names
+    (each expert's newest batch stays: its sequence number is the next batch id's). Sums go to ``counters``."""
+    old = ("SELECT rowid FROM updates WHERE blob IS NULL AND batch IS NOT NULL "
+           "ORDER BY received_at DESC, update_id DESC LIMIT -1 OFFSET ?")
+    (count, size), = db.execute(f"SELECT COUNT(*), COALESCE(SUM(size), 0) FROM updates WHERE rowid IN ({old})",
+                                (keep,)).fetchall()
+    if count:
+        _count(db, {"updates_received": count, "bytes_received": size})
+        db.execute(f"DELETE FROM updates WHERE rowid IN ({old})", (keep,))
+    gone = ("SELECT rowid FROM batches b WHERE status != 'pending' "
+            "AND seq < (SELECT MAX(seq) FROM batches WHERE expert = b.expert) "
+            "AND NOT EXISTS (SELECT 1 FROM updates u WHERE u.expert = b.expert AND u.batch = b.seq)")
+    (count, size, members), = db.execute(
+        f"SELECT COUNT(*), COALESCE(SUM(size), 0), COALESCE(SUM(members), 0) FROM batches "
+        f"WHERE status = 'forwarded' AND rowid IN ({gone})").fetchall()
+    if count:
+        _count(db, {"batches_forwarded": count, "bytes_forwarded": size, "updates_forwarded": members})
+    db.execute(f"DELETE FROM batches WHERE rowid IN ({gone})")
+
+
+def _count(db: sqlite3.Connection, amounts: dict[str, int]) -> None:
+    db.executemany("INSERT INTO counters VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = value + excluded.value",
+                   list(amounts.items()))
 
 
 def _batch(r: sqlite3.Row) -> Batch:

@@ -226,3 +226,41 @@ def test_a_relay_inside_an_emulated_site_sends_less_over_the_wan(tmp_path):
             relay_proc.kill()
             relay_proc.wait()
         root.stop()
+
+
+def test_one_update_id_pushed_to_two_relays_and_the_root_is_applied_once(tmp_path):
+    """A worker whose 202s were lost failed over twice: the same update reached relay a, relay b and the root.
+    The root recorded it directly; each relay's batch naming it is refused (409 with the id), the relay drops it
+    and re-sends the rest, so the root's expert shows it once, in samples and in the weights."""
+    root, relay_a = start_pair(tmp_path, "--forward-interval", "3600")
+    relay_b = CoordinatorProcess(tmp_path / "relay-b", "--upstream", root.url, "--join-token-file",
+                                 str(tmp_path / "join"), "--relay-id", "site-b", "--staleness-decay", "0",
+                                 "--forward-interval", "3600")
+    try:
+        relay_b.start()
+        adapter = make_adapter()
+        direct, via_a, via_b = (worker_client(c.url, tmp_path, "w0") for c in (root, relay_a, relay_b))
+        direct.create_expert("e1", adapter, expert_spec())
+        other = worker_client(relay_b.url, tmp_path, "w1")
+        d_u, d_v = random_like(adapter, 1), random_like(adapter, 2)
+        meta_u = {"update_id": "w0-u1", "base_version": 0, "num_samples": 5, "worker_id": "w0"}
+        for client in (via_a, via_b, direct):
+            client.push_update("e1", dumps(d_u), meta_u)
+        other.push_update("e1", dumps(d_v), {"update_id": "w1-v1", "base_version": 0, "num_samples": 7,
+                                             "worker_id": "w1"})
+        assert forward_now(relay_a)["delivered"] == 0  # its only member is at the root already
+        assert forward_now(relay_b)["delivered"] == 1  # {u1, v1} refused for u1; {v1} sent
+        assert via_a.update_status("w0-u1")["status"] == "applied_elsewhere"
+        assert via_b.update_status("w0-u1")["status"] == "applied_elsewhere"
+        assert via_b.update_status("w1-v1")["status"] == "forwarded"
+        root_admin = admin(root)
+        expert = root_admin.expert("e1")
+        assert expert["samples_seen"] == 5 + 7 and expert["updates_applied"] == 2
+        weights = root_admin.pull_weights("e1").tensors
+        for k in adapter:  # fedasync, lr 1, no staleness decay: each delta added once
+            assert (weights[k] - (adapter[k] + d_u[k] + d_v[k])).abs().max() < 1e-6, k
+        assert direct.update_status("w1-v1")["status"] == "applied"  # the root knows relayed members by id
+    finally:
+        relay_b.stop()
+        relay_a.stop()
+        root.stop()
