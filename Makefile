@@ -36,11 +36,16 @@ lint: $(STAMP)  ## pyflakes and pycodestyle errors (ruff.toml)
 typecheck: $(STAMP)  ## mypy over the packages and entry scripts (mypy.ini)
 	$(VENV)/bin/mypy
 
+# pytest-xdist: test processes per run. Most whole-suite time is spent waiting on child processes and sockets, so
+# it runs more processes than a 2-core machine has cores; the unit tier is compute and runs one per core.
+# tests/conftest.py keeps a module's shared fixture on one process and starts the long tests first.
+TEST_JOBS ?= 4
+TEST_FAST_JOBS ?= 2
 test: $(STAMP) $(CHROMIUM)  ## the whole test suite (offline; the browser test is required here)
-	FEDMOE_REQUIRE_BROWSER=1 HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+	FEDMOE_REQUIRE_BROWSER=1 HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n $(TEST_JOBS) --dist loadgroup
 
 test-fast: $(STAMP)  ## the unit tier, under a minute: no slow, e2e (real processes) or bench tests
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not slow and not e2e and not bench"
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n $(TEST_FAST_JOBS) --dist loadgroup -m "not slow and not e2e and not bench"
 
 demo: smollm2  ## a local federation on a real model: coordinator + 3 smollm2-135m workers on DS-1000, loss table, answers (~5 min)
 	HF_HUB_OFFLINE=1 $(PY) scripts/demo.py --preset smollm2

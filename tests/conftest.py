@@ -20,6 +20,15 @@ if "FEDMOE_CONFIG_DIR" not in os.environ or os.environ.get("PYTEST_XDIST_WORKER"
     atexit.register(shutil.rmtree, os.environ["FEDMOE_CONFIG_DIR"], True)
 
 
+# Under xdist several test processes share the cores: one torch thread each, and for the processes they start
+# (a child's own --threads or OMP_NUM_THREADS still wins), since OpenMP threads spin-wait for a busy core.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+
+
 TIERS_BY_DIRECTORY = {"e2e": pytest.mark.e2e, "bench": pytest.mark.bench}
 """tests/<directory>/ -> the marker every test in it gets (pytest.ini lists the tiers)."""
 TESTS = Path(__file__).resolve().parent
@@ -27,7 +36,8 @@ PROCESS_FIXTURES = {"start_coordinator"}
 """Fixtures that start real processes: a test using one is e2e wherever it lives."""
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks this adds
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         path = Path(item.path).resolve()
         parts = path.relative_to(TESTS).parts if path.is_relative_to(TESTS) else ()
@@ -35,3 +45,25 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(TIERS_BY_DIRECTORY[parts[0]])
         elif PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.e2e)  # starts a real coordinator: not the unit tier, wherever it lives
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        plan_parallel_run(items)
+
+
+def plan_parallel_run(items: list[pytest.Item]) -> None:
+    """Order and group the tests for `pytest -n N --dist loadgroup` (make test, make test-fast).
+
+    A module whose tests share a module-scoped fixture it defines (a demo run, two torch ranks, a live server)
+    goes to one xdist worker, which builds the fixture once. Real-process and benchmark tests come first: xdist
+    hands out work in collection order, so the longest tests start early instead of ending the run alone.
+    """
+    for item in items:
+        if shares_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(str(Path(item.path).relative_to(TESTS))))
+    items.sort(key=lambda item: not any(item.get_closest_marker(tier) for tier in ("slow", "e2e", "bench")))
+
+
+def shares_a_module_fixture(item: pytest.Item) -> bool:
+    module_id = item.nodeid.split("::")[0]
+    info = getattr(item, "_fixtureinfo", None)
+    return info is not None and any(d.scope == "module" and d.baseid == module_id
+                                    for defs in info.name2fixturedefs.values() for d in defs)

@@ -5,8 +5,8 @@ import json
 import re
 import threading
 import time
+from typing import TYPE_CHECKING
 
-import openai
 import pytest
 import requests
 import torch
@@ -17,6 +17,9 @@ from protocol.client import CoordinatorClient
 from protocol.tensors import dumps
 from tests.e2e.conftest import LISTENING, ROOT, spawn
 from worker.models import load_base_model
+
+if TYPE_CHECKING:  # imported where used: 1 s of CPU in every process that collects the suite
+    import openai
 
 EXPERTS = ("docs_expert", "python_expert", "sql_expert")
 SERVING = re.compile(r"serving listening on (http://[\d.]+:\d+)")
@@ -74,6 +77,8 @@ def federation(tmp_path_factory):
 
 @pytest.fixture
 def oai(federation) -> openai.OpenAI:
+    import openai
+
     return openai.OpenAI(base_url=federation["url"] + "/v1", api_key=KEY, max_retries=0, timeout=60)
 
 
@@ -176,6 +181,8 @@ def test_requests_for_different_experts_run_together_and_answer_as_alone(federat
     ({"n": 2}, 400, "n"),
 ])
 def test_bad_requests_get_openai_errors(oai, kwargs, status, param):
+    import openai
+
     body = {"model": "python_expert", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4} | kwargs
     with pytest.raises(openai.APIStatusError) as caught:
         oai.chat.completions.create(**body)
@@ -185,6 +192,8 @@ def test_bad_requests_get_openai_errors(oai, kwargs, status, param):
 
 
 def test_malformed_bodies_and_keys_are_refused_with_4xx(federation, oai):
+    import openai
+
     url, auth = federation["url"] + "/v1/chat/completions", {"Authorization": f"Bearer {KEY}"}
     cases = [(b"{not json", 400), (b"[1, 2]", 400), (b"{}", 400), (json.dumps({"x": "y" * 30000}).encode(), 413)]
     for body, status in cases:

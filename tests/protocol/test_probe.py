@@ -67,9 +67,11 @@ def test_rank_weighs_round_trips_against_bytes():
 def test_the_client_joins_the_best_fails_over_and_fails_back(servers):
     a, b = servers
 
-    def prober(url: str) -> LinkEstimate:  # real measurements; b made to look 1 s worse per round trip
-        measured = probe(url, pings=1, download_bytes=1024, timeout=1)
-        return replace(measured, rtt=measured.rtt + 1.0) if url == b.url else measured
+    # Real measurements, b made to look 1000 s worse per round trip: a loaded machine (seconds per request, seen
+    # with 1 s here) can neither time a live server out nor rank b first; a stopped one still refuses at once.
+    def prober(url: str) -> LinkEstimate:
+        measured = probe(url, pings=1, download_bytes=1024, timeout=60)
+        return replace(measured, rtt=measured.rtt + 1000.0) if url == b.url else measured
 
     client = CoordinatorClient(f"{a.url},{b.url}", retry=RetryPolicy(attempts=1), failback_seconds=3600,
                                prober=prober)

@@ -38,6 +38,7 @@ def cosine(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return float(x @ y / (x.norm() * y.norm()))
 
 
+@pytest.mark.slow  # two torch ranks spawned (mp.spawn)
 @pytest.mark.parametrize("codec", list(comm_ranks.CODECS))
 def test_step_lines_count_the_bytes_and_measure_the_delivered_gradient(codec_runs, exact, codec):
     lines, grads = codec_runs
@@ -53,6 +54,7 @@ def test_step_lines_count_the_bytes_and_measure_the_delivered_gradient(codec_run
     assert cosine(grads[codec], exact[1]) == pytest.approx(steps[0]["grad_cosine"], abs=2e-4)
 
 
+@pytest.mark.slow  # two torch ranks spawned (mp.spawn)
 def test_casts_halve_the_bytes_with_tiny_error(codec_runs):
     lines, _ = codec_runs
     for codec in ("fp16", "bf16"):
@@ -61,6 +63,7 @@ def test_casts_halve_the_bytes_with_tiny_error(codec_runs):
             assert 0 < s["grad_rel_error"] < (1e-3 if codec == "fp16" else 1e-2)
 
 
+@pytest.mark.slow  # two torch ranks spawned (mp.spawn)
 def test_int8_and_topk_send_what_their_codec_encodes(codec_runs):
     lines, _ = codec_runs
     for s in lines["int8"]:
@@ -71,6 +74,7 @@ def test_int8_and_topk_send_what_their_codec_encodes(codec_runs):
         assert 0.1 < s["grad_rel_error"] < 1 and 0.5 < s["grad_cosine"] < 0.99  # lossy, and measured so
 
 
+@pytest.mark.slow  # two torch ranks spawned (mp.spawn)
 def test_powersgd_starts_uncompressed_then_sends_low_rank_factors(codec_runs):
     lines, _ = codec_runs
     first, second, third = lines["powersgd"]

@@ -19,6 +19,7 @@ def profiled(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # two torch ranks spawned (mp.spawn)
 @pytest.mark.parametrize("strategy, collective", [("ddp", "all_reduce"), ("fsdp", "all_gather")])
 def test_every_rank_writes_a_trace_and_the_collective_share_of_its_steps(profiled, strategy, collective):
     for rank in range(2):

@@ -49,6 +49,7 @@ def single_process(case: str) -> tuple[list[float], dict[str, torch.Tensor], dic
     return losses, grads, trainer.adapter_state()
 
 
+@pytest.mark.slow  # two torch ranks spawned (mp.spawn)
 @pytest.mark.parametrize("case", list(strategy_ranks.CASES))
 def test_a_two_rank_step_equals_the_single_process_step(two_rank_run, case):
     out, reports = two_rank_run
@@ -70,6 +71,7 @@ def test_a_two_rank_step_equals_the_single_process_step(two_rank_run, case):
     assert len(state) == (len(grads) if lora_rank == 0 else 2 * 7 * 2)  # 2 layers x 7 projections x (A, B)
 
 
+@pytest.mark.slow  # two torch ranks spawned (mp.spawn)
 @pytest.mark.parametrize("case", list(strategy_ranks.CASES))
 def test_rank_zero_weights_reach_every_shard_and_only_rank_zero_holds_the_gathered_adapter(two_rank_run, case):
     _, reports = two_rank_run

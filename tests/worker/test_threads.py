@@ -14,6 +14,7 @@ print(torch.get_num_threads(), torch.get_num_interop_threads(), os.environ.get("
 """
 
 
+@pytest.mark.slow  # imports torch in a fresh interpreter
 @pytest.mark.parametrize("threads", [1, 3])
 def test_a_budget_sets_torch_threads_and_the_openmp_variable(threads):
     out = subprocess.run([sys.executable, "-c", PROBE.format(threads=threads)], cwd=ROOT, env=env(),
@@ -21,6 +22,7 @@ def test_a_budget_sets_torch_threads_and_the_openmp_variable(threads):
     assert out == [str(threads), str(threads), str(threads)]
 
 
+@pytest.mark.slow  # imports torch in a fresh interpreter
 def test_no_budget_keeps_torchs_default():
     probe = PROBE.format(threads=None)
     environment = {k: v for k, v in env().items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
