@@ -239,6 +239,7 @@ class Coordinator:
                            "must resend the same bytes, and a new update needs a new update_id",
                            update_id=known.update_id)
         self.record_event(audit.update_duplicate(name, meta.worker_id, known.update_id, known.status))
+        self.store.sync()  # the first push's row may still wait for its flush: answer 200 only once it is durable
         return self.update_status(known.update_id)
 
     def record_event(self, event: Event) -> None:
