@@ -209,13 +209,28 @@ def run(settings: Settings) -> dict[str, Any]:
         checked = verify(server.url, results, experts)
         peaks = peak_rss_bytes(server.pid)
         cpu = process_cpu_seconds(server.pid) - cpu_before
+        group = group_commit_counts(server.url, server.headers)
     report = summarise(settings, load, checked)
+    report["group_commit"] = group
     report["coordinator_cpu_s_per_push"] = round(cpu / max(1, len(results)), 4)
     report["coordinator_peak_rss_mb"] = {"max_process": round(max(peaks.values()) / 2**20, 1),
                                          "sum_processes": round(sum(peaks.values()) / 2**20, 1),
                                          "processes": len(peaks)}
     report["server_errors"] = [line.strip() for line in server.log if "unhandled error" in line][:20]
     return report
+
+
+def group_commit_counts(url: str, headers: dict[str, str]) -> dict[str, float] | None:
+    """Writes that waited to be durable and the flushes that served them (GET /metrics); None before 0.8."""
+    import urllib.request
+
+    with urllib.request.urlopen(urllib.request.Request(url + "/metrics", headers=headers), timeout=30) as r:
+        text = r.read().decode()
+    found = dict(re.findall(r"^fedmoe_store_(syncs|flushes)_total ([0-9.e+]+)$", text, re.M))
+    if len(found) != 2:
+        return None
+    syncs, flushes = float(found["syncs"]), float(found["flushes"])
+    return {"syncs": syncs, "flushes": flushes, "writes_per_flush": round(syncs / max(1.0, flushes), 2)}
 
 
 def process_cpu_seconds(pid: int) -> float:

@@ -12,7 +12,7 @@ from compression.codecs.blockwise import BlockwiseConfig
 from compression.errors import CompressionError, PayloadError
 from compression.registry import make_codec
 from coordinator.aggregation import l2_norm
-from coordinator.fused_check import int8_config, int8_decode, int8_update_norm, raw_update_norm
+from coordinator.fused_check import int8_config, int8_decode, int8_decode_update, int8_update_norm, raw_update_norm
 from protocol.errors import BadRequest, InvalidUpdate
 from protocol.schemas import RAW_CODEC, FullSpec, LoraSpec
 from protocol.streaming import FileTensors, check_file, read_header
@@ -143,6 +143,19 @@ class CompressedUpdate(Mapping[str, torch.Tensor]):
             return wire.decode_tensor(body, name, self.shapes[name], self.decoder)
         except CompressionError as exc:
             raise self._invalid(exc) from None
+
+    def decoded_items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every (name, tensor), the whole body decoded in one pass when it is clean int8 (else one tensor
+        at a time, as ``__getitem__``). Nothing is cached: the decoded update lives while it is iterated."""
+        values = None
+        if self.int8 is not None:
+            spans = [self.spans[name] for name in self.shapes]
+            values = int8_decode_update(memoryview(self.path.read_bytes()), spans, self.int8, list(self.shapes.items()))
+        if values is None:
+            yield from ((name, self[name]) for name in self.spans)
+            return
+        for name, flat in values.items():
+            yield name, torch.from_numpy(flat).reshape(self.shapes[name])
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.spans)

@@ -44,6 +44,7 @@ class BlobStore:
             leftover.unlink(missing_ok=True)
         self._received_digests: dict[Path, str] = {}  # temp file -> SHA-256 computed while receiving
         self._digests_guard = threading.Lock()
+        self._unsynced_dirs: set[Path] = set()  # renamed into by adopt(sync=False), for the next flush()
 
     def path(self, digest: str) -> Path:
         return self.root / hex_of(digest)[:2] / digest
@@ -119,11 +120,12 @@ class BlobStore:
             self._received_digests[path] = digest
         return path
 
-    def adopt(self, tmp: Path, digest: str | None = None) -> str:
+    def adopt(self, tmp: Path, digest: str | None = None, sync: bool = True) -> str:
         """Move a fsynced temp file into the store under its digest; return the digest.
 
         The digest is the one given, else the one hashed while the file was received, else computed
-        (BLAKE3).
+        (BLAKE3). ``sync=False``: the rename is made durable by the next ``flush()`` instead of a
+        directory fsync of its own (group commit, coordinator/group_commit.py).
         """
         with self._digests_guard:
             received = self._received_digests.pop(tmp, None)
@@ -134,8 +136,24 @@ class BlobStore:
             tmp.unlink()
         else:
             os.replace(tmp, dest)
-            fsync_dir(dest.parent)
+            if sync:
+                fsync_dir(dest.parent)
+            else:
+                with self._digests_guard:
+                    self._unsynced_dirs.add(dest.parent)
         return digest
+
+    def flush(self) -> None:
+        """Make every rename of ``adopt(sync=False)`` so far durable: one fsync per directory renamed into."""
+        with self._digests_guard:
+            dirs, self._unsynced_dirs = self._unsynced_dirs, set()
+        try:
+            for directory in dirs:
+                fsync_dir(directory)
+        except BaseException:
+            with self._digests_guard:
+                self._unsynced_dirs |= dirs  # the next flush tries them again
+            raise
 
     def digest_of(self, tmp: Path, algorithm: str | None = None) -> str:
         """Content id of a temp file: the one hashed while it was received (if of ``algorithm``, when

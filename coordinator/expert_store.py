@@ -29,6 +29,7 @@ from typing import Any, BinaryIO, ContextManager, Protocol, TypeGuard, TypeVar
 
 from coordinator.audit import Event
 from coordinator.blobs import is_storage_full, storage_errors
+from coordinator.group_commit import GroupCommit
 from protocol.integrity import DEFAULT_ALGORITHM, Readable
 from coordinator.store import ExpertRow, StaleAggregation, UpdateRow
 from protocol.errors import NotFound
@@ -56,7 +57,8 @@ class BlobBackend(Protocol):
     def digest_of(self, tmp: Path, algorithm: str | None = None) -> str: ...
     def forget(self, tmp: Path) -> None: ...
     def link_received(self, path: Path, digest: str) -> Path: ...
-    def adopt(self, tmp: Path, digest: str | None = None) -> str: ...
+    def adopt(self, tmp: Path, digest: str | None = None, sync: bool = True) -> str: ...
+    def flush(self) -> None: ...  # make the renames of adopt(sync=False) durable
     def delete(self, digest: str) -> None: ...
     def digests(self) -> Iterator[str]: ...
     def open(self, digest: str) -> BinaryIO: ...  # FileNotFoundError once deleted
@@ -83,6 +85,7 @@ class ManifestBackend(Protocol):
     each method commits atomically (one transaction)."""
 
     def close(self) -> None: ...
+    def flush(self) -> None: ...  # make every commit so far durable (group commit)
     def create_expert(self, name: str, spec: dict[str, Any], manifest: str, blob: str,
                       events: tuple[Event, ...] = ()) -> None: ...
     def expert(self, name: str) -> ExpertRow | None: ...
@@ -135,6 +138,18 @@ class ExpertStore:
         self._guard = threading.RLock()  # adopt+record vs. drop-unreferenced (see the module docstring)
         self._expert_locks: dict[str, threading.Lock] = {}
         self._expert_locks_guard = threading.Lock()
+        self.group_commit = GroupCommit(self._flush)
+        """One flush (blob directories, then the manifest's WAL) for every write that waits at once."""
+
+    def _flush(self) -> None:
+        self._blobs.flush()  # directories first: a durable row never names a blob whose rename is not
+        self._rows.flush()
+
+    def sync(self) -> None:
+        """Return once every write made so far is durable (shared with concurrent writers: group commit).
+        Every write below calls it before returning, except ``add_update(durable=False)``, whose caller
+        calls it after letting go of the expert's lock, and before it acknowledges the update."""
+        self.group_commit.sync()
 
     def close(self) -> None:
         self._rows.close()
@@ -193,7 +208,7 @@ class ExpertStore:
         """Move ``tmp`` into the blob store, then ``record(digest)`` its row; a row that cannot be
         committed leaves no blob behind. With ``action``, a full disk at either step is a 507 naming it."""
         with self._guard, (storage_errors(action) if action else contextlib.nullcontext()):
-            digest = self._blobs.adopt(tmp, digest)
+            digest = self._blobs.adopt(tmp, digest, sync=False)  # durable at the next flush (sync())
             try:
                 return record(digest)
             except BaseException:
@@ -205,13 +220,19 @@ class ExpertStore:
         """Store an expert's first weights (version 0) from a temp file."""
         self._adopt_and_record(body, lambda digest: self._rows.create_expert(name, spec, manifest, digest, events),
                                f"store expert {name!r}")
+        self.sync()
 
     def add_update(self, name: str, meta: dict[str, Any], body: Path, body_digest: str, body_bytes: int,
-                   raw_bytes: int, norm: float | None, events: tuple[Event, ...] = ()) -> UpdateRow:
-        """Record a pending update with its payload: the point of no loss (202 only after this)."""
-        return self._adopt_and_record(
+                   raw_bytes: int, norm: float | None, events: tuple[Event, ...] = (),
+                   durable: bool = True) -> UpdateRow:
+        """Record a pending update with its payload: the point of no loss (202 only after this and, with
+        ``durable=False``, after the caller's ``sync()``)."""
+        row = self._adopt_and_record(
             body, lambda digest: self._rows.add_update(name, meta, digest, body_bytes, raw_bytes, norm, events),
             f"record update {meta['update_id']!r}", body_digest)
+        if durable:
+            self.sync()
+        return row
 
     def commit_version(self, name: str, version: int, written: Path, applied: list[UpdateRow],
                        train_loss: float | None, events: tuple[Event, ...] = ()) -> None:
@@ -221,13 +242,26 @@ class ExpertStore:
         self._adopt_and_record(
             written, lambda digest: self._rows.commit_version(name, version, digest, applied, train_loss, events),
             f"record version {version} of {name!r}")
-        self.drop_unreferenced([u.blob for u in applied if u.blob]
-                               + self._rows.prune_versions(name, self.keep_versions))
+        pruned = self._prune_versions(name)
+        self.sync()  # before any blob goes: a crash must not leave a durable row naming a deleted blob
+        self.drop_unreferenced([u.blob for u in applied if u.blob] + pruned)
+
+    def _prune_versions(self, name: str) -> list[str]:
+        """Forget versions past ``keep_versions``; on a full disk keep them for the next step's prune (the new
+        version is committed already: the push that made it must not be answered 507)."""
+        try:
+            return self._rows.prune_versions(name, self.keep_versions)
+        except Exception as exc:
+            if not is_storage_full(exc):
+                raise
+            log.warning("disk full: old versions of %s not pruned yet (next step tries again)", name)
+            return []
 
     def add_gateway(self, key: str, written: Path, info: dict[str, Any], keep: int) -> int:
         """Store a built gateway from a temp file; delete all but the newest ``keep``. Returns its version."""
         version, pruned = self._adopt_and_record(written, lambda digest: self._rows.add_gateway(key, digest, info, keep),
                                                  None)  # a full disk fails the build, as any error does
+        self.sync()
         self.drop_unreferenced(pruned)
         return version
 
@@ -287,6 +321,7 @@ class ExpertStore:
         ``event(update, copy name)`` says why in the audit log. Returns how many were still pending."""
         marked = [(u.seq, event(u, self._quarantine(u.blob, reason) if u.blob else None)) for u in updates]
         count = self._rows.quarantine_updates(marked)
+        self.sync()
         self.drop_unreferenced([u.blob for u in updates if u.blob])
         return count
 
@@ -296,6 +331,7 @@ class ExpertStore:
         digests = self._rows.expert_blobs(expert.name)
         kept = [copy for d in digests if (copy := self._quarantine(d, reason)) is not None]
         self._rows.remove_expert(expert.name, events=(event(kept),))
+        self.sync()
         self.drop_unreferenced(digests)
         return kept
 
@@ -344,6 +380,7 @@ class ExpertStore:
 
     def add_event(self, event: Event) -> None:
         self._rows.add_event(event)
+        self.sync()
 
     def events(self, limit: int, after: int | None = None, expert: str | None = None,
                kind: str | None = None) -> list[dict[str, Any]]:
@@ -352,9 +389,12 @@ class ExpertStore:
     def upsert_worker(self, worker_id: str, specialty: str, base_model: dict[str, Any],
                       sync_interval: float | None, events: tuple[Event, ...] = ()) -> None:
         self._rows.upsert_worker(worker_id, specialty, base_model, sync_interval, events)
+        self.sync()
 
     def touch_worker(self, worker_id: str) -> bool:
-        return self._rows.touch_worker(worker_id)
+        touched = self._rows.touch_worker(worker_id)
+        self.sync()
+        return touched
 
     def workers(self) -> list[dict[str, Any]]:
         return self._rows.workers()
@@ -370,6 +410,7 @@ class ExpertStore:
 
     def put_profile(self, expert: str, worker_id: str, vector: bytes, num_examples: int) -> None:
         self._rows.put_profile(expert, worker_id, vector, num_examples)
+        self.sync()
 
     def profiles(self) -> dict[str, list[tuple[bytes, int]]]:
         return self._rows.profiles()

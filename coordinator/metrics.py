@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from flask import Flask, Response, request
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -26,7 +26,7 @@ class _StateCollector(Collector):
     def __init__(self, coordinator: "Coordinator") -> None:
         self._c = coordinator
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         versions = GaugeMetricFamily("fedmoe_expert_version", "Current version of each expert", labels=["expert"])
         samples = GaugeMetricFamily("fedmoe_expert_samples", "Training samples behind each expert", labels=["expert"])
         for e in self._c.store.experts():
@@ -38,7 +38,12 @@ class _StateCollector(Collector):
             counts[w["status"]] += 1
         for status, n in counts.items():
             workers.add_metric([status], n)
-        yield from (versions, samples, workers)
+        group = self._c.store.group_commit  # syncs / flushes: writes that shared each flush to disk
+        syncs = CounterMetricFamily("fedmoe_store_syncs", "Writes that waited to be durable (group commit)",
+                                    value=group.syncs)
+        flushes = CounterMetricFamily("fedmoe_store_flushes", "Flushes to disk (WAL and blob directory fsyncs) "
+                                      "that made them durable", value=group.flushes)
+        yield from (versions, samples, workers, syncs, flushes)
 
 
 class CoordinatorMetrics:

@@ -3,7 +3,9 @@
 Flow of a push: the body is already in a fsynced temp file (the API put it
 there); we decode and check it, move it into the blob store, record it as
 pending in SQLite (that commit is the point of no loss: only then is 202 sent),
-then aggregate whatever the policy says is ready. Aggregation runs under a
+then aggregate whatever the policy says is ready; the 202 waits for a group
+commit (coordinator/group_commit.py) that makes the blob and the row durable,
+taken after the expert's lock is let go. Aggregation runs under a
 per-expert lock, writes the new version's blob, then commits the version row
 and marks the applied updates in one transaction. A restart re-runs
 aggregation over the pending rows, so nothing acknowledged is lost and nothing
@@ -214,7 +216,8 @@ class Coordinator:
                 stored = meta.to_json() | ({"norm_scale": verdict.scale} if verdict.clipped else {})
                 step = self.steps.prepare(name, stored, body)  # InvalidUpdate (422) if not finite
                 self.store.add_update(name, stored, body, body_digest, size, _fp32_bytes(manifest),
-                                      norm=verdict.accepted_norm, events=audit.update_accepted(name, meta, verdict, size))
+                                      norm=verdict.accepted_norm, events=audit.update_accepted(name, meta, verdict, size),
+                                      durable=False)  # synced below, with other pushes', after the lock
                 try:
                     self.steps.run_locked(name, step)
                 except REFUSALS as exc:  # recorded (durable) all the same, so not an error to the client
@@ -222,6 +225,7 @@ class Coordinator:
                     log.log(level, "update %s of %s is recorded but not applied yet: %s", meta.update_id, name, exc)
         finally:
             self.store.forget(body)
+        self.store.sync()  # group commit: durable (blob and row) before the 202
         return self.update_status(meta.update_id), True
 
     def _seen_before(self, known: UpdateRow, name: str, meta: UpdateMeta, body_digest: str,
@@ -235,6 +239,7 @@ class Coordinator:
                            "must resend the same bytes, and a new update needs a new update_id",
                            update_id=known.update_id)
         self.record_event(audit.update_duplicate(name, meta.worker_id, known.update_id, known.status))
+        self.store.sync()  # the first push's row may still wait for its flush: answer 200 only once it is durable
         return self.update_status(known.update_id)
 
     def record_event(self, event: Event) -> None:
@@ -358,7 +363,8 @@ def open_store(config: CoordinatorConfig) -> ExpertStore:
         from coordinator.backends.postgres import ExpertLocks, PostgresManifestStore
         return ExpertStore(blobs, PostgresManifestStore(config.manifest), config.keep_versions,
                            locks=ExpertLocks(config.manifest))
-    return ExpertStore(blobs, ManifestStore(private_file(config.data_dir / "manifest.sqlite")), config.keep_versions)
+    return ExpertStore(blobs, ManifestStore(private_file(config.data_dir / "manifest.sqlite"), group_commit=True),
+                       config.keep_versions)
 
 
 def liveness(silent_for: float, sync_interval: float | None) -> str:

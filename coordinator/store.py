@@ -1,14 +1,20 @@
 """The durable manifest: experts, versions, received updates, workers, gateways.
 
-SQLite in WAL mode with ``synchronous=FULL``: a committed transaction survives
-power loss. Tensor data lives in the ``BlobStore``; rows only name blobs by
+SQLite in WAL mode. With ``group_commit`` (the coordinator's store) commits do not
+sync (``synchronous=NORMAL``); ``flush()`` fsyncs the WAL once for every commit
+before it, and checkpoints (copies the WAL into the database) on our schedule
+rather than SQLite's (``wal_autocheckpoint=0``), so the WAL is only ever synced
+by a flush, after the blob directories it names (coordinator/group_commit.py).
+Without it, ``synchronous=FULL``: each commit is durable on return. Tensor data lives in the ``BlobStore``; rows only name blobs by
 digest. The order of every write is blob first (fsynced), then the row, so a
 row never points at a missing blob; a crash in between leaves an orphan blob
 that ``orphan_blobs`` finds at the next start.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -127,24 +133,51 @@ class StaleAggregation(Exception):
     """
 
 
+CHECKPOINT_WAL_BYTES = 1 << 20
+"""With group commit, a flush that finds the WAL larger than this checkpoints it and truncates it (SQLite's
+own policy, 1000 pages, let the WAL hold ~4 MiB: enough to fill the 6 MiB disk of tests/coordinator/test_disk_full.py)."""
+
+
 class ManifestStore:
     """All SQLite access. One connection, serialised by a lock (writes are tiny)."""
 
-    def __init__(self, path: Path) -> None:
+    _wal_fd: int | None = None  # group commit: the WAL file, fsynced by flush()
+
+    def __init__(self, path: Path, group_commit: bool = False) -> None:
         db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         db.row_factory = sqlite3.Row
         self._db: Connection = db
         self._lock = threading.RLock()
         self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute(f"PRAGMA synchronous={'NORMAL' if group_commit else 'FULL'}")
         self._db.executescript(SCHEMA + AUDIT_SCHEMA)
         columns = {r["name"] for r in self._db.execute("PRAGMA table_info(updates)")}
         if "body_sha256" not in columns:  # a data dir made before replays were checked
             self._db.execute("ALTER TABLE updates ADD COLUMN body_sha256 TEXT")
+        if group_commit:
+            self._db.execute("PRAGMA wal_autocheckpoint=0")
+            self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # what an earlier run left, made durable
+            self._wal_fd = os.open(f"{path}-wal", os.O_RDONLY)  # the WAL exists while the connection is open
 
     def close(self) -> None:
         with self._lock:
+            if self._wal_fd is not None:
+                with contextlib.suppress(sqlite3.Error):  # e.g. a full disk: the WAL stays, and is read at the next start
+                    self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                os.close(self._wal_fd)
+                self._wal_fd = None
             self._db.close()
+
+    def flush(self) -> None:
+        """Make every commit so far durable (one WAL fsync for all of them); checkpoint a large WAL.
+        A no-op without group commit (each commit was synced) and for other backends."""
+        fd = self._wal_fd
+        if fd is None:
+            return
+        os.fsync(fd)
+        if os.fstat(fd).st_size > CHECKPOINT_WAL_BYTES:
+            with self._lock:  # TRUNCATE waits for readers; this connection is the only one
+                self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
     @contextmanager
     def transaction(self) -> Iterator[Connection]:

@@ -8,7 +8,7 @@ delta may be a lazy mapping that reads one tensor at a time.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -44,6 +44,13 @@ class AggregationParams:
 def staleness_weight(staleness: int, decay: float) -> float:
     """The original system's rule: older updates count less, smoothly."""
     return 1.0 / (1.0 + decay * staleness)
+
+
+def tensors_of(delta: Mapping[str, torch.Tensor]) -> Iterable[tuple[str, torch.Tensor]]:
+    """A delta's (name, tensor) pairs; decoded in one pass when the delta offers ``decoded_items``
+    (coordinator.adapters.CompressedUpdate), which is several times cheaper than tensor by tensor."""
+    decoded_items = getattr(delta, "decoded_items", None)
+    return decoded_items() if decoded_items is not None else delta.items()
 
 
 class Aggregator(Protocol):

@@ -7,12 +7,12 @@ them one after another, each with its own staleness weight, in place on ``curren
 """
 from __future__ import annotations
 
-from coordinator.aggregation.base import AggregationParams, StateDict, Update, staleness_weight
+from coordinator.aggregation.base import AggregationParams, StateDict, Update, staleness_weight, tensors_of
 
 
 def fedasync(current: StateDict, updates: list[Update], params: AggregationParams) -> StateDict:
     for update in updates:
         weight = params.server_lr * staleness_weight(update.staleness, params.staleness_decay)
-        for name, t in current.items():
-            t.add_(update.delta[name], alpha=weight)
+        for name, value in tensors_of(update.delta):
+            current[name].add_(value, alpha=weight)
     return current

@@ -5,12 +5,13 @@
 with n_i the samples behind update i, N = sum n_i, and s(tau) = 1 / (1 + decay * tau)
 the same staleness weight as FedAsync. A buffer whose updates all report zero
 samples falls back to equal weights. The result does not depend on arrival order.
-Updated in place on ``current``, tensor by tensor, so a lazily loaded delta (one tensor
-at a time) keeps memory at one model plus one tensor.
+Updated in place on ``current``, one update after another (each tensor gets the same additions in
+the same order as tensor-major, so the result is bit-identical), so a stored update is decoded in
+one pass and memory stays at one model plus one decoded update.
 """
 from __future__ import annotations
 
-from coordinator.aggregation.base import AggregationParams, StateDict, Update, staleness_weight
+from coordinator.aggregation.base import AggregationParams, StateDict, Update, staleness_weight, tensors_of
 
 
 def sample_weights(updates: list[Update]) -> list[float]:
@@ -25,7 +26,7 @@ def fedbuff(current: StateDict, updates: list[Update], params: AggregationParams
         return current
     weights = [params.server_lr * w * staleness_weight(u.staleness, params.staleness_decay)
                for w, u in zip(sample_weights(updates), updates)]
-    for name, t in current.items():
-        for weight, update in zip(weights, updates):
-            t.add_(update.delta[name], alpha=weight)
+    for weight, update in zip(weights, updates):
+        for name, value in tensors_of(update.delta):
+            current[name].add_(value, alpha=weight)
     return current

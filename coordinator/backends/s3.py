@@ -72,13 +72,13 @@ class S3BlobStore(BlobStore):
 
     # writes: upload first, then the local cache ----------------------------------------------
 
-    def adopt(self, tmp: Path, digest: str | None = None) -> str:
+    def adopt(self, tmp: Path, digest: str | None = None, sync: bool = True) -> str:
         with self._digests_guard:
             received = self._received_digests.get(tmp)
         digest = digest or received or super().digest_of(tmp)
         with self._unavailable_as_503(f"store blob {digest[:19]}"):
             self.s3.upload_file(str(tmp), self.bucket, self.key(digest))
-        return super().adopt(tmp, digest)
+        return super().adopt(tmp, digest, sync)
 
     def delete(self, digest: str) -> None:
         with self._unavailable_as_503(f"delete blob {digest[:19]}"):

@@ -135,3 +135,42 @@ def test_raw_norm_refuses_nan_and_survives_float32_overflow(tmp_path):
     tensors["a.lora_A.weight"][1, 2] = float("nan")
     with pytest.raises(REFUSED, match="NaN or Inf"):
         checked_norm(_raw(tmp_path, tensors), "safetensors", {}, MANIFEST)
+
+
+@pytest.mark.parametrize("config", [{}, {"block_size": 32, "scale_dtype": "fp16"}])
+def test_whole_update_decode_is_bit_identical_to_tensor_by_tensor(tmp_path, config):
+    """The one-pass decode a fedbuff step uses gives the very floats of the per-tensor decode (padding
+    between tensors included: 21 and 800 values are not whole blocks)."""
+    path, _ = body(tmp_path, config)
+    deltas = stored_deltas(path, "int8", config, MANIFEST)
+    whole = dict(deltas.decoded_items())
+    assert list(whole) == [name for name, _ in MANIFEST]
+    for name, shape in MANIFEST:
+        assert whole[name].shape == shape
+        assert torch.equal(whole[name], deltas[name])
+
+
+def test_whole_update_decode_falls_back_and_refuses_what_the_decoder_refuses(tmp_path):
+    path, _ = body(tmp_path)
+    data = bytearray(path.read_bytes())
+    data[_codes_start(path)] = 0x80
+    path.write_bytes(bytes(data))
+    with pytest.raises(REFUSED, match="outside"):
+        dict(stored_deltas(path, "int8", {}, MANIFEST).decoded_items())
+
+
+def test_fedbuff_over_stored_int8_updates_matches_tensor_major_order(tmp_path):
+    """fedbuff now adds update after update (one decode pass each): the same floats as tensor-major."""
+    from coordinator.aggregation import AggregationParams, Update, fedbuff
+    paths = [body(tmp_path, seed=s)[0] for s in range(3)]
+    params = AggregationParams(staleness_decay=0.5)
+    updates = [Update(stored_deltas(p, "int8", {}, MANIFEST), num_samples=n, staleness=s)
+               for p, n, s in zip(paths, (3, 5, 11), (0, 2, 1))]
+    start = {name: torch.full(shape, 0.25) for name, shape in MANIFEST}
+    result = fedbuff({k: v.clone() for k, v in start.items()}, updates, params)
+    weights = [1.0 * (n / 19) * (1.0 / (1.0 + 0.5 * s)) for n, s in ((3, 0), (5, 2), (11, 1))]  # as fedbuff computes them
+    for name, t in start.items():
+        expected = t.clone()
+        for w, u in zip(weights, updates):
+            expected.add_(u.delta[name], alpha=w)
+        assert torch.equal(result[name], expected)
