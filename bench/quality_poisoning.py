@@ -30,6 +30,7 @@ import torch
 from bench.common import RESULTS_DIR, configure_logging, format_table, require_positive, write_json_atomic
 from bench.fedrounds import ATTACKS, FedJob, run_fed
 from bench.realdata import REAL_MODEL, SMOKE_MODEL, Lab, ds1000_domains, loss_pair, pct, quiet_estimate, shards, spread
+from coordinator.choices import ROBUST_NAMES
 
 log = logging.getLogger("bench.quality_poisoning")
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
@@ -47,7 +48,7 @@ class Settings:
     steps: int = 1
     """AdamW steps per worker per round (batch 4 x <= 128 tokens)."""
     seeds: int = 3
-    defences: tuple[str, ...] = ("median", "trimmed_mean")
+    defences: tuple[str, ...] = ("median",)
     """Coordinator --robust rules tried against each attack (plain averaging runs once, for contrast)."""
 
 
@@ -104,6 +105,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny-qwen2 smoke run: 2 rounds, 1 seed, median only")
     p.add_argument("--rounds", type=int, default=None, help=f"rounds per job (default: {Settings.rounds})")
     p.add_argument("--seeds", type=int, default=None, help=f"training seeds (default: {Settings.seeds})")
+    p.add_argument("--defences", nargs="+", choices=ROBUST_NAMES, default=None, metavar="RULE",
+                   help=f"--robust rules tried against each attack, of {', '.join(ROBUST_NAMES)} "
+                        f"(default: {' '.join(Settings.defences)})")
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "quality_poisoning.json",
                    help="results JSON (default: %(default)s)")
     p.add_argument("-v", "--verbose", action="store_true", help="library logs too")
@@ -118,7 +122,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(1)
     started = time.perf_counter()
     s = QUICK if args.quick else Settings()
-    s = dataclasses.replace(s, **{k: v for k, v in {"rounds": args.rounds, "seeds": args.seeds}.items() if v is not None})
+    overrides = {"rounds": args.rounds, "seeds": args.seeds,
+                 "defences": tuple(dict.fromkeys(args.defences)) if args.defences else None}
+    s = dataclasses.replace(s, **{k: v for k, v in overrides.items() if v is not None})
     domain = next(d for d in ds1000_domains() if d.name == DOMAIN)
     lab = Lab(s.model)
     worker_data = tuple(tuple(x) for x in shards(domain.train, s.honest))
