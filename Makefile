@@ -34,7 +34,7 @@ lint: $(STAMP)  ## pyflakes and pycodestyle errors (ruff.toml)
 	$(VENV)/bin/ruff check .
 
 typecheck: $(STAMP)  ## mypy over the packages and entry scripts (mypy.ini)
-	$(VENV)/bin/mypy
+	$(PY) -m mypy
 
 # pytest-xdist: test processes per run. Most whole-suite time is spent waiting on child processes and sockets, so
 # it runs more processes than a 2-core machine has cores; the unit tier is compute and runs one per core.
