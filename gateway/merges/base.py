@@ -27,23 +27,24 @@ Expert = dict[str, LoraModule]
 
 
 class Scratch:
-    """Dense buffers reused from module to module within one merge, one per role and size.
+    """Dense buffers reused from module to module within one merge, one per role.
 
     A fresh multi-megabyte tensor costs page faults on first touch: forming a rank-8 update into
-    a new 1536 x 576 tensor took 1.6 ns per entry on one thread, into a reused one 0.8 ns. A
-    buffer's contents are whatever its last user left; every user overwrites it.
+    a new 1536 x 576 tensor took 1.6 ns per entry on one thread, into a reused one 0.8 ns. Each
+    role's buffer grows to the largest module asked for (memory: roles x largest module); its
+    contents are whatever its last user left, so every user overwrites it.
     """
 
     def __init__(self, dtype: torch.dtype = torch.float32) -> None:
         self.dtype = dtype
-        self._buffers: dict[tuple[str, int], Tensor] = {}
+        self._buffers: dict[str, Tensor] = {}
 
     def __call__(self, role: str, shape: torch.Size | tuple[int, ...]) -> Tensor:
         numel = math.prod(shape)
-        buffer = self._buffers.get((role, numel))
-        if buffer is None:
-            buffer = self._buffers[(role, numel)] = torch.empty(numel, dtype=self.dtype)
-        return buffer.view(shape)
+        buffer = self._buffers.get(role)
+        if buffer is None or buffer.numel() < numel:
+            buffer = self._buffers[role] = torch.empty(numel, dtype=self.dtype)
+        return buffer[:numel].view(shape)
 
 
 DenseCombine = Callable[[str, list[Tensor], Scratch], Tensor]
