@@ -134,7 +134,7 @@ def measure_model(name: str, layers: int, shapes: dict[str, tuple[int, int]], re
         rows[FLOOR] = measure_floor(modules, sources, Path(tmp) / "floor.safetensors", repeats)
         print(f"  {name} {FLOOR}: merge {rows[FLOOR]['merge_s']:.3f} s, build {rows[FLOOR]['build_s']:.3f} s",
               flush=True)
-        for strategy in ("ties", "dare"):
+        for strategy in DENSE:
             rows[strategy]["refactorisation"] = refactorisation_errors(strategy, modules)
     base, floor = rows["weighted_average"], rows[FLOOR]
     for row in rows.values():
