@@ -67,7 +67,7 @@ def trim(delta: Tensor, density: float) -> Tensor:
 
 def kth_largest(values: Tensor, k: int) -> Tensor:
     """Exact k-th largest of a flat tensor (a 0-dim tensor), leaving `values` untouched."""
-    return torch.tensor(_partition_kth_largest(values.numpy().copy(), k), dtype=values.dtype)
+    return torch.tensor(_partition_kth_largest(values.detach().cpu().numpy().copy(), k), dtype=values.dtype)
 
 
 def _partition_kth_largest(values: np.ndarray, k: int) -> float:
