@@ -24,8 +24,34 @@ from gateway.lora import LoraModule, join_modules
 from gateway.lowrank import Refactorised, concatenate, sketch_factorise, truncate
 
 Expert = dict[str, LoraModule]
-DenseCombine = Callable[[str, list[Tensor]], Tensor]
-"""(module name, weighted dense updates w_i * dW_i) -> merged dense update."""
+
+
+class Scratch:
+    """Dense buffers reused from module to module within one merge, one per role.
+
+    A fresh multi-megabyte tensor costs page faults on first touch: forming a rank-8 update into
+    a new 1536 x 576 tensor took 1.6 ns per entry on one thread, into a reused one 0.8 ns. Each
+    role's buffer grows to the largest module asked for (memory: roles x largest module); its
+    contents are whatever its last user left, so every user overwrites it.
+    """
+
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        self.dtype = dtype
+        self._buffers: dict[str, Tensor] = {}
+
+    def __call__(self, role: str, shape: torch.Size | tuple[int, ...]) -> Tensor:
+        numel = math.prod(shape)
+        buffer = self._buffers.get(role)
+        if buffer is None or buffer.numel() < numel:
+            buffer = self._buffers[role] = torch.empty(numel, dtype=self.dtype)
+        return buffer[:numel].view(shape)
+
+
+DenseCombine = Callable[[str, list[Tensor], Scratch], Tensor]
+"""(module name, weighted dense updates w_i * dW_i, scratch buffers) -> merged dense update.
+
+The updates are scratch buffers the combine may overwrite; it may return one of them or another
+scratch buffer (the merged update is re-factorised before the next module is formed)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -152,10 +178,14 @@ def merge_densely(
     """
     names = check_experts(experts)
     pieces: dict[str, Refactorised] = {}
+    scratch = Scratch(experts[0][names[0]].A.dtype)
     for name in names:
         modules = [e[name] for e in experts]
+        shape = modules[0].shape
         # Weight folded into B: one pass over the small factor instead of the dense update.
-        merged = combine(name, [(m.B * (m.scale * w)) @ m.A for m, w in zip(modules, weights)])
+        deltas = [torch.mm(m.B * (m.scale * w), m.A, out=scratch(f"delta{i}", shape))
+                  for i, (m, w) in enumerate(zip(modules, weights))]
+        merged = combine(name, deltas, scratch)
         # The experts' row spaces seed the sketch: the merged update lies mostly within them.
         start = torch.cat([m.A for m in modules], dim=0).T
         pieces[name] = sketch_factorise(merged, rank or sum(m.rank for m in modules), start)

@@ -6,19 +6,19 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from gateway.merges.base import (
     Expert,
     MergeResult,
+    Scratch,
     check_experts,
     check_weights,
     merge_densely,
     parse_config,
 )
-from gateway.merges.dare import DareConfig, drop_and_rescale, mask_generator
-from gateway.merges.ties import elect_and_merge
+from gateway.merges.dare import DareConfig, keep_mask, mask_generator
+from gateway.merges.ties import SignVote
 
 NAME = "dare_ties"
 
@@ -29,13 +29,14 @@ def dare_ties(experts: list[Expert], weights: list[float], **config: Any) -> Mer
     check_experts(experts)
     applied = check_weights(weights, len(experts))
 
-    def combine(name: str, deltas: list[Tensor]) -> Tensor:
-        dropped = torch.stack(
-            [
-                drop_and_rescale(d, cfg.p, mask_generator(cfg.seed, i, name))
-                for i, d in enumerate(deltas)
-            ]
-        )
-        return elect_and_merge(dropped) * cfg.lam
+    def combine(name: str, deltas: list[Tensor], scratch: Scratch) -> Tensor:
+        vote = SignVote(deltas[0].shape, scratch)
+        for i, delta in enumerate(deltas):
+            if cfg.p > 0:
+                delta.mul_(keep_mask(delta.shape, cfg.p, mask_generator(cfg.seed, i, name),
+                                     out=scratch("kept", delta.shape)))
+            vote.add(delta)
+        # The vote and the mean commute with a positive scale: rescale by 1 / (1 - p) once, at the end.
+        return vote.disjoint_mean().mul_(cfg.lam / (1 - cfg.p))
 
     return merge_densely(NAME, experts, applied, combine, cfg.rank, asdict(cfg))

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from gateway.merges import merge
-from gateway.merges.dare import drop_and_rescale, mask_generator
+from gateway.merges.dare import drop_and_rescale, keep_mask, mask_generator
 
 
 def test_drop_keeps_entries_whole_rescaled_or_zero():
@@ -72,3 +72,42 @@ def test_dare_ties_runs_with_defaults_and_is_reproducible(experts):
     assert rank == 12 and alpha == 12.0
     for name in experts[0]:
         assert torch.equal(result.modules[name].delta(), again.modules[name].delta())
+
+
+def draw_bytes(generator: torch.Generator, n: int) -> torch.Tensor:
+    """The first random byte of each entry, as keep_mask draws them."""
+    words = torch.empty((n + 7) // 8, dtype=torch.int64).random_(-(2**63), None, generator=generator)
+    return words.view(torch.uint8)[:n].long()
+
+
+@pytest.mark.parametrize("k", [0, 1, 128, 255])
+def test_keep_mask_keeps_a_byte_at_or_above_p(k):
+    """p = k/256 has one base-256 digit: entry j is kept iff its first random byte is >= k."""
+    mask = keep_mask((64, 64), k / 256, mask_generator(1, 0, "m"))
+    expected = (draw_bytes(mask_generator(1, 0, "m"), 64 * 64) >= k).float().view(64, 64)
+    assert torch.equal(mask, expected)
+
+
+def test_keep_mask_resolves_ties_with_further_digits():
+    """p = (100 + 3/4) / 256: an entry whose first byte is 100 (1/256 of them) is kept with
+    probability 1/4, decided by its next 64 bits; other bytes decide at once."""
+    n = 1 << 20
+    p = 100.75 / 256
+    mask = keep_mask((n,), p, mask_generator(2, 0, "m"))
+    first = draw_bytes(mask_generator(2, 0, "m"), n)
+    assert torch.equal(mask[first != 100], (first[first != 100] > 100).float())
+    ties = mask[first == 100]
+    assert ties.numel() == pytest.approx(n / 256, rel=0.1)
+    assert ties.mean().item() == pytest.approx(0.25, abs=0.03)  # 4.4 standard deviations
+    assert mask.mean().item() == pytest.approx(1 - p, abs=0.003)
+
+
+def test_dare_merges_reuse_no_mask_between_modules_or_experts(make_expert, helpers):
+    """Same-shaped modules share scratch buffers: each must still get its own (expert, module) mask."""
+    shapes = {f"layers.{i}.q_proj": (16, 16) for i in range(3)}
+    experts = [make_expert(rank=4, seed=s, shapes=shapes) for s in range(2)]
+    result = merge("dare", experts, [1.0, 1.0], p=0.5, seed=3, rank=16)
+    for name in shapes:
+        expected = sum(drop_and_rescale(e[name].delta(), 0.5, mask_generator(3, i, name))
+                       for i, e in enumerate(experts))
+        assert helpers.relative_error(result.modules[name].delta(), expected) < 1e-5

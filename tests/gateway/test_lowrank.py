@@ -85,3 +85,28 @@ def test_sketched_factors_are_near_best_on_a_merged_update():
         assert cut.relative_error == pytest.approx(measured.item(), abs=1e-6)
     again = sketch_factorise(dense, 12, start)  # a fixed seed: the same factors every time
     assert torch.equal(again.module.A, sketch_factorise(dense, 12, start).module.A)
+
+
+def test_factored_error_equals_the_dense_difference_for_any_factors():
+    """||delta - B A|| from k-column products only; B and A here are arbitrary, not a projection."""
+    from gateway.lowrank import factored_error
+
+    g = torch.Generator().manual_seed(3)
+    for out_features, in_features, k in ((300, 120, 7), (90, 260, 12)):
+        delta = torch.randn(out_features, in_features, generator=g) @ torch.diag(torch.logspace(0, -1, in_features))
+        B = torch.randn(out_features, k, generator=g)
+        A = torch.randn(k, in_features, generator=g) * 0.1
+        direct = torch.linalg.norm(delta - B @ A).item()
+        norm = torch.linalg.norm(delta).item()
+        assert factored_error(norm, delta @ A.T, B, A) == pytest.approx(direct, rel=1e-5)
+
+
+def test_sketch_error_is_measured_directly_when_nearly_exact():
+    """A rank-5 update cut to rank 5: the subtraction formula would be all cancellation, so the
+    reported error is the dense difference's, ~1e-7 of the norm rather than ~1e-3."""
+    module = random_module(200, 100, 5, 1.0, seed=4)
+    dense = module.delta()
+    cut = sketch_factorise(dense, 5, module.A.T)
+    measured = (torch.linalg.norm(dense - cut.module.delta()) / torch.linalg.norm(dense)).item()
+    assert cut.relative_error < 1e-5
+    assert cut.relative_error == pytest.approx(measured, abs=1e-7)

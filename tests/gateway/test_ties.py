@@ -3,7 +3,8 @@ import torch
 
 from gateway.lora import LoraModule
 from gateway.merges import merge
-from gateway.merges.ties import kth_largest, trim
+from gateway.merges.base import Scratch
+from gateway.merges.ties import SignVote, elect_and_merge, kth_largest, trim, trim_in_place
 
 NAME = "m"
 
@@ -94,3 +95,42 @@ def test_kth_largest_on_large_tensors_agrees_with_kthvalue():
         n = values.numel()
         for k in (1, n // 100, n // 5, n - 1):
             assert kth_largest(values, k) == values.kthvalue(n - k + 1).values, k
+
+
+def sparse_updates(seed: int, zeros: float) -> torch.Tensor:
+    """Three (40, 30) updates with a fraction of exact zeros, coarse values (ties in magnitude)."""
+    g = torch.Generator().manual_seed(seed)
+    updates = (torch.randn(3, 40, 30, generator=g) * 4).round() / 4
+    return updates * (torch.rand(3, 40, 30, generator=g) >= zeros)
+
+
+@pytest.mark.parametrize("zeros", [0.0, 0.5, 0.97])
+def test_sign_vote_equals_the_stacked_election(zeros):
+    updates = sparse_updates(int(zeros * 100), zeros)
+    updates[:, 0, :3] = torch.tensor([[1.0, 2.0, 0.0], [-1.0, -2.0, 0.0], [0.0, 0.0, 0.0]])  # expert x entry: totals of 0
+    vote = SignVote(updates.shape[1:], Scratch())
+    for t in updates:
+        vote.add(t.clone())
+    expected = elect_and_merge(updates)
+    torch.testing.assert_close(vote.disjoint_mean(), expected, rtol=1e-6, atol=0)
+    assert not expected[0, :3].any()
+
+
+@pytest.mark.parametrize(("zeros", "density"), [(0.0, 0.2), (0.5, 0.3), (0.97, 0.2), (0.0, 1.0)])
+def test_trim_in_place_is_trim_and_marks_exactly_the_non_zeros(zeros, density):
+    for update in sparse_updates(7, zeros):
+        in_place = update.clone()
+        kept, magnitude = trim_in_place(in_place, density, Scratch())
+        assert torch.equal(in_place, trim(update, density))
+        assert torch.equal(kept, (in_place != 0).float())  # at 97% zeros the cut is at 0: zeros not kept
+        assert torch.equal(magnitude, in_place.abs())
+
+
+def test_ties_merge_equals_the_reference_functions(experts, helpers):
+    """The in-place merge against trim + elect_and_merge on the dense updates, module by module."""
+    weights = [0.5, -0.3, 0.2]
+    result = merge("ties", experts, weights, density=0.4, lam=1.5, rank=12)
+    for name in experts[0]:
+        trimmed = torch.stack([trim(w * e[name].delta(), 0.4) for w, e in zip(weights, experts)])
+        expected = 1.5 * elect_and_merge(trimmed)
+        assert helpers.relative_error(result.modules[name].delta(), expected) < 1e-5
