@@ -170,7 +170,7 @@ class CoordinatorProcess:
         """
         return {"Authorization": f"Bearer {(self.data_dir / 'admin_token').read_text().strip()}"}
 
-    def start(self, timeout: float = 60.0) -> float:
+    def start(self, timeout: float = 180.0) -> float:
         """Spawn, wait until /health answers and return the seconds that took; stopped again if it fails."""
         started = time.monotonic()
         # FEDMOE_BENCH_SERVER_ROOT: another checkout's coordinator, for an A/B ratio in one run (docs/scale.md)
