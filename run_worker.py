@@ -5,7 +5,8 @@ Examples:
   python run_worker.py --specialty python_expert
   python run_worker.py --specialty sql_expert --base-model tiny-qwen2 --duration 120 --sync-interval 5
   python run_worker.py --specialty docs_expert --dataset my_docs.jsonl --coordinator-url http://10.0.0.5:5000
-  python run_worker.py --specialty sql_expert --compression topk+int8 --compression-config '{"ratio": 0.05}'
+  python run_worker.py --specialty sql_expert --compression randomk+terngrad --no-error-feedback \
+      --compression-config '{"ratio": 0.1, "rescale": true}'   # ~143x; +0.15% loss on smollm2 (docs/benchmarks.md)
   python run_worker.py --specialty sql_expert --compression auto --sync-budget 2   # fit each push in ~2 s
   python run_worker.py --specialty python_expert --results runs/python.results.jsonl --log-format json
   torchrun --nproc_per_node 2 run_worker.py --specialty sql_expert --base-model tiny-qwen2   # data parallel
