@@ -102,11 +102,17 @@ def test_stored_int8_deltas_decode_exactly_as_the_codec(tmp_path, config):
         assert torch.equal(fast[name], generic[name])
 
 
-def test_a_stored_body_that_is_not_clean_still_raises(tmp_path):
+def _body_with_code_minus_128(tmp_path):
+    """An int8 body whose first code is -128 (0x80), which the codec never writes."""
     path, _ = body(tmp_path)
     data = bytearray(path.read_bytes())
     data[_codes_start(path)] = 0x80
     path.write_bytes(bytes(data))
+    return path
+
+
+def test_a_stored_body_that_is_not_clean_still_raises(tmp_path):
+    path = _body_with_code_minus_128(tmp_path)
     deltas = stored_deltas(path, "int8", {}, MANIFEST)
     with pytest.raises(REFUSED, match="outside"):
         deltas["b.weight"]
@@ -151,10 +157,7 @@ def test_whole_update_decode_is_bit_identical_to_tensor_by_tensor(tmp_path, conf
 
 
 def test_whole_update_decode_falls_back_and_refuses_what_the_decoder_refuses(tmp_path):
-    path, _ = body(tmp_path)
-    data = bytearray(path.read_bytes())
-    data[_codes_start(path)] = 0x80
-    path.write_bytes(bytes(data))
+    path = _body_with_code_minus_128(tmp_path)
     with pytest.raises(REFUSED, match="outside"):
         dict(stored_deltas(path, "int8", {}, MANIFEST).decoded_items())
 
