@@ -49,6 +49,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         plan_parallel_run(items)
 
 
+@pytest.hookimpl(trylast=True)  # after pytest-xdist has renamed the grouped items
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Stop a parallel run whose groups would not hold: pytest-xdist 3.8 sends a group to one worker by
+    appending "@group" to the item's node id, and a pytest that keys items otherwise (9.2 does) drops that
+    silently, so each test of a group ran elsewhere and rebuilt its module fixture (requirements.txt)."""
+    if not (os.environ.get("PYTEST_XDIST_WORKER") and session.config.getoption("loadgroup", False)):
+        return
+    lost = [item.nodeid for item in session.items
+            if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
+    if lost:
+        raise pytest.UsageError(f"--dist loadgroup: {len(lost)} grouped tests lost their xdist group "
+                                f"(pytest {pytest.__version__} with this pytest-xdist), e.g. {lost[0]}")
+
+
 def plan_parallel_run(items: list[pytest.Item]) -> None:
     """Order and group the tests for `pytest -n N --dist loadgroup` (make test, make test-fast).
 
@@ -67,3 +81,28 @@ def shares_a_module_fixture(item: pytest.Item) -> bool:
     info = getattr(item, "_fixtureinfo", None)
     return info is not None and any(d.scope == "module" and d.baseid == module_id
                                     for defs in info.name2fixturedefs.values() for d in defs)
+
+
+CPU_LOG = os.environ.get("FEDMOE_TEST_CPU_LOG")
+"""Set to a path to append one JSON line per test: wall seconds and CPU seconds of the test process and of
+the child processes it waited for (load-independent, unlike --durations). docs/testing.md ranks tests by it."""
+
+if CPU_LOG:
+    import json
+    import resource
+    import time
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+        def cpu(who: int) -> float:
+            usage = resource.getrusage(who)
+            return usage.ru_utime + usage.ru_stime
+
+        wall, own, children = time.monotonic(), cpu(resource.RUSAGE_SELF), cpu(resource.RUSAGE_CHILDREN)
+        try:
+            return (yield)
+        finally:
+            with open(CPU_LOG, "a") as log:
+                log.write(json.dumps({"test": item.nodeid, "wall": round(time.monotonic() - wall, 3),
+                                      "cpu": round(cpu(resource.RUSAGE_SELF) - own, 3),
+                                      "children": round(cpu(resource.RUSAGE_CHILDREN) - children, 3)}) + "\n")
