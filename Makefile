@@ -10,7 +10,7 @@ export TOKENIZERS_PARALLELISM := false
 CHROMIUM ?= /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install browser smollm2 lint typecheck test test-fast demo demo-tiny bench bench-quality bench-robustness clean
+.PHONY: install browser smollm2 lint typecheck test test-fast test-smollm2 demo demo-tiny bench bench-quality bench-robustness clean
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -48,6 +48,9 @@ test: $(STAMP) $(CHROMIUM)  ## the whole test suite (offline; the browser test i
 
 test-fast: $(STAMP)  ## the unit tier, under a minute: no slow, e2e (real processes) or bench tests
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n $(TEST_FAST_JOBS) --dist loadgroup -m "not slow and not e2e and not bench"
+
+test-smollm2: smollm2  ## the real-model demo end to end (smollm2-135m, one step per worker; a few minutes)
+	FEDMOE_TEST_SMOLLM2=1 HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests/e2e/test_demo.py -k smollm2
 
 demo: smollm2  ## a local federation on a real model: coordinator + 3 smollm2-135m workers on DS-1000, loss table, answers (~5 min)
 	HF_HUB_OFFLINE=1 $(PY) scripts/demo.py --preset smollm2
