@@ -284,6 +284,12 @@ class ManifestStore:
         row = self._one("SELECT * FROM updates WHERE update_id = ?", update_id)
         return _update(row) if row else None
 
+    def recorded_ids(self, update_ids: list[str]) -> list[str]:
+        """Those of ``update_ids`` (at most MAX_BATCH_MEMBERS) recorded here in any way, as update or member."""
+        if not update_ids:
+            return []
+        return [r["update_id"] for r in self._all(_recorded_ids_sql(len(update_ids)), *update_ids)]
+
     def pending_count(self, name: str) -> int:
         row = self._one("SELECT COUNT(*) AS n FROM updates WHERE expert = ? AND status = 'pending'", name)
         return int(row["n"]) if row else 0
@@ -434,18 +440,28 @@ def _update(row: Row) -> UpdateRow:
 RELAYED = "relayed"
 
 
+def members_applied(batch_id: str, seen: list[str]) -> Conflict:
+    """The refusal of a relay batch naming updates this coordinator already recorded (the relay re-sends the rest)."""
+    return Conflict(f"batch {batch_id!r} carries {len(seen)} update(s) this coordinator already recorded "
+                    f"({', '.join(sorted(seen)[:5])}{', ...' if len(seen) > 5 else ''}); re-send it without them",
+                    reason="members_applied", members=sorted(seen), update_id=batch_id)
+
+
+def _recorded_ids_sql(n: int) -> str:
+    return f"SELECT update_id FROM updates WHERE update_id IN ({', '.join('?' * n)})"
+
+
+def _recorded_ids(db: Connection, ids: list[str]) -> list[str]:
+    return [r["update_id"] for r in db.execute(_recorded_ids_sql(len(ids)), ids).fetchall()]
+
+
 def _record_members(db: Connection, name: str, batch_id: str, members: dict[str, str]) -> None:
     """A relay batch's worker updates get rows of their own (status ``relayed``), in the batch's transaction:
     their ids are then used like any other (a direct push of one is a duplicate). A batch naming an id this
     root has recorded in any way is refused whole, with the ids, so the relay re-sends without them."""
-    ids = list(members)
-    marks = ", ".join("?" * len(ids))
-    seen = [r["update_id"] for r in db.execute(f"SELECT update_id FROM updates WHERE update_id IN ({marks})",
-                                               ids).fetchall()]
+    seen = _recorded_ids(db, list(members))
     if seen:
-        raise Conflict(f"batch {batch_id!r} carries {len(seen)} update(s) this coordinator already recorded "
-                       f"({', '.join(sorted(seen)[:5])}{', ...' if len(seen) > 5 else ''}); re-send it without them",
-                       reason="members_applied", members=sorted(seen), update_id=batch_id)
+        raise members_applied(batch_id, seen)
     now = time.time()
     db.executemany("INSERT INTO updates (update_id, expert, worker_id, meta, blob, body_sha256, body_bytes, status, "
                    "received_at) VALUES (?, ?, NULL, ?, NULL, ?, 0, ?, ?)",

@@ -233,3 +233,34 @@ def test_a_relay_store_from_before_prev_residual_opens(tmp_path):
         assert store.next_seq("e1") == 5 and store.referenced_blobs() == set()
     finally:
         store.close()
+
+
+def test_a_refused_batch_costs_the_root_no_aggregation_step_and_records_nothing(root):
+    """The members check comes before the norm check and the step a batch would complete: a 409 decodes and
+    aggregates nothing, and leaves no update row, norm or version behind."""
+    root_app, _, admin, join = root
+    c = root_app.extensions["fedmoe"]
+    assert push(root_app, token_at(root_app, join, "wa"), random_like(make_adapter(), 1), "U", 5, "wa").status_code == 202
+    prepared = []
+    real_prepare = c.steps.prepare
+    c.steps.prepare = lambda *args: prepared.append(args[1]["update_id"]) or real_prepare(*args)
+    norms, last_event = c.store.recent_norms("e1", 100), c.events(1)[0]["id"]
+    body = dumps(random_like(make_adapter(), 2))
+    admin_token = root_app.extensions["fedmoe_auth"].admin_token
+
+    def batch(update_id, members):
+        meta = {"update_id": update_id, "base_version": 1, "num_samples": 4, "members": members}
+        return root_app.test_client(token=admin_token).post("/api/v1/experts/e1/updates", data=body, headers={
+            UPDATE_HEADER: json.dumps(meta), DIGEST_HEADER: digest_header(body)})
+
+    refused = batch("r1.x.e1.1", {"U": "b3-" + "1" * 64, "V": "b3-" + "2" * 64})
+    assert refused.status_code == 409 and refused.json["error"]["details"]["members"] == ["U"]
+    assert prepared == []  # the step it would have completed (fedasync: every update) was never computed
+    assert c.store.update("r1.x.e1.1") is None and c.store.update("V") is None
+    assert c.store.recent_norms("e1", 100) == norms
+    info = admin.expert("e1")
+    assert (info["version"], info["updates_applied"], info["samples_seen"]) == (1, 1, 5)
+    assert [e["kind"] for e in c.events(100, after=last_event)] == ["update_rejected"]  # only the audit row
+    assert batch("r1.x.e1.2", {"V": "b3-" + "2" * 64}).status_code == 202  # the rest, re-sent: applied
+    assert prepared == ["r1.x.e1.2"] and admin.expert("e1")["version"] == 2
+    assert batch("r1.x.e1.2", {"V": "b3-" + "2" * 64}).status_code == 200  # its retry: not refused for its own members
