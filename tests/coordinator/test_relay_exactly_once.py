@@ -7,6 +7,7 @@ not keep a share of an update the root received another way.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 
@@ -29,27 +30,38 @@ from tests.helpers import FINGERPRINT, expert_spec, make_adapter, random_like
 BASE = {"id": "m", "fingerprint": FINGERPRINT}
 
 
-@pytest.fixture
-def root(tmp_path):
-    """A root applying each update in full (fedasync, lr 1, no staleness decay): weights = w0 + sum of deltas."""
+@contextlib.contextmanager
+def root_on_loopback(tmp_path):
+    """A root applying each update in full (fedasync, lr 1, no staleness decay): weights = w0 + sum of deltas.
+    Yields (app, url, admin client, join token)."""
     app = create_app(CoordinatorConfig(data_dir=tmp_path / "root", gateway_interval=0, staleness_decay=0.0))
     server = make_server("127.0.0.1", 0, app, threaded=True)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_port}"
     admin = CoordinatorClient(url, token=app.extensions["fedmoe_auth"].admin_token)
-    admin.create_expert("e1", make_adapter(), expert_spec())
-    yield app, url, admin, (tmp_path / "root" / "join_token").read_text().strip()
-    server.shutdown()
-    server.server_close()
-    app.extensions["fedmoe"].close()
+    try:
+        admin.create_expert("e1", make_adapter(), expert_spec())
+        yield app, url, admin, (tmp_path / "root" / "join_token").read_text().strip()
+    finally:
+        server.shutdown()
+        server.server_close()
+        app.extensions["fedmoe"].close()
 
 
-def make_relay(root, tmp_path, relay_id, codec="safetensors", codec_config=None):
+@pytest.fixture
+def root(tmp_path):
+    with root_on_loopback(tmp_path) as served:
+        yield served
+
+
+def make_relay(root, tmp_path, relay_id, codec="safetensors", codec_config=None, **config):
+    """A relay app joined to ``root``, forwarding only when told (``forwarder.forward_once()``); ``config``:
+    more RelayConfig fields. The same relay_id again is a restart on the same data dir."""
     _, url, _, join = root
     app = create_relay_app(RelayConfig(upstream=url, join_token=join, relay_id=relay_id,
                                        coordinator=CoordinatorConfig(data_dir=tmp_path / relay_id),
                                        forward=ForwardPolicy(interval=3600, codec=codec, codec_config=codec_config,
-                                                             staleness_decay=0.0)))
+                                                             staleness_decay=0.0), **config))
     app.extensions["fedmoe"].join_upstream()
     return app
 
