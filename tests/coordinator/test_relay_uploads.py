@@ -161,3 +161,27 @@ def test_an_upload_the_relay_queue_cannot_hold_is_refused_at_open_with_507(root,
         assert uploads_at(relay).open_count() == 0
     finally:
         relay.extensions["fedmoe"].close()
+
+
+def test_an_upload_finished_after_a_one_shot_push_of_the_same_update_is_its_duplicate(root, tmp_path):
+    """The one-shot push (BLAKE3) is queued while an upload of the same update (SHA-256) is open: finishing the
+    upload compares the body in the queued update's digest algorithm and answers as to a retry."""
+    _, _, admin, join = root
+    relay = make_relay(root, tmp_path, "r1")
+    service = relay.extensions["fedmoe"]
+    try:
+        token = token_at(relay, join, "wa")
+        worker = relay.test_client(token=token)
+        delta = random_like(make_adapter(), 6)
+        body, meta = dumps(delta), update_meta(num_samples=4, worker_id="wa")
+        upload_id = open_upload(worker, body, meta, expert="e1", digest=digest_header(body, "sha256")).json["upload_id"]
+        put_chunk(worker, upload_id, body, 0, len(body) - 1, expert="e1")
+        assert push(relay, token, delta, meta["update_id"], 4, "wa").status_code == 202
+        finished = complete(worker, upload_id, expert="e1")
+        assert finished.status_code == 200 and finished.json["status"] == "queued", finished.json
+        other = dumps(random_like(make_adapter(), 7))  # a different body under that id is refused at the open
+        assert error(open_upload(worker, other, meta, expert="e1")) == (409, "conflict")
+        assert service.forwarder.forward_once() == 1
+        assert admin.expert("e1")["samples_seen"] == 4
+    finally:
+        service.close()
