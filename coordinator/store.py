@@ -332,13 +332,8 @@ class ManifestStore:
 
     def upsert_worker(self, worker_id: str, specialty: str, base_model: dict[str, Any],
                       sync_interval: float | None, events: tuple[Event, ...] = ()) -> None:
-        now = time.time()
         with self.transaction() as db:
-            db.execute("INSERT INTO workers (worker_id, specialty, base_model, registered_at, last_seen, "
-                       "sync_interval) VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(worker_id) DO UPDATE SET "
-                       "specialty = excluded.specialty, base_model = excluded.base_model, "
-                       "last_seen = excluded.last_seen, sync_interval = excluded.sync_interval",
-                       (worker_id, specialty, json.dumps(base_model), now, now, sync_interval))
+            upsert_worker_row(db, worker_id, specialty, base_model, sync_interval)
             _insert_events(db, events)
 
     def record_pull(self, worker_id: str, body_bytes: int, raw_bytes: int) -> None:
@@ -349,12 +344,10 @@ class ManifestStore:
 
     def touch_worker(self, worker_id: str) -> bool:
         with self.transaction() as db:
-            cur = db.execute("UPDATE workers SET last_seen = ? WHERE worker_id = ?", (time.time(), worker_id))
-        return cur.rowcount == 1
+            return touch_worker_row(db, worker_id)
 
     def workers(self) -> list[dict[str, Any]]:
-        rows = self._all("SELECT * FROM workers ORDER BY worker_id")
-        return [dict(r) | {"base_model": json.loads(r["base_model"])} for r in rows]
+        return worker_dicts(self._all(WORKERS_QUERY))
 
     # routing profiles -------------------------------------------------------
 
@@ -435,6 +428,32 @@ def _update(row: Row) -> UpdateRow:
                      worker_id=row["worker_id"], meta=json.loads(row["meta"]), blob=row["blob"],
                      body_sha256=row["body_sha256"], body_bytes=row["body_bytes"], status=row["status"],
                      applied_version=row["applied_version"], received_at=row["received_at"])
+
+
+# worker rows: the root's store and a relay's (coordinator/relay/store.py) keep them with these ------------
+
+WORKERS_QUERY = "SELECT * FROM workers ORDER BY worker_id"
+
+
+def upsert_worker_row(db: Connection, worker_id: str, specialty: str, base_model: dict[str, Any],
+                      sync_interval: float | None) -> None:
+    """Register a worker, or renew its row (its traffic counters, where the table has them, are kept)."""
+    now = time.time()
+    db.execute("INSERT INTO workers (worker_id, specialty, base_model, registered_at, last_seen, "
+               "sync_interval) VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(worker_id) DO UPDATE SET "
+               "specialty = excluded.specialty, base_model = excluded.base_model, "
+               "last_seen = excluded.last_seen, sync_interval = excluded.sync_interval",
+               (worker_id, specialty, json.dumps(base_model), now, now, sync_interval))
+
+
+def touch_worker_row(db: Connection, worker_id: str) -> bool:
+    """A heartbeat: False if no such worker is registered."""
+    return db.execute("UPDATE workers SET last_seen = ? WHERE worker_id = ?", (time.time(), worker_id)).rowcount == 1
+
+
+def worker_dicts(rows: list[Row]) -> list[dict[str, Any]]:
+    """Rows of WORKERS_QUERY as the API shows them."""
+    return [dict(r) | {"base_model": json.loads(r["base_model"])} for r in rows]
 
 
 RELAYED = "relayed"
