@@ -12,6 +12,7 @@ import torch
 
 from protocol.integrity import digest_header
 from protocol.tensors import dumps
+from protocol.uploads import UploadPolicy
 from tests.coordinator.test_relay_exactly_once import make_relay, push, root_on_loopback, root_weights, token_at
 from tests.coordinator.test_uploads import complete, error, open_upload, put_chunk
 from tests.helpers import make_adapter, random_like, update_meta
@@ -183,5 +184,34 @@ def test_an_upload_finished_after_a_one_shot_push_of_the_same_update_is_its_dupl
         assert error(open_upload(worker, other, meta, expert="e1")) == (409, "conflict")
         assert service.forwarder.forward_once() == 1
         assert admin.expert("e1")["samples_seen"] == 4
+    finally:
+        service.close()
+
+
+def test_a_relay_forwards_a_large_batch_as_an_upload_and_one_refused_for_a_member_is_superseded(root, tmp_path):
+    """Upstream, the relay's batches of at least ``UploadPolicy.threshold`` bytes go through the root's upload
+    routes (the forwarder pushes with CoordinatorClient.push_update); a 409 members_applied at the finish drops
+    the root's upload and the relay re-sends the rest, as for a one-shot batch."""
+    root_app, _, admin, join = root
+    relay = make_relay(root, tmp_path, "r1")
+    service = relay.extensions["fedmoe"]
+    service.upstream.upload = UploadPolicy(threshold=1, first_chunk=256, min_chunk=256, max_chunk=256)
+    try:
+        w0 = root_weights(admin)
+        d1, d2 = random_like(make_adapter(), 8), random_like(make_adapter(), 9)
+        token = token_at(relay, join, "wa")
+        assert push(relay, token, d1, "U1", 3, "wa").status_code == 202
+        assert push(relay, token, d2, "U2", 4, "wa").status_code == 202
+        assert push(root_app, token_at(root_app, join, "wa"), d2, "U2", 4, "wa").status_code == 202  # failed over
+        assert service.forwarder.forward_once() == 1  # {U1, U2} refused at the finish for U2; {U1} sent
+        assert service.upstream.last_upload is not None and service.upstream.last_upload.chunks > 1
+        assert service.update_status("U2")["status"] == "applied_elsewhere"
+        info = admin.expert("e1")
+        assert (info["updates_applied"], info["samples_seen"]) == (2, 7)
+        got = root_weights(admin)
+        for k in w0:
+            assert torch.allclose(got[k], w0[k] + d1[k] + d2[k], atol=1e-6), k
+        root_uploads = root_app.extensions["fedmoe_uploads"]
+        assert root_uploads.open_count() == 0 and not list(root_uploads.root.glob("*.part"))
     finally:
         service.close()
