@@ -18,7 +18,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -451,7 +451,7 @@ def touch_worker_row(db: Connection, worker_id: str) -> bool:
     return db.execute("UPDATE workers SET last_seen = ? WHERE worker_id = ?", (time.time(), worker_id)).rowcount == 1
 
 
-def worker_dicts(rows: list[Row]) -> list[dict[str, Any]]:
+def worker_dicts(rows: Sequence[Row]) -> list[dict[str, Any]]:
     """Rows of WORKERS_QUERY as the API shows them."""
     return [dict(r) | {"base_model": json.loads(r["base_model"])} for r in rows]
 
