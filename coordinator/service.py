@@ -36,7 +36,7 @@ from coordinator.gateway_builder import GatewayBuilder
 from coordinator.norm_check import judge_norm
 from coordinator.recovery import recover
 from coordinator.steps import AggregationSteps
-from coordinator.store import RELAYED, ExpertRow, ManifestStore, UpdateRow
+from coordinator.store import RELAYED, ExpertRow, ManifestStore, UpdateRow, members_applied
 from gateway.router import combine_profiles, profile_from_json, profile_to_json
 from gateway.router import route as route_prompt
 from protocol.errors import BadRequest, Conflict, InsufficientStorage, InvalidPayload, NotFound, PayloadTooLarge
@@ -201,6 +201,7 @@ class Coordinator:
             if meta.base_version > expert.version:
                 raise Conflict(f"base_version {meta.base_version} is ahead of expert {name!r}, "
                                f"which is at version {expert.version}")
+            self._refuse_recorded_members(meta)  # before the body is decoded: a refused relay batch costs nothing
             manifest = manifest_from_json(expert.manifest)
             # int8 bodies are checked and measured from their codes (coordinator/fused_check.py); others are
             # decoded tensor by tensor. Either way nothing decoded is kept while we wait for the expert's
@@ -211,6 +212,7 @@ class Coordinator:
                 known = self.store.update(meta.update_id)  # a concurrent retry may have won
                 if known is not None:
                     return self._seen_before(known, name, meta, body_digest, body), False
+                self._refuse_recorded_members(meta)  # again under the lock: a direct push of a member may have won
                 verdict = judge_norm(norm, self.store.recent_norms(name, self.config.norm_history),
                                      self.config.norm_policy)  # InvalidUpdate (422) in reject mode
                 stored = meta.to_json() | ({"norm_scale": verdict.scale} if verdict.clipped else {})
@@ -227,6 +229,14 @@ class Coordinator:
             self.store.forget(body)
         self.store.sync()  # group commit: durable (blob and row) before the 202
         return self.update_status(meta.update_id), True
+
+    def _refuse_recorded_members(self, meta: UpdateMeta) -> None:
+        """A relay batch naming an update recorded here is refused whole (409 members_applied) before its step is
+        computed; the store checks again in the batch's transaction (a member recorded for another expert)."""
+        if meta.members:
+            seen = self.store.recorded_ids(list(meta.members))
+            if seen:
+                raise members_applied(meta.update_id, seen)
 
     def _seen_before(self, known: UpdateRow, name: str, meta: UpdateMeta, body_digest: str,
                      body: Path) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -284,6 +284,12 @@ class ManifestStore:
         row = self._one("SELECT * FROM updates WHERE update_id = ?", update_id)
         return _update(row) if row else None
 
+    def recorded_ids(self, update_ids: list[str]) -> list[str]:
+        """Those of ``update_ids`` (at most MAX_BATCH_MEMBERS) recorded here in any way, as update or member."""
+        if not update_ids:
+            return []
+        return [r["update_id"] for r in self._all(_recorded_ids_sql(len(update_ids)), *update_ids)]
+
     def pending_count(self, name: str) -> int:
         row = self._one("SELECT COUNT(*) AS n FROM updates WHERE expert = ? AND status = 'pending'", name)
         return int(row["n"]) if row else 0
@@ -326,13 +332,8 @@ class ManifestStore:
 
     def upsert_worker(self, worker_id: str, specialty: str, base_model: dict[str, Any],
                       sync_interval: float | None, events: tuple[Event, ...] = ()) -> None:
-        now = time.time()
         with self.transaction() as db:
-            db.execute("INSERT INTO workers (worker_id, specialty, base_model, registered_at, last_seen, "
-                       "sync_interval) VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(worker_id) DO UPDATE SET "
-                       "specialty = excluded.specialty, base_model = excluded.base_model, "
-                       "last_seen = excluded.last_seen, sync_interval = excluded.sync_interval",
-                       (worker_id, specialty, json.dumps(base_model), now, now, sync_interval))
+            upsert_worker_row(db, worker_id, specialty, base_model, sync_interval)
             _insert_events(db, events)
 
     def record_pull(self, worker_id: str, body_bytes: int, raw_bytes: int) -> None:
@@ -343,12 +344,10 @@ class ManifestStore:
 
     def touch_worker(self, worker_id: str) -> bool:
         with self.transaction() as db:
-            cur = db.execute("UPDATE workers SET last_seen = ? WHERE worker_id = ?", (time.time(), worker_id))
-        return cur.rowcount == 1
+            return touch_worker_row(db, worker_id)
 
     def workers(self) -> list[dict[str, Any]]:
-        rows = self._all("SELECT * FROM workers ORDER BY worker_id")
-        return [dict(r) | {"base_model": json.loads(r["base_model"])} for r in rows]
+        return worker_dicts(self._all(WORKERS_QUERY))
 
     # routing profiles -------------------------------------------------------
 
@@ -431,21 +430,57 @@ def _update(row: Row) -> UpdateRow:
                      applied_version=row["applied_version"], received_at=row["received_at"])
 
 
+# worker rows: the root's store and a relay's (coordinator/relay/store.py) keep them with these ------------
+
+WORKERS_QUERY = "SELECT * FROM workers ORDER BY worker_id"
+
+
+def upsert_worker_row(db: Connection, worker_id: str, specialty: str, base_model: dict[str, Any],
+                      sync_interval: float | None) -> None:
+    """Register a worker, or renew its row (its traffic counters, where the table has them, are kept)."""
+    now = time.time()
+    db.execute("INSERT INTO workers (worker_id, specialty, base_model, registered_at, last_seen, "
+               "sync_interval) VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(worker_id) DO UPDATE SET "
+               "specialty = excluded.specialty, base_model = excluded.base_model, "
+               "last_seen = excluded.last_seen, sync_interval = excluded.sync_interval",
+               (worker_id, specialty, json.dumps(base_model), now, now, sync_interval))
+
+
+def touch_worker_row(db: Connection, worker_id: str) -> bool:
+    """A heartbeat: False if no such worker is registered."""
+    return db.execute("UPDATE workers SET last_seen = ? WHERE worker_id = ?", (time.time(), worker_id)).rowcount == 1
+
+
+def worker_dicts(rows: Sequence[Row]) -> list[dict[str, Any]]:
+    """Rows of WORKERS_QUERY as the API shows them."""
+    return [dict(r) | {"base_model": json.loads(r["base_model"])} for r in rows]
+
+
 RELAYED = "relayed"
+
+
+def members_applied(batch_id: str, seen: list[str]) -> Conflict:
+    """The refusal of a relay batch naming updates this coordinator already recorded (the relay re-sends the rest)."""
+    return Conflict(f"batch {batch_id!r} carries {len(seen)} update(s) this coordinator already recorded "
+                    f"({', '.join(sorted(seen)[:5])}{', ...' if len(seen) > 5 else ''}); re-send it without them",
+                    reason="members_applied", members=sorted(seen), update_id=batch_id)
+
+
+def _recorded_ids_sql(n: int) -> str:
+    return f"SELECT update_id FROM updates WHERE update_id IN ({', '.join('?' * n)})"
+
+
+def _recorded_ids(db: Connection, ids: list[str]) -> list[str]:
+    return [r["update_id"] for r in db.execute(_recorded_ids_sql(len(ids)), ids).fetchall()]
 
 
 def _record_members(db: Connection, name: str, batch_id: str, members: dict[str, str]) -> None:
     """A relay batch's worker updates get rows of their own (status ``relayed``), in the batch's transaction:
     their ids are then used like any other (a direct push of one is a duplicate). A batch naming an id this
     root has recorded in any way is refused whole, with the ids, so the relay re-sends without them."""
-    ids = list(members)
-    marks = ", ".join("?" * len(ids))
-    seen = [r["update_id"] for r in db.execute(f"SELECT update_id FROM updates WHERE update_id IN ({marks})",
-                                               ids).fetchall()]
+    seen = _recorded_ids(db, list(members))
     if seen:
-        raise Conflict(f"batch {batch_id!r} carries {len(seen)} update(s) this coordinator already recorded "
-                       f"({', '.join(sorted(seen)[:5])}{', ...' if len(seen) > 5 else ''}); re-send it without them",
-                       reason="members_applied", members=sorted(seen), update_id=batch_id)
+        raise members_applied(batch_id, seen)
     now = time.time()
     db.executemany("INSERT INTO updates (update_id, expert, worker_id, meta, blob, body_sha256, body_bytes, status, "
                    "received_at) VALUES (?, ?, NULL, ?, NULL, ?, 0, ?, ?)",

@@ -12,6 +12,8 @@
 
 Everything a push checks is checked the same way (token, expert, metadata, size limit); finishing runs
 the same code as a push, so a resumable push is applied exactly once by its update_id, like any push.
+The routes serve whatever ``UploadTarget`` the app installs: the root's Coordinator (``RootTarget``) or a
+relay (coordinator/relay/service.py), whose finished uploads are queued and pre-aggregated like its pushes.
 Storage and bounds: coordinator/upload_store.py. A chunk that overlaps the received bytes is a 409, one
 after a gap or past the end a 416; either error's details carry the offset to continue from.
 """
@@ -19,17 +21,19 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import replace
-from typing import Any
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Protocol
 
 from flask import Blueprint, Flask, Response, current_app, g, jsonify, request
 from werkzeug.exceptions import ClientDisconnected
 
-from coordinator.api import coordinator, json_body
-from coordinator.audit import rejection_event
+from coordinator.api import json_body
+from coordinator.audit import Event, rejection_event
 from coordinator.auth import acting_worker, principal
-from coordinator.service import Coordinator
+from coordinator.config import CoordinatorConfig
 from coordinator.relays import check_may_carry_members
+from coordinator.service import Coordinator
 from coordinator.tokens import WORKER
 from coordinator.upload_store import Upload, UploadLimits, UploadStore
 from protocol.errors import (BadRequest, Conflict, FedMoEError, InvalidUpdate, PayloadTooLarge, RequestTimeout,
@@ -43,16 +47,72 @@ CONTENT_RANGE = re.compile(r"bytes ([0-9]{1,18})-([0-9]{1,18})/([0-9]{1,18})")
 bp = Blueprint("uploads", __name__, url_prefix=API_PREFIX)
 
 
+class UploadTarget(Protocol):
+    """What the upload routes need of the service a finished upload is pushed into."""
+
+    @property
+    def config(self) -> CoordinatorConfig: ...
+
+    def check_upload(self, name: str, size: int) -> None:
+        """Raise (NotFound, 507, ...) unless an update of ``size`` bytes for expert ``name`` could be taken now."""
+
+    def recorded_update(self, update_id: str) -> tuple[str, str | None] | None:
+        """(expert, body content id) of the update recorded under ``update_id``, or None."""
+
+    def update_status(self, update_id: str) -> dict[str, Any]: ...
+
+    def submit_upload(self, name: str, meta: UpdateMeta, part: Path, digest: str) -> tuple[dict[str, Any], bool]:
+        """The one-shot push's path on the finished body at ``part`` (left in place), of content id ``digest``:
+        (status, is_new), durable before it returns."""
+
+    def record_event(self, event: Event) -> None: ...
+
+
+@dataclass(frozen=True)
+class RootTarget:
+    """The root coordinator behind the upload routes: a finished upload is ``Coordinator.submit_update``."""
+
+    coordinator: Coordinator
+
+    @property
+    def config(self) -> CoordinatorConfig:
+        return self.coordinator.config
+
+    def check_upload(self, name: str, size: int) -> None:
+        self.coordinator.require_expert(name)
+
+    def recorded_update(self, update_id: str) -> tuple[str, str | None] | None:
+        known = self.coordinator.store.update(update_id)
+        return None if known is None else (known.expert, known.body_sha256)
+
+    def update_status(self, update_id: str) -> dict[str, Any]:
+        return self.coordinator.update_status(update_id)
+
+    def submit_upload(self, name: str, meta: UpdateMeta, part: Path, digest: str) -> tuple[dict[str, Any], bool]:
+        c = self.coordinator
+        return c.submit_update(name, meta, c.store.link_received(part, digest))
+
+    def record_event(self, event: Event) -> None:
+        self.coordinator.record_event(event)
+
+
 def uploads() -> UploadStore:
     return current_app.extensions["fedmoe_uploads"]
 
 
-def install(app: Flask, c: Coordinator) -> None:
-    """Open the data dir's uploads and serve the routes. Settings (Flask config, e.g. ``CoordinatorConfig.extra``):
-    UPLOAD_IDLE_SECONDS (3600) and UPLOADS_PER_WORKER (2)."""
+def target() -> UploadTarget:
+    return current_app.extensions["fedmoe_upload_target"]
+
+
+def install(app: Flask, service: Coordinator | UploadTarget) -> None:
+    """Open the data dir's uploads and serve the routes into ``service`` (the root's Coordinator, or a relay).
+    Settings (Flask config, e.g. ``CoordinatorConfig.extra``): UPLOAD_IDLE_SECONDS (3600) and
+    UPLOADS_PER_WORKER (2)."""
+    into = RootTarget(service) if isinstance(service, Coordinator) else service
     limits = UploadLimits(float(app.config.get("UPLOAD_IDLE_SECONDS", UploadLimits.idle_seconds)),
                           int(app.config.get("UPLOADS_PER_WORKER", UploadLimits.per_worker)))
-    app.extensions["fedmoe_uploads"] = UploadStore(c.config.data_dir / "uploads", limits)
+    app.extensions["fedmoe_uploads"] = UploadStore(into.config.data_dir / "uploads", limits)
+    app.extensions["fedmoe_upload_target"] = into
     app.register_blueprint(bp)
 
 
@@ -70,7 +130,7 @@ def _answer(upload: Upload, status: int = 200, **extra: Any) -> tuple[Response, 
 
 @bp.post("/experts/<name>/uploads")
 def open_upload(name: str) -> tuple[Response, int]:
-    c = coordinator()
+    c = target()
     check_name(name, "expert name")
     body = json_body()
     update = body.get("update")
@@ -88,7 +148,7 @@ def open_upload(name: str) -> tuple[Response, int]:
     if not isinstance(digest, str):
         raise BadRequest(f"'digest' must be 'blake3=<64 hex digits>' or 'sha256=<64 hex digits>' of the whole body, got {digest!r}")
     digest = parse_digest(digest)
-    c.require_expert(name)
+    c.check_upload(name, size)
     if (done := _recorded(c, name, meta, digest)) is not None:
         return jsonify({"update": done, "upload_id": None, "offset": size, "size": size, "complete": True}), 200
     upload, created = uploads().open(name, _caller(), meta, size, digest)
@@ -97,14 +157,15 @@ def open_upload(name: str) -> tuple[Response, int]:
     return response, status
 
 
-def _recorded(c: Coordinator, name: str, meta: UpdateMeta, digest: str) -> dict[str, Any] | None:
+def _recorded(c: UploadTarget, name: str, meta: UpdateMeta, digest: str) -> dict[str, Any] | None:
     """The status of an update already recorded under this update_id (nothing left to send), else None."""
-    known = c.store.update(meta.update_id)
+    known = c.recorded_update(meta.update_id)
     if known is None:
         return None
-    same_algorithm = known.body_sha256 is not None and algorithm_of(known.body_sha256) == algorithm_of(digest)
+    expert, body_digest = known
+    same_algorithm = body_digest is not None and algorithm_of(body_digest) == algorithm_of(digest)
     # (digests in different algorithms cannot be compared here: the push at finish checks the body itself)
-    if known.expert != name or (same_algorithm and known.body_sha256 != digest):
+    if expert != name or (same_algorithm and body_digest != digest):
         raise Conflict(f"update_id {meta.update_id!r} was already used for another expert or body; a new update "
                        "needs a new update_id", update_id=meta.update_id)
     return c.update_status(meta.update_id)
@@ -155,7 +216,7 @@ def abandon_upload(name: str, upload_id: str) -> tuple[Response, int]:
 
 @bp.post("/experts/<name>/uploads/<upload_id>/complete")
 def complete_upload(name: str, upload_id: str) -> tuple[Response, int]:
-    c, store = coordinator(), uploads()
+    c, store = target(), uploads()
     upload = store.get(upload_id, name, _caller())
     with store.holding(upload):
         if upload.completed:  # a retried finish: the push's answer to a retry
@@ -171,7 +232,7 @@ def complete_upload(name: str, upload_id: str) -> tuple[Response, int]:
     return jsonify(status), 202 if is_new else 200
 
 
-def _push(c: Coordinator, store: UploadStore, upload: Upload) -> tuple[dict[str, Any], bool]:
+def _push(c: UploadTarget, store: UploadStore, upload: Upload) -> tuple[dict[str, Any], bool]:
     """The one-shot push's path on the assembled body; the upload is dropped unless the refusal is temporary."""
     digest = store.received_digest(upload)
     if digest != upload.digest:
@@ -180,7 +241,7 @@ def _push(c: Coordinator, store: UploadStore, upload: Upload) -> tuple[dict[str,
                             f"{hex_of(upload.digest)[:16]}... the upload was opened with; it was dropped: send the update "
                             "again", reason="digest_mismatch")
     try:
-        result = c.submit_update(upload.expert, upload.meta, c.store.link_received(store.part(upload), digest))
+        result = c.submit_upload(upload.expert, upload.meta, store.part(upload), digest)
     except Unavailable:  # disk full (507) and the like: keep the bytes, finishing again may succeed
         raise
     except FedMoEError:
@@ -190,7 +251,7 @@ def _push(c: Coordinator, store: UploadStore, upload: Upload) -> tuple[dict[str,
     return result
 
 
-def _audit(c: Coordinator, upload: Upload, exc: FedMoEError) -> None:
+def _audit(c: UploadTarget, upload: Upload, exc: FedMoEError) -> None:
     """Every refused push goes to the audit log, as api.push_update's do."""
     g.audited = True
     c.record_event(rejection_event(upload.expert, exc.status, exc.code, exc.message, exc.details,

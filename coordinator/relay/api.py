@@ -3,7 +3,9 @@
 Workers cannot tell a relay from the root: they register (with the same join token), push, pull,
 heartbeat and send profiles at the same paths. The blueprint is named ``api`` like the root's so
 the same access rule applies to each endpoint; request bodies are received by the root's own
-``receive_body`` (fsynced temp file, digest checked, size limit).
+``receive_body`` (fsynced temp file, digest checked, size limit). Resumable uploads are the root's own
+blueprint (coordinator/uploads.py) with the RelayService as its ``UploadTarget``: a finished upload is
+queued by ``submit_update`` exactly like a one-shot push.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from dataclasses import replace
 from flask import Blueprint, Flask, Response, current_app, jsonify, request, send_file
 
 from coordinator import api as root_api
-from coordinator import auth
+from coordinator import auth, uploads
 from coordinator.api import _int_arg, json_body, receive_body
 from coordinator.app import StrictJSONProvider, _log_requests_at_debug, _register_error_handlers
 from coordinator.auth import acting_worker
@@ -144,6 +146,7 @@ def create_relay_app(config: RelayConfig, port: int | None = None) -> Flask:
     app.config.update(MAX_CONTENT_LENGTH=config.coordinator.max_body_bytes, **dict(config.coordinator.extra))
     app.extensions["fedmoe"] = RelayService(config, port)
     app.register_blueprint(bp)
+    uploads.install(app, app.extensions["fedmoe"])  # the root's resumable upload routes, finishing into the relay
     _log_requests_at_debug(app)
     auth.install(app, config.coordinator, app.extensions["fedmoe"].record_event)
     _register_error_handlers(app)

@@ -26,7 +26,7 @@ from coordinator.relay.upstream import RelayStartError, UpstreamClient, WeightsC
 from coordinator.service import check_body_size, liveness, receive_checked
 from protocol.errors import Conflict, InsufficientStorage, InvalidUpdate, NotFound, Unavailable
 from protocol.files import private_dir
-from protocol.integrity import Readable
+from protocol.integrity import Readable, algorithm_of
 from protocol.schemas import BaseModelSpec, ExpertSpec, UpdateMeta, check_name
 from protocol.tensors import load_file, manifest_of
 
@@ -226,13 +226,30 @@ class RelayService:
                                       f"{limit} (--max-queue-mb); its upstream may be unreachable. Retry later",
                                       retry_after=30)
 
+    # resumable uploads (coordinator.uploads.UploadTarget): the root's routes, finishing into submit_update
+
+    def check_upload(self, name: str, size: int) -> None:
+        """An upload is opened only for an expert upstream has (or the cache knows) and a body the queue can hold."""
+        if self.cache.known(name) is None:
+            self.cache.get(name)  # NotFound if upstream has no such expert
+        self.room_for(size)
+
+    def recorded_update(self, update_id: str) -> tuple[str, str | None] | None:
+        known = self.store.update(update_id)
+        return None if known is None else (known["expert"], known["body_sha256"])
+
+    def submit_upload(self, name: str, meta: UpdateMeta, part: Path, digest: str) -> tuple[dict[str, Any], bool]:
+        with storage_errors("receive the upload"):
+            body = self.blobs.link_received(part, digest)
+        return self.submit_update(name, meta, body)
+
     def submit_update(self, name: str, meta: UpdateMeta, body: Path) -> tuple[dict[str, Any], bool]:
         """Record a worker's update durably (then 202); the same update_id again is a 200, applied once."""
         try:
             digest = self.blobs.digest_of(body)
             known = self.store.update(meta.update_id)
             if known is not None:
-                return self._seen_before(known, name, digest), False
+                return self._seen_before(known, name, digest, body), False
             cached = self.cache.known(name) or self.cache.get(name)
             manifest = manifest_of(load_file(self.blobs.path(cached.blob)))
             norm = l2_norm(check_update(body, meta.codec, meta.codec_config, manifest))
@@ -243,7 +260,7 @@ class RelayService:
             with self._push_lock:
                 known = self.store.update(meta.update_id)  # a concurrent retry may have won
                 if known is not None:
-                    return self._seen_before(known, name, digest), False
+                    return self._seen_before(known, name, digest, body), False
                 self.room_for(size)
                 with self.blobs_guard, storage_errors(f"record update {meta.update_id!r}"):
                     blob = self.blobs.adopt(body, digest)
@@ -256,9 +273,11 @@ class RelayService:
             self.blobs.forget(body)
         return self.update_status(meta.update_id), True
 
-    def _seen_before(self, known: dict[str, Any], name: str, digest: str) -> dict[str, Any]:
+    def _seen_before(self, known: dict[str, Any], name: str, digest: str, body: Path) -> dict[str, Any]:
         if known["expert"] != name:
             raise Conflict(f"update_id {known['update_id']!r} was already used for expert {known['expert']!r}")
+        if algorithm_of(known["body_sha256"]) != algorithm_of(digest):  # e.g. a one-shot push, then an upload
+            digest = self.blobs.digest_of(body, algorithm_of(known["body_sha256"]))
         if known["body_sha256"] != digest:
             raise Conflict(f"update_id {known['update_id']!r} was already used for a different body; a retry must "
                            "resend the same bytes, and a new update needs a new update_id",

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from coordinator.store import WORKERS_QUERY, touch_worker_row, upsert_worker_row, worker_dicts
 from protocol.files import private_file
 
 SCHEMA = """
@@ -75,7 +76,7 @@ CREATE TABLE IF NOT EXISTS cache (
     blob TEXT NOT NULL,
     info TEXT NOT NULL            -- the root's expert info (spec, counters) as last seen
 );
-CREATE TABLE IF NOT EXISTS workers (
+CREATE TABLE IF NOT EXISTS workers (   -- the root's table (coordinator.store) without its traffic counters
     worker_id TEXT PRIMARY KEY,
     specialty TEXT NOT NULL,
     base_model TEXT NOT NULL,
@@ -332,21 +333,15 @@ class RelayStore:
 
     def upsert_worker(self, worker_id: str, specialty: str, base_model: dict[str, str],
                       sync_interval: float | None) -> None:
-        now = time.time()
         with self.transaction() as db:
-            db.execute("INSERT INTO workers VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(worker_id) DO UPDATE SET "
-                       "specialty = excluded.specialty, base_model = excluded.base_model, "
-                       "last_seen = excluded.last_seen, sync_interval = excluded.sync_interval",
-                       (worker_id, specialty, json.dumps(base_model), now, now, sync_interval))
+            upsert_worker_row(db, worker_id, specialty, base_model, sync_interval)
 
     def touch_worker(self, worker_id: str) -> bool:
         with self.transaction() as db:
-            return db.execute("UPDATE workers SET last_seen = ? WHERE worker_id = ?",
-                              (time.time(), worker_id)).rowcount == 1
+            return touch_worker_row(db, worker_id)
 
     def workers(self) -> list[dict[str, Any]]:
-        return [dict(r) | {"base_model": json.loads(r["base_model"])}
-                for r in self._all("SELECT * FROM workers ORDER BY worker_id")]
+        return worker_dicts(self._all(WORKERS_QUERY))
 
 
 def _prune_forwarded(db: sqlite3.Connection, keep: int) -> None:

@@ -114,3 +114,30 @@ def test_a_relay_with_a_codec_forwards_a_compressed_batch(root, tmp_path):
         assert relay.store.stats()["queued_updates"] == 0
     finally:
         relay.close()
+
+
+def test_a_relay_keeps_its_worker_rows_with_the_roots_code(relay):
+    """Register, renew, heartbeat and list at a relay (coordinator.store's worker-row functions on its table)."""
+    app, join = relay
+    first = register(app, join, "w1")
+    assert first.status_code == 200 and first.json["relay"] == "r1"
+    admin = app.test_client(token=app.extensions["fedmoe_auth"].admin_token)
+    (row,) = admin.get("/api/v1/workers").json["workers"]
+    assert row["worker_id"] == "w1" and row["base_model"] == {"id": "m", "fingerprint": FINGERPRINT}
+    assert row["status"] == "alive" and row["sync_interval"] is None
+    worker = app.test_client(token=first.json["token"])
+    hb = worker.post("/api/v1/workers/w1/heartbeat")
+    assert hb.status_code == 200 and hb.json == {"worker_id": "w1", "status": "ok"}
+    assert error_code(admin.post("/api/v1/workers/nobody/heartbeat")) == (404, "not_found")
+    assert worker.post("/api/v1/workers/w2/heartbeat").status_code == 403  # another worker's
+    renewed = app.test_client(token=first.json["token"]).post("/api/v1/workers", json={
+        "worker_id": "w1", "specialty": "e1", "base_model": {"id": "m", "fingerprint": FINGERPRINT},
+        "sync_interval": 30})
+    assert renewed.status_code == 200
+    (again,) = admin.get("/api/v1/workers").json["workers"]
+    assert again["registered_at"] == row["registered_at"] and again["last_seen"] >= row["last_seen"]
+    assert again["sync_interval"] == 30
+
+
+def error_code(response):
+    return response.status_code, response.json["error"]["code"]

@@ -7,6 +7,7 @@ not keep a share of an update the root received another way.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 
@@ -29,27 +30,38 @@ from tests.helpers import FINGERPRINT, expert_spec, make_adapter, random_like
 BASE = {"id": "m", "fingerprint": FINGERPRINT}
 
 
-@pytest.fixture
-def root(tmp_path):
-    """A root applying each update in full (fedasync, lr 1, no staleness decay): weights = w0 + sum of deltas."""
+@contextlib.contextmanager
+def root_on_loopback(tmp_path):
+    """A root applying each update in full (fedasync, lr 1, no staleness decay): weights = w0 + sum of deltas.
+    Yields (app, url, admin client, join token)."""
     app = create_app(CoordinatorConfig(data_dir=tmp_path / "root", gateway_interval=0, staleness_decay=0.0))
     server = make_server("127.0.0.1", 0, app, threaded=True)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_port}"
     admin = CoordinatorClient(url, token=app.extensions["fedmoe_auth"].admin_token)
-    admin.create_expert("e1", make_adapter(), expert_spec())
-    yield app, url, admin, (tmp_path / "root" / "join_token").read_text().strip()
-    server.shutdown()
-    server.server_close()
-    app.extensions["fedmoe"].close()
+    try:
+        admin.create_expert("e1", make_adapter(), expert_spec())
+        yield app, url, admin, (tmp_path / "root" / "join_token").read_text().strip()
+    finally:
+        server.shutdown()
+        server.server_close()
+        app.extensions["fedmoe"].close()
 
 
-def make_relay(root, tmp_path, relay_id, codec="safetensors", codec_config=None):
+@pytest.fixture
+def root(tmp_path):
+    with root_on_loopback(tmp_path) as served:
+        yield served
+
+
+def make_relay(root, tmp_path, relay_id, codec="safetensors", codec_config=None, **config):
+    """A relay app joined to ``root``, forwarding only when told (``forwarder.forward_once()``); ``config``:
+    more RelayConfig fields. The same relay_id again is a restart on the same data dir."""
     _, url, _, join = root
     app = create_relay_app(RelayConfig(upstream=url, join_token=join, relay_id=relay_id,
                                        coordinator=CoordinatorConfig(data_dir=tmp_path / relay_id),
                                        forward=ForwardPolicy(interval=3600, codec=codec, codec_config=codec_config,
-                                                             staleness_decay=0.0)))
+                                                             staleness_decay=0.0), **config))
     app.extensions["fedmoe"].join_upstream()
     return app
 
@@ -233,3 +245,34 @@ def test_a_relay_store_from_before_prev_residual_opens(tmp_path):
         assert store.next_seq("e1") == 5 and store.referenced_blobs() == set()
     finally:
         store.close()
+
+
+def test_a_refused_batch_costs_the_root_no_aggregation_step_and_records_nothing(root):
+    """The members check comes before the norm check and the step a batch would complete: a 409 decodes and
+    aggregates nothing, and leaves no update row, norm or version behind."""
+    root_app, _, admin, join = root
+    c = root_app.extensions["fedmoe"]
+    assert push(root_app, token_at(root_app, join, "wa"), random_like(make_adapter(), 1), "U", 5, "wa").status_code == 202
+    prepared = []
+    real_prepare = c.steps.prepare
+    c.steps.prepare = lambda *args: prepared.append(args[1]["update_id"]) or real_prepare(*args)
+    norms, last_event = c.store.recent_norms("e1", 100), c.events(1)[0]["id"]
+    body = dumps(random_like(make_adapter(), 2))
+    admin_token = root_app.extensions["fedmoe_auth"].admin_token
+
+    def batch(update_id, members):
+        meta = {"update_id": update_id, "base_version": 1, "num_samples": 4, "members": members}
+        return root_app.test_client(token=admin_token).post("/api/v1/experts/e1/updates", data=body, headers={
+            UPDATE_HEADER: json.dumps(meta), DIGEST_HEADER: digest_header(body)})
+
+    refused = batch("r1.x.e1.1", {"U": "b3-" + "1" * 64, "V": "b3-" + "2" * 64})
+    assert refused.status_code == 409 and refused.json["error"]["details"]["members"] == ["U"]
+    assert prepared == []  # the step it would have completed (fedasync: every update) was never computed
+    assert c.store.update("r1.x.e1.1") is None and c.store.update("V") is None
+    assert c.store.recent_norms("e1", 100) == norms
+    info = admin.expert("e1")
+    assert (info["version"], info["updates_applied"], info["samples_seen"]) == (1, 1, 5)
+    assert [e["kind"] for e in c.events(100, after=last_event)] == ["update_rejected"]  # only the audit row
+    assert batch("r1.x.e1.2", {"V": "b3-" + "2" * 64}).status_code == 202  # the rest, re-sent: applied
+    assert prepared == ["r1.x.e1.2"] and admin.expert("e1")["version"] == 2
+    assert batch("r1.x.e1.2", {"V": "b3-" + "2" * 64}).status_code == 200  # its retry: not refused for its own members
