@@ -29,7 +29,7 @@ MiB = 1 << 20
 
 
 class UploadsUnsupported(Exception):
-    """The coordinator has no upload routes (an older one, or a relay without them): push in one request."""
+    """The coordinator has no upload routes (one older than the routes, root or relay): push in one request."""
 
 
 @dataclass(frozen=True)
