@@ -207,6 +207,14 @@ class CoordinatorProcess:
                 time.sleep(0.01)
         raise RuntimeError(f"coordinator not answering after {timeout} s")
 
+    def lines(self, match: Callable[[str], bool], timeout: float = 60.0) -> list[str]:
+        """The output lines ``match`` accepts, once there is at least one (or ``timeout`` s passed): the output
+        is read by a thread, so a line logged while answering a request may arrive after the answer."""
+        deadline = time.monotonic() + timeout
+        while not (found := [line for line in list(self.log) if match(line)]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return found
+
     def _signal(self, signum: int) -> None:
         assert self.proc is not None
         if self.new_session:

@@ -44,6 +44,6 @@ def test_quick_run_writes_one_record_per_job(quick_run):
 
 def test_bad_flag_is_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", MODULE, "--rounds", "0", "--out", str(tmp_path / "x.json")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and proc.stderr.strip() == "error: --rounds must be at least 1, got 0"
     assert not (tmp_path / "x.json").exists()

@@ -29,7 +29,7 @@ def imported_by(script: str, *args: str) -> tuple[int, list[str]]:
             f"try:\n    m.main({list(args)!r})\nexcept SystemExit as e:\n    status = e.code\n"
             f"print(status, [n for n in {HEAVY!r} if n in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True,
-                         timeout=60).stdout.strip().splitlines()[-1]
+                         timeout=300).stdout.strip().splitlines()[-1]
     status, modules = out.split(" ", 1)
     return int(status), eval(modules)  # noqa: S307 - our own print of a list of names
 

@@ -1,4 +1,6 @@
 """The gateway's lifecycle: reads only read, builds coalesce, old gateways are pruned, settings reach the merge."""
+import time
+
 import pytest
 
 from coordinator.config import CoordinatorConfig
@@ -10,6 +12,15 @@ def stored(app) -> tuple[int, int]:
     c = app.extensions["fedmoe"]
     rows = c.store._rows._one("SELECT COUNT(*) AS n FROM gateways")["n"]
     return rows, len(list(c.store._blobs.digests()))
+
+
+def settled(app, expected: tuple[int, int], timeout: float = 60.0) -> tuple[int, int]:
+    """stored(app) once it equals ``expected`` or ``timeout`` s passed: the builder thread records a new gateway
+    (which a read then sees) before it deletes the blobs of the gateways that one pruned."""
+    deadline = time.monotonic() + timeout
+    while (now := stored(app)) != expected and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return now
 
 
 def test_polling_the_gateway_writes_nothing(make_app):
@@ -39,7 +50,7 @@ def test_old_gateways_and_their_blobs_are_pruned(make_app):
         assert stored(app)[0] <= 2
     assert versions == sorted(set(versions)) and len(versions) == 5
     # keep_versions=1: one expert blob; keep_gateways=2: two gateway blobs, nothing else left behind
-    assert stored(app) == (2, 3)
+    assert settled(app, (2, 3)) == (2, 3)
     assert client.get("/api/v1/gateway/weights").headers["X-FedMoE-Version"] == str(versions[-1])
 
 

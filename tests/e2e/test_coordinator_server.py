@@ -16,7 +16,7 @@ from tests.helpers import expert_spec, make_adapter, random_like, update_meta
 
 def run_gateway_tool(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(ROOT / "get_gateway_model.py"), *args], cwd=ROOT, env=env(),
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=300)
 
 
 def test_push_pull_and_save_gateway_over_real_http(start_coordinator, tmp_path):
@@ -113,7 +113,7 @@ def test_port_in_use_is_one_clear_error(start_coordinator, tmp_path):
     port = url.rsplit(":", 1)[1]
     result = subprocess.run([sys.executable, str(ROOT / "run_coordinator.py"), "--host", "127.0.0.1",
                              "--port", port, "--data-dir", str(tmp_path / "other")],
-                            cwd=ROOT, env=env(), capture_output=True, text=True, timeout=60)
+                            cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and "cannot listen" in result.stderr and "Traceback" not in result.stderr
 
 

@@ -45,7 +45,7 @@ def render(url: str, screenshot: Path, profile: Path) -> str:
            "--disable-background-networking", "--disable-component-update", "--disable-sync",
            f"--user-data-dir={profile}", "--window-size=1280,900", "--virtual-time-budget=5000",
            f"--screenshot={screenshot}", "--dump-dom", url]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
 

@@ -215,14 +215,18 @@ def test_new_versions_swap_in_during_traffic_and_no_request_fails(federation, oa
     delta = lora_adapter(base.model, 99, scale=0.2)
     after = {k: before[k] + delta[k] for k in before}
     seen: list[tuple[int, str]] = []
+    timed: list[tuple[float, float, int]] = []  # (sent, answered, adapter version) of every request
     failures: list[BaseException] = []
     stop = threading.Event()
 
     def traffic() -> None:
         while not stop.is_set():
             try:
+                sent = time.monotonic()
                 reply = ask(oai, "python_expert", prompt, 8).parse()
-                seen.append((reply.model_extra["fedmoe"]["adapter_version"], reply.choices[0].message.content))
+                version = reply.model_extra["fedmoe"]["adapter_version"]
+                timed.append((sent, time.monotonic(), version))
+                seen.append((version, reply.choices[0].message.content))
             except BaseException as exc:  # any failure at all is what this test is about
                 failures.append(exc)
 
@@ -245,8 +249,11 @@ def test_new_versions_swap_in_during_traffic_and_no_request_fails(federation, oa
     assert not failures, failures[:1]
     versions = [v for v, _ in seen]
     assert 0 in versions and 1 in versions
-    assert versions.index(1) > versions.index(0)  # and once the new version answered, never the old one again
-    assert all(v == 1 for v in versions[versions.index(1):])
+    assert versions.index(1) > versions.index(0)
+    # once the new version has answered, a request sent after that never gets the old one (three threads: a
+    # request sent before the swap may still answer with version 0 after another thread's version 1)
+    first_new = min(answered for _, answered, v in timed if v == 1)
+    assert all(v == 1 for sent, _, v in timed if sent > first_new)
     old, new = expected(federation, "python_expert", prompt, 8), expected(federation, "python_expert", prompt, 8, after)
     assert old != new
     assert {text for v, text in seen if v == 0} == {old} and {text for v, text in seen if v == 1} == {new}

@@ -20,7 +20,11 @@ from worker.trainer import LoraSettings, LoraTrainer
 # fp32: same tolerances as the accumulation tests (two AdamW steps at lr 1e-2 move near-zero-gradient
 # elements by up to ~lr on rounding noise alone). bf16 autocast rounds differently on 3-4 row shards, and
 # AdamW turns that into moves of up to ~lr per element, so there the first-step gradient carries the check.
-TOLERANCES = {"fp32": (1e-4, 1e-3), "bf16": (2e-2, 3e-2)}  # (gradient error / largest gradient, weight error)
+# (gradient error / largest gradient, weight error after the two steps). AdamW's first steps move each entry by
+# about lr whatever its gradient's size, so an entry whose tiny gradient rounds to the other sign in bf16 (the
+# ranks sum in another order than one process) ends up to 2 lr per step away: measured 0.021-0.034 on 0.05% of
+# the entries; the bound is 2 lr x 2 steps plus rounding.
+TOLERANCES = {"fp32": (1e-4, 1e-3), "bf16": (2e-2, 4 * strategy_ranks.TRAIN.lr + 4e-3)}
 
 
 def free_port() -> int:
@@ -67,7 +71,10 @@ def test_a_two_rank_step_equals_the_single_process_step(two_rank_run, case):
     assert max(float((rank_grads[k] - grads[k]).abs().max()) for k in grads) < grad_tol * scale
     rank_state = load_file(out / f"{case}-state.safetensors")
     assert rank_state.keys() == state.keys()
-    assert max(float((rank_state[k] - state[k]).abs().max()) for k in state) < weight_tol
+    diffs = torch.cat([(rank_state[k].float() - state[k].float()).abs().flatten() for k in state])
+    assert float(diffs.max()) < weight_tol
+    if extra.get("precision") == "bf16":  # nearly every entry agrees; the few that do not moved the other way
+        assert float((diffs > strategy_ranks.TRAIN.lr).float().mean()) < 0.01
     assert len(state) == (len(grads) if lora_rank == 0 else 2 * 7 * 2)  # 2 layers x 7 projections x (A, B)
 
 
