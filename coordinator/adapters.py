@@ -12,7 +12,8 @@ from compression.codecs.blockwise import BlockwiseConfig
 from compression.errors import CompressionError, PayloadError
 from compression.registry import make_codec
 from coordinator.aggregation import l2_norm
-from coordinator.fused_check import int8_config, int8_decode, int8_decode_update, int8_update_norm, raw_update_norm
+from coordinator.fused_check import int8_add_update, int8_config, int8_decode, int8_decode_update, int8_update_norm, \
+    mapped, raw_update_norm
 from protocol.errors import BadRequest, InvalidUpdate
 from protocol.schemas import RAW_CODEC, FullSpec, LoraSpec
 from protocol.streaming import FileTensors, check_file, read_header
@@ -157,6 +158,16 @@ class CompressedUpdate(Mapping[str, torch.Tensor]):
         for name, flat in values.items():
             yield name, torch.from_numpy(flat).reshape(self.shapes[name])
 
+    def add_to(self, targets: Mapping[str, torch.Tensor], alpha: float) -> bool:
+        """``targets[name].add_(self[name], alpha=alpha)`` for every tensor, in order, decoded a cache-sized
+        group of tensors at a time from the mapped file (clean int8 only). False, with nothing added, when
+        the body is not clean int8: the caller then adds ``decoded_items``, which raises the right error."""
+        if self.int8 is None:
+            return False
+        with mapped(self.path) as data:
+            return int8_add_update(data, [self.spans[name] for name in self.shapes], self.int8,
+                                   list(self.shapes.items()), targets, alpha)
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.spans)
 
@@ -183,4 +194,14 @@ def make_checked_codec(codec: str, codec_config: dict) -> Codec:
 
 def non_finite_tensor(tensors: Mapping[str, torch.Tensor]) -> str | None:
     """The name of the first tensor holding Inf or NaN, or None if all are finite."""
-    return next((name for name, t in tensors.items() if not bool(torch.isfinite(t).all())), None)
+    return next((name for name, t in tensors.items() if not _all_finite(t)), None)
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    """Whether every value is finite. For float32/64 one pass with no temporary: min and max propagate NaN,
+    so both are finite exactly when every value is (``isfinite(t).all()`` wrote a bool per value first,
+    a tenth of a fedbuff step's time for 336 small tensors)."""
+    if t.numel() and t.dtype in (torch.float32, torch.float64):
+        low, high = torch.aminmax(t)
+        return math.isfinite(float(low)) and math.isfinite(float(high))
+    return bool(torch.isfinite(t).all())

@@ -53,5 +53,16 @@ def tensors_of(delta: Mapping[str, torch.Tensor]) -> Iterable[tuple[str, torch.T
     return decoded_items() if decoded_items is not None else delta.items()
 
 
+def add_delta(current: StateDict, delta: Mapping[str, torch.Tensor], alpha: float) -> None:
+    """``current[name] += alpha * delta[name]`` for every tensor of ``delta``, in its order, in place. A delta
+    that can add itself (``CompressedUpdate.add_to``: decoded a cache-sized chunk at a time) does; the values
+    and the ``add_`` of each tensor are the same either way, so the result is bit-identical."""
+    add_to = getattr(delta, "add_to", None)
+    if add_to is not None and add_to(current, alpha):
+        return
+    for name, value in tensors_of(delta):
+        current[name].add_(value, alpha=alpha)
+
+
 class Aggregator(Protocol):
     def __call__(self, current: StateDict, updates: list[Update], params: AggregationParams) -> StateDict: ...

@@ -11,7 +11,7 @@ one pass and memory stays at one model plus one decoded update.
 """
 from __future__ import annotations
 
-from coordinator.aggregation.base import AggregationParams, StateDict, Update, staleness_weight, tensors_of
+from coordinator.aggregation.base import AggregationParams, StateDict, Update, add_delta, staleness_weight
 
 
 def sample_weights(updates: list[Update]) -> list[float]:
@@ -27,6 +27,5 @@ def fedbuff(current: StateDict, updates: list[Update], params: AggregationParams
     weights = [params.server_lr * w * staleness_weight(u.staleness, params.staleness_decay)
                for w, u in zip(sample_weights(updates), updates)]
     for weight, update in zip(weights, updates):
-        for name, value in tensors_of(update.delta):
-            current[name].add_(value, alpha=weight)
+        add_delta(current, update.delta, weight)
     return current
