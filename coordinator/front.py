@@ -287,30 +287,37 @@ class Connection:
             raise
 
     async def _receive(self, body: IO[bytes], length: int, spool: Spool | None = None) -> int:
+        if length >= DIRECT_FROM and hasattr(self.reader, "_buffer") and self.reader.exception() is None:
+            await self._receive_direct(body, length, spool)
+            return length
         left = length
-        buffered = getattr(self.reader, "_buffer", None)  # bytes that came in with the head (CPython's StreamReader)
-        direct = length >= DIRECT_FROM and buffered is not None
-        while left and (not direct or len(buffered)):  # type: ignore[arg-type]  # direct: buffered is set
-            chunk = await self._read_body(min(READ_CHUNK, left, len(buffered) if direct else left))  # type: ignore[arg-type]
+        while left:
+            chunk = await self._read_body(min(READ_CHUNK, left))
             _spool(body, chunk)
             if spool is not None:
                 await spool.hash(chunk)
             left -= len(chunk)
-        if left:
-            if self.reader.exception() is not None or self.reader.at_eof():  # gone before the rest of the body
-                raise asyncio.IncompleteReadError(b"", left)
-            await self._receive_direct(body, left, spool)
         return length
 
-    async def _receive_direct(self, body: IO[bytes], left: int, spool: Spool | None) -> None:
-        """The rest of a large body, read by ``DirectBody`` straight into two buffers in turn; the stream
-        protocol gets the transport back after it (or when it fails)."""
+    async def _receive_direct(self, body: IO[bytes], length: int, spool: Spool | None) -> None:
+        """A large body read by ``DirectBody`` straight into two buffers in turn, after the bytes that came in
+        with the head; the stream protocol gets the transport back after it (or when it fails)."""
+        ahead = min(length, len(self.reader._buffer))  # type: ignore[attr-defined]  # CPython's StreamReader
         transport = cast(asyncio.Transport, self.writer.transport)
         stream = transport.get_protocol()
-        direct = DirectBody(transport, stream, left, READ_CHUNK)
-        transport.set_protocol(direct)
-        transport.resume_reading()  # no-op unless the stream had paused it
+        direct = DirectBody(transport, stream, length - ahead, READ_CHUNK)
+        transport.set_protocol(direct)  # from now on the socket is read into direct's buffers only
         try:
+            if ahead:
+                first = await self.reader.read(ahead)  # at hand: returns at once, with exactly these bytes
+                _spool(body, first)
+                if spool is not None:
+                    await spool.hash(first)
+            if not direct.left:
+                return
+            if self.reader.at_eof():  # the client went away before the rest of the body
+                raise asyncio.IncompleteReadError(b"", direct.left)
+            transport.resume_reading()  # no-op unless the stream had paused it
             while direct.left:
                 try:
                     async with asyncio.timeout(self.timeout):
