@@ -1,9 +1,11 @@
 """Checks on the adapters, full weights and update payloads the coordinator accepts."""
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -12,7 +14,7 @@ from compression.codecs.blockwise import BlockwiseConfig
 from compression.errors import CompressionError, PayloadError
 from compression.registry import make_codec
 from coordinator.aggregation import l2_norm
-from coordinator.fused_check import int8_add_update, int8_config, int8_decode, int8_decode_update, int8_update_norm, \
+from coordinator.fused_check import int8_add_updates, int8_config, int8_decode, int8_decode_update, int8_update_norm, \
     mapped, raw_update_norm
 from protocol.errors import BadRequest, InvalidUpdate
 from protocol.schemas import RAW_CODEC, FullSpec, LoraSpec
@@ -162,11 +164,23 @@ class CompressedUpdate(Mapping[str, torch.Tensor]):
         """``targets[name].add_(self[name], alpha=alpha)`` for every tensor, in order, decoded a cache-sized
         group of tensors at a time from the mapped file (clean int8 only). False, with nothing added, when
         the body is not clean int8: the caller then adds ``decoded_items``, which raises the right error."""
-        if self.int8 is None:
+        return self.add_together(targets, [(self, alpha)])
+
+    @staticmethod
+    def add_together(targets: Mapping[str, torch.Tensor], weighted: list[tuple[Mapping[str, torch.Tensor], float]]) -> bool:
+        """``add_to`` of several updates, in order, a cache-sized group of tensors at a time for all of them
+        (``int8_add_updates``): the same floats. False, with nothing added, unless every one is a clean int8
+        ``CompressedUpdate`` of the same manifest."""
+        first = weighted[0][0] if weighted else None
+        if not all(isinstance(u, CompressedUpdate) and u.int8 is not None and isinstance(first, CompressedUpdate)
+                   and u.shapes == first.shapes for u, _ in weighted):
             return False
-        with mapped(self.path) as data:
-            return int8_add_update(data, [self.spans[name] for name in self.shapes], self.int8,
-                                   list(self.shapes.items()), targets, alpha)
+        updates = cast(list[tuple[CompressedUpdate, float]], weighted)
+        manifest = list(updates[0][0].shapes.items())
+        with contextlib.ExitStack() as files:
+            bodies = [(files.enter_context(mapped(u.path)), [u.spans[name] for name, _ in manifest],
+                       cast(BlockwiseConfig, u.int8), alpha) for u, alpha in updates]
+            return int8_add_updates(bodies, manifest, targets)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.spans)

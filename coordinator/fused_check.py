@@ -20,7 +20,7 @@ import contextlib
 import math
 import mmap
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -103,43 +103,44 @@ def int8_update_norm(path: Path, config: BlockwiseConfig, manifest: Manifest) ->
 
 def _mapped_norm(data: memoryview, spans: list[tuple[int, int]], config: BlockwiseConfig,
                  manifest: Manifest) -> float | None:
-    parts = _int8_views(data, spans, config, manifest)
-    if parts is None:
+    views = _int8_views(data, spans, config, manifest)
+    if views is None:
         return None
-    scales, codes = parts
-    if not codes:
+    codes, scales, block_starts = views
+    if not block_starts[-1]:
         return 0.0
-    all_scales = np.concatenate(scales)
-    if not (np.isfinite(all_scales).all() and (all_scales >= 0).all()):
+    if not _scales_clean(scales):
         return None
-    if float(all_scales.max(initial=0.0)) * 127.0 > _FP32_MAX:  # code * scale could overflow float32 in decode
-        return None
-    per_block = _block_squares(codes, config.block_size, all_scales.size)
+    per_block = _block_squares(codes, config.block_size, block_starts[-1])
     if per_block is None:
         return None
-    s64 = all_scales.astype(np.float64)
+    s64 = scales.astype(np.float64)
     norm = math.sqrt(float(np.dot(s64 * s64, per_block)))
     return norm if math.isfinite(norm) else None
 
 
 def _int8_views(data: memoryview, spans: list[tuple[int, int]], config: BlockwiseConfig,
-                manifest: Manifest) -> tuple[list[np.ndarray], list[np.ndarray]] | None:
-    """Per tensor, its block scales (float32) and its codes (an int8 view of ``data``, not padded); None if
-    a payload does not frame as int8 with this config."""
+                manifest: Manifest) -> tuple[list[np.ndarray], np.ndarray, list[int]] | None:
+    """(per tensor its codes, an int8 view of ``data``; all block scales as float32; each tensor's first
+    block, then the number of blocks) of an int8 update; None if a payload does not frame with this config."""
     scale_dtype = np.dtype(SCALE_FORMATS[config.scale_dtype][0])
     block = config.block_size
-    scales, codes = [], []
+    codes, scales, block_starts = [], [], [0]
     for (_, shape), (offset, length) in zip(manifest, spans):
         numel = math.prod(shape)
         nblocks = -(-numel // block)
         scale_bytes = nblocks * scale_dtype.itemsize
         if length != scale_bytes + numel:
             return None
-        if numel == 0:
-            continue
-        scales.append(np.frombuffer(data, scale_dtype, nblocks, offset).astype(np.float32))
+        scales.append(np.frombuffer(data, scale_dtype, nblocks, offset))
         codes.append(np.frombuffer(data, np.int8, numel, offset + scale_bytes))
-    return scales, codes
+        block_starts.append(block_starts[-1] + nblocks)
+    return codes, np.concatenate(scales).astype(np.float32), block_starts
+
+
+def _scales_clean(scales: np.ndarray) -> bool:
+    """Decoding accepts these scales (finite, >= 0) and no ``code * scale`` can overflow float32."""
+    return bool(np.isfinite(scales).all() and (scales >= 0).all()) and float(scales.max(initial=0.0)) * 127.0 <= _FP32_MAX
 
 
 def _block_squares(codes: list[np.ndarray], block: int, nblocks: int) -> np.ndarray | None:
@@ -203,51 +204,64 @@ def int8_decode_update(data: memoryview, spans: list[tuple[int, int]], config: B
     return out
 
 
-def int8_add_update(data: memoryview, spans: list[tuple[int, int]], config: BlockwiseConfig,
-                    manifest: Manifest, targets: Mapping[str, torch.Tensor], alpha: float) -> bool:
-    """``targets[name].add_(decoded, alpha=alpha)`` for every tensor of a clean int8 update, in manifest
-    order; False, with nothing added, if any payload is not clean (the caller then decodes it the generic
-    way, which raises the right error).
+def int8_add_updates(bodies: Sequence[tuple[memoryview, list[tuple[int, int]], BlockwiseConfig, float]],
+                     manifest: Manifest, targets: Mapping[str, torch.Tensor]) -> bool:
+    """For each ``(data, spans, config, alpha)`` of clean int8 updates of one manifest, in order,
+    ``targets[name].add_(decoded, alpha=alpha)``; False, with nothing added, unless every body is clean.
 
-    Bit-identical to adding the tensors of ``int8_decode_update``: each value is the same ``code * scale``
-    in float32 and each tensor gets the same whole-tensor ``add_``. But the values are decoded a group of
-    tensors at a time into one buffer of ``CHUNK_VALUES`` that stays in cache, instead of a float32 copy of
-    the whole update (17.6 MB of fresh pages per update for Qwen2-0.5B) written out and read back.
+    The same additions, in the same order for every tensor, as ``int8_add_update`` body after body (so the
+    result is bit-identical), but tensor group by tensor group: a group of targets (up to ``CHUNK_VALUES``
+    values) gets every body's values while it is in cache, instead of each body's pass reading and writing
+    every target in memory again (the weights of a Qwen2-0.5B LoRA expert are 17.6 MB; a fedbuff step adds K
+    updates to them).
     """
-    checked = _checked_update(data, spans, config, manifest)
-    if checked is None:
-        return False
-    all_scales, all_codes, sizes = checked
-    block = config.block_size
-    scratch = np.empty(max([CHUNK_VALUES] + [_padded(n, block) for n in sizes]), dtype=np.float32)
-    group: list[tuple[str, tuple[int, ...], int]] = []  # tensors decoded together: (name, shape, padded size)
-    start = filled = 0  # first code of the group in all_codes; values in the group
-    for (name, shape), numel in zip(manifest, sizes):
-        padded = _padded(numel, block)
-        if filled + padded > scratch.size:
-            _add_group(all_codes[start:start + filled], all_scales[start // block:], block, scratch, group,
-                       targets, alpha)
-            start, filled, group = start + filled, 0, []
-        group.append((name, shape, padded))
-        filled += padded
-    _add_group(all_codes[start:start + filled], all_scales[start // block:], block, scratch, group, targets, alpha)
+    parsed = []
+    for data, spans, config, alpha in bodies:
+        clean = _clean_tensors(data, spans, config, manifest)
+        if clean is None:
+            return False
+        parsed.append((clean, config.block_size, alpha))
+    if not parsed:
+        return True
+    reach = max(block for _, block, _ in parsed) - 1  # a tensor's padded size is at most numel + reach
+    numels = [math.prod(shape) for _, shape in manifest]
+    size = max([CHUNK_VALUES] + [n + reach for n in numels])
+    staged, values = np.empty(size, dtype=np.int8), np.empty(size, dtype=np.float32)
+    first = 0
+    while first < len(manifest):
+        last, room = first + 1, size - numels[first] - reach  # tensors [first, last) make one group
+        while last < len(manifest) and numels[last] + reach <= room:
+            room -= numels[last] + reach
+            last += 1
+        for (codes, scales, block_starts), block, alpha in parsed:
+            at = 0
+            for t in range(first, last):
+                staged[at:at + numels[t]] = codes[t]
+                padded = _padded(numels[t], block)
+                staged[at + numels[t]:at + padded] = 0
+                at += padded
+            np.multiply(staged[:at].reshape(-1, block), scales[block_starts[first]:block_starts[last], None],
+                        out=values[:at].reshape(-1, block))
+            at = 0
+            for t in range(first, last):
+                name, shape = manifest[t]
+                targets[name].add_(torch.from_numpy(values[at:at + numels[t]]).reshape(shape), alpha=alpha)
+                at += _padded(numels[t], block)
+        first = last
     return True
 
 
-def _add_group(codes: np.ndarray, scales: np.ndarray, block: int, scratch: np.ndarray,
-               group: list[tuple[str, tuple[int, ...], int]], targets: Mapping[str, torch.Tensor],
-               alpha: float) -> None:
-    """Decode one group's padded codes (``scales`` from its first block on) into ``scratch`` with one
-    multiply, then add each tensor's values to its target."""
-    if not group:
-        return
-    values = scratch[:codes.size]
-    np.multiply(codes.reshape(-1, block), scales[:codes.size // block, None], out=values.reshape(-1, block))
-    at = 0
-    for name, shape, padded in group:
-        numel = math.prod(shape)
-        targets[name].add_(torch.from_numpy(values[at:at + numel]).reshape(shape), alpha=alpha)
-        at += padded
+def _clean_tensors(data: memoryview, spans: list[tuple[int, int]], config: BlockwiseConfig,
+                   manifest: Manifest) -> tuple[list[np.ndarray], np.ndarray, list[int]] | None:
+    """``_int8_views`` of a clean int8 update; None if a payload does not frame, or decoding could refuse
+    (a code of -128, a bad scale) or overflow."""
+    views = _int8_views(data, spans, config, manifest)
+    if views is None:
+        return None
+    codes, scales, block_starts = views
+    if block_starts[-1] and not (_scales_clean(scales) and np.concatenate(codes).min() >= -127):
+        return None
+    return views
 
 
 def _checked_update(data: memoryview, spans: list[tuple[int, int]], config: BlockwiseConfig,
@@ -266,8 +280,7 @@ def _checked_update(data: memoryview, spans: list[tuple[int, int]], config: Bloc
         codes.append(parts[1])
         sizes.append(numel)
     all_scales, all_codes = np.concatenate(scales), np.concatenate(codes)
-    if all_codes.size and (not (np.isfinite(all_scales).all() and (all_scales >= 0).all())
-                           or all_codes.min() < -127 or float(all_scales.max()) * 127.0 > _FP32_MAX):
+    if all_codes.size and not (_scales_clean(all_scales) and all_codes.min() >= -127):
         return None
     return all_scales, all_codes, sizes
 

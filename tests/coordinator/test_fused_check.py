@@ -275,3 +275,42 @@ def test_non_finite_tensor_finds_nan_and_inf_anywhere():
     assert non_finite_tensor({"a": torch.ones(4, 4), "empty": torch.zeros(0, 3), "d": torch.ones(2, dtype=torch.float64),
                               "h": torch.ones(2, dtype=torch.float16)}) is None
     assert non_finite_tensor({"h": torch.tensor([1.0, float("nan")], dtype=torch.float16)}) == "h"
+
+
+@pytest.mark.parametrize("chunk", [1 << 16, 900, 64, 1])
+def test_several_updates_added_together_are_bit_identical_to_one_after_another(tmp_path, monkeypatch, chunk):
+    """fedbuff's buffer added group of tensors by group (int8 bodies of different block sizes and scale
+    formats, and a plain tensor dict between them, which splits the run): every tensor gets the same
+    additions in the same order, so the very floats of adding each decoded update in turn."""
+    import coordinator.fused_check as fused
+    from coordinator.aggregation.base import add_deltas
+    monkeypatch.setattr(fused, "CHUNK_VALUES", chunk)
+    configs = [{}, {"block_size": 48, "scale_dtype": "fp16"}, {"block_size": 32}, {}, {"block_size": 100}]
+    deltas = [stored_deltas(body(tmp_path, config, seed=10 + i)[0], "int8", config, MANIFEST)
+              for i, config in enumerate(configs)]
+    g = torch.Generator().manual_seed(4)
+    plain = {name: torch.randn(shape, generator=g) * 1e-2 for name, shape in MANIFEST}
+    weighted = [(deltas[0], 0.3), (deltas[1], 0.11), (deltas[2], 1.7), (plain, 0.5), (deltas[3], 0.25),
+                (deltas[4], 0.9)]
+    start = {name: torch.randn(shape, generator=g) for name, shape in MANIFEST}
+    expected = {k: v.clone() for k, v in start.items()}
+    for delta, alpha in weighted:
+        items = delta.decoded_items() if hasattr(delta, "decoded_items") else delta.items()
+        for name, value in items:
+            expected[name].add_(value, alpha=alpha)
+    added = {k: v.clone() for k, v in start.items()}
+    add_deltas(added, weighted)
+    for name in start:
+        assert torch.equal(added[name], expected[name]), name
+
+
+def test_updates_added_together_add_nothing_when_one_is_not_clean(tmp_path):
+    from coordinator.aggregation.base import add_deltas
+    from coordinator.adapters import CompressedUpdate
+    clean = stored_deltas(body(tmp_path, seed=3)[0], "int8", {}, MANIFEST)
+    dirty = stored_deltas(_body_with_code_minus_128(tmp_path), "int8", {}, MANIFEST)
+    zeros = {name: torch.zeros(shape) for name, shape in MANIFEST}
+    assert CompressedUpdate.add_together(zeros, [(clean, 1.0), (dirty, 1.0)]) is False
+    assert all(not t.any() for t in zeros.values())  # nothing half-added
+    with pytest.raises(REFUSED, match="outside"):
+        add_deltas(zeros, [(clean, 1.0), (dirty, 1.0)])  # one by one: the generic decode words the refusal
