@@ -14,8 +14,8 @@ from compression.codecs.blockwise import BlockwiseConfig
 from compression.errors import CompressionError, PayloadError
 from compression.registry import make_codec
 from coordinator.aggregation import l2_norm
-from coordinator.fused_check import int8_add_updates, int8_config, int8_decode, int8_decode_update, int8_update_norm, \
-    mapped, raw_update_norm
+from coordinator.fused_check import index_update, int8_add_updates, int8_config, int8_decode, int8_decode_update, \
+    int8_update_norm, mapped, raw_update_norm
 from protocol.errors import BadRequest, InvalidUpdate
 from protocol.schemas import RAW_CODEC, FullSpec, LoraSpec
 from protocol.streaming import FileTensors, check_file, read_header
@@ -118,9 +118,9 @@ class CompressedUpdate(Mapping[str, torch.Tensor]):
                  int8: BlockwiseConfig | None = None) -> None:
         self.path, self.decoder, self.codec = path, decoder, codec
         self.shapes = dict(manifest)
-        with open(path, "rb") as f:
+        with mapped(path) as data:  # headers read from memory: 336 seeks of a file were 1.4 ms per update
             try:
-                spans = wire.index_update_file(f, path.stat().st_size, manifest)
+                spans = index_update(data, manifest)
             except CompressionError as exc:
                 raise self._invalid(exc) from None
         self.spans = {name: span for (name, _), span in zip(manifest, spans)}

@@ -29,6 +29,7 @@ import torch
 from compression import wire
 from compression.codecs.blockwise import SCALE_FORMATS, BlockwiseConfig
 from compression.errors import CompressionError
+from coordinator.flat_weights import contiguous_range
 from protocol.errors import InvalidUpdate
 from protocol.streaming import CHECK_CHUNK, check_header
 from protocol.tensors import Manifest
@@ -236,6 +237,7 @@ def int8_add_updates(bodies: Sequence[tuple[memoryview, list[tuple[int, int]], B
         while last < len(manifest) and numels[last] + reach <= room:
             room -= numels[last] + reach
             last += 1
+        segments = _segments(targets, manifest, numels, first, last)
         for (codes, scales, block_starts), block, alpha in parsed:
             at = 0
             for t in range(first, last):
@@ -246,12 +248,40 @@ def int8_add_updates(bodies: Sequence[tuple[memoryview, list[tuple[int, int]], B
             np.multiply(staged[:at].reshape(-1, block), scales[block_starts[first]:block_starts[last], None],
                         out=values[:at].reshape(-1, block))
             at = 0
-            for t in range(first, last):
-                name, shape = manifest[t]
-                targets[name].add_(torch.from_numpy(values[at:at + numels[t]]).reshape(shape), alpha=alpha)
-                at += _padded(numels[t], block)
+            for start, end, run in segments:
+                if run is not None and all(numels[t] % block == 0 for t in range(start, end)):  # no padding inside
+                    run.add_(torch.from_numpy(values[at:at + run.numel()]), alpha=alpha)
+                    at += run.numel()
+                    continue
+                for t in range(start, end):
+                    name, shape = manifest[t]
+                    targets[name].add_(torch.from_numpy(values[at:at + numels[t]]).reshape(shape), alpha=alpha)
+                    at += _padded(numels[t], block)
         first = last
     return True
+
+
+def _segments(targets: Mapping[str, torch.Tensor], manifest: Manifest, numels: list[int], first: int,
+              last: int) -> list[tuple[int, int, torch.Tensor | None]]:
+    """Tensors ``first..last-1`` cut into runs ``(start, end, view)``: ``view`` is one flat view of targets
+    ``start..end-1`` when they lie back to back in one buffer (``load_flat``) and each holds a multiple of 64
+    values, else None (and the run is one tensor). One ``add_`` over such a run touches the very elements
+    the per-tensor adds did in the same vectorised loop: no tensor of 64-multiple size ends in the scalar
+    remainder of torch's loop, so the floats are the same (tested against adds per tensor)."""
+    segments: list[tuple[int, int, torch.Tensor | None]] = []
+    t = first
+    while t < last:
+        end = t
+        while end < last and numels[end] % 64 == 0:
+            end += 1
+        run = contiguous_range([targets[name] for name, _ in manifest[t:end]]) if end - t > 1 else None
+        if run is not None:
+            segments.append((t, end, run))
+            t = end
+        else:
+            segments.append((t, t + 1, None))
+            t += 1
+    return segments
 
 
 def _clean_tensors(data: memoryview, spans: list[tuple[int, int]], config: BlockwiseConfig,
