@@ -47,6 +47,7 @@ asyncio.sslproto.SSLProtocol.max_size = 64 << 10
 SPOOL_IN_MEMORY = 1 << 20  # request bodies up to this stay in memory; larger ones go to disk
 READ_CHUNK = 1 << 20
 DIRECT_FROM = 256 << 10  # bodies from this size on are read straight into buffers (DirectBody)
+POOLED_BUFFERS = 32  # READ_CHUNK buffers the front keeps for the next large bodies (32 MiB at most)
 SEND_CHUNK = 1 << 20  # one stall-timeout step of an answer: a client slower than this per timeout is dropped
 SENDFILE_CHUNK = 4 << 20  # the same for files: fewer steps, so pulls run near gunicorn's sendfile rate
 GRACE_SECONDS = 10.0  # on SIGTERM, how long requests being answered get to finish
@@ -123,7 +124,8 @@ class BufferingFront:
         self.app, self.sock, self.options, self.tls = app, sock, options, tls
         self.scheme = "https" if tls else "http"
         self.pool = ThreadPoolExecutor(options.threads, thread_name_prefix="fedmoe-request")
-        self.hashing = ThreadPoolExecutor(2, thread_name_prefix="fedmoe-hash")  # digests of spooled bodies
+        self.hashing = ThreadPoolExecutor(2, thread_name_prefix="fedmoe-hash")  # spooled bodies: writes and digests
+        self.buffers: list[bytearray] = []  # free READ_CHUNK buffers for DirectBody
         self.connections: set[asyncio.Task] = set()
         self.busy = 0  # requests inside the application right now
         self.stopping: asyncio.Event | None = None
@@ -286,6 +288,14 @@ class Connection:
             _raise_if_full(exc)
             raise
 
+    @staticmethod
+    async def _take(body: IO[bytes], spool: Spool | None, chunk: bytes | memoryview) -> None:
+        """Store a received chunk: through the spool's thread, or (small bodies) into ``body`` at once."""
+        if spool is not None:
+            await spool.feed(chunk)
+        else:
+            _spool(body, chunk)
+
     async def _receive(self, body: IO[bytes], length: int, spool: Spool | None = None) -> int:
         if length >= DIRECT_FROM and hasattr(self.reader, "_buffer") and self.reader.exception() is None:
             await self._receive_direct(body, length, spool)
@@ -293,9 +303,7 @@ class Connection:
         left = length
         while left:
             chunk = await self._read_body(min(READ_CHUNK, left))
-            _spool(body, chunk)
-            if spool is not None:
-                await spool.hash(chunk)
+            await self._take(body, spool, chunk)
             left -= len(chunk)
         return length
 
@@ -305,15 +313,14 @@ class Connection:
         ahead = min(length, len(self.reader._buffer))  # type: ignore[attr-defined]  # CPython's StreamReader
         transport = cast(asyncio.Transport, self.writer.transport)
         stream = transport.get_protocol()
-        direct = DirectBody(transport, stream, length - ahead, READ_CHUNK)
+        direct = DirectBody(transport, stream, length - ahead, READ_CHUNK, self.front.buffers)
         transport.set_protocol(direct)  # from now on the socket is read into direct's buffers only
         try:
             if ahead:
                 first = await self.reader.read(ahead)  # at hand: returns at once, with exactly these bytes
-                _spool(body, first)
-                if spool is not None:
-                    await spool.hash(first)
+                await self._take(body, spool, first)
             if not direct.left:
+                direct.release(self.front.buffers)
                 return
             if self.reader.at_eof():  # the client went away before the rest of the body
                 raise asyncio.IncompleteReadError(b"", direct.left)
@@ -325,10 +332,11 @@ class Connection:
                 except TimeoutError:
                     raise HttpError(408, "request_timeout", "the request body stopped arriving before its end; "
                                     "send it again") from None
-                _spool(body, chunk)
-                if spool is not None:
-                    await spool.hash(chunk)  # waits for the other buffer's hash, then hashes this one on a thread
+                await self._take(body, spool, chunk)  # waits until the other buffer is written and hashed
                 direct.resume()  # the other buffer is free: read into it
+            if spool is not None:
+                await spool.drain()
+            direct.release(self.front.buffers)  # nothing uses them any more: the next large body may
         finally:
             if not transport.is_closing():
                 transport.set_protocol(stream)
@@ -353,9 +361,7 @@ class Connection:
             left = chunk_size
             while left:
                 chunk = await self._read_body(min(READ_CHUNK, left))
-                _spool(body, chunk)
-                if spool is not None:
-                    await spool.hash(chunk)
+                await self._take(body, spool, chunk)
                 left -= len(chunk)
             if await self._with_timeout(self.reader.readexactly(2)) != b"\r\n":
                 raise HttpError(400, "bad_request", "chunk not followed by CRLF")
@@ -426,11 +432,15 @@ class DirectBody(asyncio.BufferedProtocol):
     Connection loss, EOF and write flow control are passed on to the stream protocol it stands in for.
     """
 
-    def __init__(self, transport: asyncio.BaseTransport, stream: asyncio.BaseProtocol, left: int, chunk: int) -> None:
+    def __init__(self, transport: asyncio.BaseTransport, stream: asyncio.BaseProtocol, left: int, chunk: int,
+                 pool: list[bytearray]) -> None:
         self.transport, self.stream, self.left = transport, stream, left
-        self.buffers = [bytearray(min(chunk, left)), bytearray(min(chunk, max(0, left - chunk)))]
+        # two buffers of ``chunk`` bytes, reused from ``pool`` when it has some (a fresh one is zeroed page by page)
+        self.buffers = [pool.pop() if pool else bytearray(chunk) for _ in range(2 if left > chunk else 1)]
+        if len(self.buffers) == 1:
+            self.buffers.append(bytearray(0))  # never read into: the body fits in the first
         self.current = 0
-        self.view = memoryview(self.buffers[0])  # where the socket reads to now
+        self.view = memoryview(self.buffers[0])[:min(left, chunk)]  # where the socket reads to now
         self.filled = 0
         self.waiter: asyncio.Future | None = None
         self.problem: BaseException | None = None
@@ -452,6 +462,12 @@ class DirectBody(asyncio.BufferedProtocol):
         self.current ^= 1
         self.view, self.filled = memoryview(self.buffers[self.current])[:min(self.left, len(self.buffers[self.current]))], 0
         return chunk
+
+    def release(self, pool: list[bytearray]) -> None:
+        """Give the buffers back to ``pool`` (kept up to ``POOLED_BUFFERS``); only once nothing reads them."""
+        self.view.release()
+        pool.extend(b for b in self.buffers if len(b) == READ_CHUNK and len(pool) < POOLED_BUFFERS)
+        self.buffers = []
 
     def resume(self) -> None:
         if self.left:
@@ -499,23 +515,33 @@ class Spool:
         self.pending: asyncio.Future | None = None
         self.spooled: SpooledBody | None = None
 
-    async def hash(self, chunk: bytes | memoryview) -> None:
-        """Hash ``chunk`` after the previous one, without waiting for it (the loop reads the next meanwhile)."""
+    async def feed(self, chunk: bytes | memoryview) -> None:
+        """Write and hash ``chunk`` on a thread after the previous one, without waiting for it: the loop reads
+        the next meanwhile, and never waits for the disk itself (a write into the page cache can sleep for
+        milliseconds when the kernel throttles dirty pages, and the loop serves every connection)."""
+        await self.drain()
+        self.pending = asyncio.get_running_loop().run_in_executor(self.hashing, self._write_and_hash, chunk)
+
+    def _write_and_hash(self, chunk: bytes | memoryview) -> None:
+        _spool(self.file, chunk)
+        self.hasher.update(chunk)
+
+    async def drain(self) -> None:
+        """Wait until every chunk fed so far is written and hashed (HttpError 507 if the disk is full)."""
         if self.pending is not None:
-            await self.pending
-        self.pending = asyncio.get_running_loop().run_in_executor(self.hashing, self.hasher.update, chunk)
+            pending, self.pending = self.pending, None
+            await pending
 
     async def finish(self, size: int) -> SpooledBody:
-        if self.pending is not None:
-            await self.pending
+        await self.drain()
         self.file.flush()
         self.spooled = SpooledBody(self.path, size, content_id(self.algorithm, self.hasher.hexdigest()))
         return self.spooled
 
     def discard(self) -> None:
         """Delete the file unless the application took it (renamed it into its store)."""
-        if self.pending is not None:
-            self.pending.cancel()
+        if self.pending is not None:  # a failed request: the thread's outcome no longer matters
+            self.pending.add_done_callback(lambda f: f.cancelled() or f.exception())
         if self.spooled is None or not self.spooled.taken:
             self.path.unlink(missing_ok=True)
 
