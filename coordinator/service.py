@@ -36,14 +36,14 @@ from coordinator.gateway_builder import GatewayBuilder
 from coordinator.norm_check import judge_norm
 from coordinator.recovery import recover
 from coordinator.steps import AggregationSteps
-from coordinator.store import RELAYED, ExpertRow, ManifestStore, UpdateRow
+from coordinator.store import RELAYED, ExpertRow, ManifestStore, UpdateRow, parsed_manifest
 from gateway.router import combine_profiles, profile_from_json, profile_to_json
 from gateway.router import route as route_prompt
 from protocol.errors import BadRequest, Conflict, InsufficientStorage, InvalidPayload, NotFound, PayloadTooLarge
 from protocol.files import private_dir, private_file
 from protocol.integrity import DEFAULT_ALGORITHM, DIGEST_HEADER, Readable, algorithm_of, hex_of
 from protocol.schemas import MAX_COUNT, BaseModelSpec, ExpertSpec, UpdateMeta, check_name
-from protocol.tensors import load_file, manifest_from_json, manifest_to_json
+from protocol.tensors import load_file, manifest_to_json
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +182,7 @@ class Coordinator:
             self.store.record_pull(worker_id, body_bytes, _fp32_bytes(self.manifest(name)))
 
     def manifest(self, name: str) -> list[tuple[str, tuple[int, ...]]]:
-        return manifest_from_json(self.require_expert(name).manifest)
+        return list(parsed_manifest(self.require_expert(name).manifest))
 
     # updates ------------------------------------------------------------------
 
@@ -201,7 +201,7 @@ class Coordinator:
             if meta.base_version > expert.version:
                 raise Conflict(f"base_version {meta.base_version} is ahead of expert {name!r}, "
                                f"which is at version {expert.version}")
-            manifest = manifest_from_json(expert.manifest)
+            manifest = list(parsed_manifest(expert.manifest))
             # int8 bodies are checked and measured from their codes (coordinator/fused_check.py); others are
             # decoded tensor by tensor. Either way nothing decoded is kept while we wait for the expert's
             # lock: the step reads the body again when it is computed.

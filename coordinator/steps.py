@@ -27,9 +27,9 @@ from coordinator.config import CoordinatorConfig
 from coordinator.expert_store import ExpertStore, StaleAggregation
 from coordinator.flat_weights import load_flat
 from coordinator.recovery import quarantine_updates
-from coordinator.store import ExpertRow, UpdateRow
+from coordinator.store import ExpertRow, UpdateRow, parsed_manifest
 from protocol.errors import InvalidPayload, InvalidUpdate
-from protocol.tensors import load_file, manifest_from_json, save_file
+from protocol.tensors import load_file, save_file
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class AggregationSteps:
                    incoming: tuple[dict[str, Any], Path] | None = None) -> tuple[StateDict, list[Update]]:
         """The expert's next weights from recorded updates and, if given, one not yet recorded
         (its stored meta and temp file). Payloads are read tensor by tensor while aggregating."""
-        manifest = manifest_from_json(expert.manifest)
+        manifest = list(parsed_manifest(expert.manifest))
         with contextlib.ExitStack() as files:
             # our own copy of the current weights: the aggregator updates it in place. In one flat buffer when
             # they are plain float32, so that neighbouring tensors take an update in one add (flat_weights.py)
