@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import asyncio.sslproto
-import errno
 import logging
 import os
 import resource
@@ -36,7 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, BinaryIO, cast
 
-from protocol.integrity import DIGEST_HEADER, content_id, new_hasher, requested_algorithm
+from protocol.integrity import DIGEST_HEADER, requested_algorithm
+from coordinator.front_bodies import DIRECT_CHUNK, DirectBody, Spool, raise_if_full, write_chunk
 from coordinator.http1 import HEAD_LIMIT, HttpError, RequestHead, error_response, parse_head, response_head, \
     wsgi_environ
 
@@ -47,7 +47,6 @@ asyncio.sslproto.SSLProtocol.max_size = 64 << 10
 SPOOL_IN_MEMORY = 1 << 20  # request bodies up to this stay in memory; larger ones go to disk
 READ_CHUNK = 1 << 20
 DIRECT_FROM = 256 << 10  # bodies from this size on are read straight into buffers (DirectBody)
-POOLED_BUFFERS = 32  # READ_CHUNK buffers the front keeps for the next large bodies (32 MiB at most)
 SEND_CHUNK = 1 << 20  # one stall-timeout step of an answer: a client slower than this per timeout is dropped
 SENDFILE_CHUNK = 4 << 20  # the same for files: fewer steps, so pulls run near gunicorn's sendfile rate
 GRACE_SECONDS = 10.0  # on SIGTERM, how long requests being answered get to finish
@@ -55,18 +54,6 @@ GRACE_SECONDS = 10.0  # on SIGTERM, how long requests being answered get to fini
 WsgiApp = Callable[[dict[str, Any], Callable], Iterable[bytes]]
 SPOOLED_BODY = "fedmoe.spooled_body"
 """environ key of a ``SpooledBody`` (bodies over SPOOL_IN_MEMORY when a spool_dir is set)."""
-
-
-@dataclass
-class SpooledBody:
-    """A request body spooled to a named file as it arrived, with its digest."""
-
-    path: Path
-    size: int
-    digest: str
-    """Content id (protocol/integrity.py) of the bytes, in the algorithm the client's digest header names."""
-    taken: bool = False
-    """Set by the application when it moved the file away; otherwise the front deletes it."""
 
 
 @dataclass(frozen=True)
@@ -125,7 +112,7 @@ class BufferingFront:
         self.scheme = "https" if tls else "http"
         self.pool = ThreadPoolExecutor(options.threads, thread_name_prefix="fedmoe-request")
         self.hashing = ThreadPoolExecutor(2, thread_name_prefix="fedmoe-hash")  # spooled bodies: writes and digests
-        self.buffers: list[bytearray] = []  # free READ_CHUNK buffers for DirectBody
+        self.buffers: list[bytearray] = []  # free DIRECT_CHUNK buffers for DirectBody
         self.connections: set[asyncio.Task] = set()
         self.busy = 0  # requests inside the application right now
         self.stopping: asyncio.Event | None = None
@@ -285,7 +272,7 @@ class Connection:
         try:
             return Spool(self.front.options.spool_dir, algorithm, head.content_length, self.front.hashing)
         except OSError as exc:
-            _raise_if_full(exc)
+            raise_if_full(exc)
             raise
 
     @staticmethod
@@ -294,7 +281,7 @@ class Connection:
         if spool is not None:
             await spool.feed(chunk)
         else:
-            _spool(body, chunk)
+            write_chunk(body, chunk)
 
     async def _receive(self, body: IO[bytes], length: int, spool: Spool | None = None) -> int:
         if length >= DIRECT_FROM and hasattr(self.reader, "_buffer") and self.reader.exception() is None:
@@ -313,7 +300,7 @@ class Connection:
         ahead = min(length, len(self.reader._buffer))  # type: ignore[attr-defined]  # CPython's StreamReader
         transport = cast(asyncio.Transport, self.writer.transport)
         stream = transport.get_protocol()
-        direct = DirectBody(transport, stream, length - ahead, READ_CHUNK, self.front.buffers)
+        direct = DirectBody(transport, stream, length - ahead, DIRECT_CHUNK, self.front.buffers)
         transport.set_protocol(direct)  # from now on the socket is read into direct's buffers only
         try:
             if ahead:
@@ -422,142 +409,6 @@ class Connection:
             await self._write(error_response(exc.status, exc.code, exc.message))
         except (asyncio.TimeoutError, ConnectionError, OSError, ssl.SSLError):
             pass
-
-
-class DirectBody(asyncio.BufferedProtocol):
-    """Holds a connection's transport while the rest of a large body arrives: the socket is read straight into
-    two preallocated buffers in turn (``recv_into``), so a 4.7 MB push costs no bytes object per read, no
-    copy through the stream's buffer and no pause/resume of the socket every 128 KiB (the StreamReader's
-    limit is the head limit). Never reads past the body (a pipelined request stays in the socket).
-    Connection loss, EOF and write flow control are passed on to the stream protocol it stands in for.
-    """
-
-    def __init__(self, transport: asyncio.BaseTransport, stream: asyncio.BaseProtocol, left: int, chunk: int,
-                 pool: list[bytearray]) -> None:
-        self.transport, self.stream, self.left = transport, stream, left
-        # two buffers of ``chunk`` bytes, reused from ``pool`` when it has some (a fresh one is zeroed page by page)
-        self.buffers = [pool.pop() if pool else bytearray(chunk) for _ in range(2 if left > chunk else 1)]
-        if len(self.buffers) == 1:
-            self.buffers.append(bytearray(0))  # never read into: the body fits in the first
-        self.current = 0
-        self.view = memoryview(self.buffers[0])[:min(left, chunk)]  # where the socket reads to now
-        self.filled = 0
-        self.waiter: asyncio.Future | None = None
-        self.problem: BaseException | None = None
-
-    # the consumer (Connection._receive_direct)
-
-    async def next_chunk(self) -> memoryview:
-        """The next full buffer (the last one holds the body's end); reading stays paused until ``resume``.
-        The chunk stays valid until the next-but-one call (its buffer is read into again after that)."""
-        while self.filled < len(self.view) and self.problem is None:
-            self.waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self.waiter
-            finally:
-                self.waiter = None
-        if self.problem is not None:
-            raise self.problem
-        chunk, self.left = self.view, self.left - self.filled
-        self.current ^= 1
-        self.view, self.filled = memoryview(self.buffers[self.current])[:min(self.left, len(self.buffers[self.current]))], 0
-        return chunk
-
-    def release(self, pool: list[bytearray]) -> None:
-        """Give the buffers back to ``pool`` (kept up to ``POOLED_BUFFERS``); only once nothing reads them."""
-        self.view.release()
-        pool.extend(b for b in self.buffers if len(b) == READ_CHUNK and len(pool) < POOLED_BUFFERS)
-        self.buffers = []
-
-    def resume(self) -> None:
-        if self.left:
-            self.transport.resume_reading()  # type: ignore[attr-defined]  # a ReadTransport
-
-    # the transport
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return self.view[self.filled:]
-
-    def buffer_updated(self, nbytes: int) -> None:
-        self.filled += nbytes
-        if self.filled == len(self.view):
-            self.transport.pause_reading()  # type: ignore[attr-defined]  # until the consumer frees the other buffer
-            self._wake()
-
-    def eof_received(self) -> bool | None:
-        self.problem = asyncio.IncompleteReadError(b"", self.left - self.filled)
-        self._wake()
-        return self.stream.eof_received()  # type: ignore[attr-defined]  # a StreamReaderProtocol
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.problem = exc or ConnectionResetError("connection lost while the body arrived")
-        self._wake()
-        self.stream.connection_lost(exc)
-
-    def pause_writing(self) -> None:
-        self.stream.pause_writing()
-
-    def resume_writing(self) -> None:
-        self.stream.resume_writing()
-
-    def _wake(self) -> None:
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(None)
-
-
-class Spool:
-    """A body being written to a named file in ``directory`` and hashed on a thread, one chunk behind."""
-
-    def __init__(self, directory: Path, algorithm: str, size_hint: int, hashing: ThreadPoolExecutor) -> None:
-        fd, name = tempfile.mkstemp(dir=directory, suffix=".part")
-        self.path, self.file = Path(name), open(fd, "w+b")
-        self.algorithm, self.hasher, self.hashing = algorithm, new_hasher(algorithm, size_hint), hashing
-        self.pending: asyncio.Future | None = None
-        self.spooled: SpooledBody | None = None
-
-    async def feed(self, chunk: bytes | memoryview) -> None:
-        """Write and hash ``chunk`` on a thread after the previous one, without waiting for it: the loop reads
-        the next meanwhile, and never waits for the disk itself (a write into the page cache can sleep for
-        milliseconds when the kernel throttles dirty pages, and the loop serves every connection)."""
-        await self.drain()
-        self.pending = asyncio.get_running_loop().run_in_executor(self.hashing, self._write_and_hash, chunk)
-
-    def _write_and_hash(self, chunk: bytes | memoryview) -> None:
-        _spool(self.file, chunk)
-        self.hasher.update(chunk)
-
-    async def drain(self) -> None:
-        """Wait until every chunk fed so far is written and hashed (HttpError 507 if the disk is full)."""
-        if self.pending is not None:
-            pending, self.pending = self.pending, None
-            await pending
-
-    async def finish(self, size: int) -> SpooledBody:
-        await self.drain()
-        self.file.flush()
-        self.spooled = SpooledBody(self.path, size, content_id(self.algorithm, self.hasher.hexdigest()))
-        return self.spooled
-
-    def discard(self) -> None:
-        """Delete the file unless the application took it (renamed it into its store)."""
-        if self.pending is not None:  # a failed request: the thread's outcome no longer matters
-            self.pending.add_done_callback(lambda f: f.cancelled() or f.exception())
-        if self.spooled is None or not self.spooled.taken:
-            self.path.unlink(missing_ok=True)
-
-
-def _spool(body: IO[bytes], chunk: bytes | memoryview) -> None:
-    try:
-        body.write(chunk)
-    except OSError as exc:
-        _raise_if_full(exc)
-        raise
-
-
-def _raise_if_full(exc: OSError) -> None:
-    if exc.errno == errno.ENOSPC:
-        raise HttpError(507, "insufficient_storage", "the coordinator's disk is full; nothing was recorded, "
-                        "try again later") from None
 
 
 def _declared_length(headers: list[tuple[str, str]], default: int) -> int:
