@@ -1,9 +1,11 @@
 """Checks on the adapters, full weights and update payloads the coordinator accepts."""
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -12,7 +14,8 @@ from compression.codecs.blockwise import BlockwiseConfig
 from compression.errors import CompressionError, PayloadError
 from compression.registry import make_codec
 from coordinator.aggregation import l2_norm
-from coordinator.fused_check import int8_config, int8_decode, int8_decode_update, int8_update_norm, raw_update_norm
+from coordinator.fused_check import index_update, int8_add_updates, int8_config, int8_decode, int8_decode_update, \
+    int8_update_norm, mapped, raw_update_norm
 from protocol.errors import BadRequest, InvalidUpdate
 from protocol.schemas import RAW_CODEC, FullSpec, LoraSpec
 from protocol.streaming import FileTensors, check_file, read_header
@@ -115,9 +118,9 @@ class CompressedUpdate(Mapping[str, torch.Tensor]):
                  int8: BlockwiseConfig | None = None) -> None:
         self.path, self.decoder, self.codec = path, decoder, codec
         self.shapes = dict(manifest)
-        with open(path, "rb") as f:
+        with mapped(path) as data:  # headers read from memory: 336 seeks of a file were 1.4 ms per update
             try:
-                spans = wire.index_update_file(f, path.stat().st_size, manifest)
+                spans = index_update(data, manifest)
             except CompressionError as exc:
                 raise self._invalid(exc) from None
         self.spans = {name: span for (name, _), span in zip(manifest, spans)}
@@ -157,6 +160,28 @@ class CompressedUpdate(Mapping[str, torch.Tensor]):
         for name, flat in values.items():
             yield name, torch.from_numpy(flat).reshape(self.shapes[name])
 
+    def add_to(self, targets: Mapping[str, torch.Tensor], alpha: float) -> bool:
+        """``targets[name].add_(self[name], alpha=alpha)`` for every tensor, in order, decoded a cache-sized
+        group of tensors at a time from the mapped file (clean int8 only). False, with nothing added, when
+        the body is not clean int8: the caller then adds ``decoded_items``, which raises the right error."""
+        return self.add_together(targets, [(self, alpha)])
+
+    @staticmethod
+    def add_together(targets: Mapping[str, torch.Tensor], weighted: list[tuple[Mapping[str, torch.Tensor], float]]) -> bool:
+        """``add_to`` of several updates, in order, a cache-sized group of tensors at a time for all of them
+        (``int8_add_updates``): the same floats. False, with nothing added, unless every one is a clean int8
+        ``CompressedUpdate`` of the same manifest."""
+        first = weighted[0][0] if weighted else None
+        if not all(isinstance(u, CompressedUpdate) and u.int8 is not None and isinstance(first, CompressedUpdate)
+                   and u.shapes == first.shapes for u, _ in weighted):
+            return False
+        updates = cast(list[tuple[CompressedUpdate, float]], weighted)
+        manifest = list(updates[0][0].shapes.items())
+        with contextlib.ExitStack() as files:
+            bodies = [(files.enter_context(mapped(u.path)), [u.spans[name] for name, _ in manifest],
+                       cast(BlockwiseConfig, u.int8), alpha) for u, alpha in updates]
+            return int8_add_updates(bodies, manifest, targets)
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.spans)
 
@@ -183,4 +208,14 @@ def make_checked_codec(codec: str, codec_config: dict) -> Codec:
 
 def non_finite_tensor(tensors: Mapping[str, torch.Tensor]) -> str | None:
     """The name of the first tensor holding Inf or NaN, or None if all are finite."""
-    return next((name for name, t in tensors.items() if not bool(torch.isfinite(t).all())), None)
+    return next((name for name, t in tensors.items() if not _all_finite(t)), None)
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    """Whether every value is finite. For float32/64 one pass with no temporary: min and max propagate NaN,
+    so both are finite exactly when every value is (``isfinite(t).all()`` wrote a bool per value first,
+    a tenth of a fedbuff step's time for 336 small tensors)."""
+    if t.numel() and t.dtype in (torch.float32, torch.float64):
+        low, high = torch.aminmax(t)
+        return math.isfinite(float(low)) and math.isfinite(float(high))
+    return bool(torch.isfinite(t).all())

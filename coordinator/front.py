@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import asyncio.sslproto
-import errno
 import logging
 import os
 import resource
@@ -34,9 +33,10 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, BinaryIO
+from typing import IO, Any, BinaryIO, cast
 
-from protocol.integrity import DIGEST_HEADER, content_id, new_hasher, requested_algorithm
+from protocol.integrity import DIGEST_HEADER, requested_algorithm
+from coordinator.front_bodies import DIRECT_CHUNK, DirectBody, Spool, raise_if_full, write_chunk
 from coordinator.http1 import HEAD_LIMIT, HttpError, RequestHead, error_response, parse_head, response_head, \
     wsgi_environ
 
@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 asyncio.sslproto.SSLProtocol.max_size = 64 << 10
 SPOOL_IN_MEMORY = 1 << 20  # request bodies up to this stay in memory; larger ones go to disk
 READ_CHUNK = 1 << 20
+DIRECT_FROM = 256 << 10  # bodies from this size on are read straight into buffers (DirectBody)
 SEND_CHUNK = 1 << 20  # one stall-timeout step of an answer: a client slower than this per timeout is dropped
 SENDFILE_CHUNK = 4 << 20  # the same for files: fewer steps, so pulls run near gunicorn's sendfile rate
 GRACE_SECONDS = 10.0  # on SIGTERM, how long requests being answered get to finish
@@ -53,18 +54,6 @@ GRACE_SECONDS = 10.0  # on SIGTERM, how long requests being answered get to fini
 WsgiApp = Callable[[dict[str, Any], Callable], Iterable[bytes]]
 SPOOLED_BODY = "fedmoe.spooled_body"
 """environ key of a ``SpooledBody`` (bodies over SPOOL_IN_MEMORY when a spool_dir is set)."""
-
-
-@dataclass
-class SpooledBody:
-    """A request body spooled to a named file as it arrived, with its digest."""
-
-    path: Path
-    size: int
-    digest: str
-    """Content id (protocol/integrity.py) of the bytes, in the algorithm the client's digest header names."""
-    taken: bool = False
-    """Set by the application when it moved the file away; otherwise the front deletes it."""
 
 
 @dataclass(frozen=True)
@@ -122,7 +111,8 @@ class BufferingFront:
         self.app, self.sock, self.options, self.tls = app, sock, options, tls
         self.scheme = "https" if tls else "http"
         self.pool = ThreadPoolExecutor(options.threads, thread_name_prefix="fedmoe-request")
-        self.hashing = ThreadPoolExecutor(2, thread_name_prefix="fedmoe-hash")  # digests of spooled bodies
+        self.hashing = ThreadPoolExecutor(2, thread_name_prefix="fedmoe-hash")  # spooled bodies: writes and digests
+        self.buffers: list[bytearray] = []  # free DIRECT_CHUNK buffers for DirectBody
         self.connections: set[asyncio.Task] = set()
         self.busy = 0  # requests inside the application right now
         self.stopping: asyncio.Event | None = None
@@ -282,18 +272,62 @@ class Connection:
         try:
             return Spool(self.front.options.spool_dir, algorithm, head.content_length, self.front.hashing)
         except OSError as exc:
-            _raise_if_full(exc)
+            raise_if_full(exc)
             raise
 
+    @staticmethod
+    async def _take(body: IO[bytes], spool: Spool | None, chunk: bytes | memoryview) -> None:
+        """Store a received chunk: through the spool's thread, or (small bodies) into ``body`` at once."""
+        if spool is not None:
+            await spool.feed(chunk)
+        else:
+            write_chunk(body, chunk)
+
     async def _receive(self, body: IO[bytes], length: int, spool: Spool | None = None) -> int:
+        if length >= DIRECT_FROM and hasattr(self.reader, "_buffer") and self.reader.exception() is None:
+            await self._receive_direct(body, length, spool)
+            return length
         left = length
         while left:
             chunk = await self._read_body(min(READ_CHUNK, left))
-            _spool(body, chunk)
-            if spool is not None:
-                await spool.hash(chunk)
+            await self._take(body, spool, chunk)
             left -= len(chunk)
         return length
+
+    async def _receive_direct(self, body: IO[bytes], length: int, spool: Spool | None) -> None:
+        """A large body read by ``DirectBody`` straight into two buffers in turn, after the bytes that came in
+        with the head; the stream protocol gets the transport back after it (or when it fails)."""
+        ahead = min(length, len(self.reader._buffer))  # type: ignore[attr-defined]  # CPython's StreamReader
+        transport = cast(asyncio.Transport, self.writer.transport)
+        stream = transport.get_protocol()
+        direct = DirectBody(transport, stream, length - ahead, DIRECT_CHUNK, self.front.buffers)
+        transport.set_protocol(direct)  # from now on the socket is read into direct's buffers only
+        try:
+            if ahead:
+                first = await self.reader.read(ahead)  # at hand: returns at once, with exactly these bytes
+                await self._take(body, spool, first)
+            if not direct.left:
+                direct.release(self.front.buffers)
+                return
+            if self.reader.at_eof():  # the client went away before the rest of the body
+                raise asyncio.IncompleteReadError(b"", direct.left)
+            transport.resume_reading()  # no-op unless the stream had paused it
+            while direct.left:
+                try:
+                    async with asyncio.timeout(self.timeout):
+                        chunk = await direct.next_chunk()
+                except TimeoutError:
+                    raise HttpError(408, "request_timeout", "the request body stopped arriving before its end; "
+                                    "send it again") from None
+                await self._take(body, spool, chunk)  # waits until the other buffer is written and hashed
+                direct.resume()  # the other buffer is free: read into it
+            if spool is not None:
+                await spool.drain()
+            direct.release(self.front.buffers)  # nothing uses them any more: the next large body may
+        finally:
+            if not transport.is_closing():
+                transport.set_protocol(stream)
+                transport.resume_reading()
 
     async def _receive_chunked(self, body: IO[bytes], spool: Spool | None = None) -> int:
         size = 0
@@ -314,9 +348,7 @@ class Connection:
             left = chunk_size
             while left:
                 chunk = await self._read_body(min(READ_CHUNK, left))
-                _spool(body, chunk)
-                if spool is not None:
-                    await spool.hash(chunk)
+                await self._take(body, spool, chunk)
                 left -= len(chunk)
             if await self._with_timeout(self.reader.readexactly(2)) != b"\r\n":
                 raise HttpError(400, "bad_request", "chunk not followed by CRLF")
@@ -377,51 +409,6 @@ class Connection:
             await self._write(error_response(exc.status, exc.code, exc.message))
         except (asyncio.TimeoutError, ConnectionError, OSError, ssl.SSLError):
             pass
-
-
-class Spool:
-    """A body being written to a named file in ``directory`` and hashed on a thread, one chunk behind."""
-
-    def __init__(self, directory: Path, algorithm: str, size_hint: int, hashing: ThreadPoolExecutor) -> None:
-        fd, name = tempfile.mkstemp(dir=directory, suffix=".part")
-        self.path, self.file = Path(name), open(fd, "w+b")
-        self.algorithm, self.hasher, self.hashing = algorithm, new_hasher(algorithm, size_hint), hashing
-        self.pending: asyncio.Future | None = None
-        self.spooled: SpooledBody | None = None
-
-    async def hash(self, chunk: bytes) -> None:
-        """Hash ``chunk`` after the previous one, without waiting for it (the loop reads the next meanwhile)."""
-        if self.pending is not None:
-            await self.pending
-        self.pending = asyncio.get_running_loop().run_in_executor(self.hashing, self.hasher.update, chunk)
-
-    async def finish(self, size: int) -> SpooledBody:
-        if self.pending is not None:
-            await self.pending
-        self.file.flush()
-        self.spooled = SpooledBody(self.path, size, content_id(self.algorithm, self.hasher.hexdigest()))
-        return self.spooled
-
-    def discard(self) -> None:
-        """Delete the file unless the application took it (renamed it into its store)."""
-        if self.pending is not None:
-            self.pending.cancel()
-        if self.spooled is None or not self.spooled.taken:
-            self.path.unlink(missing_ok=True)
-
-
-def _spool(body: IO[bytes], chunk: bytes) -> None:
-    try:
-        body.write(chunk)
-    except OSError as exc:
-        _raise_if_full(exc)
-        raise
-
-
-def _raise_if_full(exc: OSError) -> None:
-    if exc.errno == errno.ENOSPC:
-        raise HttpError(507, "insufficient_storage", "the coordinator's disk is full; nothing was recorded, "
-                        "try again later") from None
 
 
 def _declared_length(headers: list[tuple[str, str]], default: int) -> int:

@@ -16,7 +16,11 @@ which raises the 4xx it always raised: this path accepts nothing the full decode
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import mmap
+import os
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -25,12 +29,15 @@ import torch
 from compression import wire
 from compression.codecs.blockwise import SCALE_FORMATS, BlockwiseConfig
 from compression.errors import CompressionError
+from coordinator.flat_weights import contiguous_range
 from protocol.errors import InvalidUpdate
 from protocol.streaming import CHECK_CHUNK, check_header
 from protocol.tensors import Manifest
 
 FUSED_CODECS = ("int8",)
 _FP32_MAX = float(np.finfo(np.float32).max)
+CHUNK_VALUES = 1 << 16
+"""Codes squared or decoded at once: their float32 copy (256 KiB) stays in the CPU's cache between passes."""
 
 
 def int8_config(codec: str, codec_config: dict) -> BlockwiseConfig | None:
@@ -43,27 +50,139 @@ def int8_config(codec: str, codec_config: dict) -> BlockwiseConfig | None:
         return None  # the generic path words the 400
 
 
-def int8_update_norm(path: Path, config: BlockwiseConfig, manifest: Manifest) -> float | None:
-    """The update's L2 norm if every tensor is a clean int8 payload; None to take the generic path."""
-    size = path.stat().st_size
+@contextlib.contextmanager
+def mapped(path: Path) -> Iterator[memoryview]:
+    """The file's bytes, mapped read-only (the page cache is the only copy; nothing is read ahead of use)."""
     with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            yield memoryview(b"")
+            return
+        whole = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    view = memoryview(whole)
+    try:
+        yield view
+    finally:
+        with contextlib.suppress(BufferError):  # arrays still alive (an exception's frames): unmapped when freed
+            view.release()
+            whole.close()
+
+
+class _ViewFile:
+    """``read`` and ``seek`` over bytes in memory, for ``wire.index_update_file`` (which reads only headers)."""
+
+    def __init__(self, data: memoryview) -> None:
+        self.data, self.position = data, 0
+
+    def seek(self, position: int) -> None:
+        self.position = position
+
+    def read(self, n: int) -> bytes:
+        chunk = self.data[self.position:self.position + n].tobytes()
+        self.position += len(chunk)
+        return chunk
+
+
+def index_update(data: memoryview, manifest: Manifest) -> list[tuple[int, int]]:
+    """``wire.index_update_file`` over bytes already mapped (CompressionError if they do not frame)."""
+    return wire.index_update_file(_ViewFile(data), len(data), manifest)  # type: ignore[arg-type]  # reads, seeks
+
+
+def int8_update_norm(path: Path, config: BlockwiseConfig, manifest: Manifest) -> float | None:
+    """The update's L2 norm if every tensor is a clean int8 payload; None to take the generic path.
+
+    The file is mapped, not read (the page cache is the only copy), and the codes are squared a chunk
+    of ``CHUNK_VALUES`` at a time, so no temporary grows with the update: a float32 copy of every
+    code (17.6 MB for Qwen2-0.5B) cost more in fresh pages than the arithmetic (docs/scale.md).
+    """
+    with mapped(path) as data:
         try:
-            spans = wire.index_update_file(f, size, manifest)
+            spans = index_update(data, manifest)
         except CompressionError:
             return None
-        f.seek(0)
-        data = f.read()
-    view = memoryview(data)
+        return _mapped_norm(data, spans, config, manifest)
+
+
+def _mapped_norm(data: memoryview, spans: list[tuple[int, int]], config: BlockwiseConfig,
+                 manifest: Manifest) -> float | None:
+    views = _int8_views(data, spans, config, manifest)
+    if views is None:
+        return None
+    codes, scales, block_starts = views
+    if not block_starts[-1]:
+        return 0.0
+    if not _scales_clean(scales):
+        return None
+    per_block = _block_squares(codes, config.block_size, block_starts[-1])
+    if per_block is None:
+        return None
+    s64 = scales.astype(np.float64)
+    # numpy's pairwise sum, not np.dot: numpy's OpenBLAS ran its 69k-term dot on two threads that spin
+    # between calls, 1.7 ms of CPU per push on this loaded machine instead of 14 us on one (and a
+    # result that depended on the thread count).
+    norm = math.sqrt(float(np.sum(s64 * s64 * per_block)))
+    return norm if math.isfinite(norm) else None
+
+
+def _int8_views(data: memoryview, spans: list[tuple[int, int]], config: BlockwiseConfig,
+                manifest: Manifest) -> tuple[list[np.ndarray], np.ndarray, list[int]] | None:
+    """(per tensor its codes, an int8 view of ``data``; all block scales as float32; each tensor's first
+    block, then the number of blocks) of an int8 update; None if a payload does not frame with this config."""
     scale_dtype = np.dtype(SCALE_FORMATS[config.scale_dtype][0])
-    scales, codes = [], []
+    block = config.block_size
+    codes, scales, block_starts = [], [], [0]
     for (_, shape), (offset, length) in zip(manifest, spans):
         numel = math.prod(shape)
-        parts = _int8_parts(view[offset:offset + length], numel, config.block_size, scale_dtype)
-        if parts is None:
+        nblocks = -(-numel // block)
+        scale_bytes = nblocks * scale_dtype.itemsize
+        if length != scale_bytes + numel:
             return None
-        scales.append(parts[0])
-        codes.append(parts[1])
-    return _norm(np.concatenate(scales), np.concatenate(codes), config.block_size)
+        scales.append(np.frombuffer(data, scale_dtype, nblocks, offset))
+        codes.append(np.frombuffer(data, np.int8, numel, offset + scale_bytes))
+        block_starts.append(block_starts[-1] + nblocks)
+    return codes, np.concatenate(scales).astype(np.float32), block_starts
+
+
+def _scales_clean(scales: np.ndarray) -> bool:
+    """Decoding accepts these scales (finite, >= 0) and no ``code * scale`` can overflow float32."""
+    return bool(np.isfinite(scales).all() and (scales >= 0).all()) and float(scales.max(initial=0.0)) * 127.0 <= _FP32_MAX
+
+
+def _block_squares(codes: list[np.ndarray], block: int, nblocks: int) -> np.ndarray | None:
+    """Per block, the sum of the squares of its codes (float64; exact), each tensor's last block padded with
+    zeros; None if a code is -128. Staged ``CHUNK_VALUES`` codes at a time into buffers that stay in cache."""
+    per_chunk = max(1, CHUNK_VALUES // block)
+    staged = np.empty(per_chunk * block, dtype=np.int8)
+    # Sums of up to 1024 squares of codes stay below 2^24, so float32 holds them exactly.
+    wide = np.empty(per_chunk * block, dtype=np.float32 if block <= 1024 else np.float64)
+    out = np.empty(nblocks, dtype=np.float64)
+    filled = done = 0  # blocks staged; blocks summed into ``out``
+    for tensor in codes:
+        start = 0
+        while start < tensor.size:
+            take = min(-(-(tensor.size - start) // block), per_chunk - filled)  # whole blocks that fit
+            piece = tensor[start:start + take * block]
+            at = filled * block
+            staged[at:at + piece.size] = piece
+            staged[at + piece.size:at + take * block] = 0  # padding of the tensor's last block
+            filled, start = filled + take, start + take * block
+            if filled == per_chunk:
+                if not _sum_squares(staged, wide, filled, block, out[done:done + filled]):
+                    return None
+                done, filled = done + filled, 0
+    if filled and not _sum_squares(staged, wide, filled, block, out[done:done + filled]):
+        return None
+    return out
+
+
+def _sum_squares(staged: np.ndarray, wide: np.ndarray, blocks: int, block: int, out: np.ndarray) -> bool:
+    """``out[i]`` = sum of squares of staged block i, for the first ``blocks``; False if a code is -128."""
+    codes = staged[:blocks * block]
+    if codes.min() < -127:
+        return False
+    values = wide[:blocks * block].reshape(blocks, block)
+    np.copyto(values, codes.reshape(blocks, block))
+    out[...] = np.einsum("ij,ij->i", values, values)
+    return True
 
 
 def int8_decode_update(data: memoryview, spans: list[tuple[int, int]], config: BlockwiseConfig,
@@ -75,6 +194,113 @@ def int8_decode_update(data: memoryview, spans: list[tuple[int, int]], config: B
     and one multiply for the whole update instead of a handful of numpy calls for each of its 336
     small LoRA tensors: per-call overhead was most of a fedbuff step's decode (docs/scale.md).
     """
+    checked = _checked_update(data, spans, config, manifest)
+    if checked is None:
+        return None
+    all_scales, all_codes, sizes = checked
+    block = config.block_size
+    values = np.empty(all_codes.size, dtype=np.float32)
+    np.multiply(all_codes.reshape(-1, block), all_scales[:, None], out=values.reshape(-1, block))
+    out, start = {}, 0
+    for (name, _), numel in zip(manifest, sizes):
+        out[name] = values[start:start + numel]
+        start += _padded(numel, block)
+    return out
+
+
+def int8_add_updates(bodies: Sequence[tuple[memoryview, list[tuple[int, int]], BlockwiseConfig, float]],
+                     manifest: Manifest, targets: Mapping[str, torch.Tensor]) -> bool:
+    """For each ``(data, spans, config, alpha)`` of clean int8 updates of one manifest, in order,
+    ``targets[name].add_(decoded, alpha=alpha)``; False, with nothing added, unless every body is clean.
+
+    The same additions, in the same order for every tensor, as ``int8_add_update`` body after body (so the
+    result is bit-identical), but tensor group by tensor group: a group of targets (up to ``CHUNK_VALUES``
+    values) gets every body's values while it is in cache, instead of each body's pass reading and writing
+    every target in memory again (the weights of a Qwen2-0.5B LoRA expert are 17.6 MB; a fedbuff step adds K
+    updates to them).
+    """
+    parsed = []
+    for data, spans, config, alpha in bodies:
+        clean = _clean_tensors(data, spans, config, manifest)
+        if clean is None:
+            return False
+        parsed.append((clean, config.block_size, alpha))
+    if not parsed:
+        return True
+    reach = max(block for _, block, _ in parsed) - 1  # a tensor's padded size is at most numel + reach
+    numels = [math.prod(shape) for _, shape in manifest]
+    size = max([CHUNK_VALUES] + [n + reach for n in numels])
+    staged, values = np.empty(size, dtype=np.int8), np.empty(size, dtype=np.float32)
+    first = 0
+    while first < len(manifest):
+        last, room = first + 1, size - numels[first] - reach  # tensors [first, last) make one group
+        while last < len(manifest) and numels[last] + reach <= room:
+            room -= numels[last] + reach
+            last += 1
+        segments = _segments(targets, manifest, numels, first, last)
+        for (codes, scales, block_starts), block, alpha in parsed:
+            at = 0
+            for t in range(first, last):
+                staged[at:at + numels[t]] = codes[t]
+                padded = _padded(numels[t], block)
+                staged[at + numels[t]:at + padded] = 0
+                at += padded
+            np.multiply(staged[:at].reshape(-1, block), scales[block_starts[first]:block_starts[last], None],
+                        out=values[:at].reshape(-1, block))
+            at = 0
+            for start, end, run in segments:
+                if run is not None and all(numels[t] % block == 0 for t in range(start, end)):  # no padding inside
+                    run.add_(torch.from_numpy(values[at:at + run.numel()]), alpha=alpha)
+                    at += run.numel()
+                    continue
+                for t in range(start, end):
+                    name, shape = manifest[t]
+                    targets[name].add_(torch.from_numpy(values[at:at + numels[t]]).reshape(shape), alpha=alpha)
+                    at += _padded(numels[t], block)
+        first = last
+    return True
+
+
+def _segments(targets: Mapping[str, torch.Tensor], manifest: Manifest, numels: list[int], first: int,
+              last: int) -> list[tuple[int, int, torch.Tensor | None]]:
+    """Tensors ``first..last-1`` cut into runs ``(start, end, view)``: ``view`` is one flat view of targets
+    ``start..end-1`` when they lie back to back in one buffer (``load_flat``) and each holds a multiple of 64
+    values, else None (and the run is one tensor). One ``add_`` over such a run touches the very elements
+    the per-tensor adds did in the same vectorised loop: no tensor of 64-multiple size ends in the scalar
+    remainder of torch's loop, so the floats are the same (tested against adds per tensor)."""
+    segments: list[tuple[int, int, torch.Tensor | None]] = []
+    t = first
+    while t < last:
+        end = t
+        while end < last and numels[end] % 64 == 0:
+            end += 1
+        run = contiguous_range([targets[name] for name, _ in manifest[t:end]]) if end - t > 1 else None
+        if run is not None:
+            segments.append((t, end, run))
+            t = end
+        else:
+            segments.append((t, t + 1, None))
+            t += 1
+    return segments
+
+
+def _clean_tensors(data: memoryview, spans: list[tuple[int, int]], config: BlockwiseConfig,
+                   manifest: Manifest) -> tuple[list[np.ndarray], np.ndarray, list[int]] | None:
+    """``_int8_views`` of a clean int8 update; None if a payload does not frame, or decoding could refuse
+    (a code of -128, a bad scale) or overflow."""
+    views = _int8_views(data, spans, config, manifest)
+    if views is None:
+        return None
+    codes, scales, block_starts = views
+    if block_starts[-1] and not (_scales_clean(scales) and np.concatenate(codes).min() >= -127):
+        return None
+    return views
+
+
+def _checked_update(data: memoryview, spans: list[tuple[int, int]], config: BlockwiseConfig,
+                    manifest: Manifest) -> tuple[np.ndarray, np.ndarray, list[int]] | None:
+    """(all block scales as float32, all codes each tensor padded to whole blocks, numel per tensor) of a
+    clean int8 update; None if a payload does not frame, or decoding could refuse or overflow."""
     scale_dtype = np.dtype(SCALE_FORMATS[config.scale_dtype][0])
     block = config.block_size
     scales, codes, sizes = [], [], []
@@ -87,16 +313,13 @@ def int8_decode_update(data: memoryview, spans: list[tuple[int, int]], config: B
         codes.append(parts[1])
         sizes.append(numel)
     all_scales, all_codes = np.concatenate(scales), np.concatenate(codes)
-    if all_codes.size and (not (np.isfinite(all_scales).all() and (all_scales >= 0).all())
-                           or all_codes.min() < -127 or float(all_scales.max()) * 127.0 > _FP32_MAX):
+    if all_codes.size and not (_scales_clean(all_scales) and all_codes.min() >= -127):
         return None
-    values = np.empty(all_codes.size, dtype=np.float32)
-    np.multiply(all_codes.reshape(-1, block), all_scales[:, None], out=values.reshape(-1, block))
-    out, start = {}, 0
-    for (name, _), numel, padded in zip(manifest, sizes, (c.size for c in codes)):
-        out[name] = values[start:start + numel]
-        start += padded
-    return out
+    return all_scales, all_codes, sizes
+
+
+def _padded(numel: int, block: int) -> int:
+    return -(-numel // block) * block
 
 
 def _int8_parts(payload: memoryview, numel: int, block: int, scale_dtype: np.dtype) -> tuple | None:
@@ -110,22 +333,6 @@ def _int8_parts(payload: memoryview, numel: int, block: int, scale_dtype: np.dty
     if numel % block:
         codes = np.concatenate([codes, np.zeros(nblocks * block - numel, dtype=np.int8)])
     return scales, codes
-
-
-def _norm(scales: np.ndarray, codes: np.ndarray, block: int) -> float | None:
-    """sqrt(sum_b scale_b^2 * sum codes^2 of block b), or None if decoding could refuse these values."""
-    if codes.size == 0:
-        return 0.0
-    if not (np.isfinite(scales).all() and (scales >= 0).all()) or codes.min() < -127:
-        return None
-    if float(scales.max()) * 127.0 > _FP32_MAX:  # code * scale could overflow float32 in decode
-        return None
-    # Sums of up to 1024 squares of codes stay below 2^24, so float32 holds them exactly.
-    wide = codes.astype(np.float32 if block <= 1024 else np.float64).reshape(-1, block)
-    per_block = np.einsum("ij,ij->i", wide, wide)  # type: ignore[arg-type]  # numpy: astype(a or b) is typed dtype[generic]
-    s64 = scales.astype(np.float64)
-    norm = math.sqrt(float(np.dot(s64 * s64, per_block.astype(np.float64))))
-    return norm if math.isfinite(norm) else None
 
 
 def int8_decode(payload: memoryview, numel: int, config: BlockwiseConfig) -> np.ndarray | None:

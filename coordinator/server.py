@@ -8,6 +8,7 @@ request threads give the concurrency, the front's event loop holds the connectio
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import os
 import signal
@@ -72,6 +73,10 @@ def serve(config: CoordinatorConfig, options: ServeOptions) -> None:
     sock = bind(options.host, options.port)  # a port in use fails before anything is written
     set_socket_timeouts(sock, options.socket_timeout)
     app = create_app(config)
+    # Everything made so far (torch, Flask, the store: a few hundred thousand objects that live as long as
+    # the process) leaves the cyclic GC's generations: its full collections, triggered by the objects each
+    # request makes, no longer walk them (py-spy under bench.load: GC was ~10% of the coordinator's CPU).
+    gc.freeze()
     auth = app.extensions.get("fedmoe_auth")
     host, port = sock.getsockname()[:2]
     scheme = "https" if options.tls_cert else "http"

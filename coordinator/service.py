@@ -36,14 +36,14 @@ from coordinator.gateway_builder import GatewayBuilder
 from coordinator.norm_check import judge_norm
 from coordinator.recovery import recover
 from coordinator.steps import AggregationSteps
-from coordinator.store import RELAYED, ExpertRow, ManifestStore, UpdateRow, members_applied
+from coordinator.store import RELAYED, ExpertRow, ManifestStore, UpdateRow, members_applied, parsed_manifest
 from gateway.router import combine_profiles, profile_from_json, profile_to_json
 from gateway.router import route as route_prompt
 from protocol.errors import BadRequest, Conflict, InsufficientStorage, InvalidPayload, NotFound, PayloadTooLarge
 from protocol.files import private_dir, private_file
 from protocol.integrity import DEFAULT_ALGORITHM, DIGEST_HEADER, Readable, algorithm_of, hex_of
 from protocol.schemas import MAX_COUNT, BaseModelSpec, ExpertSpec, UpdateMeta, check_name
-from protocol.tensors import load_file, manifest_from_json, manifest_to_json
+from protocol.tensors import load_file, manifest_to_json
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class Coordinator:
                      spooled: Any = None) -> Path:
         """A request body in a fsynced temp file: 413 past --max-body-mb, 400 if it does not match
         ``expected_digest`` (nothing is left behind). ``length`` (Content-Length): read exactly that.
-        ``spooled``: the front's coordinator.front.SpooledBody, taken over instead of copying ``stream``."""
+        ``spooled``: the front's coordinator.front_bodies.SpooledBody, taken over instead of copying ``stream``."""
         return receive_checked(self.store, stream, length, self.config.max_body_bytes, expected_digest, spooled)
 
     # experts ------------------------------------------------------------------
@@ -182,7 +182,7 @@ class Coordinator:
             self.store.record_pull(worker_id, body_bytes, _fp32_bytes(self.manifest(name)))
 
     def manifest(self, name: str) -> list[tuple[str, tuple[int, ...]]]:
-        return manifest_from_json(self.require_expert(name).manifest)
+        return list(parsed_manifest(self.require_expert(name).manifest))
 
     # updates ------------------------------------------------------------------
 
@@ -202,7 +202,7 @@ class Coordinator:
                 raise Conflict(f"base_version {meta.base_version} is ahead of expert {name!r}, "
                                f"which is at version {expert.version}")
             self._refuse_recorded_members(meta)  # before the body is decoded: a refused relay batch costs nothing
-            manifest = manifest_from_json(expert.manifest)
+            manifest = list(parsed_manifest(expert.manifest))
             # int8 bodies are checked and measured from their codes (coordinator/fused_check.py); others are
             # decoded tensor by tensor. Either way nothing decoded is kept while we wait for the expert's
             # lock: the step reads the body again when it is computed.

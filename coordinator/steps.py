@@ -25,10 +25,11 @@ from coordinator.adapters import non_finite_tensor, stored_deltas
 from coordinator.aggregation import AGGREGATORS, AggregationParams, StateDict, Update, robust_aggregator
 from coordinator.config import CoordinatorConfig
 from coordinator.expert_store import ExpertStore, StaleAggregation
+from coordinator.flat_weights import load_flat
 from coordinator.recovery import quarantine_updates
-from coordinator.store import ExpertRow, UpdateRow
+from coordinator.store import ExpertRow, UpdateRow, parsed_manifest
 from protocol.errors import InvalidPayload, InvalidUpdate
-from protocol.tensors import load_file, manifest_from_json, save_file
+from protocol.tensors import load_file, save_file
 
 log = logging.getLogger(__name__)
 
@@ -86,10 +87,12 @@ class AggregationSteps:
                    incoming: tuple[dict[str, Any], Path] | None = None) -> tuple[StateDict, list[Update]]:
         """The expert's next weights from recorded updates and, if given, one not yet recorded
         (its stored meta and temp file). Payloads are read tensor by tensor while aggregating."""
-        manifest = manifest_from_json(expert.manifest)
+        manifest = list(parsed_manifest(expert.manifest))
         with contextlib.ExitStack() as files:
-            # our own copy of the current weights: the aggregator updates it in place
-            current = load_file(files.enter_context(self.store.local_file(self.store.weights(expert.name).digest)))
+            # our own copy of the current weights: the aggregator updates it in place. In one flat buffer when
+            # they are plain float32, so that neighbouring tensors take an update in one add (flat_weights.py)
+            weights = files.enter_context(self.store.local_file(self.store.weights(expert.name).digest))
+            current = load_flat(weights) or load_file(weights)
             entries = [(u.meta, files.enter_context(self.store.local_file(_payload(u)))) for u in recorded]
             entries += [incoming] if incoming is not None else []
             updates = [Update(delta=self._deltas(meta, path, manifest), num_samples=meta["num_samples"],

@@ -13,6 +13,7 @@ that ``orphan_blobs`` finds at the next start.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import sqlite3
@@ -27,6 +28,7 @@ from typing import Any
 from coordinator.audit import AUDIT_SCHEMA, Event, insert_event, insert_norm, query_events, recent_norms
 from coordinator.sqldb import Connection, Row
 from protocol.errors import Conflict
+from protocol.tensors import manifest_from_json
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS experts (
@@ -107,6 +109,13 @@ class ExpertRow:
     last_train_loss: float | None
     created_at: float
     updated_at: float
+
+
+@functools.lru_cache(maxsize=256)
+def parsed_manifest(text: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """An expert's manifest column, parsed once per distinct text (``manifest_from_json``): a push used to
+    parse its expert's 336-entry JSON again, a thousand new objects that kept the cyclic GC busy."""
+    return tuple(manifest_from_json(text))
 
 
 @dataclass(frozen=True)

@@ -53,5 +53,33 @@ def tensors_of(delta: Mapping[str, torch.Tensor]) -> Iterable[tuple[str, torch.T
     return decoded_items() if decoded_items is not None else delta.items()
 
 
+def add_delta(current: StateDict, delta: Mapping[str, torch.Tensor], alpha: float) -> None:
+    """``current[name] += alpha * delta[name]`` for every tensor of ``delta``, in its order, in place. A delta
+    that can add itself (``CompressedUpdate.add_to``: decoded a cache-sized chunk at a time) does; the values
+    and the ``add_`` of each tensor are the same either way, so the result is bit-identical."""
+    add_to = getattr(delta, "add_to", None)
+    if add_to is not None and add_to(current, alpha):
+        return
+    for name, value in tensors_of(delta):
+        current[name].add_(value, alpha=alpha)
+
+
+def add_deltas(current: StateDict, weighted: list[tuple[Mapping[str, torch.Tensor], float]]) -> None:
+    """``add_delta`` of each (delta, alpha) in order. Consecutive deltas of a type that can add several at
+    once (``CompressedUpdate.add_together``: each group of tensors gets all of them while it is in cache) do
+    so; every tensor still gets the same additions in the same order, so the result is bit-identical."""
+    start = 0
+    while start < len(weighted):
+        kind = type(weighted[start][0])
+        end = start + 1
+        while end < len(weighted) and type(weighted[end][0]) is kind:
+            end += 1
+        together = getattr(kind, "add_together", None)
+        if end - start < 2 or together is None or not together(current, weighted[start:end]):
+            for delta, alpha in weighted[start:end]:
+                add_delta(current, delta, alpha)
+        start = end
+
+
 class Aggregator(Protocol):
     def __call__(self, current: StateDict, updates: list[Update], params: AggregationParams) -> StateDict: ...

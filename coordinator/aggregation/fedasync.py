@@ -7,12 +7,10 @@ them one after another, each with its own staleness weight, in place on ``curren
 """
 from __future__ import annotations
 
-from coordinator.aggregation.base import AggregationParams, StateDict, Update, staleness_weight, tensors_of
+from coordinator.aggregation.base import AggregationParams, StateDict, Update, add_deltas, staleness_weight
 
 
 def fedasync(current: StateDict, updates: list[Update], params: AggregationParams) -> StateDict:
-    for update in updates:
-        weight = params.server_lr * staleness_weight(update.staleness, params.staleness_decay)
-        for name, value in tensors_of(update.delta):
-            current[name].add_(value, alpha=weight)
+    add_deltas(current, [(update.delta, params.server_lr * staleness_weight(update.staleness, params.staleness_decay))
+                         for update in updates])
     return current

@@ -5,13 +5,14 @@
 with n_i the samples behind update i, N = sum n_i, and s(tau) = 1 / (1 + decay * tau)
 the same staleness weight as FedAsync. A buffer whose updates all report zero
 samples falls back to equal weights. The result does not depend on arrival order.
-Updated in place on ``current``, one update after another (each tensor gets the same additions in
-the same order as tensor-major, so the result is bit-identical), so a stored update is decoded in
-one pass and memory stays at one model plus one decoded update.
+Updated in place on ``current``: every tensor gets the updates' additions in buffer order (the same
+floats as tensor-major). Stored int8 updates are decoded a cache-sized group of tensors at a time and
+that group of the weights gets all K of them while it is in cache (``base.add_deltas``), so memory
+stays at one model plus a few small buffers.
 """
 from __future__ import annotations
 
-from coordinator.aggregation.base import AggregationParams, StateDict, Update, staleness_weight, tensors_of
+from coordinator.aggregation.base import AggregationParams, StateDict, Update, add_deltas, staleness_weight
 
 
 def sample_weights(updates: list[Update]) -> list[float]:
@@ -26,7 +27,5 @@ def fedbuff(current: StateDict, updates: list[Update], params: AggregationParams
         return current
     weights = [params.server_lr * w * staleness_weight(u.staleness, params.staleness_decay)
                for w, u in zip(sample_weights(updates), updates)]
-    for weight, update in zip(weights, updates):
-        for name, value in tensors_of(update.delta):
-            current[name].add_(value, alpha=weight)
+    add_deltas(current, [(update.delta, weight) for weight, update in zip(weights, updates)])
     return current

@@ -177,3 +177,148 @@ def test_fedbuff_over_stored_int8_updates_matches_tensor_major_order(tmp_path):
         for w, u in zip(weights, updates):
             expected.add_(u.delta[name], alpha=w)
         assert torch.equal(result[name], expected)
+
+
+def _reference_norm(path, config):
+    """The one-pass norm as first written (every code cast to float at once, one einsum, a BLAS dot) and
+    its per-block sums of squared codes."""
+    from compression.codecs.blockwise import BlockwiseConfig
+    from compression.wire import split_update
+    cfg = BlockwiseConfig(**config)
+    scale_dtype = np.dtype("<f4" if cfg.scale_dtype == "fp32" else "<f2")
+    scales, codes = [], []
+    for (_, shape), payload in zip(MANIFEST, split_update(path.read_bytes(), MANIFEST)):
+        numel = math.prod(shape)
+        nblocks = -(-numel // cfg.block_size)
+        scales.append(np.frombuffer(payload[:nblocks * scale_dtype.itemsize], scale_dtype).astype(np.float32))
+        padded = np.zeros(nblocks * cfg.block_size, dtype=np.int8)
+        padded[:numel] = np.frombuffer(payload[nblocks * scale_dtype.itemsize:], np.int8)
+        codes.append(padded)
+    wide = np.concatenate(codes).astype(np.float32 if cfg.block_size <= 1024 else np.float64)
+    wide = wide.reshape(-1, cfg.block_size)
+    s64 = np.concatenate(scales).astype(np.float64)
+    per_block = np.einsum("ij,ij->i", wide, wide).astype(np.float64)
+    return math.sqrt(float(np.dot(s64 * s64, per_block))), per_block
+
+
+@pytest.mark.parametrize("chunk", [1 << 16, 64, 96, 1])
+@pytest.mark.parametrize("config", [{}, {"block_size": 32, "scale_dtype": "fp16"}, {"block_size": 48},
+                                    {"block_size": 2048}])
+def test_chunked_norm_matches_the_whole_update_formula(tmp_path, monkeypatch, config, chunk):
+    """Squares summed a chunk at a time (chunks smaller than a tensor, than a block, or of one value)
+    give exactly the per-block sums of the formula over all codes at once, and the same norm (its last
+    float64 sum is numpy's pairwise sum now, not BLAS's dot)."""
+    import coordinator.fused_check as fused
+    monkeypatch.setattr(fused, "CHUNK_VALUES", chunk)
+    path, _ = body(tmp_path, config, seed=7)
+    reference, per_block = _reference_norm(path, config)
+    cfg = int8_config("int8", config)
+    with fused.mapped(path) as data:
+        codes, _, starts = fused._int8_views(data, fused.index_update(data, MANIFEST), cfg, MANIFEST)
+        assert np.array_equal(fused._block_squares(codes, cfg.block_size, starts[-1]), per_block)
+        del codes
+    assert math.isclose(int8_update_norm(path, cfg, MANIFEST), reference, rel_tol=1e-13)
+
+
+@pytest.mark.parametrize("chunk", [1 << 16, 64])
+def test_chunked_norm_still_refuses_a_code_of_minus_128_in_any_chunk(tmp_path, monkeypatch, chunk):
+    import coordinator.fused_check as fused
+    monkeypatch.setattr(fused, "CHUNK_VALUES", chunk)
+    path, _ = body(tmp_path)
+    data = bytearray(path.read_bytes())
+    data[len(data) - 21 - 4 - 4 - 800 + 5] = 0x80  # a code of 'a.lora_B.weight' (800 values), not the last chunk
+    path.write_bytes(bytes(data))
+    assert int8_update_norm(path, int8_config("int8", {}), MANIFEST) is None
+    with pytest.raises(REFUSED, match="outside"):
+        checked_norm(path, "int8", {}, MANIFEST)
+
+
+def test_norm_of_an_empty_or_headerless_file_takes_the_generic_path(tmp_path):
+    for content in (b"", b"FMC"):
+        path = tmp_path / "short"
+        path.write_bytes(content)
+        assert int8_update_norm(path, int8_config("int8", {}), MANIFEST) is None
+        with pytest.raises(REFUSED):
+            checked_norm(path, "int8", {}, MANIFEST)
+
+
+@pytest.mark.parametrize("chunk", [1 << 16, 64, 1])
+@pytest.mark.parametrize("config", [{}, {"block_size": 48, "scale_dtype": "fp16"}])
+def test_add_to_is_bit_identical_to_adding_the_decoded_tensors(tmp_path, monkeypatch, config, chunk):
+    """A stored update added group by group through a small buffer (groups of one tensor, or of several)
+    leaves the very floats that adding its one-pass decode left."""
+    import coordinator.fused_check as fused
+    monkeypatch.setattr(fused, "CHUNK_VALUES", chunk)
+    path, _ = body(tmp_path, config, seed=5)
+    deltas = stored_deltas(path, "int8", config, MANIFEST)
+    start = {name: torch.randn(shape, generator=torch.Generator().manual_seed(1)) for name, shape in MANIFEST}
+    expected = {k: v.clone() for k, v in start.items()}
+    for name, value in deltas.decoded_items():
+        expected[name].add_(value, alpha=0.37)
+    added = {k: v.clone() for k, v in start.items()}
+    assert deltas.add_to(added, 0.37)
+    for name in start:
+        assert torch.equal(added[name], expected[name]), name
+
+
+def test_add_to_adds_nothing_and_defers_when_the_body_is_not_clean(tmp_path):
+    from coordinator.aggregation.base import add_delta
+    path = _body_with_code_minus_128(tmp_path)
+    deltas = stored_deltas(path, "int8", {}, MANIFEST)
+    zeros = {name: torch.zeros(shape) for name, shape in MANIFEST}
+    assert deltas.add_to(zeros, 1.0) is False
+    assert all(not t.any() for t in zeros.values())  # nothing half-added
+    with pytest.raises(REFUSED, match="outside"):
+        add_delta(zeros, deltas, 1.0)  # the generic decode words the refusal
+
+
+def test_non_finite_tensor_finds_nan_and_inf_anywhere():
+    from coordinator.adapters import non_finite_tensor
+    for n in (1, 7, 31, 32, 33, 1000, 40_000):
+        for position in {0, n // 2, n - 1}:
+            for bad in (float("nan"), float("inf"), float("-inf")):
+                t = torch.randn(n, dtype=torch.float32)
+                t[position] = bad
+                assert non_finite_tensor({"ok": torch.ones(3), "bad": t}) == "bad"
+    assert non_finite_tensor({"a": torch.ones(4, 4), "empty": torch.zeros(0, 3), "d": torch.ones(2, dtype=torch.float64),
+                              "h": torch.ones(2, dtype=torch.float16)}) is None
+    assert non_finite_tensor({"h": torch.tensor([1.0, float("nan")], dtype=torch.float16)}) == "h"
+
+
+@pytest.mark.parametrize("chunk", [1 << 16, 900, 64, 1])
+def test_several_updates_added_together_are_bit_identical_to_one_after_another(tmp_path, monkeypatch, chunk):
+    """fedbuff's buffer added group of tensors by group (int8 bodies of different block sizes and scale
+    formats, and a plain tensor dict between them, which splits the run): every tensor gets the same
+    additions in the same order, so the very floats of adding each decoded update in turn."""
+    import coordinator.fused_check as fused
+    from coordinator.aggregation.base import add_deltas
+    monkeypatch.setattr(fused, "CHUNK_VALUES", chunk)
+    configs = [{}, {"block_size": 48, "scale_dtype": "fp16"}, {"block_size": 32}, {}, {"block_size": 100}]
+    deltas = [stored_deltas(body(tmp_path, config, seed=10 + i)[0], "int8", config, MANIFEST)
+              for i, config in enumerate(configs)]
+    g = torch.Generator().manual_seed(4)
+    plain = {name: torch.randn(shape, generator=g) * 1e-2 for name, shape in MANIFEST}
+    weighted = [(deltas[0], 0.3), (deltas[1], 0.11), (deltas[2], 1.7), (plain, 0.5), (deltas[3], 0.25),
+                (deltas[4], 0.9)]
+    start = {name: torch.randn(shape, generator=g) for name, shape in MANIFEST}
+    expected = {k: v.clone() for k, v in start.items()}
+    for delta, alpha in weighted:
+        items = delta.decoded_items() if hasattr(delta, "decoded_items") else delta.items()
+        for name, value in items:
+            expected[name].add_(value, alpha=alpha)
+    added = {k: v.clone() for k, v in start.items()}
+    add_deltas(added, weighted)
+    for name in start:
+        assert torch.equal(added[name], expected[name]), name
+
+
+def test_updates_added_together_add_nothing_when_one_is_not_clean(tmp_path):
+    from coordinator.aggregation.base import add_deltas
+    from coordinator.adapters import CompressedUpdate
+    clean = stored_deltas(body(tmp_path, seed=3)[0], "int8", {}, MANIFEST)
+    dirty = stored_deltas(_body_with_code_minus_128(tmp_path), "int8", {}, MANIFEST)
+    zeros = {name: torch.zeros(shape) for name, shape in MANIFEST}
+    assert CompressedUpdate.add_together(zeros, [(clean, 1.0), (dirty, 1.0)]) is False
+    assert all(not t.any() for t in zeros.values())  # nothing half-added
+    with pytest.raises(REFUSED, match="outside"):
+        add_deltas(zeros, [(clean, 1.0), (dirty, 1.0)])  # one by one: the generic decode words the refusal

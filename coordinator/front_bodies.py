@@ -1,0 +1,170 @@
+"""Large request bodies on their way in, for the buffering front (coordinator/front.py).
+
+``DirectBody`` reads the rest of a body straight from the socket into two buffers in turn;
+``Spool`` writes a body's chunks to a named file in the blob store's temp dir and hashes them, on a
+thread, one chunk behind the socket; the application finds the result as a ``SpooledBody`` and may
+take the file over instead of copying it (issue 18, docs/scale.md).
+"""
+from __future__ import annotations
+
+import asyncio
+import errno
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from coordinator.http1 import HttpError
+from protocol.integrity import content_id, new_hasher
+
+DIRECT_CHUNK = 1 << 20  # each of DirectBody's two buffers
+POOLED_BUFFERS = 32  # DIRECT_CHUNK buffers the front keeps for the next large bodies (32 MiB at most)
+
+
+@dataclass
+class SpooledBody:
+    """A request body spooled to a named file as it arrived, with its digest."""
+
+    path: Path
+    size: int
+    digest: str
+    """Content id (protocol/integrity.py) of the bytes, in the algorithm the client's digest header names."""
+    taken: bool = False
+    """Set by the application when it moved the file away; otherwise the front deletes it."""
+
+
+class DirectBody(asyncio.BufferedProtocol):
+    """Holds a connection's transport while the rest of a large body arrives: the socket is read straight into
+    two preallocated buffers in turn (``recv_into``), so a 4.7 MB push costs no bytes object per read, no
+    copy through the stream's buffer and no pause/resume of the socket every 128 KiB (the StreamReader's
+    limit is the head limit). Never reads past the body (a pipelined request stays in the socket).
+    Connection loss, EOF and write flow control are passed on to the stream protocol it stands in for.
+    """
+
+    def __init__(self, transport: asyncio.BaseTransport, stream: asyncio.BaseProtocol, left: int, chunk: int,
+                 pool: list[bytearray]) -> None:
+        self.transport, self.stream, self.left = transport, stream, left
+        # two buffers of ``chunk`` bytes, reused from ``pool`` when it has some (a fresh one is zeroed page by page)
+        self.buffers = [pool.pop() if pool else bytearray(chunk) for _ in range(2 if left > chunk else 1)]
+        if len(self.buffers) == 1:
+            self.buffers.append(bytearray(0))  # never read into: the body fits in the first
+        self.current = 0
+        self.view = memoryview(self.buffers[0])[:min(left, chunk)]  # where the socket reads to now
+        self.filled = 0
+        self.waiter: asyncio.Future | None = None
+        self.problem: BaseException | None = None
+
+    # the consumer (Connection._receive_direct)
+
+    async def next_chunk(self) -> memoryview:
+        """The next full buffer (the last one holds the body's end); reading stays paused until ``resume``.
+        The chunk stays valid until the next-but-one call (its buffer is read into again after that)."""
+        while self.filled < len(self.view) and self.problem is None:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        if self.problem is not None:
+            raise self.problem
+        chunk, self.left = self.view, self.left - self.filled
+        self.current ^= 1
+        self.view, self.filled = memoryview(self.buffers[self.current])[:min(self.left, len(self.buffers[self.current]))], 0
+        return chunk
+
+    def release(self, pool: list[bytearray]) -> None:
+        """Give the buffers back to ``pool`` (kept up to ``POOLED_BUFFERS``); only once nothing reads them."""
+        self.view.release()
+        pool.extend(b for b in self.buffers if len(b) == DIRECT_CHUNK and len(pool) < POOLED_BUFFERS)
+        self.buffers = []
+
+    def resume(self) -> None:
+        if self.left:
+            self.transport.resume_reading()  # type: ignore[attr-defined]  # a ReadTransport
+
+    # the transport
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.view[self.filled:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.filled += nbytes
+        if self.filled == len(self.view):
+            self.transport.pause_reading()  # type: ignore[attr-defined]  # until the consumer frees the other buffer
+            self._wake()
+
+    def eof_received(self) -> bool | None:
+        self.problem = asyncio.IncompleteReadError(b"", self.left - self.filled)
+        self._wake()
+        return self.stream.eof_received()  # type: ignore[attr-defined]  # a StreamReaderProtocol
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.problem = exc or ConnectionResetError("connection lost while the body arrived")
+        self._wake()
+        self.stream.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.stream.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.stream.resume_writing()
+
+    def _wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+
+class Spool:
+    """A body being written to a named file in ``directory`` and hashed on a thread, one chunk behind."""
+
+    def __init__(self, directory: Path, algorithm: str, size_hint: int, hashing: ThreadPoolExecutor) -> None:
+        fd, name = tempfile.mkstemp(dir=directory, suffix=".part")
+        self.path, self.file = Path(name), open(fd, "w+b")
+        self.algorithm, self.hasher, self.hashing = algorithm, new_hasher(algorithm, size_hint), hashing
+        self.pending: asyncio.Future | None = None
+        self.spooled: SpooledBody | None = None
+
+    async def feed(self, chunk: bytes | memoryview) -> None:
+        """Write and hash ``chunk`` on a thread after the previous one, without waiting for it: the loop reads
+        the next meanwhile, and never waits for the disk itself (a write into the page cache can sleep for
+        milliseconds when the kernel throttles dirty pages, and the loop serves every connection)."""
+        await self.drain()
+        self.pending = asyncio.get_running_loop().run_in_executor(self.hashing, self._write_and_hash, chunk)
+
+    def _write_and_hash(self, chunk: bytes | memoryview) -> None:
+        write_chunk(self.file, chunk)
+        self.hasher.update(chunk)
+
+    async def drain(self) -> None:
+        """Wait until every chunk fed so far is written and hashed (HttpError 507 if the disk is full)."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            await pending
+
+    async def finish(self, size: int) -> SpooledBody:
+        await self.drain()
+        self.file.flush()
+        self.spooled = SpooledBody(self.path, size, content_id(self.algorithm, self.hasher.hexdigest()))
+        return self.spooled
+
+    def discard(self) -> None:
+        """Delete the file unless the application took it (renamed it into its store)."""
+        if self.pending is not None:  # a failed request: the thread's outcome no longer matters
+            self.pending.add_done_callback(lambda f: f.cancelled() or f.exception())
+        if self.spooled is None or not self.spooled.taken:
+            self.path.unlink(missing_ok=True)
+
+
+def write_chunk(body: IO[bytes], chunk: bytes | memoryview) -> None:
+    try:
+        body.write(chunk)
+    except OSError as exc:
+        raise_if_full(exc)
+        raise
+
+
+def raise_if_full(exc: OSError) -> None:
+    if exc.errno == errno.ENOSPC:
+        raise HttpError(507, "insufficient_storage", "the coordinator's disk is full; nothing was recorded, "
+                        "try again later") from None

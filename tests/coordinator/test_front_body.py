@@ -1,0 +1,145 @@
+"""Large request bodies through the buffering front (coordinator/front.py): read straight into buffers
+(DirectBody) yet byte for byte what was sent, hashed as it arrived, never past its end."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import ssl
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from protocol.integrity import content_id, new_hasher
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVER = """
+import hashlib, json, socket, ssl, sys
+from pathlib import Path
+from coordinator.front import SPOOLED_BODY, BufferingFront, FrontOptions
+
+def app(environ, start_response):
+    spooled = environ.get(SPOOLED_BODY)
+    data = spooled.path.read_bytes() if spooled is not None else environ["wsgi.input"].read()
+    answer = json.dumps({"size": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+                         "spooled_digest": spooled.digest if spooled is not None else None}).encode()
+    start_response("200 OK", [("Content-Type", "application/json")])
+    return [answer]
+
+sock = socket.socket()
+sock.bind(("127.0.0.1", 0))
+sock.listen(64)
+tls = None
+if len(sys.argv) > 3:
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(sys.argv[3], sys.argv[4])
+Path(sys.argv[1]).write_text(str(sock.getsockname()[1]))
+BufferingFront(app, sock, FrontOptions(threads=2, socket_timeout=float(sys.argv[2]), spool_dir=Path(sys.argv[1]).parent),
+               tls).run()
+"""
+
+
+@pytest.fixture
+def front(tmp_path):
+    """Start a front serving a body-describing app; yields a function (timeout, tls files) -> port."""
+    started = []
+
+    def start(timeout: float = 30.0, tls: tuple[Path, Path] | None = None) -> int:
+        port_file = tmp_path / f"port{len(started)}"
+        args = [sys.executable, "-c", SERVER, str(port_file), str(timeout), *(map(str, tls or ()))]
+        started.append(subprocess.Popen(args, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}))
+        while not (port_file.exists() and port_file.read_text()):
+            assert started[-1].poll() is None, "the front exited"
+            time.sleep(0.02)
+        return int(port_file.read_text())
+
+    yield start
+    for proc in started:
+        proc.terminate()
+        proc.wait(30)
+
+
+def request(size: int, body: bytes, extra: bytes = b"", digest: str | None = None) -> bytes:
+    headers = f"POST /x HTTP/1.1\r\nHost: h\r\nContent-Length: {size}\r\n"
+    if digest:
+        headers += f"X-FedMoE-Digest: blake3={digest}\r\n"
+    return headers.encode() + b"\r\n" + body + extra
+
+
+def read_answer(f) -> dict:
+    status = f.readline()
+    assert status.startswith(b"HTTP/1.1 200"), status
+    length = 0
+    while (line := f.readline()) != b"\r\n":
+        name, _, value = line.decode().partition(":")
+        if name.lower() == "content-length":
+            length = int(value)
+    return json.loads(f.read(length))
+
+
+def blake3_id(data: bytes) -> str:
+    hasher = new_hasher("blake3", len(data))
+    hasher.update(data)
+    return content_id("blake3", hasher.hexdigest())
+
+
+@pytest.mark.parametrize("size", [256 << 10, (1 << 20) + 1, 4_675_401, 3 << 20])
+def test_a_large_body_arrives_whole_and_hashed_and_the_next_request_follows(front, size):
+    """Two requests in one write (the second pipelined right behind the body): the direct read stops at
+    the body's end, the spooled digest is the body's, and the next request is read from where it stopped."""
+    port = front()
+    first, second = os.urandom(size), os.urandom(1000)
+    with socket.create_connection(("127.0.0.1", port)) as s, s.makefile("rb") as f:
+        s.sendall(request(size, first, request(len(second), second), digest=blake3_id(first)[3:]))
+        answer = read_answer(f)
+        assert answer["size"] == size and answer["sha256"] == hashlib.sha256(first).hexdigest()
+        assert answer["spooled_digest"] in (None, blake3_id(first))
+        assert (answer["spooled_digest"] is not None) == (size > 1 << 20)  # spooled past 1 MiB
+        assert read_answer(f) == {"size": 1000, "sha256": hashlib.sha256(second).hexdigest(), "spooled_digest": None}
+
+
+def test_a_body_sent_in_small_pieces_is_assembled_in_order(front):
+    port = front()
+    body = os.urandom(3 << 20)
+    with socket.create_connection(("127.0.0.1", port)) as s, s.makefile("rb") as f:
+        s.sendall(request(len(body), b""))
+        for start in range(0, len(body), 100_003):  # pieces that straddle the 1 MiB buffers
+            s.sendall(body[start:start + 100_003])
+        assert read_answer(f)["sha256"] == hashlib.sha256(body).hexdigest()
+
+
+def test_a_client_gone_mid_body_costs_only_its_connection(front):
+    port = front()
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(request(4 << 20, os.urandom(2 << 20)))  # half the body, then gone
+    body = os.urandom(2 << 20)
+    with socket.create_connection(("127.0.0.1", port)) as s, s.makefile("rb") as f:
+        s.sendall(request(len(body), body))
+        assert read_answer(f)["sha256"] == hashlib.sha256(body).hexdigest()
+
+
+def test_a_body_that_stalls_is_answered_408(front):
+    port = front(timeout=1.0)
+    with socket.create_connection(("127.0.0.1", port)) as s, s.makefile("rb") as f:
+        s.sendall(request(4 << 20, os.urandom(3 << 20)))  # most of it, then nothing
+        s.settimeout(60)
+        status = f.readline()
+        assert status.startswith(b"HTTP/1.1 408"), status
+        assert b"request_timeout" in f.read()
+
+
+def test_a_large_body_over_tls(front, tmp_path):
+    from tests.e2e.test_security import self_signed
+    cert, key = self_signed(tmp_path)
+    port = front(tls=(cert, key))
+    context = ssl.create_default_context(cafile=str(cert))
+    body = os.urandom((2 << 20) + 12345)
+    with socket.create_connection(("127.0.0.1", port)) as raw, context.wrap_socket(raw, server_hostname="127.0.0.1") as s, \
+            s.makefile("rb") as f:
+        s.sendall(request(len(body), body, request(3, b"abc")))
+        assert read_answer(f)["sha256"] == hashlib.sha256(body).hexdigest()
+        assert read_answer(f)["size"] == 3
