@@ -250,6 +250,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--fvc-only", action="store_true",
                    help="only federated vs central: the fp32 federated runs and the central runs, no codecs")
     p.add_argument("--fedasync", action="store_true", help="also run FedAsync against central (3 more jobs)")
+    p.add_argument("--priced-from", type=Path, default=None, metavar="JSON",
+                   help="with --estimate: the results JSON whose measured CPU seconds per step and per scored "
+                        "problem price the plan (default: this suite's --out)")
     p.add_argument("--estimate", action="store_true",
                    help="print the planned optimiser steps and scored problems (and CPU seconds at the per-step "
                         "and per-problem costs of the last results JSON), run nothing")
@@ -289,7 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan = [(run, seed, 0) for run in sweep[:1] for seed in range(s.seeds)]
     plan += [(run, 0, c) for run in sweep[1:] for c in range(s.codec_seeds if run.random_stages() else 1)]
     if args.estimate:
-        print(render_plan("bench.quality_compression", estimate(plan, s, args.out)))
+        print(render_plan("bench.quality_compression", estimate(plan, s, args.priced_from or args.out)))
         return 0
     domain = next(d for d in ds1000_domains() if d.name == DOMAIN)
     lab = Lab(s.model)

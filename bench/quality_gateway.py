@@ -77,11 +77,12 @@ class Settings:
 QUICK = Settings(model=SMOKE_MODEL, steps=3, seeds=1, lam_grid=(0.5,))
 
 
-def estimate(s: Settings, measured: Path) -> dict[str, Any]:
+def estimate(s: Settings, measured: Path, last: Path) -> dict[str, Any]:
     """Optimiser steps and scored problems of the run, priced from ``measured``; validation sizes come from
-    ``measured`` (else the split is built). Prompts the router sends to another domain's expert add a few."""
+    ``last`` (this suite's results; else the split is built). Prompts the router sends to another domain's
+    expert add a few."""
     try:
-        sizes = json.loads(measured.read_text())["domains"]
+        sizes = json.loads(last.read_text())["domains"]
         val = {d: int(v["validation"]) for d, v in sizes.items()}
     except (OSError, ValueError, KeyError, TypeError):
         val = {d.name: len(d.validation) for d in ds1000_domains()}
@@ -333,6 +334,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help=f"validation problems per domain used to tune lam (default: {Settings.tune_limit})")
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "quality_gateway.json",
                    help="results JSON (default: %(default)s)")
+    p.add_argument("--priced-from", type=Path, default=None, metavar="JSON",
+                   help="with --estimate: the results JSON whose measured CPU seconds per step and per scored "
+                        "problem price the plan (default: this suite's --out)")
     p.add_argument("--estimate", action="store_true",
                    help="print the planned optimiser steps and scored problems (and CPU seconds at the costs of "
                         "the last results JSON), run nothing")
@@ -353,7 +357,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                  "merges": tuple(args.merges) if args.merges else None}
     s = dataclasses.replace(s, **{k: v for k, v in overrides.items() if v is not None})
     if args.estimate:
-        print(render_plan("bench.quality_gateway", estimate(s, args.out)))
+        print(render_plan("bench.quality_gateway", estimate(s, args.priced_from or args.out, args.out)))
         return 0
     domains = ds1000_domains()
     if args.router_only:

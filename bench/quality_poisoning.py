@@ -117,6 +117,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         f"(default: {' '.join(Settings.defences)})")
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "quality_poisoning.json",
                    help="results JSON (default: %(default)s)")
+    p.add_argument("--priced-from", type=Path, default=None, metavar="JSON",
+                   help="with --estimate: the results JSON whose measured CPU seconds per step and per scored "
+                        "problem price the plan (default: this suite's --out)")
     p.add_argument("--estimate", action="store_true",
                    help="print the planned optimiser steps and scored problems (and CPU seconds at the costs of "
                         "the last results JSON), run nothing")
@@ -136,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                  "defences": tuple(dict.fromkeys(args.defences)) if args.defences else None}
     s = dataclasses.replace(s, **{k: v for k, v in overrides.items() if v is not None})
     if args.estimate:
-        measured = args.out if args.out.is_file() else RESULTS_DIR / "quality_compression.json"  # same model, same Lab
+        measured = args.priced_from or (args.out if args.out.is_file() else RESULTS_DIR / "quality_compression.json")
         print(render_plan("bench.quality_poisoning", estimate(s, measured)))
         return 0
     domain = next(d for d in ds1000_domains() if d.name == DOMAIN)
