@@ -7,7 +7,13 @@ own shard, and sends its delta through ``worker.encoding.UpdateEncoder`` (the co
 feedback the worker uses; what the coordinator decodes is ``EncodedUpdate.sent``). The coordinator's
 rule then makes the next version: FedBuff over the round's updates (``coordinator.aggregation``,
 sample-weighted, staleness 0), FedAsync (the coordinator's default: each update added as it arrives)
-or a ``--robust`` rule. An attacker replaces what it sends.
+or a ``--robust`` rule, each scaled by the coordinator's ``--server-lr`` (``FedJob.server_lr``). An
+attacker replaces what it sends.
+
+Server learning rate: FedBuff with server lr 1 applies the *mean* of K workers' deltas, so a round
+of K workers x s steps moves the expert about as far as s sequential steps, not K * s. Server lr K
+applies their sum (FedBuff, Nguyen et al. 2022, and FedOpt, Reddi et al. 2021, tune a server step
+size for the same reason).
 """
 from __future__ import annotations
 
@@ -48,6 +54,8 @@ class FedJob:
     added as it arrives, weighted 1 / (1 + 0.1 * staleness); the i-th of a round has staleness i)."""
     robust: str = "none"
     """'none' or a coordinator --robust rule (buffered rounds)."""
+    server_lr: float = 1.0
+    """The coordinator's --server-lr: the step size on each aggregated delta."""
     attack: str | None = None
     """Key of ATTACKS: one extra worker sends worker 0's honest delta, attacked."""
     track: tuple[Example, ...] = ()
@@ -65,6 +73,8 @@ class FedResult:
     relative_error: list[float] = field(default_factory=list)
     cosine: list[float] = field(default_factory=list)
     updates: int = 0
+    snapshots: dict[int, StateDict] = field(default_factory=dict)
+    """run_central: the weights after each step count asked for (e.g. the federated run's wall time)."""
 
 
 def run_fed(lab: Lab, job: FedJob, on_round: Callable[[int], None] | None = None) -> FedResult:
@@ -90,7 +100,8 @@ def run_fed(lab: Lab, job: FedJob, on_round: Callable[[int], None] | None = None
             updates.append(Update(encoded.sent, samples, i if job.aggregation == "fedasync" else 0))
             if i == 0 and job.attack is not None:  # the attacker knows an honest update and twists it
                 updates.append(Update(ATTACKS[job.attack](encoded.sent), samples, 0))
-        weights = combine({k: v.clone() for k, v in weights.items()}, updates, AggregationParams())
+        weights = combine({k: v.clone() for k, v in weights.items()}, updates,
+                          AggregationParams(server_lr=job.server_lr))
         result.weights = weights
         if job.track:
             result.track_losses.append(loss_pair(lab.losses(job.track, weights, result.lora)))
@@ -117,16 +128,23 @@ def _account(result: FedResult, metrics: dict[str, Any]) -> None:
 
 
 def run_central(lab: Lab, examples: Sequence[Example], steps: int, seed: int,
-                track: Sequence[Example] = (), every: int = 0) -> FedResult:
-    """One worker on all the data for ``steps`` steps (the federated run's total compute)."""
+                track: Sequence[Example] = (), every: int = 0, snapshots: Sequence[int] = ()) -> FedResult:
+    """One worker on all the data for ``steps`` steps (the federated run's total compute).
+
+    ``every``: take the tracked loss every that many steps; ``snapshots``: keep the weights after
+    those step counts (<= ``steps``), e.g. after as many steps as one federated worker takes (the
+    same wall time when the federated workers train in parallel and the network is free).
+    """
     trainer = lab.trainer(examples, seed)
     result = FedResult(trainer.adapter_state(), trainer.lora_config)
+    stops = sorted({*(range(every, steps, every) if every else ()), *(n for n in snapshots if 0 < n < steps), steps})
     done = 0
-    while done < steps:
-        chunk = min(every or steps, steps - done)
-        lab.train(trainer, chunk)
-        done += chunk
-        if track and every:
+    for stop in stops:
+        lab.train(trainer, stop - done)
+        done = stop
+        if done in snapshots:
+            result.snapshots[done] = trainer.adapter_state()
+        if track and every and (done % every == 0 or done == steps):
             result.track_losses.append(loss_pair(lab.losses(track, trainer.adapter_state(), result.lora)))
     result.weights = trainer.adapter_state()
     return result

@@ -12,18 +12,25 @@ Figures, all on the 33 held-out pandas problems (with and without the end-of-ans
   the fp32 run after the same steps (mean +/- spread over codec seeds for random codecs), the
   mean relative error and cosine of what was decoded against what the worker meant to send, and
   the rounds to a target loss (80% of the fp32 run's gain on a validation subset);
-- federated vs central: held-out loss of each over training seeds.
+- federated vs central: held-out loss of each over training seeds, central after the same total
+  number of optimiser steps (same compute) and after as many steps as one federated worker takes
+  (same wall time, when the workers train in parallel and the network costs nothing). FedBuff's
+  server learning rate is ``--server-lr`` (the coordinator's flag; 1 applies the mean of the
+  workers' deltas, so a round moves about as far as one worker's steps: bench/fedrounds.py).
 The per-codec error against a whole expert's true delta comes from the gateway suite's experts
 (bench/quality_gateway.py, ``codec_true_delta``).
 
     python -m bench.quality_compression            # smollm2-135m (make smollm2)
     python -m bench.quality_compression --quick    # tiny-qwen2 smoke run, seconds
+    python -m bench.quality_compression --fvc-only --server-lr 3 --out bench/results/quality_fvc.json
+    python -m bench.quality_compression --estimate # planned optimiser steps and scored problems, no model
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import logging
+import math
 import statistics
 import sys
 import time
@@ -38,7 +45,8 @@ import torch
 from bench.common import RESULTS_DIR, configure_logging, format_table, require_positive, write_json_atomic
 from bench.compression import FP16, UNBIASED, CodecRun
 from bench.fedrounds import FedJob, FedResult, run_central, run_fed
-from bench.realdata import REAL_MODEL, SMOKE_MODEL, Lab, ds1000_domains, loss_pair, pct, quiet_estimate, shards, spread
+from bench.realdata import (REAL_MODEL, SMOKE_MODEL, Lab, ds1000_domains, heldout_size, loss_pair, pct, planned_cost,
+                            quiet_estimate, render_plan, shards, spread)
 from compression import encode_update, make_codec, measure
 from compression.wire import decode_update
 from protocol.schemas import RAW_CODEC
@@ -52,11 +60,12 @@ DOMAIN = "pandas_expert"
 SWEEP: tuple[CodecRun, ...] = (
     CodecRun(RAW_CODEC),
     CodecRun("int8", {"block_size": 256, **FP16}),
-    CodecRun("signsgd"),
     CodecRun("randomk+terngrad", {"ratio": 0.1, **UNBIASED}, error_feedback=False),
     CodecRun("topk+int8", {"ratio": 0.01, **FP16}),
 )
-QUICK_SWEEP = (SWEEP[0], SWEEP[1], SWEEP[3])
+EXTRA: tuple[CodecRun, ...] = (CodecRun("signsgd"),)
+"""Not in the default sweep (time budget; 31.7x at +1.16% on 2026-11-24); ``--only signsgd`` runs it."""
+QUICK_SWEEP = (SWEEP[0], SWEEP[1], SWEEP[2])
 TARGETS = (  # (name, codec family or None for any, min ratio, max held-out loss increase in %)
     ("int8 within 0.1%", "int8", 3.9, 0.1),
     (">= 100x within 1% (moonshot)", None, 100.0, 1.0),
@@ -79,6 +88,10 @@ class Settings:
     """Codec seeds of each random codec (training seed 0)."""
     track: int = 8
     """Validation problems whose loss is taken after every round."""
+    server_lr: float = 1.0
+    """FedBuff's server learning rate (the coordinator's --server-lr) in every federated run."""
+    fedasync: bool = False
+    """Also run FedAsync (the coordinator's default rule) against central; off by default (time budget)."""
 
 
 QUICK = Settings(model=SMOKE_MODEL, rounds=2, steps=1, seeds=1, codec_seeds=1, track=4)
@@ -89,8 +102,19 @@ def run_job(lab: Lab, train: Sequence, track: Sequence, s: Settings, run: CodecR
     compression = CompressionSettings(codec=run.codec, config=run.seeded_config(codec_seed),
                                       error_feedback=run.error_feedback)
     job = FedJob(tuple(tuple(x) for x in shards(train, s.workers)), s.rounds, s.steps, seed=seed,
-                 compression=compression, codec_seed=codec_seed, aggregation=aggregation, track=tuple(track))
+                 compression=compression, codec_seed=codec_seed, aggregation=aggregation, track=tuple(track),
+                 server_lr=s.server_lr)
     return run_fed(lab, job)
+
+
+def estimate(plan: Sequence[tuple[CodecRun, int, int]], s: Settings, measured: Path) -> dict[str, Any]:
+    """Optimiser steps and scored problems of ``plan`` plus the fedasync and central runs, priced from ``measured``."""
+    heldout = heldout_size(DOMAIN)
+    fed_steps, fed_evals = s.rounds * s.steps * s.workers, heldout + s.track * s.rounds
+    jobs = len(plan) + (s.seeds if s.fedasync else 0)
+    central_evals = heldout + s.track * s.rounds + heldout  # tracked like a round, plus the same-wall-time snapshot
+    return planned_cost(jobs * fed_steps + s.seeds * fed_steps,
+                        heldout + s.track + jobs * fed_evals + s.seeds * central_evals, measured)
 
 
 def job_record(lab: Lab, result: FedResult, heldout: Sequence, label: str, seed: int, codec_seed: int,
@@ -110,7 +134,8 @@ def rounds_to(track: Sequence[float], target: float) -> int | None:
 
 
 def summarize(records: Sequence[dict[str, Any]], fedasync: Sequence[dict[str, Any]],
-              central: Sequence[dict[str, Any]], base: Mapping[str, float], s: Settings) -> dict[str, Any]:
+              central: Sequence[dict[str, Any]], central_wall: Sequence[dict[str, Any]], base: Mapping[str, float],
+              s: Settings) -> dict[str, Any]:
     fp32 = [r for r in records if r["label"] == CodecRun(RAW_CODEC).label]
     reference = next(r for r in fp32 if r["seed"] == 0)
     target = reference["track_base"] - TARGET_GAIN * (reference["track_base"] - reference["track"][-1])
@@ -127,12 +152,18 @@ def summarize(records: Sequence[dict[str, Any]], fedasync: Sequence[dict[str, An
             "rounds_to_target": [rounds_to(r["track"], target) for r in group],
         }
     fvc = {"central": versus(central, central)}
-    fvc["fedbuff"] = versus(fp32, central)
-    fvc["fedasync"] = versus(fedasync, central)
+    fvc["fedbuff"] = {**versus(fp32, central), "server_lr": s.server_lr}
+    if fedasync:
+        fvc["fedasync"] = {**versus(fedasync, central), "server_lr": s.server_lr}
+    if central_wall:  # the same wall time: central after as many steps as one federated worker took
+        fvc["central_same_wall_time"] = {**versus(central_wall, central), "steps": s.rounds * s.steps}
+        fvc["fedbuff_vs_same_wall_time"] = {**versus(fp32, central_wall), "server_lr": s.server_lr}
+    compressed = len(codecs) > 1
     return {
         "base_heldout": base, "reference": {k: reference[k] for k in ("loss", "loss_without_end")},
         "target_track_loss": target, "codecs": codecs,
-        "targets": {name: target_status(codecs, family, ratio, limit) for name, family, ratio, limit in TARGETS},
+        "targets": {name: target_status(codecs, family, ratio, limit) for name, family, ratio, limit in TARGETS}
+        if compressed else {},
         "best_ratio_within_1pct": max((c["ratio"] for label, c in codecs.items()
                                        if c["increase_pct"]["max"] is not None and c["increase_pct"]["max"] <= 1.0),
                                       default=None),
@@ -187,10 +218,16 @@ def render(report: Mapping[str, Any]) -> str:
                      ",".join(str(r) for r in c["rounds_to_target"])])
     lines = [format_table(["codec", "ratio", "held-out loss vs fp32 % (seeds)", "w/o end %", "rel err", "cosine",
                            "rounds to target"], rows, align="lrlrrrl"), ""]
-    for label, v in report["summary"]["federated_vs_central"].items():
-        lines.append(f"{label:8s} held-out {v['loss']['mean']:.4f} +/- {v['loss']['std']:.4f} (n={v['loss']['n']}), "
-                     f"{v['gap_pct']:+.2f}% vs central (without end token {v['gap_pct_without_end']:+.2f}%)"
-                     + ("" if label == "central" else f": {'met' if v['met'] else 'NOT met'}"))
+    fvc = report["summary"]["federated_vs_central"]
+    for label, v in fvc.items():
+        against = "central same wall time" if label == "fedbuff_vs_same_wall_time" else "central"
+        name = {"central_same_wall_time": f"central after {v.get('steps')} steps (same wall time)",
+                "fedbuff_vs_same_wall_time": "fedbuff"}.get(label, label)
+        if "server_lr" in v:
+            name += f" (server lr {v['server_lr']:g})"
+        lines.append(f"{name}: held-out {v['loss']['mean']:.4f} +/- {v['loss']['std']:.4f} (n={v['loss']['n']}), "
+                     f"{v['gap_pct']:+.2f}% vs {against} (without end token {v['gap_pct_without_end']:+.2f}%)"
+                     + (f": {'met' if v['met'] else 'NOT met'}" if label in ("fedbuff", "fedasync") else ""))
     for name, t in report["summary"]["targets"].items():
         lines.append(f"target {name}: " + (f"met by {', '.join(t['by'])}" if t["met"] else "NOT met"))
     return "\n".join(lines)
@@ -205,7 +242,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--codec-seeds", type=int, default=None,
                    help=f"codec seeds per random codec (default: {Settings.codec_seeds})")
     p.add_argument("--only", nargs="+", default=None, metavar="CODEC",
-                   help="only these codec specs of the sweep (the fp32 reference always runs), e.g. --only int8 topk+int8")
+                   help="only these codec specs (the fp32 reference always runs), e.g. --only int8 topk+int8; "
+                        "signsgd is not in the default sweep but may be named here")
+    p.add_argument("--server-lr", type=float, default=None,
+                   help=f"FedBuff's server learning rate in every federated run (default: {Settings.server_lr:g}; "
+                        "the number of workers applies the sum of their deltas)")
+    p.add_argument("--fvc-only", action="store_true",
+                   help="only federated vs central: the fp32 federated runs and the central runs, no codecs")
+    p.add_argument("--fedasync", action="store_true", help="also run FedAsync against central (3 more jobs)")
+    p.add_argument("--priced-from", type=Path, default=None, metavar="JSON",
+                   help="with --estimate: the results JSON whose measured CPU seconds per step and per scored "
+                        "problem price the plan (default: this suite's --out)")
+    p.add_argument("--estimate", action="store_true",
+                   help="print the planned optimiser steps and scored problems (and CPU seconds at the per-step "
+                        "and per-problem costs of the last results JSON), run nothing")
     p.add_argument("--track", type=int, default=None,
                    help=f"validation problems whose loss is taken every round (default: {Settings.track})")
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "quality_compression.json",
@@ -213,6 +263,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("-v", "--verbose", action="store_true", help="library logs too")
     args = p.parse_args(argv)
     require_positive(p, args, "rounds", "steps", "seeds", "codec_seeds", "track")
+    if args.server_lr is not None and not (args.server_lr > 0 and math.isfinite(args.server_lr)):
+        p.error(f"--server-lr must be a positive number, got {args.server_lr}")
+    if args.fvc_only and args.only:
+        p.error("--fvc-only runs no codecs; drop --only")
     return args
 
 
@@ -223,21 +277,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     s = QUICK if args.quick else Settings()
     s = dataclasses.replace(s, **{k: v for k, v in {"rounds": args.rounds, "steps": args.steps, "seeds": args.seeds,
-                                                      "codec_seeds": args.codec_seeds,
-                                                      "track": args.track}.items() if v is not None})
+                                                      "codec_seeds": args.codec_seeds, "track": args.track,
+                                                      "server_lr": args.server_lr,
+                                                      "fedasync": args.fedasync or None}.items() if v is not None})
+    sweep = QUICK_SWEEP if args.quick else SWEEP
+    if args.only:
+        known = {run.codec: run for run in (*SWEEP, *EXTRA)}
+        unknown = set(args.only) - set(known)
+        if unknown:
+            raise SystemExit(f"--only: {sorted(unknown)} not in the sweep; choose from {sorted(known)}")
+        sweep = (SWEEP[0], *(known[c] for c in dict.fromkeys(args.only) if c != RAW_CODEC))
+    if args.fvc_only:
+        sweep = sweep[:1]
+    plan = [(run, seed, 0) for run in sweep[:1] for seed in range(s.seeds)]
+    plan += [(run, 0, c) for run in sweep[1:] for c in range(s.codec_seeds if run.random_stages() else 1)]
+    if args.estimate:
+        print(render_plan("bench.quality_compression", estimate(plan, s, args.priced_from or args.out)))
+        return 0
     domain = next(d for d in ds1000_domains() if d.name == DOMAIN)
     lab = Lab(s.model)
     track, heldout = domain.validation[:s.track], domain.heldout
     base = loss_pair(lab.losses(heldout))
     base_track = loss_pair(lab.losses(track))["loss"]
-    sweep = QUICK_SWEEP if args.quick else SWEEP
-    if args.only:
-        unknown = set(args.only) - {run.codec for run in SWEEP}
-        if unknown:
-            raise SystemExit(f"--only: {sorted(unknown)} not in the sweep; choose from {sorted({r.codec for r in SWEEP})}")
-        sweep = tuple(run for run in SWEEP if run.codec == RAW_CODEC or run.codec in args.only)
-    plan = [(run, seed, 0) for run in sweep[:1] for seed in range(s.seeds)]
-    plan += [(run, 0, c) for run in sweep[1:] for c in range(s.codec_seeds if run.random_stages() else 1)]
     records = []
     for i, (run, seed, codec_seed) in enumerate(plan, start=1):
         result = run_job(lab, domain.train, track, s, run, seed, codec_seed)
@@ -245,19 +306,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.info("[%d/%d] %s seed %d codec seed %d: held-out %.4f, %.1fx", i, len(plan), run.label, seed, codec_seed,
                  records[-1]["loss"], records[-1]["ratio"] or 0)
     fedasync = []
-    for seed in range(s.seeds):
+    for seed in range(s.seeds if s.fedasync else 0):
         result = run_job(lab, domain.train, track, s, sweep[0], seed, 0, aggregation="fedasync")
         fedasync.append(job_record(lab, result, heldout, "fedasync", seed, 0, base_track))
         log.info("fedasync seed %d: held-out %.4f", seed, fedasync[-1]["loss"])
-    central = []
-    total_steps = s.rounds * s.steps * s.workers
+    central, central_wall = [], []
+    total_steps, wall_steps = s.rounds * s.steps * s.workers, s.rounds * s.steps
     for seed in range(s.seeds):
-        result = run_central(lab, domain.train, total_steps, seed, track, every=s.steps * s.workers)
+        result = run_central(lab, domain.train, total_steps, seed, track, every=s.steps * s.workers,
+                             snapshots=(wall_steps,))
         central.append(job_record(lab, result, heldout, "central", seed, 0, base_track))
-        log.info("central seed %d: held-out %.4f", seed, central[-1]["loss"])
+        if wall_steps in result.snapshots:
+            central_wall.append({"label": f"central after {wall_steps} steps", "seed": seed, **loss_pair(
+                lab.losses(heldout, result.snapshots[wall_steps], result.lora))})
+        log.info("central seed %d: held-out %.4f (after %d steps: %s)", seed, central[-1]["loss"], wall_steps,
+                 f"{central_wall[-1]['loss']:.4f}" if central_wall else "-")
     report = {"benchmark": "quality_compression", "base_model": s.model, "domain": DOMAIN, "quick": args.quick,
-              "settings": asdict(s), "heldout_problems": len(heldout), "records": records, "fedasync": fedasync, "central": central,
-              "summary": summarize(records, fedasync, central, base, s),
+              "fvc_only": args.fvc_only, "settings": asdict(s), "heldout_problems": len(heldout), "records": records,
+              "fedasync": fedasync, "central": central, "central_same_wall_time": central_wall,
+              "summary": summarize(records, fedasync, central, central_wall, base, s),
               "cost": quiet_estimate(lab.compute, time.perf_counter() - started)}
     write_json_atomic(args.out, report)
     print(render(report))

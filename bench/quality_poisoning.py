@@ -29,7 +29,8 @@ import torch
 
 from bench.common import RESULTS_DIR, configure_logging, format_table, require_positive, write_json_atomic
 from bench.fedrounds import ATTACKS, FedJob, run_fed
-from bench.realdata import REAL_MODEL, SMOKE_MODEL, Lab, ds1000_domains, loss_pair, pct, quiet_estimate, shards, spread
+from bench.realdata import (REAL_MODEL, SMOKE_MODEL, Lab, ds1000_domains, heldout_size, loss_pair, pct, planned_cost,
+                            quiet_estimate, render_plan, shards, spread)
 from coordinator.choices import ROBUST_NAMES
 
 log = logging.getLogger("bench.quality_poisoning")
@@ -62,6 +63,12 @@ def plan(s: Settings) -> list[tuple[str | None, str, int]]:
         jobs.append((attack, "none", 0))
         jobs += [(attack, rule, seed) for rule in s.defences for seed in range(s.seeds)]
     return jobs
+
+
+def estimate(s: Settings, measured: Path) -> dict[str, Any]:
+    """Optimiser steps (the attacker trains none) and scored problems of the plan, priced from ``measured``."""
+    jobs, heldout = len(plan(s)), heldout_size(DOMAIN)
+    return planned_cost(jobs * s.rounds * s.steps * s.honest, heldout * (jobs + 1), measured)
 
 
 def summarize(records: Sequence[Mapping[str, Any]], s: Settings) -> dict[str, Any]:
@@ -110,6 +117,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         f"(default: {' '.join(Settings.defences)})")
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "quality_poisoning.json",
                    help="results JSON (default: %(default)s)")
+    p.add_argument("--priced-from", type=Path, default=None, metavar="JSON",
+                   help="with --estimate: the results JSON whose measured CPU seconds per step and per scored "
+                        "problem price the plan (default: this suite's --out)")
+    p.add_argument("--estimate", action="store_true",
+                   help="print the planned optimiser steps and scored problems (and CPU seconds at the costs of "
+                        "the last results JSON), run nothing")
     p.add_argument("-v", "--verbose", action="store_true", help="library logs too")
     args = p.parse_args(argv)
     require_positive(p, args, "rounds", "seeds")
@@ -125,6 +138,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     overrides = {"rounds": args.rounds, "seeds": args.seeds,
                  "defences": tuple(dict.fromkeys(args.defences)) if args.defences else None}
     s = dataclasses.replace(s, **{k: v for k, v in overrides.items() if v is not None})
+    if args.estimate:
+        measured = args.priced_from or (args.out if args.out.is_file() else RESULTS_DIR / "quality_compression.json")
+        print(render_plan("bench.quality_poisoning", estimate(s, measured)))
+        return 0
     domain = next(d for d in ds1000_domains() if d.name == DOMAIN)
     lab = Lab(s.model)
     worker_data = tuple(tuple(x) for x in shards(domain.train, s.honest))

@@ -20,6 +20,7 @@ import functools
 import importlib.util
 import json
 import math
+import os
 import statistics
 import time
 from collections.abc import Mapping, Sequence
@@ -177,7 +178,36 @@ def pct(value: float, reference: float) -> float:
 
 
 def quiet_estimate(compute: Compute, wall_seconds: float) -> dict[str, Any]:
-    """What this process cost: CPU seconds (~ wall on a quiet core with one torch thread) and wall seconds."""
+    """What this process cost: CPU seconds (~ wall on a quiet core with one torch thread) and wall seconds,
+    with the machine's load averages at the end (1, 5, 15 min: how shared the cores were)."""
     cpu = time.process_time()
     return {"process_cpu_seconds": round(cpu, 1), "wall_seconds": round(wall_seconds, 1),
-            "busy_factor": round(wall_seconds / cpu, 2) if cpu else None, **compute.as_dict()}
+            "busy_factor": round(wall_seconds / cpu, 2) if cpu else None,
+            "load_average_at_end": [round(x, 1) for x in os.getloadavg()], **compute.as_dict()}
+
+
+def heldout_size(domain: str, directory: Path = DS1000_DATA) -> int:
+    """Problems in a domain's held-out split, counted without building the validation split (no difflib)."""
+    path = directory / "heldout" / f"{domain}.jsonl"
+    return sum(1 for line in path.read_text(encoding="utf-8").splitlines() if line.strip()) if path.is_file() else 0
+
+
+def planned_cost(train_steps: int, eval_examples: int, measured: Path) -> dict[str, Any]:
+    """A plan's optimiser steps and scored problems, priced at the CPU costs ``measured`` (a results JSON's
+    ``cost``) recorded, when there is one: the time budget of ``make bench-quality`` is checked with this."""
+    out: dict[str, Any] = {"train_steps": train_steps, "eval_examples": eval_examples}
+    try:
+        cost = json.loads(measured.read_text())["cost"]
+        per_step, per_eval = float(cost["cpu_seconds_per_step"]), float(cost["cpu_seconds_per_eval_example"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return out
+    return {**out, "cpu_seconds_per_step": round(per_step, 2), "cpu_seconds_per_eval_example": round(per_eval, 3),
+            "priced_from": str(measured.relative_to(ROOT)) if measured.is_relative_to(ROOT) else str(measured), "cpu_seconds": round(train_steps * per_step + eval_examples * per_eval)}
+
+
+def render_plan(name: str, plan: Mapping[str, Any]) -> str:
+    line = f"{name}: {plan['train_steps']} optimiser steps, {plan['eval_examples']} scored problems"
+    if "cpu_seconds" in plan:
+        line += (f" = ~{plan['cpu_seconds']} CPU s at {plan['cpu_seconds_per_step']} s/step and "
+                 f"{plan['cpu_seconds_per_eval_example']} s/problem ({plan['priced_from']})")
+    return line

@@ -4,6 +4,9 @@
     python -m bench.run_all                 # performance: transport, aggregation, sync overhead, load (~8 min)
     python -m bench.run_all --quality       # learning quality on smollm2-135m (make smollm2), two lanes at once
     python -m bench.run_all --quality --quick   # the same suites on tiny-qwen2, a smoke run of a few minutes
+    python -m bench.run_all --quality --estimate   # each suite's planned steps and scored problems, priced at
+                                                   # the CPU costs its last results JSON measured; runs nothing
+                                                   # (--priced-from JSON: at the costs another run measured)
     python -m bench.run_all --robustness    # tiny-qwen2 sweeps, poisoning, scaling, training options, crash, hostile
     python -m bench.run_all --all
 

@@ -11,15 +11,21 @@ estimate rises, and the sizes settle where a push takes the budget (bytes = (bud
 bandwidth). Starting from a conservative guess, each sync grows the push by up to budget/latency.
 
 The ladder, best quality first: fp32 safetensors (exact, 4 bytes a parameter), fp16 (2), int8
-(~1.07), then top-k + int8 with the ratio solved for the bytes allowed (~1.9 bytes per kept
-entry: int8 value plus its coded index), down to ``MIN_RATIO``. Lossy choices rely on the
-worker's error feedback, whose residual is in weight space, so switching codecs between syncs
-loses nothing (worker.encoding).
+(~1.07), then random-k + TernGrad with the ratio solved for the bytes allowed (0.25 bytes per kept
+entry: a 2-bit code, no indices, as the selection is regenerated from a seed in the payload), from
+all entries down to ``LOSSY.min_ratio``. The dense rungs keep the worker's error feedback; the
+random-k rung sends an unbiased estimate (kept values scaled by numel/k) and no residual, since on
+the pretrained smollm2-135m random-k 10% + TernGrad without error feedback matched fp32 within
+0.15% at 143x while top-k 1% + int8 with error feedback (the old last rung) kept ~10% of the
+experts' gain (docs/benchmarks.md). The residual is in weight space, so switching codecs between
+syncs loses nothing: a random-k update carries what an earlier int8 one left behind, then
+leaves nothing (worker.encoding).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from protocol.schemas import RAW_CODEC
 from worker.encoding import CodecChoice
@@ -28,17 +34,66 @@ CONSERVATIVE_BYTES_PER_SECOND = 125_000.0
 """Before any transfer was timed: 1 Mbit/s, a slow uplink."""
 SMOOTHING = 0.5
 """Weight of the newest observation in the moving average."""
-MIN_RATIO = 0.001
-MAX_RATIO = 0.5
-"""Top-k above half the entries is larger than int8 of them all."""
 
 # Wire sizes, measured on LoRA adapters of tiny-qwen2 and smollm2-135m (docs/wan.md): bytes per
-# parameter, per tensor (headers and block scales), and for top-k+int8 per kept entry.
+# parameter, and per tensor (headers and block scales).
 RAW_BYTES, FP16_BYTES, INT8_BYTES = 4.0, 2.0, 1.07
-TENSOR_OVERHEAD = {RAW_CODEC: 72, "fp16": 24, "int8": 24, "topk+int8": 21}
-TOPK_INT8_BYTES_PER_KEPT = 1.95
+TENSOR_OVERHEAD = {RAW_CODEC: 72, "fp16": 24, "int8": 24}
 DENSE = ((RAW_CODEC, RAW_BYTES), ("fp16", FP16_BYTES), ("int8", INT8_BYTES))
 PULL_DIFFS = (("fp16", FP16_BYTES), ("int8", INT8_BYTES), ("int4", 0.57))
+
+
+@dataclass(frozen=True)
+class SparseRung:
+    """A sparsifying codec whose ratio is solved for the bytes allowed, with its measured size model."""
+
+    codec: str
+    bytes_per_kept: float
+    """Wire bytes per kept entry."""
+    tensor_overhead: int
+    """Wire bytes per tensor whatever the ratio (header, seed or index block, scale)."""
+    min_ratio: float
+    max_ratio: float
+    options: tuple[tuple[str, Any], ...] = ()
+    """Fixed codec options besides the ratio."""
+    error_feedback: bool = True
+
+    def size(self, ratio: float, numel: int, tensors: int) -> int:
+        return int(self.bytes_per_kept * ratio * numel + self.tensor_overhead * tensors)
+
+    def ratio_for(self, allowed: float, numel: int, tensors: int) -> float:
+        """The ratio whose update is about ``allowed`` bytes, within [min_ratio, max_ratio]."""
+        ratio = (allowed - self.tensor_overhead * tensors) / (self.bytes_per_kept * max(numel, 1))
+        return min(self.max_ratio, max(self.min_ratio, ratio))
+
+    def choice(self, ratio: float, seed: int = 0) -> CodecChoice:
+        """This codec at ``ratio``; a non-zero ``seed`` seeds every stage (one option mapping per stage)."""
+        config: dict[str, Any] = {"ratio": ratio, **dict(self.options)}
+        if seed:
+            sparsifier, quantizer = self.codec.split("+")
+            config = {sparsifier: {**config, "seed": seed}, quantizer: {"seed": seed}}
+        return CodecChoice(self.codec, config, error_feedback=self.error_feedback)
+
+
+def ratio_of(config: dict[str, Any]) -> float | None:
+    """The sparsifier ratio of a codec config, flat ({"ratio": r}) or per stage ({"randomk": {"ratio": r}})."""
+    if "ratio" in config:
+        return float(config["ratio"])
+    return next((float(v["ratio"]) for v in config.values() if isinstance(v, dict) and "ratio" in v), None)
+
+
+LOSSY = SparseRung("randomk+terngrad", bytes_per_kept=0.25, tensor_overhead=17, min_ratio=0.01, max_ratio=1.0,
+                   options=(("rescale", True),), error_feedback=False)
+"""The last rung. 0.25 bytes per kept entry and 16-17 bytes per tensor (8-byte selection seed, 4-byte
+scale, header) were measured with encode_update on rank-8 and rank-32 LoRA adapters of tiny-qwen2 and
+rank-8 of smollm2-135m (ratios 0.01-1). The estimate is unbiased but its error grows as sqrt(1/ratio):
+relative error ~4 at ratio 0.1, so below 0.01 (~14) an update's norm would be over 10x the delta's
+and a coordinator's norm check at its default factor would refuse it. At ratio 1 it is TernGrad on
+every entry, which is still 4x smaller than int8."""
+TOPK_INT8 = SparseRung("topk+int8", bytes_per_kept=1.95, tensor_overhead=21, min_ratio=0.001, max_ratio=0.5)
+"""The previous last rung, with error feedback (int8 value plus its coded index per kept entry; above half
+the entries it is larger than int8 of them all; the quantizer has no seed). Not on the ladder:
+bench.adaptive sizes its same-bytes comparison with it."""
 
 
 @dataclass
@@ -88,27 +143,20 @@ def dense_bytes(codec: str, bytes_per_param: float, numel: int, tensors: int) ->
     return int(bytes_per_param * numel + TENSOR_OVERHEAD.get(codec, 24) * tensors)
 
 
-def topk_bytes(ratio: float, numel: int, tensors: int) -> int:
-    return int(TOPK_INT8_BYTES_PER_KEPT * ratio * numel + TENSOR_OVERHEAD["topk+int8"] * tensors)
+def choose_push(numel: int, tensors: int, budget_s: float, link: LinkEstimate, seed: int = 0) -> Decision:
+    """The best-quality codec whose update of ``numel`` parameters in ``tensors`` tensors fits the budget.
 
-
-def topk_ratio_for(allowed: float, numel: int, tensors: int) -> float:
-    """The top-k ratio whose top-k+int8 update is about ``allowed`` bytes, within [MIN_RATIO, MAX_RATIO]."""
-    ratio = (allowed - TENSOR_OVERHEAD["topk+int8"] * tensors) / (TOPK_INT8_BYTES_PER_KEPT * max(numel, 1))
-    return min(MAX_RATIO, max(MIN_RATIO, ratio))
-
-
-def choose_push(numel: int, tensors: int, budget_s: float, link: LinkEstimate) -> Decision:
-    """The best-quality codec whose update of ``numel`` parameters in ``tensors`` tensors fits the budget."""
+    ``seed``: the worker's own seed for the random-k rung's selection (options ``seed``), so workers
+    syncing at the same sync number do not all keep the same entries.
+    """
     allowed = link.bytes_within(budget_s)
     for codec, per_param in DENSE:
         expected = dense_bytes(codec, per_param, numel, tensors)
         if expected <= allowed:
             return Decision(CodecChoice(codec), int(allowed), expected, link.bytes_per_second, True)
-    ratio = round(topk_ratio_for(allowed, numel, tensors), 6)
-    expected = topk_bytes(ratio, numel, tensors)
-    return Decision(CodecChoice("topk+int8", {"ratio": ratio}), int(allowed), expected, link.bytes_per_second,
-                    expected <= allowed)
+    ratio = round(LOSSY.ratio_for(allowed, numel, tensors), 6)
+    expected = LOSSY.size(ratio, numel, tensors)
+    return Decision(LOSSY.choice(ratio, seed), int(allowed), expected, link.bytes_per_second, expected <= allowed)
 
 
 def choose_pull(full_bytes: int, numel: int, tensors: int, budget_s: float, link: LinkEstimate) -> Decision:

@@ -34,6 +34,9 @@ class CodecChoice:
 
     codec: str
     config: dict[str, Any] = field(default_factory=dict)
+    error_feedback: bool = True
+    """False: this update carries delta + residual through the codec and leaves no residual, even when
+    the encoder keeps error feedback (--compression auto's random-k rung, an unbiased estimate)."""
 
     @property
     def meta(self) -> dict[str, Any]:
@@ -156,7 +159,7 @@ class UpdateEncoder:
         if choice.codec == RAW_CODEC:
             codec, out = None, self._encode_raw(target)
             self._forget_carried()
-        elif self._feedback is not None:
+        elif self._feedback is not None and choice.error_feedback:
             codec = self._codec(choice)
             out = self._feedback.compress(delta, manifest, seed, codec=codec)
         else:

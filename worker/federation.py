@@ -49,6 +49,7 @@ import json
 import logging
 import time
 import uuid
+import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -461,7 +462,9 @@ class FederatedWorker:
         numel = sum(t.numel() for t in delta.values())
         budget = self.encoder.settings.sync_budget
         assert budget is not None  # --compression auto (adaptive) requires --sync-budget
-        return choose_push(numel, len(delta), budget, self.links.up)
+        # a per-worker seed: workers at the same sync number must not keep the same random-k entries
+        return choose_push(numel, len(delta), budget, self.links.up,
+                           seed=zlib.crc32(self.settings.worker_id.encode()))
 
     def _push(self) -> bool:
         """Step 3: push queued updates in order; False if the coordinator is unreachable (kept for later)."""

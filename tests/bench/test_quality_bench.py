@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,12 +17,22 @@ from bench.realdata import DOMAINS, SMOKE_MODEL, Lab, ds1000_domains, shards
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def quick(tmp_path: Path, module: str) -> tuple[dict, str]:
+def quick(tmp_path: Path, module: str, *args: str) -> tuple[dict, str]:
     out = tmp_path / f"{module}.json"
-    proc = subprocess.run([sys.executable, "-m", f"bench.{module}", "--quick", "--out", str(out)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", f"bench.{module}", "--quick", "--out", str(out), *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text()), proc.stdout
+
+
+def planned(module: str, *args: str) -> tuple[int, int]:
+    """(optimiser steps, scored problems) that ``--estimate`` plans for ``module`` run with ``args``."""
+    proc = subprocess.run([sys.executable, "-m", f"bench.{module}", "--estimate", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = re.search(r"(\d+) optimiser steps, (\d+) scored problems", proc.stdout)
+    assert found, proc.stdout
+    return int(found[1]), int(found[2])
 
 
 def test_validation_is_carved_from_train_by_whole_families_and_heldout_is_untouched():
@@ -44,6 +55,29 @@ def test_one_worker_one_round_of_fedbuff_is_plain_training():
     for key, value in central.weights.items():
         torch.testing.assert_close(fed.weights[key], value, rtol=0, atol=1e-6)
     assert lab.compute.train_steps == 6
+
+
+def test_the_server_lr_scales_the_aggregated_step():
+    """FedBuff with server lr K applies K times the workers' mean delta (the sum, for K equal-sized workers)."""
+    lab = Lab(SMOKE_MODEL, max_seq_len=64)
+    data = tuple(map(tuple, shards(ds1000_domains()[2].train[:24], 2)))
+    start = lab.trainer(data[0], 0).adapter_state()
+    mean = run_fed(lab, FedJob(data, rounds=1, steps=1)).weights
+    summed = run_fed(lab, FedJob(data, rounds=1, steps=1, server_lr=2.0)).weights
+    assert any(float((mean[k] - start[k]).abs().max()) > 0 for k in start)
+    for key in start:
+        torch.testing.assert_close(summed[key] - start[key], 2 * (mean[key] - start[key]), rtol=1e-4, atol=1e-7)
+
+
+def test_central_snapshots_are_the_weights_after_that_many_steps():
+    lab = Lab(SMOKE_MODEL, max_seq_len=64)
+    data = ds1000_domains()[2].train[:12]
+    long = run_central(lab, data, steps=3, seed=2, snapshots=(2,))
+    short = run_central(lab, data, steps=2, seed=2)
+    assert set(long.snapshots) == {2}
+    for key, value in short.weights.items():
+        torch.testing.assert_close(long.snapshots[2][key], value, rtol=0, atol=0)
+    assert any(not torch.equal(long.weights[k], short.weights[k]) for k in short.weights)
 
 
 def test_a_median_ignores_one_scaled_attacker_among_three():
@@ -70,12 +104,37 @@ def test_compression_quick_run(tmp_path):
     assert 3.9 < int8["ratio"] < 4.1 and abs(int8["increase_pct"]["mean"]) < 0.1 and int8["cosine"]["mean"] > 0.999
     assert randomk["ratio"] > 100 and randomk["cosine"]["mean"] < 0.6  # a 10% random subset: far from the delta
     fvc = report["summary"]["federated_vs_central"]
-    assert set(fvc) == {"central", "fedbuff", "fedasync"} and fvc["central"]["gap_pct"] == 0
+    assert set(fvc) == {"central", "fedbuff", "central_same_wall_time", "fedbuff_vs_same_wall_time"}
+    assert fvc["central"]["gap_pct"] == 0 and fvc["fedbuff"]["server_lr"] == 1
+    wall = report["central_same_wall_time"]
+    assert fvc["central_same_wall_time"]["steps"] == report["settings"]["rounds"] * report["settings"]["steps"]
+    assert all(w["loss"] > c["loss"] for w, c in zip(wall, report["central"]))  # fewer steps, less learnt
     assert all(len(r["track"]) == report["settings"]["rounds"] for r in report["records"])
     for r in report["records"] + report["central"]:
         assert r["loss"] < report["summary"]["base_heldout"]["loss"]  # every run learnt something
         assert r["loss_without_end"] != r["loss"]
     assert report["cost"]["train_steps"] > 0 and "vs central" in stdout
+    # --estimate plans exactly what the run did (the time budget of make bench-quality is checked with it)
+    assert planned("quality_compression", "--quick") == (report["cost"]["train_steps"], report["cost"]["eval_examples"])
+
+
+def test_compression_federated_vs_central_only_at_a_server_lr(tmp_path):
+    report, stdout = quick(tmp_path, "quality_compression", "--fvc-only", "--server-lr", "2", "--fedasync")
+    assert {r["label"] for r in report["records"]} == {"safetensors"} and report["summary"]["targets"] == {}
+    fvc = report["summary"]["federated_vs_central"]
+    assert fvc["fedbuff"]["server_lr"] == 2 == report["settings"]["server_lr"] and "fedasync" in fvc
+    assert "fedbuff (server lr 2)" in stdout
+    assert planned("quality_compression", "--quick", "--fvc-only", "--fedasync") == (
+        report["cost"]["train_steps"], report["cost"]["eval_examples"])
+
+
+@pytest.mark.parametrize("args, message", [(["--server-lr", "0"], "--server-lr must be a positive number"),
+                                           (["--server-lr", "nan"], "--server-lr must be a positive number"),
+                                           (["--fvc-only", "--only", "int8"], "--fvc-only runs no codecs")])
+def test_bad_compression_flags_answer_with_one_line(args, message):
+    proc = subprocess.run([sys.executable, "-m", "bench.quality_compression", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_gateway_quick_run(tmp_path):
@@ -104,3 +163,4 @@ def test_poisoning_quick_run(tmp_path):
     assert by_rule["none"]["sign_flip"]["pct"]["mean"] > max(0.0, by_rule["median"]["sign_flip"]["pct"]["mean"])
     assert report["summary"]["honest"]["loss"]["mean"] < report["base"]["loss"]
     assert "within 2%" in stdout
+    assert planned("quality_poisoning", "--quick") == (report["cost"]["train_steps"], report["cost"]["eval_examples"])

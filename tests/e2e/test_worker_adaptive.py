@@ -71,25 +71,28 @@ def test_auto_compression_switches_codecs_and_keeps_local_equal_to_the_experts_p
     worker.links.up = LinkEstimate(4000.0, observed=1)
     worker.links.down = LinkEstimate(1000.0, observed=1)
     records = []
-    for up in (None, 1e9, 20_000.0):  # then a fast uplink, then a slow one again
+    for up in (None, 1e9, 30_000.0, 4000.0):  # then a fast uplink, a medium one, a slow one again
         if up is not None:
             worker.links.up = LinkEstimate(up, observed=1)
         worker.interval.add(trainer.train_steps(1))
         records.append(worker.sync())
         assert worker.links.up.observed == 2  # the push was timed into the estimate
     codecs = [r["codec"] for r in records]
-    assert codecs == ["topk+int8", "safetensors", "topk+int8"]
+    assert codecs == ["randomk+terngrad", "safetensors", "int8", "randomk+terngrad"]
     assert records[0]["push_choice"]["allowed_bytes"] == 2000 and records[0]["bytes_sent"] <= 2000 * 1.1
-    assert records[2]["push_choice"]["allowed_bytes"] == 10_000 and records[2]["bytes_sent"] <= 10_000 * 1.1
-    assert records[1]["residual_norm"] == 0 < records[2]["residual_norm"]  # an exact push sends the residual too
+    assert records[2]["push_choice"]["allowed_bytes"] == 15_000 and records[2]["bytes_sent"] <= 15_000 * 1.1
+    # int8 keeps error feedback; an exact push and the random-k rung (an unbiased estimate) send the residual too
+    assert records[0]["residual_norm"] == records[1]["residual_norm"] == 0 < records[2]["residual_norm"]
+    assert records[3]["residual_norm"] == 0
+    assert records[0]["codec_config"]["randomk"]["rescale"] is True  # seeded per worker, one mapping per stage
     assert records[0]["pull_codec"] == "int4"  # full weights at 1 kB/s would overrun 0.5 s: a diff pull
-    assert [r["version"] for r in records] == [1, 2, 3]
+    assert [r["version"] for r in records] == [1, 2, 3, 4]
     assert [json.loads(line)["codec"] for line in results.read_text().splitlines()] == codecs
 
     # Error feedback across the switches: after a full pull the local weights are the expert's plus the residual.
-    worker.links.down = LinkEstimate(1e9, observed=1)
+    worker.links.up, worker.links.down = LinkEstimate(30_000.0, observed=1), LinkEstimate(1e9, observed=1)
     worker.interval.add(trainer.train_steps(1))
-    worker.sync()
+    assert worker.sync()["codec"] == "int8"  # leaves a residual
     server = worker.client.pull_weights("sql_expert").tensors
     local, residual = trainer.adapter_state(), encoder.state_dict()
     assert all(torch.allclose(local[k], server[k] + residual.get(k, 0), atol=1e-6) for k in local)

@@ -1,4 +1,5 @@
-"""--compression auto: the pure policy (worker.adaptive) and the encoder switching codecs under error feedback."""
+"""--compression auto: the pure policy (worker.adaptive) and the encoder switching codecs under error feedback
+(the dense rungs keep a residual, the random-k rung sends it and keeps none)."""
 import math
 
 import pytest
@@ -6,8 +7,8 @@ import torch
 
 from compression import decode_update, encode_update, make_codec
 from protocol.tensors import dumps, loads, manifest_of
-from worker.adaptive import (CONSERVATIVE_BYTES_PER_SECOND, MIN_RATIO, LinkEstimate, choose_pull, choose_push,
-                             dense_bytes, topk_bytes)
+from worker.adaptive import (CONSERVATIVE_BYTES_PER_SECOND, LOSSY, TOPK_INT8, LinkEstimate, choose_pull,
+                             choose_push, dense_bytes, ratio_of)
 from worker.encoding import CodecChoice, CompressionSettings, UpdateEncoder
 
 # A LoRA-shaped delta: 14 modules of rank 8 on width 128 (the tiny-qwen2 preset's shape).
@@ -42,25 +43,43 @@ def test_a_fast_link_gets_the_most_exact_dense_codec_that_fits(rate, codec):
     assert decision.expected_bytes <= decision.allowed_bytes == int(rate)
 
 
-def test_a_slow_link_gets_topk_int8_sized_to_the_budget():
-    link = LinkEstimate(5000.0, observed=3)
-    decision = choose_push(NUMEL, TENSORS, 2.0, link)  # 10 kB allowed, int8 would be ~31 kB
-    assert decision.choice.codec == "topk+int8" and decision.fits
+def test_a_slow_link_gets_unbiased_random_k_terngrad_sized_to_the_budget_without_error_feedback():
+    link = LinkEstimate(1000.0, observed=3)
+    decision = choose_push(NUMEL, TENSORS, 2.0, link)  # 2 kB allowed, int8 would be ~31 kB
+    assert decision.choice.codec == "randomk+terngrad" and decision.fits
+    assert not decision.choice.error_feedback and decision.choice.config["rescale"] is True
     ratio = decision.choice.config["ratio"]
-    assert 0.05 < ratio < 0.2
-    assert decision.expected_bytes <= 10_000 < topk_bytes(ratio * 1.1, NUMEL, TENSORS)  # as large as allowed
+    assert 0.1 < ratio < 0.3
+    assert decision.expected_bytes <= 2_000 < LOSSY.size(ratio * 1.1, NUMEL, TENSORS)  # as large as allowed
     record = decision.record()
-    assert record["codec"] == "topk+int8" and record["allowed_bytes"] == 10_000 and record["fits"]
+    assert record["codec"] == "randomk+terngrad" and record["allowed_bytes"] == 2_000 and record["fits"]
+
+
+def test_between_terngrad_and_int8_sizes_the_last_rung_sends_every_entry():
+    decision = choose_push(NUMEL, TENSORS, 1.0, LinkEstimate(0.5 * NUMEL, observed=1))  # int8 does not fit
+    assert decision.choice.codec == "randomk+terngrad" and decision.choice.config["ratio"] == 1.0 and decision.fits
+
+
+def test_a_seed_gives_each_stage_its_own_seed_and_the_ratio_stays_readable():
+    decision = choose_push(NUMEL, TENSORS, 2.0, LinkEstimate(1000.0, observed=1), seed=77)
+    config = decision.choice.config
+    assert config["randomk"]["seed"] == 77 and config["terngrad"]["seed"] == 77 and config["randomk"]["rescale"]
+    assert ratio_of(config) == choose_push(NUMEL, TENSORS, 2.0, LinkEstimate(1000.0, observed=1)).choice.config["ratio"]
+    delta = lora_delta(0)
+    bodies = [encode_update(delta, manifest_of(delta), make_codec("randomk+terngrad", c), 0)
+              for c in (config, {**config, "randomk": {**config["randomk"], "seed": 78}})]
+    assert bodies[0] != bodies[1]  # two workers at the same sync number keep different entries
 
 
 def test_a_link_too_slow_for_anything_gets_the_smallest_ratio_and_says_it_does_not_fit():
     decision = choose_push(NUMEL, TENSORS, 0.1, LinkEstimate(100.0, observed=1))
-    assert decision.choice == CodecChoice("topk+int8", {"ratio": MIN_RATIO}) and not decision.fits
+    assert decision.choice == LOSSY.choice(LOSSY.min_ratio) and not decision.fits
 
 
 @pytest.mark.parametrize("choice", [CodecChoice("safetensors"), CodecChoice("fp16"), CodecChoice("int8"),
-                                    CodecChoice("topk+int8", {"ratio": 0.2}), CodecChoice("topk+int8", {"ratio": 0.02}),
-                                    CodecChoice("topk+int8", {"ratio": MIN_RATIO})])
+                                    LOSSY.choice(1.0), LOSSY.choice(0.3), LOSSY.choice(0.05),
+                                    LOSSY.choice(LOSSY.min_ratio, seed=5),
+                                    TOPK_INT8.choice(0.2), TOPK_INT8.choice(0.02), TOPK_INT8.choice(TOPK_INT8.min_ratio)])
 def test_the_size_model_never_underestimates_a_real_update_by_much(choice):
     """What the policy expects a codec to send vs the bytes encode_update really produces."""
     delta = lora_delta(0)
@@ -68,7 +87,8 @@ def test_the_size_model_never_underestimates_a_real_update_by_much(choice):
         actual, expected = len(dumps(delta)), dense_bytes("safetensors", 4.0, NUMEL, TENSORS)
     else:
         actual = len(encode_update(delta, manifest_of(delta), make_codec(choice.codec, choice.config), 0))
-        expected = (topk_bytes(choice.config["ratio"], NUMEL, TENSORS) if choice.codec == "topk+int8"
+        rung = {LOSSY.codec: LOSSY, TOPK_INT8.codec: TOPK_INT8}.get(choice.codec)
+        expected = (rung.size(ratio_of(choice.config), NUMEL, TENSORS) if rung is not None
                     else dense_bytes(choice.codec, {"fp16": 2.0, "int8": 1.07}[choice.codec], NUMEL, TENSORS))
     assert 0.95 * actual <= expected <= 1.6 * actual
 
@@ -84,7 +104,7 @@ def test_pushes_grow_from_a_low_guess_until_they_fill_the_budget_of_a_link_with_
         assert seconds <= budget
         link.observe(decision.expected_bytes, seconds)
         chosen.append(decision.choice.codec)
-    assert chosen[0] == "topk+int8" and "int8" in chosen and chosen[-3:] == ["safetensors"] * 3
+    assert chosen[0] == "randomk+terngrad" and "int8" in chosen and chosen[-3:] == ["safetensors"] * 3
 
 
 def test_pushes_shrink_when_the_link_slows_down():
@@ -94,7 +114,7 @@ def test_pushes_shrink_when_the_link_slows_down():
         decision = choose_push(NUMEL, TENSORS, 1.0, link)
         link.observe(decision.expected_bytes, 0.02 + decision.expected_bytes / 4000)
     final = choose_push(NUMEL, TENSORS, 1.0, link)
-    assert final.choice.codec == "topk+int8" and 0.02 + final.expected_bytes / 4000 <= 1.5
+    assert final.choice.codec == "randomk+terngrad" and 0.02 + final.expected_bytes / 4000 <= 1.5
 
 
 def test_pulls_are_full_while_they_fit_else_the_largest_diff_that_does():
@@ -108,26 +128,55 @@ def test_pulls_are_full_while_they_fit_else_the_largest_diff_that_does():
 
 def test_switching_codecs_between_syncs_keeps_error_feedback_exact():
     """The residual is in weight space: whatever codec each update used, everything decoded plus the
-    residual equals every delta; an exact (safetensors) update empties the residual."""
+    residual equals every delta plus what the random-k rung's estimates added (they keep no residual).
+    An exact (safetensors) or random-k update empties the residual; a dense lossy one leaves some."""
     encoder = UpdateEncoder(CompressionSettings("auto", sync_budget=1.0))
-    choices = [CodecChoice("topk+int8", {"ratio": 0.05}), CodecChoice("int8"), CodecChoice("safetensors"),
-               CodecChoice("topk+int8", {"ratio": 0.01}), CodecChoice("fp16")]
+    choices = [CodecChoice("int8"), LOSSY.choice(0.05, seed=3), CodecChoice("fp16"), CodecChoice("safetensors"),
+               CodecChoice("int8"), LOSSY.choice(0.3), TOPK_INT8.choice(0.05), CodecChoice("fp16")]
     deltas = [lora_delta(i) for i in range(len(choices))]
     manifest = manifest_of(deltas[0])
     decoded_total = {k: torch.zeros_like(v) for k, v in deltas[0].items()}
+    estimate_error = {k: torch.zeros_like(v) for k, v in deltas[0].items()}  # what random-k sent beyond its target
     for i, (choice, delta) in enumerate(zip(choices, deltas)):
+        carried = encoder.state_dict()
         out = encoder.encode(delta, manifest, seed=i, choice=choice)
         assert out.codec_meta == choice.meta  # what the coordinator is told to decode with
         decoded = loads(out.body) if choice.codec == "safetensors" else decode_update(
             out.body, manifest, make_codec(choice.codec, choice.config))
         assert all(torch.equal(decoded[k], out.sent[k]) for k in decoded)  # decoded once, and exactly that
+        if not choice.error_feedback:  # the estimate of delta + residual, nothing kept back
+            assert encoder.residual_norm() == 0
+            estimate_error = {k: estimate_error[k] + decoded[k] - delta[k] - carried.get(k, 0) for k in delta}
         decoded_total = {k: decoded_total[k] + decoded[k] for k in decoded}
         residual = encoder.state_dict()
-        meant = {k: sum(d[k] for d in deltas[:i + 1]) for k in delta}
-        assert all(torch.allclose(decoded_total[k] + residual.get(k, 0), meant[k], atol=1e-6) for k in meant)
+        meant = {k: sum(d[k] for d in deltas[:i + 1]) + estimate_error[k] for k in delta}
+        assert all(torch.allclose(decoded_total[k] + residual.get(k, 0), meant[k], atol=1e-5) for k in meant)
         if choice.codec == "safetensors":
             assert encoder.residual_norm() == 0
-    assert encoder.residual_norm() > 0  # the last two were lossy
+        if choice.codec == "int8":
+            assert encoder.residual_norm() > 0  # int8 keeps error feedback under auto
+    assert encoder.residual_norm() > 0  # the last two were dense lossy
+
+
+def test_the_random_k_rung_is_unbiased_without_error_feedback():
+    """Averaged over selection seeds, what the random-k rung decodes approaches the delta it was given."""
+    delta = lora_delta(0)
+    manifest = manifest_of(delta)
+    total = {k: torch.zeros_like(v) for k, v in delta.items()}
+    seeds = 300
+    for seed in range(1, seeds + 1):
+        encoder = UpdateEncoder(CompressionSettings("auto", sync_budget=1.0))
+        out = encoder.encode(delta, manifest, seed=seed, choice=LOSSY.choice(0.3, seed=seed))
+        total = {k: total[k] + out.sent[k] / seeds for k in total}
+    flat_mean = torch.cat([t.flatten() for t in total.values()])
+    flat_delta = torch.cat([t.flatten() for t in delta.values()])
+    cosine = float(torch.nn.functional.cosine_similarity(flat_mean, flat_delta, dim=0))
+    one = UpdateEncoder(CompressionSettings("auto", sync_budget=1.0)).encode(
+        delta, manifest, seed=1, choice=LOSSY.choice(0.3, seed=1)).sent
+    single = float(torch.nn.functional.cosine_similarity(torch.cat([t.flatten() for t in one.values()]),
+                                                         flat_delta, dim=0))
+    assert cosine > 0.9 > single  # one estimate is noisy; their mean is the delta
+    assert float(flat_mean.norm() / flat_delta.norm()) == pytest.approx(1.0, rel=0.1)  # not shrunk: rescaled
 
 
 def test_auto_needs_a_choice_per_update():
