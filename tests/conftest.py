@@ -14,7 +14,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # Coordinators started by tests record their admin token for local clients (protocol.credentials);
 # keep those entries in a directory of this test run, inherited by the processes it spawns.
-# Under pytest-xdist (make test: -n 2) each worker process gets its own, not the controller's it inherits.
+# Under pytest-xdist (make test: -n 4) each worker process gets its own, not the controller's it inherits.
 if "FEDMOE_CONFIG_DIR" not in os.environ or os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["FEDMOE_CONFIG_DIR"] = tempfile.mkdtemp(prefix="fedmoe-test-config-")
     atexit.register(shutil.rmtree, os.environ["FEDMOE_CONFIG_DIR"], True)
