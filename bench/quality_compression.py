@@ -45,8 +45,8 @@ import torch
 from bench.common import RESULTS_DIR, configure_logging, format_table, require_positive, write_json_atomic
 from bench.compression import FP16, UNBIASED, CodecRun
 from bench.fedrounds import FedJob, FedResult, run_central, run_fed
-from bench.realdata import (REAL_MODEL, SMOKE_MODEL, Lab, ds1000_domains, heldout_size, loss_pair, pct, planned_cost,
-                            quiet_estimate, render_plan, shards, spread)
+from bench.realdata import (REAL_MODEL, SMOKE_MODEL, Lab, add_estimate_flags, ds1000_domains, heldout_size, loss_pair,
+                            pct, planned_cost, quiet_estimate, render_plan, shards, spread)
 from compression import encode_update, make_codec, measure
 from compression.wire import decode_update
 from protocol.schemas import RAW_CODEC
@@ -250,12 +250,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--fvc-only", action="store_true",
                    help="only federated vs central: the fp32 federated runs and the central runs, no codecs")
     p.add_argument("--fedasync", action="store_true", help="also run FedAsync against central (3 more jobs)")
-    p.add_argument("--priced-from", type=Path, default=None, metavar="JSON",
-                   help="with --estimate: the results JSON whose measured CPU seconds per step and per scored "
-                        "problem price the plan (default: this suite's --out)")
-    p.add_argument("--estimate", action="store_true",
-                   help="print the planned optimiser steps and scored problems (and CPU seconds at the per-step "
-                        "and per-problem costs of the last results JSON), run nothing")
+    add_estimate_flags(p)
     p.add_argument("--track", type=int, default=None,
                    help=f"validation problems whose loss is taken every round (default: {Settings.track})")
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "quality_compression.json",

@@ -43,8 +43,8 @@ import torch
 from bench.common import RESULTS_DIR, configure_logging, format_table, require_positive, write_json_atomic
 from bench.gateway import MERGE_PLAN, Adapter, classification_scores, merged_adapter, naive_factor_average
 from bench.quality_compression import true_delta_figures
-from bench.realdata import (REAL_MODEL, SMOKE_MODEL, Lab, RealDomain, ds1000_domains, heldout_size, planned_cost,
-                            quiet_estimate, render_plan, spread)
+from bench.realdata import (REAL_MODEL, SMOKE_MODEL, Lab, add_estimate_flags, RealDomain, ds1000_domains, heldout_size,
+                            planned_cost, quiet_estimate, render_plan, spread)
 from gateway.router import DEFAULT_THRESHOLD, fit_threshold, route, text_profile
 from worker.evaluation import AnswerLoss, total
 
@@ -334,12 +334,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help=f"validation problems per domain used to tune lam (default: {Settings.tune_limit})")
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "quality_gateway.json",
                    help="results JSON (default: %(default)s)")
-    p.add_argument("--priced-from", type=Path, default=None, metavar="JSON",
-                   help="with --estimate: the results JSON whose measured CPU seconds per step and per scored "
-                        "problem price the plan (default: this suite's --out)")
-    p.add_argument("--estimate", action="store_true",
-                   help="print the planned optimiser steps and scored problems (and CPU seconds at the costs of "
-                        "the last results JSON), run nothing")
+    add_estimate_flags(p)
     p.add_argument("-v", "--verbose", action="store_true", help="library logs too")
     args = p.parse_args(argv)
     require_positive(p, args, "steps", "seeds", "tune_limit")

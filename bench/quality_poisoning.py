@@ -29,8 +29,8 @@ import torch
 
 from bench.common import RESULTS_DIR, configure_logging, format_table, require_positive, write_json_atomic
 from bench.fedrounds import ATTACKS, FedJob, run_fed
-from bench.realdata import (REAL_MODEL, SMOKE_MODEL, Lab, ds1000_domains, heldout_size, loss_pair, pct, planned_cost,
-                            quiet_estimate, render_plan, shards, spread)
+from bench.realdata import (REAL_MODEL, SMOKE_MODEL, Lab, add_estimate_flags, ds1000_domains, heldout_size, loss_pair,
+                            pct, planned_cost, quiet_estimate, render_plan, shards, spread)
 from coordinator.choices import ROBUST_NAMES
 
 log = logging.getLogger("bench.quality_poisoning")
@@ -117,12 +117,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         f"(default: {' '.join(Settings.defences)})")
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "quality_poisoning.json",
                    help="results JSON (default: %(default)s)")
-    p.add_argument("--priced-from", type=Path, default=None, metavar="JSON",
-                   help="with --estimate: the results JSON whose measured CPU seconds per step and per scored "
-                        "problem price the plan (default: this suite's --out)")
-    p.add_argument("--estimate", action="store_true",
-                   help="print the planned optimiser steps and scored problems (and CPU seconds at the costs of "
-                        "the last results JSON), run nothing")
+    add_estimate_flags(p)
     p.add_argument("-v", "--verbose", action="store_true", help="library logs too")
     args = p.parse_args(argv)
     require_positive(p, args, "rounds", "seeds")

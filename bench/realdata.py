@@ -14,6 +14,7 @@ the data's format pays 7-11 nats on it, so a short fine-tune's gain is partly le
 """
 from __future__ import annotations
 
+import argparse
 import copy
 import dataclasses
 import functools
@@ -190,6 +191,16 @@ def heldout_size(domain: str, directory: Path = DS1000_DATA) -> int:
     """Problems in a domain's held-out split, counted without building the validation split (no difflib)."""
     path = directory / "heldout" / f"{domain}.jsonl"
     return sum(1 for line in path.read_text(encoding="utf-8").splitlines() if line.strip()) if path.is_file() else 0
+
+
+def add_estimate_flags(p: argparse.ArgumentParser) -> None:
+    """--estimate and --priced-from, the same for every quality suite."""
+    p.add_argument("--priced-from", type=Path, default=None, metavar="JSON",
+                   help="with --estimate: the results JSON whose measured CPU seconds per step and per scored "
+                        "problem price the plan (default: this suite's --out)")
+    p.add_argument("--estimate", action="store_true",
+                   help="print the planned optimiser steps and scored problems (and CPU seconds at the per-step "
+                        "and per-problem costs of the last results JSON), run nothing")
 
 
 def planned_cost(train_steps: int, eval_examples: int, measured: Path) -> dict[str, Any]:
