@@ -18,7 +18,6 @@ import argparse
 import copy
 import dataclasses
 import functools
-import importlib.util
 import json
 import math
 import os
@@ -55,13 +54,6 @@ class RealDomain:
     heldout: tuple[Example, ...]
 
 
-def _split_rule() -> Any:
-    spec = importlib.util.spec_from_file_location("ds1000_split", DS1000_DATA / "split.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _records(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise SystemExit(f"{path} is missing; the DS-1000 data ships in data/ds1000/ (see its README.md)")
@@ -76,12 +68,23 @@ def _examples(records: Sequence[Mapping[str, Any]]) -> tuple[Example, ...]:
 def ds1000_domains(directory: Path = DS1000_DATA) -> tuple[RealDomain, ...]:
     """The shipped domains, each with a validation split carved from train/ by whole families.
 
-    Cached: the family rule compares prompts pairwise with difflib (~35 s of CPU for the three).
+    The validation problem ids are committed (``data/ds1000/validation.json``, written and checked by
+    ``python data/ds1000/split.py --validation [--check]``): the family rule compares prompts pairwise
+    with difflib, ~15 s of CPU that every benchmark process paid before.
     """
-    rule = _split_rule()
+    path = directory / "validation.json"
+    if not path.is_file():
+        raise SystemExit(f"{path} is missing; regenerate it with: python data/ds1000/split.py --validation")
+    held_ids = json.loads(path.read_text(encoding="utf-8"))
     domains = []
     for name in DOMAINS:
-        train, validation = rule.split_domain(_records(directory / "train" / f"{name}.jsonl"))
+        records = _records(directory / "train" / f"{name}.jsonl")
+        validation_ids = set(held_ids.get(name, ()))
+        if not validation_ids <= {r["problem_id"] for r in records}:
+            raise SystemExit(f"{path} names {name} problems that are not in train/; "
+                             "regenerate it with: python data/ds1000/split.py --validation")
+        train = [r for r in records if r["problem_id"] not in validation_ids]
+        validation = [r for r in records if r["problem_id"] in validation_ids]
         domains.append(RealDomain(name, _examples(train), _examples(validation),
                                   _examples(_records(directory / "heldout" / f"{name}.jsonl"))))
     return tuple(domains)

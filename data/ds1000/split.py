@@ -21,6 +21,13 @@ regenerated and checked:
   python data/ds1000/split.py SOURCE_DIR          # SOURCE_DIR holds numpy.jsonl, pandas.jsonl, sklearn.jsonl
   python data/ds1000/split.py SOURCE_DIR --check  # exit 1 if the committed files differ
 
+The benchmarks tune their settings on a *validation* split carved from train/ by the same rule.
+Its problem ids are committed too (validation.json), since the pairwise difflib comparisons cost
+~15 CPU seconds, which every benchmark process used to pay again:
+
+  python data/ds1000/split.py --validation          # rewrite validation.json from train/
+  python data/ds1000/split.py --validation --check  # exit 1 if it differs from the rule
+
 Records are copied unchanged (prompt, reference_code, library, problem_id), one JSON object per line.
 """
 from __future__ import annotations
@@ -75,15 +82,53 @@ def split_domain(records: list[dict]) -> tuple[list[dict], list[dict]]:
     return [r for r in by_id if r["problem_id"] not in held], [r for r in by_id if r["problem_id"] in held]
 
 
+VALIDATION = HERE / "validation.json"
+
+
+def validation_ids() -> dict[str, list[int]]:
+    """Per expert, the problem ids of train/ that the rule holds out again as the validation split."""
+    ids = {}
+    for expert in DOMAINS:
+        train = [json.loads(line) for line in (HERE / "train" / f"{expert}.jsonl").read_text(encoding="utf-8").splitlines()
+                 if line.strip()]
+        ids[expert] = [r["problem_id"] for r in split_domain(train)[1]]
+    return ids
+
+
+def validation_json(ids: dict[str, list[int]]) -> str:
+    return "{\n" + ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in ids.items()) + "\n}\n"
+
+
+def write_validation(check: bool) -> int:
+    text = validation_json(validation_ids())
+    if check:
+        if not VALIDATION.is_file() or VALIDATION.read_text(encoding="utf-8") != text:
+            print(f"differs from the rule: {VALIDATION}", file=sys.stderr)
+            return 1
+    else:
+        tmp = VALIDATION.with_suffix(".tmp")
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(VALIDATION)
+    print(f"validation ids of {', '.join(DOMAINS)}: {'match' if check else 'written to'} {VALIDATION.name}")
+    return 0
+
+
 def to_jsonl(records: list[dict]) -> str:
     return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("source", type=Path, help="directory with DS-1000's numpy.jsonl, pandas.jsonl, sklearn.jsonl")
+    p.add_argument("source", type=Path, nargs="?",
+                   help="directory with DS-1000's numpy.jsonl, pandas.jsonl, sklearn.jsonl")
     p.add_argument("--check", action="store_true", help="compare with the committed files instead of writing")
+    p.add_argument("--validation", action="store_true",
+                   help="carve the validation ids from the committed train/ files (validation.json); no SOURCE_DIR")
     args = p.parse_args()
+    if args.validation:
+        return write_validation(args.check)
+    if args.source is None:
+        p.error("SOURCE_DIR is required (or --validation)")
     differ = []
     for expert, filename in DOMAINS.items():
         path = args.source / filename

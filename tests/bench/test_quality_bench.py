@@ -46,6 +46,30 @@ def test_validation_is_carved_from_train_by_whole_families_and_heldout_is_untouc
         assert not {e.prompt for e in d.train + d.validation} & {e.prompt for e in d.heldout}
 
 
+def test_the_committed_validation_ids_are_what_the_family_rule_carves():
+    """data/ds1000/validation.json saves every benchmark process ~15 CPU s; it must stay the rule's output."""
+    proc = subprocess.run([sys.executable, "data/ds1000/split.py", "--validation", "--check"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "match validation.json" in proc.stdout
+
+
+def test_a_missing_validation_file_is_one_clear_line(tmp_path):
+    for side in ("train", "heldout"):
+        (tmp_path / side).mkdir()
+        for name in DOMAINS:
+            (tmp_path / side / f"{name}.jsonl").write_text(
+                json.dumps({"prompt": "p", "reference_code": "r", "problem_id": 1}) + "\n")
+    with pytest.raises(SystemExit, match="split.py --validation"):
+        ds1000_domains(tmp_path)
+    (tmp_path / "validation.json").write_text(json.dumps({DOMAINS[0]: [2]}))
+    with pytest.raises(SystemExit, match="not in train/"):
+        ds1000_domains(tmp_path)
+    (tmp_path / "validation.json").write_text(json.dumps({DOMAINS[0]: [1]}))
+    first = ds1000_domains(tmp_path)[0]
+    assert (len(first.train), len(first.validation)) == (0, 1)
+
+
 def test_one_worker_one_round_of_fedbuff_is_plain_training():
     lab = Lab(SMOKE_MODEL, max_seq_len=64)
     data = ds1000_domains()[2].train[:12]
