@@ -16,13 +16,15 @@ Figures, all on the 33 held-out pandas problems (with and without the end-of-ans
   number of optimiser steps (same compute) and after as many steps as one federated worker takes
   (same wall time, when the workers train in parallel and the network costs nothing). FedBuff's
   server learning rate is ``--server-lr`` (the coordinator's flag; 1 applies the mean of the
-  workers' deltas, so a round moves about as far as one worker's steps: bench/fedrounds.py).
+  workers' deltas, so a round moves about as far as one worker's steps: bench/fedrounds.py). Each
+  arm has its own AdamW lr, tuned on the validation split by bench.fvc_sweep: the federated workers
+  ``--lr`` (default 3e-3), the central worker ``--central-lr`` (default: the preset's 1e-3).
 The per-codec error against a whole expert's true delta comes from the gateway suite's experts
 (bench/quality_gateway.py, ``codec_true_delta``).
 
     python -m bench.quality_compression            # smollm2-135m (make smollm2)
     python -m bench.quality_compression --quick    # tiny-qwen2 smoke run, seconds
-    python -m bench.quality_compression --fvc-only --server-lr 3 --out bench/results/quality_fvc.json
+    python -m bench.quality_compression --fvc-only --out bench/results/quality_fvc_tuned.json  # workers at lr 3e-3
     python -m bench.quality_compression --estimate # planned optimiser steps and scored problems, no model
 """
 from __future__ import annotations
@@ -92,13 +94,15 @@ class Settings:
     """FedBuff's server learning rate (the coordinator's --server-lr) in every federated run."""
     fedasync: bool = False
     """Also run FedAsync (the coordinator's default rule) against central; off by default (time budget)."""
-    lr: float | None = None
-    """The federated workers' AdamW learning rate (the worker's --lr; None: the preset's recommended one)."""
+    lr: float | None = 3e-3
+    """The federated workers' AdamW learning rate (the worker's --lr; None: the preset's recommended one).
+    3e-3 = 3 workers x smollm2's single-worker 1e-3, the best of 1e-3..5e-3 on the validation split
+    (bench.fvc_sweep, bench/results/quality_fvc_sweep_*.json; docs/benchmarks.md)."""
     central_lr: float | None = None
     """The central worker's AdamW learning rate (None: the preset's recommended one)."""
 
 
-QUICK = Settings(model=SMOKE_MODEL, rounds=2, steps=1, seeds=1, codec_seeds=1, track=4)
+QUICK = Settings(model=SMOKE_MODEL, rounds=2, steps=1, seeds=1, codec_seeds=1, track=4, lr=None)
 
 
 def run_job(lab: Lab, train: Sequence, track: Sequence, s: Settings, run: CodecRun, seed: int,
@@ -256,8 +260,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help=f"FedBuff's server learning rate in every federated run (default: {Settings.server_lr:g}; "
                         "the number of workers applies the sum of their deltas)")
     p.add_argument("--lr", type=float, default=None,
-                   help="the federated workers' AdamW learning rate, in every federated run (default: the preset's "
-                        "recommended one, worker.presets.RECOMMENDED_LR)")
+                   help=f"the federated workers' AdamW learning rate, in every federated run (default: {Settings.lr:g}, "
+                        "tuned for smollm2-135m on validation; --quick: the preset's, worker.presets.RECOMMENDED_LR)")
     p.add_argument("--central-lr", type=float, default=None,
                    help="the central worker's AdamW learning rate (default: the preset's recommended one)")
     p.add_argument("--fvc-only", action="store_true",
