@@ -17,6 +17,7 @@ size for the same reason).
 """
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,6 +61,11 @@ class FedJob:
     """Key of ATTACKS: one extra worker sends worker 0's honest delta, attacked."""
     track: tuple[Example, ...] = ()
     """Examples whose loss is measured after every round (rounds to a target)."""
+    lr: float | None = None
+    """Every worker's AdamW learning rate (the worker's --lr; None: the preset's recommended one)."""
+    fresh_optimizer: bool = False
+    """Each worker starts every round with fresh AdamW moments. The product keeps them across pulls
+    (``LoraTrainer.load_adapter_state``), as the default here does; this measures the alternative."""
 
 
 @dataclass
@@ -79,7 +85,8 @@ class FedResult:
 
 def run_fed(lab: Lab, job: FedJob, on_round: Callable[[int], None] | None = None) -> FedResult:
     """Run ``job``; the expert's final weights and what the rounds sent."""
-    trainers = [lab.trainer(shard, job.seed + i) for i, shard in enumerate(job.shards)]
+    trainers = [lab.trainer(shard, job.seed + i, lr=job.lr) for i, shard in enumerate(job.shards)]
+    fresh = [copy.deepcopy(trainer.optimizer_state()) for trainer in trainers]  # no moments yet
     weights = trainers[0].adapter_state()  # the expert's initial adapter (B = 0): every worker pulls it
     manifest = manifest_of(weights)
     encoders = [UpdateEncoder(job.compression) for _ in trainers]
@@ -91,6 +98,8 @@ def run_fed(lab: Lab, job: FedJob, on_round: Callable[[int], None] | None = None
             carried = encoder.carried()
             start = {k: weights[k] + carried[k] for k in weights} if carried else weights
             trainer.load_adapter_state(start)
+            if job.fresh_optimizer:
+                trainer.load_optimizer_state(copy.deepcopy(fresh[i]))
             lab.train(trainer, job.steps)
             after = trainer.adapter_state()
             delta = {k: after[k] - start[k] for k in start}
@@ -128,14 +137,16 @@ def _account(result: FedResult, metrics: dict[str, Any]) -> None:
 
 
 def run_central(lab: Lab, examples: Sequence[Example], steps: int, seed: int,
-                track: Sequence[Example] = (), every: int = 0, snapshots: Sequence[int] = ()) -> FedResult:
+                track: Sequence[Example] = (), every: int = 0, snapshots: Sequence[int] = (),
+                lr: float | None = None) -> FedResult:
     """One worker on all the data for ``steps`` steps (the federated run's total compute).
 
     ``every``: take the tracked loss every that many steps; ``snapshots``: keep the weights after
     those step counts (<= ``steps``), e.g. after as many steps as one federated worker takes (the
-    same wall time when the federated workers train in parallel and the network is free).
+    same wall time when the federated workers train in parallel and the network is free); ``lr``: the
+    AdamW learning rate (None: the preset's recommended one).
     """
-    trainer = lab.trainer(examples, seed)
+    trainer = lab.trainer(examples, seed, lr=lr)
     result = FedResult(trainer.adapter_state(), trainer.lora_config)
     stops = sorted({*(range(every, steps, every) if every else ()), *(n for n in snapshots if 0 < n < steps), steps})
     done = 0

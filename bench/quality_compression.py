@@ -16,13 +16,15 @@ Figures, all on the 33 held-out pandas problems (with and without the end-of-ans
   number of optimiser steps (same compute) and after as many steps as one federated worker takes
   (same wall time, when the workers train in parallel and the network costs nothing). FedBuff's
   server learning rate is ``--server-lr`` (the coordinator's flag; 1 applies the mean of the
-  workers' deltas, so a round moves about as far as one worker's steps: bench/fedrounds.py).
+  workers' deltas, so a round moves about as far as one worker's steps: bench/fedrounds.py). Each
+  arm has its own AdamW lr, tuned on the validation split by bench.fvc_sweep: the federated workers
+  ``--lr`` (default 3e-3), the central worker ``--central-lr`` (default: the preset's 1e-3).
 The per-codec error against a whole expert's true delta comes from the gateway suite's experts
 (bench/quality_gateway.py, ``codec_true_delta``).
 
     python -m bench.quality_compression            # smollm2-135m (make smollm2)
     python -m bench.quality_compression --quick    # tiny-qwen2 smoke run, seconds
-    python -m bench.quality_compression --fvc-only --server-lr 3 --out bench/results/quality_fvc.json
+    python -m bench.quality_compression --fvc-only --out bench/results/quality_fvc_tuned.json  # workers at lr 3e-3
     python -m bench.quality_compression --estimate # planned optimiser steps and scored problems, no model
 """
 from __future__ import annotations
@@ -92,9 +94,15 @@ class Settings:
     """FedBuff's server learning rate (the coordinator's --server-lr) in every federated run."""
     fedasync: bool = False
     """Also run FedAsync (the coordinator's default rule) against central; off by default (time budget)."""
+    lr: float | None = 3e-3
+    """The federated workers' AdamW learning rate (the worker's --lr; None: the preset's recommended one).
+    3e-3 = 3 workers x smollm2's single-worker 1e-3, the best of 1e-3..5e-3 on the validation split
+    (bench.fvc_sweep, bench/results/quality_fvc_sweep_*.json; docs/benchmarks.md)."""
+    central_lr: float | None = None
+    """The central worker's AdamW learning rate (None: the preset's recommended one)."""
 
 
-QUICK = Settings(model=SMOKE_MODEL, rounds=2, steps=1, seeds=1, codec_seeds=1, track=4)
+QUICK = Settings(model=SMOKE_MODEL, rounds=2, steps=1, seeds=1, codec_seeds=1, track=4, lr=None)
 
 
 def run_job(lab: Lab, train: Sequence, track: Sequence, s: Settings, run: CodecRun, seed: int,
@@ -103,7 +111,7 @@ def run_job(lab: Lab, train: Sequence, track: Sequence, s: Settings, run: CodecR
                                       error_feedback=run.error_feedback)
     job = FedJob(tuple(tuple(x) for x in shards(train, s.workers)), s.rounds, s.steps, seed=seed,
                  compression=compression, codec_seed=codec_seed, aggregation=aggregation, track=tuple(track),
-                 server_lr=s.server_lr)
+                 server_lr=s.server_lr, lr=s.lr)
     return run_fed(lab, job)
 
 
@@ -151,13 +159,15 @@ def summarize(records: Sequence[dict[str, Any]], fedasync: Sequence[dict[str, An
             "cosine": spread([r["cosine"] for r in group]),
             "rounds_to_target": [rounds_to(r["track"], target) for r in group],
         }
-    fvc = {"central": versus(central, central)}
-    fvc["fedbuff"] = {**versus(fp32, central), "server_lr": s.server_lr}
+    fed_lr = {"server_lr": s.server_lr, "lr": s.lr}
+    fvc = {"central": {**versus(central, central), "lr": s.central_lr}}
+    fvc["fedbuff"] = {**versus(fp32, central), **fed_lr}
     if fedasync:
-        fvc["fedasync"] = {**versus(fedasync, central), "server_lr": s.server_lr}
+        fvc["fedasync"] = {**versus(fedasync, central), **fed_lr}
     if central_wall:  # the same wall time: central after as many steps as one federated worker took
-        fvc["central_same_wall_time"] = {**versus(central_wall, central), "steps": s.rounds * s.steps}
-        fvc["fedbuff_vs_same_wall_time"] = {**versus(fp32, central_wall), "server_lr": s.server_lr}
+        fvc["central_same_wall_time"] = {**versus(central_wall, central), "steps": s.rounds * s.steps,
+                                         "lr": s.central_lr}
+        fvc["fedbuff_vs_same_wall_time"] = {**versus(fp32, central_wall), **fed_lr}
     compressed = len(codecs) > 1
     return {
         "base_heldout": base, "reference": {k: reference[k] for k in ("loss", "loss_without_end")},
@@ -223,6 +233,8 @@ def render(report: Mapping[str, Any]) -> str:
         against = "central same wall time" if label == "fedbuff_vs_same_wall_time" else "central"
         name = {"central_same_wall_time": f"central after {v.get('steps')} steps (same wall time)",
                 "fedbuff_vs_same_wall_time": "fedbuff"}.get(label, label)
+        if v.get("lr"):
+            name += f" (lr {v['lr']:g})"
         if "server_lr" in v:
             name += f" (server lr {v['server_lr']:g})"
         lines.append(f"{name}: held-out {v['loss']['mean']:.4f} +/- {v['loss']['std']:.4f} (n={v['loss']['n']}), "
@@ -247,6 +259,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--server-lr", type=float, default=None,
                    help=f"FedBuff's server learning rate in every federated run (default: {Settings.server_lr:g}; "
                         "the number of workers applies the sum of their deltas)")
+    p.add_argument("--lr", type=float, default=None,
+                   help=f"the federated workers' AdamW learning rate, in every federated run (default: {Settings.lr:g}, "
+                        "tuned for smollm2-135m on validation; --quick: the preset's, worker.presets.RECOMMENDED_LR)")
+    p.add_argument("--central-lr", type=float, default=None,
+                   help="the central worker's AdamW learning rate (default: the preset's recommended one)")
     p.add_argument("--fvc-only", action="store_true",
                    help="only federated vs central: the fp32 federated runs and the central runs, no codecs")
     p.add_argument("--fedasync", action="store_true", help="also run FedAsync against central (3 more jobs)")
@@ -258,8 +275,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("-v", "--verbose", action="store_true", help="library logs too")
     args = p.parse_args(argv)
     require_positive(p, args, "rounds", "steps", "seeds", "codec_seeds", "track")
-    if args.server_lr is not None and not (args.server_lr > 0 and math.isfinite(args.server_lr)):
-        p.error(f"--server-lr must be a positive number, got {args.server_lr}")
+    for flag in ("server_lr", "lr", "central_lr"):
+        value = getattr(args, flag)
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            p.error(f"--{flag.replace('_', '-')} must be a positive number, got {value}")
     if args.fvc_only and args.only:
         p.error("--fvc-only runs no codecs; drop --only")
     return args
@@ -273,7 +292,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     s = QUICK if args.quick else Settings()
     s = dataclasses.replace(s, **{k: v for k, v in {"rounds": args.rounds, "steps": args.steps, "seeds": args.seeds,
                                                       "codec_seeds": args.codec_seeds, "track": args.track,
-                                                      "server_lr": args.server_lr,
+                                                      "server_lr": args.server_lr, "lr": args.lr,
+                                                      "central_lr": args.central_lr,
                                                       "fedasync": args.fedasync or None}.items() if v is not None})
     sweep = QUICK_SWEEP if args.quick else SWEEP
     if args.only:
@@ -309,7 +329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     total_steps, wall_steps = s.rounds * s.steps * s.workers, s.rounds * s.steps
     for seed in range(s.seeds):
         result = run_central(lab, domain.train, total_steps, seed, track, every=s.steps * s.workers,
-                             snapshots=(wall_steps,))
+                             snapshots=(wall_steps,), lr=s.central_lr)
         central.append(job_record(lab, result, heldout, "central", seed, 0, base_track))
         if wall_steps in result.snapshots:
             central_wall.append({"label": f"central after {wall_steps} steps", "seed": seed, **loss_pair(

@@ -125,11 +125,14 @@ class Lab:
         self.max_seq_len = max_seq_len
         self.compute = Compute()
 
-    def trainer(self, examples: Sequence[Example], seed: int, rank: int = 8) -> LoraTrainer:
-        """A LoRA trainer (r=rank, alpha=2r, every projection) on its own copy of the base model."""
+    def trainer(self, examples: Sequence[Example], seed: int, rank: int = 8, lr: float | None = None) -> LoraTrainer:
+        """A LoRA trainer (r=rank, alpha=2r, every projection) on its own copy of the base model.
+
+        ``lr``: the AdamW learning rate (None: the preset's recommended one, ``self.lr``).
+        """
         base = dataclasses.replace(self.base, model=copy.deepcopy(self.base.model))
         return LoraTrainer(base, LoraSettings(rank=rank, alpha=2.0 * rank),
-                           TrainSettings(lr=self.lr, batch_size=self.batch_size, max_seq_len=self.max_seq_len,
+                           TrainSettings(lr=lr or self.lr, batch_size=self.batch_size, max_seq_len=self.max_seq_len,
                                          seed=seed), list(examples))
 
     def train(self, trainer: LoraTrainer, steps: int) -> float:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from bench.fedrounds import FedJob, run_central, run_fed
+from bench.fvc_sweep import Arm, parse_arm
 from bench.realdata import DOMAINS, SMOKE_MODEL, Lab, ds1000_domains, shards
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,6 +82,18 @@ def test_one_worker_one_round_of_fedbuff_is_plain_training():
     assert lab.compute.train_steps == 6
 
 
+def test_workers_keep_their_adam_moments_across_rounds_unless_told_not_to():
+    """As the product's worker does (LoraTrainer.load_adapter_state keeps them): one worker's rounds are one run."""
+    lab = Lab(SMOKE_MODEL, max_seq_len=64)
+    data = ds1000_domains()[2].train[:12]
+    central = run_central(lab, data, steps=2, seed=3).weights
+    kept = run_fed(lab, FedJob((tuple(data),), rounds=2, steps=1, seed=3)).weights
+    fresh = run_fed(lab, FedJob((tuple(data),), rounds=2, steps=1, seed=3, fresh_optimizer=True)).weights
+    for key, value in central.items():
+        torch.testing.assert_close(kept[key], value, rtol=0, atol=1e-6)
+    assert any(not torch.allclose(fresh[k], central[k], rtol=0, atol=1e-5) for k in central)
+
+
 def test_the_server_lr_scales_the_aggregated_step():
     """FedBuff with server lr K applies K times the workers' mean delta (the sum, for K equal-sized workers)."""
     lab = Lab(SMOKE_MODEL, max_seq_len=64)
@@ -91,6 +104,17 @@ def test_the_server_lr_scales_the_aggregated_step():
     assert any(float((mean[k] - start[k]).abs().max()) > 0 for k in start)
     for key in start:
         torch.testing.assert_close(summed[key] - start[key], 2 * (mean[key] - start[key]), rtol=1e-4, atol=1e-7)
+
+
+def test_a_jobs_learning_rate_reaches_every_worker_and_the_central_run():
+    lab = Lab(SMOKE_MODEL, max_seq_len=64)
+    data = ds1000_domains()[2].train[:12]
+    preset = run_central(lab, data, steps=2, seed=1).weights
+    doubled = run_central(lab, data, steps=2, seed=1, lr=2 * lab.lr).weights
+    fed = run_fed(lab, FedJob((tuple(data),), rounds=1, steps=2, seed=1, lr=2 * lab.lr)).weights
+    assert any(not torch.allclose(doubled[k], preset[k]) for k in preset)
+    for key, value in doubled.items():
+        torch.testing.assert_close(fed[key], value, rtol=0, atol=1e-6)
 
 
 def test_central_snapshots_are_the_weights_after_that_many_steps():
@@ -152,7 +176,19 @@ def test_compression_federated_vs_central_only_at_a_server_lr(tmp_path):
         report["cost"]["train_steps"], report["cost"]["eval_examples"])
 
 
+def test_compression_takes_each_arms_learning_rate(tmp_path):
+    report, stdout = quick(tmp_path, "quality_compression", "--fvc-only", "--lr", "0.02", "--central-lr", "0.005")
+    fvc = report["summary"]["federated_vs_central"]
+    assert report["settings"]["lr"] == 0.02 == fvc["fedbuff"]["lr"] and fvc["central"]["lr"] == 0.005
+    assert "fedbuff (lr 0.02) (server lr 1)" in stdout and "central (lr 0.005)" in stdout
+    default, _ = quick(tmp_path, "quality_compression", "--fvc-only")
+    assert default["records"][0]["loss"] != report["records"][0]["loss"]  # the flag reached the workers
+    assert default["central"][0]["loss"] != report["central"][0]["loss"]
+
+
 @pytest.mark.parametrize("args, message", [(["--server-lr", "0"], "--server-lr must be a positive number"),
+                                           (["--lr", "-1"], "--lr must be a positive number"),
+                                           (["--central-lr", "inf"], "--central-lr must be a positive number"),
                                            (["--server-lr", "nan"], "--server-lr must be a positive number"),
                                            (["--fvc-only", "--only", "int8"], "--fvc-only runs no codecs")])
 def test_bad_compression_flags_answer_with_one_line(args, message):
@@ -188,3 +224,38 @@ def test_poisoning_quick_run(tmp_path):
     assert report["summary"]["honest"]["loss"]["mean"] < report["base"]["loss"]
     assert "within 2%" in stdout
     assert planned("quality_poisoning", "--quick") == (report["cost"]["train_steps"], report["cost"]["eval_examples"])
+
+
+def test_fvc_sweep_arms_parse_or_say_why():
+    assert parse_arm("central:lr=2e-3", 24, 3) == Arm("central", lr=2e-3)
+    assert parse_arm("fed:lr=3e-3,rounds=8,steps=1", 24, 3) == Arm("fed", lr=3e-3, rounds=8, steps=1)
+    assert parse_arm("fed", 24, 3) == Arm("fed")  # 4 rounds x 2 steps x 3 workers
+    assert parse_arm("fed:fresh_adam=1", 24, 3).label == "fed 4x2 lr preset slr 1 fresh adam"
+    for spec, message in [("fed:rounds=3", "18 steps, not the 24"), ("local:lr=1", "must start with"),
+                          ("central:rounds=2", "is not one of lr=..."), ("fed:lr=x", "lr must be a number"),
+                          ("fed:server_lr=0", "server_lr must be positive"), ("fed:lr", "is not one of"),
+                          ("fed:fresh_adam=2", "fresh_adam must be 0 or 1")]:
+        with pytest.raises(ValueError, match=message):
+            parse_arm(spec, 24, 3)
+
+
+def test_fvc_sweep_scores_validation_only(tmp_path):
+    out = tmp_path / "sweep.json"
+    arms = ["central", "central:lr=0.02", "fed:rounds=1,steps=2"]
+    proc = subprocess.run([sys.executable, "-m", "bench.fvc_sweep", "--quick", "--total-steps", "6", "--arms", *arms,
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["split"] == "validation" and report["validation_problems"] == 8
+    summary = report["summary"]
+    assert set(summary["arms"]) == {"central lr preset", "central lr 0.02", "fed 1x2 lr preset slr 1"}
+    best = summary["best_central"]
+    assert summary["arms"][best]["vs_best_central_pct"] == 0
+    assert all(v["loss"] < summary["base_validation"]["loss"] for v in summary["arms"].values())
+    assert summary["arms"]["central lr preset"]["loss"] != summary["arms"]["central lr 0.02"]["loss"]
+    assert report["cost"]["train_steps"] == 18 and best in proc.stdout
+    assert planned("fvc_sweep", "--quick", "--total-steps", "6", "--arms", *arms) == (
+        report["cost"]["train_steps"], report["cost"]["eval_examples"])
+    bad = subprocess.run([sys.executable, "-m", "bench.fvc_sweep", "--arms", "fed:steps=5"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "not the 24 of --total-steps" in bad.stderr and "Traceback" not in bad.stderr
