@@ -77,6 +77,8 @@ class LoadReport:
     encode_seconds: float = 0.0
     late_starts: int = 0
     """open mode: pushes sent more than 1 s after their scheduled moment (the generator fell behind)."""
+    cpu_seconds: float = 0.0
+    """The generator's own CPU (user + system, all its threads) while it pushed: what the load cost the machine."""
 
 
 def encode_pool(plan: LoadPlan) -> list[bytes]:
@@ -278,15 +280,16 @@ def run_load(plan: LoadPlan) -> dict[str, Any]:
 
     async def main() -> None:
         await gen.register_all()
-        began = time.perf_counter()
+        began, cpu = time.perf_counter(), time.process_time()
         await (gen.open() if plan.mode == "open" else gen.closed())
         gen.report.seconds = time.perf_counter() - began
+        gen.report.cpu_seconds = time.process_time() - cpu
 
     asyncio.run(main())
     report = gen.report
     return {"results": [asdict(r) for r in report.results], "seconds": report.seconds,
             "body_bytes": report.body_bytes, "encode_seconds": report.encode_seconds,
-            "late_starts": report.late_starts, "pool_body_bytes": len(pool[0])}
+            "late_starts": report.late_starts, "pool_body_bytes": len(pool[0]), "cpu_seconds": report.cpu_seconds}
 
 
 def run_in_process(plan: LoadPlan) -> dict[str, Any]:

@@ -62,9 +62,6 @@ def _limit_malloc_arenas(arenas: int = 2) -> None:
     libc.mallopt(M_ARENA_MAX, arenas)
 
 
-GC_YOUNG_THRESHOLD = 50_000
-
-
 def serve(config: CoordinatorConfig, options: ServeOptions) -> None:
     """Run until interrupted. Opens the store once up front so errors surface here, not in a fork."""
     # The coordinator's tensor work (finiteness checks, in-place aggregation) is memory-bound, and
@@ -80,10 +77,6 @@ def serve(config: CoordinatorConfig, options: ServeOptions) -> None:
     # the process) leaves the cyclic GC's generations: its full collections, triggered by the objects each
     # request makes, no longer walk them (py-spy under bench.load: GC was ~10% of the coordinator's CPU).
     gc.freeze()
-    # A young collection every 700 new container objects ran ~1,000 times per 300 pushes (each request makes
-    # thousands: Flask's request context, rows, numpy views); most of them die by refcount anyway. Collecting
-    # every 50,000 keeps cycles (tracebacks, futures) bounded at a few MB and the collector's CPU small.
-    gc.set_threshold(GC_YOUNG_THRESHOLD, 20, 10)
     auth = app.extensions.get("fedmoe_auth")
     host, port = sock.getsockname()[:2]
     scheme = "https" if options.tls_cert else "http"
