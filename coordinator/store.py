@@ -148,25 +148,15 @@ own policy, 1000 pages, let the WAL hold ~4 MiB: enough to fill the 6 MiB disk o
 
 
 class ManifestStore:
-    """All SQLite access. Writes go through one connection, serialised by a lock (writes are tiny); reads
-    through a read-only connection per thread, which WAL lets run beside the writer and each other.
-
-    Why per-thread readers: every push made 8-10 reads, and each waited for the one connection's lock, held
-    by whichever thread was in a write or a read; a thread holding it and waiting for the GIL (released
-    around each SQLite call) kept the others waiting too. That wait was the largest self time in the
-    coordinator's profile under bench.load (``_one``: 12.6-15.8% of samples, docs/scale.md)."""
+    """All SQLite access. One connection, serialised by a lock (writes are tiny)."""
 
     _wal_fd: int | None = None  # group commit: the WAL file, fsynced by flush()
-    _path: str | None = None  # the database file, for readers (None: reads use the writer's connection)
 
     def __init__(self, path: Path, group_commit: bool = False) -> None:
         db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         db.row_factory = sqlite3.Row
         self._db: Connection = db
         self._lock = threading.RLock()
-        self._path = str(path)
-        self._readers = threading.local()
-        self._reader_connections: list[sqlite3.Connection] = []  # every thread's, closed by close()
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute(f"PRAGMA synchronous={'NORMAL' if group_commit else 'FULL'}")
         self._db.executescript(SCHEMA + AUDIT_SCHEMA)
@@ -180,11 +170,6 @@ class ManifestStore:
 
     def close(self) -> None:
         with self._lock:
-            for reader in self._reader_connections:
-                with contextlib.suppress(sqlite3.Error):
-                    reader.close()
-            self._reader_connections.clear()
-            self._path = None  # a thread that reads after close gets the writer's error (a closed database)
             if self._wal_fd is not None:
                 with contextlib.suppress(sqlite3.Error):  # e.g. a full disk: the WAL stays, and is read at the next start
                     self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
@@ -200,7 +185,7 @@ class ManifestStore:
             return
         os.fsync(fd)
         if os.fstat(fd).st_size > CHECKPOINT_WAL_BYTES:
-            with self._lock:  # TRUNCATE waits (busy timeout) for readers in a statement; reads are short
+            with self._lock:  # TRUNCATE waits for readers; this connection is the only one
                 self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
     @contextmanager
@@ -214,31 +199,13 @@ class ManifestStore:
                 raise
             self._db.execute("COMMIT")
 
-    def _reader(self) -> sqlite3.Connection | None:
-        """This thread's read-only connection (opened on first use), or None: read through the writer."""
-        if self._path is None:
-            return None
-        reader = getattr(self._readers, "db", None)
-        if reader is None:
-            reader = sqlite3.connect(self._path, isolation_level=None)  # this thread only (check_same_thread)
-            reader.row_factory = sqlite3.Row
-            reader.execute("PRAGMA query_only=1")
-            reader.execute("PRAGMA busy_timeout=10000")  # a checkpoint may hold the read lock for a moment
-            with self._lock:
-                self._reader_connections.append(reader)
-            self._readers.db = reader
-        return reader
-
     def _all(self, sql: str, *args: Any) -> list[Row]:
-        reader = self._reader()
-        if reader is None:
-            with self._lock:
-                return self._db.execute(sql, args).fetchall()
-        return reader.execute(sql, args).fetchall()  # fetched whole: no read transaction stays open
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
 
     def _one(self, sql: str, *args: Any) -> Row | None:
-        rows = self._all(sql, *args)
-        return rows[0] if rows else None
+        with self._lock:
+            return self._db.execute(sql, args).fetchone()
 
     # experts and versions -------------------------------------------------
 
@@ -437,16 +404,10 @@ class ManifestStore:
 
     def events(self, limit: int, after: int | None = None, expert: str | None = None,
                kind: str | None = None) -> list[dict[str, Any]]:
-        reader = self._reader()
-        if reader is not None:
-            return query_events(reader, limit, after, expert, kind)
         with self._lock:
             return query_events(self._db, limit, after, expert, kind)
 
     def recent_norms(self, expert: str, n: int) -> list[float]:
-        reader = self._reader()
-        if reader is not None:
-            return recent_norms(reader, expert, n)
         with self._lock:
             return recent_norms(self._db, expert, n)
 

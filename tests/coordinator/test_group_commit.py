@@ -91,28 +91,3 @@ def test_without_group_commit_each_commit_is_synced_by_sqlite(tmp_path):
     rows.close()
     grouped.close()
 
-
-def test_reads_on_other_threads_see_each_commit_and_close_ends_their_connections(tmp_path):
-    import threading
-
-    rows = ManifestStore(tmp_path / "m.sqlite", group_commit=True)
-    rows.create_expert("e", {"kind": "lora"}, "[]", "blob0")
-    seen: list[int | None] = []
-
-    def read_version() -> None:
-        expert = rows.expert("e")
-        seen.append(None if expert is None else expert.version)
-
-    for version in (1, 2):
-        reader = threading.Thread(target=read_version)
-        reader.start()
-        reader.join()
-        rows.commit_version("e", version, f"blob{version}", [], None)  # not flushed: visible all the same
-    read_version()
-    reader = threading.Thread(target=read_version)
-    reader.start()
-    reader.join()
-    assert seen == [0, 1, 2, 2]
-    assert len(rows._reader_connections) == 4  # one per thread that read (three threads and this one)
-    rows.close()
-    assert rows._reader_connections == []
