@@ -90,4 +90,3 @@ def test_without_group_commit_each_commit_is_synced_by_sqlite(tmp_path):
     assert os.path.exists(tmp_path / "g.sqlite-wal")
     rows.close()
     grouped.close()
-
