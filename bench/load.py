@@ -190,6 +190,7 @@ def summarise(settings: Settings, load: dict[str, Any], checked: dict[str, Any])
         "pushes_per_s": round(len(results) / load["seconds"], 2),
         "mb_per_s": round(load["body_bytes"] / load["seconds"] / 1e6, 1),
         "push_seconds": round(load["seconds"], 2), "encode_seconds": round(load["encode_seconds"], 2),
+        "generator_cpu_s_per_push": round(load["cpu_seconds"] / max(1, len(results)), 4),
     }
 
 

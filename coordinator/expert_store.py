@@ -141,16 +141,27 @@ class ExpertStore:
         self._expert_locks_guard = threading.Lock()
         self.group_commit = GroupCommit(self._flush)
         """One flush (blob directories, then the manifest's WAL) for every write that waits at once."""
+        self._unreferenced: list[str] = []  # blobs to delete once the rows that let go of them are durable
+        self._unreferenced_guard = threading.Lock()
 
     def _flush(self) -> None:
         self._blobs.flush()  # directories first: a durable row never names a blob whose rename is not
         self._rows.flush()
 
     def sync(self) -> None:
-        """Return once every write made so far is durable (shared with concurrent writers: group commit).
-        Every write below calls it before returning, except ``add_update(durable=False)``, whose caller
+        """Return once every write made so far is durable (shared with concurrent writers: group commit), then
+        delete the blobs that writes before the call let go of (``commit_version(durable=False)``).
+        Every write below calls it before returning, except those with ``durable=False``, whose caller
         calls it after letting go of the expert's lock, and before it acknowledges the update."""
-        self.group_commit.sync()
+        with self._unreferenced_guard:
+            unreferenced, self._unreferenced = self._unreferenced, []
+        try:
+            self.group_commit.sync()
+        except BaseException:
+            with self._unreferenced_guard:
+                self._unreferenced += unreferenced  # the next sync deletes them (or the next start, as orphans)
+            raise
+        self.drop_unreferenced(unreferenced)
 
     def close(self) -> None:
         self._rows.close()
@@ -236,16 +247,22 @@ class ExpertStore:
         return row
 
     def commit_version(self, name: str, version: int, written: Path, applied: list[UpdateRow],
-                       train_loss: float | None, events: tuple[Event, ...] = ()) -> None:
+                       train_loss: float | None, events: tuple[Event, ...] = (), durable: bool = True) -> None:
         """Record a new version from a temp file and mark ``applied`` as applied, atomically; then drop
         their payloads and prune versions past ``keep_versions``. StaleAggregation (nothing stored) if
-        the expert or the updates moved on meanwhile (another process on this data dir)."""
+        the expert or the updates moved on meanwhile (another process on this data dir).
+        ``durable=False``: the flush and the deletions wait for the caller's next ``sync()`` (made after it
+        lets go of the expert's lock: a step no longer holds it through a flush and ten unlinks)."""
         self._adopt_and_record(
             written, lambda digest: self._rows.commit_version(name, version, digest, applied, train_loss, events),
             f"record version {version} of {name!r}")
         pruned = self._prune_versions(name)
-        self.sync()  # before any blob goes: a crash must not leave a durable row naming a deleted blob
-        self.drop_unreferenced([u.blob for u in applied if u.blob] + pruned)
+        # blobs go only after a flush that covers these rows: a crash must not leave a durable row naming a
+        # deleted blob (one that stays after a crash is an orphan, deleted at the next start)
+        with self._unreferenced_guard:
+            self._unreferenced += [u.blob for u in applied if u.blob] + pruned
+        if durable:
+            self.sync()
 
     def _prune_versions(self, name: str) -> list[str]:
         """Forget versions past ``keep_versions``; on a full disk keep them for the next step's prune (the new

@@ -231,6 +231,7 @@ def int8_add_updates(bodies: Sequence[tuple[memoryview, list[tuple[int, int]], B
     numels = [math.prod(shape) for _, shape in manifest]
     size = max([CHUNK_VALUES] + [n + reach for n in numels])
     staged, values = np.empty(size, dtype=np.int8), np.empty(size, dtype=np.float32)
+    staged_t, values_t = torch.from_numpy(staged), torch.from_numpy(values)
     first = 0
     while first < len(manifest):
         last, room = first + 1, size - numels[first] - reach  # tensors [first, last) make one group
@@ -241,12 +242,17 @@ def int8_add_updates(bodies: Sequence[tuple[memoryview, list[tuple[int, int]], B
         for (codes, scales, block_starts), block, alpha in parsed:
             at = 0
             for t in range(first, last):
-                staged[at:at + numels[t]] = codes[t]
-                padded = _padded(numels[t], block)
-                staged[at + numels[t]:at + padded] = 0
+                numel = numels[t]
+                staged[at:at + numel] = codes[t]
+                padded = numel if numel % block == 0 else _padded(numel, block)
+                if padded != numel:
+                    staged[at + numel:at + padded] = 0
                 at += padded
-            np.multiply(staged[:at].reshape(-1, block), scales[block_starts[first]:block_starts[last], None],
-                        out=values[:at].reshape(-1, block))
+            # code * scale in float32, as int8_decode computes it: exact cast, then one rounding per product
+            # (torch's cast and broadcast multiply took 17 us per 64k values here, numpy's mixed-type one 25)
+            wide = values_t[:at].view(-1, block)
+            wide.copy_(staged_t[:at].view(-1, block))
+            wide.mul_(torch.from_numpy(scales[block_starts[first]:block_starts[last], None]))
             at = 0
             for start, end, run in segments:
                 if run is not None and all(numels[t] % block == 0 for t in range(start, end)):  # no padding inside

@@ -50,7 +50,8 @@ class AggregationSteps:
     The policy (``--updates-per-step``: fedasync applies each update, fedbuff K at a time) and the
     maths (``coordinator.aggregation``) meet here; every step is written through the store, so a
     step either commits whole (version row + updates marked applied) or leaves nothing.
-    Callers hold ``store.expert_lock(name)`` around ``run_locked`` and ``prepare``.
+    Callers hold ``store.expert_lock(name)`` around ``run_locked`` and ``prepare``, and call ``store.sync()``
+    after letting go of it (a step's rows are made durable, and the payloads it applied deleted, there).
     """
 
     def __init__(self, store: ExpertStore, config: CoordinatorConfig, on_step: Callable[[float], None]) -> None:
@@ -103,6 +104,7 @@ class AggregationSteps:
         """Apply whatever steps the pending updates of ``name`` make up."""
         with self.store.expert_lock(name):
             self.run_locked(name)
+        self.store.sync()  # the steps' rows durable, then the payloads they applied deleted (after the lock)
 
     def run_locked(self, name: str, prepared: PreparedStep | None = None) -> None:
         """``run`` under the expert's lock; ``prepared`` is used if it is the first step's batch."""
@@ -137,7 +139,8 @@ class AggregationSteps:
         loss = _mean_loss(batch)
         try:
             self.store.commit_version(name, expert.version + 1, written, batch, loss, events=(audit.version_applied(
-                name, expert.version + 1, [u.update_id for u in batch], [u.staleness for u in updates], loss),))
+                name, expert.version + 1, [u.update_id for u in batch], [u.staleness for u in updates], loss),),
+                durable=False)  # callers sync after letting go of the expert's lock
         except StaleAggregation as exc:
             log.warning("dropped an aggregation step of %s: %s", name, exc)
             return False

@@ -63,3 +63,18 @@ def test_stamped_bodies_are_distinct_and_still_decode():
     assert len({body, a, b}) == 3 and len(a) == len(body)
     assert decode_update(a, manifest, make_codec("int8", {}))  # still a valid update of the same shapes
     assert stamped(body, 5, "int4") is body  # other codecs: sent as they are
+
+
+def test_pool_bodies_send_the_stamped_bytes_with_their_digest():
+    from bench.loadgen import PoolBody, stamped
+    from protocol.integrity import digest_header
+
+    body = bytes(range(256)) * 40
+    for codec, algorithm in (("int8", "blake3"), ("int8", "sha256"), ("int4", "blake3")):
+        pooled = PoolBody(body, codec, algorithm)
+        for counter in (1, 7, 123_456):
+            parts, digest = pooled.parts(counter)
+            sent = b"".join(parts)
+            assert sent == stamped(body, counter, codec)  # the bytes the copying generator sent
+            assert digest == digest_header(sent, algorithm)  # the digest of all of them, not of the pool's body
+    assert b"".join(PoolBody(body, "int8", "blake3").parts(3)[0])[-4:] == bytes([0, 0, 0, 3])

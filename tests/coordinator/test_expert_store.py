@@ -129,3 +129,16 @@ def test_quarantined_updates_keep_a_copy_and_lose_their_blob(store):
 def test_one_lock_per_expert(store):
     assert store.expert_lock("a") is store.expert_lock("a")
     assert store.expert_lock("a") is not store.expert_lock("b")
+
+
+def test_a_step_committed_without_sync_keeps_its_payloads_until_the_next_sync(store):
+    # A step commits under the expert's lock with durable=False; its caller syncs after letting go of the lock.
+    # Until then the rows that let go of the payload may not be on disk, so the payload must still be there.
+    store.create_expert("a", SPEC, MANIFEST, temp(store, b"v0"))
+    update = add_update(store, "a", "u1", b"delta")
+    store.commit_version("a", 1, temp(store, b"v1"), [update], None, durable=False)
+    assert update.blob in stored_digests(store)
+    assert read(store, store.weights("a").digest) == b"v1"  # the new version is recorded all the same
+    store.sync()
+    assert update.blob not in stored_digests(store)
+    assert {read(store, d) for d in stored_digests(store)} == {b"v0", b"v1"}
