@@ -231,6 +231,7 @@ def run_mode(name: str, s: Settings, scratch: Path) -> dict[str, Any]:
         ingress = sum(link.proxy.bytes_to_target for link in links)
         egress = sum(link.proxy.bytes_to_client for link in links)
         versions = kept_versions(url)
+        relay_reports = relay_counters(url) if run.relays else []
     failed = [(p.returncode, path) for p, path in zip(run.procs, paths) if p.returncode != 0]
     if failed:
         raise RuntimeError(f"{name}: worker exited {failed[0][0]}:\n"
@@ -241,7 +242,16 @@ def run_mode(name: str, s: Settings, scratch: Path) -> dict[str, Any]:
     return {"mode": name, "root": mode.root or {"aggregation": "fedasync"}, **figures(records),
             "root_ingress_bytes": ingress, "root_egress_bytes": egress, "wall_seconds": round(wall, 1),
             "link_busy_up": round(ingress / capacity, 3), "link_busy_down": round(egress / capacity, 3),
-            "cpu_seconds": cpu, "versions": versions}
+            "cpu_seconds": cpu, "relays": relay_reports, "versions": versions}
+
+
+def relay_counters(url: str) -> list[dict[str, Any]]:
+    """Each relay's last report at the root (bytes received, forwarded, served, fetched; batches)."""
+    client = CoordinatorClient(url)
+    try:
+        return [{k: r.get(k) for k in ("relay_id", "stats", "bytes_saved")} for r in client.relays()]
+    finally:
+        client.close()
 
 
 def versions_bytes(url: str) -> int:
