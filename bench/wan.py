@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """WAN benchmark: flat federation against relay coordinators, over emulated WAN links.
 
-``--sites`` emulated sites (``bench.wanemu``: a network namespace, a veth pair shaped with tbf, a
-delay proxy) each hold ``--workers`` real ``run_worker.py`` processes training one expert on
-tiny-qwen2; the root coordinator runs on this host's loopback, behind each site's 20 Mbit/s,
-50 ms RTT link. Modes (``MODES``; the default runs flat, flat topk+int8, relays + topk+int8
-upstream and relays+adaptive):
+Two emulated sites (``bench.wanemu``: a network namespace, a veth pair shaped with tbf, a delay
+proxy) each hold three real ``run_worker.py`` processes training one expert; the root coordinator
+runs on this host's loopback, behind each site's 20 Mbit/s, 50 ms RTT link. The link is the site's:
+its three workers (or its relay) share the one veth pair and its tbf, as they would share a site's
+uplink. Modes (``MODES``; the defaults are per base model, ``DEFAULT_MODES``):
 
 - ``flat``: every worker talks to the root over its site's link (uncompressed pushes); the root
   aggregates with FedBuff over K=3 (the group size), the fair baseline: flat fedasync applies each
@@ -15,8 +15,19 @@ upstream and relays+adaptive):
   site's workers reach it on the namespace's loopback (fast), and only the relay crosses the WAN,
   forwarding one combined update per expert per ``--forward-interval`` (lossless);
 - ``relays + topk+int8 upstream``: the same, the relay compressing the long link (error feedback);
-- ``relays+adaptive``: that, with the workers on ``--compression auto --sync-budget 2``.
+- ``relays+adaptive``: that, with the workers on ``--compression auto --sync-budget 2``;
+- on smollm2-135m: ``flat randomk+terngrad`` (the best fixed codec measured on that model: random-k
+  10% + TernGrad, unbiased, no error feedback, each worker its own selection seed), and
+  ``relays+adaptive (int8 upstream)`` (the relays' long link in int8 with error feedback, +0.00% on
+  smollm2-135m in docs/benchmarks.md, where top-k + int8 kept ~10% of the gain).
 
+Two regimes. tiny-qwen2 (``--quick``, and the default) is compute-bound: a 150 KB update is ~8% of
+a sync. ``--base-model smollm2-135m`` is built to be link-bound: a 9.8 MB LoRA update (rank 8, all
+seven projections), batch 1 of 32 tokens, one torch thread per worker, a sync after every step
+(``--sync-interval 1``) and ``--no-overlap`` (training waits for its sync, so a slow link costs
+training time instead of being hidden behind it; with overlap on 2 shared cores the workers keep the
+CPU busy in every mode and the link only changes how stale the updates are). One step is ~0.5 CPU s,
+while three workers' pushes and pulls of 9.8 MB each over a 2.5 MB/s site link take ~24 s.
 Reported per mode: root ingress and egress bytes (counted on the wire by the proxies, headers
 included), syncs, and time to a target held-out loss. Held-out loss is measured after the run,
 off the clock, on every version the root kept (weights pulled by version, evaluated on the
@@ -25,8 +36,10 @@ is from the expert's creation (version 0) to the first version at or below it (N
 
     python -m bench.wan --quick      # 2 sites x 3 workers, 40 s per mode (~10 min for 4 modes)
     python -m bench.wan              # 2 sites x 3 workers, 120 s per mode (~20 min)
+    python -m bench.wan --base-model smollm2-135m   # link-bound, 150 s per mode (~30 min for 4 modes)
 
-Needs root (network namespaces). Table on stdout, progress on stderr, results in bench/results/wan.json.
+Needs root (network namespaces). Table on stdout, progress on stderr, results in bench/results/wan.json
+(``--quick``: wan_quick.json).
 """
 from __future__ import annotations
 
@@ -40,8 +53,9 @@ import sys
 import tempfile
 import threading
 import time
+import zlib
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +69,10 @@ log = logging.getLogger("bench.wan")
 ROOT = Path(__file__).resolve().parents[1]
 SPECIALTY = "sql_expert"
 TOPK_INT8 = ["--compression", "topk+int8", "--compression-config", '{"ratio": 0.05}']
+SEED = "@SEED@"
+"""Replaced in a mode's worker flags by a seed of the worker's own (a hash of its id)."""
+RANDOMK_TERNGRAD = ["--compression", "randomk+terngrad", "--no-error-feedback", "--compression-config",
+                    '{"randomk": {"ratio": 0.1, "rescale": true, "seed": @SEED@}, "terngrad": {"seed": @SEED@}}']
 
 
 @dataclass(frozen=True)
@@ -74,6 +92,7 @@ class Mode:
 # oscillated (an effective step ~6x with 6 workers: docs/wan.md), which would flatter the relays.
 FLAT_FEDBUFF = {"aggregation": "fedbuff", "buffer_size": 3}
 TOPK_UPSTREAM = ["--forward-compression", "topk+int8", "--forward-compression-config", '{"ratio": 0.05}']
+AUTO = ["--compression", "auto", "--sync-budget", "2"]
 
 MODES: dict[str, Mode] = {
     "flat": Mode(["--compression", "safetensors"], root=FLAT_FEDBUFF),
@@ -84,10 +103,14 @@ MODES: dict[str, Mode] = {
     "relays + topk+int8 upstream": Mode(["--compression", "safetensors"], relays=TOPK_UPSTREAM),
     # workers pick their codec per sync for --sync-budget (lossless on the site LAN, as it measures it);
     # the relays compress the long link
-    "relays+adaptive": Mode(["--compression", "auto", "--sync-budget", "2"], relays=TOPK_UPSTREAM,
-                            needs="--sync-budget"),
+    "relays+adaptive": Mode(AUTO, relays=TOPK_UPSTREAM, needs="--sync-budget"),
+    # smollm2-135m: random-k 10% + TernGrad matched fp32 within 0.15% at 143x there, top-k + int8 kept ~10%
+    # of the gain (docs/benchmarks.md), so that is its best fixed codec, and the relays' lossy codec is int8
+    "flat randomk+terngrad": Mode(RANDOMK_TERNGRAD, root=FLAT_FEDBUFF),
+    "relays+adaptive (int8 upstream)": Mode(AUTO, relays=["--forward-compression", "int8"], needs="--sync-budget"),
 }
-DEFAULT_MODES = ["flat", "flat topk+int8", "relays + topk+int8 upstream", "relays+adaptive"]
+DEFAULT_MODES = {"tiny-qwen2": ["flat", "flat topk+int8", "relays + topk+int8 upstream", "relays+adaptive"],
+                 "smollm2-135m": ["flat", "flat randomk+terngrad", "relays", "relays+adaptive (int8 upstream)"]}
 
 
 @dataclass(frozen=True)
@@ -98,7 +121,19 @@ class Settings:
     duration: float
     """Seconds each worker trains."""
     sync_interval: float
-    """Seconds between a worker's syncs (and a relay's forwards)."""
+    """Seconds between a worker's syncs."""
+    base_model: str = "tiny-qwen2"
+    batch_size: int = 4
+    max_seq_len: int = 64
+    threads: int | None = None
+    """--threads of each worker (None: run_worker.py's default)."""
+    overlap: bool = True
+    """False: --no-overlap (training waits for each sync)."""
+    forward_interval: float | None = None
+    """Seconds between a relay's forwards (None: sync_interval)."""
+    max_eval_versions: int = 0
+    """Evaluate at most this many of a mode's kept versions, evenly spaced, then every version between the
+    last one above a target and the first at or below it (0: every version)."""
     rate_mbit: float = 20.0
     """Bandwidth of a site's link to the root, each way."""
     rtt_ms: float = 50.0
@@ -113,11 +148,25 @@ class Run:
     relays: list[subprocess.Popen] = field(default_factory=list)
 
 
+PRESETS: dict[str, Settings] = {
+    "quick": Settings(sites=2, workers=3, duration=40, sync_interval=8),
+    "tiny-qwen2": Settings(sites=2, workers=3, duration=120, sync_interval=10),
+    # link-bound: see the module docstring; held-out examples at 32 tokens cost ~0.15 CPU s each
+    "smollm2-135m": Settings(sites=2, workers=3, duration=150, sync_interval=1, base_model="smollm2-135m",
+                             batch_size=1, max_seq_len=32, threads=1, overlap=False, forward_interval=10,
+                             heldout=36, max_eval_versions=14),
+}
+
+
 def worker_command(name: str, url: str, results: Path, flags: list[str], s: Settings) -> list[str]:
-    return [sys.executable, str(ROOT / "run_worker.py"), "--specialty", SPECIALTY, "--base-model", "tiny-qwen2",
+    seed = str(zlib.crc32(name.encode()) or 1)  # a codec seed of 0 means "unseeded"
+    extra = ([] if s.threads is None else ["--threads", str(s.threads)]) + ([] if s.overlap else ["--no-overlap"])
+    return [sys.executable, str(ROOT / "run_worker.py"), "--specialty", SPECIALTY, "--base-model", s.base_model,
             "--device", "cpu", "--coordinator-url", url, "--worker-id", name, "--results", str(results),
             "--state-dir", str(results.with_suffix(".state")), "--duration", str(s.duration),
-            "--sync-interval", str(s.sync_interval), "--batch-size", "4", "--max-seq-len", "64", *flags]
+            "--sync-interval", str(s.sync_interval), "--batch-size", str(s.batch_size),
+            "--max-seq-len", str(s.max_seq_len), "--no-heldout-eval", *extra,
+            *[flag.replace(SEED, seed) for flag in flags]]
 
 
 def start_relay(link: WanLink, index: int, flags: list[str], s: Settings, scratch: Path,
@@ -125,7 +174,7 @@ def start_relay(link: WanLink, index: int, flags: list[str], s: Settings, scratc
     """A relay inside the site's namespace, upstream over the site's WAN link; its URL inside the site."""
     proc = link.site.popen([sys.executable, str(ROOT / "run_coordinator.py"), "--host", "127.0.0.1", "--port", "0",
                             "--data-dir", str(scratch / f"relay-{index}"), "--upstream", link.url,
-                            "--relay-id", f"site-{index}", "--forward-interval", str(s.sync_interval),
+                            "--relay-id", f"site-{index}", "--forward-interval", str(forward_interval(s)),
                             "--rate-limit", "0", *flags],
                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
@@ -136,6 +185,10 @@ def start_relay(link: WanLink, index: int, flags: list[str], s: Settings, scratc
             threading.Thread(target=lines.extend, args=(proc.stdout,), daemon=True).start()  # keep the pipe drained
             return proc, url
     raise RuntimeError(f"relay {index} exited before listening:\n{''.join(lines[-20:])}")
+
+
+def forward_interval(s: Settings) -> float:
+    return s.sync_interval if s.forward_interval is None else s.forward_interval
 
 
 def run_mode(name: str, s: Settings, scratch: Path) -> dict[str, Any]:
@@ -160,12 +213,15 @@ def run_mode(name: str, s: Settings, scratch: Path) -> dict[str, Any]:
                     run.relays.append(proc)
                 for i in range(s.workers):
                     path = paths[site * s.workers + i]
-                    run.procs.append(link.site.popen(worker_command(f"wan-{site}-{i}", target, path, mode.workers, s),
-                                                     cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                                                     stderr=subprocess.PIPE, text=True))
-            errors = [p.communicate(timeout=s.duration + 900)[1] for p in run.procs]  # start-up under load
-            if run.relays:
-                time.sleep(s.sync_interval + 2)  # the relays' last forward
+                    with path.with_suffix(".log").open("w") as log_file:  # a file: 6 pipes read in turn could fill
+                        run.procs.append(link.site.popen(
+                            worker_command(f"wan-{site}-{i}", target, path, mode.workers, s), cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=log_file))
+            deadline = time.monotonic() + s.duration + 900  # start-up under load
+            for p in run.procs:
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
+            if run.relays:  # the relays' last forward, and its transfer
+                time.sleep(forward_interval(s) + 2 + 3 * link_seconds(versions_bytes(url), s))
         finally:
             for p in run.procs + run.relays:
                 if p.poll() is None:
@@ -175,14 +231,42 @@ def run_mode(name: str, s: Settings, scratch: Path) -> dict[str, Any]:
         ingress = sum(link.proxy.bytes_to_target for link in links)
         egress = sum(link.proxy.bytes_to_client for link in links)
         versions = kept_versions(url)
-    failed = [(p.returncode, e) for p, e in zip(run.procs, errors) if p.returncode != 0]
+        relay_reports = relay_counters(url) if run.relays else []
+    failed = [(p.returncode, path) for p, path in zip(run.procs, paths) if p.returncode != 0]
     if failed:
-        raise RuntimeError(f"{name}: worker exited {failed[0][0]}:\n{failed[0][1][-3000:]}")
+        raise RuntimeError(f"{name}: worker exited {failed[0][0]}:\n"
+                           f"{failed[0][1].with_suffix('.log').read_text()[-3000:]}")
     records = [json.loads(line) for p in paths for line in p.read_text().splitlines()]
     cpu = {k: round(v - cpu_before[k], 1) for k, v in _cpu_seconds().items()}
+    capacity = s.sites * s.rate_mbit * 1e6 / 8 * wall  # bytes the site links could carry each way in the run
     return {"mode": name, "root": mode.root or {"aggregation": "fedasync"}, **figures(records),
             "root_ingress_bytes": ingress, "root_egress_bytes": egress, "wall_seconds": round(wall, 1),
-            "cpu_seconds": cpu, "versions": versions}
+            "link_busy_up": round(ingress / capacity, 3), "link_busy_down": round(egress / capacity, 3),
+            "cpu_seconds": cpu, "relays": relay_reports, "versions": versions}
+
+
+def relay_counters(url: str) -> list[dict[str, Any]]:
+    """Each relay's last report at the root (bytes received, forwarded, served, fetched; batches)."""
+    client = CoordinatorClient(url)
+    try:
+        return [{k: r.get(k) for k in ("relay_id", "stats", "bytes_saved")} for r in client.relays()]
+    finally:
+        client.close()
+
+
+def versions_bytes(url: str) -> int:
+    """Size of the expert's full weights at the root (0 before it exists)."""
+    client = CoordinatorClient(url)
+    try:
+        return sum(t.numel() * t.element_size() for t in client.pull_weights(SPECIALTY).tensors.values())
+    except Exception:  # noqa: BLE001 - only sizes a wait
+        return 0
+    finally:
+        client.close()
+
+
+def link_seconds(nbytes: int, s: Settings) -> float:
+    return nbytes / (s.rate_mbit * 1e6 / 8)
 
 
 def _cpu_seconds() -> dict[str, float]:
@@ -229,30 +313,57 @@ def figures(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def evaluate(rows: list[dict[str, Any]], s: Settings) -> None:
-    """Held-out loss of every kept version (off the clock), then each mode's time to the target."""
+    """Held-out loss of the kept versions (off the clock), then each mode's time to the target.
+
+    With ``s.max_eval_versions`` only that many versions per mode are evaluated at first (evenly spaced,
+    the first and last included); then, for each target, every version between a mode's last evaluated
+    one above it and its first at or below it, so the time to target is that of the first version that
+    reaches it, as if all were evaluated (unless an unevaluated version earlier reached it and a later
+    evaluated one did not: a noisy curve can hide such a dip).
+    """
+    import torch
+
     from worker.models import load_base_model
     from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
 
+    torch.set_num_threads(1)
     domain = next(d for d in sample_suite().domains if d.name == SPECIALTY)
     heldout = list(domain.heldout[:s.heldout])
-    trainer = LoraTrainer(load_base_model("tiny-qwen2"), LoraSettings(), TrainSettings(batch_size=4, max_seq_len=64),
-                          list(domain.train))
-    for row in rows:
-        for v in row["versions"]:
-            trainer.load_adapter_state(v.pop("weights"))
+    trainer = LoraTrainer(load_base_model(s.base_model), LoraSettings(),
+                          TrainSettings(batch_size=s.batch_size, max_seq_len=s.max_seq_len), list(domain.train))
+
+    def loss(v: dict[str, Any]) -> float:
+        if "heldout_loss" not in v:
+            trainer.load_adapter_state(v["weights"])
             v["heldout_loss"] = round(trainer.eval_loss(heldout, batch_size=8), 4)
-        losses = [v["heldout_loss"] for v in row["versions"]]
-        row["heldout_start"], row["heldout_best"] = (losses[0], min(losses)) if losses else (None, None)
-    flat = next(r for r in rows if r["mode"] == "flat")
-    target = flat["heldout_best"]
-    # the held-out curves are noisy (tiny model, 48 examples) and flat's best is often its last version, so
-    # also the time to 90% of flat's gain from the start, a target every mode's curve crosses in the run
-    target90 = round(flat["heldout_start"] - 0.9 * (flat["heldout_start"] - target), 4)
+        return v["heldout_loss"]
+
     for row in rows:
-        hit = [v["seconds"] for v in row["versions"] if v["heldout_loss"] <= target]
-        hit90 = [v["seconds"] for v in row["versions"] if v["heldout_loss"] <= target90]
-        row["target_loss"], row["time_to_target_s"] = target, (round(hit[0], 1) if hit else None)
-        row["target90_loss"], row["time_to_target90_s"] = target90, (round(hit90[0], 1) if hit90 else None)
+        versions = row["versions"]
+        n, k = len(versions), s.max_eval_versions
+        picks = range(n) if not k or n <= k else sorted({round(i * (n - 1) / (k - 1)) for i in range(k)})
+        for i in picks:
+            loss(versions[i])
+    flat = next(r for r in rows if r["mode"] == "flat")
+    flat_losses = [v["heldout_loss"] for v in flat["versions"] if "heldout_loss" in v]
+    start, target = flat_losses[0], min(flat_losses)
+    # the held-out curves are noisy and flat's best is often its last version, so also the time to 90%
+    # of flat's gain from the start, a target every mode's curve crosses in the run
+    target90 = round(start - 0.9 * (start - target), 4)
+    for row in rows:
+        versions = row["versions"]
+        for key, goal in (("time_to_target_s", target), ("time_to_target90_s", target90)):
+            first = next((i for i, v in enumerate(versions) if v.get("heldout_loss", goal + 1) <= goal), None)
+            if first is not None:  # the versions skipped just before it: one of them may be the first
+                before = max((i for i, v in enumerate(versions[:first]) if "heldout_loss" in v), default=-1)
+                first = next(i for i in range(before + 1, first + 1) if loss(versions[i]) <= goal)
+            row[key] = round(versions[first]["seconds"], 1) if first is not None else None
+        row["target_loss"], row["target90_loss"] = target, target90
+        evaluated = [v["heldout_loss"] for v in versions if "heldout_loss" in v]
+        row["heldout_start"], row["heldout_best"] = (evaluated[0], min(evaluated)) if evaluated else (None, None)
+        row["versions_kept"], row["versions_evaluated"] = len(versions), len(evaluated)
+        for v in versions:
+            v.pop("weights", None)
 
 
 def available(mode: Mode) -> bool:
@@ -263,36 +374,67 @@ def available(mode: Mode) -> bool:
     return mode.needs in help_text
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="40 s of training per mode")
-    parser.add_argument("--modes", default=",".join(DEFAULT_MODES),
-                        help=f"comma list of modes of {list(MODES)} (default: %(default)s)")
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Settings] | str:
+    """The flags and the settings they make, or an error line."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny-qwen2, 40 s of training per mode")
+    parser.add_argument("--base-model", choices=["tiny-qwen2", "smollm2-135m"], default="tiny-qwen2",
+                        help="the workers' model and its preset (smollm2-135m: the link-bound regime)")
+    parser.add_argument("--modes", default=None,
+                        help=f"comma list of modes of {list(MODES)} (default: the model's, {DEFAULT_MODES})")
+    parser.add_argument("--duration", type=float, default=None, help="seconds each worker trains (default: preset's)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="results JSON (default: bench/results/wan.json, wan_quick.json with --quick)")
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args(argv)
+    if args.quick and args.base_model != "tiny-qwen2":
+        return "--quick is the tiny-qwen2 preset; drop --quick or --base-model"
+    s = PRESETS["quick" if args.quick else args.base_model]
+    if args.duration is not None:
+        if not args.duration > 0:
+            return f"--duration must be positive, got {args.duration}"
+        s = replace(s, duration=args.duration)
+    names = [m.strip() for m in (args.modes or ",".join(DEFAULT_MODES[s.base_model])).split(",") if m.strip()]
+    unknown = [m for m in names if m not in MODES]
+    if unknown or "flat" not in names:
+        return f"--modes must include flat and name only {list(MODES)}, got {names}"
+    args.modes = names
+    args.out = args.out or RESULTS_DIR / ("wan_quick.json" if args.quick else "wan.json")
+    return args, s
+
+
+def main(argv: list[str] | None = None) -> int:
+    parsed = parse_args(argv)
+    if isinstance(parsed, str):
+        print(f"error: {parsed}", file=sys.stderr)
+        return 2
+    args, s = parsed
     configure_logging(args.verbose)
     try:
         check_available()
     except NamespaceUnavailable as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    names = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = [m for m in names if m not in MODES]
-    if unknown or "flat" not in names:
-        print(f"error: --modes must include flat and name only {list(MODES)}, got {names}", file=sys.stderr)
-        return 2
-    s = Settings(sites=2, workers=3, duration=40, sync_interval=8) if args.quick else \
-        Settings(sites=2, workers=3, duration=120, sync_interval=10)
     rows, skipped = [], {}
+    started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="fedmoe-wan-", dir=SCRATCH_DIR) as scratch:
-        for name in names:
+        for name in args.modes:
             if not available(MODES[name]):
                 skipped[name] = f"run_worker.py has no --compression {MODES[name].needs} on this branch"
                 log.warning("%s: skipped (%s)", name, skipped[name])
                 continue
-            log.info("%s: %d sites x %d workers over %.0f Mbit/s, %.0f ms RTT", name, s.sites, s.workers,
-                     s.rate_mbit, s.rtt_ms)
-            rows.append(run_mode(name, s, Path(scratch)))
+            log.info("%s: %d sites x %d %s workers over %.0f Mbit/s, %.0f ms RTT", name, s.sites, s.workers,
+                     s.base_model, s.rate_mbit, s.rtt_ms)
+            try:
+                rows.append(run_mode(name, s, Path(scratch)))
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:  # keep the other modes' figures
+                if name == "flat":
+                    raise
+                skipped[name] = f"failed: {str(exc)[-2000:]}"
+                log.error("%s: failed, going on without it: %s", name, exc)
+                continue
+            log.info("%s: done, %d versions kept, root ingress %d bytes", name, len(rows[-1]["versions"]),
+                     rows[-1]["root_ingress_bytes"])
     evaluate(rows, s)
     base = next(r for r in rows if r["mode"] == "flat")
     for r in rows:
@@ -300,13 +442,15 @@ def main(argv: list[str] | None = None) -> int:
         for key in ("time_to_target_s", "time_to_target90_s"):
             hit, flat_hit = r[key], base[key]
             r[key.replace("time_to", "speedup")] = round(flat_hit / hit, 2) if hit and flat_hit else None
-    keys = ["mode", "syncs", "root_ingress_bytes", "ingress_vs_flat", "root_egress_bytes", "heldout_best",
-            "time_to_target_s", "speedup_target_s", "time_to_target90_s", "speedup_target90_s", "push_seconds_median",
-            "blocked_seconds_median", "train_seconds_median"]
+    keys = ["mode", "syncs", "steps_total", "root_ingress_bytes", "ingress_vs_flat", "root_egress_bytes",
+            "link_busy_up", "link_busy_down", "heldout_best", "time_to_target_s", "speedup_target_s",
+            "time_to_target90_s", "speedup_target90_s", "sync_seconds_median", "push_seconds_median",
+            "pull_seconds_median", "train_seconds_median"]
     print(format_table(keys, [[r[k] for k in keys] for r in rows]))
-    write_json_atomic(RESULTS_DIR / "wan.json", {"settings": asdict(s), "quick": args.quick, "results": rows,
-                                                 "skipped": skipped,
-                                                 "note": "measured on a shared 2-core machine under heavy load"})
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(args.out, {"settings": asdict(s), "quick": args.quick, "results": rows, "skipped": skipped,
+                                 "seconds": round(time.monotonic() - started, 1),
+                                 "note": "measured on a shared 2-core machine under load"})
     return 0
 
 

@@ -8,12 +8,18 @@ Throughput is the *effective* rate of whole requests (bytes / seconds, latency a
 included), smoothed. That is pessimistic for small transfers, but self-correcting: a push sized
 to ``budget * rate`` takes ``latency + bytes / bandwidth``; if that is under the budget the next
 estimate rises, and the sizes settle where a push takes the budget (bytes = (budget - latency) *
-bandwidth). Starting from a conservative guess, each sync grows the push by up to budget/latency.
+bandwidth). Starting from a conservative guess, each sync grows the push by up to budget/latency,
+and by at most ``GROWTH``.
 
 The ladder, best quality first: fp32 safetensors (exact, 4 bytes a parameter), fp16 (2), int8
-(~1.07), then random-k + TernGrad with the ratio solved for the bytes allowed (0.25 bytes per kept
-entry: a 2-bit code, no indices, as the selection is regenerated from a seed in the payload), from
-all entries down to ``LOSSY.min_ratio``. The dense rungs keep the worker's error feedback; the
+(~1.07), int4 (~0.57), then random-k + TernGrad with the ratio solved for the bytes allowed (0.25
+bytes per kept entry: a 2-bit code, no indices, as the selection is regenerated from a seed in the
+payload), from all entries down to ``LOSSY.min_ratio``. Neighbouring rungs are at most ~2.3x apart
+in size, and the bytes allowed may grow by at most ``GROWTH`` (2.5x) over the largest push timed so
+far, so one push can climb one rung but never jump from the random-k rung to fp16: a small push that
+finished inside a token bucket's burst (tbf, or a NIC's) looks far faster than the link is, and
+without the cap the next push was sized to that rate (an fp16 push of 8-9 s against a 1 s budget
+in bench.adaptive, docs/wan.md). The dense rungs keep the worker's error feedback; the
 random-k rung sends an unbiased estimate (kept values scaled by numel/k) and no residual, since on
 the pretrained smollm2-135m random-k 10% + TernGrad without error feedback matched fp32 within
 0.15% at 143x while top-k 1% + int8 with error feedback (the old last rung) kept ~10% of the
@@ -37,10 +43,17 @@ SMOOTHING = 0.5
 
 # Wire sizes, measured on LoRA adapters of tiny-qwen2 and smollm2-135m (docs/wan.md): bytes per
 # parameter, and per tensor (headers and block scales).
-RAW_BYTES, FP16_BYTES, INT8_BYTES = 4.0, 2.0, 1.07
-TENSOR_OVERHEAD = {RAW_CODEC: 72, "fp16": 24, "int8": 24}
-DENSE = ((RAW_CODEC, RAW_BYTES), ("fp16", FP16_BYTES), ("int8", INT8_BYTES))
-PULL_DIFFS = (("fp16", FP16_BYTES), ("int8", INT8_BYTES), ("int4", 0.57))
+# int4: 0.5625 (a 4-bit code and a 4-byte scale per 64 values) and ~5 bytes per tensor, measured on
+# both presets' adapters; 24 per tensor kept as for int8 (over-estimating is the safe side).
+RAW_BYTES, FP16_BYTES, INT8_BYTES, INT4_BYTES = 4.0, 2.0, 1.07, 0.57
+TENSOR_OVERHEAD = {RAW_CODEC: 72, "fp16": 24, "int8": 24, "int4": 24}
+DENSE = ((RAW_CODEC, RAW_BYTES), ("fp16", FP16_BYTES), ("int8", INT8_BYTES), ("int4", INT4_BYTES))
+"""The dense rungs, with error feedback (int4 was +0.00% of fp32 on tiny-qwen2 in round 1 of docs/benchmarks.md)."""
+PULL_DIFFS = (("fp16", FP16_BYTES), ("int8", INT8_BYTES), ("int4", INT4_BYTES))
+GROWTH = 2.5
+"""A push may be at most this many times the largest push timed so far: the largest step between
+neighbouring rungs (int4 over random-k at every entry: 0.57 / 0.25 = 2.3), so the ladder is climbed
+one rung per push, and the rate measured on a push that fit in a burst cannot size the next one."""
 
 
 @dataclass(frozen=True)
@@ -103,11 +116,14 @@ class LinkEstimate:
     bytes_per_second: float = CONSERVATIVE_BYTES_PER_SECOND
     observed: int = 0
     """Transfers timed so far (0: the value is the starting guess)."""
+    largest: int = 0
+    """The largest transfer timed so far, in bytes (what ``GROWTH`` caps a push against)."""
 
     def observe(self, nbytes: int, seconds: float) -> None:
         """Fold in one timed request of ``nbytes`` (ignored if it has no bytes or no duration)."""
         if nbytes <= 0 or not seconds > 0:
             return
+        self.largest = max(self.largest, nbytes)
         rate = nbytes / seconds
         if self.observed == 0:
             self.bytes_per_second = rate
@@ -118,6 +134,12 @@ class LinkEstimate:
 
     def bytes_within(self, seconds: float) -> float:
         return self.bytes_per_second * seconds
+
+    def push_allowance(self, seconds: float) -> float:
+        """Bytes a push may have to take ``seconds``: the rate's worth, at most ``GROWTH`` x the largest
+        transfer timed so far (no cap before the first: the starting guess is already conservative)."""
+        allowed = self.bytes_within(seconds)
+        return min(allowed, GROWTH * self.largest) if self.largest else allowed
 
 
 @dataclass(frozen=True)
@@ -147,9 +169,10 @@ def choose_push(numel: int, tensors: int, budget_s: float, link: LinkEstimate, s
     """The best-quality codec whose update of ``numel`` parameters in ``tensors`` tensors fits the budget.
 
     ``seed``: the worker's own seed for the random-k rung's selection (options ``seed``), so workers
-    syncing at the same sync number do not all keep the same entries.
+    syncing at the same sync number do not all keep the same entries. The bytes allowed are the
+    budget's worth at the measured rate, capped at ``GROWTH`` x the largest push timed so far.
     """
-    allowed = link.bytes_within(budget_s)
+    allowed = link.push_allowance(budget_s)
     for codec, per_param in DENSE:
         expected = dense_bytes(codec, per_param, numel, tensors)
         if expected <= allowed:

@@ -20,6 +20,7 @@ import hashlib
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -86,6 +87,7 @@ class Forwarder:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._cycle_lock = threading.Lock()
+        self._clock: Callable[[], float] = time.monotonic
         self._thread: threading.Thread | None = None
         self.upstream_reachable = True
 
@@ -100,11 +102,16 @@ class Forwarder:
             self._thread.join(timeout=30)
 
     def _loop(self) -> None:
+        """A cycle every ``policy.interval`` from the start of the one before (back to back when a cycle
+        takes longer), or at once when woken. Waiting the interval after each cycle made the period
+        interval + cycle: 35 s, not 10, for 9.8 MB batches on a loaded machine (docs/wan.md)."""
+        due = self._clock() + self.policy.interval
         while not self._stop.is_set():
-            self._wake.wait(self.policy.interval)
+            self._wake.wait(max(0.0, due - self._clock()))
             self._wake.clear()
             if self._stop.is_set():
                 return
+            due = self._clock() + self.policy.interval
             try:
                 self.forward_once()
             except Exception:  # noqa: BLE001 - the loop must outlive one bad cycle; the next retries

@@ -33,7 +33,8 @@ def test_smallest_run_compares_auto_with_fixed_codecs_of_the_same_bytes(tmp_path
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     records = {r["name"]: r for r in report["records"]}
-    assert list(records) == ["auto", "randomk+terngrad same bytes", "topk+int8 same bytes", "int8", "safetensors"]
+    assert list(records) == ["auto", "randomk+terngrad same bytes", "topk+int8 same bytes", "int4", "int8",
+                             "safetensors"]
     for r in records.values():
         assert r["pushes"] == 1 and sum(r["codecs"].values()) == 1 and r["heldout_loss"] > 0
         assert r["link_bytes_up"] > r["bytes_up"] > 0  # the proxy counts every request on the wire, headers too
@@ -41,9 +42,11 @@ def test_smallest_run_compares_auto_with_fixed_codecs_of_the_same_bytes(tmp_path
     assert same["codecs"] == {"topk+int8": 1} and same["config"] == {"ratio": report["same_bytes_ratio"]["topk+int8"]}
     rk = records["randomk+terngrad same bytes"]
     assert rk["codecs"] == {"randomk+terngrad": 1} and rk["config"]["ratio"] == report["same_bytes_ratio"]["randomk+terngrad"]
-    assert report["best_same_bytes"] in ("randomk+terngrad same bytes", "topk+int8 same bytes")
-    assert set(report["auto_vs_same_bytes_loss"]) == {"randomk+terngrad same bytes", "topk+int8 same bytes"}
+    assert report["best_same_bytes"] in report["auto_vs_same_bytes_loss"]
+    assert {"randomk+terngrad same bytes", "topk+int8 same bytes"} <= set(report["auto_vs_same_bytes_loss"])
+    assert set(report["auto_vs_fixed_loss"]) == set(records) - {"auto"}
     raw = records["safetensors"]
     assert 4 * raw["numel"] < raw["bytes_up"] < 4 * raw["numel"] + 200 * raw["tensors"]  # fp32 + a header naming each tensor
     assert records["safetensors"]["bytes_up"] > 3.7 * records["int8"]["bytes_up"]  # fp32 vs ~1.06 bytes a parameter
+    assert records["int8"]["bytes_up"] > 1.8 * records["int4"]["bytes_up"]  # vs ~0.57
     assert "held-out loss" in proc.stdout and "auto" in proc.stdout

@@ -1,0 +1,49 @@
+"""bench.wan's flags and worker command lines (the runs themselves take minutes of namespaces: docs/wan.md)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.wan import DEFAULT_MODES, MODES, PRESETS, worker_command
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--quick", "--base-model", "smollm2-135m"], "error: --quick is the tiny-qwen2 preset; drop --quick or --base-model"),
+    (["--duration", "0"], "error: --duration must be positive, got 0.0"),
+    (["--modes", "relays"], "error: --modes must include flat and name only"),
+    (["--modes", "flat,nope"], "error: --modes must include flat and name only"),
+])
+def test_bad_flags_answer_with_one_line(flags, message):
+    proc = subprocess.run([sys.executable, "-m", "bench.wan", *flags], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert proc.stderr.startswith(message)
+
+
+def test_every_default_mode_exists_and_starts_with_the_flat_baseline():
+    for names in DEFAULT_MODES.values():
+        assert names[0] == "flat" and set(names) <= set(MODES)
+
+
+def test_the_smollm2_preset_is_the_link_bound_one_and_seeds_each_worker_s_codec(tmp_path):
+    s = PRESETS["smollm2-135m"]
+    flags = MODES["flat randomk+terngrad"].workers
+    commands = [worker_command(name, "http://10.0.0.1:1", tmp_path / f"{name}.jsonl", flags, s)
+                for name in ("wan-0-0", "wan-0-1")]
+    for argv in commands:
+        assert argv[argv.index("--base-model") + 1] == "smollm2-135m"
+        assert argv[argv.index("--threads") + 1] == "1" and "--no-overlap" in argv and "--no-heldout-eval" in argv
+        assert argv[argv.index("--batch-size") + 1] == "1" and argv[argv.index("--max-seq-len") + 1] == "32"
+        assert "--no-error-feedback" in argv
+    configs = [json.loads(argv[argv.index("--compression-config") + 1]) for argv in commands]
+    seeds = [(c["randomk"]["seed"], c["terngrad"]["seed"]) for c in configs]
+    assert all(a == b > 0 for a, b in seeds) and seeds[0] != seeds[1]  # each worker keeps its own entries
+    assert all(c["randomk"]["ratio"] == 0.1 and c["randomk"]["rescale"] is True for c in configs)
+    tiny = worker_command("w", "http://10.0.0.1:1", tmp_path / "w.jsonl", MODES["flat"].workers, PRESETS["quick"])
+    assert "--no-overlap" not in tiny and "--threads" not in tiny  # the tiny presets are unchanged
