@@ -88,7 +88,8 @@ def parse_arm(spec: str, total_steps: int, workers: int) -> Arm:
         try:
             value = allowed[key](raw)
         except ValueError:
-            raise ValueError(f"arm {spec!r}: {key} must be a number, got {raw!r}") from None
+            kind = "0 or 1" if key == "fresh_adam" else "an integer" if allowed[key] is int else "a number"
+            raise ValueError(f"arm {spec!r}: {key} must be {kind}, got {raw!r}") from None
         if key == "fresh_adam" and value not in (0, 1):
             raise ValueError(f"arm {spec!r}: fresh_adam must be 0 or 1, got {raw!r}")
         if key != "fresh_adam" and not (value > 0 and math.isfinite(value)):

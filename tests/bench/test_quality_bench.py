@@ -234,7 +234,8 @@ def test_fvc_sweep_arms_parse_or_say_why():
     for spec, message in [("fed:rounds=3", "18 steps, not the 24"), ("local:lr=1", "must start with"),
                           ("central:rounds=2", "is not one of lr=..."), ("fed:lr=x", "lr must be a number"),
                           ("fed:server_lr=0", "server_lr must be positive"), ("fed:lr", "is not one of"),
-                          ("fed:fresh_adam=2", "fresh_adam must be 0 or 1")]:
+                          ("fed:fresh_adam=2", "fresh_adam must be 0 or 1"),
+                          ("fed:fresh_adam=0.5", "fresh_adam must be 0 or 1"), ("fed:rounds=1.5", "rounds must be an integer")]:
         with pytest.raises(ValueError, match=message):
             parse_arm(spec, 24, 3)
 
