@@ -85,13 +85,13 @@ def parse_arm(spec: str, total_steps: int, workers: int) -> Arm:
         key, eq, raw = item.partition("=")
         if not eq or key not in allowed:
             raise ValueError(f"arm {spec!r}: {item!r} is not one of {', '.join(f'{k}=...' for k in allowed)}")
+        expected = "0 or 1" if key == "fresh_adam" else "an integer" if allowed[key] is int else "a number"
         try:
             value = allowed[key](raw)
         except ValueError:
-            kind = "0 or 1" if key == "fresh_adam" else "an integer" if allowed[key] is int else "a number"
-            raise ValueError(f"arm {spec!r}: {key} must be {kind}, got {raw!r}") from None
+            raise ValueError(f"arm {spec!r}: {key} must be {expected}, got {raw!r}") from None
         if key == "fresh_adam" and value not in (0, 1):
-            raise ValueError(f"arm {spec!r}: fresh_adam must be 0 or 1, got {raw!r}")
+            raise ValueError(f"arm {spec!r}: {key} must be {expected}, got {raw!r}")
         if key != "fresh_adam" and not (value > 0 and math.isfinite(value)):
             raise ValueError(f"arm {spec!r}: {key} must be positive, got {raw!r}")
         values[key] = value
@@ -116,7 +116,7 @@ def run_arm(lab: Lab, arm: Arm, train: Sequence, validation: Sequence, seed: int
 
 
 def summarize(records: Sequence[dict[str, Any]], base: dict[str, float]) -> dict[str, Any]:
-    """Per arm: mean validation loss over seeds; gaps to the preset-lr central arm and to the best central arm."""
+    """Per arm: mean validation loss over seeds and its gap to the best central arm."""
     arms: dict[str, dict[str, Any]] = {}
     for label in dict.fromkeys(r["label"] for r in records):
         group = [r for r in records if r["label"] == label]
@@ -125,8 +125,8 @@ def summarize(records: Sequence[dict[str, Any]], base: dict[str, float]) -> dict
                        "seeds": [r["seed"] for r in group]}
     central = {k: v for k, v in arms.items() if v["kind"] == "central"}
     best_central = min(central, key=lambda k: central[k]["loss"]) if central else None
-    for v in arms.values():
-        if best_central:
+    if best_central:
+        for v in arms.values():
             v["vs_best_central_pct"] = pct(v["loss"], central[best_central]["loss"])
     fed = {k: v for k, v in arms.items() if v["kind"] == "fed"}
     return {"base_validation": base, "arms": arms, "best_central": best_central,
