@@ -16,6 +16,7 @@ import math
 import struct
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from protocol.tensors import StateDict
@@ -87,3 +88,26 @@ def contiguous_range(tensors: list[torch.Tensor]) -> torch.Tensor | None:
         expected += 4 * t.numel()
     start = (first.data_ptr() - base.data_ptr()) // 4
     return base.view(-1)[start:start + (expected - first.data_ptr()) // 4]
+
+
+def flat_offsets(tensors: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray] | None:
+    """(the float32 buffer that every one of ``tensors`` is a contiguous view of, as a flat writable numpy array;
+    where each tensor starts in it, in values) if there is one (``load_flat``'s tensors), else None."""
+    if not tensors:
+        return None
+    base = tensors[0]._base
+    if base is None or base.dtype != torch.float32 or not base.is_contiguous() or base.requires_grad:
+        return None
+    start, size = base.data_ptr(), base.numel()
+    offsets = np.empty(len(tensors), dtype=np.int64)
+    for i, t in enumerate(tensors):
+        if t.numel() == 0 and t.dtype == torch.float32:  # nothing to reach (torch may give it a null data_ptr)
+            offsets[i] = 0
+            continue
+        at, rest = divmod(t.data_ptr() - start, 4)
+        if t._base is not base or t.dtype != torch.float32 or not t.is_contiguous() or rest or at < 0 \
+                or at + t.numel() > size:
+            return None
+        offsets[i] = at
+    flat = base.view(-1).numpy()
+    return (flat, offsets) if flat.flags.writeable else None

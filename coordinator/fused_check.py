@@ -8,8 +8,10 @@ int8 codec every decoded value is ``code * scale`` of its block, so
 
     ||delta||^2 = sum over blocks b of scale_b^2 * sum_{i in b} code_i^2
 
-is computed from the 1-byte codes (int16 squares, int32 sums per block) and the block scales, and
-the output is finite exactly when ``127 * max(scale)`` is (checked in float32, as decode computes).
+is computed from the 1-byte codes (exact integer sums of squares per block) and the block scales, and
+the output is finite exactly when ``127 * max(scale)`` is (checked in float32, as decode computes). The
+norm, and a fedbuff step's add into weights held in one buffer, run as compiled passes over the whole body
+(``coordinator/int8_kernel.py``); the numpy code here is the step's path for weights that are not flat.
 Anything unusual (another codec, a payload that does not frame exactly, a code of -128, a scale
 that is negative, NaN or Inf, a product that could overflow) falls back to the generic decode,
 which raises the 4xx it always raised: this path accepts nothing the full decode would refuse.
@@ -29,7 +31,8 @@ import torch
 from compression import wire
 from compression.codecs.blockwise import SCALE_FORMATS, BlockwiseConfig
 from compression.errors import CompressionError
-from coordinator.flat_weights import contiguous_range
+from coordinator import int8_kernel
+from coordinator.flat_weights import contiguous_range, flat_offsets
 from protocol.errors import InvalidUpdate
 from protocol.streaming import CHECK_CHUNK, check_header
 from protocol.tensors import Manifest
@@ -90,37 +93,12 @@ def index_update(data: memoryview, manifest: Manifest) -> list[tuple[int, int]]:
 def int8_update_norm(path: Path, config: BlockwiseConfig, manifest: Manifest) -> float | None:
     """The update's L2 norm if every tensor is a clean int8 payload; None to take the generic path.
 
-    The file is mapped, not read (the page cache is the only copy), and the codes are squared a chunk
-    of ``CHUNK_VALUES`` at a time, so no temporary grows with the update: a float32 copy of every
-    code (17.6 MB for Qwen2-0.5B) cost more in fresh pages than the arithmetic (docs/scale.md).
+    The file is mapped, not read (the page cache is the only copy), and checked and measured in one compiled
+    pass over its bytes (``int8_kernel.norm``): no staging copy, no float temporary, one call per push
+    instead of a few per tensor.
     """
     with mapped(path) as data:
-        try:
-            spans = index_update(data, manifest)
-        except CompressionError:
-            return None
-        return _mapped_norm(data, spans, config, manifest)
-
-
-def _mapped_norm(data: memoryview, spans: list[tuple[int, int]], config: BlockwiseConfig,
-                 manifest: Manifest) -> float | None:
-    views = _int8_views(data, spans, config, manifest)
-    if views is None:
-        return None
-    codes, scales, block_starts = views
-    if not block_starts[-1]:
-        return 0.0
-    if not _scales_clean(scales):
-        return None
-    per_block = _block_squares(codes, config.block_size, block_starts[-1])
-    if per_block is None:
-        return None
-    s64 = scales.astype(np.float64)
-    # numpy's pairwise sum, not np.dot: numpy's OpenBLAS ran its 69k-term dot on two threads that spin
-    # between calls, 1.7 ms of CPU per push on this loaded machine instead of 14 us on one (and a
-    # result that depended on the thread count).
-    norm = math.sqrt(float(np.sum(s64 * s64 * per_block)))
-    return norm if math.isfinite(norm) else None
+        return int8_kernel.norm(data, int8_kernel.layout(manifest, config))
 
 
 def _int8_views(data: memoryview, spans: list[tuple[int, int]], config: BlockwiseConfig,
@@ -145,44 +123,6 @@ def _int8_views(data: memoryview, spans: list[tuple[int, int]], config: Blockwis
 def _scales_clean(scales: np.ndarray) -> bool:
     """Decoding accepts these scales (finite, >= 0) and no ``code * scale`` can overflow float32."""
     return bool(np.isfinite(scales).all() and (scales >= 0).all()) and float(scales.max(initial=0.0)) * 127.0 <= _FP32_MAX
-
-
-def _block_squares(codes: list[np.ndarray], block: int, nblocks: int) -> np.ndarray | None:
-    """Per block, the sum of the squares of its codes (float64; exact), each tensor's last block padded with
-    zeros; None if a code is -128. Staged ``CHUNK_VALUES`` codes at a time into buffers that stay in cache."""
-    per_chunk = max(1, CHUNK_VALUES // block)
-    staged = np.empty(per_chunk * block, dtype=np.int8)
-    # Sums of up to 1024 squares of codes stay below 2^24, so float32 holds them exactly.
-    wide = np.empty(per_chunk * block, dtype=np.float32 if block <= 1024 else np.float64)
-    out = np.empty(nblocks, dtype=np.float64)
-    filled = done = 0  # blocks staged; blocks summed into ``out``
-    for tensor in codes:
-        start = 0
-        while start < tensor.size:
-            take = min(-(-(tensor.size - start) // block), per_chunk - filled)  # whole blocks that fit
-            piece = tensor[start:start + take * block]
-            at = filled * block
-            staged[at:at + piece.size] = piece
-            staged[at + piece.size:at + take * block] = 0  # padding of the tensor's last block
-            filled, start = filled + take, start + take * block
-            if filled == per_chunk:
-                if not _sum_squares(staged, wide, filled, block, out[done:done + filled]):
-                    return None
-                done, filled = done + filled, 0
-    if filled and not _sum_squares(staged, wide, filled, block, out[done:done + filled]):
-        return None
-    return out
-
-
-def _sum_squares(staged: np.ndarray, wide: np.ndarray, blocks: int, block: int, out: np.ndarray) -> bool:
-    """``out[i]`` = sum of squares of staged block i, for the first ``blocks``; False if a code is -128."""
-    codes = staged[:blocks * block]
-    if codes.min() < -127:
-        return False
-    values = wide[:blocks * block].reshape(blocks, block)
-    np.copyto(values, codes.reshape(blocks, block))
-    out[...] = np.einsum("ij,ij->i", values, values)
-    return True
 
 
 def int8_decode_update(data: memoryview, spans: list[tuple[int, int]], config: BlockwiseConfig,
@@ -213,12 +153,21 @@ def int8_add_updates(bodies: Sequence[tuple[memoryview, list[tuple[int, int]], B
     """For each ``(data, spans, config, alpha)`` of clean int8 updates of one manifest, in order,
     ``targets[name].add_(decoded, alpha=alpha)``; False, with nothing added, unless every body is clean.
 
+    Targets that are views of one flat buffer (a step's weights, ``load_flat``) take the compiled pass
+    (``int8_kernel.add_updates``: the same fused multiply-add per value as torch's ``add_``, bit-identical);
+    other targets the numpy path below.
+
     The same additions, in the same order for every tensor, as ``int8_add_update`` body after body (so the
     result is bit-identical), but tensor group by tensor group: a group of targets (up to ``CHUNK_VALUES``
     values) gets every body's values while it is in cache, instead of each body's pass reading and writing
     every target in memory again (the weights of a Qwen2-0.5B LoRA expert are 17.6 MB; a fedbuff step adds K
     updates to them).
     """
+    flat = flat_offsets([targets[name] for name, _ in manifest]) if manifest else None
+    if flat is not None:  # the step's own weights, in one buffer (load_flat): one compiled pass per body
+        weights, weights_at = flat
+        return int8_kernel.add_updates(weights, weights_at, [(data, int8_kernel.layout(manifest, config), alpha)
+                                                     for data, _, config, alpha in bodies])
     parsed = []
     for data, spans, config, alpha in bodies:
         clean = _clean_tensors(data, spans, config, manifest)
