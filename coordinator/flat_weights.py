@@ -11,9 +11,12 @@ dtypes, gaps, a header we do not expect) returns None and the caller uses ``prot
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
+import re
 import struct
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -36,18 +39,25 @@ def load_flat(path: Path) -> StateDict | None:
         (header_size,) = struct.unpack("<Q", prefix)
         if header_size > min(_HEADER_LIMIT, size - 8) or (8 + header_size) % 4:
             return None
-        try:
-            header = json.loads(f.read(header_size))
-        except (UnicodeDecodeError, ValueError):
-            return None
-        entries = _layout(header, size - 8 - header_size)
+        entries = _parsed_layout(f.read(header_size), size - 8 - header_size)
         if entries is None:
             return None
         data = bytearray(size - 8 - header_size)
         if f.readinto(data) != len(data):
             return None
     flat = torch.frombuffer(data, dtype=torch.float32) if data else torch.empty(0)
-    return {name: flat[begin // 4:end // 4].view(shape) for name, (shape, begin, end) in sorted(entries.items())}
+    return {name: flat[begin // 4:end // 4].view(shape) for name, shape, begin, end in entries}
+
+
+@functools.lru_cache(maxsize=16)
+def _parsed_layout(header: bytes, data_size: int) -> tuple[tuple[str, tuple[int, ...], int, int], ...] | None:
+    """``_layout`` of a raw JSON header, by name, cached: every version of an expert has the same header, and
+    parsing its 336 entries was a tenth of a step's Python time (docs/scale.md)."""
+    try:
+        entries = _layout(json.loads(header), data_size)
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return None if entries is None else tuple((name, *entries[name]) for name in sorted(entries))
 
 
 def _layout(header: object, data_size: int) -> dict[str, tuple[tuple[int, ...], int, int]] | None:
@@ -111,3 +121,37 @@ def flat_offsets(tensors: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray] |
         offsets[i] = at
     flat = base.view(-1).numpy()
     return (flat, offsets) if flat.flags.writeable else None
+
+
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_.\-]+")  # JSON-encodes the same in every library: no escapes
+
+
+def save_flat(tensors: Mapping[str, torch.Tensor], path: Path) -> bool:
+    """Write ``tensors`` to ``path`` as the very bytes ``protocol.tensors.save_file`` writes (safetensors, empty
+    metadata), straight from the one float32 buffer they tile in name order (``load_flat``'s tensors, after a
+    step): one write of the buffer, no per-tensor work. False, with nothing written, for anything else.
+
+    Why: safetensors' own writer spends Python time on each of the 336 tensors (pointer casts, a shared-memory
+    check over every pair that shares the buffer), under the expert's lock, once per fedbuff step (docs/scale.md).
+    """
+    names = sorted(tensors)
+    ordered = [tensors[name] for name in names]
+    flat = flat_offsets(ordered)
+    if flat is None or not all(_PLAIN_NAME.fullmatch(name) for name in names):
+        return False
+    buffer, offsets = flat
+    entries, end = [], 0
+    for name, t, at in zip(names, ordered, offsets.tolist()):
+        if t.numel() and at != end:
+            return False
+        shape = ",".join(str(d) for d in t.shape)
+        entries.append(f'"{name}":{{"dtype":"F32","shape":[{shape}],"data_offsets":[{4 * end},{4 * (end + t.numel())}]}}')
+        end += t.numel()
+    if end != buffer.size:
+        return False
+    header = ('{"__metadata__":{},' + ",".join(entries) + "}").encode() if entries else b'{"__metadata__":{}}'
+    header += b" " * (-len(header) % 8)  # safetensors pads its header with spaces to a multiple of 8
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header)
+        f.write(buffer.data.cast("B"))
+    return True

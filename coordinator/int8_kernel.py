@@ -63,7 +63,10 @@ class Layout:
 
 def layout(manifest: Sequence[tuple[str, tuple[int, ...]]], config: BlockwiseConfig) -> Layout:
     """The layout of a clean int8 body of ``manifest`` encoded with ``config`` (cached)."""
-    return _layout(tuple((name, tuple(shape)) for name, shape in manifest), config.block_size, config.scale_dtype)
+    try:  # the manifest's own (name, shape) tuples as the key: no per-entry work when it is already hashable
+        return _layout(tuple(manifest), config.block_size, config.scale_dtype)
+    except TypeError:  # a shape given as a list
+        return _layout(tuple((name, tuple(shape)) for name, shape in manifest), config.block_size, config.scale_dtype)
 
 
 @functools.lru_cache(maxsize=64)

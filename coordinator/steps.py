@@ -25,7 +25,7 @@ from coordinator.adapters import non_finite_tensor, stored_deltas
 from coordinator.aggregation import AGGREGATORS, AggregationParams, StateDict, Update, robust_aggregator
 from coordinator.config import CoordinatorConfig
 from coordinator.expert_store import ExpertStore, StaleAggregation
-from coordinator.flat_weights import load_flat
+from coordinator.flat_weights import load_flat, save_flat
 from coordinator.recovery import quarantine_updates
 from coordinator.store import ExpertRow, UpdateRow, parsed_manifest
 from protocol.errors import InvalidPayload, InvalidUpdate
@@ -135,7 +135,7 @@ class AggregationSteps:
             if bad is not None:  # recorded before results were checked (an older version): never apply it
                 quarantine_updates(self.store, name, batch, f"applying it makes tensor {bad!r} overflow to Inf/NaN")
                 return False
-        written = self.store.write_temp(lambda p: save_file(new, p), f"write version {expert.version + 1} of {name!r}")
+        written = self.store.write_temp(lambda p: _save(new, p), f"write version {expert.version + 1} of {name!r}")
         loss = _mean_loss(batch)
         try:
             self.store.commit_version(name, expert.version + 1, written, batch, loss, events=(audit.version_applied(
@@ -160,6 +160,13 @@ class AggregationSteps:
         deltas = stored_deltas(path, meta["codec"], meta["codec_config"], manifest)
         scale = meta.get("norm_scale", 1.0)  # clipped at receipt (--norm-check clip)
         return deltas if scale == 1.0 else {k: t * scale for k, t in deltas.items()}
+
+
+def _save(weights: StateDict, path: Path) -> None:
+    """A version's file: straight from the step's flat buffer when it is one (``save_flat``), else by safetensors;
+    the same bytes either way."""
+    if not save_flat(weights, path):
+        save_file(weights, path)
 
 
 def _mean_loss(batch: list[UpdateRow]) -> float | None:

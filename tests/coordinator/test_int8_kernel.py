@@ -171,3 +171,18 @@ def test_non_finite_tensor_on_flat_weights(tmp_path):
     weights["e.big"][69_999] = 0.0
     weights["b.weight"][2, 6] = float("nan")
     assert non_finite_tensor(weights) == "b.weight"
+
+
+@pytest.mark.parametrize("manifest", [ODD, LORA], ids=["odd", "lora"])
+def test_save_flat_writes_the_bytes_of_save_file(tmp_path, manifest):
+    from coordinator.flat_weights import save_flat
+    weights = flat_weights(tmp_path, manifest)
+    weights[manifest[0][0]].add_(1.5)
+    save_file(weights, tmp_path / "reference")
+    assert save_flat(weights, tmp_path / "flat")
+    assert (tmp_path / "flat").read_bytes() == (tmp_path / "reference").read_bytes()
+    separate = {k: v.clone() for k, v in weights.items()}
+    assert not save_flat(separate, tmp_path / "not_flat") and not (tmp_path / "not_flat").exists()
+    quoted = dict(weights)
+    quoted['a"b'] = quoted.pop(manifest[0][0])
+    assert not save_flat(quoted, tmp_path / "escaped")  # a name JSON would escape: left to safetensors
