@@ -15,10 +15,12 @@ import signal
 import socket
 import ssl
 import sys
+import threading
 
 import torch
 from flask import Flask
 
+from coordinator import int8_kernel
 from coordinator.app import create_app
 from coordinator.config import CoordinatorConfig, ServeOptions
 from coordinator.front import BufferingFront, FrontOptions, raise_fd_limit
@@ -73,6 +75,8 @@ def serve(config: CoordinatorConfig, options: ServeOptions) -> None:
     sock = bind(options.host, options.port)  # a port in use fails before anything is written
     set_socket_timeouts(sock, options.socket_timeout)
     app = create_app(config)
+    # compiled int8 loops (coordinator/int8_kernel.py) ready before the first push needs them, without delaying start
+    threading.Thread(target=int8_kernel.warm_up, name="fedmoe-warm-up", daemon=True).start()
     # Everything made so far (torch, Flask, the store: a few hundred thousand objects that live as long as
     # the process) leaves the cyclic GC's generations: its full collections, triggered by the objects each
     # request makes, no longer walk them (py-spy under bench.load: GC was ~10% of the coordinator's CPU).
