@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import carray, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -112,6 +112,24 @@ def _fma32(typingctx, a, b, c):
         f = ir.FloatType()
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f, [f, f, f]), "llvm.fma.f32")
         return builder.call(fn, args)
+    return sig, codegen
+
+
+@intrinsic
+def _bytes_at(typingctx, address):
+    sig = types.CPointer(types.uint8)(types.int64)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], ir.PointerType(ir.IntType(8)))
+    return sig, codegen
+
+
+@intrinsic
+def _codes_at(typingctx, address):
+    sig = types.CPointer(types.int8)(types.int64)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], ir.PointerType(ir.IntType(8)))
     return sig, codegen
 
 
@@ -215,6 +233,22 @@ def _add(weights, weights_at, codes, body, alpha, scales_at, codes_at, numels, b
                 out[j] = _fma32(np.float32(code[j]) * scale, alpha, out[j])
 
 
+@njit(nogil=True, cache=True)
+def _add_all(weights, weights_at, addresses, sizes, alphas, scales_at, codes_at, blocks, fp16s, numels, group_ends):
+    """``_add`` of every body (``addresses[k]``: its first byte, kept alive by the caller) to every group of
+    tensors in turn (group g is tensors ``group_ends[g-1]..group_ends[g]-1``), all in one call: the GIL is let go
+    once per step, not once per group and body."""
+    first = 0
+    for g in range(group_ends.size):
+        last = group_ends[g]
+        for k in range(addresses.size):
+            body = carray(_bytes_at(addresses[k]), (sizes[k],))
+            codes = carray(_codes_at(addresses[k]), (sizes[k],))
+            _add(weights, weights_at, codes, body, alphas[k], scales_at[k], codes_at[k], numels, blocks[k], fp16s[k],
+                 first, last)
+        first = last
+
+
 def norm(data: memoryview, lay: Layout) -> float | None:
     """The L2 norm of a clean int8 body laid out as ``lay``; None if it is not one (take the generic path)."""
     if len(data) != lay.size:
@@ -253,16 +287,21 @@ def add_updates(weights: np.ndarray, weights_at: np.ndarray, bodies: Sequence[tu
     if not arrays:
         return True
     numels = arrays[0][2].numels
-    first, count = 0, numels.size
-    while first < count:
-        last, held = first + 1, int(numels[first])
-        while last < count and held + int(numels[last]) <= GROUP_VALUES:
-            held += int(numels[last])
-            last += 1
-        for body, codes, lay, alpha in arrays:
-            _add(weights, weights_at, codes, body, alpha, lay.scales_at, lay.codes_at, lay.numels, lay.block,
-                 lay.fp16, first, last)
-        first = last
+    ends: list[int] = []
+    held = GROUP_VALUES  # tensors [previous end, end) make one group of about GROUP_VALUES weights
+    for t, numel in enumerate(numels.tolist()):
+        if ends and held + numel <= GROUP_VALUES:
+            held += numel
+            ends[-1] = t + 1
+        else:
+            ends.append(t + 1)
+            held = numel
+    _add_all(weights, weights_at, np.array([body.ctypes.data for body, _, _, _ in arrays], dtype=np.int64),
+             np.array([body.size for body, _, _, _ in arrays], dtype=np.int64),
+             np.array([alpha for _, _, _, alpha in arrays], dtype=np.float32),
+             np.stack([lay.scales_at for _, _, lay, _ in arrays]), np.stack([lay.codes_at for _, _, lay, _ in arrays]),
+             np.array([lay.block for _, _, lay, _ in arrays], dtype=np.int64),
+             np.array([lay.fp16 for _, _, lay, _ in arrays], dtype=np.bool_), numels, np.array(ends, dtype=np.int64))
     return True
 
 
