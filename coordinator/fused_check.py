@@ -40,7 +40,8 @@ from protocol.tensors import Manifest
 FUSED_CODECS = ("int8",)
 _FP32_MAX = float(np.finfo(np.float32).max)
 CHUNK_VALUES = 1 << 16
-"""Codes squared or decoded at once: their float32 copy (256 KiB) stays in the CPU's cache between passes."""
+"""Codes decoded at once by the numpy step path (weights not in one buffer): their float32 copy (256 KiB)
+stays in the CPU's cache between passes."""
 
 
 def int8_config(codec: str, codec_config: dict) -> BlockwiseConfig | None:
