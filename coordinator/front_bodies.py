@@ -116,31 +116,33 @@ class DirectBody(asyncio.BufferedProtocol):
 
 
 class Spool:
-    """A body being written to a named file in ``directory`` and hashed on a thread, one chunk behind."""
+    """A body being written to a named file in ``directory`` and hashed, on two threads at once, one chunk
+    behind the socket."""
 
     def __init__(self, directory: Path, algorithm: str, size_hint: int, hashing: ThreadPoolExecutor) -> None:
         fd, name = tempfile.mkstemp(dir=directory, suffix=".part")
         self.path, self.file = Path(name), open(fd, "w+b")
         self.algorithm, self.hasher, self.hashing = algorithm, new_hasher(algorithm, size_hint), hashing
-        self.pending: asyncio.Future | None = None
+        self.pending: list[asyncio.Future] = []
         self.spooled: SpooledBody | None = None
 
     async def feed(self, chunk: bytes | memoryview) -> None:
-        """Write and hash ``chunk`` on a thread after the previous one, without waiting for it: the loop reads
-        the next meanwhile, and never waits for the disk itself (a write into the page cache can sleep for
-        milliseconds when the kernel throttles dirty pages, and the loop serves every connection)."""
+        """Write ``chunk`` on one thread and hash it on another after the previous one, without waiting for
+        them: the loop reads the next meanwhile, and never waits for the disk itself (a write into the page
+        cache can sleep for milliseconds when the kernel throttles dirty pages, and the loop serves every
+        connection). Both release the GIL, so a body spools at the slower one's rate, not their sum's."""
         await self.drain()
-        self.pending = asyncio.get_running_loop().run_in_executor(self.hashing, self._write_and_hash, chunk)
-
-    def _write_and_hash(self, chunk: bytes | memoryview) -> None:
-        write_chunk(self.file, chunk)
-        self.hasher.update(chunk)
+        loop = asyncio.get_running_loop()
+        self.pending = [loop.run_in_executor(self.hashing, write_chunk, self.file, chunk),
+                        loop.run_in_executor(self.hashing, self.hasher.update, chunk)]
 
     async def drain(self) -> None:
         """Wait until every chunk fed so far is written and hashed (HttpError 507 if the disk is full)."""
-        if self.pending is not None:
-            pending, self.pending = self.pending, None
-            await pending
+        pending, self.pending = self.pending, []
+        outcomes = await asyncio.gather(*pending, return_exceptions=True)  # both done: the chunk's buffer is free
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
 
     async def finish(self, size: int) -> SpooledBody:
         await self.drain()
@@ -150,8 +152,8 @@ class Spool:
 
     def discard(self) -> None:
         """Delete the file unless the application took it (renamed it into its store)."""
-        if self.pending is not None:  # a failed request: the thread's outcome no longer matters
-            self.pending.add_done_callback(lambda f: f.cancelled() or f.exception())
+        for pending in self.pending:  # a failed request: the threads' outcome no longer matters
+            pending.add_done_callback(lambda f: f.cancelled() or f.exception())
         if self.spooled is None or not self.spooled.taken:
             self.path.unlink(missing_ok=True)
 

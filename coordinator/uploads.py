@@ -32,6 +32,7 @@ from coordinator.api import json_body
 from coordinator.audit import Event, rejection_event
 from coordinator.auth import acting_worker, principal
 from coordinator.config import CoordinatorConfig
+from coordinator.front import SPOOLED_BODY
 from coordinator.relays import check_may_carry_members
 from coordinator.service import Coordinator
 from coordinator.tokens import WORKER
@@ -184,7 +185,7 @@ def upload_chunk(name: str, upload_id: str) -> tuple[Response, int]:
     header = request.headers.get(DIGEST_HEADER)
     try:
         store.write(upload, start, ClientReader(request.environ["wsgi.input"]), length,
-                    parse_digest(header) if header is not None else None)
+                    parse_digest(header) if header is not None else None, request.environ.get(SPOOLED_BODY))
     except ClientDisconnected:  # a read that failed: stalled past --socket-timeout, or gone
         raise RequestTimeout("the chunk stopped arriving before its Content-Length; ask for the offset and "
                              "send it again", offset=upload.offset) from None

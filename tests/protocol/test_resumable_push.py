@@ -5,13 +5,16 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import requests
 import torch
 
 from bench.common import CoordinatorProcess, SCRATCH_DIR, coordinator_process
 from bench.wanemu.cut import CutProxy
+from coordinator.front import SPOOL_IN_MEMORY
 from protocol.client import CoordinatorClient, RetryPolicy
 from protocol.credentials import local_token
 from protocol.errors import Unavailable
+from protocol.integrity import digest_header
 from protocol.tensors import dumps
 from protocol.uploads import UploadPolicy
 from tests.helpers import expert_spec, make_adapter, random_like, update_meta
@@ -114,3 +117,44 @@ def test_a_coordinator_gone_for_good_fails_after_bounded_retries(coordinator: Co
                                    retry=RetryPolicy(attempts=2, base_delay=0.01), timeout=(2.0, 10.0))
         with pytest.raises(Unavailable, match="gave up"):
             client.push_update("e", body, update_meta())
+
+
+# chunks over SPOOL_IN_MEMORY reach the application as the front's spool file, already hashed; the upload store
+# copies that file in the kernel instead of reading the request body (coordinator/upload_store.py)
+SPOOLED_CHUNK = SPOOL_IN_MEMORY + (64 << 10)
+
+
+def test_chunks_the_front_spooled_and_chunks_it_did_not_make_one_update_applied_once(coordinator) -> None:
+    _, body = _setup(coordinator.url)
+    policy = UploadPolicy(threshold=1, first_chunk=SPOOLED_CHUNK, min_chunk=SPOOLED_CHUNK, max_chunk=SPOOLED_CHUNK,
+                          max_fraction=1.0)
+    client = CoordinatorClient(coordinator.url, token=local_token(coordinator.url), upload=policy)
+    client.push_update("e", body, update_meta())
+    stats = client.last_upload
+    assert stats.chunks == 2 and stats.resumes == 0  # one spooled chunk (1.06 MiB), one kept in memory (~0.94 MiB)
+    _assert_applied_once_like_ref(coordinator.url)
+
+
+def test_a_damaged_spooled_chunk_is_refused_and_the_next_one_starts_from_the_same_offset(coordinator) -> None:
+    _, body = _setup(coordinator.url)
+    token = local_token(coordinator.url)
+    api, auth = f"{coordinator.url}/api/v1/experts/e/uploads", {"Authorization": f"Bearer {token}"}
+    opened = requests.post(api, json={"update": update_meta(), "size": len(body), "digest": digest_header(body)},
+                           headers=auth, timeout=30)
+    assert opened.status_code == 201, opened.text
+    upload = f"{api}/{opened.json()['upload_id']}"
+    chunk = body[:SPOOLED_CHUNK]
+    headers = auth | {"Content-Range": f"bytes 0-{len(chunk) - 1}/{len(body)}"}
+    damaged = requests.put(upload, data=chunk, headers=headers | {"X-FedMoE-Digest": digest_header(b"other")},
+                           timeout=30)
+    assert damaged.status_code == 400 and damaged.json()["error"]["details"]["offset"] == 0, damaged.text
+    assert requests.get(upload, headers=auth, timeout=30).json()["offset"] == 0
+    good = requests.put(upload, data=chunk, headers=headers | {"X-FedMoE-Digest": digest_header(chunk)}, timeout=30)
+    assert good.status_code == 200 and good.json()["offset"] == len(chunk), good.text
+    rest = body[len(chunk):]
+    tail = requests.put(upload, data=rest, timeout=30, headers=auth | {
+        "Content-Range": f"bytes {len(chunk)}-{len(body) - 1}/{len(body)}", "X-FedMoE-Digest": digest_header(rest)})
+    assert tail.status_code == 200, tail.text
+    done = requests.post(f"{upload}/complete", headers=auth, timeout=30)
+    assert done.status_code == 202, done.text
+    _assert_applied_once_like_ref(coordinator.url)
