@@ -23,8 +23,17 @@ Reported per configuration: held-out loss of the expert as the coordinator holds
 and pulled, push and pull seconds (median, and the share of pushes within the budget), the codecs
 used, and the bytes that crossed the link (counted by the proxy).
 
+With ``--seeds N`` every configuration runs on seeds 0..N-1 (LoRA init, data order and random-k
+selections change with the seed) and the table shows each codec's bytes a push against auto's and
+fp32's, pushes within the budget, held-out loss mean +/- std with and without the end token, and
+the paired difference auto minus it on the same seed; the verdict compares auto with the best fixed
+codec whose mean push is at most ``SAME_SIZE`` x auto's. The fixed codecs are deterministic per
+seed; auto is not (its codecs follow the push times it measures).
+
     python -m bench.adaptive --quick                  # tiny-qwen2, 2 workers x 4 rounds, ~15 min on a loaded 2-core machine
-    python -m bench.adaptive --base-model smollm2-135m --rate-mbit 20 --budget 2
+    python -m bench.adaptive --base-model smollm2-135m --rate-mbit 20 --budget 2 --lora-rank 8 --rounds 6 --seeds 3
+    # then top-k + int8 at more ratios on the same seeds, keeping every row of the first run:
+    python -m bench.adaptive ... --seeds 3 --fixed-from FIRST.json --extra-only --topk-ratios 0.285
 
 Needs root (network namespaces). Table on stdout, progress on stderr, results in
 bench/results/adaptive.json.
@@ -335,6 +344,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fixed-from", type=Path, default=None, metavar="RESULTS_JSON",
                    help="run auto only and take the fixed codecs' rows (and same-bytes ratios) from this earlier "
                         "results file of the same settings and seeds: they do not depend on auto's ladder")
+    p.add_argument("--topk-ratios", type=float, nargs="+", default=[], metavar="RATIO",
+                   help="also run top-k + int8 (error feedback) at each of these fixed ratios, every seed")
+    p.add_argument("--extra-only", action="store_true",
+                   help="with --fixed-from: take auto's rows from that file too and run only the --topk-ratios ones")
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "adaptive.json")
     p.add_argument("--drive", type=Path, default=None, help=argparse.SUPPRESS)  # the driver inside the site
     p.add_argument("-v", "--verbose", action="store_true")
@@ -352,12 +365,12 @@ def load_fixed(path: Path, s: Settings, seeds: int) -> tuple[list[dict[str, Any]
     theirs = {k: v for k, v in settings.items() if k != "seed"} if isinstance(settings, dict) else settings
     if theirs != ours:
         return f"--fixed-from {path} was run with other settings ({theirs}, here {ours})"
-    fixed = [r for r in records if isinstance(r, dict) and r.get("name") != "auto"]
-    missing = sorted({(c.name, k) for c in fixed_configs(ratios) for k in range(seeds)}
-                     - {(r.get("name"), r.get("seed", 0)) for r in fixed})
+    rows = [r for r in records if isinstance(r, dict)]
+    missing = sorted({(c.name, k) for c in fixed_configs(ratios) + [Config("auto", "auto", {})] for k in range(seeds)}
+                     - {(r.get("name"), r.get("seed", 0)) for r in rows})
     if missing:
         return f"--fixed-from {path} lacks {len(missing)} (configuration, seed) rows, e.g. {missing[0]}"
-    return [r for r in fixed if r.get("seed", 0) < seeds], ratios
+    return [r for r in rows if r.get("seed", 0) < seeds], ratios
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -385,6 +398,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {loaded}", file=sys.stderr)
             return 2
         fixed, ratios = loaded
+        if not args.extra_only:
+            fixed = [r for r in fixed if r["name"] != "auto"]
+    elif args.extra_only:
+        print("error: --extra-only needs --fixed-from (the run whose rows it keeps)", file=sys.stderr)
+        return 2
+    if args.extra_only and not args.topk_ratios:
+        print("error: --extra-only runs only the --topk-ratios configurations; give at least one", file=sys.stderr)
+        return 2
+    bad = [r for r in args.topk_ratios if not TOPK_INT8.min_ratio <= r <= 1]
+    if bad:
+        print(f"error: --topk-ratios must be within [{TOPK_INT8.min_ratio}, 1], got {bad[0]}", file=sys.stderr)
+        return 2
     try:
         check_available()
     except NamespaceUnavailable as exc:
@@ -395,6 +420,13 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="fedmoe-adaptive-", dir=SCRATCH_DIR) as scratch:
         for seed in range(args.seeds):
             ss = dataclasses.replace(s, seed=seed)
+            extras = [Config(f"topk+int8 ratio {r:g}", TOPK_INT8.codec, {"ratio": r}) for r in args.topk_ratios]
+            if args.extra_only:
+                rows += [r for r in fixed if r.get("seed", 0) == seed]
+                for c in extras:
+                    log.info("seed %d: %s", seed, c.name)
+                    rows.append(run_config(c, ss, Path(scratch)))
+                continue
             log.info("seed %d: auto (--sync-budget %.3g s) over %.3g Mbit/s, %.0f ms RTT", seed, s.budget,
                      s.rate_mbit, s.rtt_ms)
             auto = run_config(Config("auto", "auto", {}, s.budget), ss, Path(scratch))
@@ -404,8 +436,7 @@ def main(argv: list[str] | None = None) -> int:
                 ratios = {rung.codec: same_bytes_ratio(auto, auto_records, rung) for rung in (LOSSY, TOPK_INT8)}
             if args.fixed_from is not None:
                 rows += [r for r in fixed if r.get("seed", 0) == seed]
-                continue
-            for c in fixed_configs(ratios):
+            for c in ([] if args.fixed_from is not None else fixed_configs(ratios)) + extras:
                 log.info("seed %d: %s", seed, c.name)
                 rows.append(run_config(c, ss, Path(scratch)))
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)

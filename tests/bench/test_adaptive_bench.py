@@ -79,3 +79,13 @@ def test_fixed_from_a_run_of_other_settings_is_refused_in_one_line(tmp_path):
                           capture_output=True, text=True, timeout=120)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: --fixed-from {earlier} was run with")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--extra-only", "--topk-ratios", "0.3"], "error: --extra-only needs --fixed-from (the run whose rows it keeps)"),
+    (["--topk-ratios", "2"], "error: --topk-ratios must be within [0.001, 1], got 2.0"),
+])
+def test_bad_extra_configuration_flags_answer_with_one_line(flags, message):
+    proc = subprocess.run([sys.executable, "-m", "bench.adaptive", *flags], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [message]
