@@ -138,7 +138,13 @@ measured with encode_update on the rank-8 LoRA shapes of smollm2-135m (420 tenso
 tiny-qwen2's rank-8 shapes within 7% from ratio 0.1 up) plus 21 bytes a tensor. At ratio 0.8 it is
 about int8's size (0.98 vs 1.06 bytes a parameter), so 0.8 is its largest ratio. Until 2026-11-25 the
 model was a flat 1.95 bytes, right only near ratio 0.01: bench.adaptive's "same bytes" top-k at ratio
-0.29 sent 1.01 MB where auto sent 1.37 MB."""
+0.29 sent 1.01 MB where auto sent 1.37 MB.
+
+Not on the ladder: bench.adaptive sizes its same-bytes comparison with it. Over 3 seeds on smollm2-135m
+(docs/wan.md) it was the most erratic codec there: at ratio 0.285 (0.41 bytes a parameter) -0.010,
++0.063 and +0.011 of int4's held-out loss, at 0.16 -0.032, +0.045, +0.002, where int4, int8 and
+random-k + TernGrad stayed within 0.003 of fp32 on every seed. One seed's win put it forward as a
+rung; three do not."""
 
 
 @dataclass
