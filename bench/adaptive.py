@@ -23,8 +23,17 @@ Reported per configuration: held-out loss of the expert as the coordinator holds
 and pulled, push and pull seconds (median, and the share of pushes within the budget), the codecs
 used, and the bytes that crossed the link (counted by the proxy).
 
+With ``--seeds N`` every configuration runs on seeds 0..N-1 (LoRA init, data order and random-k
+selections change with the seed) and the table shows each codec's bytes a push against auto's and
+fp32's, pushes within the budget, held-out loss mean +/- std with and without the end token, and
+the paired difference auto minus it on the same seed; the verdict compares auto with the best fixed
+codec whose mean push is at most ``SAME_SIZE`` x auto's. The fixed codecs are deterministic per
+seed; auto is not (its codecs follow the push times it measures).
+
     python -m bench.adaptive --quick                  # tiny-qwen2, 2 workers x 4 rounds, ~15 min on a loaded 2-core machine
-    python -m bench.adaptive --base-model smollm2-135m --rate-mbit 20 --budget 2
+    python -m bench.adaptive --base-model smollm2-135m --rate-mbit 20 --budget 2 --lora-rank 8 --rounds 6 --seeds 3
+    # then top-k + int8 at more ratios on the same seeds, keeping every row of the first run:
+    python -m bench.adaptive ... --seeds 3 --fixed-from FIRST.json --extra-only --topk-ratios 0.285
 
 Needs root (network namespaces). Table on stdout, progress on stderr, results in
 bench/results/adaptive.json.
@@ -32,9 +41,12 @@ bench/results/adaptive.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import logging
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -44,12 +56,12 @@ import zlib
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from bench.common import RESULTS_DIR, SCRATCH_DIR, configure_logging, format_table, running_coordinator, write_json_atomic
 from bench.wanemu import NamespaceUnavailable, WanLink, check_available
 from protocol.credentials import TOKEN_ENV, local_token
-from worker.adaptive import LOSSY, TOPK_INT8, SparseRung, ratio_of
+from worker.adaptive import LOSSY, RAW_BYTES, TOPK_INT8, SparseRung, ratio_of
 
 log = logging.getLogger("bench.adaptive")
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,6 +90,10 @@ class Settings:
     """Rank 32 on tiny-qwen2: a 600 kB fp32 update, so tbf's 64 KiB burst (needed for GSO) is a small part."""
     lr: float | None = None
     """None: the preset's recommended rate (worker.presets.RECOMMENDED_LR)."""
+    seed: int = 0
+    """Run seed: worker i trains with seed ``seed * workers + i`` (its LoRA init and data order) and, from
+    seed 1 on, gets a worker id with the seed in it, so the random-k selections differ too. Seed 0 is
+    the single-seed run of before --seeds (worker ids adaptive-0, adaptive-1; training seeds 0, 1)."""
 
 
 @dataclass(frozen=True)
@@ -113,9 +129,10 @@ def drive(spec_path: Path) -> None:
         base = load_base_model(s.base_model)
         lr = s.lr or RECOMMENDED_LR.get(s.base_model, 2e-4)
         trainer = LoraTrainer(base, LoraSettings(rank=s.lora_rank),
-                              TrainSettings(lr=lr, batch_size=s.batch_size, max_seq_len=s.max_seq_len, seed=i), train)
+                              TrainSettings(lr=lr, batch_size=s.batch_size, max_seq_len=s.max_seq_len,
+                                            seed=s.seed * s.workers + i), train)
         spec_json = {"lora": trainer.lora_config, "base_model": {"id": base.model_id, "fingerprint": base.fingerprint}}
-        worker_id = f"adaptive-{i}"
+        worker_id = f"adaptive-{i}" + (f"-s{s.seed}" if s.seed else "")
         config = c.config
         if c.codec == LOSSY.codec:  # its own selection seed per worker, as auto gives each
             config = LOSSY.choice(c.config["ratio"], seed=zlib.crc32(worker_id.encode())).config
@@ -158,29 +175,37 @@ def run_config(c: Config, s: Settings, scratch: Path) -> dict[str, Any]:
             ingress, egress = link.proxy.bytes_to_target, link.proxy.bytes_to_client
         if proc.returncode != 0:
             raise RuntimeError(f"{c.name}: the driver exited {proc.returncode}:\n{errors[-3000:]}")
-        loss, tensors = expert_loss(url, s)
+        losses, tensors = expert_loss(url, s)
     records = json.loads(out.read_text())
-    return {"name": c.name, "codec": c.codec, "config": c.config, "budget": c.budget,
-            **figures(records, s.budget), "heldout_loss": round(loss, 4), "tensors": tensors,
+    return {"name": c.name, "seed": s.seed, "codec": c.codec, "config": c.config, "budget": c.budget,
+            **figures(records, s.budget), "heldout_loss": round(losses["loss"], 4),
+            "heldout_loss_without_end": round(losses["loss_without_end"], 4), "tensors": tensors,
             "link_bytes_up": ingress, "link_bytes_down": egress, "wall_seconds": round(wall, 1),
             "syncs": [{k: r.get(k) for k in ("worker_id", "codec", "codec_config", "bytes_sent", "push_seconds",
                                              "pull_codec", "bytes_down", "pull_seconds")} for r in records]}
 
 
-def expert_loss(url: str, s: Settings) -> tuple[float, int]:
-    """Held-out loss of the expert as the coordinator holds it, and its number of tensors."""
+def expert_loss(url: str, s: Settings) -> tuple[dict[str, float], int]:
+    """Held-out loss of the expert as the coordinator holds it ({"loss", "loss_without_end"}: per answer
+    token, with and without the end-of-answer token), and its number of tensors."""
+    from bench.realdata import loss_pair
+    from gateway.export import attach_adapter
     from protocol.client import CoordinatorClient
     from worker.data import load_examples, sample_dataset_path, split_examples
-    from worker.evaluation import adapter_loss
+    from worker.evaluation import answer_losses
     from worker.models import load_base_model
 
     client = CoordinatorClient(url)
     _, heldout = split_examples(load_examples(sample_dataset_path(SPECIALTY)))
     weights = client.pull_weights(SPECIALTY).tensors
-    loss = adapter_loss(load_base_model(s.base_model), heldout, weights, client.expert(SPECIALTY)["lora"],
-                        max_seq_len=s.max_seq_len)
+    if weights is None:
+        raise RuntimeError("the coordinator returned no weights for the expert")
+    base = load_base_model(s.base_model)
+    model = attach_adapter(base.model, weights, client.expert(SPECIALTY)["lora"])
+    model.eval()
+    losses = loss_pair(answer_losses(cast(Any, model), base.tokenizer, heldout, max_seq_len=s.max_seq_len))
     client.close()
-    return loss, len(weights)
+    return losses, len(weights)
 
 
 def figures(records: list[dict[str, Any]], budget: float) -> dict[str, Any]:
@@ -212,6 +237,93 @@ def same_bytes_ratio(auto: dict[str, Any], records: list[dict[str, Any]], rung: 
     return round(rung.ratio_for(auto["mean_push_bytes"] / scale, auto["numel"], auto["tensors"]), 5)
 
 
+# -- summary over seeds -----------------------------------------------------------------------
+
+
+def fixed_configs(ratios: dict[str, float]) -> list[Config]:
+    """The fixed codecs auto is compared with; the sparse ones at the ratios of auto's mean push size."""
+    return [Config(f"{LOSSY.codec} same bytes", LOSSY.codec, {"ratio": ratios[LOSSY.codec], **dict(LOSSY.options)},
+                   error_feedback=False),
+            Config(f"{TOPK_INT8.codec} same bytes", TOPK_INT8.codec, {"ratio": ratios[TOPK_INT8.codec]}),
+            Config("int4", "int4", {}), Config("int8", "int8", {}), Config("safetensors", "safetensors", {})]
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per configuration over seeds: bytes a push against auto's and fp32's, pushes within the budget, held-out
+    loss (with and without the end token) and its paired difference to auto's on the same seed; then the
+    verdict against the best fixed codec no larger than ``SAME_SIZE`` x auto's mean push."""
+    from bench.realdata import spread
+
+    names = list(dict.fromkeys(r["name"] for r in rows))
+    by = {n: {r["seed"]: r for r in rows if r["name"] == n} for n in names}
+    auto = by["auto"]
+    numel = next(iter(auto.values()))["numel"]
+    fp32 = (statistics.fmean(r["mean_push_bytes"] for r in by["safetensors"].values()) if "safetensors" in by
+            else RAW_BYTES * numel)
+    auto_bytes = statistics.fmean(r["mean_push_bytes"] for r in auto.values())
+    table: dict[str, Any] = {}
+    for name in names:
+        seeds = by[name]
+        push_bytes = statistics.fmean(r["mean_push_bytes"] for r in seeds.values())
+        pushes = sum(r["pushes"] for r in seeds.values())
+        within = sum(round((r["pushes_within_budget"] or 0) * r["pushes"]) for r in seeds.values())
+        paired = [auto[k]["heldout_loss"] - r["heldout_loss"] for k, r in seeds.items() if k in auto]
+        paired_ne = [auto[k]["heldout_loss_without_end"] - r["heldout_loss_without_end"]
+                     for k, r in seeds.items() if k in auto]
+        table[name] = {"codec": next(iter(seeds.values()))["codec"], "seeds": sorted(seeds),
+                       "mean_push_bytes": round(push_bytes), "bytes_per_param": round(push_bytes / numel, 4),
+                       "bytes_vs_auto": round(push_bytes / auto_bytes, 3), "ratio_vs_fp32": round(fp32 / push_bytes, 2),
+                       "pushes": pushes, "pushes_within_budget": within,
+                       "heldout_loss": spread([r["heldout_loss"] for r in seeds.values()]),
+                       "heldout_loss_without_end": spread([r["heldout_loss_without_end"] for r in seeds.values()]),
+                       "auto_minus_this": spread(paired) if name != "auto" else None,
+                       "auto_minus_this_without_end": spread(paired_ne) if name != "auto" else None,
+                       "same_size_or_smaller": name != "auto" and push_bytes <= SAME_SIZE * auto_bytes}
+    rivals = [n for n, v in table.items() if v["same_size_or_smaller"]]
+    best = min(rivals, key=lambda n: table[n]["heldout_loss"]["mean"]) if rivals else None
+    verdict: dict[str, Any] = {"rivals": rivals, "best": best}
+    if best is not None:
+        diff = table[best]["auto_minus_this"]
+        verdict.update({
+            "auto_mean": table["auto"]["heldout_loss"]["mean"], "best_mean": table[best]["heldout_loss"]["mean"],
+            "auto_minus_best": diff,
+            "not_worse": table["auto"]["heldout_loss"]["mean"] <= table[best]["heldout_loss"]["mean"],
+            "not_worse_without_end": (table["auto"]["heldout_loss_without_end"]["mean"]
+                                      <= table[best]["heldout_loss_without_end"]["mean"]),
+            # worse beyond noise: the paired difference's mean is over twice its standard error
+            "worse_beyond_noise": bool(diff["n"] > 1 and diff["mean"] > 2 * diff["std"] / math.sqrt(diff["n"]))})
+    return {"configurations": table, "verdict": verdict}
+
+
+def paired(d: dict[str, Any] | None) -> str:
+    """'+0.0012 +/- 0.0008' of a paired-difference spread ('' for none)."""
+    return f"{d['mean']:+.4f} +/- {d['std']:.4f}" if d and d["n"] else ""
+
+
+def print_report(report: dict[str, Any]) -> None:
+    from bench.realdata import pm
+
+    s, table, verdict = report["settings"], report["summary"]["configurations"], report["summary"]["verdict"]
+    print(format_table(
+        ["configuration", "push bytes (mean)", "B/param", "vs auto bytes", "fp32 / this", "pushes <= budget",
+         "held-out loss (seeds)", "w/o end token", "auto - this (paired)", "codecs (all seeds)"],
+        [[name, v["mean_push_bytes"], v["bytes_per_param"], v["bytes_vs_auto"], v["ratio_vs_fp32"],
+          f"{v['pushes_within_budget']}/{v['pushes']}", pm(v["heldout_loss"]), pm(v["heldout_loss_without_end"]),
+          paired(v["auto_minus_this"]),
+          " ".join(f"{k}:{n}" for k, n in sum((Counter(r["codecs"]) for r in report["records"]
+                                               if r["name"] == name), Counter()).items())]
+         for name, v in table.items()]))
+    line = (f"\nbudget {s['budget']} s over {s['rate_mbit']} Mbit/s, {s['rtt_ms']} ms RTT; {s['workers']} workers x "
+            f"{s['rounds']} rounds x {s['steps']} steps; seeds {report['seeds']}; same-bytes ratios "
+            f"{report['same_bytes_ratio']}; ")
+    if verdict["best"] is not None:
+        line += (f"auto {verdict['auto_mean']:.4f} vs best fixed codec no larger than {SAME_SIZE}x auto's push "
+                 f"({verdict['best']}) {verdict['best_mean']:.4f}: "
+                 f"{'not worse' if verdict['not_worse'] else 'WORSE'}"
+                 f"{' (beyond noise)' if verdict['worse_beyond_noise'] else ''}; ")
+    print(line + f"{report['cpu_seconds']} CPU s; results in {report['out']}")
+
+
 # -- main -------------------------------------------------------------------------------------
 
 
@@ -226,10 +338,39 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rtt-ms", type=float, default=Settings.rtt_ms)
     p.add_argument("--budget", type=float, default=Settings.budget, help="--sync-budget of auto, seconds")
     p.add_argument("--lora-rank", type=int, default=Settings.lora_rank)
+    p.add_argument("--seeds", type=int, default=1,
+                   help="run seeds 0..N-1 of every configuration (LoRA init, data order, random-k selections); "
+                        "table shows mean +/- std (default: %(default)s)")
+    p.add_argument("--fixed-from", type=Path, default=None, metavar="RESULTS_JSON",
+                   help="run auto only and take the fixed codecs' rows (and same-bytes ratios) from this earlier "
+                        "results file of the same settings and seeds: they do not depend on auto's ladder")
+    p.add_argument("--topk-ratios", type=float, nargs="+", default=[], metavar="RATIO",
+                   help="also run top-k + int8 (error feedback) at each of these fixed ratios, every seed")
+    p.add_argument("--extra-only", action="store_true",
+                   help="with --fixed-from: take auto's rows from that file too and run only the --topk-ratios ones")
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "adaptive.json")
     p.add_argument("--drive", type=Path, default=None, help=argparse.SUPPRESS)  # the driver inside the site
     p.add_argument("-v", "--verbose", action="store_true")
     return p.parse_args(argv)
+
+
+def load_fixed(path: Path, s: Settings, seeds: int) -> tuple[list[dict[str, Any]], dict[str, float]] | str:
+    """The fixed rows and same-bytes ratios of an earlier run, or why they cannot be used."""
+    try:
+        earlier = json.loads(path.read_text())
+        settings, records, ratios = earlier["settings"], earlier["records"], earlier["same_bytes_ratio"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"cannot read --fixed-from {path}: {exc}"
+    ours = {k: v for k, v in asdict(s).items() if k != "seed"}
+    theirs = {k: v for k, v in settings.items() if k != "seed"} if isinstance(settings, dict) else settings
+    if theirs != ours:
+        return f"--fixed-from {path} was run with other settings ({theirs}, here {ours})"
+    rows = [r for r in records if isinstance(r, dict)]
+    missing = sorted({(c.name, k) for c in fixed_configs(ratios) + [Config("auto", "auto", {})] for k in range(seeds)}
+                     - {(r.get("name"), r.get("seed", 0)) for r in rows})
+    if missing:
+        return f"--fixed-from {path} lacks {len(missing)} (configuration, seed) rows, e.g. {missing[0]}"
+    return [r for r in rows if r.get("seed", 0) < seeds], ratios
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -239,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         drive(args.drive)
         return 0
     configure_logging(args.verbose)
-    for name in ("workers", "rounds", "steps", "lora_rank"):
+    for name in ("workers", "rounds", "steps", "lora_rank", "seeds"):
         if getattr(args, name) < 1:
             print(f"error: --{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}", file=sys.stderr)
             return 2
@@ -247,47 +388,66 @@ def main(argv: list[str] | None = None) -> int:
         if not getattr(args, name) > 0:
             print(f"error: --{name.replace('_', '-')} must be positive, got {getattr(args, name)}", file=sys.stderr)
             return 2
+    s = Settings(base_model=args.base_model, workers=args.workers, rounds=args.rounds, steps=args.steps,
+                 rate_mbit=args.rate_mbit, rtt_ms=args.rtt_ms, budget=args.budget, lora_rank=args.lora_rank)
+    fixed: list[dict[str, Any]] = []
+    ratios: dict[str, float] | None = None
+    if args.fixed_from is not None:
+        loaded = load_fixed(args.fixed_from, s, args.seeds)
+        if isinstance(loaded, str):
+            print(f"error: {loaded}", file=sys.stderr)
+            return 2
+        fixed, ratios = loaded
+        if not args.extra_only:
+            fixed = [r for r in fixed if r["name"] != "auto"]
+    elif args.extra_only:
+        print("error: --extra-only needs --fixed-from (the run whose rows it keeps)", file=sys.stderr)
+        return 2
+    if args.extra_only and not args.topk_ratios:
+        print("error: --extra-only runs only the --topk-ratios configurations; give at least one", file=sys.stderr)
+        return 2
+    bad = [r for r in args.topk_ratios if not TOPK_INT8.min_ratio <= r <= 1]
+    if bad:
+        print(f"error: --topk-ratios must be within [{TOPK_INT8.min_ratio}, 1], got {bad[0]}", file=sys.stderr)
+        return 2
     try:
         check_available()
     except NamespaceUnavailable as exc:
         print(f"error: bench.adaptive needs network namespaces to throttle the link: {exc}", file=sys.stderr)
         return 2
-    s = Settings(base_model=args.base_model, workers=args.workers, rounds=args.rounds, steps=args.steps,
-                 rate_mbit=args.rate_mbit, rtt_ms=args.rtt_ms, budget=args.budget, lora_rank=args.lora_rank)
     started = time.monotonic()
+    rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="fedmoe-adaptive-", dir=SCRATCH_DIR) as scratch:
-        log.info("auto (--sync-budget %.3g s) over %.3g Mbit/s, %.0f ms RTT", s.budget, s.rate_mbit, s.rtt_ms)
-        auto = run_config(Config("auto", "auto", {}, s.budget), s, Path(scratch))
-        auto_records = json.loads((Path(scratch) / "auto.records.json").read_text())
-        ratios = {rung.codec: same_bytes_ratio(auto, auto_records, rung) for rung in (LOSSY, TOPK_INT8)}
-        rows = [auto]
-        for c in (Config(f"{LOSSY.codec} same bytes", LOSSY.codec, {"ratio": ratios[LOSSY.codec], **dict(LOSSY.options)},
-                         error_feedback=False),
-                  Config(f"{TOPK_INT8.codec} same bytes", TOPK_INT8.codec, {"ratio": ratios[TOPK_INT8.codec]}),
-                  Config("int4", "int4", {}), Config("int8", "int8", {}), Config("safetensors", "safetensors", {})):
-            log.info("%s", c.name)
-            rows.append(run_config(c, s, Path(scratch)))
-    same_bytes = rows[1:3] + [r for r in rows[3:] if r["mean_push_bytes"] and 1 / SAME_SIZE
-                              <= r["mean_push_bytes"] / max(1, auto["mean_push_bytes"]) <= SAME_SIZE]
-    best = min(same_bytes, key=lambda r: r["heldout_loss"])
-    report = {"benchmark": "adaptive", "settings": asdict(s), "same_bytes_ratio": ratios, "records": rows,
-              "best_same_bytes": best["name"],
-              "auto_vs_same_bytes_loss": {r["name"]: round(auto["heldout_loss"] - r["heldout_loss"], 4)
-                                          for r in same_bytes},
-              "auto_not_worse_than_best_same_bytes": auto["heldout_loss"] <= best["heldout_loss"],
-              "auto_vs_fixed_loss": {r["name"]: round(auto["heldout_loss"] - r["heldout_loss"], 4) for r in rows[1:]},
-              "seconds": round(time.monotonic() - started, 1)}
+        for seed in range(args.seeds):
+            ss = dataclasses.replace(s, seed=seed)
+            extras = [Config(f"topk+int8 ratio {r:g}", TOPK_INT8.codec, {"ratio": r}) for r in args.topk_ratios]
+            if args.extra_only:
+                rows += [r for r in fixed if r.get("seed", 0) == seed]
+                for c in extras:
+                    log.info("seed %d: %s", seed, c.name)
+                    rows.append(run_config(c, ss, Path(scratch)))
+                continue
+            log.info("seed %d: auto (--sync-budget %.3g s) over %.3g Mbit/s, %.0f ms RTT", seed, s.budget,
+                     s.rate_mbit, s.rtt_ms)
+            auto = run_config(Config("auto", "auto", {}, s.budget), ss, Path(scratch))
+            rows.append(auto)
+            if ratios is None:  # the same fixed codecs on every seed: sized from seed 0's auto
+                auto_records = json.loads((Path(scratch) / "auto.records.json").read_text())
+                ratios = {rung.codec: same_bytes_ratio(auto, auto_records, rung) for rung in (LOSSY, TOPK_INT8)}
+            if args.fixed_from is not None:
+                rows += [r for r in fixed if r.get("seed", 0) == seed]
+            for c in ([] if args.fixed_from is not None else fixed_configs(ratios)) + extras:
+                log.info("seed %d: %s", seed, c.name)
+                rows.append(run_config(c, ss, Path(scratch)))
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    report = {"benchmark": "adaptive", "settings": asdict(s), "seeds": args.seeds, "same_bytes_ratio": ratios,
+              "fixed_from": str(args.fixed_from) if args.fixed_from else None, "records": rows,
+              "summary": summarize(rows), "seconds": round(time.monotonic() - started, 1),
+              "cpu_seconds": round(own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime, 1),
+              "out": str(args.out)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(args.out, report)
-    print(format_table(
-        ["configuration", "held-out loss", "pushes", "push bytes (mean)", "push s (median)", "pushes <= budget",
-         "pulled bytes", "pull s (median)", "pulls <= budget", "codecs"],
-        [[r["name"], r["heldout_loss"], r["pushes"], r["mean_push_bytes"], r["push_seconds_median"],
-          r["pushes_within_budget"], r["bytes_down"], r["pull_seconds_median"], r["pulls_within_budget"],
-          " ".join(f"{k}:{v}" for k, v in r["codecs"].items())] for r in rows]))
-    print(f"\nbudget {s.budget} s over {s.rate_mbit} Mbit/s, {s.rtt_ms} ms RTT; {s.workers} workers x {s.rounds} "
-          f"rounds x {s.steps} steps; same-bytes ratios {ratios}; auto {auto['heldout_loss']} vs best "
-          f"fixed codec of its size ({best['name']}) {best['heldout_loss']}; results in {args.out}")
+    print_report(report)
     return 0
 
 

@@ -70,14 +70,40 @@ class SparseRung:
     options: tuple[tuple[str, Any], ...] = ()
     """Fixed codec options besides the ratio."""
     error_feedback: bool = True
+    kept_table: tuple[tuple[float, float], ...] = ()
+    """Measured (ratio, wire bytes per kept entry) points, ascending in ratio, for a codec whose cost per
+    entry depends on the ratio (coded indices get cheaper as they get denser); interpolated linearly in
+    log(ratio), held constant past either end. Empty: ``bytes_per_kept`` at every ratio."""
+
+    def per_kept(self, ratio: float) -> float:
+        table = self.kept_table
+        if not table:
+            return self.bytes_per_kept
+        if ratio <= table[0][0]:
+            return table[0][1]
+        for (r0, b0), (r1, b1) in zip(table, table[1:]):
+            if ratio <= r1:
+                t = math.log(ratio / r0) / math.log(r1 / r0)
+                return b0 + t * (b1 - b0)
+        return table[-1][1]
 
     def size(self, ratio: float, numel: int, tensors: int) -> int:
-        return int(self.bytes_per_kept * ratio * numel + self.tensor_overhead * tensors)
+        return int(self.per_kept(ratio) * ratio * numel + self.tensor_overhead * tensors)
 
     def ratio_for(self, allowed: float, numel: int, tensors: int) -> float:
-        """The ratio whose update is about ``allowed`` bytes, within [min_ratio, max_ratio]."""
-        ratio = (allowed - self.tensor_overhead * tensors) / (self.bytes_per_kept * max(numel, 1))
-        return min(self.max_ratio, max(self.min_ratio, ratio))
+        """The largest ratio whose update is at most about ``allowed`` bytes, within [min_ratio, max_ratio]."""
+        if not self.kept_table:
+            ratio = (allowed - self.tensor_overhead * tensors) / (self.bytes_per_kept * max(numel, 1))
+            return min(self.max_ratio, max(self.min_ratio, ratio))
+        low, high = self.min_ratio, self.max_ratio  # size() grows with the ratio: bisect
+        if self.size(high, numel, tensors) <= allowed:
+            return high
+        if self.size(low, numel, tensors) >= allowed:
+            return low
+        for _ in range(40):
+            mid = (low + high) / 2
+            low, high = (mid, high) if self.size(mid, numel, tensors) <= allowed else (low, mid)
+        return low
 
     def choice(self, ratio: float, seed: int = 0) -> CodecChoice:
         """This codec at ``ratio``; a non-zero ``seed`` seeds every stage (one option mapping per stage)."""
@@ -103,10 +129,22 @@ rank-8 of smollm2-135m (ratios 0.01-1). The estimate is unbiased but its error g
 relative error ~4 at ratio 0.1, so below 0.01 (~14) an update's norm would be over 10x the delta's
 and a coordinator's norm check at its default factor would refuse it. At ratio 1 it is TernGrad on
 every entry, which is still 4x smaller than int8."""
-TOPK_INT8 = SparseRung("topk+int8", bytes_per_kept=1.95, tensor_overhead=21, min_ratio=0.001, max_ratio=0.5)
-"""The previous last rung, with error feedback (int8 value plus its coded index per kept entry; above half
-the entries it is larger than int8 of them all; the quantizer has no seed). Not on the ladder:
-bench.adaptive sizes its same-bytes comparison with it."""
+TOPK_INT8 = SparseRung("topk+int8", bytes_per_kept=1.95, tensor_overhead=21, min_ratio=0.001, max_ratio=0.8,
+                       kept_table=((0.003, 1.96), (0.01, 1.93), (0.05, 1.76), (0.1, 1.65), (0.2, 1.52), (0.3, 1.43),
+                                   (0.4, 1.37), (0.5, 1.31), (0.6, 1.27), (0.7, 1.24), (0.8, 1.22)))
+"""Top-k + int8 with error feedback (the quantizer has no seed). Per kept entry an int8 value, its share
+of the block scales and its Golomb-Rice coded index gap: 1.96 bytes at ratio 0.003 down to 1.22 at 0.8,
+measured with encode_update on the rank-8 LoRA shapes of smollm2-135m (420 tensors, 2.44 M entries;
+tiny-qwen2's rank-8 shapes within 7% from ratio 0.1 up) plus 21 bytes a tensor. At ratio 0.8 it is
+about int8's size (0.98 vs 1.06 bytes a parameter), so 0.8 is its largest ratio. Until 2026-11-25 the
+model was a flat 1.95 bytes, right only near ratio 0.01: bench.adaptive's "same bytes" top-k at ratio
+0.29 sent 1.01 MB where auto sent 1.37 MB.
+
+Not on the ladder: bench.adaptive sizes its same-bytes comparison with it. Over 3 seeds on smollm2-135m
+(docs/wan.md) it was the most erratic codec there: at ratio 0.285 (0.41 bytes a parameter) -0.010,
++0.063 and +0.011 of int4's held-out loss, at 0.16 -0.032, +0.045, +0.002, where int4, int8 and
+random-k + TernGrad stayed within 0.003 of fp32 on every seed. One seed's win put it forward as a
+rung; three do not."""
 
 
 @dataclass

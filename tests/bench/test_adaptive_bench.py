@@ -42,11 +42,50 @@ def test_smallest_run_compares_auto_with_fixed_codecs_of_the_same_bytes(tmp_path
     assert same["codecs"] == {"topk+int8": 1} and same["config"] == {"ratio": report["same_bytes_ratio"]["topk+int8"]}
     rk = records["randomk+terngrad same bytes"]
     assert rk["codecs"] == {"randomk+terngrad": 1} and rk["config"]["ratio"] == report["same_bytes_ratio"]["randomk+terngrad"]
-    assert report["best_same_bytes"] in report["auto_vs_same_bytes_loss"]
-    assert {"randomk+terngrad same bytes", "topk+int8 same bytes"} <= set(report["auto_vs_same_bytes_loss"])
-    assert set(report["auto_vs_fixed_loss"]) == set(records) - {"auto"}
+    summary = report["summary"]["configurations"]
+    assert set(summary) == set(records) and summary["auto"]["bytes_vs_auto"] == 1
+    for name, v in summary.items():  # one seed: the spread is that seed's value, the paired difference auto's minus it
+        assert v["heldout_loss"]["n"] == 1 and v["heldout_loss"]["mean"] == records[name]["heldout_loss"]
+        assert records[name]["heldout_loss_without_end"] > 0
+        assert v["mean_push_bytes"] == records[name]["mean_push_bytes"] and v["pushes"] == 1
+        if name != "auto":
+            assert v["auto_minus_this"]["mean"] == pytest.approx(
+                records["auto"]["heldout_loss"] - records[name]["heldout_loss"])
+    verdict = report["summary"]["verdict"]
+    assert verdict["best"] in verdict["rivals"] and "auto" not in verdict["rivals"]
+    assert all(summary[n]["mean_push_bytes"] <= 1.5 * summary["auto"]["mean_push_bytes"] for n in verdict["rivals"])
     raw = records["safetensors"]
     assert 4 * raw["numel"] < raw["bytes_up"] < 4 * raw["numel"] + 200 * raw["tensors"]  # fp32 + a header naming each tensor
     assert records["safetensors"]["bytes_up"] > 3.7 * records["int8"]["bytes_up"]  # fp32 vs ~1.06 bytes a parameter
     assert records["int8"]["bytes_up"] > 1.8 * records["int4"]["bytes_up"]  # vs ~0.57
     assert "held-out loss" in proc.stdout and "auto" in proc.stdout
+
+    # --fixed-from: auto again, the fixed codecs' rows taken over unchanged
+    again = tmp_path / "again.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.adaptive", "--workers", "1", "--rounds", "1", "--steps", "1",
+                           "--rate-mbit", "2", "--budget", "1", "--fixed-from", str(out), "--out", str(again)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rerun = json.loads(again.read_text())
+    assert [r["name"] for r in rerun["records"]] == list(records)
+    assert rerun["records"][1:] == report["records"][1:] and rerun["same_bytes_ratio"] == report["same_bytes_ratio"]
+
+
+def test_fixed_from_a_run_of_other_settings_is_refused_in_one_line(tmp_path):
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({"settings": {"base_model": "tiny-qwen2", "rounds": 9}, "records": [],
+                                   "same_bytes_ratio": {}}))
+    proc = subprocess.run([sys.executable, "-m", "bench.adaptive", "--fixed-from", str(earlier)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: --fixed-from {earlier} was run with")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--extra-only", "--topk-ratios", "0.3"], "error: --extra-only needs --fixed-from (the run whose rows it keeps)"),
+    (["--topk-ratios", "2"], "error: --topk-ratios must be within [0.001, 1], got 2.0"),
+])
+def test_bad_extra_configuration_flags_answer_with_one_line(flags, message):
+    proc = subprocess.run([sys.executable, "-m", "bench.adaptive", *flags], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [message]
