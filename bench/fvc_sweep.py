@@ -18,7 +18,7 @@ loss at or before H (early stopping, chosen on validation only). ``--heldout`` t
 checkpoints only and compares the federated arm with the central one per horizon, each arm kind's lr picked
 per horizon by its mean validation loss at the chosen checkpoint (bench/results/quality_fvc_horizon.json).
 ``--cache DIR`` keeps every run's checkpoints and validation losses in DIR (safetensors + JSON), so a
-held-out run reuses the sweep's seed 0 instead of training it again.
+held-out run reuses the sweep's seed 0 instead of training it again (also when the sweep ran longer).
 
 An arm is ``central:lr=2e-3`` (one worker, all the data, ``--total-steps`` steps) or
 ``fed:lr=2e-3,rounds=4,steps=2,server_lr=1,fresh_adam=0`` (3 workers on a third each, FedBuff rounds as
@@ -35,6 +35,7 @@ the suite's defaults (lr: the preset's recommended one; 4 rounds x 2 steps; serv
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import re
@@ -204,6 +205,22 @@ def save_trajectory(path: Path, run: Trajectory) -> None:
     write_atomically(path.with_suffix(".json"), json.dumps(meta).encode())
 
 
+def find_cached(cache: Path, model: str, arm: Arm, seed: int, total_steps: int, every: int,
+                workers: int) -> Trajectory | None:
+    """The cached run of ``arm`` with ``seed`` and ``every`` that reached ``total_steps``, or a longer one cut
+    to ``total_steps`` (its checkpoints up to there are the same weights: training is deterministic)."""
+    per_round = arm.steps * workers if arm.kind == "fed" else 1
+    for total in range(total_steps, 100 * total_steps + 1, every):
+        longer = dataclasses.replace(arm, rounds=total // per_round) if arm.kind == "fed" else arm
+        if total % per_round == 0 and _cache_path(cache, model, longer, seed, total, every).exists():
+            run = load_trajectory(_cache_path(cache, model, longer, seed, total, every))
+            if run is not None and all(n in run.validation for n in range(every, total_steps + 1, every)):
+                keep = [n for n in run.validation if n <= total_steps]
+                return Trajectory({n: run.validation[n] for n in keep}, {n: run.weights[n] for n in keep}, run.lora,
+                                  run.cpu_seconds * total_steps / total)
+    return None
+
+
 def load_trajectory(path: Path) -> Trajectory | None:
     """A cached run, or None when there is none (or it is unreadable: then it is trained again)."""
     try:
@@ -353,7 +370,7 @@ def run_horizons(args: argparse.Namespace, arms: Sequence[Arm], started: float) 
     runs = [(a, s) for a in arms for s in range(args.seeds)]
     for i, (arm, seed) in enumerate(runs, start=1):
         path = _cache_path(args.cache, lab.model_id, arm, seed, total, every) if args.cache else None
-        run = load_trajectory(path) if path else None
+        run = find_cached(args.cache, lab.model_id, arm, seed, total, every, WORKERS) if args.cache else None
         cached = run is not None
         if run is None:
             run = train_checkpoints(lab, arm, domain.train, validation, seed, total, every, WORKERS)

@@ -325,6 +325,14 @@ def test_fvc_horizons_checkpoint_score_and_reuse_the_cache(tmp_path):
     second = json.loads((tmp_path / "again.json").read_text())
     assert all(r["cached"] for r in second["records"]) and second["cost"]["train_steps"] == 0
     assert second["summary"]["comparisons"] == report["summary"]["comparisons"]
+    shorter = subprocess.run(cmd[:5] + ["3"] + cmd[7:-1] + [str(tmp_path / "short.json")], cwd=ROOT,
+                             capture_output=True, text=True, timeout=600)  # --horizons 3: the 6-step runs, cut
+    assert shorter.returncode == 0, shorter.stderr[-3000:]
+    short = json.loads((tmp_path / "short.json").read_text())
+    assert [r["label"] for r in short["records"]] == ["central lr preset", "fed 1x1 lr preset slr 1"]
+    assert all(r["cached"] and set(r["validation"]) == {"3"} for r in short["records"])
+    assert ({**short["summary"]["comparisons"]["3 chosen"], "fed": "-"}
+            == {**report["summary"]["comparisons"]["3 chosen"], "fed": "-"})  # the same weights, scored the same
     for bad, message in [(["--every", "2", "--horizons", "6"], "not a whole number of rounds"),
                          (["--every", "4", "--horizons", "6"], "not multiples of --every 4"),
                          (["--heldout"], "--heldout needs --horizons")]:
