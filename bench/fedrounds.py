@@ -66,6 +66,9 @@ class FedJob:
     fresh_optimizer: bool = False
     """Each worker starts every round with fresh AdamW moments. The product keeps them across pulls
     (``LoraTrainer.load_adapter_state``), as the default here does; this measures the alternative."""
+    snapshot_every: int = 0
+    """Keep the expert's weights after every that many rounds (0: none), in ``FedResult.snapshots`` keyed by
+    the total optimiser steps all workers took so far (round x steps x workers): checkpoints at equal compute."""
 
 
 @dataclass
@@ -80,7 +83,8 @@ class FedResult:
     cosine: list[float] = field(default_factory=list)
     updates: int = 0
     snapshots: dict[int, StateDict] = field(default_factory=dict)
-    """run_central: the weights after each step count asked for (e.g. the federated run's wall time)."""
+    """Weights after a number of optimiser steps: run_central after each step count asked for (e.g. the
+    federated run's wall time); run_fed every ``FedJob.snapshot_every`` rounds, keyed by all workers' steps."""
 
 
 def run_fed(lab: Lab, job: FedJob, on_round: Callable[[int], None] | None = None) -> FedResult:
@@ -114,6 +118,8 @@ def run_fed(lab: Lab, job: FedJob, on_round: Callable[[int], None] | None = None
         result.weights = weights
         if job.track:
             result.track_losses.append(loss_pair(lab.losses(job.track, weights, result.lora)))
+        if job.snapshot_every and (round_index + 1) % job.snapshot_every == 0:
+            result.snapshots[(round_index + 1) * job.steps * len(trainers)] = weights
         if on_round:
             on_round(round_index + 1)
     return result

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from bench.fedrounds import FedJob, run_central, run_fed
-from bench.fvc_sweep import Arm, parse_arm
+from bench.fvc_sweep import Arm, parse_arm, pick, summarize_horizons
 from bench.realdata import DOMAINS, SMOKE_MODEL, Lab, ds1000_domains, shards
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -115,6 +115,18 @@ def test_a_jobs_learning_rate_reaches_every_worker_and_the_central_run():
     assert any(not torch.allclose(doubled[k], preset[k]) for k in preset)
     for key, value in doubled.items():
         torch.testing.assert_close(fed[key], value, rtol=0, atol=1e-6)
+
+
+def test_federated_snapshots_are_the_expert_after_that_many_rounds_keyed_by_all_workers_steps():
+    lab = Lab(SMOKE_MODEL, max_seq_len=64)
+    data = tuple(map(tuple, shards(ds1000_domains()[2].train[:24], 2)))
+    long = run_fed(lab, FedJob(data, rounds=3, steps=1, seed=4, snapshot_every=1))
+    short = run_fed(lab, FedJob(data, rounds=2, steps=1, seed=4))
+    assert set(long.snapshots) == {2, 4, 6}  # 2 workers x 1 step per round
+    for key, value in short.weights.items():
+        torch.testing.assert_close(long.snapshots[4][key], value, rtol=0, atol=0)
+        torch.testing.assert_close(long.snapshots[6][key], long.weights[key], rtol=0, atol=0)
+    assert any(not torch.equal(long.snapshots[2][k], long.snapshots[4][k]) for k in short.weights)
 
 
 def test_central_snapshots_are_the_weights_after_that_many_steps():
@@ -260,3 +272,70 @@ def test_fvc_sweep_scores_validation_only(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "bench.fvc_sweep", "--arms", "fed:steps=5"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "not the 24 of --total-steps" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_early_stopping_picks_the_best_validation_checkpoint_at_or_before_the_horizon():
+    validation = {n: {"loss": loss, "loss_without_end": loss} for n, loss in {12: 2.0, 24: 1.5, 36: 1.2, 48: 1.2, 60: 1.4}.items()}
+    assert [pick(validation, h) for h in (12, 24, 48, 60)] == [12, 24, 36, 36]  # a tie: the earlier
+
+
+def _horizon_record(label: str, kind: str, seed: int, val: float, held: float, chosen: int = 12) -> dict:
+    pair = {"loss": held, "loss_without_end": held / 2}
+    return {"label": label, "arm": {"kind": kind}, "seed": seed, "horizons": {"24": {
+        "chosen_step": chosen, "validation_fixed": val + 0.1, "validation_chosen": val,
+        "heldout_fixed": {"loss": held + 0.1, "loss_without_end": held}, "heldout_chosen": pair}}}
+
+
+def test_horizon_summary_tunes_each_kind_on_validation_and_compares_held_out_seed_by_seed():
+    records = [_horizon_record("c1", "central", 0, 1.0, 2.0), _horizon_record("c1", "central", 1, 1.0, 2.2),
+               _horizon_record("c2", "central", 0, 1.1, 1.0), _horizon_record("c2", "central", 1, 1.1, 1.0),
+               _horizon_record("f1", "fed", 0, 1.2, 2.02, chosen=24), _horizon_record("f1", "fed", 1, 1.2, 2.31, 24)]
+    summary = summarize_horizons(records, [24], {})
+    chosen = summary["comparisons"]["24 chosen"]
+    # c2 has the better held-out loss, but validation picks c1: held-out never chooses
+    assert (chosen["central"], chosen["fed"]) == ("c1", "f1")
+    assert chosen["gap_pct"] == pytest.approx(100 * (2.165 / 2.1 - 1))
+    assert chosen["per_seed_gap_pct"] == pytest.approx({"0": 1.0, "1": 5.0})
+    assert chosen["met"] is False and chosen["fed_chosen_steps"] == [24, 24]
+    fixed = summary["comparisons"]["24 fixed"]
+    assert fixed["gap_pct"] == pytest.approx(100 * (2.265 / 2.2 - 1)) and fixed["gap_pct_without_end"] == pytest.approx(
+        100 * (2.165 / 2.1 - 1))
+    assert summary["arms"]["c1"]["horizons"]["24"]["heldout_chosen"]["mean"] == pytest.approx(2.1)
+
+
+def test_fvc_horizons_checkpoint_score_and_reuse_the_cache(tmp_path):
+    out, cache = tmp_path / "h.json", tmp_path / "cache"
+    arms = ["central", "fed:steps=1"]
+    cmd = [sys.executable, "-m", "bench.fvc_sweep", "--quick", "--horizons", "3", "6", "--every", "3", "--arms", *arms,
+           "--cache", str(cache), "--heldout", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["heldout_problems"] == 8 and report["every"] == 3 and report["cost"]["train_steps"] == 12
+    for r in report["records"]:
+        assert set(r["validation"]) == {"3", "6"} and not r["cached"]
+        for h, v in r["horizons"].items():
+            assert v["chosen_step"] == min((n for n in (3, 6) if n <= int(h)), key=lambda n: r["validation"][str(n)]["loss"])
+            assert v["heldout_chosen"] == r["horizons"][str(v["chosen_step"])]["heldout_fixed"]
+    assert report["records"][1]["label"] == "fed 2x1 lr preset slr 1"  # 2 rounds x 1 step x 3 workers = 6
+    assert set(report["summary"]["comparisons"]) == {"3 fixed", "3 chosen", "6 fixed", "6 chosen"}
+    assert planned("fvc_sweep", "--quick", "--horizons", "3", "6", "--every", "3", "--arms", *arms)[0] == 12
+    again = subprocess.run(cmd[:-1] + [str(tmp_path / "again.json")], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    second = json.loads((tmp_path / "again.json").read_text())
+    assert all(r["cached"] for r in second["records"]) and second["cost"]["train_steps"] == 0
+    assert second["summary"]["comparisons"] == report["summary"]["comparisons"]
+    shorter = subprocess.run(cmd[:5] + ["3"] + cmd[7:-1] + [str(tmp_path / "short.json")], cwd=ROOT,
+                             capture_output=True, text=True, timeout=600)  # --horizons 3: the 6-step runs, cut
+    assert shorter.returncode == 0, shorter.stderr[-3000:]
+    short = json.loads((tmp_path / "short.json").read_text())
+    assert [r["label"] for r in short["records"]] == ["central lr preset", "fed 1x1 lr preset slr 1"]
+    assert all(r["cached"] and set(r["validation"]) == {"3"} for r in short["records"])
+    assert ({**short["summary"]["comparisons"]["3 chosen"], "fed": "-"}
+            == {**report["summary"]["comparisons"]["3 chosen"], "fed": "-"})  # the same weights, scored the same
+    for bad, message in [(["--every", "2", "--horizons", "6"], "not a whole number of rounds"),
+                         (["--every", "4", "--horizons", "6"], "not multiples of --every 4"),
+                         (["--heldout"], "--heldout needs --horizons")]:
+        proc = subprocess.run([sys.executable, "-m", "bench.fvc_sweep", "--quick", "--arms", "fed:steps=1", *bad],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
