@@ -54,7 +54,8 @@ import tempfile
 import threading
 import time
 import zlib
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -140,12 +141,53 @@ class Settings:
     """Round-trip time the delay proxy adds on that link."""
     heldout: int = 48
     """Held-out examples each kept version is evaluated on."""
+    worker_cpu: float | None = None
+    """Cap each worker at this fraction of one core (a cgroup cpu quota), the same in every mode, as if each
+    ran on a slow machine of its own (None: the workers share the host's cores as they come)."""
 
 
 @dataclass
 class Run:
     procs: list[subprocess.Popen] = field(default_factory=list)
     relays: list[subprocess.Popen] = field(default_factory=list)
+
+
+CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
+"""cgroup v1's cpu controller (these machines); cgroup v2 hosts would need cpu.max instead."""
+CFS_PERIOD_US = 100_000
+
+
+class CpuCapUnavailable(RuntimeError):
+    """No writable cgroup cpu controller here: --worker-cpu cannot be honoured."""
+
+
+@contextmanager
+def cpu_capped(name: str, share: float) -> Iterator[Callable[[int], None]]:
+    """A cgroup capped at ``share`` of one core; yields ``add(pid)``, which moves a process (all its threads,
+    and those it starts later) into it. The group is removed on exit (its processes must be gone by then)."""
+    group = CPU_CGROUP / f"fedmoe-wan-{os.getpid()}-{name}"
+    try:
+        group.mkdir()
+        (group / "cpu.cfs_period_us").write_text(str(CFS_PERIOD_US))
+        (group / "cpu.cfs_quota_us").write_text(str(max(1000, round(share * CFS_PERIOD_US))))
+    except OSError as exc:
+        raise CpuCapUnavailable(f"--worker-cpu needs a writable cgroup v1 cpu controller at {CPU_CGROUP} "
+                                f"({exc.strerror}); run without it") from None
+    def add(pid: int) -> None:
+        (group / "cgroup.procs").write_text(str(pid))
+
+    try:
+        yield add
+    finally:
+        try:
+            group.rmdir()
+        except OSError as exc:  # a process still in it: say so, leave the empty-quota group behind
+            log.warning("could not remove cgroup %s: %s", group, exc.strerror)
+
+
+def check_cpu_cap() -> None:
+    with cpu_capped("probe", 1.0):
+        pass
 
 
 PRESETS: dict[str, Settings] = {
@@ -198,6 +240,7 @@ def run_mode(name: str, s: Settings, scratch: Path) -> dict[str, Any]:
              for i in range(s.workers)]
     cpu_before = _cpu_seconds()
     with running_coordinator(keep_versions=1000, **mode.root) as url, ExitStack() as stack:
+        # (exits in reverse: the workers' cgroups are removed after the finally below has reaped them)
         port = int(url.rsplit(":", 1)[1])
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                "HF_HUB_OFFLINE": "1", TOKEN_ENV: local_token(url),  # the site cannot see this host's token file
@@ -217,6 +260,8 @@ def run_mode(name: str, s: Settings, scratch: Path) -> dict[str, Any]:
                         run.procs.append(link.site.popen(
                             worker_command(f"wan-{site}-{i}", target, path, mode.workers, s), cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=log_file))
+                    if s.worker_cpu is not None:  # before it loads torch: every thread it starts stays capped
+                        stack.enter_context(cpu_capped(f"{site}-{i}", s.worker_cpu))(run.procs[-1].pid)
             deadline = time.monotonic() + s.duration + 900  # start-up under load
             for p in run.procs:
                 p.wait(timeout=max(1.0, deadline - time.monotonic()))
@@ -383,6 +428,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Settings] | 
     parser.add_argument("--modes", default=None,
                         help=f"comma list of modes of {list(MODES)} (default: the model's, {DEFAULT_MODES})")
     parser.add_argument("--duration", type=float, default=None, help="seconds each worker trains (default: preset's)")
+    parser.add_argument("--worker-cpu", type=float, default=None, metavar="CORES",
+                        help="cap each worker at this fraction of one core in every mode (a cgroup cpu quota), "
+                             "as if each ran on a machine of its own; e.g. 0.25 (default: no cap)")
     parser.add_argument("--out", type=Path, default=None,
                         help="results JSON (default: bench/results/wan.json, wan_quick.json with --quick)")
     parser.add_argument("--verbose", action="store_true")
@@ -394,6 +442,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Settings] | 
         if not args.duration > 0:
             return f"--duration must be positive, got {args.duration}"
         s = replace(s, duration=args.duration)
+    if args.worker_cpu is not None:
+        if not 0.01 <= args.worker_cpu <= os.cpu_count():
+            return f"--worker-cpu must be between 0.01 and {os.cpu_count()} cores, got {args.worker_cpu}"
+        s = replace(s, worker_cpu=args.worker_cpu)
     names = [m.strip() for m in (args.modes or ",".join(DEFAULT_MODES[s.base_model])).split(",") if m.strip()]
     unknown = [m for m in names if m not in MODES]
     if unknown or "flat" not in names:
@@ -412,7 +464,9 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.verbose)
     try:
         check_available()
-    except NamespaceUnavailable as exc:
+        if s.worker_cpu is not None:
+            check_cpu_cap()
+    except (NamespaceUnavailable, CpuCapUnavailable) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     rows, skipped = [], {}

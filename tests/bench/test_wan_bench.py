@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.wan import DEFAULT_MODES, MODES, PRESETS, worker_command
+from bench.wan import DEFAULT_MODES, MODES, PRESETS, CpuCapUnavailable, cpu_capped, worker_command
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -18,6 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
     (["--duration", "0"], "error: --duration must be positive, got 0.0"),
     (["--modes", "relays"], "error: --modes must include flat and name only"),
     (["--modes", "flat,nope"], "error: --modes must include flat and name only"),
+    (["--worker-cpu", "0"], "error: --worker-cpu must be between 0.01 and"),
+    (["--worker-cpu", "nan"], "error: --worker-cpu must be between 0.01 and"),
 ])
 def test_bad_flags_answer_with_one_line(flags, message):
     proc = subprocess.run([sys.executable, "-m", "bench.wan", *flags], cwd=ROOT, capture_output=True, text=True,
@@ -47,3 +49,15 @@ def test_the_smollm2_preset_is_the_link_bound_one_and_seeds_each_worker_s_codec(
     assert all(c["randomk"]["ratio"] == 0.1 and c["randomk"]["rescale"] is True for c in configs)
     tiny = worker_command("w", "http://10.0.0.1:1", tmp_path / "w.jsonl", MODES["flat"].workers, PRESETS["quick"])
     assert "--no-overlap" not in tiny and "--threads" not in tiny  # the tiny presets are unchanged
+
+
+def test_a_capped_worker_gets_its_share_of_a_core_and_no_more():
+    burn = "import os, time\nt = time.time()\nwhile time.time() - t < 2: pass\nprint(sum(os.times()[:2]))"
+    try:
+        with cpu_capped("test", 0.2) as add:
+            proc = subprocess.Popen([sys.executable, "-c", burn], stdout=subprocess.PIPE, text=True)
+            add(proc.pid)
+            used = float(proc.communicate(timeout=60)[0])
+    except CpuCapUnavailable as exc:
+        pytest.skip(str(exc))
+    assert used < 0.2 * 2 * 1.5  # 2 s of wall at a fifth of a core (uncapped it would take up to 2 CPU s)
