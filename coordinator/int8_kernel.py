@@ -35,6 +35,8 @@ from compression import wire
 from compression.codecs.blockwise import BlockwiseConfig
 
 _FP32_MAX = float(np.finfo(np.float32).max)
+_MAGIC = tuple(wire.MAGIC)  # constants frozen into the compiled _frame_ok: the framing is wire's
+_VERSION = wire.FORMAT_VERSION
 GROUP_VALUES = 1 << 17
 """Weights a step adds all its updates to before moving on: 512 KiB of float32, half this CPU's L2 cache."""
 
@@ -150,7 +152,10 @@ def _scale(body, scales_at, b, fp16):
 @njit(nogil=True, cache=True)
 def _frame_ok(body, length_at, lengths):
     """Magic, version, tensor count and every length prefix as the layout says (the size is checked by the caller)."""
-    if body[0] != 70 or body[1] != 77 or body[2] != 67 or body[3] != 49 or body[4] != 1:  # b"FMC1", version 1
+    for i in range(4):
+        if body[i] != _MAGIC[i]:
+            return False
+    if body[4] != _VERSION:
         return False
     if _u32(body, 5) != length_at.size:
         return False
@@ -195,28 +200,6 @@ def _norm_squared(body, codes, length_at, lengths, scales_at, codes_at, numels, 
     if largest * 127.0 > _FP32_MAX:  # a decoded value could overflow float32
         return -1.0
     return total
-
-
-@njit(nogil=True, cache=True)
-def _clean(body, codes, length_at, lengths, scales_at, codes_at, numels, block, fp16):
-    """Whether the body is clean int8 (what ``_norm_squared`` checks, without the squares)."""
-    if not _frame_ok(body, length_at, lengths):
-        return False
-    largest = 0.0
-    for t in range(numels.size):
-        numel = numels[t]
-        for b in range((numel + block - 1) // block):
-            scale = _scale(body, scales_at[t], b, fp16)
-            if not (scale >= 0.0 and scale <= _FP32_MAX):
-                return False
-            largest = max(largest, np.float64(scale))
-        low = np.int8(0)
-        chunk = codes[codes_at[t]:codes_at[t] + numel]
-        for j in range(numel):
-            low = min(low, chunk[j])
-        if low < -127:
-            return False
-    return largest * 127.0 <= _FP32_MAX
 
 
 @njit(nogil=True, cache=True)
@@ -280,8 +263,8 @@ def add_updates(weights: np.ndarray, weights_at: np.ndarray, bodies: Sequence[tu
             return False
         body = np.frombuffer(data, dtype=np.uint8)
         codes = body.view(np.int8)
-        if not _clean(body, codes, lay.length_at, lay.lengths, lay.scales_at, lay.codes_at, lay.numels, lay.block,
-                      lay.fp16):
+        if _norm_squared(body, codes, lay.length_at, lay.lengths, lay.scales_at, lay.codes_at, lay.numels, lay.block,
+                         lay.fp16) < 0:  # not clean int8 (the squares it also sums cost little beside the reads)
             return False
         arrays.append((body, codes, lay, np.float32(weight)))  # torch's add_ casts alpha to the tensor's float32
     if not arrays:

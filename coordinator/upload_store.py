@@ -385,12 +385,7 @@ def _kernel_copy(src: BinaryIO, out: BinaryIO, start: int, length: int) -> None:
             raise
         src.seek(0)
         out.seek(start)
-        while done < length:
-            block = src.read(min(WRITE_CHUNK, length - done))
-            if not block:
-                raise OSError(f"the spooled chunk ended after {done} of its {length} bytes") from None
-            out.write(block)
-            done += len(block)
+        _copy(src, out, length, ())
 
 
 def _copy(stream: Readable, out: BinaryIO, length: int, hashers: tuple[Any, ...]) -> None:
