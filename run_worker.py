@@ -17,14 +17,12 @@ import argparse
 import math
 import os
 import re
-import signal
 import socket
 import sys
-import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from protocol.cli import add_common_flags, add_flags, check_coordinator_url, option, report_error, setup_logging
 from protocol.errors import FedMoEError
@@ -32,11 +30,9 @@ from protocol.errors import FedMoEError
 # torch, transformers and peft take seconds to import: the worker modules that need them are imported
 # once the flags are parsed, so --help and a mistyped flag answer at once (tests/cli/test_cli.py).
 from worker.choices import STRATEGY_CHOICES
+from worker.stopping import Handler, restore, stop_on_signals
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-    from types import FrameType
-
     from worker.profiling import ProfileSettings
     from worker.runner import WorkerConfig
     from worker.strategies import ParallelSettings
@@ -291,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # peft asks transformers for is_gradient_checkpointing; the deprecation notice is not the user's to act on.
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-    previous = _stop_on_sigterm()
+    replaced = _stop_on_signals()
     try:
         run_worker(build_config(args))
     except (ValueError, WorkerError, FedMoEError) as exc:
@@ -299,22 +295,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # before training started: nothing to push
         return 130
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        restore(replaced)
     return 0
 
 
-def _stop_on_sigterm() -> Callable[[int, FrameType | None], Any] | int | None:
-    """Make SIGTERM (systemd, docker stop, kill) end the run like Ctrl-C, with the final push that flushes
-    the error-feedback residual; returns the handler it replaced. Not under torchrun: there a rank that
-    died would leave the others' final sync waiting in a collective, so SIGTERM ends them at once."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 or threading.current_thread() is not threading.main_thread():
-        return None
-    return signal.signal(signal.SIGTERM, _interrupt)
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
+def _stop_on_signals() -> dict[int, Handler]:
+    """SIGTERM (systemd, docker stop, kill) and Ctrl-C end training at the next step boundary with the final
+    push that flushes the error-feedback residual (worker.stopping). Not under torchrun: there a rank that
+    died would leave the others' final sync waiting in a collective, so a signal ends them at once."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return {}
+    return stop_on_signals()
 
 
 if __name__ == "__main__":

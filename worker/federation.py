@@ -69,6 +69,7 @@ from worker.data import StreamPosition
 from worker.distributed import SingleProcess
 from worker.encoding import CompressionSettings, PullSettings, UpdateEncoder
 from worker.pulling import ExpertPuller
+from worker.stopping import STOP
 from worker.sync_state import ExpertState, Fetched, IntervalStats, Outgoing, RunSummary, SyncJob
 
 log = logging.getLogger(__name__)
@@ -271,8 +272,9 @@ class FederatedWorker:
         started, cpu_started = time.monotonic(), time.process_time()
         end, due = started + s.duration, started + s.sync_interval
         steps_before, tokens_before, blocked_before = self.totals.steps, self.totals.tokens, self.blocked_seconds
+        STOP.arm()  # a signal now stops at the next step boundary (worker.stopping)
         try:
-            while not self.collective.agree(time.monotonic() >= end):  # dist: rank 0's clock decides
+            while not self.collective.agree(time.monotonic() >= end or STOP.requested):  # dist: rank 0 decides
                 self.train_step()
                 if self.totals.steps - steps_before == self.settings.steps_per_check:  # a sign of life (and a test's cue)
                     log.info("training: the first %d step(s) of this run are done", self.settings.steps_per_check)
@@ -282,13 +284,16 @@ class FederatedWorker:
                     due = time.monotonic() + s.sync_interval
         except KeyboardInterrupt:
             log.info("interrupted: pushing what was trained before exiting")
-        finally:
+        finally:  # a first signal from here on is a no-op: the final push is what it asks for
             summary = RunSummary(time.monotonic() - started, time.process_time() - cpu_started,
                                  self.totals.steps - steps_before, self.totals.tokens - tokens_before,
                                  self.blocked_seconds - blocked_before, self.state.syncs)
-            self.wait_sync()
-            self.sync(final=True)
-            self._report_undelivered()
+            try:
+                self.wait_sync()
+                self.sync(final=True)
+                self._report_undelivered()
+            finally:
+                STOP.disarm()
         return summary
 
     def train_step(self) -> None:

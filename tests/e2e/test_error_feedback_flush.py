@@ -121,3 +121,50 @@ def test_one_worker_ends_where_local_training_of_the_same_steps_ends(start_coord
     assert trainer.global_step == 32 and max_abs_diff(local, alone.adapter_state()) < 1e-4
     assert max_abs_diff(coordinator, alone.adapter_state()) < 1e-4
     assert max_abs_diff(coordinator, local) < 1e-5
+
+
+def test_a_signal_mid_step_ends_the_run_after_that_step_and_counts_it(start_coordinator):
+    """SIGTERM lands after an optimiser step moved the weights and before the trainer returned: the run ends at
+    that step's boundary, so the step is pushed *and* counted (raising KeyboardInterrupt from the handler there
+    pushed 317 steps of training described as 316: CI, stop 25). A second signal still interrupts at once."""
+    import signal
+
+    from worker.federation import FederatedWorker, SyncSettings
+    from worker.stopping import STOP, restore, stop_on_signals
+
+    _, url = start_coordinator()
+    train, _ = split_examples(load_examples(sample_dataset_path("sql_expert")))
+    trainer = LoraTrainer(load_base_model("tiny-qwen2"), LoraSettings(rank=4), TrainSettings(batch_size=2, max_seq_len=64),
+                          train)
+    optimizer_step, steps = trainer._optimizer_step, []
+
+    def step_then_signal() -> None:
+        optimizer_step()
+        steps.append(trainer.global_step)
+        if len(steps) == 5:
+            signal.raise_signal(signal.SIGTERM)  # the handler runs here, mid train_steps
+            assert STOP.requested
+            with pytest.raises(KeyboardInterrupt):  # the second signal does not wait
+                STOP.handle(signal.SIGTERM, None)
+
+    trainer._optimizer_step = step_then_signal
+    spec = {"lora": trainer.lora_config, "base_model": {"id": trainer.base.model_id,
+                                                        "fingerprint": trainer.base.fingerprint}}
+    records: list[dict] = []
+    worker = FederatedWorker(SyncSettings(specialty="sql_expert", worker_id="w1", duration=600, sync_interval=600),
+                             CoordinatorClient(url), trainer, spec, on_result=records.append)
+    worker.join()
+    replaced = stop_on_signals()
+    assert signal.SIGTERM in replaced  # pytest (and xdist's workers) run tests on the main thread
+    try:
+        summary = worker.run()
+    finally:
+        restore(replaced)
+    assert signal.getsignal(signal.SIGTERM) is not STOP.handle and not STOP.armed
+    assert steps == [1, 2, 3, 4, 5] and summary.steps == 5 and trainer.global_step == 5
+    (final,) = records
+    assert final["final"] and final["steps"] == 5 and final["samples"] == 10
+    info = CoordinatorClient(url).expert("sql_expert")
+    assert info["samples_seen"] == 10 and info["updates_applied"] == 1
+    gap = max_abs_diff(CoordinatorClient(url).pull_weights("sql_expert").tensors, trainer.adapter_state())
+    assert gap < 1e-6  # the fifth step's weights arrived with it
