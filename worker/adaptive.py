@@ -2,9 +2,10 @@
 
 Pure policy, no I/O: a ``LinkEstimate`` per direction turns the timed transfers of earlier syncs
 into bytes per second, and ``choose_push`` / ``choose_pull`` turn that, the budget and the size of
-the update into a codec. ``probe_upload`` seeds the upload estimate at join from one or two timed
-probe POSTs (``POST /api/v1/probe``), so the first push is sized from the link rather than from the
-conservative guess (which made a smollm2-135m worker's first 2-5 pushes random-k, docs/wan.md).
+the update into a codec. ``probe_upload`` seeds the upload estimate at join from a timed 1 MiB
+probe POST (``POST /api/v1/probe``) where the link is fast enough for one, so the first push is sized
+from the link rather than from the conservative guess (which made a smollm2-135m worker's first 2-5
+pushes random-k, docs/wan.md).
 
 Throughput is the *effective* rate of whole requests (bytes / seconds, latency and server time
 included), smoothed. That is pessimistic for small transfers, but self-correcting: a push sized
@@ -183,21 +184,25 @@ class LinkEstimate:
 
 
 UPLOAD_PROBES = (64 << 10, 1 << 20)
-"""Bytes of the join's upload probes, smallest first; the larger one is sent only if the smaller one says it
-takes at most half the budget. The estimate is the last one's rate (less of it is round trip)."""
+"""Bytes of the join's upload probes. The small one only says whether the large one is affordable (at most
+half the budget); its own rate is not kept: 64 KiB fits a token bucket's burst, so it can read 20x the link."""
 
 
-def probe_upload(send: Callable[[int], float], budget_s: float) -> LinkEstimate:
+def probe_upload(send: Callable[[int], float], budget_s: float, update_bytes: int) -> LinkEstimate:
     """The upload estimate from timed probes: ``send(nbytes)`` posts that many bytes and returns the seconds.
-    Its ``largest`` is the probe's size, so ``GROWTH`` still caps the first push (a probe inside a token
-    bucket's burst looks faster than the link is)."""
+
+    Measured with the large probe (no larger than ``update_bytes``, the update in fp32: nothing is learned
+    from sending more than a push ever will) when the small one says it takes at most half the budget;
+    else the starting guess, unobserved (a slow link: pushes climb from there, as without a probe). A burst
+    can fool the small probe into a large one that takes longer: once, at join, and at most one fp32
+    push's worth, less than the full weights the join pulls. ``largest`` is the probe's size, so ``GROWTH``
+    still caps the first push."""
+    small, large = UPLOAD_PROBES[0], min(UPLOAD_PROBES[1], update_bytes)
+    seconds = send(small)
+    if large <= small or not seconds > 0 or large / (small / seconds) > budget_s / 2:
+        return LinkEstimate()
     link = LinkEstimate()
-    for nbytes in UPLOAD_PROBES:
-        seconds = send(nbytes)
-        link = LinkEstimate()
-        link.observe(nbytes, seconds)
-        if nbytes < UPLOAD_PROBES[-1] and UPLOAD_PROBES[-1] / link.bytes_per_second > budget_s / 2:
-            break  # a slow link: the larger probe would cost more than half a sync's budget
+    link.observe(large, send(large))
     return link
 
 

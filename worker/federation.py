@@ -236,13 +236,19 @@ class FederatedWorker:
         s, budget = self.settings, self.encoder.settings.sync_budget
         assert budget is not None  # --compression auto requires --sync-budget
         try:
-            self.links.up = probe_upload(lambda n: self.client.probe_upload(n, s.worker_id, s.specialty), budget)
+            update_bytes = 4 * sum(t.numel() for t in self.trainer.adapter_state().values())
+            self.links.up = probe_upload(lambda n: self.client.probe_upload(n, s.worker_id, s.specialty), budget,
+                                         update_bytes)
         except FedMoEError as exc:  # e.g. a coordinator from before POST /probe: the first pushes start small
             log.info("no upload probe (%s); --compression auto starts from %.0f B/s", exc,
                      self.links.up.bytes_per_second)
             return
-        log.info("upload link: %.2f MB/s measured with a %d-byte probe", self.links.up.bytes_per_second / 1e6,
-                 self.links.up.largest)
+        if self.links.up.observed:
+            log.info("upload link: %.2f MB/s measured with a %d-byte probe", self.links.up.bytes_per_second / 1e6,
+                     self.links.up.largest)
+        else:
+            log.info("upload link: too slow for a probe within half the budget; pushes start from %.0f B/s",
+                     self.links.up.bytes_per_second)
 
     def _resume(self) -> bool:
         """Load the checkpoint in the state dir into trainer, encoder and loop; False if there is none."""

@@ -252,24 +252,32 @@ def test_bad_auto_settings_name_the_flag(kwargs, message):
         CompressionSettings(**kwargs)
 
 
-def test_the_join_probe_sends_the_large_upload_only_where_it_fits_half_the_budget():
+def test_the_join_probe_keeps_only_the_large_upload_and_sends_it_only_where_it_fits_half_the_budget():
     from worker.adaptive import UPLOAD_PROBES, probe_upload
 
-    def link(bytes_per_second: float):
+    def link(bytes_per_second: float, burst: int = 0):
         sent: list[int] = []
 
         def send(nbytes: int) -> float:
             sent.append(nbytes)
-            return 0.01 + nbytes / bytes_per_second  # a round trip plus the bytes
+            return 0.01 + max(nbytes - burst, 0) / bytes_per_second  # a round trip, the bytes past the burst
         return sent, send
 
     sent, send = link(100e6)
-    fast = probe_upload(send, budget_s=2.0)
+    fast = probe_upload(send, budget_s=2.0, update_bytes=10 << 20)
     assert sent == list(UPLOAD_PROBES) and fast.largest == UPLOAD_PROBES[-1] and fast.observed == 1
     assert fast.bytes_per_second == pytest.approx(UPLOAD_PROBES[-1] / (0.01 + UPLOAD_PROBES[-1] / 100e6))
     assert fast.push_allowance(2.0) == 2.5 * UPLOAD_PROBES[-1]  # GROWTH still caps the first push
 
-    sent, send = link(100_000.0)  # 1 MiB would take 10 s of a 2 s budget: only the small probe
-    slow = probe_upload(send, budget_s=2.0)
-    assert sent == [UPLOAD_PROBES[0]] and slow.largest == UPLOAD_PROBES[0]
-    assert slow.bytes_per_second < 100_000.0
+    # 0.25 Mbit/s behind a 64 kB token-bucket burst (bench.adaptive --quick): the small probe reads 6.5 MB/s,
+    # but even at that rate 1 MiB would take more than half of a 0.3 s budget, so nothing is kept from it
+    sent, send = link(31_250.0, burst=64 << 10)
+    slow = probe_upload(send, budget_s=0.3, update_bytes=10 << 20)
+    assert sent == [UPLOAD_PROBES[0]] and slow.observed == 0 and slow.largest == 0
+    assert slow.bytes_per_second == CONSERVATIVE_BYTES_PER_SECOND
+
+    sent, send = link(100e6)  # a small adapter: the large probe is no larger than its fp32 update
+    small = probe_upload(send, budget_s=2.0, update_bytes=300_000)
+    assert sent == [UPLOAD_PROBES[0], 300_000] and small.largest == 300_000
+    sent, send = link(100e6)
+    assert probe_upload(send, budget_s=2.0, update_bytes=1000).observed == 0 and sent == [UPLOAD_PROBES[0]]
