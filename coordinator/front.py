@@ -36,8 +36,8 @@ from pathlib import Path
 from typing import IO, Any, BinaryIO, cast
 
 from protocol.integrity import DIGEST_HEADER, requested_algorithm
-from coordinator.front_bodies import DIRECT_CHUNK, POOLED_BUFFERS, DirectBody, Spool, read_on_thread, \
-    write_chunk
+from coordinator.front_bodies import DIRECT_CHUNK, POOLED_BUFFERS, Buffer, DirectBody, Spool, read_on_thread, \
+    take_buffer, write_chunk
 from coordinator.http1 import HEAD_LIMIT, HttpError, RequestHead, error_response, parse_head, response_head, \
     wsgi_environ
 
@@ -119,7 +119,7 @@ class BufferingFront:
         self.bodies = ThreadPoolExecutor(BODY_THREADS, thread_name_prefix="fedmoe-body")
         self.free_body_threads = BODY_THREADS
         self.bodies_read = {"thread": 0, "loop": 0}  # large bodies by who read them (all, or the loop at least part)
-        self.buffers: list[bytearray] = []  # free DIRECT_CHUNK buffers for DirectBody and the body threads
+        self.buffers: list[Buffer] = []  # free DIRECT_CHUNK buffers for DirectBody and the body threads
         self.connections: set[asyncio.Task] = set()
         self.busy = 0  # requests inside the application right now
         self.stopping: asyncio.Event | None = None
@@ -362,7 +362,7 @@ class Connection:
         """Spool ``first`` and up to ``left`` more bytes on a body thread; the bytes it read from the socket."""
         front = self.front
         transport.pause_reading()  # the thread reads the socket from now on; nothing was read since ``first``
-        buffer = front.buffers.pop() if front.buffers else bytearray(DIRECT_CHUNK)
+        buffer = take_buffer(front.buffers)
         front.free_body_threads -= 1
         job = front.bodies.submit(read_on_thread, transport.get_extra_info("socket").fileno(), spool, first, left,
                                   buffer, min(self.timeout, THREAD_STALL))
