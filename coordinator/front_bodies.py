@@ -221,7 +221,10 @@ def read_on_thread(fd: int, spool: Spool, first: bytes, left: int, buffer: Buffe
     if first:
         spool.absorb(first)
     got = 0
-    sock = socket.socket(fileno=os.dup(fd))
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:  # out of file descriptors: the loop reads the body instead
+        return 0
     try:
         sock.setblocking(True)
         seconds = max(stall, 0.001)
