@@ -352,11 +352,12 @@ class Connection:
                 transport.resume_reading()
 
     def _may_read_on_thread(self, transport: asyncio.Transport, left: int) -> bool:
-        """Plain TCP, a free body thread, a body of a size the threads take, and nothing being written that the loop
+        """Plain TCP (a Unix socket's MSG_WAITALL does not stop at the receive timeout), a free body thread, a body of a size the threads take, and nothing being written that the loop
         would send (the socket is blocking while a thread reads it)."""
+        sock = transport.get_extra_info("socket")
         return (self.front.tls is None and self.front.free_body_threads > 0 and 0 < left <= THREAD_BODY_MAX
                 and transport.get_write_buffer_size() == 0 and not self.reader.at_eof()
-                and transport.get_extra_info("socket") is not None)
+                and sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6))  # TCP's receive timeout
 
     async def _read_on_thread(self, transport: asyncio.Transport, spool: Spool, first: bytes, left: int) -> int:
         """Spool ``first`` and up to ``left`` more bytes on a body thread; the bytes it read from the socket."""

@@ -241,13 +241,23 @@ def read_on_thread(fd: int, spool: Spool, first: bytes, left: int, buffer: Buffe
                 raise asyncio.IncompleteReadError(b"", left - got)
             spool.absorb(view[:n])
             got += n
-            if n < want:  # the timeout (or a signal) cut the piece short: the loop takes over
-                break
+            if n < want:  # the timeout, a signal or the end of the stream cut the piece short
+                if _at_eof(sock):
+                    raise asyncio.IncompleteReadError(b"", left - got)
+                break  # a slow client: the loop takes over
         view.release()
     finally:
         sock.setblocking(False)
         sock.close()  # the dup; the connection stays open
     return got
+
+
+def _at_eof(sock: socket.socket) -> bool:
+    """Whether the peer has closed its side (nothing more will come), without waiting or consuming anything."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
 
 
 def write_chunk(body: IO[bytes], chunk: bytes | memoryview) -> None:

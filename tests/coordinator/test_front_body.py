@@ -9,6 +9,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -165,3 +166,72 @@ def test_a_large_body_over_tls(front, tmp_path):
         assert answer["sha256"] == hashlib.sha256(body).hexdigest()
         assert answer["read_by"] == {"thread": 0, "loop": 1}  # TLS bodies stay on the loop (records, not bytes)
         assert read_answer(f)["size"] == 3
+
+
+# read_on_thread on its own: a socket pair, a real spool in tmp_path
+
+def _tcp_pair() -> tuple[socket.socket, socket.socket]:
+    """(server side, client side) of a loopback TCP connection, the server side non-blocking as the loop has it."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        client = socket.create_connection(listener.getsockname())
+        server, _ = listener.accept()
+    server.setblocking(False)
+    return server, client
+
+
+def _spool(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from coordinator.front_bodies import Spool
+    return Spool(tmp_path, "blake3", 0, ThreadPoolExecutor(1))
+
+
+def test_a_body_thread_reads_exactly_the_body_and_leaves_the_socket_non_blocking(tmp_path):
+    """The bytes after the body stay in the socket for the loop, and the socket the loop shares is non-blocking
+    again (a blocking one would let a slow reader of a large answer stall every connection)."""
+    from coordinator.front_bodies import read_on_thread
+    body = os.urandom((3 << 20) + 777)
+    server, client = _tcp_pair()
+    with server, client:
+        spool = _spool(tmp_path)
+        sender = threading.Thread(target=client.sendall, args=(body[100:] + b"NEXT",))
+        sender.start()
+        got = read_on_thread(server.fileno(), spool, body[:100], len(body) - 100, bytearray(1 << 20), 5.0)
+        sender.join()
+        assert got == len(body) - 100
+        assert not os.get_blocking(server.fileno())
+        assert server.recv(10) == b"NEXT"  # not read by the thread
+        spool.file.flush()
+        assert spool.path.read_bytes() == body
+        assert content_id("blake3", spool.hasher.hexdigest()) == blake3_id(body)
+        spool.discard()
+        assert not spool.path.exists()
+
+
+def test_a_body_thread_gives_a_stalled_body_back_with_what_it_read(tmp_path):
+    from coordinator.front_bodies import read_on_thread
+    server, client = _tcp_pair()
+    with server, client:
+        spool = _spool(tmp_path)
+        part = os.urandom(300_000)
+        client.sendall(part)  # then nothing
+        got = read_on_thread(server.fileno(), spool, b"", 2 << 20, bytearray(1 << 20), 0.3)
+        assert got == len(part) and not os.get_blocking(server.fileno())
+        spool.file.flush()
+        assert spool.path.read_bytes() == part
+        spool.discard()
+
+
+def test_a_body_thread_reports_a_client_that_went_away(tmp_path):
+    import asyncio
+
+    from coordinator.front_bodies import read_on_thread
+    server, client = _tcp_pair()
+    with server:
+        client.sendall(b"x" * 1000)
+        client.close()
+        spool = _spool(tmp_path)
+        with pytest.raises(asyncio.IncompleteReadError):
+            read_on_thread(server.fileno(), spool, b"", 5000, bytearray(1 << 20), 5.0)
+        assert not os.get_blocking(server.fileno())
+        spool.discard()
