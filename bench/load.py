@@ -204,16 +204,24 @@ def run(settings: Settings) -> dict[str, Any]:
         create_experts(server.url, settings, experts)
         log.info("%s load: %d workers, generator in its own process", settings.mode, settings.workers)
         cpu_before = process_cpu_seconds(server.pid)  # startup (importing torch) is not the pushes' cost
+        loop_before = process_cpu_seconds(server.pid, thread=server.pid)  # the main thread runs the front's loop
         load = run_in_process(load_plan([server.url], server.headers["Authorization"].split()[1], settings, experts))
         results = [Pushed(**{k: r[k] for k in ("update_id", "expert", "num_samples", "seconds", "status")})
                    for r in load["results"]]
         checked = verify(server.url, results, experts)
         peaks = peak_rss_bytes(server.pid)
         cpu = process_cpu_seconds(server.pid) - cpu_before
+        loop_cpu = process_cpu_seconds(server.pid, thread=server.pid) - loop_before
         group = group_commit_counts(server.url, server.headers)
+    # the front's own count of who read the large bodies (a line at its shutdown; coordinators from before 0.9 have none)
+    read_by = server.lines(lambda line: "large bodies read on body threads" in line, timeout=3.0)
     report = summarise(settings, load, checked)
+    found = re.search(r"front: (\d+) large bodies read on body threads, (\d+) by the event loop", "".join(read_by))
+    report["front_bodies"] = {"thread": int(found.group(1)), "loop": int(found.group(2))} if found else None
     report["group_commit"] = group
     report["coordinator_cpu_s_per_push"] = round(cpu / max(1, len(results)), 4)
+    report["front_loop_cpu_s_per_push"] = round(loop_cpu / max(1, len(results)), 4)
+    report["front_loop_core_share"] = round(loop_cpu / max(1e-9, load["seconds"]), 3)
     report["coordinator_peak_rss_mb"] = {"max_process": round(max(peaks.values()) / 2**20, 1),
                                          "sum_processes": round(sum(peaks.values()) / 2**20, 1),
                                          "processes": len(peaks)}
@@ -234,10 +242,11 @@ def group_commit_counts(url: str, headers: dict[str, str]) -> dict[str, float] |
     return {"syncs": syncs, "flushes": flushes, "writes_per_flush": round(syncs / max(1.0, flushes), 2)}
 
 
-def process_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds a live process has used so far (/proc/<pid>/stat)."""
+def process_cpu_seconds(pid: int, thread: int | None = None) -> float:
+    """User + system CPU seconds a live process (or one of its threads) has used so far (/proc/<pid>/stat)."""
+    stat = Path(f"/proc/{pid}/stat") if thread is None else Path(f"/proc/{pid}/task/{thread}/stat")
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = stat.read_text().rsplit(")", 1)[1].split()
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -283,10 +292,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     lat = report["latency_s"]
     print(format_table(
         ["mode", "workers", "pushes", "MB/push", "lost", "dup", "retried", "p50 s", "p95 s", "p99 s", "pushes/s",
-         "MB/s", "CPU s/push", "peak RSS MB"],
+         "MB/s", "CPU s/push", "loop CPU s/push", "peak RSS MB"],
         [[settings.mode, settings.workers, report["pushes"], round(report["body_bytes_per_update"] / 1e6, 2),
           report["lost"], report["duplicated"], report["retried"], lat["p50"], lat["p95"], lat["p99"],
           report["pushes_per_s"], report["mb_per_s"], report["coordinator_cpu_s_per_push"],
+          report["front_loop_cpu_s_per_push"],
           report["coordinator_peak_rss_mb"]["max_process"]]]))
     bad = report["lost"] or report["duplicated"] or report["errors"] or report["server_errors"]
     for line in report["errors"] + report["server_errors"]:

@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import IO, Any, BinaryIO, cast
 
 from protocol.integrity import DIGEST_HEADER, requested_algorithm
-from coordinator.front_bodies import DIRECT_CHUNK, DirectBody, Spool, raise_if_full, write_chunk
+from coordinator.front_bodies import DIRECT_CHUNK, POOLED_BUFFERS, Buffer, DirectBody, Spool, read_on_thread, \
+    take_buffer, write_chunk
 from coordinator.http1 import HEAD_LIMIT, HttpError, RequestHead, error_response, parse_head, response_head, \
     wsgi_environ
 
@@ -47,6 +48,9 @@ asyncio.sslproto.SSLProtocol.max_size = 64 << 10
 SPOOL_IN_MEMORY = 1 << 20  # request bodies up to this stay in memory; larger ones go to disk
 READ_CHUNK = 1 << 20
 DIRECT_FROM = 256 << 10  # bodies from this size on are read straight into buffers (DirectBody)
+BODY_THREADS = 64  # threads that read a spooled body with blocking receives (read_on_thread); when all are busy, the loop reads
+THREAD_BODY_MAX = 16 << 20  # larger bodies stay on the loop, whose receive, write and hash of a body overlap
+THREAD_STALL = 2.0  # seconds a body thread waits for a piece before the loop takes the connection back
 SEND_CHUNK = 1 << 20  # one stall-timeout step of an answer: a client slower than this per timeout is dropped
 SENDFILE_CHUNK = 4 << 20  # the same for files: fewer steps, so pulls run near gunicorn's sendfile rate
 GRACE_SECONDS = 10.0  # on SIGTERM, how long requests being answered get to finish
@@ -112,7 +116,10 @@ class BufferingFront:
         self.scheme = "https" if tls else "http"
         self.pool = ThreadPoolExecutor(options.threads, thread_name_prefix="fedmoe-request")
         self.hashing = ThreadPoolExecutor(2, thread_name_prefix="fedmoe-hash")  # spooled bodies: writes and digests
-        self.buffers: list[bytearray] = []  # free DIRECT_CHUNK buffers for DirectBody
+        self.bodies = ThreadPoolExecutor(BODY_THREADS, thread_name_prefix="fedmoe-body")
+        self.free_body_threads = BODY_THREADS
+        self.bodies_read = {"thread": 0, "loop": 0}  # large bodies by who read them (all, or the loop at least part)
+        self.buffers: list[Buffer] = []  # free DIRECT_CHUNK buffers for DirectBody and the body threads
         self.connections: set[asyncio.Task] = set()
         self.busy = 0  # requests inside the application right now
         self.stopping: asyncio.Event | None = None
@@ -138,6 +145,9 @@ class BufferingFront:
         await asyncio.gather(*self.connections, return_exceptions=True)
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.hashing.shutdown(wait=False, cancel_futures=True)
+        self.bodies.shutdown(wait=False, cancel_futures=True)
+        log.info("front: %d large bodies read on body threads, %d by the event loop (at least in part)",
+                 self.bodies_read["thread"], self.bodies_read["loop"])
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if len(self.connections) >= self.options.max_connections:
@@ -214,7 +224,8 @@ class Connection:
     async def _read_head(self, timeout: float) -> RequestHead | None:
         """The next request head, None at a clean end; the whole head must arrive within ``timeout``."""
         try:
-            raw = await asyncio.wait_for(self._read_raw_head(), timeout)
+            async with asyncio.timeout(timeout):  # no task per call, unlike wait_for (3.11)
+                raw = await self._read_raw_head()
         except asyncio.IncompleteReadError as exc:
             if exc.partial.strip():
                 raise
@@ -245,19 +256,24 @@ class Connection:
             await self._write(b"HTTP/1.1 100 Continue\r\n\r\n")
         spool = self._spool_file(head)
         spool_dir = self.front.options.spool_dir
-        body: IO[bytes] = spool.file if spool else tempfile.SpooledTemporaryFile(
+        # a spool's file is made where its first bytes are written (a body thread, or the spool's thread)
+        body: IO[bytes] | None = None if spool else tempfile.SpooledTemporaryFile(
             SPOOL_IN_MEMORY, dir=None if spool_dir is None else str(spool_dir))
         try:
             size = await (self._receive_chunked(body, spool) if head.chunked else self._receive(body, length, spool))
+            spooled = None if spool is None else await spool.finish(size)  # every write done before the rewind
+            body = spool.file if spool is not None else body
+            assert body is not None
             body.seek(0)
             environ = wsgi_environ(head, body, size, self.server, self.peer, self.front.scheme, FileBody)
-            if spool is not None:
-                environ[SPOOLED_BODY] = await spool.finish(size)
+            if spooled is not None:
+                environ[SPOOLED_BODY] = spooled
             answer = await self.front.call_app(environ)
         finally:
-            body.close()
             if spool is not None:
-                spool.discard()
+                spool.discard()  # closes its file
+            elif body is not None:
+                body.close()
         assert self.front.stopping is not None  # set before the server accepts connections
         keep = head.keep_alive() and not self.front.stopping.is_set() and not any(
             k.lower() == "connection" and "close" in v.lower() for k, v in answer.headers)
@@ -269,21 +285,18 @@ class Connection:
         if self.front.options.spool_dir is None or not (head.chunked or head.content_length > SPOOL_IN_MEMORY):
             return None
         algorithm = requested_algorithm(head.header(DIGEST_HEADER.lower()))
-        try:
-            return Spool(self.front.options.spool_dir, algorithm, head.content_length, self.front.hashing)
-        except OSError as exc:
-            raise_if_full(exc)
-            raise
+        return Spool(self.front.options.spool_dir, algorithm, head.content_length, self.front.hashing)
 
     @staticmethod
-    async def _take(body: IO[bytes], spool: Spool | None, chunk: bytes | memoryview) -> None:
+    async def _take(body: IO[bytes] | None, spool: Spool | None, chunk: bytes | memoryview) -> None:
         """Store a received chunk: through the spool's thread, or (small bodies) into ``body`` at once."""
         if spool is not None:
             await spool.feed(chunk)
         else:
+            assert body is not None  # there is a body file whenever there is no spool
             write_chunk(body, chunk)
 
-    async def _receive(self, body: IO[bytes], length: int, spool: Spool | None = None) -> int:
+    async def _receive(self, body: IO[bytes] | None, length: int, spool: Spool | None = None) -> int:
         if length >= DIRECT_FROM and hasattr(self.reader, "_buffer") and self.reader.exception() is None:
             await self._receive_direct(body, length, spool)
             return length
@@ -294,11 +307,20 @@ class Connection:
             left -= len(chunk)
         return length
 
-    async def _receive_direct(self, body: IO[bytes], length: int, spool: Spool | None) -> None:
-        """A large body read by ``DirectBody`` straight into two buffers in turn, after the bytes that came in
+    async def _receive_direct(self, body: IO[bytes] | None, length: int, spool: Spool | None) -> None:
+        """A large body read by a body thread (``read_on_thread``) when one is free, else (or for what a slow client
+        sends after THREAD_STALL) by ``DirectBody`` straight into two buffers in turn, after the bytes that came in
         with the head; the stream protocol gets the transport back after it (or when it fails)."""
         ahead = min(length, len(self.reader._buffer))  # type: ignore[attr-defined]  # CPython's StreamReader
         transport = cast(asyncio.Transport, self.writer.transport)
+        if spool is not None and self._may_read_on_thread(transport, length - ahead):
+            first = await self.reader.read(ahead) if ahead else b""  # at hand: returns at once
+            left = length - ahead - await self._read_on_thread(transport, spool, first, length - ahead)
+            if not left:
+                self.front.bodies_read["thread"] += 1
+                return
+            length, ahead = left, 0  # a slow client: the loop reads the rest
+        self.front.bodies_read["loop"] += 1
         stream = transport.get_protocol()
         direct = DirectBody(transport, stream, length - ahead, DIRECT_CHUNK, self.front.buffers)
         transport.set_protocol(direct)  # from now on the socket is read into direct's buffers only
@@ -329,7 +351,35 @@ class Connection:
                 transport.set_protocol(stream)
                 transport.resume_reading()
 
-    async def _receive_chunked(self, body: IO[bytes], spool: Spool | None = None) -> int:
+    def _may_read_on_thread(self, transport: asyncio.Transport, left: int) -> bool:
+        """Plain TCP (a Unix socket's MSG_WAITALL does not stop at the receive timeout), a free body thread, a body of a size the threads take, and nothing being written that the loop
+        would send (the socket is blocking while a thread reads it)."""
+        sock = transport.get_extra_info("socket")
+        return (self.front.tls is None and self.front.free_body_threads > 0 and 0 < left <= THREAD_BODY_MAX
+                and transport.get_write_buffer_size() == 0 and not self.reader.at_eof()
+                and sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6))  # TCP's receive timeout
+
+    async def _read_on_thread(self, transport: asyncio.Transport, spool: Spool, first: bytes, left: int) -> int:
+        """Spool ``first`` and up to ``left`` more bytes on a body thread; the bytes it read from the socket."""
+        front = self.front
+        transport.pause_reading()  # the thread reads the socket from now on; nothing was read since ``first``
+        buffer = take_buffer(front.buffers)
+        front.free_body_threads -= 1
+        job = front.bodies.submit(read_on_thread, transport.get_extra_info("socket").fileno(), spool, first, left,
+                                  buffer, min(self.timeout, THREAD_STALL))
+        try:
+            return await asyncio.wrap_future(job)
+        finally:
+            front.free_body_threads += 1
+            if not job.done():  # cancelled (shutdown) while the thread still reads: never read a blocking socket
+                transport.abort()
+            else:
+                if len(front.buffers) < POOLED_BUFFERS:
+                    front.buffers.append(buffer)
+                if not transport.is_closing():
+                    transport.resume_reading()
+
+    async def _receive_chunked(self, body: IO[bytes] | None, spool: Spool | None = None) -> int:
         size = 0
         while True:
             line = await self._with_timeout(self.reader.readuntil(b"\r\n"))
@@ -355,7 +405,8 @@ class Connection:
 
     async def _read_body(self, n: int) -> bytes:
         try:
-            chunk = await asyncio.wait_for(self.reader.read(n), self.timeout)
+            async with asyncio.timeout(self.timeout):
+                chunk = await self.reader.read(n)
         except asyncio.TimeoutError:
             raise HttpError(408, "request_timeout", "the request body stopped arriving before its end; "
                             "send it again") from None
@@ -400,7 +451,8 @@ class Connection:
             await self._with_timeout(self.writer.drain())
 
     async def _with_timeout(self, awaitable: Any) -> Any:
-        return await asyncio.wait_for(awaitable, self.timeout)
+        async with asyncio.timeout(self.timeout):
+            return await awaitable
 
     async def _send_error(self, exc: HttpError) -> None:
         if exc.status >= 500 or exc.status == 408:

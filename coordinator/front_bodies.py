@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import mmap
+import os
+import socket
+import struct
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,8 +23,20 @@ from typing import IO
 from coordinator.http1 import HttpError
 from protocol.integrity import content_id, new_hasher
 
-DIRECT_CHUNK = 1 << 20  # each of DirectBody's two buffers
+DIRECT_CHUNK = 1 << 20  # each of DirectBody's two buffers; also one piece of a body read on a thread
 POOLED_BUFFERS = 32  # DIRECT_CHUNK buffers the front keeps for the next large bodies (32 MiB at most)
+Buffer = bytearray | mmap.mmap
+
+
+def new_buffer(size: int) -> Buffer:
+    """A zeroed receive buffer whose pages cost memory only once written: a client that announces a large body and
+    then sends a byte now and then (bench/hostile.py, 333 such) holds a page, not 1 MiB (``bytearray(size)`` writes
+    every page at once: +690 MiB of RSS in that benchmark)."""
+    return mmap.mmap(-1, size) if size else bytearray(0)
+
+
+def take_buffer(pool: list[Buffer], size: int = DIRECT_CHUNK) -> Buffer:
+    return pool.pop() if pool else new_buffer(size)
 
 
 @dataclass
@@ -43,10 +60,10 @@ class DirectBody(asyncio.BufferedProtocol):
     """
 
     def __init__(self, transport: asyncio.BaseTransport, stream: asyncio.BaseProtocol, left: int, chunk: int,
-                 pool: list[bytearray]) -> None:
+                 pool: list[Buffer]) -> None:
         self.transport, self.stream, self.left = transport, stream, left
         # two buffers of ``chunk`` bytes, reused from ``pool`` when it has some (a fresh one is zeroed page by page)
-        self.buffers = [pool.pop() if pool else bytearray(chunk) for _ in range(2 if left > chunk else 1)]
+        self.buffers = [take_buffer(pool, chunk) for _ in range(2 if left > chunk else 1)]
         if len(self.buffers) == 1:
             self.buffers.append(bytearray(0))  # never read into: the body fits in the first
         self.current = 0
@@ -73,7 +90,7 @@ class DirectBody(asyncio.BufferedProtocol):
         self.view, self.filled = memoryview(self.buffers[self.current])[:min(self.left, len(self.buffers[self.current]))], 0
         return chunk
 
-    def release(self, pool: list[bytearray]) -> None:
+    def release(self, pool: list[Buffer]) -> None:
         """Give the buffers back to ``pool`` (kept up to ``POOLED_BUFFERS``); only once nothing reads them."""
         self.view.release()
         pool.extend(b for b in self.buffers if len(b) == DIRECT_CHUNK and len(pool) < POOLED_BUFFERS)
@@ -120,11 +137,29 @@ class Spool:
     behind the socket."""
 
     def __init__(self, directory: Path, algorithm: str, size_hint: int, hashing: ThreadPoolExecutor) -> None:
-        fd, name = tempfile.mkstemp(dir=directory, suffix=".part")
-        self.path, self.file = Path(name), open(fd, "w+b")
+        self.directory = directory
+        self.path: Path | None = None
+        self._file: IO[bytes] | None = None
+        self._opening = threading.Lock()  # the file is made by whichever thread writes first; discard may race it
+        self.discarded = False
         self.algorithm, self.hasher, self.hashing = algorithm, new_hasher(algorithm, size_hint), hashing
         self.pending: list[asyncio.Future] = []
         self.spooled: SpooledBody | None = None
+
+    @property
+    def file(self) -> IO[bytes]:
+        """The spool file, made on first use (its mkstemp off the event loop when a thread writes first)."""
+        with self._opening:
+            if self._file is None:
+                if self.discarded:
+                    raise ConnectionAbortedError("the request was given up while its body arrived")
+                try:
+                    fd, name = tempfile.mkstemp(dir=self.directory, suffix=".part")
+                except OSError as exc:
+                    raise_if_full(exc)
+                    raise
+                self.path, self._file = Path(name), open(fd, "w+b")
+            return self._file
 
     async def feed(self, chunk: bytes | memoryview) -> None:
         """Write ``chunk`` on one thread and hash it on another after the previous one, without waiting for
@@ -133,8 +168,16 @@ class Spool:
         connection). Both release the GIL, so a body spools at the slower one's rate, not their sum's."""
         await self.drain()
         loop = asyncio.get_running_loop()
-        self.pending = [loop.run_in_executor(self.hashing, write_chunk, self.file, chunk),
+        self.pending = [loop.run_in_executor(self.hashing, self._write, chunk),
                         loop.run_in_executor(self.hashing, self.hasher.update, chunk)]
+
+    def _write(self, chunk: bytes | memoryview) -> None:
+        write_chunk(self.file, chunk)
+
+    def absorb(self, chunk: bytes | memoryview) -> None:
+        """Write and hash ``chunk`` here and now (on a body thread, ``read_on_thread``); nothing may be pending."""
+        write_chunk(self.file, chunk)
+        self.hasher.update(chunk)
 
     async def drain(self) -> None:
         """Wait until every chunk fed so far is written and hashed (HttpError 507 if the disk is full)."""
@@ -147,15 +190,74 @@ class Spool:
     async def finish(self, size: int) -> SpooledBody:
         await self.drain()
         self.file.flush()
+        assert self.path is not None  # made with the file
         self.spooled = SpooledBody(self.path, size, content_id(self.algorithm, self.hasher.hexdigest()))
         return self.spooled
 
     def discard(self) -> None:
-        """Delete the file unless the application took it (renamed it into its store)."""
+        """Close the file, and delete it unless the application took it (renamed it into its store)."""
         for pending in self.pending:  # a failed request: the threads' outcome no longer matters
             pending.add_done_callback(lambda f: f.cancelled() or f.exception())
-        if self.spooled is None or not self.spooled.taken:
+        with self._opening:
+            self.discarded = True
+            if self._file is not None:
+                self._file.close()
+        if self.path is not None and (self.spooled is None or not self.spooled.taken):
             self.path.unlink(missing_ok=True)
+
+
+def read_on_thread(fd: int, spool: Spool, first: bytes, left: int, buffer: Buffer, stall: float) -> int:
+    """On a body thread: spool ``first``, then up to ``left`` more bytes read from the socket ``fd`` with blocking
+    ``recv_into(MSG_WAITALL)``, one ``buffer``-full at a time, each written and hashed before the next is read.
+
+    One hand-off per body instead of the loop's wake-up per read and two thread hand-offs per MiB (docs/scale.md,
+    sixth round). The caller has paused the transport's reading and has nothing left to write, so the loop does not
+    touch the socket meanwhile; the socket is blocking only while this runs (O_NONBLOCK belongs to the file
+    description, which the loop's fd shares), with ``stall`` s as its receive timeout. A piece that has not fully
+    arrived after ``stall`` s ends the call early: a slow client costs a thread at most that long, and the loop
+    reads the rest with its own stall timeout. Returns the bytes read from the socket (< ``left`` if it ended early);
+    raises IncompleteReadError when the client closed the connection, OSError for a reset or (507) a full disk.
+    """
+    if first:
+        spool.absorb(first)
+    got = 0
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:  # out of file descriptors: the loop reads the body instead
+        return 0
+    try:
+        sock.setblocking(True)
+        seconds = max(stall, 0.001)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                        struct.pack("ll", int(seconds), int((seconds % 1) * 1_000_000)))
+        view = memoryview(buffer)
+        while got < left:
+            want = min(len(view), left - got)
+            try:
+                n = sock.recv_into(view, want, socket.MSG_WAITALL)
+            except BlockingIOError:  # nothing at all for ``stall`` s
+                break
+            if n == 0:
+                raise asyncio.IncompleteReadError(b"", left - got)
+            spool.absorb(view[:n])
+            got += n
+            if n < want:  # the timeout, a signal or the end of the stream cut the piece short
+                if _at_eof(sock):
+                    raise asyncio.IncompleteReadError(b"", left - got)
+                break  # a slow client: the loop takes over
+        view.release()
+    finally:
+        sock.setblocking(False)
+        sock.close()  # the dup; the connection stays open
+    return got
+
+
+def _at_eof(sock: socket.socket) -> bool:
+    """Whether the peer has closed its side (nothing more will come), without waiting or consuming anything."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
 
 
 def write_chunk(body: IO[bytes], chunk: bytes | memoryview) -> None:

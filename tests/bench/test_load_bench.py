@@ -36,6 +36,8 @@ def test_quick_run_pushes_everything_once(tmp_path):
     assert 0 < lat["p50"] <= lat["p95"] <= lat["p99"] <= lat["max"]
     assert report["coordinator_peak_rss_mb"]["processes"] == 1  # one process serves everything (coordinator/front.py)
     assert report["coordinator_peak_rss_mb"]["max_process"] > 50
+    assert report["front_loop_cpu_s_per_push"] >= 0 and report["front_loop_core_share"] >= 0
+    assert report["front_bodies"] == {"thread": 0, "loop": 0}  # tiny bodies stay in memory, read with their head
     assert "lost" in proc.stdout and [p.name for p in tmp_path.iterdir()] == ["load.json"]
 
 

@@ -9,6 +9,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -26,7 +27,8 @@ def app(environ, start_response):
     spooled = environ.get(SPOOLED_BODY)
     data = spooled.path.read_bytes() if spooled is not None else environ["wsgi.input"].read()
     answer = json.dumps({"size": len(data), "sha256": hashlib.sha256(data).hexdigest(),
-                         "spooled_digest": spooled.digest if spooled is not None else None}).encode()
+                         "spooled_digest": spooled.digest if spooled is not None else None,
+                         "read_by": dict(front.bodies_read)}).encode()
     start_response("200 OK", [("Content-Type", "application/json")])
     return [answer]
 
@@ -38,8 +40,9 @@ if len(sys.argv) > 3:
     tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     tls.load_cert_chain(sys.argv[3], sys.argv[4])
 Path(sys.argv[1]).write_text(str(sock.getsockname()[1]))
-BufferingFront(app, sock, FrontOptions(threads=2, socket_timeout=float(sys.argv[2]), spool_dir=Path(sys.argv[1]).parent),
-               tls).run()
+front = BufferingFront(app, sock, FrontOptions(threads=2, socket_timeout=float(sys.argv[2]),
+                                               spool_dir=Path(sys.argv[1]).parent), tls)
+front.run()
 """
 
 
@@ -99,7 +102,11 @@ def test_a_large_body_arrives_whole_and_hashed_and_the_next_request_follows(fron
         assert answer["size"] == size and answer["sha256"] == hashlib.sha256(first).hexdigest()
         assert answer["spooled_digest"] in (None, blake3_id(first))
         assert (answer["spooled_digest"] is not None) == (size > 1 << 20)  # spooled past 1 MiB
-        assert read_answer(f) == {"size": 1000, "sha256": hashlib.sha256(second).hexdigest(), "spooled_digest": None}
+        # a spooled body is read by a body thread when one is free (here: always), never by the loop
+        assert answer["read_by"] == ({"thread": 1, "loop": 0} if size > 1 << 20 else {"thread": 0, "loop": 1})
+        second_answer = read_answer(f)
+        assert {k: second_answer[k] for k in ("size", "sha256", "spooled_digest")} == {
+            "size": 1000, "sha256": hashlib.sha256(second).hexdigest(), "spooled_digest": None}
 
 
 def test_a_body_sent_in_small_pieces_is_assembled_in_order(front):
@@ -110,6 +117,20 @@ def test_a_body_sent_in_small_pieces_is_assembled_in_order(front):
         for start in range(0, len(body), 100_003):  # pieces that straddle the 1 MiB buffers
             s.sendall(body[start:start + 100_003])
         assert read_answer(f)["sha256"] == hashlib.sha256(body).hexdigest()
+
+
+def test_a_body_slower_than_the_threads_stall_is_finished_by_the_loop(front):
+    """A body thread gives up on a piece that has not arrived within its stall time (min(timeout, 2 s)); the loop
+    reads the rest of the body, which is still spooled whole and hashed in order."""
+    port = front(timeout=3.0)  # body thread stall: 2 s; then the loop's own 3 s per MiB
+    body = os.urandom((2 << 20) + 4321)
+    with socket.create_connection(("127.0.0.1", port)) as s, s.makefile("rb") as f:
+        s.sendall(request(len(body), body[:1_500_000], digest=blake3_id(body)[3:]))
+        time.sleep(2.6)  # the thread has its first MiB and waits for the second in vain
+        s.sendall(body[1_500_000:])
+        answer = read_answer(f)
+    assert answer["sha256"] == hashlib.sha256(body).hexdigest() and answer["spooled_digest"] == blake3_id(body)
+    assert answer["read_by"] == {"thread": 0, "loop": 1}  # counted once, as finished by the loop
 
 
 def test_a_client_gone_mid_body_costs_only_its_connection(front):
@@ -141,5 +162,76 @@ def test_a_large_body_over_tls(front, tmp_path):
     with socket.create_connection(("127.0.0.1", port)) as raw, context.wrap_socket(raw, server_hostname="127.0.0.1") as s, \
             s.makefile("rb") as f:
         s.sendall(request(len(body), body, request(3, b"abc")))
-        assert read_answer(f)["sha256"] == hashlib.sha256(body).hexdigest()
+        answer = read_answer(f)
+        assert answer["sha256"] == hashlib.sha256(body).hexdigest()
+        assert answer["read_by"] == {"thread": 0, "loop": 1}  # TLS bodies stay on the loop (records, not bytes)
         assert read_answer(f)["size"] == 3
+
+
+# read_on_thread on its own: a socket pair, a real spool in tmp_path
+
+def _tcp_pair() -> tuple[socket.socket, socket.socket]:
+    """(server side, client side) of a loopback TCP connection, the server side non-blocking as the loop has it."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        client = socket.create_connection(listener.getsockname())
+        server, _ = listener.accept()
+    server.setblocking(False)
+    return server, client
+
+
+def _spool(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from coordinator.front_bodies import Spool
+    return Spool(tmp_path, "blake3", 0, ThreadPoolExecutor(1))
+
+
+def test_a_body_thread_reads_exactly_the_body_and_leaves_the_socket_non_blocking(tmp_path):
+    """The bytes after the body stay in the socket for the loop, and the socket the loop shares is non-blocking
+    again (a blocking one would let a slow reader of a large answer stall every connection)."""
+    from coordinator.front_bodies import read_on_thread
+    body = os.urandom((3 << 20) + 777)
+    server, client = _tcp_pair()
+    with server, client:
+        spool = _spool(tmp_path)
+        sender = threading.Thread(target=client.sendall, args=(body[100:] + b"NEXT",))
+        sender.start()
+        got = read_on_thread(server.fileno(), spool, body[:100], len(body) - 100, bytearray(1 << 20), 5.0)
+        sender.join()
+        assert got == len(body) - 100
+        assert not os.get_blocking(server.fileno())
+        assert server.recv(10) == b"NEXT"  # not read by the thread
+        spool.file.flush()
+        assert spool.path.read_bytes() == body
+        assert content_id("blake3", spool.hasher.hexdigest()) == blake3_id(body)
+        spool.discard()
+        assert not spool.path.exists()
+
+
+def test_a_body_thread_gives_a_stalled_body_back_with_what_it_read(tmp_path):
+    from coordinator.front_bodies import read_on_thread
+    server, client = _tcp_pair()
+    with server, client:
+        spool = _spool(tmp_path)
+        part = os.urandom(300_000)
+        client.sendall(part)  # then nothing
+        got = read_on_thread(server.fileno(), spool, b"", 2 << 20, bytearray(1 << 20), 0.3)
+        assert got == len(part) and not os.get_blocking(server.fileno())
+        spool.file.flush()
+        assert spool.path.read_bytes() == part
+        spool.discard()
+
+
+def test_a_body_thread_reports_a_client_that_went_away(tmp_path):
+    import asyncio
+
+    from coordinator.front_bodies import read_on_thread
+    server, client = _tcp_pair()
+    with server:
+        client.sendall(b"x" * 1000)
+        client.close()
+        spool = _spool(tmp_path)
+        with pytest.raises(asyncio.IncompleteReadError):
+            read_on_thread(server.fileno(), spool, b"", 5000, bytearray(1 << 20), 5.0)
+        assert not os.get_blocking(server.fileno())
+        spool.discard()
