@@ -368,8 +368,7 @@ _relays: dict[str, Any] = {  # coordinator/relays.py; docs/wan.md, "Relays"
         "post": {
             "operationId": "probeUpload",
             "summary": "Up to 4 MiB, read and dropped: a worker times it to size its first --compression auto push.",
-            "requestBody": {"required": True, "content": {"application/octet-stream": {
-                "schema": {"type": "string", "format": "binary", "maxLength": 4 << 20}}}},
+            "requestBody": TENSOR_BODY,  # any bytes, at most 4 MiB (a maxLength here starves the fuzzer's generator)
             "responses": {"200": _json({"type": "object", "required": ["bytes"],
                                         "properties": {"bytes": {"type": "integer"}}}, "Bytes received."),
                           "413": _error("Body over 4 MiB.")}}},
