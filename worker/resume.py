@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from compression.errors import CompressionError
 from protocol.tensors import StateDict
-from worker.checkpoint import CheckpointError, WorkerCheckpoint, clone_optimizer_state, save_checkpoint
+from worker.checkpoint import CheckpointError, CheckpointWriter, WorkerCheckpoint, clone_optimizer_state
 from worker.data import StreamPosition
 from worker.encoding import UpdateEncoder
 from worker.sync_state import ExpertState
@@ -74,13 +74,17 @@ def capture(identity: dict[str, Any], state: ExpertState, trainer: Resumable, en
                             residual={}, optimizer=clone_optimizer_state(trainer.optimizer_state()))
 
 
-def save(state_dir: Path, checkpoint: WorkerCheckpoint, encoder: UpdateEncoder, state: ExpertState) -> float:
-    """Write the checkpoint with the current residual and outbox; the seconds it took."""
+def save(writer: CheckpointWriter, checkpoint: WorkerCheckpoint, encoder: UpdateEncoder, state: ExpertState) -> float:
+    """Write the checkpoint with the current residual and outbox; the seconds it took.
+
+    The residual is not copied: the encoder replaces its residual tensors at each encode and never
+    mutates them, and this runs on the thread that encodes, before the next encode.
+    """
     started = time.perf_counter()
-    checkpoint.residual = encoder.state_dict()
+    checkpoint.residual = encoder.carried()
     checkpoint.outbox = [(o.body, o.meta) for o in state.outbox]
     try:
-        save_checkpoint(state_dir, checkpoint)
+        writer.save(checkpoint)
     except OSError as exc:  # never push what we could not checkpoint: a restart would send it twice
-        raise CheckpointError(f"cannot write a checkpoint to --state-dir {state_dir}: {exc}") from None
+        raise CheckpointError(f"cannot write a checkpoint to --state-dir {writer.state_dir}: {exc}") from None
     return round(time.perf_counter() - started, 4)
