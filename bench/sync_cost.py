@@ -11,7 +11,8 @@ with a state dir on disk (real fsyncs). Every round is one training step then on
 - ``encode``: the delta and its codec (worker.encoding);
 - ``checkpoint``: worker.resume.save (worker.checkpoint: the tensors, fsync, the manifest);
 - ``push``: the outbox over HTTP; ``pull``: the expert's weights (HTTP, parse, digest, decode);
-- ``adopt``: W + r (+ local - snapshot) loaded into the model.
+- ``adopt``: W + r (+ local - snapshot) loaded into the model;
+- ``sync total``: the process's CPU over the whole sync; ``train step``: one training step's, for scale.
 
 Variants (``--variants``) run in ABAB blocks of ``--syncs`` syncs on the same worker, each with its
 own state dir, so load drift hits both alike:
@@ -190,11 +191,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     worker.settings = replace(worker.settings, state_dir=Path(scratch) / f"state-{name}-{block}")
                     with variant(name, clock):
                         for _ in range(args.syncs):
+                            train = time.thread_time()
                             worker.train_step()
+                            train = time.thread_time() - train
                             clock.take()
                             cpu = time.process_time()
                             record = worker.sync()
-                            phases = clock.take() | {"total": time.process_time() - cpu}
+                            phases = clock.take() | {"total": time.process_time() - cpu, "train_step": train}
                             phases["bytes_down"] = record.get("bytes_down", 0)
                             samples[name].append(phases)
                     mine = samples[name][-args.syncs:]
@@ -209,7 +212,7 @@ def summarize(samples: dict[str, list[dict[str, float]]], args: argparse.Namespa
     variants = {}
     for name, rows in samples.items():
         variants[name] = {phase: round(statistics.median(r.get(phase, 0.0) for r in rows), 4)
-                          for phase in (*PHASES, "total")} | {"syncs": len(rows)}
+                          for phase in (*PHASES, "total", "train_step")} | {"syncs": len(rows)}
     report: dict[str, Any] = {
         "config": {"base_model": args.base_model, "lora_rank": args.lora_rank, "compression": args.compression,
                    "sync_budget": args.sync_budget, "syncs_per_block": args.syncs, "blocks": args.blocks,
@@ -224,8 +227,9 @@ def summarize(samples: dict[str, list[dict[str, float]]], args: argparse.Namespa
 
 
 def render(report: dict[str, Any]) -> str:
-    headers = ["variant", *PHASES, "total", "syncs"]
-    rows = [[name, *(v[p] for p in PHASES), v["total"], v["syncs"]] for name, v in report["variants"].items()]
+    headers = ["variant", *PHASES, "sync total", "train step", "syncs"]
+    rows = [[name, *(v[p] for p in PHASES), v["total"], v["train_step"], v["syncs"]]
+            for name, v in report["variants"].items()]
     text = format_table(headers, rows)
     if "ratios" in report:
         text += (f"\n\nlegacy / current (median CPU s per sync): checkpoint {report['ratios']['checkpoint']}x, "

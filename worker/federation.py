@@ -386,7 +386,8 @@ class FederatedWorker:
         record: dict[str, Any] = {"time": time.time(), "sync": self.state.syncs, "final": final, "worker_id": self.settings.worker_id,
                   "base_version": self.state.version, "global_step": self.trainer.global_step}
         self.state.syncs += 1
-        checkpoint = (resume.capture(self.identity, self.state, self.trainer, self.encoder, snapshot, self.dataset)
+        checkpoint = (resume.capture(self.identity, self.state, self.trainer, self.encoder, snapshot, self.dataset,
+                                     keep_pulled=self.puller.may_pull_diffs)
                       if self.settings.state_dir is not None else None)
         job = SyncJob(record["sync"], final, stats, snapshot, delta_from, checkpoint, record, started=started)
         job.blocked = time.perf_counter() - started

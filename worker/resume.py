@@ -65,12 +65,17 @@ def codec_change(saved: dict[str, Any] | None, encoder: UpdateEncoder) -> str:
 
 
 def capture(identity: dict[str, Any], state: ExpertState, trainer: Resumable, encoder: UpdateEncoder,
-            snapshot: StateDict, dataset: dict[str, str] | None) -> WorkerCheckpoint:
-    """The checkpoint of a sync point; ``save`` adds the residual and outbox after encoding."""
+            snapshot: StateDict, dataset: dict[str, str] | None, keep_pulled: bool = True) -> WorkerCheckpoint:
+    """The checkpoint of a sync point; ``save`` adds the residual and outbox after encoding.
+
+    ``keep_pulled=False`` (a worker that never pulls diffs) leaves the pulled weights out: they are
+    only a diff's base, and a restored worker without them pulls in full, as it would anyway.
+    """
     progress = {**state.progress(), "global_step": trainer.global_step,
                 "data_position": trainer.data_position.to_dict(), "time": time.time(), "codec": encoder.codec_meta,
                 "dataset": dataset["path"] if dataset else None}
-    return WorkerCheckpoint(identity, progress, adapter=snapshot, reference=state.reference, pulled=state.pulled,
+    return WorkerCheckpoint(identity, progress, adapter=snapshot, reference=state.reference,
+                            pulled=state.pulled if keep_pulled else {},
                             residual={}, optimizer=clone_optimizer_state(trainer.optimizer_state()))
 
 
