@@ -41,7 +41,9 @@ Checkpoint and resume. With a state dir, ``exchange`` saves a checkpoint (worker
 data position, counters and the outbox with its update ids. A worker killed at any moment and
 started again resumes from its last checkpoint: updates it had queued are pushed again under the
 same ids (the coordinator applies an id once), and the training after the checkpoint was never
-pushed, so it is redone rather than counted twice.
+pushed, so it is redone rather than counted twice. A checkpoint is written at every sync, so it
+writes only what a resume needs and nothing twice (worker.checkpoint's ``CheckpointWriter``: the
+reference is an alias of the snapshot, the pulled weights are kept only by a worker that pulls diffs).
 """
 from __future__ import annotations
 
