@@ -51,6 +51,7 @@ RULES: dict[str, str] = {
     "api.heartbeat": SELF,
     "api.gateway_weights": ADMIN_ONLY, "api.revoke_worker": ADMIN_ONLY,
     "relays.probe": PUBLIC, "api.probe": PUBLIC,  # protocol/probe.py: throughput, before a worker has a token
+    "relays.probe_upload": READ, "api.probe_upload": READ,  # bytes in: only for callers with a token
     "relays.register_relay": JOIN_ONLY, "relays.list_relays": READ, "relays.relay_report": SELF,
 }
 ADMIN_PRINCIPAL = Principal(ADMIN)

@@ -364,7 +364,15 @@ _relays: dict[str, Any] = {  # coordinator/relays.py; docs/wan.md, "Relays"
         "operationId": "probe", "summary": "Public: N zero bytes, for clients measuring throughput (protocol/probe.py).",
         "security": [],
         "parameters": [_query("bytes", {"type": "integer", "minimum": 0, "maximum": 4 << 20}, "Bytes to send.")],
-        "responses": {"200": _bytes("Zero bytes."), "400": BAD_REQUEST}}},
+        "responses": {"200": _bytes("Zero bytes."), "400": BAD_REQUEST}},
+        "post": {
+            "operationId": "probeUpload",
+            "summary": "Up to 4 MiB, read and dropped: a worker times it to size its first --compression auto push.",
+            "requestBody": {"required": True, "content": {"application/octet-stream": {
+                "schema": {"type": "string", "format": "binary", "maxLength": 4 << 20}}}},
+            "responses": {"200": _json({"type": "object", "required": ["bytes"],
+                                        "properties": {"bytes": {"type": "integer"}}}, "Bytes received."),
+                          "413": _error("Body over 4 MiB.")}}},
     "/relays": {
         "get": {"operationId": "listRelays",
                 "summary": "The tree below this root: relays, their workers and bytes saved (workers probe the URLs).",

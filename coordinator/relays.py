@@ -17,7 +17,7 @@ from typing import Any
 
 from flask import Blueprint, Flask, Response, current_app, jsonify
 
-from protocol.errors import BadRequest, Conflict, Forbidden
+from protocol.errors import BadRequest, Conflict, Forbidden, PayloadTooLarge
 from protocol.schemas import API_PREFIX, BaseModelSpec, ExpertSpec, UpdateMeta, check_name, is_finite_number
 
 bp = Blueprint("relays", __name__, url_prefix=API_PREFIX)
@@ -153,7 +153,28 @@ def probe_body() -> Response:
     return response
 
 
+def probe_upload() -> Response:
+    """POST a body of at most protocol.probe.MAX_PROBE_BYTES, read and dropped: a worker times it to size its
+    first ``--compression auto`` push from its upload link (worker.federation). Needs a token where auth is on."""
+    from flask import request
+
+    from protocol.probe import MAX_PROBE_BYTES
+
+    if request.content_length is not None and request.content_length > MAX_PROBE_BYTES:
+        raise PayloadTooLarge(f"a probe body may be at most {MAX_PROBE_BYTES} bytes, got {request.content_length}",
+                              limit=MAX_PROBE_BYTES)
+    received = 0
+    while chunk := request.stream.read(min(1 << 20, MAX_PROBE_BYTES + 1 - received)):
+        received += len(chunk)
+        if received > MAX_PROBE_BYTES:  # chunked bodies have no Content-Length: stop past the limit
+            raise PayloadTooLarge(f"a probe body may be at most {MAX_PROBE_BYTES} bytes", limit=MAX_PROBE_BYTES)
+    response = jsonify({"bytes": received})
+    response.headers["Cache-Control"] = "no-store"
+    return response
+
+
 bp.add_url_rule("/probe", "probe", probe_body, methods=["GET"])
+bp.add_url_rule("/probe", "probe_upload", probe_upload, methods=["POST"])
 
 
 def install(app: Flask) -> None:

@@ -392,6 +392,14 @@ class CoordinatorClient:
                 log.info("push of update %s resumed %d times: %d of %d body bytes sent again", meta.get("update_id"),
                          push.stats.resumes, push.stats.resent, len(body))
 
+    def probe_upload(self, nbytes: int, worker_id: str, expert: str) -> float:
+        """Seconds one POST of ``nbytes`` (at most protocol.probe.MAX_PROBE_BYTES) to /probe took, one attempt:
+        the upload throughput a worker's first ``--compression auto`` push is sized from."""
+        started = time.perf_counter()
+        self._request("POST", "/probe", worker=worker_id, expert=expert, attempts=1, data=bytes(nbytes),
+                      headers={"Content-Type": "application/octet-stream"})
+        return time.perf_counter() - started
+
     def update_status(self, update_id: str) -> dict[str, Any]:
         return self._json("GET", f"/updates/{update_id}")
 

@@ -2,7 +2,9 @@
 
 Pure policy, no I/O: a ``LinkEstimate`` per direction turns the timed transfers of earlier syncs
 into bytes per second, and ``choose_push`` / ``choose_pull`` turn that, the budget and the size of
-the update into a codec.
+the update into a codec. ``probe_upload`` seeds the upload estimate at join from one or two timed
+probe POSTs (``POST /api/v1/probe``), so the first push is sized from the link rather than from the
+conservative guess (which made a smollm2-135m worker's first 2-5 pushes random-k, docs/wan.md).
 
 Throughput is the *effective* rate of whole requests (bytes / seconds, latency and server time
 included), smoothed. That is pessimistic for small transfers, but self-correcting: a push sized
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from protocol.schemas import RAW_CODEC
 from worker.encoding import CodecChoice
@@ -178,6 +180,25 @@ class LinkEstimate:
         transfer timed so far (no cap before the first: the starting guess is already conservative)."""
         allowed = self.bytes_within(seconds)
         return min(allowed, GROWTH * self.largest) if self.largest else allowed
+
+
+UPLOAD_PROBES = (64 << 10, 1 << 20)
+"""Bytes of the join's upload probes, smallest first; the larger one is sent only if the smaller one says it
+takes at most half the budget. The estimate is the last one's rate (less of it is round trip)."""
+
+
+def probe_upload(send: Callable[[int], float], budget_s: float) -> LinkEstimate:
+    """The upload estimate from timed probes: ``send(nbytes)`` posts that many bytes and returns the seconds.
+    Its ``largest`` is the probe's size, so ``GROWTH`` still caps the first push (a probe inside a token
+    bucket's burst looks faster than the link is)."""
+    link = LinkEstimate()
+    for nbytes in UPLOAD_PROBES:
+        seconds = send(nbytes)
+        link = LinkEstimate()
+        link.observe(nbytes, seconds)
+        if nbytes < UPLOAD_PROBES[-1] and UPLOAD_PROBES[-1] / link.bytes_per_second > budget_s / 2:
+            break  # a slow link: the larger probe would cost more than half a sync's budget
+    return link
 
 
 @dataclass(frozen=True)

@@ -64,7 +64,7 @@ from protocol.client import CoordinatorClient
 from protocol.errors import BadRequest, FedMoEError, NotFound, Unavailable
 from protocol.tensors import StateDict, manifest_of
 from worker import resume
-from worker.adaptive import Decision, LinkEstimate, choose_push
+from worker.adaptive import Decision, LinkEstimate, choose_push, probe_upload
 from worker.checkpoint import CheckpointError, CheckpointWriter, discard_checkpoint, load_checkpoint
 from worker.console import SyncConsole
 from worker.data import StreamPosition
@@ -209,6 +209,8 @@ class FederatedWorker:
             self.client.put_profile(s.specialty, s.worker_id, self.profile)
         if self.state.outbox and not self._push():
             raise Unavailable("cannot deliver the updates saved in the checkpoint; is the coordinator up?")
+        if self.encoder.settings.adaptive and not self.links.up.observed:
+            self._probe_upload()
         fetched = self._fetch()
         if fetched.weights is not None:
             self._adopt(fetched)
@@ -231,6 +233,19 @@ class FederatedWorker:
             return self.client.create_expert(name, {}, self.expert_spec)
         except BadRequest:  # a coordinator that checks the body before looking the expert up
             return self.client.create_expert(name, self.trainer.adapter_state(), self.expert_spec)
+
+    def _probe_upload(self) -> None:
+        """--compression auto: time an upload probe or two, so the first push is sized from the link."""
+        s, budget = self.settings, self.encoder.settings.sync_budget
+        assert budget is not None  # --compression auto requires --sync-budget
+        try:
+            self.links.up = probe_upload(lambda n: self.client.probe_upload(n, s.worker_id, s.specialty), budget)
+        except FedMoEError as exc:  # e.g. a coordinator from before POST /probe: the first pushes start small
+            log.info("no upload probe (%s); --compression auto starts from %.0f B/s", exc,
+                     self.links.up.bytes_per_second)
+            return
+        log.info("upload link: %.2f MB/s measured with a %d-byte probe", self.links.up.bytes_per_second / 1e6,
+                 self.links.up.largest)
 
     def _resume(self) -> bool:
         """Load the checkpoint in the state dir into trainer, encoder and loop; False if there is none."""

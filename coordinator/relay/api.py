@@ -19,7 +19,7 @@ from coordinator.api import _int_arg, json_body, receive_body
 from coordinator.app import StrictJSONProvider, _log_requests_at_debug, _register_error_handlers
 from coordinator.auth import acting_worker
 from coordinator.relay.service import RelayConfig, RelayService
-from coordinator.relays import check_may_carry_members, probe_body
+from coordinator.relays import check_may_carry_members, probe_body, probe_upload
 from protocol.errors import Conflict, NotFound, Unavailable
 from protocol.schemas import (API_PREFIX, EXPERT_HEADER, UPDATE_HEADER, VERSION_HEADER, WORKER_HEADER,
                               ExpertSpec, UpdateMeta, check_name, parse_header_json)
@@ -137,6 +137,7 @@ def forward_now() -> Response:
 
 
 bp.add_url_rule("/probe", "probe", probe_body, methods=["GET"])
+bp.add_url_rule("/probe", "probe_upload", probe_upload, methods=["POST"])  # answered here: the link to measure
 
 
 def create_relay_app(config: RelayConfig, port: int | None = None) -> Flask:

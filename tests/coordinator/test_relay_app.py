@@ -141,3 +141,14 @@ def test_a_relay_keeps_its_worker_rows_with_the_roots_code(relay):
 
 def error_code(response):
     return response.status_code, response.json["error"]["code"]
+
+
+def test_the_relay_answers_the_upload_probe_itself_for_its_workers(relay):
+    """A worker sizes its first auto push from the link to its relay, so the relay reads and drops the probe."""
+    app, join = relay
+    token = register(app, join).get_json()["token"]
+    client = app.test_client(token=token)
+    r = client.post("/api/v1/probe", data=bytes(70_000), content_type="application/octet-stream")
+    assert r.status_code == 200 and r.get_json() == {"bytes": 70_000}
+    assert app.test_client(token=None).post("/api/v1/probe", data=b"x").status_code == 401
+    assert client.post("/api/v1/probe", data=bytes((4 << 20) + 1)).status_code == 413

@@ -96,3 +96,41 @@ def test_auto_compression_switches_codecs_and_keeps_local_equal_to_the_experts_p
     server = worker.client.pull_weights("sql_expert").tensors
     local, residual = trainer.adapter_state(), encoder.state_dict()
     assert all(torch.allclose(local[k], server[k] + residual.get(k, 0), atol=1e-6) for k in local)
+
+
+def test_auto_sizes_its_first_push_from_an_upload_probe_at_join(start_coordinator):
+    """Before POST /probe a fresh auto worker started from a 1 Mbit/s guess and grew 2.5x a push: a smollm2-135m
+    worker's first 2-5 pushes were random-k. Now join times a probe upload and the first push fits the link."""
+    from worker.adaptive import UPLOAD_PROBES, choose_push
+
+    _, url = start_coordinator()
+    encoder = UpdateEncoder(CompressionSettings("auto", sync_budget=4.0))
+    worker, trainer = make_worker(url, "w1", seed=0, rank=32, token=local_token(url), encoder=encoder)
+    worker.join()
+    assert worker.links.up.observed == 1 and worker.links.up.largest == UPLOAD_PROBES[-1]  # loopback: both probes
+    delta = trainer.adapter_state()
+    numel = sum(t.numel() for t in delta.values())
+    guessed = choose_push(numel, len(delta), 4.0, LinkEstimate())  # what the same worker chose without a probe
+    assert guessed.choice is not None and guessed.choice.meta["codec"] == "fp16"
+    worker.interval.add(trainer.train_steps(1))
+    record = worker.sync()
+    assert record["codec"] == "safetensors" and record["residual_norm"] == 0  # exact from the first push
+    assert record["push_choice"]["allowed_bytes"] > 4 * numel
+
+
+def test_the_upload_probe_endpoint_reads_at_most_4_mib_and_wants_a_token(start_coordinator):
+    import requests
+
+    from protocol.probe import MAX_PROBE_BYTES
+
+    _, url = start_coordinator()
+    probe = f"{url}/api/v1/probe"
+    auth = {"Authorization": f"Bearer {local_token(url)}"}
+    r = requests.post(probe, data=bytes(100_000), headers=auth, timeout=30)
+    assert r.status_code == 200 and r.json() == {"bytes": 100_000} and r.headers["Cache-Control"] == "no-store"
+    assert requests.post(probe, data=b"x", timeout=30).status_code == 401  # bytes in: not for anyone
+    too_big = requests.post(probe, data=bytes(MAX_PROBE_BYTES + 1), headers=auth, timeout=30)
+    assert too_big.status_code == 413 and too_big.json()["error"]["code"] == "payload_too_large"
+    chunked = requests.post(probe, data=iter([bytes(1 << 20)] * 5), headers=auth, timeout=30)  # no Content-Length
+    assert chunked.status_code == 413 and "at most" in chunked.json()["error"]["message"]
+    assert requests.get(probe, params={"bytes": 10}, timeout=30).content == bytes(10)  # the download probe: public

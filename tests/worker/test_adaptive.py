@@ -250,3 +250,26 @@ def test_auto_needs_a_choice_per_update():
 def test_bad_auto_settings_name_the_flag(kwargs, message):
     with pytest.raises(ValueError, match=message):
         CompressionSettings(**kwargs)
+
+
+def test_the_join_probe_sends_the_large_upload_only_where_it_fits_half_the_budget():
+    from worker.adaptive import UPLOAD_PROBES, probe_upload
+
+    def link(bytes_per_second: float):
+        sent: list[int] = []
+
+        def send(nbytes: int) -> float:
+            sent.append(nbytes)
+            return 0.01 + nbytes / bytes_per_second  # a round trip plus the bytes
+        return sent, send
+
+    sent, send = link(100e6)
+    fast = probe_upload(send, budget_s=2.0)
+    assert sent == list(UPLOAD_PROBES) and fast.largest == UPLOAD_PROBES[-1] and fast.observed == 1
+    assert fast.bytes_per_second == pytest.approx(UPLOAD_PROBES[-1] / (0.01 + UPLOAD_PROBES[-1] / 100e6))
+    assert fast.push_allowance(2.0) == 2.5 * UPLOAD_PROBES[-1]  # GROWTH still caps the first push
+
+    sent, send = link(100_000.0)  # 1 MiB would take 10 s of a 2 s budget: only the small probe
+    slow = probe_upload(send, budget_s=2.0)
+    assert sent == [UPLOAD_PROBES[0]] and slow.largest == UPLOAD_PROBES[0]
+    assert slow.bytes_per_second < 100_000.0
