@@ -129,8 +129,10 @@ class PhaseClock:
 
 def legacy_save(writer: CheckpointWriter, checkpoint: WorkerCheckpoint, encoder: UpdateEncoder,
                 state: ExpertState) -> float:
-    """worker.resume.save before 2026-11-26: the residual copied, then the legacy writer."""
+    """worker.resume.save before 2026-11-26: the pulled weights kept whatever the pull settings, the
+    residual copied, then the legacy writer."""
     started = time.perf_counter()
+    checkpoint.pulled = state.pulled  # as captured then (no pull happens between capture and save)
     checkpoint.residual = encoder.state_dict()
     checkpoint.outbox = [(o.body, o.meta) for o in state.outbox]
     legacy_save_checkpoint(writer.state_dir, checkpoint)
