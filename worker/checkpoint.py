@@ -185,7 +185,9 @@ class CheckpointWriter:
                     "aliases": aliases, "identity": checkpoint.identity, "progress": checkpoint.progress,
                     "optimizer": optimizer_meta, "outbox": outbox}
         write_atomically(state_dir / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())  # fsyncs state_dir
-        self._written, self._sequence = files, number
+        # the optimizer's tensors are flattened afresh at every save: never linked, and not kept alive here
+        self._written = [(t, p) for name, (t, p) in zip(written, files) if name != "optimizer"]
+        self._sequence = number
         for old in state_dir.glob("ckpt-*"):
             if old != target:
                 shutil.rmtree(old, ignore_errors=True)
