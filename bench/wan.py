@@ -351,6 +351,7 @@ def figures(records: list[dict[str, Any]]) -> dict[str, Any]:
     return {"syncs": len(syncs), "push_seconds_median": median("push_seconds"),
             "pull_seconds_median": median("pull_seconds"), "train_seconds_median": median("train_seconds"),
             "blocked_seconds_median": median("blocked_seconds"),
+            "checkpoint_seconds_median": median("checkpoint_seconds"),
             "steps_total": sum(r.get("steps", 0) for r in syncs), "codecs": choices,
             "sync_seconds_median": round(statistics.median(r["sync_seconds"] for r in syncs), 3) if syncs else None,
             "push_bytes_median": int(statistics.median(pushed)) if pushed else None,
@@ -499,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     keys = ["mode", "syncs", "steps_total", "root_ingress_bytes", "ingress_vs_flat", "root_egress_bytes",
             "link_busy_up", "link_busy_down", "heldout_best", "time_to_target_s", "speedup_target_s",
             "time_to_target90_s", "speedup_target90_s", "sync_seconds_median", "push_seconds_median",
-            "pull_seconds_median", "train_seconds_median"]
+            "pull_seconds_median", "checkpoint_seconds_median", "train_seconds_median"]
     print(format_table(keys, [[r[k] for k in keys] for r in rows]))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(args.out, {"settings": asdict(s), "quick": args.quick, "results": rows, "skipped": skipped,

@@ -6,9 +6,9 @@ Layout of a state dir (one per worker id, ``worker-state/<worker_id>`` by defaul
                              directory holds the tensors; replaced atomically, written LAST
     ckpt-000042/             the tensors of sync 42 (safetensors) and the outbox bodies
         adapter.safetensors     local adapter at the sync point
-        reference.safetensors   weights the next delta is measured from
+        reference.safetensors   weights the next delta is measured from (usually absent: see below)
         pulled.safetensors      weights of the last pull (diff pulls decode against them)
-        residual.safetensors    error-feedback residual (empty without a lossy codec)
+        residual.safetensors    error-feedback residual (absent without a lossy codec)
         optimizer.safetensors   AdamW moments and step counts, flattened (see flatten_optimizer)
         outbox-0.bin ...        queued update bodies, byte for byte as they will be pushed
 
@@ -18,8 +18,17 @@ either the old manifest and its complete directory or the new ones; a half-writt
 never referenced and is swept by the next save. No pickle anywhere: tensors are safetensors,
 everything else JSON.
 
-Outbox bodies already on disk are hard-linked into the next directory instead of rewritten, so
-a long outage (a growing outbox) does not make every checkpoint rewrite all of it.
+A checkpoint is written at every sync, so it writes as little as it can (``CheckpointWriter``):
+
+- tensors go from memory straight into the file (``write_safetensors``), not through a bytes copy;
+- a set that *is* another set of the same checkpoint is recorded as an alias in the manifest,
+  not written twice: at a sync point the reference is the adapter's snapshot (worker.federation
+  measures the next delta from it), and after a pull without residual it is the pulled weights;
+- a set that is the very object the previous save wrote (the pulled weights between two pulls)
+  and outbox bodies already on disk are hard-linked into the next directory instead of
+  rewritten, so a long outage (a growing outbox) does not make every checkpoint rewrite all of it.
+
+Format 1 (every set in its own file, no aliases) is still read.
 """
 from __future__ import annotations
 
@@ -27,6 +36,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,12 +45,13 @@ import torch
 
 from protocol.errors import InvalidPayload
 from protocol.files import fsync_dir, write_atomically
-from protocol.tensors import StateDict, dumps, load_file
+from protocol.tensors import StateDict, load_file
 from worker.errors import WorkerError
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2
+READABLE_FORMATS = (1, 2)
 MANIFEST = "checkpoint.json"
 TENSOR_FILES = ("adapter", "reference", "pulled", "residual", "optimizer")
 
@@ -105,43 +116,97 @@ def unflatten_optimizer(tensors: StateDict, meta: dict[str, Any]) -> dict[str, A
 
 # saving ------------------------------------------------------------------------------------------
 
-def save_checkpoint(state_dir: Path, checkpoint: WorkerCheckpoint) -> Path:
-    """Write ``checkpoint`` durably; returns its tensor directory. Old checkpoints go once it is in place."""
-    state_dir = Path(state_dir)
-    state_dir.mkdir(parents=True, exist_ok=True)
-    previous = _read_manifest(state_dir)
-    number = (previous["sequence"] + 1) if previous else 0
-    target = state_dir / f"ckpt-{number:06d}"
-    if target.exists():  # left by a save that was killed before its manifest
-        shutil.rmtree(target)
-    target.mkdir()
-    optimizer_tensors, optimizer_meta = flatten_optimizer(checkpoint.optimizer)
-    written = []
-    for name, tensors in (("adapter", checkpoint.adapter), ("reference", checkpoint.reference),
-                          ("pulled", checkpoint.pulled), ("residual", checkpoint.residual),
-                          ("optimizer", optimizer_tensors)):
-        if tensors:  # safetensors 0.x writes an unreadable header for an empty dict: an absent file means {}
-            _write_durably(target / f"{name}.safetensors", dumps(tensors))
+class CheckpointWriter:
+    """Saves a state dir's checkpoints one after another, remembering what the last one wrote.
+
+    Tensor sets are never mutated once captured (WorkerCheckpoint), so a set that is the same
+    object as one the previous save wrote has the same bytes: its file is linked, not rewritten.
+    """
+
+    def __init__(self, state_dir: Path) -> None:
+        self.state_dir = Path(state_dir)
+        self._written: list[tuple[StateDict, Path]] = []
+        """(tensor set, its file) of the last save, for linking."""
+        self._sequence: int | None = None
+        """The manifest sequence the last save wrote (links only from that checkpoint)."""
+
+    def remember(self, checkpoint: WorkerCheckpoint) -> None:
+        """After a resume: the tensor sets ``load_checkpoint`` returned are the files of the manifest on disk."""
+        manifest = _read_manifest(self.state_dir)
+        if manifest is None or manifest["progress"] != checkpoint.progress:
+            return
+        directory = self.state_dir / manifest["directory"]
+        files = _set_files(manifest)
+        sets = {"adapter": checkpoint.adapter, "reference": checkpoint.reference, "pulled": checkpoint.pulled,
+                "residual": checkpoint.residual}
+        self._written = [(tensors, directory / files[name]) for name, tensors in sets.items() if name in files]
+        self._sequence = manifest["sequence"]
+
+    def save(self, checkpoint: WorkerCheckpoint) -> Path:
+        """Write ``checkpoint`` durably; returns its tensor directory. Old checkpoints go once it is in place."""
+        state_dir = self.state_dir
+        state_dir.mkdir(parents=True, exist_ok=True)
+        previous = _read_manifest(state_dir)
+        number = (previous["sequence"] + 1) if previous else 0
+        target = state_dir / f"ckpt-{number:06d}"
+        if target.exists():  # left by a save that was killed before its manifest
+            shutil.rmtree(target)
+        target.mkdir()
+        reusable = self._written if previous and previous["sequence"] == self._sequence else []
+        optimizer_tensors, optimizer_meta = flatten_optimizer(checkpoint.optimizer)
+        written: list[str] = []
+        aliases: dict[str, str] = {}
+        files: list[tuple[StateDict, Path]] = []
+        for name, tensors in (("adapter", checkpoint.adapter), ("reference", checkpoint.reference),
+                              ("pulled", checkpoint.pulled), ("residual", checkpoint.residual),
+                              ("optimizer", optimizer_tensors)):
+            if not tensors:  # safetensors 0.x writes an unreadable header for an empty dict: an absent file means {}
+                continue
+            same = next((other for other, (t, _) in zip(written, files) if t is tensors), None)
+            if same is not None:
+                aliases[name] = same
+                continue
+            path = target / f"{name}.safetensors"
+            source = next((p for t, p in reusable if t is tensors), None)
+            if not (source is not None and _link(source, path)):
+                write_safetensors(path, tensors)
             written.append(name)
-    linked = _outbox_files(state_dir, previous)
-    outbox = []
-    for i, (body, meta) in enumerate(checkpoint.outbox):
-        path = target / f"outbox-{i}.bin"
-        source = linked.get(meta["update_id"])
-        if source is not None and source.stat().st_size == len(body):
-            os.link(source, path)
-        else:
-            _write_durably(path, body)
-        outbox.append({"file": path.name, "meta": meta})
-    fsync_dir(target)
-    manifest = {"format": FORMAT, "sequence": number, "directory": target.name, "tensors": written,
-                "identity": checkpoint.identity, "progress": checkpoint.progress, "optimizer": optimizer_meta,
-                "outbox": outbox}
-    write_atomically(state_dir / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())  # fsyncs state_dir
-    for old in state_dir.glob("ckpt-*"):
-        if old != target:
-            shutil.rmtree(old, ignore_errors=True)
-    return target
+            files.append((tensors, path))
+        linked = _outbox_files(state_dir, previous)
+        outbox = []
+        for i, (body, meta) in enumerate(checkpoint.outbox):
+            path = target / f"outbox-{i}.bin"
+            source = linked.get(meta["update_id"])
+            if not (source is not None and source.stat().st_size == len(body) and _link(source, path)):
+                _write_durably(path, body)
+            outbox.append({"file": path.name, "meta": meta})
+        fsync_dir(target)
+        manifest = {"format": FORMAT, "sequence": number, "directory": target.name, "tensors": written,
+                    "aliases": aliases, "identity": checkpoint.identity, "progress": checkpoint.progress,
+                    "optimizer": optimizer_meta, "outbox": outbox}
+        write_atomically(state_dir / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())  # fsyncs state_dir
+        # the optimizer's tensors are flattened afresh at every save: never linked, and not kept alive here
+        self._written = [(t, p) for name, (t, p) in zip(written, files) if name != "optimizer"]
+        self._sequence = number
+        for old in state_dir.glob("ckpt-*"):
+            if old != target:
+                shutil.rmtree(old, ignore_errors=True)
+        return target
+
+
+def save_checkpoint(state_dir: Path, checkpoint: WorkerCheckpoint) -> Path:
+    """Write ``checkpoint`` durably (one save, nothing remembered for the next); its tensor directory."""
+    return CheckpointWriter(state_dir).save(checkpoint)
+
+
+def _set_files(manifest: dict[str, Any]) -> dict[str, str]:
+    """Tensor set name -> the file holding it in the manifest's directory (aliases resolved)."""
+    files = {name: f"{name}.safetensors" for name in manifest["tensors"]}
+    for name, same in manifest.get("aliases", {}).items():
+        if same not in files:
+            raise KeyError(f"alias {name!r} -> {same!r} names no file")
+        files[name] = files[same]
+    return files
 
 
 def _outbox_files(state_dir: Path, manifest: dict[str, Any] | None) -> dict[str, Path]:
@@ -152,9 +217,55 @@ def _outbox_files(state_dir: Path, manifest: dict[str, Any] | None) -> dict[str,
             if (directory / e["file"]).is_file()}
 
 
+def _link(source: Path, path: Path) -> bool:
+    """Hard-link a file of the previous checkpoint (already durable); False if it is gone or cannot be linked."""
+    try:
+        os.link(source, path)
+    except OSError:
+        return False
+    return True
+
+
 def _write_durably(path: Path, data: bytes) -> None:
     with open(path, "wb") as f:
         f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                      torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def write_safetensors(path: Path, tensors: StateDict) -> None:
+    """Write ``tensors`` as a safetensors file straight from their memory, then fsync it.
+
+    ``safetensors.torch.save`` first builds the whole file as one bytes object (a copy of every
+    tensor); this writes the header, then each CPU tensor's own buffer. The layout is the format's
+    (https://github.com/huggingface/safetensors: 8-byte little-endian header size, a JSON header
+    padded with spaces to 8 bytes, the data in header order), so ``load_file`` reads it back.
+    """
+    header: dict[str, Any] = {}
+    views = []
+    offset = 0
+    for name, tensor in tensors.items():
+        if tensor.dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"cannot checkpoint tensor {name!r} of dtype {tensor.dtype}")
+        flat = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        header[name] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + flat.numel()]}
+        views.append(flat.numpy())
+        offset += flat.numel()
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    if sys.byteorder != "little":  # the format is little-endian; tensors in memory here are not
+        raise ValueError("checkpoints are written on little-endian machines only")
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        for view in views:
+            f.write(view)  # type: ignore[arg-type]  # a numpy array is a bytes-like buffer
         f.flush()
         os.fsync(f.fileno())
 
@@ -184,8 +295,9 @@ def load_checkpoint(state_dir: Path, identity: dict[str, Any]) -> WorkerCheckpoi
                               "--state-dir or --worker-id")
     directory = state_dir / manifest["directory"]
     try:
-        tensors = {name: load_file(directory / f"{name}.safetensors") if name in manifest["tensors"] else {}
-                   for name in TENSOR_FILES}
+        files = _set_files(manifest)
+        loaded = {file: load_file(directory / file) for file in set(files.values())}
+        tensors = {name: loaded[files[name]] if name in files else {} for name in TENSOR_FILES}
         outbox = [((directory / e["file"]).read_bytes(), e["meta"]) for e in manifest["outbox"]]
         optimizer = unflatten_optimizer(tensors["optimizer"], manifest["optimizer"])
     except (InvalidPayload, OSError, KeyError, ValueError) as exc:
@@ -205,9 +317,9 @@ def _read_manifest(state_dir: Path) -> dict[str, Any] | None:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"--state-dir {state_dir}: cannot read {MANIFEST} ({exc}); "
                               "pass --fresh to discard it") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointError(f"--state-dir {state_dir}: {MANIFEST} is not a format-{FORMAT} worker checkpoint; "
-                              "pass --fresh to discard it")
+    if not isinstance(manifest, dict) or manifest.get("format") not in READABLE_FORMATS:
+        raise CheckpointError(f"--state-dir {state_dir}: {MANIFEST} is not a worker checkpoint of format "
+                              f"{' or '.join(map(str, READABLE_FORMATS))}; pass --fresh to discard it")
     return manifest
 
 

@@ -41,7 +41,9 @@ Checkpoint and resume. With a state dir, ``exchange`` saves a checkpoint (worker
 data position, counters and the outbox with its update ids. A worker killed at any moment and
 started again resumes from its last checkpoint: updates it had queued are pushed again under the
 same ids (the coordinator applies an id once), and the training after the checkpoint was never
-pushed, so it is redone rather than counted twice.
+pushed, so it is redone rather than counted twice. A checkpoint is written at every sync, so it
+writes only what a resume needs and nothing twice (worker.checkpoint's ``CheckpointWriter``: the
+reference is an alias of the snapshot, the pulled weights are kept only by a worker that pulls diffs).
 """
 from __future__ import annotations
 
@@ -63,7 +65,7 @@ from protocol.errors import BadRequest, FedMoEError, NotFound, Unavailable
 from protocol.tensors import StateDict, manifest_of
 from worker import resume
 from worker.adaptive import Decision, LinkEstimate, choose_push, probe_upload
-from worker.checkpoint import CheckpointError, discard_checkpoint, load_checkpoint
+from worker.checkpoint import CheckpointError, CheckpointWriter, discard_checkpoint, load_checkpoint
 from worker.console import SyncConsole
 from worker.data import StreamPosition
 from worker.distributed import SingleProcess
@@ -161,6 +163,7 @@ class FederatedWorker:
     """dist: the data-parallel ranks of this worker; only rank 0 talks to the coordinator."""
     dataset: dict[str, str] | None = None
     """{"path", "sha256"} of the training data: a checkpoint trained on other data is not resumed."""
+    _writer: CheckpointWriter | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.puller = ExpertPuller(self.client, self.settings.specialty, self.settings.worker_id, self.pull,
@@ -266,11 +269,19 @@ class FederatedWorker:
         if checkpoint is None:
             return False
         self.state = resume.restore(checkpoint, self.trainer, self.encoder, s.state_dir)
+        self._checkpoints().remember(checkpoint)  # what is on disk need not be written again
         log.warning("resuming the checkpoint in %s (sync %d, step %d, expert version %d, %d queued update(s)%s); "
                     "pass --fresh to start over", s.state_dir, self.state.syncs, self.trainer.global_step,
                     self.state.version, len(self.state.outbox),
                     resume.codec_change(checkpoint.progress.get("codec"), self.encoder))
         return True
+
+    def _checkpoints(self) -> CheckpointWriter:
+        """The writer of the state dir's checkpoints (it remembers what the last save wrote)."""
+        assert self.settings.state_dir is not None  # only called with a state dir
+        if self._writer is None or self._writer.state_dir != self.settings.state_dir:
+            self._writer = CheckpointWriter(self.settings.state_dir)
+        return self._writer
 
     def _forget_history(self, version: int) -> None:
         """The coordinator lacks the versions our checkpoint builds on (a new data dir?): start from it.
@@ -398,7 +409,8 @@ class FederatedWorker:
         record: dict[str, Any] = {"time": time.time(), "sync": self.state.syncs, "final": final, "worker_id": self.settings.worker_id,
                   "base_version": self.state.version, "global_step": self.trainer.global_step}
         self.state.syncs += 1
-        checkpoint = (resume.capture(self.identity, self.state, self.trainer, self.encoder, snapshot, self.dataset)
+        checkpoint = (resume.capture(self.identity, self.state, self.trainer, self.encoder, snapshot, self.dataset,
+                                     keep_pulled=self.puller.may_pull_diffs)
                       if self.settings.state_dir is not None else None)
         job = SyncJob(record["sync"], final, stats, snapshot, delta_from, checkpoint, record, started=started)
         job.blocked = time.perf_counter() - started
@@ -414,8 +426,7 @@ class FederatedWorker:
         if job.delta_from is not None:
             job.record |= self._encode(job)
         if job.checkpoint is not None:
-            assert self.settings.state_dir is not None  # begin_sync captures a checkpoint only with a state dir
-            job.record["checkpoint_seconds"] = resume.save(self.settings.state_dir, job.checkpoint, self.encoder,
+            job.record["checkpoint_seconds"] = resume.save(self._checkpoints(), job.checkpoint, self.encoder,
                                                            self.state)
         pushing = time.perf_counter()
         job.delivered = job.record["delivered"] = self._push()

@@ -30,6 +30,12 @@ class ExpertPuller:
         """The diff codec of --pull-compression, or None (full pulls)."""
         return CodecChoice(self.settings.codec, dict(self.settings.config)) if self.settings.codec else None
 
+    @property
+    def may_pull_diffs(self) -> bool:
+        """Whether a pull may be a diff (--pull-compression, or --compression auto): only then do the pulled
+        weights matter after a restart, as the base a diff decodes against."""
+        return self.fixed_diff is not None or self.sync_budget is not None
+
     def full_due(self, state: ExpertState) -> bool:
         """Whether the next pull must be a full one: nothing pulled yet, or every --full-pull-every-th pull."""
         return not state.pulled or (state.pulls + 1) % self.settings.full_every == 0

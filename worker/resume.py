@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from compression.errors import CompressionError
 from protocol.tensors import StateDict
-from worker.checkpoint import CheckpointError, WorkerCheckpoint, clone_optimizer_state, save_checkpoint
+from worker.checkpoint import CheckpointError, CheckpointWriter, WorkerCheckpoint, clone_optimizer_state
 from worker.data import StreamPosition
 from worker.encoding import UpdateEncoder
 from worker.sync_state import ExpertState
@@ -65,22 +65,31 @@ def codec_change(saved: dict[str, Any] | None, encoder: UpdateEncoder) -> str:
 
 
 def capture(identity: dict[str, Any], state: ExpertState, trainer: Resumable, encoder: UpdateEncoder,
-            snapshot: StateDict, dataset: dict[str, str] | None) -> WorkerCheckpoint:
-    """The checkpoint of a sync point; ``save`` adds the residual and outbox after encoding."""
+            snapshot: StateDict, dataset: dict[str, str] | None, keep_pulled: bool = True) -> WorkerCheckpoint:
+    """The checkpoint of a sync point; ``save`` adds the residual and outbox after encoding.
+
+    ``keep_pulled=False`` (a worker that never pulls diffs) leaves the pulled weights out: they are
+    only a diff's base, and a restored worker without them pulls in full, as it would anyway.
+    """
     progress = {**state.progress(), "global_step": trainer.global_step,
                 "data_position": trainer.data_position.to_dict(), "time": time.time(), "codec": encoder.codec_meta,
                 "dataset": dataset["path"] if dataset else None}
-    return WorkerCheckpoint(identity, progress, adapter=snapshot, reference=state.reference, pulled=state.pulled,
+    return WorkerCheckpoint(identity, progress, adapter=snapshot, reference=state.reference,
+                            pulled=state.pulled if keep_pulled else {},
                             residual={}, optimizer=clone_optimizer_state(trainer.optimizer_state()))
 
 
-def save(state_dir: Path, checkpoint: WorkerCheckpoint, encoder: UpdateEncoder, state: ExpertState) -> float:
-    """Write the checkpoint with the current residual and outbox; the seconds it took."""
+def save(writer: CheckpointWriter, checkpoint: WorkerCheckpoint, encoder: UpdateEncoder, state: ExpertState) -> float:
+    """Write the checkpoint with the current residual and outbox; the seconds it took.
+
+    The residual is not copied: the encoder replaces its residual tensors at each encode and never
+    mutates them, and this runs on the thread that encodes, before the next encode.
+    """
     started = time.perf_counter()
-    checkpoint.residual = encoder.state_dict()
+    checkpoint.residual = encoder.carried()
     checkpoint.outbox = [(o.body, o.meta) for o in state.outbox]
     try:
-        save_checkpoint(state_dir, checkpoint)
+        writer.save(checkpoint)
     except OSError as exc:  # never push what we could not checkpoint: a restart would send it twice
-        raise CheckpointError(f"cannot write a checkpoint to --state-dir {state_dir}: {exc}") from None
+        raise CheckpointError(f"cannot write a checkpoint to --state-dir {writer.state_dir}: {exc}") from None
     return round(time.perf_counter() - started, 4)

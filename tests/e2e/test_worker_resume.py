@@ -14,6 +14,7 @@ from protocol.tensors import load_file
 from tests.e2e.conftest import ROOT, Process, env
 from worker.checkpoint import MANIFEST, load_checkpoint
 from worker.data import load_examples, sample_dataset_path, split_examples
+from worker.encoding import PullSettings
 from worker.federation import FederatedWorker, SyncSettings
 from worker.models import load_base_model
 from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
@@ -175,3 +176,43 @@ def test_resuming_against_a_coordinator_that_lost_the_expert_counts_nothing_twic
     local = second.trainer.adapter_state()  # which already holds the residual: not added a second time
     assert second.encoder.residual_norm() == 0 and all(torch.allclose(local[k], created[k]) for k in local)
     assert second.trainer.global_step == first.trainer.global_step and second.base_version == 0
+
+
+@pytest.mark.parametrize("pull_codec", [None, "fp16"])
+def test_a_checkpoint_writes_only_what_a_resume_needs_and_resumes_from_it(start_coordinator, tmp_path, pull_codec):
+    _, url = start_coordinator("--staleness-decay", "0")
+    train, _ = split_examples(load_examples(sample_dataset_path("sql_expert")))
+    client = CoordinatorClient(url)
+
+    def new_worker() -> tuple[FederatedWorker, LoraTrainer]:
+        base = load_base_model("tiny-qwen2")
+        trainer = LoraTrainer(base, LoraSettings(rank=2), TrainSettings(lr=1e-2, batch_size=2, max_seq_len=64), train)
+        spec = {"lora": trainer.lora_config, "base_model": {"id": base.model_id, "fingerprint": base.fingerprint}}
+        settings = SyncSettings(specialty="sql_expert", worker_id="w1", state_dir=tmp_path / "state", overlap=False)
+        return FederatedWorker(settings, client, trainer, spec, pull=PullSettings(codec=pull_codec)), trainer
+
+    worker, trainer = new_worker()
+    worker.join()
+    for _ in range(2):
+        worker.train_step()
+        worker.sync()
+    manifest = json.loads((tmp_path / "state" / MANIFEST).read_text())
+    files = sorted(p.name for p in (tmp_path / "state" / manifest["directory"]).iterdir())
+    # the reference is the adapter's snapshot: an alias; the pulled weights only with diff pulls
+    assert manifest["aliases"] == {"reference": "adapter"}
+    assert files == sorted(["adapter.safetensors", "optimizer.safetensors", "outbox-0.bin"]
+                           + (["pulled.safetensors"] if pull_codec else []))
+    saved = load_checkpoint(tmp_path / "state", worker.identity)
+    assert all(torch.equal(saved.reference[k], saved.adapter[k]) for k in saved.adapter)
+    assert (saved.pulled.keys() == worker.state.pulled.keys()) if pull_codec else saved.pulled == {}
+
+    worker, trainer = new_worker()  # a restart: the same state dir
+    worker.join()
+    assert trainer.global_step == saved.progress["global_step"] and worker.syncs == 2
+    worker.train_step()
+    worker.sync(final=True)
+    info = client.expert("sql_expert")
+    assert info["updates_applied"] == 3 and info["samples_seen"] == 3 * 2  # batch 2, one step per update
+    tolerance = 1e-3 if pull_codec else 1e-6  # an fp16 diff pull after the restart is off by fp16's rounding
+    assert all(torch.allclose(client.pull_weights("sql_expert").tensors[k], v, atol=tolerance)
+               for k, v in trainer.adapter_state().items())

@@ -4,9 +4,10 @@ import json
 import pytest
 import torch
 
-from worker.checkpoint import (MANIFEST, CheckpointError, WorkerCheckpoint, clone_optimizer_state,
+from protocol.tensors import dumps, load_file
+from worker.checkpoint import (MANIFEST, CheckpointError, CheckpointWriter, WorkerCheckpoint, clone_optimizer_state,
                                discard_checkpoint, flatten_optimizer, load_checkpoint, save_checkpoint,
-                               unflatten_optimizer)
+                               unflatten_optimizer, write_safetensors)
 
 IDENTITY = {"specialty": "sql_expert", "worker_id": "w1", "base_model": {"id": "tiny-qwen2", "fingerprint": "ab12"},
             "lora": {"rank": 2, "alpha": 16.0, "target_modules": ["q_proj", "v_proj"]}}
@@ -109,3 +110,92 @@ def test_missing_damaged_and_discarded_checkpoints(tmp_path):
     assert discard_checkpoint(tmp_path) == 0 and list(tmp_path.iterdir()) == []
     save_checkpoint(tmp_path, checkpoint(opt, [(b"u", {"update_id": "w1-aa"})]))
     assert discard_checkpoint(tmp_path) == 1 and load_checkpoint(tmp_path, IDENTITY) is None
+
+
+def test_a_set_that_is_another_is_an_alias_not_a_second_file(tmp_path):
+    _, opt = trained_adamw()
+    saved = checkpoint(opt)
+    saved.reference = saved.adapter  # a sync point: the next delta is measured from the snapshot
+    directory = save_checkpoint(tmp_path, saved)
+    assert not (directory / "reference.safetensors").exists()
+    assert json.loads((tmp_path / MANIFEST).read_text())["aliases"] == {"reference": "adapter"}
+    loaded = load_checkpoint(tmp_path, IDENTITY)
+    assert loaded.reference.keys() == saved.adapter.keys()
+    assert all(torch.equal(loaded.reference[k], saved.adapter[k]) for k in saved.adapter)
+
+
+def test_the_writer_links_the_pulled_weights_it_wrote_last_time_and_rewrites_new_ones(tmp_path):
+    _, opt = trained_adamw()
+    writer = CheckpointWriter(tmp_path)
+    first = checkpoint(opt, step=1)
+    inode = (writer.save(first) / "pulled.safetensors").stat().st_ino
+    second = checkpoint(opt, step=2)
+    second.pulled = first.pulled  # no pull in between: the same object
+    directory = writer.save(second)
+    assert (directory / "pulled.safetensors").stat().st_ino == inode
+    assert (directory / "adapter.safetensors").stat().st_ino != inode
+    third = checkpoint(opt, step=3)
+    third.pulled = {k: v + 1 for k, v in first.pulled.items()}  # a pull brought new weights
+    directory = writer.save(third)
+    assert (directory / "pulled.safetensors").stat().st_ino != inode
+    loaded = load_checkpoint(tmp_path, IDENTITY)
+    assert all(torch.equal(loaded.pulled[k], first.pulled[k] + 1) for k in first.pulled)
+
+
+def test_a_resumed_writer_links_what_it_loaded_and_not_what_another_save_replaced(tmp_path):
+    _, opt = trained_adamw()
+    save_checkpoint(tmp_path, checkpoint(opt, step=1))
+    loaded = load_checkpoint(tmp_path, IDENTITY)
+    inode = (tmp_path / "ckpt-000000" / "pulled.safetensors").stat().st_ino
+    writer = CheckpointWriter(tmp_path)
+    writer.remember(loaded)
+    save_checkpoint(tmp_path, checkpoint(opt, step=2))  # someone else saved since: nothing to link from
+    after = checkpoint(opt, step=3)
+    after.pulled = loaded.pulled
+    directory = writer.save(after)
+    assert (directory / "pulled.safetensors").stat().st_ino != inode
+    writer.remember(loaded := load_checkpoint(tmp_path, IDENTITY))
+    inode = (directory / "pulled.safetensors").stat().st_ino
+    again = checkpoint(opt, step=4)
+    again.pulled = loaded.pulled
+    assert (writer.save(again) / "pulled.safetensors").stat().st_ino == inode
+
+
+def test_tensors_written_from_memory_read_back_exactly_with_safetensors(tmp_path):
+    tensors = {"f32": torch.randn(3, 4), "bf16": torch.randn(5).to(torch.bfloat16), "step": torch.tensor(7.0),
+               "i64": torch.arange(4), "empty": torch.zeros(0, 2), "mask": torch.tensor([True, False]),
+               "strided": torch.randn(4, 6)[:, ::2]}
+    write_safetensors(tmp_path / "t.safetensors", tensors)
+    back = load_file(tmp_path / "t.safetensors")
+    assert back.keys() == tensors.keys()
+    for k, v in tensors.items():
+        assert back[k].dtype == v.dtype and back[k].shape == v.shape and torch.equal(back[k], v), k
+
+
+def test_a_format_1_checkpoint_is_still_resumed(tmp_path):
+    _, opt = trained_adamw()
+    saved = checkpoint(opt, [(b"u", {"update_id": "w1-aa"})])
+    directory = save_checkpoint(tmp_path, saved)
+    manifest = json.loads((tmp_path / MANIFEST).read_text())
+    for name in ("adapter", "reference", "pulled", "residual"):  # format 1: every set its own file, dumps'd
+        (directory / f"{name}.safetensors").write_bytes(dumps(getattr(saved, name)))
+    del manifest["aliases"]
+    manifest["format"] = 1
+    (tmp_path / MANIFEST).write_text(json.dumps(manifest))
+    loaded = load_checkpoint(tmp_path, IDENTITY)
+    assert all(torch.equal(loaded.reference[k], saved.reference[k]) for k in saved.reference)
+    assert loaded.outbox == [(b"u", {"update_id": "w1-aa"})]
+    manifest["format"] = 3
+    (tmp_path / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="format 1 or 2.*--fresh"):
+        load_checkpoint(tmp_path, IDENTITY)
+
+
+def test_an_alias_to_a_missing_set_is_a_damaged_checkpoint(tmp_path):
+    _, opt = trained_adamw()
+    save_checkpoint(tmp_path, checkpoint(opt))
+    manifest = json.loads((tmp_path / MANIFEST).read_text())
+    manifest["aliases"] = {"reference": "nothing"}
+    (tmp_path / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="damaged.*--fresh"):
+        load_checkpoint(tmp_path, IDENTITY)

@@ -1,0 +1,279 @@
+#!/usr/bin/env python3
+"""A worker's own CPU per sync, phase by phase: what a sync costs once the link is fast.
+
+One in-process smollm2-135m worker (LoRA rank 8 on all seven projections, batch 1 of 32 tokens,
+one torch thread: bench.wan's link-bound preset) against a real coordinator process on loopback,
+with a state dir on disk (real fsyncs). Every round is one training step then one whole sync
+(``FederatedWorker.sync``, as ``--no-overlap`` does), so everything runs on this thread and
+``time.thread_time`` charges each phase its own CPU seconds, whatever the machine's load:
+
+- ``snapshot``: begin_sync (the adapter's snapshot, the optimiser's copy for the checkpoint);
+- ``encode``: the delta and its codec (worker.encoding);
+- ``checkpoint``: worker.resume.save (worker.checkpoint: the tensors, fsync, the manifest);
+- ``push``: the outbox over HTTP; ``pull``: the expert's weights (HTTP, parse, digest, decode);
+- ``adopt``: W + r (+ local - snapshot) loaded into the model;
+- ``sync total``: the process's CPU over the whole sync; ``train step``: one training step's, for scale.
+
+Variants (``--variants``) run in ABAB blocks of ``--syncs`` syncs on the same worker, each with its
+own state dir, so load drift hits both alike:
+
+- ``legacy``: the checkpoint as written before 2026-11-26 (five safetensors files serialised to
+  bytes, each fsynced, at every sync), kept here as the baseline;
+- ``current``: worker.checkpoint as it is.
+
+    python -m bench.sync_cost                        # 2 blocks of 10 syncs per variant, ~3 min
+    python -m bench.sync_cost --compression int8     # with an error-feedback residual
+
+Table on stdout, progress on stderr, results in bench/results/sync_cost.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.common import RESULTS_DIR, configure_logging, coordinator_process, format_table, write_json_atomic
+from protocol.client import CoordinatorClient
+from protocol.files import fsync_dir, write_atomically
+from protocol.tensors import dumps
+from worker import resume
+from worker.checkpoint import MANIFEST, CheckpointWriter, WorkerCheckpoint, flatten_optimizer
+from worker.data import load_examples, sample_dataset_path, split_examples
+from worker.encoding import CompressionSettings, UpdateEncoder
+from worker.federation import FederatedWorker, SyncSettings
+from worker.models import load_base_model
+from worker.sync_state import ExpertState
+from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
+
+ROOT = Path(__file__).resolve().parents[1]
+log = logging.getLogger("bench.sync_cost")
+warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+
+SPECIALTY = "sql_expert"
+PHASES = ("snapshot", "encode", "checkpoint", "push", "pull", "adopt")
+VARIANTS = ("legacy", "current")
+
+
+def legacy_save_checkpoint(state_dir: Path, checkpoint: WorkerCheckpoint) -> Path:
+    """The checkpoint writer before 2026-11-26, the baseline: every tensor set serialised to bytes and
+    written to its own fsynced file at every sync (outbox bodies always rewritten)."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    manifest_path = state_dir / MANIFEST
+    number = json.loads(manifest_path.read_text())["sequence"] + 1 if manifest_path.is_file() else 0
+    target = state_dir / f"ckpt-{number:06d}"
+    target.mkdir()
+    optimizer_tensors, optimizer_meta = flatten_optimizer(checkpoint.optimizer)
+    written = []
+    for name, tensors in (("adapter", checkpoint.adapter), ("reference", checkpoint.reference),
+                          ("pulled", checkpoint.pulled), ("residual", checkpoint.residual),
+                          ("optimizer", optimizer_tensors)):
+        if tensors:
+            _write_durably(target / f"{name}.safetensors", dumps(tensors))
+            written.append(name)
+    outbox = []
+    for i, (body, meta) in enumerate(checkpoint.outbox):
+        _write_durably(target / f"outbox-{i}.bin", body)
+        outbox.append({"file": f"outbox-{i}.bin", "meta": meta})
+    fsync_dir(target)
+    manifest = {"format": 1, "sequence": number, "directory": target.name, "tensors": written,
+                "identity": checkpoint.identity, "progress": checkpoint.progress, "optimizer": optimizer_meta,
+                "outbox": outbox}
+    write_atomically(state_dir / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
+    for old in state_dir.glob("ckpt-*"):
+        if old != target:
+            shutil.rmtree(old, ignore_errors=True)
+    return target
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class PhaseClock:
+    """CPU seconds of this thread per phase, summed over the calls of the current sync."""
+
+    def __init__(self) -> None:
+        self.current: dict[str, float] = defaultdict(float)
+
+    def wrap(self, phase: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.current[phase] += time.thread_time() - started
+        return timed
+
+    def take(self) -> dict[str, float]:
+        out, self.current = dict(self.current), defaultdict(float)
+        return out
+
+
+def legacy_save(writer: CheckpointWriter, checkpoint: WorkerCheckpoint, encoder: UpdateEncoder,
+                state: ExpertState) -> float:
+    """worker.resume.save before 2026-11-26: the pulled weights kept whatever the pull settings, the
+    residual copied, then the legacy writer."""
+    started = time.perf_counter()
+    checkpoint.pulled = state.pulled  # as captured then (no pull happens between capture and save)
+    checkpoint.residual = encoder.state_dict()
+    checkpoint.outbox = [(o.body, o.meta) for o in state.outbox]
+    legacy_save_checkpoint(writer.state_dir, checkpoint)
+    return time.perf_counter() - started
+
+
+@contextmanager
+def instrumented(worker: FederatedWorker, clock: PhaseClock) -> Iterator[None]:
+    """Time the worker's sync steps (``checkpoint`` is timed by ``variant``)."""
+    worker.begin_sync = clock.wrap("snapshot", worker.begin_sync)  # type: ignore[method-assign]
+    worker._encode = clock.wrap("encode", worker._encode)  # type: ignore[method-assign]
+    worker._push = clock.wrap("push", worker._push)  # type: ignore[method-assign]
+    worker._pull = clock.wrap("pull", worker._pull)  # type: ignore[method-assign]
+    worker._adopt = clock.wrap("adopt", worker._adopt)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for name in ("begin_sync", "_encode", "_push", "_pull", "_adopt"):
+            vars(worker).pop(name, None)
+
+
+@contextmanager
+def variant(name: str, clock: PhaseClock) -> Iterator[None]:
+    """worker.resume.save as the variant has it (``legacy``: the old writer), timed as ``checkpoint``."""
+    original = resume.save
+    resume.save = clock.wrap("checkpoint", legacy_save if name == "legacy" else original)
+    try:
+        yield
+    finally:
+        resume.save = original
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    started, cpu_started = time.perf_counter(), time.process_time()
+    dataset = sample_dataset_path(SPECIALTY)
+    assert dataset is not None  # shipped in data/
+    train, _ = split_examples(load_examples(dataset))
+    base = load_base_model(args.base_model)
+    trainer = LoraTrainer(base, LoraSettings(rank=args.lora_rank),
+                          TrainSettings(lr=1e-3, batch_size=1, max_seq_len=32), train)
+    spec = {**trainer.expert_config, "base_model": {"id": base.model_id, "fingerprint": base.fingerprint}}
+    codec = CompressionSettings(codec=args.compression, sync_budget=args.sync_budget)
+    samples: dict[str, list[dict[str, float]]] = {v: [] for v in args.variants}
+    with tempfile.TemporaryDirectory(prefix="fedmoe-sync-cost-", dir=args.state_parent) as scratch, \
+            coordinator_process(Path(scratch) / "coordinator") as coordinator:
+        settings = SyncSettings(specialty=SPECIALTY, worker_id="sync-cost", sync_interval=1.0, overlap=False,
+                                state_dir=Path(scratch) / "state-warmup")
+        worker = FederatedWorker(settings, CoordinatorClient(coordinator.url), trainer, spec,
+                                 encoder=UpdateEncoder(codec))
+        worker.join()
+        worker.train_step()
+        worker.sync()  # warm-up: first allocations, the codec climb of auto
+        clock = PhaseClock()
+        with instrumented(worker, clock):
+            for block in range(args.blocks):
+                for name in args.variants:
+                    worker.settings = replace(worker.settings, state_dir=Path(scratch) / f"state-{name}-{block}")
+                    with variant(name, clock):
+                        for _ in range(args.syncs):
+                            train = time.thread_time()
+                            worker.train_step()
+                            train = time.thread_time() - train
+                            clock.take()
+                            cpu = time.process_time()
+                            record = worker.sync()
+                            phases = clock.take() | {"total": time.process_time() - cpu, "train_step": train}
+                            phases["bytes_down"] = record.get("bytes_down", 0)
+                            samples[name].append(phases)
+                    mine = samples[name][-args.syncs:]
+                    log.info("block %d %-8s total %.3f CPU s/sync, checkpoint %.3f", block, name,
+                             statistics.median(p["total"] for p in mine),
+                             statistics.median(p.get("checkpoint", 0.0) for p in mine))
+    return summarize(samples, args, time.perf_counter() - started, time.process_time() - cpu_started)
+
+
+def summarize(samples: dict[str, list[dict[str, float]]], args: argparse.Namespace, seconds: float,
+              cpu_seconds: float) -> dict[str, Any]:
+    variants = {}
+    for name, rows in samples.items():
+        variants[name] = {phase: round(statistics.median(r.get(phase, 0.0) for r in rows), 4)
+                          for phase in (*PHASES, "total", "train_step")} | {"syncs": len(rows)}
+    report: dict[str, Any] = {
+        "config": {"base_model": args.base_model, "lora_rank": args.lora_rank, "compression": args.compression,
+                   "sync_budget": args.sync_budget, "syncs_per_block": args.syncs, "blocks": args.blocks,
+                   "torch_threads": 1, "state_dir_on": str(args.state_parent)},
+        "variants": variants, "per_sync": samples, "seconds": round(seconds, 1), "cpu_seconds": round(cpu_seconds, 1),
+        "note": "median CPU seconds of this thread per phase (time.thread_time); total = process CPU per sync"}
+    if "legacy" in variants and "current" in variants:
+        legacy, current = variants["legacy"], variants["current"]
+        report["ratios"] = {phase: round(legacy[phase] / current[phase], 2) if current[phase] else None
+                            for phase in ("checkpoint", "total")}
+    return report
+
+
+def render(report: dict[str, Any]) -> str:
+    headers = ["variant", *PHASES, "sync total", "train step", "syncs"]
+    rows = [[name, *(v[p] for p in PHASES), v["total"], v["train_step"], v["syncs"]]
+            for name, v in report["variants"].items()]
+    text = format_table(headers, rows)
+    if "ratios" in report:
+        text += (f"\n\nlegacy / current (median CPU s per sync): checkpoint {report['ratios']['checkpoint']}x, "
+                 f"whole sync {report['ratios']['total']}x")
+    return text
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base-model", default="smollm2-135m", help="preset (default: %(default)s)")
+    p.add_argument("--lora-rank", type=int, default=8)
+    p.add_argument("--compression", default="safetensors",
+                   help="the worker's --compression (default: %(default)s, uncompressed)")
+    p.add_argument("--sync-budget", type=float, default=None, help="with --compression auto")
+    p.add_argument("--syncs", type=int, default=10, help="syncs per block (default: %(default)s)")
+    p.add_argument("--blocks", type=int, default=2, help="ABAB blocks per variant (default: %(default)s)")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--state-parent", type=Path, default=Path(tempfile.gettempdir()),
+                   help="where the state dirs go: on disk, not in RAM, so fsync costs what it costs "
+                        "(default: %(default)s)")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR / "sync_cost.json")
+    p.add_argument("--verbose", action="store_true")
+    args = p.parse_args(argv)
+    if args.syncs < 1 or args.blocks < 1:
+        p.error(f"--syncs and --blocks must be >= 1, got {args.syncs} and {args.blocks}")
+    try:
+        CompressionSettings(codec=args.compression, sync_budget=args.sync_budget)
+    except ValueError as exc:
+        p.error(str(exc))
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    configure_logging(args.verbose)
+    logging.getLogger("bench").setLevel(logging.INFO)
+    report = run(args)
+    print(render(report))
+    write_json_atomic(args.out, report)
+    log.info("wrote %s", args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
