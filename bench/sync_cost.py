@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import shutil
 import statistics
 import sys
@@ -52,7 +51,7 @@ from protocol.client import CoordinatorClient
 from protocol.files import fsync_dir, write_atomically
 from protocol.tensors import dumps
 from worker import resume
-from worker.checkpoint import MANIFEST, CheckpointWriter, WorkerCheckpoint, flatten_optimizer
+from worker.checkpoint import MANIFEST, CheckpointWriter, WorkerCheckpoint, _write_durably, flatten_optimizer
 from worker.data import load_examples, sample_dataset_path, split_examples
 from worker.encoding import CompressionSettings, UpdateEncoder
 from worker.federation import FederatedWorker, SyncSettings
@@ -98,13 +97,6 @@ def legacy_save_checkpoint(state_dir: Path, checkpoint: WorkerCheckpoint) -> Pat
         if old != target:
             shutil.rmtree(old, ignore_errors=True)
     return target
-
-
-def _write_durably(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 class PhaseClock:
