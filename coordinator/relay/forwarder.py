@@ -147,7 +147,7 @@ class Forwarder:
         queued = self.store.queued(expert)[:MAX_BATCH_MEMBERS]  # the rest go in the next batches
         if not queued:
             return None
-        cached = self.cache.get(expert)  # the version staleness is measured against (Unavailable: cached)
+        cached = self.cache.get(expert, wait=True)  # the version staleness is measured against (Unavailable: cached)
         manifest = manifest_of(load_file(self.blobs.path(cached.blob)))
         deltas = [(u.meta, stored_deltas(self.blobs.path(u.blob), u.meta["codec"], u.meta["codec_config"], manifest))
                   for u in queued]

@@ -110,6 +110,7 @@ class RelayService:
 
     def close(self) -> None:
         self.forwarder.close()
+        self.cache.close()
         self.upstream.close()
         self.store.close()
 

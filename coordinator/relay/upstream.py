@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -116,6 +117,8 @@ class UpstreamClient(CoordinatorClient):
 class _Freshness:
     checked: float = float("-inf")
     lock: threading.Lock = None  # type: ignore[assignment]
+    refreshing: bool = False
+    """A background revalidation of this expert is queued or running (changed under ``lock``)."""
 
     def __post_init__(self) -> None:
         self.lock = threading.Lock()
@@ -125,9 +128,15 @@ class WeightsCache:
     """The newest weights of each expert as the relay last saw them upstream, on disk."""
 
     def __init__(self, store: RelayStore, blobs: BlobStore, upstream: UpstreamClient, revalidate_seconds: float,
-                 drop_unreferenced: Callable[[list[str]], None], clock: Callable[[], float] = time.monotonic) -> None:
+                 drop_unreferenced: Callable[[list[str]], None], clock: Callable[[], float] = time.monotonic,
+                 in_background: bool = True) -> None:
         self.store, self.blobs, self.upstream = store, blobs, upstream
         self.revalidate_seconds = revalidate_seconds
+        self.in_background = in_background
+        """Stale-while-revalidate: a pull finding a stale copy gets it at once and starts one revalidation on
+        the refresher thread. Waiting for it made every pull after a new root version wait for the full
+        download over the WAN (~4 s of a worker's 4.1 s sync inside a site, docs/wan.md)."""
+        self._refresher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedmoe-relay-refresh")
         self.drop_unreferenced = drop_unreferenced
         self.clock = clock
         self._fresh: dict[str, _Freshness] = {}
@@ -136,8 +145,9 @@ class WeightsCache:
         """Full bodies downloaded from upstream (a test's and the report's count)."""
         self.bytes_fetched = 0
 
-    def get(self, name: str) -> CachedWeights:
-        """The expert's weights, revalidated upstream unless checked within revalidate_seconds.
+    def get(self, name: str, wait: bool = False) -> CachedWeights:
+        """The expert's weights, revalidated upstream unless checked within revalidate_seconds (in the
+        background, returning the cached copy at once, unless ``wait`` or nothing is cached).
 
         Upstream unreachable: the cached copy (stale is better than nothing); none cached: Unavailable.
         An expert upstream does not know: NotFound.
@@ -148,6 +158,11 @@ class WeightsCache:
             cached = self.store.cached(name)
             if cached is not None and self.clock() - fresh.checked < self.revalidate_seconds:
                 return cached
+            if cached is not None and self.in_background and not wait:
+                if not fresh.refreshing:
+                    fresh.refreshing = True
+                    self._refresher.submit(self._refresh, name, fresh)
+                return cached
             try:
                 cached = self._revalidate(name, cached)
                 fresh.checked = self.clock()
@@ -157,6 +172,24 @@ class WeightsCache:
                                       f"{exc}") from None
                 log.warning("upstream unreachable (%s); serving cached %s version %d", exc, name, cached.version)
             return cached
+
+    def _refresh(self, name: str, fresh: _Freshness) -> None:
+        """The background revalidation ``get`` started: pulls meanwhile get the cached copy."""
+        try:
+            with fresh.lock:
+                cached = self.store.cached(name)
+            self._revalidate(name, cached)
+            fresh.checked = self.clock()
+        except FedMoEError as exc:  # unreachable, or gone upstream: the next stale pull tries again
+            log.warning("could not revalidate expert %s upstream (%s); serving the cached copy", name, exc)
+        except Exception:  # a thread's exception would vanish: say it, the next stale pull tries again
+            log.exception("revalidating expert %s upstream failed", name)
+        finally:
+            with fresh.lock:
+                fresh.refreshing = False
+
+    def close(self) -> None:
+        self._refresher.shutdown(wait=True, cancel_futures=True)
 
     def _revalidate(self, name: str, cached: CachedWeights | None) -> CachedWeights:
         body, version, etag = self.upstream.weights_body(name, cached.etag if cached else None)

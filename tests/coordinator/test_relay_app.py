@@ -152,3 +152,34 @@ def test_the_relay_answers_the_upload_probe_itself_for_its_workers(relay):
     assert r.status_code == 200 and r.get_json() == {"bytes": 70_000}
     assert app.test_client(token=None).post("/api/v1/probe", data=b"x").status_code == 401
     assert client.post("/api/v1/probe", data=bytes((4 << 20) + 1)).status_code == 413
+
+
+def test_a_stale_pull_gets_the_cached_weights_at_once_and_the_new_version_after_a_background_refresh(root, relay):
+    """Stale-while-revalidate: waiting for the refresh made every pull after a new root version wait for the full
+    download over the WAN (most of a worker's sync inside a site, docs/wan.md). The forwarder still waits."""
+    import time
+
+    url, join = root
+    app, _ = relay
+    token = register(app, join).get_json()["token"]
+    pull = app.test_client(token=token)
+    first = pull.get("/api/v1/experts/e1/weights")
+    assert first.status_code == 200 and first.headers["X-FedMoE-Version"] == "0"  # nothing cached: waited
+
+    at_root = CoordinatorClient(url, token=join)
+    at_root.register_worker("w-root", "e1", {"id": "m", "fingerprint": FINGERPRINT})
+    delta = random_like(make_adapter(), seed=5)
+    at_root.push_update("e1", dumps(delta), {"update_id": "root-1", "base_version": 0, "num_samples": 4,
+                                             "worker_id": "w-root"})
+    assert at_root.expert("e1")["version"] == 1
+    cache = app.extensions["fedmoe"].cache
+    cache.revalidate_seconds = 0.0  # every pull finds the copy stale
+    fetched = cache.upstream_fetches
+    stale = pull.get("/api/v1/experts/e1/weights")
+    assert stale.status_code == 200 and stale.headers["X-FedMoE-Version"] == "0"  # at once, not after the fetch
+    deadline = time.monotonic() + 30
+    while pull.get("/api/v1/experts/e1/weights").headers["X-FedMoE-Version"] != "1":
+        assert time.monotonic() < deadline, "the background refresh never brought version 1"
+        time.sleep(0.05)
+    assert cache.upstream_fetches == fetched + 1  # one refresh, however many pulls found the copy stale
+    assert cache.get("e1", wait=True).version == 1
