@@ -164,7 +164,7 @@ def probe_upload() -> Response:
         raise PayloadTooLarge(f"a probe body may be at most {MAX_PROBE_BYTES} bytes, got {request.content_length}",
                               limit=MAX_PROBE_BYTES)
     received = 0
-    while chunk := request.stream.read(min(1 << 20, MAX_PROBE_BYTES + 1 - received)):
+    while chunk := request.stream.read(1 << 20):
         received += len(chunk)
         if received > MAX_PROBE_BYTES:  # chunked bodies have no Content-Length: stop past the limit
             raise PayloadTooLarge(f"a probe body may be at most {MAX_PROBE_BYTES} bytes", limit=MAX_PROBE_BYTES)

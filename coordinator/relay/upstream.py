@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -116,12 +116,12 @@ class UpstreamClient(CoordinatorClient):
 @dataclass
 class _Freshness:
     checked: float = float("-inf")
-    lock: threading.Lock = None  # type: ignore[assignment]
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    """Guards the choice to serve the cached copy or revalidate, and ``refreshing``."""
+    fetching: threading.Lock = field(default_factory=threading.Lock)
+    """Held while the expert is revalidated upstream: one revalidation at a time, foreground or background."""
     refreshing: bool = False
-    """A background revalidation of this expert is queued or running (changed under ``lock``)."""
-
-    def __post_init__(self) -> None:
-        self.lock = threading.Lock()
+    """A background revalidation is queued or running."""
 
 
 class WeightsCache:
@@ -154,7 +154,7 @@ class WeightsCache:
         """
         with self._guard:
             fresh = self._fresh.setdefault(name, _Freshness())
-        with fresh.lock:  # concurrent pulls of one expert wait for one revalidation
+        with fresh.lock:
             cached = self.store.cached(name)
             if cached is not None and self.clock() - fresh.checked < self.revalidate_seconds:
                 return cached
@@ -163,23 +163,30 @@ class WeightsCache:
                     fresh.refreshing = True
                     self._refresher.submit(self._refresh, name, fresh)
                 return cached
-            try:
-                cached = self._revalidate(name, cached)
-                fresh.checked = self.clock()
-            except Unavailable as exc:
-                if cached is None:
-                    raise Unavailable(f"the relay has no copy of expert {name!r} and cannot reach upstream: "
-                                      f"{exc}") from None
-                log.warning("upstream unreachable (%s); serving cached %s version %d", exc, name, cached.version)
+        try:
+            return self._revalidate_once(name, fresh)
+        except Unavailable as exc:
+            cached = self.store.cached(name)
+            if cached is None:
+                raise Unavailable(f"the relay has no copy of expert {name!r} and cannot reach upstream: "
+                                  f"{exc}") from None
+            log.warning("upstream unreachable (%s); serving cached %s version %d", exc, name, cached.version)
+            return cached
+
+    def _revalidate_once(self, name: str, fresh: _Freshness) -> CachedWeights:
+        """Revalidate, unless whoever held ``fetching`` before us just did: concurrent callers wait for one."""
+        with fresh.fetching:
+            cached = self.store.cached(name)
+            if cached is not None and self.clock() - fresh.checked < self.revalidate_seconds:
+                return cached
+            cached = self._revalidate(name, cached)
+            fresh.checked = self.clock()
             return cached
 
     def _refresh(self, name: str, fresh: _Freshness) -> None:
         """The background revalidation ``get`` started: pulls meanwhile get the cached copy."""
         try:
-            with fresh.lock:
-                cached = self.store.cached(name)
-            self._revalidate(name, cached)
-            fresh.checked = self.clock()
+            self._revalidate_once(name, fresh)
         except FedMoEError as exc:  # unreachable, or gone upstream: the next stale pull tries again
             log.warning("could not revalidate expert %s upstream (%s); serving the cached copy", name, exc)
         except Exception:  # a thread's exception would vanish: say it, the next stale pull tries again
