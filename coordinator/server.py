@@ -23,6 +23,7 @@ from flask import Flask
 from coordinator import int8_kernel
 from coordinator.app import create_app
 from coordinator.config import CoordinatorConfig, ServeOptions
+from coordinator.data_dir import ROOT, claim_data_dir
 from coordinator.front import BufferingFront, FrontOptions, raise_fd_limit
 from coordinator.hardening import announce, check_tls_files, set_socket_timeouts
 from protocol.credentials import credentials_path, publish_local_token, withdraw_local_token
@@ -74,6 +75,11 @@ def serve(config: CoordinatorConfig, options: ServeOptions) -> None:
     check_tls_files(options.tls_cert, options.tls_key)
     sock = bind(options.host, options.port)  # a port in use fails before anything is written
     set_socket_timeouts(sock, options.socket_timeout)
+    try:  # one process per data dir: held until this process exits (coordinator/data_dir.py)
+        data_dir_lock = claim_data_dir(config.data_dir, ROOT)
+    except ValueError:
+        sock.close()
+        raise
     app = create_app(config)
     # compiled int8 loops (coordinator/int8_kernel.py) ready before the first push needs them, without delaying start
     threading.Thread(target=int8_kernel.warm_up, name="fedmoe-warm-up", daemon=True).start()
@@ -105,6 +111,7 @@ def serve(config: CoordinatorConfig, options: ServeOptions) -> None:
     finally:
         if published and os.getpid() == owner:
             withdraw_local_token(host, port)
+        data_dir_lock.close()
 
 
 def _serve_front(app: Flask, config: CoordinatorConfig, options: ServeOptions, sock: socket.socket) -> None:

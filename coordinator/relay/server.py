@@ -7,6 +7,7 @@ import sys
 
 import torch
 
+from coordinator.data_dir import RELAY, claim_data_dir
 from coordinator.front import BufferingFront, FrontOptions, raise_fd_limit
 from coordinator.hardening import set_socket_timeouts
 from coordinator.relay.api import create_relay_app
@@ -21,6 +22,11 @@ def serve_relay(config: RelayConfig, options: ServeOptions) -> None:
     torch.set_num_threads(1)
     sock = bind(options.host, options.port)
     set_socket_timeouts(sock, options.socket_timeout)
+    try:  # one process per data dir, and never a root's (coordinator/data_dir.py)
+        data_dir_lock = claim_data_dir(config.coordinator.data_dir, RELAY)
+    except ValueError:
+        sock.close()
+        raise
     host, port = sock.getsockname()[:2]
     app = create_relay_app(config, port)
     relay = app.extensions["fedmoe"]
@@ -42,3 +48,4 @@ def serve_relay(config: RelayConfig, options: ServeOptions) -> None:
                                                    max_connections=max(64, limit - 256))).run()
     finally:
         relay.close()
+        data_dir_lock.close()
