@@ -249,8 +249,11 @@ def _check_address_and_files(args: argparse.Namespace) -> None:
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be at least 1, got {args.threads}")
     if args.dataset is not None and not args.dataset.is_file():
-        raise ValueError(f"--dataset {str(args.dataset)!r} does not exist; pass a JSONL file with 'prompt' and "
+        what = "is a directory" if args.dataset.is_dir() else "does not exist"
+        raise ValueError(f"--dataset {str(args.dataset)!r} {what}; pass a JSONL file with 'prompt' and "
                          "'reference_code' on each line")
+    if args.results is not None:
+        _check_results_path(args.results)
     if args.ca_cert is not None and not args.ca_cert.is_file():
         raise ValueError(f"--ca-cert {str(args.ca_cert)!r} does not exist")
     if args.sync_budget is not None and args.compression != "auto":
@@ -260,6 +263,15 @@ def _check_address_and_files(args: argparse.Namespace) -> None:
         raise ValueError(f"--sync-budget must be a positive number of seconds, got {args.sync_budget}")
     if args.compression == "auto" and args.sync_budget is None:
         raise ValueError("--compression auto needs --sync-budget SECONDS (how long a push may take)")
+
+
+def _check_results_path(path: Path) -> None:
+    """--results is appended to at every sync: a directory there was a traceback after the first sync's training."""
+    if path.is_dir():
+        raise ValueError(f"--results {str(path)!r} is a directory; give a file name, e.g. {str(path / 'results.jsonl')!r}")
+    parent = next((p for p in path.absolute().parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise ValueError(f"--results {str(path)!r}: {str(parent)!r} is a file, not a directory")
 
 
 def _check_names(args: argparse.Namespace) -> None:

@@ -112,6 +112,9 @@ class CoordinatorConfig:
             raise ValueError(f"--max-body-mb must be > 0, got {self.max_body_mb}")
         if self.admin_token_file is not None:
             object.__setattr__(self, "admin_token_file", Path(self.admin_token_file).expanduser().absolute())
+            if self.admin_token_file.is_dir():  # was "[Errno 21] Is a directory", after the data dir's recovery ran
+                raise ValueError(f"--admin-token-file {str(self.admin_token_file)!r} is a directory; give a file "
+                                 "(it is created with a new token if missing)")
         if not self.token_ttl_hours > 0:
             raise ValueError(f"--token-ttl-hours must be > 0, got {self.token_ttl_hours}")
         if not self.rate_limit >= 0:
@@ -186,6 +189,8 @@ class ServeOptions:
             raise ValueError(f"--port must be 0-65535, got {self.port}")
         if not self.socket_timeout > 0:
             raise ValueError(f"--socket-timeout must be > 0 seconds, got {self.socket_timeout}")
+        if self.threads < 1:  # was "max_workers must be greater than 0", after the start-up lines said "listening"
+            raise ValueError(f"--threads must be at least 1, got {self.threads}")
 
 
 def parse_gateway_weights(text: str) -> dict[str, float]:

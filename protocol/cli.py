@@ -50,7 +50,12 @@ def check_coordinator_url(url: str) -> str:
     A comma list (relays and the root, protocol/probe.py) is checked URL by URL.
     """
     for one in (url.split(",") if "," in url else [url]):
-        parts = urlsplit(one.strip())
+        try:
+            parts = urlsplit(one.strip())
+            parts.port  # noqa: B018 - raises ValueError for a port out of range or not a number
+        except ValueError as exc:  # e.g. "http://[::1" (Invalid IPv6 URL), "http://host:99999"
+            raise ValueError(f"--coordinator-url {one.strip()!r} is not a valid URL ({exc}); "
+                             "use e.g. http://127.0.0.1:5000") from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"--coordinator-url {one.strip()!r} is not an http(s) address; "
                              "use e.g. http://127.0.0.1:5000 (or several, comma-separated)")
