@@ -88,3 +88,31 @@ def test_stalled_bodies_hold_bounded_memory(start_coordinator):
         sock.close()
 
     assert grown_mib < 64, f"100 stalled bodies took {grown_mib:.0f} MiB"  # was ~200 MiB (2 MiB each)
+
+
+# 3. Chunk sizes are parsed with int(..., 16), which takes a sign: a chunk of size "-1" makes the front call
+#    ``reader.read(-1)``, which keeps everything until the client closes, in memory, without a token, and the
+#    --max-body-mb check never trips (the running size goes down). Sent: ``Transfer-Encoding: chunked`` to
+#    /api/v1/probe with no token, chunk size ``-1``, then 400 MiB in 1.8 s. Came back: coordinator RSS +390 MiB
+#    (unbounded until --socket-timeout, 60 s by default), then 408. Fix (coordinator/front.py, _receive_chunked):
+#    accept only ``[0-9A-Fa-f]{1,16}`` before any ``;`` and answer 400 otherwise.
+# 4. A chunk-size line (or trailer) longer than the stream's limit (a 200 KB chunk extension) raised
+#    LimitOverrunError out of _receive_chunked: 500 "internal". Fix: catch it there, 400 (or 431 for trailers).
+
+@pytest.mark.xfail(strict=True, reason="audit: a negative chunk size reads the rest of the connection into memory")
+def test_a_negative_chunk_size_is_refused_at_once(start_coordinator):
+    _, url = start_coordinator("--socket-timeout", "3")
+    sock = socket.create_connection(("127.0.0.1", _port(url)), timeout=30)
+    sock.sendall(b"POST /api/v1/probe HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\n-1\r\n" + b"\0" * MiB)
+
+    assert _status(sock) == 400  # was 408 after --socket-timeout, with everything sent until then held in memory
+
+
+@pytest.mark.xfail(strict=True, reason="audit: an over-long chunk-size line is an unhandled LimitOverrunError (500)")
+def test_an_overlong_chunk_size_line_is_a_400(start_coordinator):
+    _, url = start_coordinator()
+    sock = socket.create_connection(("127.0.0.1", _port(url)), timeout=30)
+    sock.sendall(b"POST /api/v1/probe HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\n5;" + b"a" * 200_000
+                 + b"\r\nhello\r\n0\r\n\r\n")
+
+    assert _status(sock) == 400  # was 500
