@@ -139,8 +139,10 @@ class CoordinatorClient:
 
     def _token_for(self, worker: str | None, expert: str | None) -> tuple[str | None, str | None]:
         """(token, worker it belongs to or None) for a call on behalf of ``worker`` / about ``expert``."""
-        if worker in self._worker_tokens and self._worker_tokens[worker][1] in (expert, None):
-            return self._worker_tokens[worker][0], worker
+        if worker in self._worker_tokens:
+            token, specialty = self._worker_tokens[worker]
+            if None in (expert, specialty) or specialty == expert:  # a heartbeat names no expert: still this worker's
+                return token, worker
         if expert is not None and expert in self._expert_tokens:
             return self._expert_tokens[expert]
         return self.token, None

@@ -1,0 +1,42 @@
+"""Audit finding: a worker that joined with the join token (the README's several-machines path, FEDMOE_TOKEN=fmjoin_)
+sent every heartbeat with the join token, and the coordinator refused each one with 403 (and wrote an audit row).
+
+Sent: ``CoordinatorClient(url, token=<join token>)``, ``register_worker(...)``, then ``heartbeat(worker_id)``.
+Came back: 403 "the join token can only register workers and read" (the relay logged 18 in 90 s of one worker):
+``_token_for(worker, expert=None)`` compared the worker token's specialty with None and fell back to the join token.
+Fix: protocol/client.py, ``_token_for`` (a call that names no expert uses the worker's own token).
+"""
+from __future__ import annotations
+
+import threading
+
+import pytest
+from werkzeug.serving import make_server
+
+from coordinator.app import create_app
+from coordinator.config import CoordinatorConfig
+from protocol.client import CoordinatorClient
+from tests.helpers import FINGERPRINT
+
+
+@pytest.fixture
+def root(tmp_path):
+    app = create_app(CoordinatorConfig(data_dir=tmp_path / "root", gateway_interval=0))
+    server = make_server("127.0.0.1", 0, app, threaded=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}", (tmp_path / "root" / "join_token").read_text().strip(), app
+    server.shutdown()
+    server.server_close()
+    app.extensions["fedmoe"].close()
+
+
+def test_a_worker_that_joined_with_the_join_token_heartbeats_with_its_own_token(root):
+    url, join, app = root
+    client = CoordinatorClient(url, token=join)
+    client.register_worker("w1", "sql_expert", {"id": "m", "fingerprint": FINGERPRINT}, 5.0)
+
+    client.heartbeat("w1")  # was Forbidden: sent with the join token
+
+    assert client._token_for("w1", None)[1] == "w1"
+    assert client._token_for("w1", "sql_expert")[1] == "w1"
+    assert client._token_for("w1", "other_expert") == (join, None)  # another expert's call is not this token's
