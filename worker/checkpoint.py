@@ -300,7 +300,7 @@ def load_checkpoint(state_dir: Path, identity: dict[str, Any]) -> WorkerCheckpoi
         tensors = {name: loaded[files[name]] if name in files else {} for name in TENSOR_FILES}
         outbox = [((directory / e["file"]).read_bytes(), e["meta"]) for e in manifest["outbox"]]
         optimizer = unflatten_optimizer(tensors["optimizer"], manifest["optimizer"])
-    except (InvalidPayload, OSError, KeyError, ValueError) as exc:
+    except (InvalidPayload, OSError, KeyError, ValueError, TypeError, AttributeError) as exc:
         raise CheckpointError(f"--state-dir {state_dir}: checkpoint {directory.name} is damaged ({exc}); "
                               "pass --fresh to discard it") from None
     return WorkerCheckpoint(identity=manifest["identity"], progress=manifest["progress"],
@@ -320,7 +320,45 @@ def _read_manifest(state_dir: Path) -> dict[str, Any] | None:
     if not isinstance(manifest, dict) or manifest.get("format") not in READABLE_FORMATS:
         raise CheckpointError(f"--state-dir {state_dir}: {MANIFEST} is not a worker checkpoint of format "
                               f"{' or '.join(map(str, READABLE_FORMATS))}; pass --fresh to discard it")
+    if problem := _manifest_problem(manifest):
+        raise CheckpointError(f"--state-dir {state_dir}: {MANIFEST} is damaged ({problem}); pass --fresh to "
+                              "discard it")
     return manifest
+
+
+# What resuming reads from a manifest, and the JSON types it must have (a hand-edited or foreign manifest was a
+# KeyError / TypeError traceback: audit, tests/worker/test_audit_checkpoint.py).
+PROGRESS_TYPES: dict[str, type | tuple[type, ...]] = {
+    "syncs": int, "base_version": int, "pulls": int, "global_step": int, "data_position": dict,
+    "etag": (str, type(None))}
+
+
+def _manifest_problem(manifest: dict[str, Any]) -> str | None:
+    """What is wrong with the manifest's shape, or None."""
+    for key, kind in (("identity", dict), ("progress", dict), ("tensors", list), ("outbox", list),
+                      ("optimizer", dict), ("directory", str), ("aliases", dict)):
+        if key == "aliases" and key not in manifest:
+            continue  # format 1
+        if not isinstance(manifest.get(key), kind):
+            return f"{key!r} must be a JSON {'object' if kind is dict else kind.__name__}, got {manifest.get(key)!r}"[:200]
+    directory = manifest["directory"]
+    if not directory or directory != Path(directory).name or directory in (".", ".."):
+        return f"'directory' must name a directory inside the state dir, got {directory!r}"
+    if not all(isinstance(name, str) for name in manifest["tensors"]) or \
+            not all(isinstance(k, str) and isinstance(v, str) for k, v in manifest.get("aliases", {}).items()):
+        return "'tensors' and 'aliases' must hold tensor set names"
+    for entry in manifest["outbox"]:
+        if not (isinstance(entry, dict) and isinstance(entry.get("file"), str) and isinstance(entry.get("meta"), dict)
+                and entry["file"] == Path(entry["file"]).name and isinstance(entry["meta"].get("update_id"), str)):
+            return f"an outbox entry must be {{'file': name, 'meta': {{'update_id': ...}}}}, got {entry!r}"[:200]
+    progress = manifest["progress"]
+    for key, kind in PROGRESS_TYPES.items():
+        if key in progress and (not isinstance(progress[key], kind) or isinstance(progress[key], bool)):
+            return f"progress.{key} has the wrong type: {progress[key]!r}"[:200]
+    position = progress.get("data_position", {"epoch": 0, "index": 0})
+    if not all(isinstance(position.get(k), int) for k in ("epoch", "index")):
+        return f"progress.data_position must hold integers 'epoch' and 'index', got {position!r}"[:200]
+    return None
 
 
 def identity_differences(saved: dict[str, Any], expected: dict[str, Any]) -> list[str]:
