@@ -8,7 +8,14 @@ Kinds (one asyncio task per connection, all in one background thread):
 - ``slow_reader``: a GET of an expert's weights whose answer is never read.
 
 No token is needed for the first three (the server must not need to read a token to stay
-available); the slow reader uses one, since weights are not public.
+available); the slow reader uses one, since weights are not public. Kinds on the newer routes
+(bench/hostile_surface.py), each with the token:
+
+- ``slow_probe``: ``POST /api/v1/probe`` announcing 4 MiB (the probe's limit), one byte every ``interval``.
+- ``stalled_probe``: the same, but 2.5 MiB at once first, then one byte every ``interval``: a body that
+  filled the front's receive buffers and then stalls.
+- ``slow_chunk``: ``PUT`` of a resumable upload's chunk (``chunk_path``) announcing 1 MiB, one byte
+  every ``interval``.
 """
 from __future__ import annotations
 
@@ -18,6 +25,8 @@ import threading
 from dataclasses import dataclass, field
 
 KINDS = ("drip_headers", "slow_body", "idle_keepalive", "slow_reader")
+SURFACE_KINDS = ("slow_probe", "stalled_probe", "slow_chunk")
+PROBE_BODY = 4 << 20  # protocol.probe.MAX_PROBE_BYTES
 
 
 @dataclass
@@ -30,11 +39,15 @@ class Attack:
     weights_path: str
     token: str
     interval: float = 2.0
-    opened: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
-    closed_by_server: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+    chunk_path: str = "/api/v1/experts/e/uploads/none"
+    """Where ``slow_chunk`` PUTs (an open upload's URL path)."""
+    opened: dict[str, int] = field(default_factory=dict)
+    closed_by_server: dict[str, int] = field(default_factory=dict)
     failed_to_open: int = 0
 
     def __post_init__(self) -> None:
+        self.opened = self.opened or dict.fromkeys(self.counts, 0)
+        self.closed_by_server = self.closed_by_server or dict.fromkeys(self.counts, 0)
         self._loop = asyncio.new_event_loop()
         self._stop: asyncio.Event | None = None
         self._ready = threading.Event()
@@ -69,7 +82,7 @@ class Attack:
         gate = asyncio.Semaphore(64)
         opened: list[asyncio.Event] = []
         tasks = []
-        for kind in KINDS:
+        for kind in (*KINDS, *SURFACE_KINDS):
             for _ in range(self.counts.get(kind, 0)):
                 ready = asyncio.Event()
                 opened.append(ready)
@@ -124,9 +137,23 @@ class Attack:
                      f"Authorization: Bearer {self.token}\r\n\r\n".encode())
         await writer.drain()
 
+    async def _open_slow_probe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                               first: bytes = b"x") -> None:
+        writer.write(f"POST /api/v1/probe HTTP/1.1\r\nHost: bench\r\nAuthorization: Bearer {self.token}\r\n"
+                     f"Content-Length: {PROBE_BODY}\r\n\r\n".encode() + first)
+        await writer.drain()
+
+    async def _open_stalled_probe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await self._open_slow_probe(reader, writer, b"\1" * (5 << 19))
+
+    async def _open_slow_chunk(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(f"PUT {self.chunk_path} HTTP/1.1\r\nHost: bench\r\nAuthorization: Bearer {self.token}\r\n"
+                     f"Content-Range: bytes 0-{(1 << 20) - 1}/*\r\nContent-Length: {1 << 20}\r\n\r\nx".encode())
+        await writer.drain()
+
     async def _hold(self, kind: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         """Keep the connection as its kind does until stopped; True if the server closed it first."""
-        step = {"drip_headers": b"X-Drip: 1\r\n", "slow_body": b"x"}.get(kind)
+        step = {"drip_headers": b"X-Drip: 1\r\n"}.get(kind, b"x" if kind not in ("idle_keepalive", "slow_reader") else None)
         while not self._stop.is_set():
             try:
                 await asyncio.wait_for(self._stop.wait(), self.interval)

@@ -352,8 +352,8 @@ def _manifest_problem(manifest: dict[str, Any]) -> str | None:
                 and entry["file"] == Path(entry["file"]).name and isinstance(entry["meta"].get("update_id"), str)):
             return f"an outbox entry must be {{'file': name, 'meta': {{'update_id': ...}}}}, got {entry!r}"[:200]
     progress = manifest["progress"]
-    for key, kind in PROGRESS_TYPES.items():
-        if key in progress and (not isinstance(progress[key], kind) or isinstance(progress[key], bool)):
+    for key, expected in PROGRESS_TYPES.items():
+        if key in progress and (not isinstance(progress[key], expected) or isinstance(progress[key], bool)):
             return f"progress.{key} has the wrong type: {progress[key]!r}"[:200]
     position = progress.get("data_position", {"epoch": 0, "index": 0})
     if not all(isinstance(position.get(k), int) for k in ("epoch", "index")):
