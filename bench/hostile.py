@@ -14,6 +14,9 @@ are open, plain and TLS, against the same client's figures with no attack (same 
   slow bodies and idle keep-alive (no token needed), plus ``--slow-readers`` that never read a pull.
 - ``compressed_pushes``: 8 concurrent maximum-size fp16 pushes to an expert of ``--model-mb``;
   target: peak RSS growth <= 2x the model size + 64 MiB (issue 13, defect 6).
+- ``new_surface``: the routes added since (upload probe, resumable uploads, ``?since=``, Range, the relay's
+  API) and HTTP framing lies, against a root and a relay; slow probes and upload chunks while a normal worker
+  syncs through the relay; 64 concurrent 4 MiB probes (bench/hostile_surface.py).
 
     python -m bench.hostile            # 1,000 slow connections, 240 MiB model; a few minutes
     python -m bench.hostile --quick    # 100 connections, 16 MiB model (tests/bench)
@@ -56,7 +59,7 @@ ROOT = Path(__file__).resolve().parents[1]
 log = logging.getLogger("bench.hostile")
 MiB = 1 << 20
 P99_TARGET_S = 1.0
-PARTS = ("bad_inputs", "hostile", "slow_clients", "compressed_pushes")
+PARTS = ("bad_inputs", "hostile", "slow_clients", "compressed_pushes", "new_surface")
 NESTING = 3000
 urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)  # our own self-signed loopback cert
 
@@ -374,8 +377,23 @@ def table(report: dict[str, Any]) -> str:
         rows.append([f"slow_clients.{mode} ({part['connections']}+{part['slow_readers']} conns)", loaded["requests"], loaded["status_5xx"],
                      loaded["no_answer"], part["peak_rss_growth_mb"], loaded["health"]["p99_s"],
                      loaded["push_5mb"]["p99_s"]])
-    return format_table(["attack", "requests", "5xx", "no answer", "peak RSS +MiB", "health p99 s",
+    text = format_table(["attack", "requests", "5xx", "no answer", "peak RSS +MiB", "health p99 s",
                          "5MB push p99 s"], rows)
+    if "new_surface" in report:
+        text += "\n\n" + surface_table(report["new_surface"])
+    return text
+
+
+def surface_table(surface: dict[str, Any]) -> str:
+    rows = []
+    for tag, part in surface.items():
+        matrix, slow, flood = part["matrix"], part["slow_clients"], part["probe_flood"]
+        rows.append([tag, matrix["requests"], matrix["status_5xx"], len(matrix["unexpected"]),
+                     len(matrix["known_open"]), sum(slow["connections"].values()),
+                     slow["worker_under_attack"]["ok"] and part["worker_after"]["ok"], slow["memory_mib"],
+                     f"{flood['ok']}/{flood['probes']}", flood["memory_mib"], flood["data_dir_mib"]])
+    return format_table(["new_surface", "requests", "5xx", "unexpected", "known open", "slow conns",
+                         "worker syncs ok", "slow +MiB", "probes ok", "flood +MiB", "flood disk +MiB"], rows)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -408,6 +426,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if "compressed_pushes" in args.only:
             log.info("%d concurrent fp16 pushes of a %d MiB model", 8, args.model_mb)
             report["compressed_pushes"] = compressed_pushes(root / "compressed", args.model_mb)
+        if "new_surface" in args.only:
+            from bench.hostile_surface import new_surface
+
+            log.info("new surface: probe, uploads, since, Range, relay API, framing; root and relay")
+            report["new_surface"] = new_surface(root / "surface", min(args.connections, 200))
     parts = [report.get("bad_inputs"), *report.get("hostile", {}).values(), report.get("compressed_pushes"),
              *(p["under_attack"] for p in report.get("slow_clients", {}).values())]
     parts = [p for p in parts if p is not None]

@@ -40,3 +40,28 @@ def test_quick_run_reports_every_attack(tmp_path):
                                                                   *(s["under_attack"] for s in
                                                                     report["slow_clients"].values())])
     assert "requests tried" in proc.stdout and "slow_clients.tls" in proc.stdout
+
+
+def test_quick_new_surface_against_a_root_and_a_relay(tmp_path):
+    """bench/hostile_surface.py: no request of the matrix is a 5xx, unanswered or a non-JSON 4xx except the audit's
+    open findings (listed by name, so fixing one moves it out), and a normal worker syncs through the relay while
+    slow probes and upload chunks are held open."""
+    out = tmp_path / "hostile.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.hostile", "--quick", "--only", "new_surface", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    surface = json.loads(out.read_text())["new_surface"]
+    assert set(surface) == {"root", "relay"}
+    for tag, part in surface.items():
+        matrix = part["matrix"]
+        assert matrix["requests"] == len(matrix["cases"]) >= 120 and matrix["unexpected"] == [], (tag, matrix)
+        assert set(matrix["known_open"]) <= {"chunked size -1", "chunk-size line over the head limit",
+                                             "expert name 'python_expert?x=1' weights"}
+        assert matrix["cases"]["POST probe without a token"]["status"] == 401
+        assert matrix["cases"]["POST probe 5 MiB"]["status"] == 413
+        slow = part["slow_clients"]
+        assert slow["connections"] == {"slow_probe": 100, "stalled_probe": 50, "slow_chunk": 100}
+        assert slow["failed_to_open"] == 0 and slow["worker_under_attack"]["ok"] and part["worker_after"]["ok"]
+        flood = part["probe_flood"]
+        assert flood["ok"] == flood["probes"] == 256 and flood["status_5xx"] == 0
+    assert "new_surface" in proc.stdout
