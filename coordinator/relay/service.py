@@ -6,6 +6,8 @@ It stands where ``coordinator.service.Coordinator`` stands in the root's app (``
 """
 from __future__ import annotations
 
+from urllib.parse import urlsplit
+
 import logging
 import socket
 import sqlite3
@@ -56,6 +58,13 @@ class RelayConfig:
     def __post_init__(self) -> None:
         if not self.upstream.startswith(("http://", "https://")):
             raise ValueError(f"--upstream must be an http(s):// URL of the root coordinator, got {self.upstream!r}")
+        try:  # "http://[::1" or a port out of range: was a connection attempt, then "InvalidURL (gave up...)"
+            parts = urlsplit(self.upstream)
+            parts.port  # noqa: B018 - raises ValueError for a bad port
+        except ValueError as exc:
+            raise ValueError(f"--upstream {self.upstream!r} is not a valid URL ({exc})") from None
+        if not parts.hostname:
+            raise ValueError(f"--upstream must name a host, got {self.upstream!r}")
         if not 0.05 <= self.forward.interval <= 86400:
             raise ValueError(f"--forward-interval must be 0.05-86400 seconds, got {self.forward.interval}")
         if not self.max_queue_mb > 0:

@@ -56,3 +56,13 @@ def test_admin_token_file_that_is_a_directory_names_the_flag(tmp_path):
                  str(tmp_path / "d"))
     assert one_error_line(result).startswith(f"error: --admin-token-file {str(tmp_path)!r} is a directory")
     assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("url, reason", [("http://[::1", "Invalid IPv6 URL"), ("http://h:99999", "Port out of range")])
+def test_malformed_upstream_is_one_line_before_anything_is_written(tmp_path, url, reason):
+    # was: the data dir made, a connection attempt, then "cannot reach the upstream ...: InvalidURL"
+    result = run("run_coordinator.py", "--port", "0", "--upstream", url, "--data-dir", str(tmp_path / "d"))
+    line = one_error_line(result)
+    assert line.startswith(f"error: --upstream {url!r} is not a valid URL (") and reason in line
+    assert not (tmp_path / "d").exists()
