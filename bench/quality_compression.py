@@ -3,9 +3,10 @@
 
 One expert, three workers, each on its own third of pandas_expert's training problems, in
 synchronous rounds (bench/fedrounds.py: real trainer, real codecs and error feedback, FedBuff
-averaging). The same job runs once per codec; the uncompressed job (fp32 safetensors) is the
-reference and also the federated side of federated-vs-central, where one worker trains on all
-of the domain for the same total number of optimiser steps (same compute).
+averaging). The same job runs once per codec for ``rounds`` rounds; the uncompressed job (fp32
+safetensors) is the codecs' reference after those rounds, and it goes on to ``fvc_rounds`` rounds
+as the federated side of federated-vs-central, where one worker trains on all of the domain for
+the same total number of optimiser steps (same compute): 8 rounds x 3 workers x 2 steps = 48.
 
 Figures, all on the 33 held-out pandas problems (with and without the end-of-answer token):
 - per codec: bytes ratio vs fp32 (every byte of every pushed update), held-out loss increase vs
@@ -17,8 +18,9 @@ Figures, all on the 33 held-out pandas problems (with and without the end-of-ans
   (same wall time, when the workers train in parallel and the network costs nothing). FedBuff's
   server learning rate is ``--server-lr`` (the coordinator's flag; 1 applies the mean of the
   workers' deltas, so a round moves about as far as one worker's steps: bench/fedrounds.py). Each
-  arm has its own AdamW lr, tuned on the validation split by bench.fvc_sweep: the federated workers
-  ``--lr`` (default 3e-3), the central worker ``--central-lr`` (default: the preset's 1e-3).
+  arm has its own AdamW lr, picked on the validation split by bench.fvc_sweep for 48 steps in all
+  (bench/results/quality_fvc_sweep_horizon.json): the federated workers ``--lr`` (default 3e-3), the
+  central worker ``--central-lr`` (default 5e-4; at 24 steps central wants the preset's 1e-3).
 The per-codec error against a whole expert's true delta comes from the gateway suite's experts
 (bench/quality_gateway.py, ``codec_true_delta``).
 
@@ -88,6 +90,10 @@ class Settings:
     """Training seeds of the fp32 and central runs."""
     codec_seeds: int = 3
     """Codec seeds of each random codec (training seed 0)."""
+    fvc_rounds: int = 8
+    """Rounds of the uncompressed runs, the federated arm of federated vs central (the codecs are compared
+    with their snapshot after ``rounds``): 8 x 3 workers x 2 steps = 48 optimiser steps in all, a horizon at
+    which both arms stop improving on validation (bench.fvc_sweep; 24 steps is too early for either)."""
     track: int = 8
     """Validation problems whose loss is taken after every round."""
     server_lr: float = 1.0
@@ -98,31 +104,58 @@ class Settings:
     """The federated workers' AdamW learning rate (the worker's --lr; None: the preset's recommended one).
     3e-3 = 3 workers x smollm2's single-worker 1e-3, the best of 1e-3..5e-3 on the validation split
     (bench.fvc_sweep, bench/results/quality_fvc_sweep_*.json; docs/benchmarks.md)."""
-    central_lr: float | None = None
-    """The central worker's AdamW learning rate (None: the preset's recommended one)."""
+    central_lr: float | None = 5e-4
+    """The central worker's AdamW learning rate (None: the preset's recommended one). 5e-4 is validation's
+    pick for 48 steps: the preset's 1e-3 overfits from ~36 steps (bench/results/quality_fvc_sweep_horizon.json)."""
+
+    @property
+    def fvc_steps(self) -> int:
+        """Optimiser steps in all of each federated-vs-central arm."""
+        return self.fvc_rounds * self.steps * self.workers
 
 
-QUICK = Settings(model=SMOKE_MODEL, rounds=2, steps=1, seeds=1, codec_seeds=1, track=4, lr=None)
+QUICK = Settings(model=SMOKE_MODEL, rounds=2, steps=1, seeds=1, codec_seeds=1, fvc_rounds=3, track=4, lr=None,
+                 central_lr=None)
 
 
 def run_job(lab: Lab, train: Sequence, track: Sequence, s: Settings, run: CodecRun, seed: int,
-            codec_seed: int, aggregation: str = "fedbuff") -> FedResult:
+            codec_seed: int, aggregation: str = "fedbuff", rounds: int | None = None) -> FedResult:
+    """``rounds`` (default ``s.rounds``) rounds of ``run``'s codec; past ``s.rounds`` the expert after ``s.rounds``
+    is kept in the result's snapshots (the codecs' reference)."""
     compression = CompressionSettings(codec=run.codec, config=run.seeded_config(codec_seed),
                                       error_feedback=run.error_feedback)
-    job = FedJob(tuple(tuple(x) for x in shards(train, s.workers)), s.rounds, s.steps, seed=seed,
+    rounds = rounds or s.rounds
+    job = FedJob(tuple(tuple(x) for x in shards(train, s.workers)), rounds, s.steps, seed=seed,
                  compression=compression, codec_seed=codec_seed, aggregation=aggregation, track=tuple(track),
-                 server_lr=s.server_lr, lr=s.lr)
+                 server_lr=s.server_lr, lr=s.lr, snapshot_every=s.rounds if rounds > s.rounds else 0)
     return run_fed(lab, job)
+
+
+def first_rounds(result: FedResult, s: Settings, rounds: int) -> FedResult:
+    """The part of a ``rounds``-round fp32 run the codecs are compared with: its first ``s.rounds`` rounds.
+    Every fp32 round sends the same bytes, so the byte counts scale with the rounds."""
+    if rounds == s.rounds:
+        return result
+    return dataclasses.replace(result, weights=result.snapshots[s.rounds * s.steps * s.workers],
+                               track_losses=result.track_losses[:s.rounds],
+                               bytes_sent=result.bytes_sent * s.rounds // rounds,
+                               bytes_raw=result.bytes_raw * s.rounds // rounds, updates=result.updates * s.rounds // rounds,
+                               relative_error=result.relative_error[:len(result.relative_error) * s.rounds // rounds],
+                               cosine=result.cosine[:len(result.cosine) * s.rounds // rounds])
 
 
 def estimate(plan: Sequence[tuple[CodecRun, int, int]], s: Settings, measured: Path) -> dict[str, Any]:
     """Optimiser steps and scored problems of ``plan`` plus the fedasync and central runs, priced from ``measured``."""
     heldout = heldout_size(DOMAIN)
     fed_steps, fed_evals = s.rounds * s.steps * s.workers, heldout + s.track * s.rounds
-    jobs = len(plan) + (s.seeds if s.fedasync else 0)
-    central_evals = heldout + s.track * s.rounds + heldout  # tracked like a round, plus the same-wall-time snapshot
-    return planned_cost(jobs * fed_steps + s.seeds * fed_steps,
-                        heldout + s.track + jobs * fed_evals + s.seeds * central_evals, measured)
+    codec_jobs = sum(1 for run, _, _ in plan if run.codec != RAW_CODEC)
+    long_jobs = len(plan) - codec_jobs + (s.seeds if s.fedasync else 0)  # fp32 and fedasync run fvc_rounds
+    long_evals = heldout * (2 if s.fvc_rounds > s.rounds else 1) + s.track * s.fvc_rounds
+    central_evals = heldout + s.track * s.fvc_rounds + heldout  # tracked like a round, plus the same-wall-time snapshot
+    return planned_cost(codec_jobs * fed_steps + (long_jobs + s.seeds) * s.fvc_steps,
+                        heldout + s.track + codec_jobs * fed_evals + (len(plan) - codec_jobs) * long_evals
+                        + (s.seeds if s.fedasync else 0) * (heldout + s.track * s.fvc_rounds)
+                        + s.seeds * central_evals, measured)
 
 
 def job_record(lab: Lab, result: FedResult, heldout: Sequence, label: str, seed: int, codec_seed: int,
@@ -141,9 +174,11 @@ def rounds_to(track: Sequence[float], target: float) -> int | None:
     return next((i + 1 for i, loss in enumerate(track) if loss <= target), None)
 
 
-def summarize(records: Sequence[dict[str, Any]], fedasync: Sequence[dict[str, Any]],
+def summarize(records: Sequence[dict[str, Any]], federated: Sequence[dict[str, Any]], fedasync: Sequence[dict[str, Any]],
               central: Sequence[dict[str, Any]], central_wall: Sequence[dict[str, Any]], base: Mapping[str, float],
               s: Settings) -> dict[str, Any]:
+    """``records``: every codec's runs after ``s.rounds`` (fp32's from its snapshot); ``federated``: the fp32 runs
+    after ``s.fvc_rounds``, compared with ``central`` at the same optimiser steps in all."""
     fp32 = [r for r in records if r["label"] == CodecRun(RAW_CODEC).label]
     reference = next(r for r in fp32 if r["seed"] == 0)
     target = reference["track_base"] - TARGET_GAIN * (reference["track_base"] - reference["track"][-1])
@@ -159,15 +194,15 @@ def summarize(records: Sequence[dict[str, Any]], fedasync: Sequence[dict[str, An
             "cosine": spread([r["cosine"] for r in group]),
             "rounds_to_target": [rounds_to(r["track"], target) for r in group],
         }
-    fed_lr = {"server_lr": s.server_lr, "lr": s.lr}
-    fvc = {"central": {**versus(central, central), "lr": s.central_lr}}
-    fvc["fedbuff"] = {**versus(fp32, central), **fed_lr}
+    fed_lr = {"server_lr": s.server_lr, "lr": s.lr, "steps_in_all": s.fvc_steps}
+    fvc = {"central": {**versus(central, central), "lr": s.central_lr, "steps_in_all": s.fvc_steps}}
+    fvc["fedbuff"] = {**versus(federated, central), **fed_lr}
     if fedasync:
         fvc["fedasync"] = {**versus(fedasync, central), **fed_lr}
     if central_wall:  # the same wall time: central after as many steps as one federated worker took
-        fvc["central_same_wall_time"] = {**versus(central_wall, central), "steps": s.rounds * s.steps,
+        fvc["central_same_wall_time"] = {**versus(central_wall, central), "steps": s.fvc_rounds * s.steps,
                                          "lr": s.central_lr}
-        fvc["fedbuff_vs_same_wall_time"] = {**versus(fp32, central_wall), **fed_lr}
+        fvc["fedbuff_vs_same_wall_time"] = {**versus(federated, central_wall), **fed_lr}
     compressed = len(codecs) > 1
     return {
         "base_heldout": base, "reference": {k: reference[k] for k in ("loss", "loss_without_end")},
@@ -229,6 +264,7 @@ def render(report: Mapping[str, Any]) -> str:
     lines = [format_table(["codec", "ratio", "held-out loss vs fp32 % (seeds)", "w/o end %", "rel err", "cosine",
                            "rounds to target"], rows, align="lrlrrrl"), ""]
     fvc = report["summary"]["federated_vs_central"]
+    lines.append(f"federated vs central, {fvc['central'].get('steps_in_all')} optimiser steps in all:")
     for label, v in fvc.items():
         against = "central same wall time" if label == "fedbuff_vs_same_wall_time" else "central"
         name = {"central_same_wall_time": f"central after {v.get('steps')} steps (same wall time)",
@@ -248,7 +284,10 @@ def render(report: Mapping[str, Any]) -> str:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny-qwen2 smoke run: 3 codecs, 2 rounds, 1 seed")
-    p.add_argument("--rounds", type=int, default=None, help=f"rounds per job (default: {Settings.rounds})")
+    p.add_argument("--rounds", type=int, default=None, help=f"rounds per codec job (default: {Settings.rounds})")
+    p.add_argument("--fvc-rounds", type=int, default=None,
+                   help="rounds of the uncompressed jobs, federated vs central's federated arm; at least --rounds "
+                        f"(default: {Settings.fvc_rounds})")
     p.add_argument("--steps", type=int, default=None, help=f"steps per worker per round (default: {Settings.steps})")
     p.add_argument("--seeds", type=int, default=None, help=f"training seeds of fp32 and central (default: {Settings.seeds})")
     p.add_argument("--codec-seeds", type=int, default=None,
@@ -263,7 +302,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help=f"the federated workers' AdamW learning rate, in every federated run (default: {Settings.lr:g}, "
                         "tuned for smollm2-135m on validation; --quick: the preset's, worker.presets.RECOMMENDED_LR)")
     p.add_argument("--central-lr", type=float, default=None,
-                   help="the central worker's AdamW learning rate (default: the preset's recommended one)")
+                   help=f"the central worker's AdamW learning rate (default: {Settings.central_lr:g}, validation's pick "
+                        "at 48 steps; --quick: the preset's)")
     p.add_argument("--fvc-only", action="store_true",
                    help="only federated vs central: the fp32 federated runs and the central runs, no codecs")
     p.add_argument("--fedasync", action="store_true", help="also run FedAsync against central (3 more jobs)")
@@ -274,11 +314,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="results JSON (default: %(default)s)")
     p.add_argument("-v", "--verbose", action="store_true", help="library logs too")
     args = p.parse_args(argv)
-    require_positive(p, args, "rounds", "steps", "seeds", "codec_seeds", "track")
+    require_positive(p, args, "rounds", "fvc_rounds", "steps", "seeds", "codec_seeds", "track")
     for flag in ("server_lr", "lr", "central_lr"):
         value = getattr(args, flag)
         if value is not None and not (value > 0 and math.isfinite(value)):
             p.error(f"--{flag.replace('_', '-')} must be a positive number, got {value}")
+    defaults = QUICK if args.quick else Settings()
+    rounds, fvc_rounds = args.rounds or defaults.rounds, args.fvc_rounds or defaults.fvc_rounds
+    if fvc_rounds < rounds:
+        p.error(f"--fvc-rounds ({fvc_rounds}) must be at least --rounds ({rounds})")
     if args.fvc_only and args.only:
         p.error("--fvc-only runs no codecs; drop --only")
     return args
@@ -290,7 +334,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(1)
     started = time.perf_counter()
     s = QUICK if args.quick else Settings()
-    s = dataclasses.replace(s, **{k: v for k, v in {"rounds": args.rounds, "steps": args.steps, "seeds": args.seeds,
+    s = dataclasses.replace(s, **{k: v for k, v in {"rounds": args.rounds, "fvc_rounds": args.fvc_rounds,
+                                                      "steps": args.steps, "seeds": args.seeds,
                                                       "codec_seeds": args.codec_seeds, "track": args.track,
                                                       "server_lr": args.server_lr, "lr": args.lr,
                                                       "central_lr": args.central_lr,
@@ -314,21 +359,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     track, heldout = domain.validation[:s.track], domain.heldout
     base = loss_pair(lab.losses(heldout))
     base_track = loss_pair(lab.losses(track))["loss"]
-    records = []
+    records, federated = [], []
     for i, (run, seed, codec_seed) in enumerate(plan, start=1):
-        result = run_job(lab, domain.train, track, s, run, seed, codec_seed)
-        records.append(job_record(lab, result, heldout, run.label, seed, codec_seed, base_track))
+        rounds = s.fvc_rounds if run.codec == RAW_CODEC else s.rounds
+        result = run_job(lab, domain.train, track, s, run, seed, codec_seed, rounds=rounds)
+        records.append(job_record(lab, first_rounds(result, s, rounds), heldout, run.label, seed, codec_seed, base_track))
+        if run.codec == RAW_CODEC:
+            federated.append(job_record(lab, result, heldout, "fedbuff", seed, codec_seed, base_track)
+                             if rounds > s.rounds else records[-1])
+            log.info("fedbuff seed %d after %d steps in all: held-out %.4f", seed, s.fvc_steps, federated[-1]["loss"])
         log.info("[%d/%d] %s seed %d codec seed %d: held-out %.4f, %.1fx", i, len(plan), run.label, seed, codec_seed,
                  records[-1]["loss"], records[-1]["ratio"] or 0)
     fedasync = []
     for seed in range(s.seeds if s.fedasync else 0):
-        result = run_job(lab, domain.train, track, s, sweep[0], seed, 0, aggregation="fedasync")
+        result = run_job(lab, domain.train, track, s, sweep[0], seed, 0, aggregation="fedasync", rounds=s.fvc_rounds)
         fedasync.append(job_record(lab, result, heldout, "fedasync", seed, 0, base_track))
         log.info("fedasync seed %d: held-out %.4f", seed, fedasync[-1]["loss"])
     central, central_wall = [], []
-    total_steps, wall_steps = s.rounds * s.steps * s.workers, s.rounds * s.steps
+    wall_steps = s.fvc_rounds * s.steps
     for seed in range(s.seeds):
-        result = run_central(lab, domain.train, total_steps, seed, track, every=s.steps * s.workers,
+        result = run_central(lab, domain.train, s.fvc_steps, seed, track, every=s.steps * s.workers,
                              snapshots=(wall_steps,), lr=s.central_lr)
         central.append(job_record(lab, result, heldout, "central", seed, 0, base_track))
         if wall_steps in result.snapshots:
@@ -338,8 +388,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                  f"{central_wall[-1]['loss']:.4f}" if central_wall else "-")
     report = {"benchmark": "quality_compression", "base_model": s.model, "domain": DOMAIN, "quick": args.quick,
               "fvc_only": args.fvc_only, "settings": asdict(s), "heldout_problems": len(heldout), "records": records,
-              "fedasync": fedasync, "central": central, "central_same_wall_time": central_wall,
-              "summary": summarize(records, fedasync, central, central_wall, base, s),
+              "federated": federated, "fedasync": fedasync, "central": central, "central_same_wall_time": central_wall,
+              "summary": summarize(records, federated, fedasync, central, central_wall, base, s),
               "cost": quiet_estimate(lab.compute, time.perf_counter() - started)}
     write_json_atomic(args.out, report)
     print(render(report))

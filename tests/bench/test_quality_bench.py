@@ -167,15 +167,30 @@ def test_compression_quick_run(tmp_path):
     assert set(fvc) == {"central", "fedbuff", "central_same_wall_time", "fedbuff_vs_same_wall_time"}
     assert fvc["central"]["gap_pct"] == 0 and fvc["fedbuff"]["server_lr"] == 1
     wall = report["central_same_wall_time"]
-    assert fvc["central_same_wall_time"]["steps"] == report["settings"]["rounds"] * report["settings"]["steps"]
+    settings = report["settings"]
+    assert fvc["central_same_wall_time"]["steps"] == settings["fvc_rounds"] * settings["steps"]
+    assert settings["fvc_rounds"] > settings["rounds"]  # the quick run exercises the fp32 snapshot
+    assert fvc["fedbuff"]["steps_in_all"] == settings["fvc_rounds"] * settings["steps"] * settings["workers"]
     assert all(w["loss"] > c["loss"] for w, c in zip(wall, report["central"]))  # fewer steps, less learnt
-    assert all(len(r["track"]) == report["settings"]["rounds"] for r in report["records"])
+    assert all(len(r["track"]) == settings["rounds"] for r in report["records"])
+    assert all(len(c["track"]) == settings["fvc_rounds"] for c in report["central"])
+    fp32_codec, fp32_fvc = report["records"][0], report["federated"][0]
+    assert fp32_codec["label"] == "safetensors" and fp32_fvc["loss"] < fp32_codec["loss"]  # more rounds, more learnt
     for r in report["records"] + report["central"]:
         assert r["loss"] < report["summary"]["base_heldout"]["loss"]  # every run learnt something
         assert r["loss_without_end"] != r["loss"]
     assert report["cost"]["train_steps"] > 0 and "vs central" in stdout
     # --estimate plans exactly what the run did (the time budget of make bench-quality is checked with it)
     assert planned("quality_compression", "--quick") == (report["cost"]["train_steps"], report["cost"]["eval_examples"])
+
+
+def test_the_codecs_fp32_reference_is_the_longer_runs_expert_after_the_codec_rounds(tmp_path):
+    long, _ = quick(tmp_path, "quality_compression", "--fvc-only")
+    short, _ = quick(tmp_path, "quality_compression", "--fvc-only", "--fvc-rounds", "2")
+    assert long["settings"]["fvc_rounds"] == 3 and short["settings"]["rounds"] == 2
+    assert long["records"][0]["loss"] == short["records"][0]["loss"]  # the snapshot after round 2 of 3
+    assert long["records"][0]["bytes_sent"] == short["records"][0]["bytes_sent"]
+    assert short["federated"][0] == short["records"][0] and long["federated"][0]["loss"] != short["federated"][0]["loss"]
 
 
 def test_compression_federated_vs_central_only_at_a_server_lr(tmp_path):
@@ -202,7 +217,9 @@ def test_compression_takes_each_arms_learning_rate(tmp_path):
                                            (["--lr", "-1"], "--lr must be a positive number"),
                                            (["--central-lr", "inf"], "--central-lr must be a positive number"),
                                            (["--server-lr", "nan"], "--server-lr must be a positive number"),
-                                           (["--fvc-only", "--only", "int8"], "--fvc-only runs no codecs")])
+                                           (["--fvc-only", "--only", "int8"], "--fvc-only runs no codecs"),
+                                           (["--rounds", "5", "--fvc-rounds", "4"],
+                                            "--fvc-rounds (4) must be at least --rounds (5)")])
 def test_bad_compression_flags_answer_with_one_line(args, message):
     proc = subprocess.run([sys.executable, "-m", "bench.quality_compression", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
