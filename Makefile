@@ -60,7 +60,7 @@ demo-tiny: $(STAMP)  ## the same on the random offline tiny-qwen2 preset and the
 bench: $(STAMP)  ## performance benchmarks (transport, aggregation, sync overhead, load; < 10 min): tables, bench/results/*.json
 	HF_HUB_OFFLINE=1 $(PY) -m bench.run_all
 
-bench-quality: smollm2  ## learning quality on smollm2-135m: compression, gateway + router, poisoning, federated vs central (37 min)
+bench-quality: smollm2  ## learning quality on smollm2-135m: compression, gateway + router, poisoning, federated vs central (~39 min)
 	HF_HUB_OFFLINE=1 $(PY) -m bench.run_all --quality
 
 bench-robustness: $(STAMP)  ## tiny-qwen2 codec sweep, merges, poisoning; scaling, training options, crash, hostile clients (~25 min)
