@@ -17,35 +17,46 @@ is not what this measures). Every figure is a ratio to a baseline measured in th
 
     python -m bench.transport              # 1 GiB, about a minute
     python -m bench.transport --size-mb 16 --repeats 1   # smoke test
+    python -m bench.transport --push-only --repeats 3     # pushes only, with CPU per push (A/B: bench.transport_ab)
+
+``--push-only`` also reports, per push, the coordinator's CPU seconds (user+sys of its process, from /proc), the
+client's CPU seconds and the load average. ``FEDMOE_BENCH_CLIENT_ROOT`` puts another checkout's ``protocol``
+package (the client) first on the import path, as ``FEDMOE_BENCH_SERVER_ROOT`` picks the coordinator's checkout:
+an A/B of a change on both ends in one window.
 
 Table on stdout, progress on stderr, results in bench/results/transport.json.
 """
 from __future__ import annotations
 
-import argparse
-import base64
-import logging
-import re
-import socket
+import os
 import sys
-import tempfile
-import threading
-import time
-import uuid
-from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import Any
 
-import numpy as np
-import requests
-import torch
-from flask import Flask, jsonify, request
-from werkzeug.serving import make_server
+if os.environ.get("FEDMOE_BENCH_CLIENT_ROOT"):  # before anything imports protocol (an A/B of the client too)
+    sys.path.insert(0, os.environ["FEDMOE_BENCH_CLIENT_ROOT"])
 
-from bench.common import RESULTS_DIR, SCRATCH_DIR, configure_logging, coordinator_process, format_table, write_json_atomic
-from protocol.client import CoordinatorClient
-from protocol.credentials import local_token
-from protocol.tensors import dumps
+import argparse  # noqa: E402
+import base64  # noqa: E402
+import logging  # noqa: E402
+import re  # noqa: E402
+import socket  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+import uuid  # noqa: E402
+from collections.abc import Callable, Sequence  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import numpy as np  # noqa: E402
+import requests  # noqa: E402
+import torch  # noqa: E402
+from flask import Flask, jsonify, request  # noqa: E402
+from werkzeug.serving import make_server  # noqa: E402
+
+from bench.common import RESULTS_DIR, SCRATCH_DIR, configure_logging, coordinator_process, format_table, write_json_atomic  # noqa: E402
+from protocol.client import CoordinatorClient  # noqa: E402
+from protocol.credentials import local_token  # noqa: E402
+from protocol.tensors import dumps  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -171,7 +182,67 @@ def concurrent_pulls(url: str, name: str, n: int, size: int) -> Callable[[], Non
     return run
 
 
+def cpu_seconds(pid: int) -> float:
+    """user + sys CPU seconds of a process, all its threads (``/proc/<pid>/stat`` fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_seconds() -> float:
+    return sum(os.times()[:2])
+
+
 # the benchmark ------------------------------------------------------------------
+
+def measure_pushes(size_mb: int, repeats: int) -> dict[str, Any]:
+    """Only the push: per repeat a socket copy, then one push; wall, the coordinator's and the client's CPU."""
+    tensors = expert_tensors(size_mb)
+    body = dumps(tensors)
+    nbytes = len(body)
+    spec = {"kind": "full", "full": {"num_parameters": sum(t.numel() for t in tensors.values())},
+            "base_model": {"id": "bench", "fingerprint": FINGERPRINT}}
+    runs: list[dict[str, float]] = []
+    with tempfile.TemporaryDirectory(dir=SCRATCH_DIR) as scratch, \
+            coordinator_process(Path(scratch) / "data", "--aggregation", "fedbuff", "--buffer-size", "1000",
+                                "--max-body-mb", str(2 * size_mb + 64)) as coordinator:
+        pid = serving_pid(coordinator.pid)
+        client = CoordinatorClient(coordinator.url, timeout=(5.0, 600.0))
+        client.create_expert("big", tensors, spec)
+        del tensors
+        pause = float(os.environ.get("FEDMOE_BENCH_PROFILE_PAUSE") or 0)
+        if pause:  # time to attach a profiler once the expert's creation (and its gateway build) is over
+            log.info("expert created; pushes start in %.0f s (coordinator pid %d)", pause, pid)
+            time.sleep(pause)
+        for _ in range(repeats):
+            socket_s = socket_copy_seconds(memoryview(body))
+            meta = {"update_id": uuid.uuid4().hex, "base_version": 0, "num_samples": 1}
+            server_cpu, client_cpu, started = cpu_seconds(pid), own_cpu_seconds(), time.perf_counter()
+            client.push_update("big", body, meta)
+            wall = time.perf_counter() - started
+            run = {"socket_seconds": socket_s, "push_seconds": wall, "push_vs_socket": socket_s / wall,
+                   "coordinator_cpu_seconds": cpu_seconds(pid) - server_cpu,
+                   "client_cpu_seconds": own_cpu_seconds() - client_cpu, "load_average": os.getloadavg()[0]}
+            log.info("push %.3f s (socket %.3f s: %.3f), coordinator CPU %.2f s, client CPU %.2f s, load %.1f",
+                     wall, socket_s, run["push_vs_socket"], run["coordinator_cpu_seconds"],
+                     run["client_cpu_seconds"], run["load_average"])
+            runs.append(run)
+    best_push, best_socket = min(r["push_seconds"] for r in runs), min(r["socket_seconds"] for r in runs)
+    return {"size_bytes": nbytes, "repeats": repeats, "runs": runs, "push_seconds": best_push,
+            "socket_seconds": best_socket, "push_vs_socket": best_socket / best_push,
+            "coordinator_cpu_per_push": sum(r["coordinator_cpu_seconds"] for r in runs) / len(runs),
+            "client_cpu_per_push": sum(r["client_cpu_seconds"] for r in runs) / len(runs),
+            "server_root": os.environ.get("FEDMOE_BENCH_SERVER_ROOT") or str(ROOT),
+            "client_root": os.environ.get("FEDMOE_BENCH_CLIENT_ROOT") or str(ROOT), "data_dir": SCRATCH_DIR or "tmp"}
+
+
+def render_pushes(r: dict[str, Any]) -> str:
+    rows = [(i + 1, run["socket_seconds"], run["push_seconds"], run["push_vs_socket"], run["coordinator_cpu_seconds"],
+             run["client_cpu_seconds"], run["load_average"]) for i, run in enumerate(r["runs"])]
+    table = format_table(("push", "socket s", "push s", "vs socket", "coordinator CPU s", "client CPU s", "load"),
+                         rows, align="rrrrrrr")
+    return "\n".join([f"{r['size_bytes'] / MiB:.0f} MiB pushes (server {r['server_root']}, client {r['client_root']})",
+                      "", table, "", f"best push vs best socket: {r['push_vs_socket']:.3f}"])
+
 
 def measure(size_mb: int, repeats: int, concurrency: int) -> dict[str, Any]:
     tensors = expert_tensors(size_mb)
@@ -249,6 +320,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="timed pulls, pushes and socket copies (best of)")
     p.add_argument("--concurrency", type=int, default=8, help="simultaneous pulls for the RSS figure")
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "transport.json", help="results JSON")
+    p.add_argument("--push-only", action="store_true", help="pushes only, with the coordinator's and the client's "
+                   "CPU per push (no pulls, RSS or base64 figures)")
     p.add_argument("--quick", action="store_true", help="--size-mb 64 --repeats 1 (bench/run_all.py --quick)")
     p.add_argument("-v", "--verbose", action="store_true", help="library logs too")
     args = p.parse_args(argv)
@@ -264,10 +337,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(args.verbose)
     torch.set_num_threads(1)
     started = time.perf_counter()
-    result = measure(args.size_mb, args.repeats, args.concurrency)
+    if args.push_only:
+        result = measure_pushes(args.size_mb, args.repeats)
+    else:
+        result = measure(args.size_mb, args.repeats, args.concurrency)
     result["seconds"] = round(time.perf_counter() - started, 1)
     write_json_atomic(args.out, result)
-    print(render(result))
+    print(render_pushes(result) if args.push_only else render(result))
     log.info("wrote %s in %.0f s", args.out, result["seconds"])
     return 0
 

@@ -6,8 +6,14 @@ acknowledged so far). A chunk is written after the acknowledged offset, fsynced,
 new offset written (atomically, fsynced): an acknowledged offset is durable, and on restart the
 ``.part`` file is cut back to it (bytes of a chunk that was never acknowledged are dropped).
 
-The SHA-256 of the received prefix is kept in memory as the chunks arrive, so finishing needs no
+The digest of the received prefix is kept in memory as the chunks arrive, so finishing needs no
 second read of the body; after a restart it is rebuilt once from the file.
+
+A chunk usually never touches a spool file: the front asks where it goes before reading it (``place_chunk``,
+through coordinator/upload_place.py), writes it into ``<id>.part`` at the offset as it arrives and feeds it to a
+copy of the running digest; ``write`` then checks the chunk's digest, fsyncs and acknowledges. Until then the
+upload's lock is held and nothing past the acknowledged offset counts; a chunk that did not arrive whole or was
+refused is cut off again when the front releases the place.
 
 Bounds: a worker keeps at most ``per_worker`` uploads open (opening one more evicts its least recently
 used); an upload idle for ``idle_seconds`` expires and its files are removed (swept whenever an
@@ -32,7 +38,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from coordinator.blobs import storage_errors
-from coordinator.front_bodies import SpooledBody
+from coordinator.front_bodies import BodyPlace, SpooledBody
 from protocol.errors import BadRequest, Conflict, FedMoEError, InsufficientStorage, NotFound
 from protocol.files import private_dir, write_atomically
 from protocol.integrity import Readable, algorithm_of, content_id, new_hasher
@@ -259,14 +265,40 @@ class UploadStore:
 
     # chunks ---------------------------------------------------------------------
 
+    def place_chunk(self, upload: Upload, start: int, length: int) -> BodyPlace | None:
+        """Where the front writes a chunk of ``length`` bytes at ``start`` as it arrives: the upload's own file at the
+        offset, with a copy of the running digest to feed. The upload's lock is held from now until the front
+        releases the place (``ChunkPlace.release``). None when the chunk cannot go there now (another request is
+        writing the upload, it is finished or gone, the chunk does not start at the offset or does not fit): it is
+        then spooled, and ``write`` answers it as usual."""
+        if length < 1 or not upload.lock.acquire(blocking=False):
+            return None
+        try:
+            with self._guard:
+                live = self._uploads.get(upload.upload_id) is upload
+            if not live or upload.completed or start != upload.offset or start + length > upload.size:
+                upload.lock.release()
+                return None
+            chunk = ChunkPlace(self, upload, start, length, self._hasher(upload).copy())
+        except BaseException:
+            upload.lock.release()
+            raise
+        return BodyPlace(chunk.file, self.part(upload), start, chunk.release, (chunk.hasher,), chunk)
+
     def write(self, upload: Upload, start: int, stream: Readable, length: int, chunk_digest: str | None,
               spooled: SpooledBody | None = None) -> None:
         """Append ``length`` bytes read from ``stream`` at ``start`` (which must be the offset); durable on return.
 
         ``spooled``: the front already wrote the chunk to a file and hashed it on the way in; then its digest
-        stands for the chunk's, and the file is copied in the kernel while one thread hashes it into the
-        upload's running digest (one read of the chunk instead of a read, a write and two hashes in Python).
+        stands for the chunk's. If that file is the upload's own (``place_chunk``), the chunk is only checked and
+        made durable; else the file is copied in the kernel while one thread hashes it into the upload's running
+        digest (one read of the chunk instead of a read, a write and two hashes in Python).
         """
+        place = spooled.place.key if spooled is not None and spooled.place is not None else None
+        if isinstance(place, ChunkPlace) and place.upload is upload:  # its lock is held by the place
+            assert spooled is not None
+            place.commit(start, length, spooled, chunk_digest)
+            return
         with self.holding(upload):
             self._check_start(upload, start, length)
             hasher = self._hasher(upload).copy()
@@ -352,10 +384,51 @@ class UploadStore:
             return sum(not u.completed for u in self._uploads.values())
 
 
+class ChunkPlace:
+    """A chunk being written into its upload's file by the front (``UploadStore.place_chunk``), holding the upload's
+    lock: ``commit`` acknowledges it, ``release`` (called once by the front) cuts it off unless committed and
+    gives the lock back."""
+
+    def __init__(self, store: UploadStore, upload: Upload, start: int, length: int, hasher: Any) -> None:
+        self.store, self.upload, self.start, self.length, self.hasher = store, upload, start, length, hasher
+        self.committed = False
+        with storage_errors(f"store a chunk of upload {upload.upload_id}"):
+            self.file = open(store.part(upload), "r+b")  # noqa: SIM115 - closed by release
+        self.file.seek(start)
+
+    def commit(self, start: int, length: int, spooled: SpooledBody, chunk_digest: str | None) -> None:
+        """Check the chunk the front wrote (all of it, the digest it was sent with) and make it durable."""
+        upload, store = self.upload, self.store
+        if (start, length, spooled.size) != (self.start, self.length, self.length):  # the same head as the place's
+            raise BadRequest(f"the chunk's range ({start}, {length} bytes) does not match its body ({spooled.size} "
+                             "bytes); send it again", offset=upload.offset)
+        if chunk_digest is not None and spooled.digest != chunk_digest:
+            raise BadRequest("the chunk does not match its digest: it was damaged on the way; send it again",
+                             reason="chunk_digest_mismatch", offset=upload.offset)
+        with storage_errors(f"store a chunk of upload {upload.upload_id}"):
+            self.file.flush()
+            os.fsync(self.file.fileno())
+            touched = store.clock()
+            store._save_offset(upload, start + length, touched)
+        self.committed = True
+        upload.offset, upload.touched_at, upload.hasher = start + length, touched, self.hasher
+
+    def release(self) -> None:
+        try:
+            self.file.close()
+            if not self.committed:  # nothing past the acknowledged offset stays
+                os.truncate(self.store.part(self.upload), self.upload.offset)
+        except OSError as exc:  # the part file is cut back to the offset on restart in any case
+            log.warning("could not cut upload %s back to its offset %d: %s", self.upload.upload_id,
+                        self.upload.offset, exc)
+        finally:
+            self.upload.lock.release()
+
+
 def _usable(spooled: SpooledBody | None, length: int, chunk_digest: str | None) -> bool:
     """Whether the front's spool file (and its digest) can stand for the chunk: all of it, hashed with the
     algorithm of the chunk's digest (the front hashes with the one the digest header names)."""
-    return (spooled is not None and spooled.size == length > 0
+    return (spooled is not None and spooled.place is None and spooled.size == length > 0
             and (chunk_digest is None or algorithm_of(chunk_digest) == algorithm_of(spooled.digest)))
 
 

@@ -181,7 +181,7 @@ def upload_status(name: str, upload_id: str) -> tuple[Response, int]:
 def upload_chunk(name: str, upload_id: str) -> tuple[Response, int]:
     store = uploads()
     upload = store.get(upload_id, name, _caller())
-    start, length = _chunk_range(upload)
+    start, length = chunk_range(upload)
     header = request.headers.get(DIGEST_HEADER)
     try:
         store.write(upload, start, ClientReader(request.environ["wsgi.input"]), length,
@@ -192,7 +192,7 @@ def upload_chunk(name: str, upload_id: str) -> tuple[Response, int]:
     return _answer(upload)
 
 
-def _chunk_range(upload: Upload) -> tuple[int, int]:
+def chunk_range(upload: Upload) -> tuple[int, int]:
     """(start, length) from Content-Range: bytes <start>-<end>/<size>, matched against Content-Length."""
     raw = request.headers.get("Content-Range")
     m = CONTENT_RANGE.fullmatch(raw.strip()) if raw else None

@@ -113,7 +113,9 @@ class ResumablePush:
                 if self._offset < len(self.body):
                     started, n = self.clock(), min(chunk, len(self.body) - self._offset)
                     self._offset = self._put(n)
-                    chunk = self._next_chunk(n, self.clock() - started)
+                    seconds = self.clock() - started
+                    log.debug("chunk of %d bytes acknowledged at offset %d in %.3f s", n, self._offset, seconds)
+                    chunk = self._next_chunk(n, seconds)
                 else:
                     self._done = self.call("POST", f"/experts/{self.expert}/uploads/{self._upload_id}/complete").json()
                 failures = 0
