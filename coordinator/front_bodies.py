@@ -60,6 +60,8 @@ class BodyPlace:
     hashers: tuple[Any, ...] = ()
     key: Any = None
     """What the application recognises the place by when its handler runs (e.g. (upload id, offset, length))."""
+    hash_body: bool = True
+    """Whether the front also takes the body's own digest (``SpooledBody.digest``); else ``hashers`` stand for it."""
 
 
 @dataclass
@@ -69,7 +71,8 @@ class SpooledBody:
     path: Path
     size: int
     digest: str
-    """Content id (protocol/integrity.py) of the bytes, in the algorithm the client's digest header names."""
+    """Content id (protocol/integrity.py) of the bytes, in the algorithm the client's digest header names ("" for a
+    body written into a place that asked for no digest of its own)."""
     taken: bool = False
     """Set by the application when it moved the file away; otherwise the front deletes it."""
     place: BodyPlace | None = field(default=None, repr=False)
@@ -170,7 +173,7 @@ class Spool:
         self._opening = threading.Lock()  # the file is made by whichever thread writes first; discard may race it
         self.discarded = False
         self.algorithm, self.hasher, self.hashing = algorithm, new_hasher(algorithm, size_hint), hashing
-        self.hashers = (self.hasher, *(() if place is None else place.hashers))
+        self.hashers = (self.hasher,) if place is None else (self.hasher,) * place.hash_body + place.hashers
         self.pending: list[asyncio.Future] = []
         self.jobs: list[Future] = []  # the threads' jobs behind ``pending`` (a cancelled wait does not stop them)
         self.spooled: SpooledBody | None = None
@@ -221,8 +224,9 @@ class Spool:
         await self.drain()
         self.file.flush()
         assert self.path is not None  # made with the file
-        self.spooled = SpooledBody(self.path, size, content_id(self.algorithm, self.hasher.hexdigest()),
-                                   place=self.place)
+        hashed = self.place is None or self.place.hash_body
+        self.spooled = SpooledBody(self.path, size, content_id(self.algorithm, self.hasher.hexdigest()) if hashed
+                                   else "", place=self.place)
         return self.spooled
 
     def input(self) -> IO[bytes]:

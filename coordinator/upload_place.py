@@ -52,7 +52,8 @@ class UploadPlacer:
                 start, length = chunk_range(upload)
             except FedMoEError:  # the handler says what is wrong, with the body spooled as before
                 return None
-        return store.place_chunk(upload, start, length)
+        own_digest = "HTTP_X_FEDMOE_DIGEST" in environ or "HTTP_X_FEDMOE_UPLOAD_DIGEST" not in environ
+        return store.place_chunk(upload, start, length, hash_body=own_digest)
 
     def _caller(self) -> str | None:
         """The worker whose upload this may be (None: the admin, a relay, or auth off); FedMoEError if none may."""

@@ -43,6 +43,7 @@ from protocol.errors import BadRequest, Conflict, FedMoEError, InsufficientStora
 from protocol.files import private_dir, write_atomically
 from protocol.integrity import Readable, algorithm_of, content_id, new_hasher
 from protocol.schemas import UpdateMeta
+from protocol.uploads import PREFIX_DIGEST_HEADER
 
 log = logging.getLogger(__name__)
 
@@ -265,12 +266,13 @@ class UploadStore:
 
     # chunks ---------------------------------------------------------------------
 
-    def place_chunk(self, upload: Upload, start: int, length: int) -> BodyPlace | None:
+    def place_chunk(self, upload: Upload, start: int, length: int, hash_body: bool = True) -> BodyPlace | None:
         """Where the front writes a chunk of ``length`` bytes at ``start`` as it arrives: the upload's own file at the
         offset, with a copy of the running digest to feed. The upload's lock is held from now until the front
         releases the place (``ChunkPlace.release``). None when the chunk cannot go there now (another request is
         writing the upload, it is finished or gone, the chunk does not start at the offset or does not fit): it is
-        then spooled, and ``write`` answers it as usual."""
+        then spooled, and ``write`` answers it as usual. ``hash_body``: whether the chunk's own digest is needed
+        (it was sent with one), besides the running digest."""
         if length < 1 or not upload.lock.acquire(blocking=False):
             return None
         try:
@@ -283,11 +285,15 @@ class UploadStore:
         except BaseException:
             upload.lock.release()
             raise
-        return BodyPlace(chunk.file, self.part(upload), start, chunk.release, (chunk.hasher,), chunk)
+        return BodyPlace(chunk.file, self.part(upload), start, chunk.release, (chunk.hasher,), chunk, hash_body)
 
     def write(self, upload: Upload, start: int, stream: Readable, length: int, chunk_digest: str | None,
-              spooled: SpooledBody | None = None) -> None:
+              spooled: SpooledBody | None = None, prefix_digest: str | None = None) -> None:
         """Append ``length`` bytes read from ``stream`` at ``start`` (which must be the offset); durable on return.
+
+        ``chunk_digest`` is the chunk's own digest, ``prefix_digest`` that of the body's bytes up to the chunk's end
+        (protocol/uploads.py PREFIX_DIGEST_HEADER, checked against the upload's running digest: no hash of its own);
+        either or both may be given.
 
         ``spooled``: the front already wrote the chunk to a file and hashed it on the way in; then its digest
         stands for the chunk's. If that file is the upload's own (``place_chunk``), the chunk is only checked and
@@ -297,10 +303,11 @@ class UploadStore:
         place = spooled.place.key if spooled is not None and spooled.place is not None else None
         if isinstance(place, ChunkPlace) and place.upload is upload:  # its lock is held by the place
             assert spooled is not None
-            place.commit(start, length, spooled, chunk_digest)
+            place.commit(start, length, spooled, chunk_digest, prefix_digest)
             return
         with self.holding(upload):
             self._check_start(upload, start, length)
+            _check_prefix_algorithm(upload, prefix_digest)
             hasher = self._hasher(upload).copy()
             part = self.part(upload)
             with storage_errors(f"store a chunk of upload {upload.upload_id}"):
@@ -319,6 +326,7 @@ class UploadStore:
                         if chunk_digest is not None and received != chunk_digest:
                             raise BadRequest("the chunk does not match its digest: it was damaged on the way; "
                                              "send it again", reason="chunk_digest_mismatch", offset=upload.offset)
+                        _check_prefix(upload, hasher, prefix_digest)
                         out.flush()
                         os.fsync(out.fileno())
                     touched = self.clock()
@@ -396,15 +404,18 @@ class ChunkPlace:
             self.file = open(store.part(upload), "r+b")  # noqa: SIM115 - closed by release
         self.file.seek(start)
 
-    def commit(self, start: int, length: int, spooled: SpooledBody, chunk_digest: str | None) -> None:
-        """Check the chunk the front wrote (all of it, the digest it was sent with) and make it durable."""
+    def commit(self, start: int, length: int, spooled: SpooledBody, chunk_digest: str | None,
+               prefix_digest: str | None = None) -> None:
+        """Check the chunk the front wrote (all of it, the digests it was sent with) and make it durable."""
         upload, store = self.upload, self.store
         if (start, length, spooled.size) != (self.start, self.length, self.length):  # the same head as the place's
             raise BadRequest(f"the chunk's range ({start}, {length} bytes) does not match its body ({spooled.size} "
                              "bytes); send it again", offset=upload.offset)
+        _check_prefix_algorithm(upload, prefix_digest)
         if chunk_digest is not None and spooled.digest != chunk_digest:
             raise BadRequest("the chunk does not match its digest: it was damaged on the way; send it again",
                              reason="chunk_digest_mismatch", offset=upload.offset)
+        _check_prefix(upload, self.hasher, prefix_digest)
         with storage_errors(f"store a chunk of upload {upload.upload_id}"):
             self.file.flush()
             os.fsync(self.file.fileno())
@@ -423,6 +434,19 @@ class ChunkPlace:
                         self.upload.offset, exc)
         finally:
             self.upload.lock.release()
+
+
+def _check_prefix_algorithm(upload: Upload, prefix_digest: str | None) -> None:
+    if prefix_digest is not None and algorithm_of(prefix_digest) != algorithm_of(upload.digest):
+        raise BadRequest(f"{PREFIX_DIGEST_HEADER} must be in the upload's algorithm "
+                         f"({algorithm_of(upload.digest)}, as its digest when it was opened)", offset=upload.offset)
+
+
+def _check_prefix(upload: Upload, hasher: Any, prefix_digest: str | None) -> None:
+    """The running digest after the chunk against the client's digest of the body up to the chunk's end."""
+    if prefix_digest is not None and content_id(algorithm_of(upload.digest), hasher.hexdigest()) != prefix_digest:
+        raise BadRequest(f"the body up to the chunk's end does not match its {PREFIX_DIGEST_HEADER}: the chunk was "
+                         "damaged on the way; send it again", reason="chunk_digest_mismatch", offset=upload.offset)
 
 
 def _usable(spooled: SpooledBody | None, length: int, chunk_digest: str | None) -> bool:
