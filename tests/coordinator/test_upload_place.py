@@ -115,3 +115,31 @@ def test_a_placed_chunk_refused_or_cut_short_leaves_nothing_past_the_offset(app)
     assert client.put(PATH.format(upload_id), data=body, headers={
         "Content-Range": f"bytes 0-{size - 1}/{size}", "X-FedMoE-Digest": sha(body)}).status_code == 200
     assert client.post(f"{PATH.format(upload_id)}/complete").status_code == 202
+
+
+def test_a_placed_chunk_with_only_a_prefix_digest_is_hashed_once_and_checked(app):
+    client = app.test_client()
+    body = body_of()
+    size = len(body)
+    upload_id = open_upload(client, body).get_json()["upload_id"]
+    part = app.extensions["fedmoe"].config.data_dir / "uploads" / f"{upload_id}.part"
+    placer, token = UploadPlacer(app), admin_token(app)
+
+    def placed_put(data: bytes, prefix: str):
+        environ = head_environ(app, upload_id, size, 0, 999, token)
+        environ["HTTP_X_FEDMOE_UPLOAD_DIGEST"] = prefix
+        place = placer.place(environ)
+        assert place is not None and not place.hash_body  # only the running digest is fed
+        fill(place, data)
+        spooled = SpooledBody(place.path, len(data), "", place=place)
+        r = client.put(PATH.format(upload_id), data=data, environ_overrides={SPOOLED_BODY: spooled},
+                       headers={"Content-Range": f"bytes 0-999/{size}", "X-FedMoE-Upload-Digest": prefix})
+        place.release()
+        return r
+
+    damaged = bytes([body[0] ^ 1]) + body[1:1000]
+    r = placed_put(damaged, sha(body[:1000]))
+    assert error(r) == (400, "bad_request") and r.get_json()["error"]["details"]["offset"] == 0
+    assert part.stat().st_size == 0
+    assert placed_put(body[:1000], sha(body[:1000])).get_json()["offset"] == 1000
+    assert part.read_bytes() == body[:1000]
