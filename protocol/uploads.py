@@ -166,12 +166,15 @@ class ResumablePush:
         return f"{self.algorithm}={hasher.hexdigest()}"
 
     def _chunk_size(self, wanted: int) -> int:
-        """``wanted`` bytes, or fewer to end on a snapshot (so its prefix digest costs no hashing); the rest if less."""
+        """``wanted`` bytes, the rest if less; a large chunk is cut to end on a snapshot (at most a quarter shorter)
+        so that its prefix digest costs no hashing. A small one is not (a slow link's 1 MiB chunks would double in
+        number), and its prefix digest hashes at most SNAPSHOT bytes more."""
         left = len(self.body) - self._offset
         if wanted >= left:
             return left
-        aligned = (self._offset + wanted) // SNAPSHOT * SNAPSHOT - self._offset
-        return aligned if aligned >= max(1, wanted // 2) else wanted
+        if wanted < 4 * SNAPSHOT:
+            return wanted
+        return (self._offset + wanted) // SNAPSHOT * SNAPSHOT - self._offset
 
     def _open(self) -> dict[str, Any]:
         return self.call("POST", f"/experts/{self.expert}/uploads",

@@ -154,12 +154,12 @@ class _FakeCoordinator:
 
 @pytest.mark.parametrize("prefix_digests", [True, False])
 def test_each_chunk_is_checked_by_the_digest_of_the_body_up_to_its_end_when_offered(prefix_digests):
-    """Offered (prefix_digests): the digest of body[:end] from the snapshots the body digest's pass kept, and chunks end
-    on a snapshot; not offered (a coordinator before it): each chunk's own digest, as before."""
-    body = os.urandom(3 * SNAPSHOT + 12345)
+    """Offered (prefix_digests): the digest of body[:end] from the snapshots the body digest's pass kept, and large
+    chunks end on a snapshot; not offered (a coordinator before it): each chunk's own digest, as before."""
+    body = os.urandom(9 * SNAPSHOT + 12345)
     fake = _FakeCoordinator(prefix_digests)
-    policy = UploadPolicy(threshold=1, first_chunk=SNAPSHOT + 1000, min_chunk=1 << 20, max_chunk=SNAPSHOT + 1000,
-                          max_fraction=1.0)
+    large = 4 * SNAPSHOT + 1000  # large chunks are cut to end on a snapshot
+    policy = UploadPolicy(threshold=1, first_chunk=large, min_chunk=1 << 20, max_chunk=large, max_fraction=1.0)
     push = ResumablePush(fake, "e", body, update_meta(), policy, attempts=2, backoff=lambda _: 0.0)
     assert push.run() == {"status": "recorded"}
     assert b"".join(chunk for _, chunk, _ in fake.chunks) == body
@@ -170,3 +170,4 @@ def test_each_chunk_is_checked_by_the_digest_of_the_body_up_to_its_end_when_offe
             assert end % SNAPSHOT == 0 or end == len(body)  # cut to end on a snapshot: no hashing for its check
         else:
             assert headers["X-FedMoE-Digest"] == digest_header(chunk) and PREFIX_DIGEST_HEADER not in headers
+    assert [len(chunk) for _, chunk, _ in fake.chunks] == [4 * SNAPSHOT, 4 * SNAPSHOT, SNAPSHOT + 12345]
