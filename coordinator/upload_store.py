@@ -39,7 +39,7 @@ from typing import Any, BinaryIO
 
 from coordinator.blobs import storage_errors
 from coordinator.front_bodies import BodyPlace, SpooledBody
-from protocol.errors import BadRequest, Conflict, FedMoEError, InsufficientStorage, NotFound
+from protocol.errors import BadRequest, Conflict, FedMoEError, InsufficientStorage, NotFound, Unavailable
 from protocol.files import private_dir, write_atomically
 from protocol.integrity import Readable, algorithm_of, content_id, new_hasher
 from protocol.schemas import UpdateMeta
@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 UPLOAD_ID_RE = re.compile(r"[0-9a-f]{32}")
 WRITE_CHUNK = 4 << 20  # bytes read from a chunk's request body at a time
 HASH_CHUNK = 1 << 20
+LOCK_WAIT = 10.0  # seconds a request waits for an upload another request is writing, then 503 (``holding``)
 
 
 class RangeNotSatisfiable(FedMoEError):
@@ -246,13 +247,22 @@ class UploadStore:
 
     @contextmanager
     def holding(self, upload: Upload) -> Iterator[Upload]:
-        """The upload's lock, once no one else holds it; NotFound if it expired or was dropped meanwhile."""
-        with upload.lock:
+        """The upload's lock, once no one else holds it; NotFound if it expired or was dropped meanwhile.
+
+        Waits at most ``LOCK_WAIT`` s, then 503: a chunk being written in place (``place_chunk``) holds the lock
+        until its request has run on a request thread, so requests waiting here without bound (retries of one
+        upload on many connections) could take every request thread and that chunk would never be released."""
+        if not upload.lock.acquire(timeout=LOCK_WAIT):
+            raise Unavailable(f"upload {upload.upload_id} is being written by another request (a chunk still "
+                              "arriving); ask for its offset and retry", retry_after=1, offset=upload.offset)
+        try:
             with self._guard:
                 live = self._uploads.get(upload.upload_id) is upload
             if not live:
                 raise NotFound(f"upload {upload.upload_id} expired or was dropped; open a new one")
             yield upload
+        finally:
+            upload.lock.release()
 
     def get(self, upload_id: str, expert: str, caller: str | None) -> Upload:
         """The upload, if ``caller`` (a worker id; None for the admin) may use it; else NotFound."""

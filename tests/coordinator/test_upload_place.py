@@ -143,3 +143,20 @@ def test_a_placed_chunk_with_only_a_prefix_digest_is_hashed_once_and_checked(app
     assert part.stat().st_size == 0
     assert placed_put(body[:1000], sha(body[:1000])).get_json()["offset"] == 1000
     assert part.read_bytes() == body[:1000]
+
+
+def test_a_request_waiting_for_an_upload_a_place_holds_gives_up_with_a_503(app, monkeypatch):
+    """A placed chunk keeps the upload's lock until its own request has run on a request thread: requests that wait
+    for that lock must not wait for ever, or enough of them would take every request thread (a deadlock)."""
+    monkeypatch.setattr("coordinator.upload_store.LOCK_WAIT", 0.2)
+    client = app.test_client()
+    body = body_of()
+    upload_id = open_upload(client, body).get_json()["upload_id"]
+    place = UploadPlacer(app).place(head_environ(app, upload_id, len(body), 0, 999, admin_token(app)))
+    assert place is not None
+    for r in (client.put(PATH.format(upload_id), data=body[:1000], headers={"Content-Range": f"bytes 0-999/{len(body)}"}),
+              client.post(f"{PATH.format(upload_id)}/complete")):
+        assert error(r) == (503, "unavailable") and r.headers["Retry-After"] == "1", r.get_json()
+    place.release()
+    r = client.put(PATH.format(upload_id), data=body, headers={"Content-Range": f"bytes 0-{len(body) - 1}/{len(body)}"})
+    assert r.get_json()["offset"] == len(body)
