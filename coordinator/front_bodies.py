@@ -161,8 +161,8 @@ class DirectBody(asyncio.BufferedProtocol):
 
 
 class Spool:
-    """A body being written to a named file in ``directory`` and hashed, on two threads at once, one chunk
-    behind the socket."""
+    """A body being written to a named file in ``directory`` (or into a ``BodyPlace``) and hashed, on threads side by
+    side, one chunk behind the socket."""
 
     def __init__(self, directory: Path, algorithm: str, size_hint: int, hashing: ThreadPoolExecutor,
                  place: BodyPlace | None = None) -> None:
@@ -214,8 +214,8 @@ class Spool:
 
     async def drain(self) -> None:
         """Wait until every chunk fed so far is written and hashed (HttpError 507 if the disk is full)."""
-        pending, self.pending, self.jobs = self.pending, [], []
-        outcomes = await asyncio.gather(*pending, return_exceptions=True)  # both done: the chunk's buffer is free
+        outcomes = await asyncio.gather(*self.pending, return_exceptions=True)  # all done: the chunk's buffer is free
+        self.pending, self.jobs = [], []  # (kept while waiting: a request cancelled here still releases a place after them)
         for outcome in outcomes:
             if isinstance(outcome, BaseException):
                 raise outcome
