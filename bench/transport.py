@@ -66,6 +66,8 @@ log = logging.getLogger("bench.transport")
 MiB = 1 << 20
 TARGETS = {"pull_vs_socket": 0.5, "push_vs_socket": 0.5, "rss_growth_per_model_size": 1.5}
 FINGERPRINT = "fe" * 32
+TIMELINE = ("open_seconds", "chunk_seconds", "complete_seconds")
+"""A resumable push's phases (protocol.uploads.UploadStats; None from a client before them)."""
 
 
 def expert_tensors(size_mb: int) -> dict[str, torch.Tensor]:
@@ -344,6 +346,9 @@ def measure_pushes(size_mb: int, repeats: int, floor: bool = False) -> dict[str,
             run = {"socket_seconds": socket_s, "push_seconds": wall, "push_vs_socket": socket_s / wall,
                    "coordinator_cpu_seconds": cpu_seconds(pid) - server_cpu, "coordinator_cpu_at_answer": answered_cpu,
                    "client_cpu_seconds": client_cpu, "load_average": os.getloadavg()[0]}
+            stats = client.last_upload  # where the push's time went (None: it went in one request)
+            if stats is not None:
+                run |= {"chunks": stats.chunks, **{k: getattr(stats, k, None) for k in TIMELINE}}
             log.info("push %.3f s (socket %.3f s: %.3f), coordinator CPU %.2f s, client CPU %.2f s, load %.1f",
                      wall, socket_s, run["push_vs_socket"], run["coordinator_cpu_seconds"],
                      run["client_cpu_seconds"], run["load_average"])
@@ -361,10 +366,14 @@ def measure_pushes(size_mb: int, repeats: int, floor: bool = False) -> dict[str,
 
 
 def render_pushes(r: dict[str, Any]) -> str:
+    def phase(run: dict[str, Any], key: str) -> str:
+        return "-" if run.get(key) is None else f"{run[key]:.3f}"
+
     rows = [(i + 1, run["socket_seconds"], run["push_seconds"], run["push_vs_socket"], run["coordinator_cpu_seconds"],
-             run["client_cpu_seconds"], run["load_average"]) for i, run in enumerate(r["runs"])]
-    table = format_table(("push", "socket s", "push s", "vs socket", "coordinator CPU s", "client CPU s", "load"),
-                         rows, align="rrrrrrr")
+             run["client_cpu_seconds"], run["load_average"], str(run.get("chunks", "-")),
+             *(phase(run, k) for k in TIMELINE)) for i, run in enumerate(r["runs"])]
+    table = format_table(("push", "socket s", "push s", "vs socket", "coordinator CPU s", "client CPU s", "load",
+                          "chunks", "digest+open s", "chunks s", "complete s"), rows, align="rrrrrrrrrrr")
     lines = [f"{r['size_bytes'] / MiB:.0f} MiB pushes (server {r['server_root']}, client {r['client_root']})",
              "", table, "", f"best push vs best socket: {r['push_vs_socket']:.3f}"]
     floors = [run["floor"] for run in r["runs"] if "floor" in run]

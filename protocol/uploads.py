@@ -69,13 +69,20 @@ class UploadPolicy:
 
 @dataclass
 class UploadStats:
-    """What one resumable push cost: body bytes sent (re-sent ones included) and breaks recovered from."""
+    """What one resumable push cost: body bytes sent (re-sent ones included), breaks recovered from, and where its
+    time went (seconds by the push's clock)."""
 
     size: int = 0
     sent: int = 0
     chunks: int = 0
     resumes: int = 0
     reopened: int = 0
+    open_seconds: float = 0.0
+    """The body's digest and the first open (nothing is sent before both)."""
+    chunk_seconds: float = 0.0
+    """Chunks sent and acknowledged, in all (failed ones too)."""
+    complete_seconds: float = 0.0
+    """The finish: the coordinator's check, norm, record and fsync, until its answer."""
 
     @property
     def resent(self) -> int:
@@ -116,22 +123,31 @@ class ResumablePush:
     def run(self) -> dict[str, Any]:
         """Push the body; the coordinator's answer to the push (its UpdateStatus)."""
         self.stats.size = len(self.body)
+        started = self.clock()
         try:
             opened = self._open()
         except NotFound as exc:  # no such route, or no such expert: the one-shot push tells which
             raise UploadsUnsupported(str(exc)) from None
+        self.stats.open_seconds = self.clock() - started
         self._adopt(opened)
         chunk, failures = min(self.policy.first_chunk, self._limit), 0
         while self._done is None:
             try:
+                started = self.clock()
                 if self._offset < len(self.body):
-                    started, n = self.clock(), self._chunk_size(chunk)
-                    self._offset = self._put(n)
-                    seconds = self.clock() - started
+                    n = self._chunk_size(chunk)
+                    try:
+                        self._offset = self._put(n)
+                    finally:
+                        seconds = self.clock() - started
+                        self.stats.chunk_seconds += seconds
                     log.debug("chunk of %d bytes acknowledged at offset %d in %.3f s", n, self._offset, seconds)
                     chunk = self._next_chunk(n, seconds)
                 else:
-                    self._done = self.call("POST", f"/experts/{self.expert}/uploads/{self._upload_id}/complete").json()
+                    try:
+                        self._done = self.call("POST", f"/experts/{self.expert}/uploads/{self._upload_id}/complete").json()
+                    finally:
+                        self.stats.complete_seconds += self.clock() - started
                 failures = 0
                 continue
             except FedMoEError as exc:
