@@ -170,6 +170,7 @@ class BufferingFront:
         if len(self.connections) >= self.options.max_connections:
             writer.close()
             return
+        no_delay(writer.get_extra_info("socket"))
         task = asyncio.current_task()
         assert task is not None  # start_server runs each connection's callback in a task of its own
         self.connections.add(task)
@@ -494,6 +495,18 @@ class Connection:
         try:
             await self._write(error_response(exc.status, exc.code, exc.message))
         except (asyncio.TimeoutError, ConnectionError, OSError, ssl.SSLError):
+            pass
+
+
+def no_delay(sock: Any) -> None:
+    """Send small writes at once (an answer's head and its body are separate writes). asyncio sets TCP_NODELAY only
+    on sockets whose ``proto`` is IPPROTO_TCP, and a listening socket made with proto 0 (``socket.create_server``,
+    the coordinator's) hands out accepted sockets with proto 0 too: with Nagle on, an answer's body waited for the
+    client's delayed ACK, 40 ms per request (docs/scale.md, seventh round)."""
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:  # the connection is already gone: serving it fails on its own
             pass
 
 
