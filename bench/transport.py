@@ -17,35 +17,48 @@ is not what this measures). Every figure is a ratio to a baseline measured in th
 
     python -m bench.transport              # 1 GiB, about a minute
     python -m bench.transport --size-mb 16 --repeats 1   # smoke test
+    python -m bench.transport --push-only --repeats 3     # pushes only, with CPU per push (A/B: bench.transport_ab)
+
+``--push-only`` also reports, per push, the coordinator's CPU seconds (user+sys of its process, from /proc), the
+client's CPU seconds and the load average. ``FEDMOE_BENCH_CLIENT_ROOT`` puts another checkout's ``protocol``
+package (the client) first on the import path, as ``FEDMOE_BENCH_SERVER_ROOT`` picks the coordinator's checkout:
+an A/B of a change on both ends in one window.
 
 Table on stdout, progress on stderr, results in bench/results/transport.json.
 """
 from __future__ import annotations
 
-import argparse
-import base64
-import logging
-import re
-import socket
+import os
 import sys
-import tempfile
-import threading
-import time
-import uuid
-from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import Any
 
-import numpy as np
-import requests
-import torch
-from flask import Flask, jsonify, request
-from werkzeug.serving import make_server
+if os.environ.get("FEDMOE_BENCH_CLIENT_ROOT"):  # before anything imports protocol (an A/B of the client too)
+    sys.path.insert(0, os.environ["FEDMOE_BENCH_CLIENT_ROOT"])
 
-from bench.common import RESULTS_DIR, SCRATCH_DIR, configure_logging, coordinator_process, format_table, write_json_atomic
-from protocol.client import CoordinatorClient
-from protocol.credentials import local_token
-from protocol.tensors import dumps
+import argparse  # noqa: E402
+import base64  # noqa: E402
+import logging  # noqa: E402
+import re  # noqa: E402
+import socket  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+import uuid  # noqa: E402
+from collections.abc import Callable, Sequence  # noqa: E402
+from concurrent.futures import ThreadPoolExecutor  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import numpy as np  # noqa: E402
+import requests  # noqa: E402
+import torch  # noqa: E402
+from flask import Flask, jsonify, request  # noqa: E402
+from werkzeug.serving import make_server  # noqa: E402
+
+from bench.common import RESULTS_DIR, SCRATCH_DIR, configure_logging, coordinator_process, format_table, write_json_atomic  # noqa: E402
+from protocol.client import CoordinatorClient  # noqa: E402
+from protocol.credentials import local_token  # noqa: E402
+from protocol.integrity import new_hasher  # noqa: E402
+from protocol.tensors import dumps  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,6 +66,8 @@ log = logging.getLogger("bench.transport")
 MiB = 1 << 20
 TARGETS = {"pull_vs_socket": 0.5, "push_vs_socket": 0.5, "rss_growth_per_model_size": 1.5}
 FINGERPRINT = "fe" * 32
+TIMELINE = ("open_seconds", "chunk_seconds", "complete_seconds")
+"""A resumable push's phases (protocol.uploads.UploadStats; None from a client before them)."""
 
 
 def expert_tensors(size_mb: int) -> dict[str, torch.Tensor]:
@@ -91,6 +106,108 @@ def socket_copy_seconds(payload: memoryview) -> float:
     thread.join()
     server.close()
     return seconds
+
+
+def write_seconds(payload: memoryview, path: Path) -> float:
+    """Write the payload to a new file in 8 MiB pieces and fsync it (the coordinator's one write of a body)."""
+    started = time.perf_counter()
+    with open(path, "wb") as f:
+        for start in range(0, len(payload), 8 * MiB):
+            f.write(payload[start:start + 8 * MiB])
+        f.flush()
+        os.fsync(f.fileno())
+    return time.perf_counter() - started
+
+
+def norm_pass_seconds(path: Path) -> float:
+    """Read a file back and take the L2 norm of its float32s (the coordinator's check + norm pass,
+    coordinator/fused_check.py raw_update_norm, without the header)."""
+    started, squares, chunk = time.perf_counter(), 0.0, bytearray(8 * MiB)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(chunk):
+            squares += float(torch.linalg.vector_norm(torch.frombuffer(chunk, dtype=torch.float32, count=n // 4))) ** 2
+    return time.perf_counter() - started
+
+
+def hash_seconds(payload: memoryview) -> float:
+    started = time.perf_counter()
+    new_hasher("blake3", len(payload)).update(payload)
+    return time.perf_counter() - started
+
+
+def pipeline_seconds(payload: memoryview, path: Path) -> float:
+    """The least a durable, digest-checked push does, in one process with nothing else: hash the body (the client,
+    before it announces the digest), send it over a raw loopback socket to a thread that writes each 8 MiB piece
+    to ``path`` while another thread hashes it (the two overlap each other and the next receive), fsync, then read it
+    back once for the check and norm. No HTTP, no chunks, no commit, no Python per request."""
+    server = socket.create_server(("127.0.0.1", 0))
+    piece = 8 * MiB
+    buffers = [bytearray(piece), bytearray(piece)]
+
+    def receive() -> None:
+        conn, _ = server.accept()
+        hasher = new_hasher("blake3", len(payload))
+        with conn, open(path, "wb") as out, ThreadPoolExecutor(2) as pool:
+            got, turn, pending = 0, 0, []
+            while got < len(payload):
+                view = memoryview(buffers[turn])[:min(piece, len(payload) - got)]
+                filled = 0
+                while filled < len(view):
+                    filled += conn.recv_into(view[filled:])
+                for job in pending:  # the other buffer is free once its write and hash are done
+                    job.result()
+                pending = [pool.submit(out.write, view), pool.submit(hasher.update, view)]
+                got, turn = got + len(view), turn ^ 1
+            for job in pending:
+                job.result()
+            out.flush()
+            os.fsync(out.fileno())
+            conn.sendall(b"k")
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    started = time.perf_counter()
+    new_hasher("blake3", len(payload)).update(payload)
+    with socket.create_connection(server.getsockname()) as sock:
+        sock.sendall(payload)
+        sock.recv(1)
+    thread.join()
+    norm_pass_seconds(path)
+    seconds = time.perf_counter() - started
+    server.close()
+    return seconds
+
+
+def floor_figures(payload: memoryview, scratch: Path) -> dict[str, float]:
+    """Each stage a push cannot avoid, measured on its own (wall and this process's CPU), and ``pipeline_seconds``
+    (all of them overlapped as well as two threads per end allow), with the socket copy they are compared to.
+
+    ``cpu_floor_seconds``: the CPU the stages need (the body hashed on both ends, the socket copy's two ends, one
+    write, one read for the norm) spread over two perfectly busy cores: no push on this machine can be faster.
+    One file in ``scratch``, removed."""
+    path = scratch / "floor.bin"
+    figures: dict[str, float] = {}
+
+    def stage(name: str, action: Callable[[], float]) -> None:
+        cpu = own_cpu_seconds()
+        figures[f"{name}_seconds"] = action()
+        figures[f"{name}_cpu_seconds"] = own_cpu_seconds() - cpu
+
+    try:
+        stage("socket", lambda: socket_copy_seconds(payload))
+        stage("hash", lambda: hash_seconds(payload))
+        stage("write", lambda: write_seconds(payload, path))
+        stage("norm_pass", lambda: norm_pass_seconds(path))
+        path.unlink()
+        stage("pipeline", lambda: pipeline_seconds(payload, path))
+    finally:
+        path.unlink(missing_ok=True)
+    needed = figures["socket_cpu_seconds"] + 2 * figures["hash_cpu_seconds"] + figures["write_cpu_seconds"] + \
+        figures["norm_pass_cpu_seconds"]
+    figures["cpu_floor_seconds"] = needed / min(2, os.cpu_count() or 1)
+    figures["cpu_floor_vs_socket"] = figures["socket_seconds"] / figures["cpu_floor_seconds"]
+    figures["pipeline_vs_socket"] = figures["socket_seconds"] / figures["pipeline_seconds"]
+    return figures
 
 
 def base64_json_seconds(tensors: dict[str, torch.Tensor]) -> float:
@@ -171,7 +288,105 @@ def concurrent_pulls(url: str, name: str, n: int, size: int) -> Callable[[], Non
     return run
 
 
+def cpu_seconds(pid: int) -> float:
+    """user + sys CPU seconds of a process, all its threads (``/proc/<pid>/stat`` fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_until_idle(pid: int, limit: float = 120.0) -> float:
+    """Wait until the process used under 5% of a core for half a second (the gateway build that creating a 1 GiB
+    expert starts takes seconds; pushes measured during it would pay for it); the seconds waited."""
+    started = time.perf_counter()
+    before = cpu_seconds(pid)
+    while time.perf_counter() - started < limit:
+        time.sleep(0.5)
+        now = cpu_seconds(pid)
+        if now - before < 0.025:
+            break
+        before = now
+    return time.perf_counter() - started
+
+
+def own_cpu_seconds() -> float:
+    return sum(os.times()[:2])
+
+
 # the benchmark ------------------------------------------------------------------
+
+def measure_pushes(size_mb: int, repeats: int, floor: bool = False) -> dict[str, Any]:
+    """Only the push: per repeat a socket copy, then one push; wall, the coordinator's and the client's CPU.
+    ``floor``: per repeat also ``floor_figures`` (after the push, the coordinator idle)."""
+    tensors = expert_tensors(size_mb)
+    body = dumps(tensors)
+    nbytes = len(body)
+    spec = {"kind": "full", "full": {"num_parameters": sum(t.numel() for t in tensors.values())},
+            "base_model": {"id": "bench", "fingerprint": FINGERPRINT}}
+    runs: list[dict[str, float]] = []
+    with tempfile.TemporaryDirectory(dir=SCRATCH_DIR) as scratch, \
+            coordinator_process(Path(scratch) / "data", "--aggregation", "fedbuff", "--buffer-size", "1000",
+                                "--max-body-mb", str(2 * size_mb + 64)) as coordinator:
+        pid = serving_pid(coordinator.pid)
+        client = CoordinatorClient(coordinator.url, timeout=(5.0, 600.0))
+        client.create_expert("big", tensors, spec)
+        del tensors
+        log.info("expert created; the coordinator was idle after %.1f s more", wait_until_idle(pid))
+        pause = float(os.environ.get("FEDMOE_BENCH_PROFILE_PAUSE") or 0)
+        if pause:  # time to attach a profiler once the expert's creation (and its gateway build) is over
+            log.info("expert created; pushes start in %.0f s (coordinator pid %d)", pause, pid)
+            time.sleep(pause)
+        for _ in range(repeats):
+            socket_s = socket_copy_seconds(memoryview(body))
+            meta = {"update_id": uuid.uuid4().hex, "base_version": 0, "num_samples": 1}
+            server_cpu, client_cpu, started = cpu_seconds(pid), own_cpu_seconds(), time.perf_counter()
+            client.push_update("big", body, meta)
+            wall = time.perf_counter() - started
+            client_cpu, answered_cpu = own_cpu_seconds() - client_cpu, cpu_seconds(pid) - server_cpu
+            wait_until_idle(pid)  # work the push left behind after its answer (none expected) counts for it
+            run = {"socket_seconds": socket_s, "push_seconds": wall, "push_vs_socket": socket_s / wall,
+                   "coordinator_cpu_seconds": cpu_seconds(pid) - server_cpu, "coordinator_cpu_at_answer": answered_cpu,
+                   "client_cpu_seconds": client_cpu, "load_average": os.getloadavg()[0]}
+            stats = client.last_upload  # where the push's time went (None: it went in one request)
+            if stats is not None:
+                run |= {"chunks": stats.chunks, **{k: getattr(stats, k, None) for k in TIMELINE}}
+            log.info("push %.3f s (socket %.3f s: %.3f), coordinator CPU %.2f s, client CPU %.2f s, load %.1f",
+                     wall, socket_s, run["push_vs_socket"], run["coordinator_cpu_seconds"],
+                     run["client_cpu_seconds"], run["load_average"])
+            if floor:
+                run["floor"] = floor_figures(memoryview(body), Path(scratch))
+                log.info("floor: %s", ", ".join(f"{k} {v:.3f}" for k, v in run["floor"].items()))
+            runs.append(run)
+    best_push, best_socket = min(r["push_seconds"] for r in runs), min(r["socket_seconds"] for r in runs)
+    return {"size_bytes": nbytes, "repeats": repeats, "runs": runs, "push_seconds": best_push,
+            "socket_seconds": best_socket, "push_vs_socket": best_socket / best_push,
+            "coordinator_cpu_per_push": sum(r["coordinator_cpu_seconds"] for r in runs) / len(runs),
+            "client_cpu_per_push": sum(r["client_cpu_seconds"] for r in runs) / len(runs),
+            "server_root": os.environ.get("FEDMOE_BENCH_SERVER_ROOT") or str(ROOT),
+            "client_root": os.environ.get("FEDMOE_BENCH_CLIENT_ROOT") or str(ROOT), "data_dir": SCRATCH_DIR or "tmp"}
+
+
+def render_pushes(r: dict[str, Any]) -> str:
+    def phase(run: dict[str, Any], key: str) -> str:
+        return "-" if run.get(key) is None else f"{run[key]:.3f}"
+
+    rows = [(i + 1, run["socket_seconds"], run["push_seconds"], run["push_vs_socket"], run["coordinator_cpu_seconds"],
+             run["client_cpu_seconds"], run["load_average"], str(run.get("chunks", "-")),
+             *(phase(run, k) for k in TIMELINE)) for i, run in enumerate(r["runs"])]
+    table = format_table(("push", "socket s", "push s", "vs socket", "coordinator CPU s", "client CPU s", "load",
+                          "chunks", "digest+open s", "chunks s", "complete s"), rows, align="rrrrrrrrrrr")
+    lines = [f"{r['size_bytes'] / MiB:.0f} MiB pushes (server {r['server_root']}, client {r['client_root']})",
+             "", table, "", f"best push vs best socket: {r['push_vs_socket']:.3f}"]
+    floors = [run["floor"] for run in r["runs"] if "floor" in run]
+    if floors:
+        stages = ("socket", "hash", "write", "norm_pass", "pipeline")
+        rows = [(i + 1, *(f"{f[f'{k}_seconds']:.3f} / {f[f'{k}_cpu_seconds']:.2f}" for k in stages),
+                 f["pipeline_vs_socket"], f["cpu_floor_seconds"], f["cpu_floor_vs_socket"]) for i, f in enumerate(floors)]
+        lines += ["", "floor: each stage alone, wall s / CPU s (pipeline: all overlapped, raw socket, no HTTP; CPU floor: "
+                  "the stages' CPU over two cores)", "",
+                  format_table(("run", *stages, "pipeline vs socket", "CPU floor s", "CPU floor vs socket"), rows,
+                               align="rrrrrrrrr")]
+    return "\n".join(lines)
+
 
 def measure(size_mb: int, repeats: int, concurrency: int) -> dict[str, Any]:
     tensors = expert_tensors(size_mb)
@@ -249,6 +464,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="timed pulls, pushes and socket copies (best of)")
     p.add_argument("--concurrency", type=int, default=8, help="simultaneous pulls for the RSS figure")
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "transport.json", help="results JSON")
+    p.add_argument("--push-only", action="store_true", help="pushes only, with the coordinator's and the client's "
+                   "CPU per push (no pulls, RSS or base64 figures)")
+    p.add_argument("--floor", action="store_true", help="with --push-only: also each unavoidable stage on its own "
+                   "and a minimal durable, digest-checked push over a raw socket (the floor), per push")
     p.add_argument("--quick", action="store_true", help="--size-mb 64 --repeats 1 (bench/run_all.py --quick)")
     p.add_argument("-v", "--verbose", action="store_true", help="library logs too")
     args = p.parse_args(argv)
@@ -264,10 +483,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(args.verbose)
     torch.set_num_threads(1)
     started = time.perf_counter()
-    result = measure(args.size_mb, args.repeats, args.concurrency)
+    if args.push_only:
+        result = measure_pushes(args.size_mb, args.repeats, args.floor)
+    else:
+        result = measure(args.size_mb, args.repeats, args.concurrency)
     result["seconds"] = round(time.perf_counter() - started, 1)
     write_json_atomic(args.out, result)
-    print(render(result))
+    print(render_pushes(result) if args.push_only else render(result))
     log.info("wrote %s in %.0f s", args.out, result["seconds"])
     return 0
 

@@ -13,7 +13,9 @@ A body over 1 MiB is written as it arrives to a named file in ``spool_dir`` (the
 dir) and hashed on the way (the algorithm the client's X-FedMoE-Digest names, BLAKE3 by default) on
 a hashing thread that overlaps the next read. The application finds it as ``environ[SPOOLED_BODY]``
 and may take the file over (rename it into the store) instead of copying the body again: the copy
-and the second hashing pass were a third of a 1 GiB push (issue 18, docs/scale.md).
+and the second hashing pass were a third of a 1 GiB push (issue 18, docs/scale.md). An application that
+knows where a body belongs before it arrives (``FrontOptions.placer``: a resumable upload's chunk goes
+into its upload's file) gets it written there instead of a spool file, and copies nothing.
 
 --socket-timeout keeps its meaning: a connection whose head, body or answer makes no progress for
 that long is dropped (a stalled body is answered 408 first).
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import asyncio.sslproto
+import io
 import logging
 import os
 import resource
@@ -33,11 +36,11 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, BinaryIO, cast
+from typing import IO, Any, BinaryIO, Protocol, cast
 
 from protocol.integrity import DIGEST_HEADER, requested_algorithm
-from coordinator.front_bodies import DIRECT_CHUNK, POOLED_BUFFERS, Buffer, DirectBody, Spool, read_on_thread, \
-    take_buffer, write_chunk
+from coordinator.front_bodies import DIRECT_CHUNK, POOLED_BUFFERS, BodyPlace, Buffer, DirectBody, Spool, \
+    read_on_thread, take_buffer, write_chunk
 from coordinator.http1 import HEAD_LIMIT, HttpError, RequestHead, error_response, parse_head, response_head, \
     wsgi_environ
 
@@ -60,6 +63,17 @@ SPOOLED_BODY = "fedmoe.spooled_body"
 """environ key of a ``SpooledBody`` (bodies over SPOOL_IN_MEMORY when a spool_dir is set)."""
 
 
+class BodyPlacer(Protocol):
+    """Where the application wants some large bodies written as they arrive (coordinator/upload_place.py)."""
+
+    def wants(self, method: str, path: str) -> bool:
+        """Whether to ask ``place`` for this request (on the event loop: must be cheap and never block)."""
+
+    def place(self, environ: dict[str, Any]) -> BodyPlace | None:
+        """On a request thread, before the body is read (``environ`` has the head, an empty ``wsgi.input``): a place
+        for the body, or None to spool it as usual (the application then answers as it would have)."""
+
+
 @dataclass(frozen=True)
 class FrontOptions:
     threads: int = 16
@@ -74,6 +88,8 @@ class FrontOptions:
     """Where bodies over 1 MiB are spooled (unlinked files); None = the system temp dir."""
     max_connections: int = 10_000
     """Connections held at once; more are closed at accept."""
+    placer: BodyPlacer | None = None
+    """Writes some spooled bodies where the application wants them instead (needs ``spool_dir``)."""
 
 
 class FileBody:
@@ -115,7 +131,8 @@ class BufferingFront:
         self.app, self.sock, self.options, self.tls = app, sock, options, tls
         self.scheme = "https" if tls else "http"
         self.pool = ThreadPoolExecutor(options.threads, thread_name_prefix="fedmoe-request")
-        self.hashing = ThreadPoolExecutor(2, thread_name_prefix="fedmoe-hash")  # spooled bodies: writes and digests
+        # spooled bodies: the write, the body's digest and a place's own digest (an upload's running one) side by side
+        self.hashing = ThreadPoolExecutor(3, thread_name_prefix="fedmoe-hash")
         self.bodies = ThreadPoolExecutor(BODY_THREADS, thread_name_prefix="fedmoe-body")
         self.free_body_threads = BODY_THREADS
         self.bodies_read = {"thread": 0, "loop": 0}  # large bodies by who read them (all, or the loop at least part)
@@ -153,6 +170,7 @@ class BufferingFront:
         if len(self.connections) >= self.options.max_connections:
             writer.close()
             return
+        no_delay(writer.get_extra_info("socket"))
         task = asyncio.current_task()
         assert task is not None  # start_server runs each connection's callback in a task of its own
         self.connections.add(task)
@@ -254,7 +272,7 @@ class Connection:
                             "(coordinator flag --max-body-mb)")
         if head.expects_continue and (length or head.chunked):
             await self._write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        spool = self._spool_file(head)
+        spool = await self._spool_file(head)
         spool_dir = self.front.options.spool_dir
         # a spool's file is made where its first bytes are written (a body thread, or the spool's thread)
         body: IO[bytes] | None = None if spool else tempfile.SpooledTemporaryFile(
@@ -262,9 +280,11 @@ class Connection:
         try:
             size = await (self._receive_chunked(body, spool) if head.chunked else self._receive(body, length, spool))
             spooled = None if spool is None else await spool.finish(size)  # every write done before the rewind
-            body = spool.file if spool is not None else body
-            assert body is not None
-            body.seek(0)
+            if spool is not None:
+                body = spool.input()
+            else:
+                assert body is not None
+                body.seek(0)
             environ = wsgi_environ(head, body, size, self.server, self.peer, self.front.scheme, FileBody)
             if spooled is not None:
                 environ[SPOOLED_BODY] = spooled
@@ -280,12 +300,27 @@ class Connection:
         await self._send(head, answer, keep)
         return keep
 
-    def _spool_file(self, head: RequestHead) -> Spool | None:
-        """A named, hashed spool file for a large (or chunked) body when a spool_dir is set."""
+    async def _spool_file(self, head: RequestHead) -> Spool | None:
+        """A named, hashed spool file for a large (or chunked) body when a spool_dir is set, or the place the
+        application wants the body written to."""
         if self.front.options.spool_dir is None or not (head.chunked or head.content_length > SPOOL_IN_MEMORY):
             return None
         algorithm = requested_algorithm(head.header(DIGEST_HEADER.lower()))
-        return Spool(self.front.options.spool_dir, algorithm, head.content_length, self.front.hashing)
+        place = None if head.chunked else await self._place(head)
+        return Spool(self.front.options.spool_dir, algorithm, head.content_length, self.front.hashing, place)
+
+    async def _place(self, head: RequestHead) -> BodyPlace | None:
+        """Ask the application (on a request thread) where this body goes, if it may want it somewhere."""
+        placer = self.front.options.placer
+        if placer is None or not placer.wants(head.method, head.target.partition("?")[0]):
+            return None
+        environ = wsgi_environ(head, io.BytesIO(), head.content_length, self.server, self.peer, self.front.scheme,
+                               FileBody)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.front.pool, placer.place, environ)
+        except Exception:  # noqa: BLE001 - a bug in the placer: spool the body as usual, the application answers
+            log.exception("could not place the body of %s %s (a bug); spooling it", head.method, head.target)
+            return None
 
     @staticmethod
     async def _take(body: IO[bytes] | None, spool: Spool | None, chunk: bytes | memoryview) -> None:
@@ -460,6 +495,18 @@ class Connection:
         try:
             await self._write(error_response(exc.status, exc.code, exc.message))
         except (asyncio.TimeoutError, ConnectionError, OSError, ssl.SSLError):
+            pass
+
+
+def no_delay(sock: Any) -> None:
+    """Send small writes at once (an answer's head and its body are separate writes). asyncio sets TCP_NODELAY only
+    on sockets whose ``proto`` is IPPROTO_TCP, and a listening socket made with proto 0 (``socket.create_server``,
+    the coordinator's) hands out accepted sockets with proto 0 too: with Nagle on, an answer's body waited for the
+    client's delayed ACK, 40 ms per request (docs/scale.md, seventh round)."""
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:  # the connection is already gone: serving it fails on its own
             pass
 
 

@@ -3,7 +3,9 @@
 ``DirectBody`` reads the rest of a body straight from the socket into two buffers in turn;
 ``Spool`` writes a body's chunks to a named file in the blob store's temp dir and hashes them, on a
 thread, one chunk behind the socket; the application finds the result as a ``SpooledBody`` and may
-take the file over instead of copying it (issue 18, docs/scale.md).
+take the file over instead of copying it (issue 18, docs/scale.md). When the application says where a
+body belongs before it arrives (a ``BodyPlace``: a resumable upload's chunk goes into its upload's file),
+the spool writes it there instead, so it is never copied again (docs/scale.md, seventh round).
 """
 from __future__ import annotations
 
@@ -15,10 +17,11 @@ import socket
 import struct
 import tempfile
 import threading
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from coordinator.http1 import HttpError
 from protocol.integrity import content_id, new_hasher
@@ -40,15 +43,40 @@ def take_buffer(pool: list[Buffer], size: int = DIRECT_CHUNK) -> Buffer:
 
 
 @dataclass
+class BodyPlace:
+    """Where the application wants a large body written as it arrives, instead of a spool file of its own: the
+    bytes go into ``file`` from ``offset`` on (e.g. a resumable upload's chunk, into the upload's file), and are
+    fed to ``hashers`` too (e.g. the upload's running digest) besides the body's own digest.
+
+    The application has made the place ready and holds what keeps it (the upload's lock) until ``release``, which
+    the front calls exactly once when the request is over, whether the body arrived whole or not and whether the
+    application used it or not: ``release`` undoes what was written unless the application kept it."""
+
+    file: IO[bytes]
+    """Open for writing, positioned at ``offset``."""
+    path: Path
+    offset: int
+    release: Callable[[], None]
+    hashers: tuple[Any, ...] = ()
+    key: Any = None
+    """What the application recognises the place by when its handler runs (e.g. (upload id, offset, length))."""
+    hash_body: bool = True
+    """Whether the front also takes the body's own digest (``SpooledBody.digest``); else ``hashers`` stand for it."""
+
+
+@dataclass
 class SpooledBody:
     """A request body spooled to a named file as it arrived, with its digest."""
 
     path: Path
     size: int
     digest: str
-    """Content id (protocol/integrity.py) of the bytes, in the algorithm the client's digest header names."""
+    """Content id (protocol/integrity.py) of the bytes, in the algorithm the client's digest header names ("" for a
+    body written into a place that asked for no digest of its own)."""
     taken: bool = False
     """Set by the application when it moved the file away; otherwise the front deletes it."""
+    place: BodyPlace | None = field(default=None, repr=False)
+    """Set when the body was written into the application's ``BodyPlace`` (at ``place.offset`` of ``path``)."""
 
 
 class DirectBody(asyncio.BufferedProtocol):
@@ -133,18 +161,23 @@ class DirectBody(asyncio.BufferedProtocol):
 
 
 class Spool:
-    """A body being written to a named file in ``directory`` and hashed, on two threads at once, one chunk
-    behind the socket."""
+    """A body being written to a named file in ``directory`` (or into a ``BodyPlace``) and hashed, on threads side by
+    side, one chunk behind the socket."""
 
-    def __init__(self, directory: Path, algorithm: str, size_hint: int, hashing: ThreadPoolExecutor) -> None:
+    def __init__(self, directory: Path, algorithm: str, size_hint: int, hashing: ThreadPoolExecutor,
+                 place: BodyPlace | None = None) -> None:
         self.directory = directory
-        self.path: Path | None = None
-        self._file: IO[bytes] | None = None
+        self.place = place
+        self.path: Path | None = None if place is None else place.path
+        self._file: IO[bytes] | None = None if place is None else place.file
         self._opening = threading.Lock()  # the file is made by whichever thread writes first; discard may race it
         self.discarded = False
         self.algorithm, self.hasher, self.hashing = algorithm, new_hasher(algorithm, size_hint), hashing
+        self.hashers = (self.hasher,) if place is None else (self.hasher,) * place.hash_body + place.hashers
         self.pending: list[asyncio.Future] = []
+        self.jobs: list[Future] = []  # the threads' jobs behind ``pending`` (a cancelled wait does not stop them)
         self.spooled: SpooledBody | None = None
+        self._input: IO[bytes] | None = None
 
     @property
     def file(self) -> IO[bytes]:
@@ -167,9 +200,8 @@ class Spool:
         cache can sleep for milliseconds when the kernel throttles dirty pages, and the loop serves every
         connection). Both release the GIL, so a body spools at the slower one's rate, not their sum's."""
         await self.drain()
-        loop = asyncio.get_running_loop()
-        self.pending = [loop.run_in_executor(self.hashing, self._write, chunk),
-                        loop.run_in_executor(self.hashing, self.hasher.update, chunk)]
+        self.jobs = [self.hashing.submit(self._write, chunk), *(self.hashing.submit(h.update, chunk) for h in self.hashers)]
+        self.pending = [asyncio.wrap_future(job) for job in self.jobs]
 
     def _write(self, chunk: bytes | memoryview) -> None:
         write_chunk(self.file, chunk)
@@ -177,12 +209,13 @@ class Spool:
     def absorb(self, chunk: bytes | memoryview) -> None:
         """Write and hash ``chunk`` here and now (on a body thread, ``read_on_thread``); nothing may be pending."""
         write_chunk(self.file, chunk)
-        self.hasher.update(chunk)
+        for h in self.hashers:
+            h.update(chunk)
 
     async def drain(self) -> None:
         """Wait until every chunk fed so far is written and hashed (HttpError 507 if the disk is full)."""
-        pending, self.pending = self.pending, []
-        outcomes = await asyncio.gather(*pending, return_exceptions=True)  # both done: the chunk's buffer is free
+        outcomes = await asyncio.gather(*self.pending, return_exceptions=True)  # all done: the chunk's buffer is free
+        self.pending, self.jobs = [], []  # (kept while waiting: a request cancelled here still releases a place after them)
         for outcome in outcomes:
             if isinstance(outcome, BaseException):
                 raise outcome
@@ -191,11 +224,27 @@ class Spool:
         await self.drain()
         self.file.flush()
         assert self.path is not None  # made with the file
-        self.spooled = SpooledBody(self.path, size, content_id(self.algorithm, self.hasher.hexdigest()))
+        hashed = self.place is None or self.place.hash_body
+        self.spooled = SpooledBody(self.path, size, content_id(self.algorithm, self.hasher.hexdigest()) if hashed
+                                   else "", place=self.place)
         return self.spooled
 
+    def input(self) -> IO[bytes]:
+        """The body for the application to read (``wsgi.input``), from its first byte."""
+        if self.place is None:
+            self.file.seek(0)
+            return self.file
+        assert self.path is not None  # the place's
+        self._input = open(self.path, "rb")  # noqa: SIM115 - closed by discard
+        self._input.seek(self.place.offset)
+        return self._input
+
     def discard(self) -> None:
-        """Close the file, and delete it unless the application took it (renamed it into its store)."""
+        """Close the file, and delete it unless the application took it (renamed it into its store); a place is
+        given back to the application (``BodyPlace.release``) instead, once every write to it has ended."""
+        if self.place is not None:
+            self._release_place()
+            return
         for pending in self.pending:  # a failed request: the threads' outcome no longer matters
             pending.add_done_callback(lambda f: f.cancelled() or f.exception())
         with self._opening:
@@ -204,6 +253,29 @@ class Spool:
                 self._file.close()
         if self.path is not None and (self.spooled is None or not self.spooled.taken):
             self.path.unlink(missing_ok=True)
+
+    def _release_place(self) -> None:
+        """Release the place once no thread writes into it any more (a failed request's writes may still be queued
+        or running): the application's ``release`` cuts what was written and must not race a late write."""
+        assert self.place is not None
+        place, jobs, self.jobs, self.pending = self.place, self.jobs, [], []
+        with self._opening:
+            self.discarded = True
+        if self._input is not None:
+            self._input.close()
+        left, lock = [len(jobs)], threading.Lock()
+
+        def one_done(_: Any) -> None:  # on the thread that ran the job, or here if it is done already
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                place.release()
+
+        if not jobs:
+            place.release()
+        for job in jobs:
+            job.add_done_callback(one_done)
 
 
 def read_on_thread(fd: int, spool: Spool, first: bytes, left: int, buffer: Buffer, stall: float) -> int:

@@ -307,6 +307,8 @@ UPLOAD_STATUS = {
                    "size": {"type": "integer"}, "complete": {"type": "boolean"},
                    "expires_at": {"type": "number", "description": "Unix time it expires if no chunk comes."},
                    "chunk_limit": {"type": "integer", "description": "Largest chunk accepted (--max-body-mb)."},
+                   "prefix_digests": {"type": "boolean", "description": "Chunks may be checked by "
+                                      "X-FedMoE-Upload-Digest (answer to an open)."},
                    "update": _ref("UpdateStatus")}}
 OFFSET_HEADERS = {"X-FedMoE-Upload-Offset": {"description": "The offset.", "schema": {"type": "string"}}}
 UNKNOWN_UPLOAD = _error("No such expert, or no open upload of that id for this caller (finished, expired, "
@@ -335,7 +337,9 @@ _api.update({  # resumable pushes (coordinator/uploads.py, docs/wan.md)
                 "parameters": [EXPERT_NAME, UPLOAD_ID,
                                _header("Content-Range", "bytes <start>-<end>/<size>; start must be the offset.",
                                        required=True),
-                               _header("X-FedMoE-Digest", "sha256=<hex> of this chunk (optional).")],
+                               _header("X-FedMoE-Digest", "blake3=<hex> or sha256=<hex> of this chunk (optional)."),
+                               _header("X-FedMoE-Upload-Digest", "the digest of the body's bytes 0 to this chunk's "
+                                       "end, in the upload's algorithm (optional; hashes nothing twice).")],
                 "requestBody": TENSOR_BODY | {"description": "The chunk's bytes."},
                 "responses": {"200": _json(UPLOAD_STATUS, "Stored; the new offset."), "400": BAD_REQUEST,
                               "404": UNKNOWN_UPLOAD,

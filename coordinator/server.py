@@ -25,6 +25,7 @@ from coordinator.app import create_app
 from coordinator.config import CoordinatorConfig, ServeOptions
 from coordinator.data_dir import ROOT, claim_data_dir
 from coordinator.front import BufferingFront, FrontOptions, raise_fd_limit
+from coordinator.upload_place import UploadPlacer
 from coordinator.hardening import announce, check_tls_files, set_socket_timeouts
 from protocol.credentials import credentials_path, publish_local_token, withdraw_local_token
 
@@ -124,7 +125,8 @@ def _serve_front(app: Flask, config: CoordinatorConfig, options: ServeOptions, s
         tls.load_cert_chain(str(options.tls_cert), str(options.tls_key))
     front_options = FrontOptions(threads=options.threads, socket_timeout=options.socket_timeout,
                                  max_body=config.max_body_bytes, spool_dir=app.extensions["fedmoe"].spool_dir,
-                                 max_connections=max(64, limit - 256))
+                                 max_connections=max(64, limit - 256),
+                                 placer=UploadPlacer(app) if "fedmoe_uploads" in app.extensions else None)
     try:
         BufferingFront(app, sock, front_options, tls).run()
     finally:

@@ -6,8 +6,14 @@ acknowledged so far). A chunk is written after the acknowledged offset, fsynced,
 new offset written (atomically, fsynced): an acknowledged offset is durable, and on restart the
 ``.part`` file is cut back to it (bytes of a chunk that was never acknowledged are dropped).
 
-The SHA-256 of the received prefix is kept in memory as the chunks arrive, so finishing needs no
+The digest of the received prefix is kept in memory as the chunks arrive, so finishing needs no
 second read of the body; after a restart it is rebuilt once from the file.
+
+A chunk usually never touches a spool file: the front asks where it goes before reading it (``place_chunk``,
+through coordinator/upload_place.py), writes it into ``<id>.part`` at the offset as it arrives and feeds it to a
+copy of the running digest; ``write`` then checks the chunk's digest, fsyncs and acknowledges. Until then the
+upload's lock is held and nothing past the acknowledged offset counts; a chunk that did not arrive whole or was
+refused is cut off again when the front releases the place.
 
 Bounds: a worker keeps at most ``per_worker`` uploads open (opening one more evicts its least recently
 used); an upload idle for ``idle_seconds`` expires and its files are removed (swept whenever an
@@ -32,17 +38,19 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from coordinator.blobs import storage_errors
-from coordinator.front_bodies import SpooledBody
-from protocol.errors import BadRequest, Conflict, FedMoEError, InsufficientStorage, NotFound
+from coordinator.front_bodies import BodyPlace, SpooledBody
+from protocol.errors import BadRequest, Conflict, FedMoEError, InsufficientStorage, NotFound, Unavailable
 from protocol.files import private_dir, write_atomically
 from protocol.integrity import Readable, algorithm_of, content_id, new_hasher
 from protocol.schemas import UpdateMeta
+from protocol.uploads import PREFIX_DIGEST_HEADER
 
 log = logging.getLogger(__name__)
 
 UPLOAD_ID_RE = re.compile(r"[0-9a-f]{32}")
 WRITE_CHUNK = 4 << 20  # bytes read from a chunk's request body at a time
 HASH_CHUNK = 1 << 20
+LOCK_WAIT = 10.0  # seconds a request waits for an upload another request is writing, then 503 (``holding``)
 
 
 class RangeNotSatisfiable(FedMoEError):
@@ -239,13 +247,22 @@ class UploadStore:
 
     @contextmanager
     def holding(self, upload: Upload) -> Iterator[Upload]:
-        """The upload's lock, once no one else holds it; NotFound if it expired or was dropped meanwhile."""
-        with upload.lock:
+        """The upload's lock, once no one else holds it; NotFound if it expired or was dropped meanwhile.
+
+        Waits at most ``LOCK_WAIT`` s, then 503: a chunk being written in place (``place_chunk``) holds the lock
+        until its request has run on a request thread, so requests waiting here without bound (retries of one
+        upload on many connections) could take every request thread and that chunk would never be released."""
+        if not upload.lock.acquire(timeout=LOCK_WAIT):
+            raise Unavailable(f"upload {upload.upload_id} is being written by another request (a chunk still "
+                              "arriving); ask for its offset and retry", retry_after=1, offset=upload.offset)
+        try:
             with self._guard:
                 live = self._uploads.get(upload.upload_id) is upload
             if not live:
                 raise NotFound(f"upload {upload.upload_id} expired or was dropped; open a new one")
             yield upload
+        finally:
+            upload.lock.release()
 
     def get(self, upload_id: str, expert: str, caller: str | None) -> Upload:
         """The upload, if ``caller`` (a worker id; None for the admin) may use it; else NotFound."""
@@ -259,16 +276,48 @@ class UploadStore:
 
     # chunks ---------------------------------------------------------------------
 
+    def place_chunk(self, upload: Upload, start: int, length: int, hash_body: bool = True) -> BodyPlace | None:
+        """Where the front writes a chunk of ``length`` bytes at ``start`` as it arrives: the upload's own file at the
+        offset, with a copy of the running digest to feed. The upload's lock is held from now until the front
+        releases the place (``ChunkPlace.release``). None when the chunk cannot go there now (another request is
+        writing the upload, it is finished or gone, the chunk does not start at the offset or does not fit): it is
+        then spooled, and ``write`` answers it as usual. ``hash_body``: whether the chunk's own digest is needed
+        (it was sent with one), besides the running digest."""
+        if length < 1 or not upload.lock.acquire(blocking=False):
+            return None
+        try:
+            with self._guard:
+                live = self._uploads.get(upload.upload_id) is upload
+            if not live or upload.completed or start != upload.offset or start + length > upload.size:
+                upload.lock.release()
+                return None
+            chunk = ChunkPlace(self, upload, start, length, self._hasher(upload).copy())
+        except BaseException:
+            upload.lock.release()
+            raise
+        return BodyPlace(chunk.file, self.part(upload), start, chunk.release, (chunk.hasher,), chunk, hash_body)
+
     def write(self, upload: Upload, start: int, stream: Readable, length: int, chunk_digest: str | None,
-              spooled: SpooledBody | None = None) -> None:
+              spooled: SpooledBody | None = None, prefix_digest: str | None = None) -> None:
         """Append ``length`` bytes read from ``stream`` at ``start`` (which must be the offset); durable on return.
 
+        ``chunk_digest`` is the chunk's own digest, ``prefix_digest`` that of the body's bytes up to the chunk's end
+        (protocol/uploads.py PREFIX_DIGEST_HEADER, checked against the upload's running digest: no hash of its own);
+        either or both may be given.
+
         ``spooled``: the front already wrote the chunk to a file and hashed it on the way in; then its digest
-        stands for the chunk's, and the file is copied in the kernel while one thread hashes it into the
-        upload's running digest (one read of the chunk instead of a read, a write and two hashes in Python).
+        stands for the chunk's. If that file is the upload's own (``place_chunk``), the chunk is only checked and
+        made durable; else the file is copied in the kernel while one thread hashes it into the upload's running
+        digest (one read of the chunk instead of a read, a write and two hashes in Python).
         """
+        place = spooled.place.key if spooled is not None and spooled.place is not None else None
+        if isinstance(place, ChunkPlace) and place.upload is upload:  # its lock is held by the place
+            assert spooled is not None
+            place.commit(start, length, spooled, chunk_digest, prefix_digest)
+            return
         with self.holding(upload):
             self._check_start(upload, start, length)
+            _check_prefix_algorithm(upload, prefix_digest)
             hasher = self._hasher(upload).copy()
             part = self.part(upload)
             with storage_errors(f"store a chunk of upload {upload.upload_id}"):
@@ -287,6 +336,7 @@ class UploadStore:
                         if chunk_digest is not None and received != chunk_digest:
                             raise BadRequest("the chunk does not match its digest: it was damaged on the way; "
                                              "send it again", reason="chunk_digest_mismatch", offset=upload.offset)
+                        _check_prefix(upload, hasher, prefix_digest)
                         out.flush()
                         os.fsync(out.fileno())
                     touched = self.clock()
@@ -352,10 +402,67 @@ class UploadStore:
             return sum(not u.completed for u in self._uploads.values())
 
 
+class ChunkPlace:
+    """A chunk being written into its upload's file by the front (``UploadStore.place_chunk``), holding the upload's
+    lock: ``commit`` acknowledges it, ``release`` (called once by the front) cuts it off unless committed and
+    gives the lock back."""
+
+    def __init__(self, store: UploadStore, upload: Upload, start: int, length: int, hasher: Any) -> None:
+        self.store, self.upload, self.start, self.length, self.hasher = store, upload, start, length, hasher
+        self.committed = False
+        with storage_errors(f"store a chunk of upload {upload.upload_id}"):
+            self.file = open(store.part(upload), "r+b")  # noqa: SIM115 - closed by release
+        self.file.seek(start)
+
+    def commit(self, start: int, length: int, spooled: SpooledBody, chunk_digest: str | None,
+               prefix_digest: str | None = None) -> None:
+        """Check the chunk the front wrote (all of it, the digests it was sent with) and make it durable."""
+        upload, store = self.upload, self.store
+        if (start, length, spooled.size) != (self.start, self.length, self.length):  # the same head as the place's
+            raise BadRequest(f"the chunk's range ({start}, {length} bytes) does not match its body ({spooled.size} "
+                             "bytes); send it again", offset=upload.offset)
+        _check_prefix_algorithm(upload, prefix_digest)
+        if chunk_digest is not None and spooled.digest != chunk_digest:
+            raise BadRequest("the chunk does not match its digest: it was damaged on the way; send it again",
+                             reason="chunk_digest_mismatch", offset=upload.offset)
+        _check_prefix(upload, self.hasher, prefix_digest)
+        with storage_errors(f"store a chunk of upload {upload.upload_id}"):
+            self.file.flush()
+            os.fsync(self.file.fileno())
+            touched = store.clock()
+            store._save_offset(upload, start + length, touched)
+        self.committed = True
+        upload.offset, upload.touched_at, upload.hasher = start + length, touched, self.hasher
+
+    def release(self) -> None:
+        try:
+            self.file.close()
+            if not self.committed:  # nothing past the acknowledged offset stays
+                os.truncate(self.store.part(self.upload), self.upload.offset)
+        except OSError as exc:  # the part file is cut back to the offset on restart in any case
+            log.warning("could not cut upload %s back to its offset %d: %s", self.upload.upload_id,
+                        self.upload.offset, exc)
+        finally:
+            self.upload.lock.release()
+
+
+def _check_prefix_algorithm(upload: Upload, prefix_digest: str | None) -> None:
+    if prefix_digest is not None and algorithm_of(prefix_digest) != algorithm_of(upload.digest):
+        raise BadRequest(f"{PREFIX_DIGEST_HEADER} must be in the upload's algorithm "
+                         f"({algorithm_of(upload.digest)}, as its digest when it was opened)", offset=upload.offset)
+
+
+def _check_prefix(upload: Upload, hasher: Any, prefix_digest: str | None) -> None:
+    """The running digest after the chunk against the client's digest of the body up to the chunk's end."""
+    if prefix_digest is not None and content_id(algorithm_of(upload.digest), hasher.hexdigest()) != prefix_digest:
+        raise BadRequest(f"the body up to the chunk's end does not match its {PREFIX_DIGEST_HEADER}: the chunk was "
+                         "damaged on the way; send it again", reason="chunk_digest_mismatch", offset=upload.offset)
+
+
 def _usable(spooled: SpooledBody | None, length: int, chunk_digest: str | None) -> bool:
     """Whether the front's spool file (and its digest) can stand for the chunk: all of it, hashed with the
     algorithm of the chunk's digest (the front hashes with the one the digest header names)."""
-    return (spooled is not None and spooled.size == length > 0
+    return (spooled is not None and spooled.place is None and spooled.size == length > 0
             and (chunk_digest is None or algorithm_of(chunk_digest) == algorithm_of(spooled.digest)))
 
 

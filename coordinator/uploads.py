@@ -4,7 +4,9 @@
                                                       -> 201 {"upload_id", "offset": 0, ...}; the same update_id
                                                       again -> 200 with the open upload and its offset
     PUT    /experts/<name>/uploads/<id>               one chunk, Content-Range: bytes <start>-<end>/<size>, start =
-                                                      the offset -> 200 {"offset"} once the chunk is durable
+                                                      the offset -> 200 {"offset"} once the chunk is durable;
+                                                      checked by X-FedMoE-Digest (the chunk's digest) and/or
+                                                      X-FedMoE-Upload-Digest (the digest of bytes 0-<end>)
     GET    /experts/<name>/uploads/<id>  (and HEAD)   the offset (also in X-FedMoE-Upload-Offset)
     POST   /experts/<name>/uploads/<id>/complete      size and SHA-256 checked, then the one-shot push's own
                                                       path (Coordinator.submit_update): 202 recorded, 200 seen before
@@ -41,6 +43,7 @@ from protocol.errors import (BadRequest, Conflict, FedMoEError, InvalidUpdate, P
                              Unavailable)
 from protocol.integrity import DIGEST_HEADER, ClientReader, algorithm_of, hex_of, parse_digest
 from protocol.schemas import API_PREFIX, UpdateMeta, check_name
+from protocol.uploads import PREFIX_DIGEST_HEADER
 
 OFFSET_HEADER = "X-FedMoE-Upload-Offset"
 CONTENT_RANGE = re.compile(r"bytes ([0-9]{1,18})-([0-9]{1,18})/([0-9]{1,18})")
@@ -153,7 +156,8 @@ def open_upload(name: str) -> tuple[Response, int]:
     if (done := _recorded(c, name, meta, digest)) is not None:
         return jsonify({"update": done, "upload_id": None, "offset": size, "size": size, "complete": True}), 200
     upload, created = uploads().open(name, _caller(), meta, size, digest)
-    response, status = _answer(upload, 201 if created else 200, chunk_limit=c.config.max_body_bytes)
+    response, status = _answer(upload, 201 if created else 200, chunk_limit=c.config.max_body_bytes,
+                               prefix_digests=True)
     response.headers["Location"] = f"{API_PREFIX}/experts/{name}/uploads/{upload.upload_id}"
     return response, status
 
@@ -181,18 +185,19 @@ def upload_status(name: str, upload_id: str) -> tuple[Response, int]:
 def upload_chunk(name: str, upload_id: str) -> tuple[Response, int]:
     store = uploads()
     upload = store.get(upload_id, name, _caller())
-    start, length = _chunk_range(upload)
-    header = request.headers.get(DIGEST_HEADER)
+    start, length = chunk_range(upload)
+    header, prefix = request.headers.get(DIGEST_HEADER), request.headers.get(PREFIX_DIGEST_HEADER)
     try:
         store.write(upload, start, ClientReader(request.environ["wsgi.input"]), length,
-                    parse_digest(header) if header is not None else None, request.environ.get(SPOOLED_BODY))
+                    parse_digest(header) if header is not None else None, request.environ.get(SPOOLED_BODY),
+                    parse_digest(prefix) if prefix is not None else None)
     except ClientDisconnected:  # a read that failed: stalled past --socket-timeout, or gone
         raise RequestTimeout("the chunk stopped arriving before its Content-Length; ask for the offset and "
                              "send it again", offset=upload.offset) from None
     return _answer(upload)
 
 
-def _chunk_range(upload: Upload) -> tuple[int, int]:
+def chunk_range(upload: Upload) -> tuple[int, int]:
     """(start, length) from Content-Range: bytes <start>-<end>/<size>, matched against Content-Length."""
     raw = request.headers.get("Content-Range")
     m = CONTENT_RANGE.fullmatch(raw.strip()) if raw else None

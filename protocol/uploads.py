@@ -10,6 +10,11 @@ by update_id) is the same as a one-shot push's.
 Chunks are sized from the measured rate to take about ``chunk_seconds`` each, and at most
 ``max_fraction`` of the body (within ``min_chunk``..``max_chunk``): few round trips on a fast link, and a
 break costs at most ~2 s of transfer and 1/8 of the body.
+
+The body is hashed once: the pass that computes its digest for the open keeps the digest's state every
+``SNAPSHOT`` bytes, so each chunk's check (the digest of the body up to its end, ``PREFIX_DIGEST_HEADER``)
+costs at most a snapshot's worth of hashing. Against a coordinator that does not offer that check, each chunk
+is hashed on its own as before (``X-FedMoE-Digest``).
 """
 from __future__ import annotations
 
@@ -21,11 +26,17 @@ from functools import cached_property
 from typing import Any
 
 from protocol.errors import FedMoEError, NotFound, RequestTimeout, Unavailable
-from protocol.integrity import DEFAULT_ALGORITHM, digest_header
+from protocol.integrity import DEFAULT_ALGORITHM, digest_header, new_hasher
 
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
+SNAPSHOT = 4 * MiB  # the body digest's state is kept at every multiple of this (1 GiB: 256 small copies)
+PREFIX_DIGEST_HEADER = "X-FedMoE-Upload-Digest"
+"""A chunk's check, when the coordinator offers it (``"prefix_digests": true`` in its answer to the open): the
+digest of the body from its first byte through the chunk's last, in the upload's algorithm. Both ends then hash
+each byte once (the client while computing the body's digest, the coordinator into the upload's running digest)
+instead of once more for the chunk's own ``X-FedMoE-Digest``."""
 
 
 class UploadsUnsupported(Exception):
@@ -39,7 +50,9 @@ class UploadPolicy:
     first_chunk: int = 4 * MiB
     """Size of the first chunk, before any rate is measured."""
     min_chunk: int = 1 * MiB
-    max_chunk: int = 64 * MiB
+    max_chunk: int = 128 * MiB
+    """Largest chunk (on a fast link; a 1 GiB body is sent in 9 requests, not 17: each costs a round trip, a
+    commit and a refill of the pipeline; docs/scale.md seventh round)."""
     chunk_seconds: float = 2.0
     """Later chunks are sized to take about this long at the rate measured so far."""
     max_fraction: float = 1 / 8
@@ -56,13 +69,20 @@ class UploadPolicy:
 
 @dataclass
 class UploadStats:
-    """What one resumable push cost: body bytes sent (re-sent ones included) and breaks recovered from."""
+    """What one resumable push cost: body bytes sent (re-sent ones included), breaks recovered from, and where its
+    time went (seconds by the push's clock)."""
 
     size: int = 0
     sent: int = 0
     chunks: int = 0
     resumes: int = 0
     reopened: int = 0
+    open_seconds: float = 0.0
+    """The body's digest and the first open (nothing is sent before both)."""
+    chunk_seconds: float = 0.0
+    """Chunks sent and acknowledged, in all (failed ones too)."""
+    complete_seconds: float = 0.0
+    """The finish: the coordinator's check, norm, record and fsync, until its answer."""
 
     @property
     def resent(self) -> int:
@@ -98,24 +118,36 @@ class ResumablePush:
         self._offset: int = int(opened["offset"])
         self._limit = max(self.policy.min_chunk, min(self.policy.max_chunk, int(len(self.body) * self.policy.max_fraction)))
         self._limit = min(self._limit, int(opened.get("chunk_limit") or self._limit))  # the coordinator's own bound
+        self._prefix_digests = bool(opened.get("prefix_digests"))
 
     def run(self) -> dict[str, Any]:
         """Push the body; the coordinator's answer to the push (its UpdateStatus)."""
         self.stats.size = len(self.body)
+        started = self.clock()
         try:
             opened = self._open()
         except NotFound as exc:  # no such route, or no such expert: the one-shot push tells which
             raise UploadsUnsupported(str(exc)) from None
+        self.stats.open_seconds = self.clock() - started
         self._adopt(opened)
         chunk, failures = min(self.policy.first_chunk, self._limit), 0
         while self._done is None:
             try:
+                started = self.clock()
                 if self._offset < len(self.body):
-                    started, n = self.clock(), min(chunk, len(self.body) - self._offset)
-                    self._offset = self._put(n)
-                    chunk = self._next_chunk(n, self.clock() - started)
+                    n = self._chunk_size(chunk)
+                    try:
+                        self._offset = self._put(n)
+                    finally:
+                        seconds = self.clock() - started
+                        self.stats.chunk_seconds += seconds
+                    log.debug("chunk of %d bytes acknowledged at offset %d in %.3f s", n, self._offset, seconds)
+                    chunk = self._next_chunk(n, seconds)
                 else:
-                    self._done = self.call("POST", f"/experts/{self.expert}/uploads/{self._upload_id}/complete").json()
+                    try:
+                        self._done = self.call("POST", f"/experts/{self.expert}/uploads/{self._upload_id}/complete").json()
+                    finally:
+                        self.stats.complete_seconds += self.clock() - started
                 failures = 0
                 continue
             except FedMoEError as exc:
@@ -133,7 +165,32 @@ class ResumablePush:
 
     @cached_property
     def digest(self) -> str:
-        return digest_header(self.body, self.algorithm)
+        """The body's digest header; the pass keeps the digest's state at every multiple of SNAPSHOT bytes."""
+        hasher, view, snapshots = new_hasher(self.algorithm, len(self.body)), memoryview(self.body), []
+        for start in range(0, len(view), SNAPSHOT):
+            hasher.update(view[start:start + SNAPSHOT])
+            snapshots.append(hasher.copy())
+        self._snapshots = snapshots[:len(view) // SNAPSHOT]  # [i]: the state after (i + 1) * SNAPSHOT bytes
+        return f"{self.algorithm}={hasher.hexdigest()}"
+
+    def _prefix_digest(self, end: int) -> str:
+        """The digest header of body[:end], from the nearest snapshot at or before ``end``."""
+        self.digest  # noqa: B018 - the snapshots are taken with it
+        whole = end // SNAPSHOT
+        hasher = self._snapshots[whole - 1].copy() if whole else new_hasher(self.algorithm)
+        hasher.update(memoryview(self.body)[whole * SNAPSHOT:end])
+        return f"{self.algorithm}={hasher.hexdigest()}"
+
+    def _chunk_size(self, wanted: int) -> int:
+        """``wanted`` bytes, the rest if less; a large chunk is cut to end on a snapshot (at most a quarter shorter)
+        so that its prefix digest costs no hashing. A small one is not (a slow link's 1 MiB chunks would double in
+        number), and its prefix digest hashes at most SNAPSHOT bytes more."""
+        left = len(self.body) - self._offset
+        if wanted >= left:
+            return left
+        if wanted < 4 * SNAPSHOT:
+            return wanted
+        return (self._offset + wanted) // SNAPSHOT * SNAPSHOT - self._offset
 
     def _open(self) -> dict[str, Any]:
         return self.call("POST", f"/experts/{self.expert}/uploads",
@@ -144,10 +201,11 @@ class ResumablePush:
         view = memoryview(self.body)[offset:offset + n]
         self.stats.sent += n
         self.stats.chunks += 1
+        check = {PREFIX_DIGEST_HEADER: self._prefix_digest(offset + n)} if self._prefix_digests else \
+            {"X-FedMoE-Digest": digest_header(view, self.algorithm)}
         r = self.call("PUT", f"/experts/{self.expert}/uploads/{self._upload_id}", attempts=1, data=view,
                       headers={"Content-Range": f"bytes {offset}-{offset + n - 1}/{len(self.body)}",
-                               "Content-Type": "application/octet-stream",
-                               "X-FedMoE-Digest": digest_header(view, self.algorithm)})
+                               "Content-Type": "application/octet-stream"} | check)
         return int(r.json()["offset"])
 
     def _failed(self, exc: FedMoEError, failures: int) -> int:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -45,3 +46,26 @@ def test_aggregation_smoke(tmp_path):
         assert rec["step_seconds"] > 0
     assert r["threads"] == 1 and r["gbps"] == min(rec["gbps"] for rec in r["records"])
     assert "slowest rule" in stdout
+
+
+def test_transport_push_only_with_the_floor(tmp_path):
+    r, stdout = run("transport", tmp_path / "p.json", "--push-only", "--floor", "--size-mb", "8", "--repeats", "1")
+    [push] = r["runs"]
+    assert push["push_vs_socket"] == pytest.approx(push["socket_seconds"] / push["push_seconds"])
+    assert push["coordinator_cpu_seconds"] >= push["coordinator_cpu_at_answer"] > 0  # a real process did the work
+    floor = push["floor"]
+    needed = floor["socket_cpu_seconds"] + 2 * floor["hash_cpu_seconds"] + floor["write_cpu_seconds"] + \
+        floor["norm_pass_cpu_seconds"]
+    assert floor["cpu_floor_seconds"] == pytest.approx(needed / min(2, os.cpu_count() or 1))
+    assert floor["pipeline_vs_socket"] == pytest.approx(floor["socket_seconds"] / floor["pipeline_seconds"])
+    assert "best push vs best socket" in stdout and "CPU floor" in stdout
+
+
+def test_transport_ab_runs_both_checkouts_alternately(tmp_path):
+    """The baseline here is this checkout too: the schema and the ratios, not a speed."""
+    r, stdout = run("transport_ab", tmp_path / "ab.json", "--baseline", str(ROOT), "--pairs", "1", "--repeats", "1",
+                    "--size-mb", "8")
+    for side in ("baseline", "change"):
+        assert len(r[side]["runs"]) == 1 and r[side]["runs"][0]["pair"] == 0
+        assert r[side]["summary"]["push_seconds_best"] == r[side]["runs"][0]["push_seconds"]
+    assert "change / baseline" in stdout

@@ -351,3 +351,23 @@ def test_resumable_pushes_count_in_the_metrics_like_pushes(client):
     text = client.get("/metrics").get_data(as_text=True)
     assert 'fedmoe_updates_total{expert="e",outcome="accepted"} 1.0' in text
     assert f'fedmoe_update_bytes_total{{direction="in",expert="e"}} {float(len(body))}' in text
+
+
+def test_a_chunk_checked_by_its_prefix_digest_is_refused_when_the_bytes_so_far_differ(app, client):
+    """X-FedMoE-Upload-Digest: the digest of the body through the chunk's end, checked against the running digest."""
+    body = body_of()
+    opened = open_upload(client, body).get_json()
+    assert opened["prefix_digests"] is True
+    upload_id = opened["upload_id"]
+    part = app.extensions["fedmoe"].config.data_dir / "uploads" / f"{upload_id}.part"
+    assert put_chunk(client, upload_id, body, 0, 999, **{"X-FedMoE-Upload-Digest": sha(body[:1000])}).status_code == 200
+    damaged = body[:1500] + bytes([body[1500] ^ 1]) + body[1501:]
+    r = put_chunk(client, upload_id, damaged, 1000, 1999, **{"X-FedMoE-Upload-Digest": sha(body[:2000])})
+    assert error(r) == (400, "bad_request") and r.get_json()["error"]["details"]["offset"] == 1000
+    assert part.stat().st_size == 1000
+    wrong_algorithm = put_chunk(client, upload_id, body, 1000, 1999,
+                                **{"X-FedMoE-Upload-Digest": sha(body[:2000], "sha256")})
+    assert error(wrong_algorithm) == (400, "bad_request")
+    r = put_chunk(client, upload_id, body, 1000, len(body) - 1, **{"X-FedMoE-Upload-Digest": sha(body)})
+    assert r.get_json()["offset"] == len(body)
+    assert complete(client, upload_id).status_code == 202

@@ -1,7 +1,9 @@
 """Resumable pushes against a real coordinator (run_coordinator.py) behind a proxy that breaks the upload once."""
 from __future__ import annotations
 
+import socket
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -157,4 +159,38 @@ def test_a_damaged_spooled_chunk_is_refused_and_the_next_one_starts_from_the_sam
     assert tail.status_code == 200, tail.text
     done = requests.post(f"{upload}/complete", headers=auth, timeout=30)
     assert done.status_code == 202, done.text
+    _assert_applied_once_like_ref(coordinator.url)
+
+
+def test_a_chunk_cut_short_mid_body_is_not_kept_and_the_upload_goes_on(coordinator) -> None:
+    """The front writes a large chunk straight into the upload's file (coordinator/upload_place.py); a client that
+    goes away mid-body leaves nothing past the offset, and the upload is free for the next try at once."""
+    _, body = _setup(coordinator.url)
+    token = local_token(coordinator.url)
+    api, auth = f"{coordinator.url}/api/v1/experts/e/uploads", {"Authorization": f"Bearer {token}"}
+    opened = requests.post(api, json={"update": update_meta(), "size": len(body), "digest": digest_header(body)},
+                           headers=auth, timeout=30)
+    upload_id = opened.json()["upload_id"]
+    chunk = body[:SPOOLED_CHUNK]
+    head = (f"PUT /api/v1/experts/e/uploads/{upload_id} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n"
+            f"Content-Range: bytes 0-{len(chunk) - 1}/{len(body)}\r\nContent-Length: {len(chunk)}\r\n"
+            f"X-FedMoE-Digest: {digest_header(chunk)}\r\n\r\n").encode()
+    with socket.create_connection(_port(coordinator.url)) as sock:
+        sock.sendall(head + chunk[:len(chunk) // 2])
+    part = coordinator.data_dir / "uploads" / f"{upload_id}.part"
+    upload = f"{api}/{upload_id}"
+    assert requests.get(upload, headers=auth, timeout=30).json()["offset"] == 0
+    deadline = time.monotonic() + 20  # the front sees the connection end, then releases the place: cut back to 0
+    while part.stat().st_size and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert part.stat().st_size == 0
+    headers = auth | {"Content-Range": f"bytes 0-{len(chunk) - 1}/{len(body)}", "X-FedMoE-Digest": digest_header(chunk)}
+    good = requests.put(upload, data=chunk, headers=headers, timeout=30)  # waits for the cut one's release if need be
+    assert good.status_code == 200 and good.json()["offset"] == len(chunk), good.text
+    assert part.read_bytes() == chunk
+    rest = body[len(chunk):]
+    tail = requests.put(upload, data=rest, timeout=30, headers=auth | {
+        "Content-Range": f"bytes {len(chunk)}-{len(body) - 1}/{len(body)}", "X-FedMoE-Digest": digest_header(rest)})
+    assert tail.status_code == 200, tail.text
+    assert requests.post(f"{upload}/complete", headers=auth, timeout=30).status_code == 202
     _assert_applied_once_like_ref(coordinator.url)

@@ -1,6 +1,7 @@
 """The resumable push client (protocol/uploads.py) against a real coordinator served in this process."""
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -14,7 +15,8 @@ from protocol.client import CoordinatorClient, RetryPolicy
 from protocol.credentials import local_token
 from protocol.errors import NotFound
 from protocol.tensors import dumps
-from protocol.uploads import UploadPolicy
+from protocol.integrity import digest_header
+from protocol.uploads import PREFIX_DIGEST_HEADER, SNAPSHOT, ResumablePush, UploadPolicy
 from tests.helpers import expert_spec, make_adapter, random_like, update_meta
 
 ADAPTER = make_adapter(rank=8, d_in=256, d_out=256, layers=4)  # 128 KiB
@@ -124,3 +126,48 @@ def test_a_coordinator_without_upload_routes_gets_a_one_shot_push(tmp_path):
         server.shutdown()
         server.server_close()
         app.extensions["fedmoe"].close()
+
+
+class _FakeCoordinator:
+    """Answers a ResumablePush's calls like a coordinator that takes every chunk; records each chunk's headers."""
+
+    def __init__(self, prefix_digests: bool) -> None:
+        self.prefix_digests, self.offset, self.chunks = prefix_digests, 0, []
+
+    def __call__(self, method: str, path: str, attempts=None, **kwargs):
+        class Answer:
+            def __init__(self, payload):
+                self.payload = payload
+
+            def json(self):
+                return self.payload
+
+        if path.endswith("/uploads"):
+            opened = {"upload_id": "u" * 32, "offset": 0}
+            return Answer(opened | ({"prefix_digests": True} if self.prefix_digests else {}))
+        if path.endswith("/complete"):
+            return Answer({"status": "recorded"})
+        self.chunks.append((self.offset, bytes(kwargs["data"]), kwargs["headers"]))
+        self.offset += len(kwargs["data"])
+        return Answer({"offset": self.offset})
+
+
+@pytest.mark.parametrize("prefix_digests", [True, False])
+def test_each_chunk_is_checked_by_the_digest_of_the_body_up_to_its_end_when_offered(prefix_digests):
+    """Offered (prefix_digests): the digest of body[:end] from the snapshots the body digest's pass kept, and large
+    chunks end on a snapshot; not offered (a coordinator before it): each chunk's own digest, as before."""
+    body = os.urandom(9 * SNAPSHOT + 12345)
+    fake = _FakeCoordinator(prefix_digests)
+    large = 4 * SNAPSHOT + 1000  # large chunks are cut to end on a snapshot
+    policy = UploadPolicy(threshold=1, first_chunk=large, min_chunk=1 << 20, max_chunk=large, max_fraction=1.0)
+    push = ResumablePush(fake, "e", body, update_meta(), policy, attempts=2, backoff=lambda _: 0.0)
+    assert push.run() == {"status": "recorded"}
+    assert b"".join(chunk for _, chunk, _ in fake.chunks) == body
+    for offset, chunk, headers in fake.chunks:
+        end = offset + len(chunk)
+        if prefix_digests:
+            assert headers[PREFIX_DIGEST_HEADER] == digest_header(body[:end]) and "X-FedMoE-Digest" not in headers
+            assert end % SNAPSHOT == 0 or end == len(body)  # cut to end on a snapshot: no hashing for its check
+        else:
+            assert headers["X-FedMoE-Digest"] == digest_header(chunk) and PREFIX_DIGEST_HEADER not in headers
+    assert [len(chunk) for _, chunk, _ in fake.chunks] == [4 * SNAPSHOT, 4 * SNAPSHOT, SNAPSHOT + 12345]
