@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_quick_run_reports_every_attack(tmp_path):
     out = tmp_path / "hostile.json"
-    proc = subprocess.run([sys.executable, "-m", "bench.hostile", "--quick", "--out", str(out)],
+    parts = ("bad_inputs", "hostile", "slow_clients", "compressed_pushes")  # new_surface: the test below
+    proc = subprocess.run([sys.executable, "-m", "bench.hostile", "--quick", "--only", *parts, "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
