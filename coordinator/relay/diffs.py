@@ -56,15 +56,17 @@ class CachedVersions:
 
     def require_expert(self, name: str) -> _Manifest:
         """The manifest as the root stores it (sorted names and shapes), read from the current file's header."""
-        blob = self.cache.get(name).blob
+        return _Manifest(self.manifest_json(self.cache.get(name).blob))
+
+    def manifest_json(self, blob: str) -> str:
+        """``manifest_to_json`` of a cached weights file, from its header (kept per blob: weights never change)."""
         with self._guard:
             manifest = self._manifests.get(blob)
         if manifest is None:
             with self.local_file(blob) as path:
-                header = read_header(path)
-            manifest = manifest_to_json(header.manifest)
+                manifest = manifest_to_json(read_header(path).manifest)
             with self._guard:
                 if len(self._manifests) > 64:
                     self._manifests.clear()
                 self._manifests[blob] = manifest
-        return _Manifest(manifest)
+        return manifest

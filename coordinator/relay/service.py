@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from coordinator.adapters import check_update
-from coordinator.aggregation import l2_norm
+from coordinator.adapters import checked_norm
 from coordinator.audit import Event
 from coordinator.blobs import BlobStore, storage_errors
 from coordinator.config import CoordinatorConfig
@@ -30,7 +29,7 @@ from protocol.errors import Conflict, InsufficientStorage, InvalidUpdate, NotFou
 from protocol.files import private_dir
 from protocol.integrity import Readable, algorithm_of
 from protocol.schemas import BaseModelSpec, ExpertSpec, UpdateMeta, check_name
-from protocol.tensors import load_file, manifest_of
+from protocol.tensors import manifest_from_json
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +91,8 @@ class RelayService:
                                   self.drop_unreferenced)
         self.forwarder = Forwarder(self.relay_id, self.store, self.blobs, self.upstream, self.cache, config.forward,
                                    self.drop_unreferenced, self.report, self.blobs_guard)
-        self.diffs = DiffCache(CachedVersions(self.cache, self.blobs))
+        self.versions = CachedVersions(self.cache, self.blobs)
+        self.diffs = DiffCache(self.versions)
         self.bytes_served = 0
         """Bytes of weights and diffs sent to workers from this relay's cache (none of it crossed the long link)."""
         self.diff_bytes_served = 0
@@ -276,8 +276,11 @@ class RelayService:
             if known is not None:
                 return self._seen_before(known, name, digest, body), False
             cached = self.cache.known(name) or self.cache.get(name)
-            manifest = manifest_of(load_file(self.blobs.path(cached.blob)))
-            norm = l2_norm(check_update(body, meta.codec, meta.codec_config, manifest))
+            # the root's own check (its fused norms): l2_norm over FileTensors reopened the file for each of a
+            # smollm2 adapter's 420 tensors, 0.29 of the 0.40 s a 9.8 MB push took here; and the manifest from the
+            # cached file's header, not from loading its 9.8 MB
+            manifest = manifest_from_json(self.versions.manifest_json(cached.blob))
+            norm = checked_norm(body, meta.codec, meta.codec_config, manifest)
             if norm != norm or norm == float("inf"):
                 raise InvalidUpdate(f"update {meta.update_id!r} holds NaN or Inf values; it was not recorded",
                                     reason="not_finite")
