@@ -449,6 +449,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Settings] | 
     parser.add_argument("--worker-cpu", type=float, default=None, metavar="CORES",
                         help="cap each worker at this fraction of one core in every mode (a cgroup cpu quota), "
                              "as if each ran on a machine of its own; e.g. 0.25 (default: no cap)")
+    parser.add_argument("--forward-interval", type=float, default=None, metavar="SECONDS",
+                        help="seconds between a relay's forwards upstream (default: the preset's)")
     parser.add_argument("--out", type=Path, default=None,
                         help="results JSON (default: bench/results/wan.json, wan_quick.json with --quick)")
     parser.add_argument("--verbose", action="store_true")
@@ -460,6 +462,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Settings] | 
         if not args.duration > 0:
             return f"--duration must be positive, got {args.duration}"
         s = replace(s, duration=args.duration)
+    if args.forward_interval is not None:
+        if not 0.05 <= args.forward_interval <= 3600:
+            return f"--forward-interval must be 0.05-3600 seconds, got {args.forward_interval}"
+        s = replace(s, forward_interval=args.forward_interval)
     if args.worker_cpu is not None:
         if not 0.01 <= args.worker_cpu <= os.cpu_count():
             return f"--worker-cpu must be between 0.01 and {os.cpu_count()} cores, got {args.worker_cpu}"

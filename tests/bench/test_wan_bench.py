@@ -20,6 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
     (["--modes", "flat,nope"], "error: --modes must include flat and name only"),
     (["--worker-cpu", "0"], "error: --worker-cpu must be between 0.01 and"),
     (["--worker-cpu", "nan"], "error: --worker-cpu must be between 0.01 and"),
+    (["--forward-interval", "0"], "error: --forward-interval must be 0.05-3600 seconds, got 0.0"),
+    (["--forward-interval", "nan"], "error: --forward-interval must be 0.05-3600 seconds, got nan"),
 ])
 def test_bad_flags_answer_with_one_line(flags, message):
     proc = subprocess.run([sys.executable, "-m", "bench.wan", *flags], cwd=ROOT, capture_output=True, text=True,
