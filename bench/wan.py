@@ -291,12 +291,25 @@ def run_mode(name: str, s: Settings, scratch: Path) -> dict[str, Any]:
 
 
 def relay_counters(url: str) -> list[dict[str, Any]]:
-    """Each relay's last report at the root (bytes received, forwarded, served, fetched; batches)."""
+    """Each relay's last report at the root (bytes received, forwarded, served, of which diffs, fetched; batches)."""
     client = CoordinatorClient(url)
     try:
         return [{k: r.get(k) for k in ("relay_id", "stats", "bytes_saved")} for r in client.relays()]
     finally:
         client.close()
+
+
+def relay_pulls(row: dict[str, Any]) -> dict[str, int] | None:
+    """Where the workers' pulled bytes came from in a relay mode: the relays' caches (full weights, diffs built
+    there) or passed through to the root (what the workers pulled beyond what the relays served; diff pulls were
+    passed through before the relays built them). None in a flat mode."""
+    if not row["relays"]:
+        return None
+    stats = [r["stats"] or {} for r in row["relays"]]
+    served = sum(s.get("bytes_served", 0) for s in stats)
+    diffs = sum(s.get("diff_bytes_served", 0) for s in stats)
+    return {"served_full": served - diffs, "served_diffs": diffs, "passed_through": max(0, row["pull_bytes_total"] - served),
+            "diffs_unavailable": sum(s.get("diffs_unavailable", 0) for s in stats)}
 
 
 def versions_bytes(url: str) -> int:
@@ -345,14 +358,18 @@ def figures(records: list[dict[str, Any]]) -> dict[str, Any]:
         return round(statistics.median(values), 3) if values else None
 
     choices: dict[str, int] = {}
+    pulls: dict[str, int] = {}  # each pull's codec: a diff's, "full", or "none" (nothing new: a 304)
     for r in syncs:
         if "codec" in r:
             choices[r["codec"]] = choices.get(r["codec"], 0) + 1
+        if "pull_seconds" in r:
+            kind = r.get("pull_codec") or ("full" if r.get("bytes_down") else "none")
+            pulls[kind] = pulls.get(kind, 0) + 1
     return {"syncs": len(syncs), "push_seconds_median": median("push_seconds"),
             "pull_seconds_median": median("pull_seconds"), "train_seconds_median": median("train_seconds"),
             "blocked_seconds_median": median("blocked_seconds"),
             "checkpoint_seconds_median": median("checkpoint_seconds"),
-            "steps_total": sum(r.get("steps", 0) for r in syncs), "codecs": choices,
+            "steps_total": sum(r.get("steps", 0) for r in syncs), "codecs": choices, "pull_codecs": pulls,
             "sync_seconds_median": round(statistics.median(r["sync_seconds"] for r in syncs), 3) if syncs else None,
             "push_bytes_median": int(statistics.median(pushed)) if pushed else None,
             "pull_bytes_total": sum(r.get("bytes_down", 0) for r in syncs)}
@@ -432,6 +449,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Settings] | 
     parser.add_argument("--worker-cpu", type=float, default=None, metavar="CORES",
                         help="cap each worker at this fraction of one core in every mode (a cgroup cpu quota), "
                              "as if each ran on a machine of its own; e.g. 0.25 (default: no cap)")
+    parser.add_argument("--forward-interval", type=float, default=None, metavar="SECONDS",
+                        help="seconds between a relay's forwards upstream (default: the preset's)")
     parser.add_argument("--out", type=Path, default=None,
                         help="results JSON (default: bench/results/wan.json, wan_quick.json with --quick)")
     parser.add_argument("--verbose", action="store_true")
@@ -443,6 +462,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Settings] | 
         if not args.duration > 0:
             return f"--duration must be positive, got {args.duration}"
         s = replace(s, duration=args.duration)
+    if args.forward_interval is not None:
+        if not 0.05 <= args.forward_interval <= 3600:
+            return f"--forward-interval must be 0.05-3600 seconds, got {args.forward_interval}"
+        s = replace(s, forward_interval=args.forward_interval)
     if args.worker_cpu is not None:
         if not 0.01 <= args.worker_cpu <= os.cpu_count():
             return f"--worker-cpu must be between 0.01 and {os.cpu_count()} cores, got {args.worker_cpu}"
@@ -493,6 +516,7 @@ def main(argv: list[str] | None = None) -> int:
     evaluate(rows, s)
     base = next(r for r in rows if r["mode"] == "flat")
     for r in rows:
+        r["relay_pulls"] = relay_pulls(r)
         r["ingress_vs_flat"] = round(base["root_ingress_bytes"] / max(1, r["root_ingress_bytes"]), 2)
         for key in ("time_to_target_s", "time_to_target90_s"):
             hit, flat_hit = r[key], base[key]

@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from typing import Any
+from pathlib import Path
+from typing import Any, ContextManager, Protocol
 
 from compression import Codec
 from compression.errors import CompressionError
 from compression.wire import encode_update
 from coordinator.adapters import make_checked_codec
-from coordinator.expert_store import ExpertStore, WeightsRef
+from coordinator.expert_store import WeightsRef
 from protocol.errors import NotFound
 from protocol.streaming import FileTensors
 from protocol.tensors import load_file, manifest_from_json
@@ -28,8 +29,22 @@ DIFFS_KEPT = 16  # a handful of (since, codec) pairs cover a fleet
 ATTEMPTS = 3
 
 
+class ExpertManifest(Protocol):
+    @property
+    def manifest(self) -> str: ...  # manifest_to_json of the expert's tensors
+
+
+class DiffSource(Protocol):
+    """Where the versions come from: the root's ``ExpertStore``, or a relay's cache (coordinator/relay/diffs.py),
+    which answers its workers' diff pulls with this same code, byte for byte the root's answer."""
+
+    def weights(self, name: str, version: int | None = None) -> WeightsRef: ...  # NotFound if not held
+    def local_file(self, digest: str) -> ContextManager[Path]: ...  # FileNotFoundError once pruned
+    def require_expert(self, name: str) -> ExpertManifest: ...
+
+
 class DiffCache:
-    def __init__(self, store: ExpertStore) -> None:
+    def __init__(self, store: DiffSource) -> None:
         self._store = store
         self._diffs: dict[tuple, bytes] = {}  # (expert, since, version, codec, config) -> encoded diff
         self._compute_lock = threading.Lock()  # concurrent pulls of one diff wait: one model copy in memory, not N

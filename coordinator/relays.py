@@ -23,7 +23,8 @@ from protocol.schemas import API_PREFIX, BaseModelSpec, ExpertSpec, UpdateMeta, 
 bp = Blueprint("relays", __name__, url_prefix=API_PREFIX)
 
 REPORT_COUNTERS = ("bytes_received", "bytes_forwarded", "updates_received", "updates_forwarded",
-                   "batches_forwarded", "queued_updates", "queued_bytes", "bytes_served", "bytes_fetched")
+                   "batches_forwarded", "queued_updates", "queued_bytes", "bytes_served", "bytes_fetched",
+                   "diff_bytes_served", "diffs_unavailable")
 MAX_REPORTED_WORKERS = 10_000
 
 

@@ -166,8 +166,8 @@ class UpdateEncoder:
             codec = self._codec(choice)
             out = _encode_lossy(target, manifest, codec, seed)
             self._forget_carried()
-        metrics = measure(target, out.decoded, out.payload, out.encode_ms, out.decode_ms, codec=codec,
-                          manifest=manifest if codec is not None else None)
+        metrics = _exact_metrics(target, out) if codec is None else \
+            measure(target, out.decoded, out.payload, out.encode_ms, out.decode_ms, codec=codec, manifest=manifest)
         metrics["residual_norm"] = self.residual_norm()
         if flush and self.lossy:
             metrics["flushed_residual_norm"] = _norm(carried)
@@ -216,6 +216,19 @@ def _encode_lossy(target: StateDict, manifest: Manifest, codec: Codec, seed: int
     encoded = time.perf_counter()
     sent = decode_update(body, manifest, codec)
     return Compressed(body, sent, (encoded - started) * 1000, (time.perf_counter() - encoded) * 1000)
+
+
+def _exact_metrics(target: StateDict, out: Compressed) -> dict[str, Any]:
+    """``measure``'s figures for an fp32 safetensors update, which decodes to exactly ``target``: no error, cosine 1.
+    ``measure`` flattened both to float64 to find that out: 0.054 of a lossless sync's 0.077 CPU s of encoding on a
+    smollm2-135m rank-8 update (~0.2 s of wall time per sync for a worker at a quarter core, docs/wan.md)."""
+    numel = sum(t.numel() for t in target.values())
+    sent = len(out.payload)
+    nonzero = sum(int(torch.count_nonzero(t)) for t in target.values())
+    return {"numel": numel, "bytes_raw": 4 * numel, "bytes_sent": sent, "ratio": 4 * numel / sent if sent else math.inf,
+            "bits_per_param": 8 * sent / numel if numel else 0.0, "relative_error": 0.0, "cosine": 1.0,
+            "encode_ms": float(out.encode_ms), "decode_ms": float(out.decode_ms),
+            "density": nonzero / numel if numel else 1.0, "index_bytes": None, "framing_bytes": None}
 
 
 def _norm(tensors: StateDict) -> float:

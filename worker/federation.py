@@ -63,8 +63,9 @@ from compression.errors import CompressionError
 from protocol.client import CoordinatorClient
 from protocol.errors import BadRequest, FedMoEError, NotFound, Unavailable
 from protocol.tensors import StateDict, manifest_of
+from protocol.uploads import UploadPolicy
 from worker import resume
-from worker.adaptive import Decision, LinkEstimate, choose_push, probe_upload
+from worker.adaptive import Decision, LinkEstimate, choose_push, probe_upload, upload_policy
 from worker.checkpoint import CheckpointError, CheckpointWriter, discard_checkpoint, load_checkpoint
 from worker.console import SyncConsole
 from worker.data import StreamPosition
@@ -164,8 +165,10 @@ class FederatedWorker:
     dataset: dict[str, str] | None = None
     """{"path", "sha256"} of the training data: a checkpoint trained on other data is not resumed."""
     _writer: CheckpointWriter | None = field(default=None, repr=False)
+    _upload_base: UploadPolicy | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        self._upload_base = self.client.upload  # what upload_policy raises the resumable threshold from
         self.puller = ExpertPuller(self.client, self.settings.specialty, self.settings.worker_id, self.pull,
                                    self.encoder.settings.sync_budget)
 
@@ -518,6 +521,8 @@ class FederatedWorker:
         outbox = self.state.outbox
         while outbox:
             update = outbox[0]
+            if self._upload_base is not None:  # one request where the measured link carries it within ~2 s
+                self.client.upload = upload_policy(self._upload_base, self.links.up)
             started = time.perf_counter()
             try:
                 self.client.push_update(self.settings.specialty, update.body, update.meta)

@@ -5,22 +5,25 @@ heartbeat and send profiles at the same paths. The blueprint is named ``api`` li
 the same access rule applies to each endpoint; request bodies are received by the root's own
 ``receive_body`` (fsynced temp file, digest checked, size limit). Resumable uploads are the root's own
 blueprint (coordinator/uploads.py) with the RelayService as its ``UploadTarget``: a finished upload is
-queued by ``submit_update`` exactly like a one-shot push.
+queued by ``submit_update`` exactly like a one-shot push. Diff pulls (``?since=``) are the root's own view
+(``coordinator.api._weights_diff``) over the relay's cached versions (coordinator/relay/diffs.py).
 """
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import cast
 
 from flask import Blueprint, Flask, Response, current_app, jsonify, request, send_file
 
 from coordinator import api as root_api
 from coordinator import auth, uploads
-from coordinator.api import _int_arg, json_body, receive_body
+from coordinator.api import json_body, receive_body
 from coordinator.app import StrictJSONProvider, _log_requests_at_debug, _register_error_handlers
 from coordinator.auth import acting_worker
 from coordinator.relay.service import RelayConfig, RelayService
 from coordinator.relays import check_may_carry_members, probe_body, probe_upload
-from protocol.errors import Conflict, NotFound, Unavailable
+from coordinator.service import Coordinator
+from protocol.errors import Conflict
 from protocol.schemas import (API_PREFIX, EXPERT_HEADER, UPDATE_HEADER, VERSION_HEADER, WORKER_HEADER,
                               ExpertSpec, UpdateMeta, check_name, parse_header_json)
 
@@ -71,11 +74,11 @@ def create_expert(name: str) -> tuple[Response, int]:
 
 @bp.get("/experts/<name>/weights")
 def expert_weights(name: str) -> Response:
-    """Full weights from the relay's cache (ETag, Range); ?since= diffs are asked of upstream."""
+    """Full weights from the relay's cache (ETag, Range); ?since= diffs computed here from the versions it holds."""
     r = relay()
-    acting_worker(request.headers.get(WORKER_HEADER), WORKER_HEADER)
-    if "since" in request.args:
-        return _diff_from_upstream(r, name)
+    worker_id = acting_worker(request.headers.get(WORKER_HEADER), WORKER_HEADER)
+    if "since" in request.args:  # the root's own view over the relay's versions: same parsing, answers, bytes
+        return root_api._weights_diff(cast(Coordinator, r), name, worker_id)
     for attempt in range(3):  # the cache may replace the blob between the lookup and the open
         cached = r.weights(name)
         try:
@@ -88,19 +91,6 @@ def expert_weights(name: str) -> Response:
     response.headers[VERSION_HEADER] = str(cached.version)
     if response.status_code in (200, 206):
         r.bytes_served += response.content_length or 0
-    return response
-
-
-def _diff_from_upstream(r: RelayService, name: str) -> Response:
-    params = {k: request.args[k] for k in ("since", "codec", "codec_config") if k in request.args}
-    _int_arg("since")
-    try:
-        upstream = r.upstream._request("GET", f"/experts/{name}/weights", params=params)
-    except Unavailable:  # the worker falls back to a full pull, which the cache serves
-        raise NotFound("this relay cannot build a diff while its upstream is unreachable; pull the full "
-                       "weights") from None
-    response = Response(upstream.content, status=upstream.status_code, mimetype="application/octet-stream")
-    response.headers[VERSION_HEADER] = upstream.headers.get(VERSION_HEADER, "-1")
     return response
 
 

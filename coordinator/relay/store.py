@@ -13,6 +13,9 @@ The invariants, each owned by one method here:
   deduplication makes forwarding exactly-once.
 - ``batch_done``: a forwarded batch's payload, its members' blobs and the residual it started from
   are dropped, and old forwarded rows are pruned (``prune_forwarded``).
+- ``put_cached``: the newest weights of an expert as fetched upstream; the version they replace moves
+  to ``cache_history`` (the newest ``keep_previous`` per expert), so a worker's diff pull since a version
+  it pulled here is answered here, not over the long link.
 - ``supersede_batch``: the root refused a batch because some members reached it another way (a
   worker that failed over to another relay or to the root): the batch is retired, those members are
   marked applied elsewhere, the others queued again, and the residual the batch started from restored.
@@ -76,6 +79,13 @@ CREATE TABLE IF NOT EXISTS cache (
     blob TEXT NOT NULL,
     info TEXT NOT NULL            -- the root's expert info (spec, counters) as last seen
 );
+CREATE TABLE IF NOT EXISTS cache_history (  -- versions the cache held before its current one: diff pulls' bases
+    expert TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    etag TEXT NOT NULL,
+    blob TEXT NOT NULL,
+    PRIMARY KEY (expert, version)
+);
 CREATE TABLE IF NOT EXISTS workers (   -- the root's table (coordinator.store) without its traffic counters
     worker_id TEXT PRIMARY KEY,
     specialty TEXT NOT NULL,
@@ -122,11 +132,17 @@ class CachedWeights:
 APPLIED_ELSEWHERE = "applied_elsewhere"
 """Status of a worker update the root had already received another way (another relay, or directly)."""
 KEEP_FORWARDED = 4096
+KEEP_PREVIOUS = 4
+"""Versions of each expert kept besides the current one, as bases for workers' diff pulls. A worker's diff
+is since the version it last pulled here, one or two versions back when it syncs as often as new versions
+come (bench.wan: a sync every ~4 s, a new root version every ~5-10 s); four keep a worker that missed a few
+syncs on diffs, for 5 x the weights on disk (49 MB for a smollm2-135m rank-8 adapter)."""
 
 
 class RelayStore:
-    def __init__(self, path: Path, keep_forwarded: int = KEEP_FORWARDED) -> None:
+    def __init__(self, path: Path, keep_forwarded: int = KEEP_FORWARDED, keep_previous: int = KEEP_PREVIOUS) -> None:
         self.keep_forwarded = keep_forwarded
+        self.keep_previous = keep_previous
         self._db = sqlite3.connect(str(private_file(path)), timeout=30, isolation_level=None,
                                    check_same_thread=False)
         self._db.row_factory = sqlite3.Row
@@ -307,7 +323,7 @@ class RelayStore:
     def referenced_blobs(self) -> set[str]:
         rows = self._all("SELECT blob FROM updates WHERE blob IS NOT NULL UNION SELECT blob FROM batches WHERE "
                          "blob IS NOT NULL UNION SELECT prev_residual FROM batches WHERE prev_residual IS NOT NULL "
-                         "UNION SELECT blob FROM residuals UNION SELECT blob FROM cache")
+                         "UNION SELECT blob FROM residuals UNION SELECT blob FROM cache UNION SELECT blob FROM cache_history")
         return {r[0] for r in rows}
 
     # cached weights -----------------------------------------------------------
@@ -323,11 +339,41 @@ class RelayStore:
         return [CachedWeights(r["expert"], r["version"], r["etag"], r["blob"], json.loads(r["info"]))
                 for r in self._all("SELECT * FROM cache ORDER BY expert")]
 
-    def put_cached(self, entry: CachedWeights) -> None:
+    def put_cached(self, entry: CachedWeights) -> list[str]:
+        """Make ``entry`` the expert's cached weights; the version it replaces joins the history (the newest
+        ``keep_previous``). The blobs no longer named by the history (for the caller to delete if unreferenced)."""
         with self.transaction() as db:
+            old = db.execute("SELECT version, etag, blob FROM cache WHERE expert = ?", (entry.expert,)).fetchone()
+            # versions at or above the new one are not the root's history any more (a root started afresh)
+            dropped = [r[0] for r in db.execute("SELECT blob FROM cache_history WHERE expert = ? AND version >= ?",
+                                                (entry.expert, entry.version))]
+            db.execute("DELETE FROM cache_history WHERE expert = ? AND version >= ?", (entry.expert, entry.version))
+            if old is not None and old["version"] < entry.version and self.keep_previous > 0:
+                db.execute("INSERT OR REPLACE INTO cache_history VALUES (?, ?, ?, ?)",
+                           (entry.expert, old["version"], old["etag"], old["blob"]))
+            pruned = db.execute("SELECT version, blob FROM cache_history WHERE expert = ? ORDER BY version DESC "
+                                "LIMIT -1 OFFSET ?", (entry.expert, self.keep_previous)).fetchall()
+            db.executemany("DELETE FROM cache_history WHERE expert = ? AND version = ?",
+                           [(entry.expert, r["version"]) for r in pruned])
             db.execute("INSERT INTO cache VALUES (?, ?, ?, ?, ?) ON CONFLICT(expert) DO UPDATE SET "
                        "version = excluded.version, etag = excluded.etag, blob = excluded.blob, info = excluded.info",
                        (entry.expert, entry.version, entry.etag, entry.blob, json.dumps(entry.info)))
+        return dropped + [r["blob"] for r in pruned]
+
+    def cached_version(self, expert: str, version: int) -> CachedWeights | None:
+        """Version ``version`` of the expert if the cache holds it (current or in the history), else None."""
+        current = self.cached(expert)
+        if current is None or current.version == version:
+            return current
+        rows = self._all("SELECT etag, blob FROM cache_history WHERE expert = ? AND version = ?", (expert, version))
+        return CachedWeights(expert, version, rows[0]["etag"], rows[0]["blob"], current.info) if rows else None
+
+    def cached_versions(self, expert: str) -> list[int]:
+        """The versions of the expert the cache holds, oldest first."""
+        current = self.cached(expert)
+        history = [r[0] for r in self._all("SELECT version FROM cache_history WHERE expert = ? ORDER BY version",
+                                           (expert,))]
+        return history + ([current.version] if current is not None else [])
 
     # workers ------------------------------------------------------------------
 

@@ -210,9 +210,11 @@ class WeightsCache:
         digest = self.blobs.put_bytes(body)
         entry = CachedWeights(name, version, etag or hashlib.sha256(body).hexdigest(), digest,
                               {k: v for k, v in info.items() if k != "versions"})
-        self.store.put_cached(entry)
+        dropped = self.store.put_cached(entry)  # the replaced version joins the history (diff pulls' bases)
         if cached is not None and cached.blob != digest:
-            self.drop_unreferenced([cached.blob])
+            dropped.append(cached.blob)
+        if dropped:
+            self.drop_unreferenced(dropped)
         log.info("cached expert %s version %d (%d bytes) from upstream", name, version, len(body))
         return entry
 

@@ -20,6 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
     (["--modes", "flat,nope"], "error: --modes must include flat and name only"),
     (["--worker-cpu", "0"], "error: --worker-cpu must be between 0.01 and"),
     (["--worker-cpu", "nan"], "error: --worker-cpu must be between 0.01 and"),
+    (["--forward-interval", "0"], "error: --forward-interval must be 0.05-3600 seconds, got 0.0"),
+    (["--forward-interval", "nan"], "error: --forward-interval must be 0.05-3600 seconds, got nan"),
 ])
 def test_bad_flags_answer_with_one_line(flags, message):
     proc = subprocess.run([sys.executable, "-m", "bench.wan", *flags], cwd=ROOT, capture_output=True, text=True,
@@ -61,3 +63,19 @@ def test_a_capped_worker_gets_its_share_of_a_core_and_no_more():
     except CpuCapUnavailable as exc:
         pytest.skip(str(exc))
     assert used < 0.2 * 2 * 1.5  # 2 s of wall at a fifth of a core (uncapped it would take up to 2 CPU s)
+
+
+def test_pulls_are_counted_by_kind_and_by_where_their_bytes_came_from():
+    from bench.wan import figures, relay_pulls
+
+    records = [{"sync_seconds": 1, "pull_seconds": 0.1, "bytes_down": 100, "pull_codec": "int8"},
+               {"sync_seconds": 1, "pull_seconds": 0.1, "bytes_down": 400},
+               {"sync_seconds": 1, "pull_seconds": 0.0, "bytes_down": 0},
+               {"sync_seconds": 1, "pull_seconds": 0.1, "bytes_down": 400}]
+    row = figures(records)
+    assert row["pull_codecs"] == {"int8": 1, "full": 2, "none": 1} and row["pull_bytes_total"] == 900
+    row["relays"] = [{"stats": {"bytes_served": 500, "diff_bytes_served": 100, "diffs_unavailable": 2}},
+                     {"stats": {"bytes_served": 300}}]
+    assert relay_pulls(row) == {"served_full": 700, "served_diffs": 100, "passed_through": 100, "diffs_unavailable": 2}
+    row["relays"] = []
+    assert relay_pulls(row) is None

@@ -183,3 +183,24 @@ def test_a_stale_pull_gets_the_cached_weights_at_once_and_the_new_version_after_
         time.sleep(0.05)
     assert cache.upstream_fetches == fetched + 1  # one refresh, however many pulls found the copy stale
     assert cache.get("e1", wait=True).version == 1
+
+
+def test_raw_bodies_are_combined_in_one_pass_per_file_bit_for_bit_as_tensor_by_tensor(tmp_path):
+    """The forwarder reads a queued raw body through one open file (FileTensors reopened it for every tensor)."""
+    from coordinator.adapters import stored_deltas
+    from coordinator.relay.forwarder import _FileTensorsOnce, _stored_deltas
+
+    adapter = make_adapter()
+    manifest = manifest_of(adapter)
+    paths = []
+    for i in range(3):
+        paths.append(tmp_path / f"u{i}.safetensors")
+        paths[-1].write_bytes(dumps(random_like(adapter, i)))
+    metas = [{"num_samples": n, "base_version": v} for n, v in ((3, 4), (5, 2), (1, 4))]
+    once = [_stored_deltas(p, "safetensors", {}, manifest) for p in paths]
+    assert all(isinstance(d, _FileTensorsOnce) for d in once)
+    assert dict(once[0].decoded_items()).keys() == adapter.keys()
+    fast = combine(list(zip(metas, once)), manifest, version=4, staleness_decay=0.1)
+    slow = combine(list(zip(metas, [stored_deltas(p, "safetensors", {}, manifest) for p in paths])), manifest,
+                   version=4, staleness_decay=0.1)
+    assert all(torch.equal(fast[k], slow[k]) for k in adapter)

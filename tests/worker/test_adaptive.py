@@ -281,3 +281,23 @@ def test_the_join_probe_keeps_only_the_large_upload_and_sends_it_only_where_it_f
     assert sent == [UPLOAD_PROBES[0], 300_000] and small.largest == 300_000
     sent, send = link(100e6)
     assert probe_upload(send, budget_s=2.0, update_bytes=1000).observed == 0 and sent == [UPLOAD_PROBES[0]]
+
+
+def test_a_push_the_link_carries_within_two_seconds_goes_in_one_request_and_a_slow_links_stays_resumable():
+    from protocol.uploads import UploadPolicy
+    from worker.adaptive import ONE_SHOT_SECONDS, upload_policy
+
+    base = UploadPolicy()  # resumable from 8 MiB
+    update = 9_823_208  # smollm2-135m rank 8, fp32
+    assert upload_policy(base, LinkEstimate()) is base  # nothing measured: the byte threshold
+    lan = LinkEstimate()
+    lan.observe(update, 0.2)  # a relay on the site's LAN
+    assert upload_policy(base, lan).threshold == int(lan.bytes_within(ONE_SHOT_SECONDS)) > update  # one request
+    wan = LinkEstimate()
+    wan.observe(update, 4.0)  # 20 Mbit/s
+    assert upload_policy(base, wan).threshold == base.threshold <= update  # still resumable
+    small = UploadPolicy(threshold=1 << 20)
+    assert upload_policy(small, wan).threshold == int(wan.bytes_within(ONE_SHOT_SECONDS))  # 4.9 MB in one request
+    slow = LinkEstimate()
+    slow.observe(100_000, 1.0)
+    assert upload_policy(small, slow).threshold == small.threshold  # never lowered

@@ -21,6 +21,19 @@ def test_raw_safetensors_is_exact_and_counts_bytes():
     assert m["relative_error"] == 0 and m["residual_norm"] == 0 and m["decode_ms"] >= 0
 
 
+def test_a_raw_updates_metrics_are_what_measure_finds_without_its_float64_pass():
+    from compression import measure
+
+    d = delta(3)
+    d["m.lora_B.weight"][:8] = 0  # density counts the zeros
+    out = UpdateEncoder(CompressionSettings()).encode(d, manifest_of(d), seed=0)
+    full = measure(d, loads(out.body), out.body, out.metrics["encode_ms"], out.metrics["decode_ms"])
+    fast = {k: v for k, v in out.metrics.items() if k != "residual_norm"}
+    assert fast.keys() == full.keys()
+    assert all(fast[k] == pytest.approx(full[k], abs=1e-12) for k in full if full[k] is not None)
+    assert fast["density"] == pytest.approx(1 - 8 * 4 / (4 * 64 + 32 * 4))
+
+
 def test_error_feedback_sends_over_time_what_one_sync_drops():
     encoder = UpdateEncoder(CompressionSettings("topk", {"ratio": 0.05}))
     codec = make_codec("topk", {"ratio": 0.05})

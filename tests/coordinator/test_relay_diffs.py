@@ -1,0 +1,217 @@
+"""A relay answers its workers' diff pulls (``?since=``) from the versions it holds, never over the long link.
+
+A real root and a real relay, each served on a loopback port; every request the relay sends upstream is counted.
+"""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from werkzeug.serving import make_server
+
+from compression import make_codec
+from compression.wire import decode_update
+from coordinator.app import create_app
+from coordinator.config import CoordinatorConfig
+from coordinator.relay.api import create_relay_app
+from coordinator.relay.forwarder import ForwardPolicy
+from coordinator.relay.service import RelayConfig
+from protocol.client import CoordinatorClient
+from protocol.errors import NotFound
+from protocol.tensors import dumps, loads, manifest_of
+from tests.helpers import FINGERPRINT, expert_spec, make_adapter, random_like
+from worker.adaptive import LinkEstimate
+from worker.encoding import CodecChoice, PullSettings
+from worker.pulling import ExpertPuller
+from worker.sync_state import ExpertState
+
+BASE = {"id": "m", "fingerprint": FINGERPRINT}
+
+
+def serve(app):
+    server = make_server("127.0.0.1", 0, app, threaded=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_port}"
+
+
+@pytest.fixture
+def sites(tmp_path):
+    """(root client as a worker, relay service, relay URL, a worker token at the relay, root URL)."""
+    root_app = create_app(CoordinatorConfig(data_dir=tmp_path / "root", gateway_interval=0))
+    root_server, root_url = serve(root_app)
+    CoordinatorClient(root_url, token=root_app.extensions["fedmoe_auth"].admin_token).create_expert(
+        "e1", make_adapter(), expert_spec())
+    join = (tmp_path / "root" / "join_token").read_text().strip()
+    relay_app = create_relay_app(RelayConfig(upstream=root_url, join_token=join, relay_id="r1",
+                                             coordinator=CoordinatorConfig(data_dir=tmp_path / "relay"),
+                                             forward=ForwardPolicy(interval=3600)))
+    relay = relay_app.extensions["fedmoe"]
+    relay.join_upstream()
+    relay_server, relay_url = serve(relay_app)
+    at_root = CoordinatorClient(root_url, token=join)
+    at_root.register_worker("w-root", "e1", BASE)
+    at_relay = CoordinatorClient(relay_url, token=join)
+    at_relay.register_worker("w1", "e1", BASE)
+    try:
+        yield at_root, relay, at_relay, root_url
+    finally:
+        for client in (at_root, at_relay):
+            client.close()
+        relay_server.shutdown()
+        relay_server.server_close()
+        relay.close()
+        root_server.shutdown()
+        root_server.server_close()
+        root_app.extensions["fedmoe"].close()
+
+
+def new_root_version(at_root: CoordinatorClient, seed: int) -> int:
+    version = at_root.expert("e1")["version"]
+    at_root.push_update("e1", dumps(random_like(make_adapter(), seed)), {
+        "update_id": f"root-{seed}", "base_version": version, "num_samples": 4, "worker_id": "w-root"})
+    return at_root.expert("e1")["version"]
+
+
+def relay_fetches(relay) -> int:
+    """Let the relay's cache take the root's current version now (as its revalidation would), then freeze it."""
+    relay.cache.revalidate_seconds = 0.0
+    version = relay.cache.get("e1", wait=True).version
+    relay.cache.revalidate_seconds = 1e9  # from here, a pull never revalidates: any upstream call is a diff's
+    return version
+
+
+@pytest.fixture
+def upstream_calls(sites, monkeypatch):
+    _, relay, _, _ = sites
+    calls: list[tuple[str, str]] = []
+    original = relay.upstream._request
+
+    def counted(method, path, **kwargs):
+        calls.append((method, path))
+        return original(method, path, **kwargs)
+
+    monkeypatch.setattr(relay.upstream, "_request", counted)
+    return calls
+
+
+def raw_get(client: CoordinatorClient, worker: str, **params):
+    import requests
+
+    return requests.get(f"{client.base_url}/api/v1/experts/e1/weights", params=params,
+                        headers={"Authorization": f"Bearer {client._worker_tokens[worker][0]}",
+                                 "X-FedMoE-Worker": worker}, timeout=30)
+
+
+def test_a_diff_since_a_version_the_relay_holds_is_the_roots_answer_byte_for_byte(sites, upstream_calls):
+    at_root, relay, at_relay, root_url = sites
+    assert at_relay.pull_weights("e1", worker_id="w1").version == 0  # cached v0
+    for seed in (1, 2):
+        new_root_version(at_root, seed)
+        relay_fetches(relay)
+    assert relay.store.cached_versions("e1") == [0, 1, 2]
+    upstream_calls.clear()
+    for since, codec in ((0, "int8"), (1, "int8"), (0, None), (1, "int4"), (0, "topk+int8")):
+        params = {"since": since} | ({"codec": codec} if codec else {})
+        mine, roots = raw_get(at_relay, "w1", **params), raw_get(at_root, "w-root", **params)
+        assert mine.status_code == roots.status_code == 200, mine.text
+        assert mine.content == roots.content and len(mine.content) > 0
+        assert mine.headers["X-FedMoE-Version"] == roots.headers["X-FedMoE-Version"] == "2"
+    current = raw_get(at_relay, "w1", since=2, codec="int8")
+    assert current.status_code == 304 and current.headers["X-FedMoE-Version"] == "2" and current.content == b""
+    # it decodes to the current weights, as a worker decodes it
+    v0 = at_root.pull_weights("e1", version=0).tensors
+    v2 = at_root.pull_weights("e1").tensors
+    payload, version = at_relay.pull_diff("e1", 0, "fp16", worker_id="w1")
+    delta = decode_update(payload, manifest_of(v0), make_codec("fp16", {}))
+    assert version == 2 and all(torch.allclose(v0[k] + delta[k], v2[k], atol=1e-3) for k in v2)
+    assert upstream_calls == []  # none of it crossed the long link
+    assert relay.diff_bytes_served > 0 and relay.bytes_served >= relay.diff_bytes_served
+
+
+def test_a_since_the_relay_does_not_hold_is_a_404_and_the_worker_pulls_full_weights_from_the_cache(
+        sites, upstream_calls):
+    at_root, relay, at_relay, root_url = sites
+    assert at_relay.pull_weights("e1", worker_id="w1").version == 0
+    new_root_version(at_root, 1)
+    relay_fetches(relay)
+    new_root_version(at_root, 2)  # v2 exists at the root but the relay never saw it
+    new_root_version(at_root, 3)
+    assert relay_fetches(relay) == 3 and relay.store.cached_versions("e1") == [0, 1, 3]
+    v2 = at_root.pull_weights("e1", version=2).tensors
+    upstream_calls.clear()
+
+    missing = raw_get(at_relay, "w1", since=2, codec="int8")
+    assert missing.status_code == 404 and missing.json()["error"]["details"]["reason"] == "diff_unavailable"
+    assert raw_get(at_root, "w-root", since=2, codec="int8").status_code == 200  # the root could
+
+    puller = ExpertPuller(at_relay, "e1", "w1", PullSettings(full_every=10), sync_budget=2.0)
+    state = ExpertState(version=2, etag=None, pulled=v2, reference=v2, pulls=1)
+    fetched = puller.fetch(state, CodecChoice("int8"))
+    v3 = at_root.pull_weights("e1")
+    assert fetched.diff_codec is None and fetched.version == 3 and fetched.etag == v3.etag
+    assert all(torch.equal(fetched.weights[k], v3.tensors[k]) for k in v3.tensors)
+    assert fetched.nbytes == len(dumps(v3.tensors))  # what the download estimate is fed: the full body, LAN-timed
+    link = LinkEstimate()
+    link.observe(fetched.nbytes, fetched.seconds)
+    assert link.observed == 1
+    assert upstream_calls == []  # the 404 and the full pull were both the relay's own
+    assert relay.diffs_unavailable == 2  # the raw request and the worker's
+
+    # and a version it holds is a diff again
+    state = ExpertState(version=1, etag=None, pulled=at_root.pull_weights("e1", version=1).tensors, pulls=1)
+    fetched = puller.fetch(state, CodecChoice("int8"))
+    assert fetched.diff_codec == "int8" and fetched.version == 3
+    assert all(torch.allclose(fetched.weights[k], v3.tensors[k], atol=0.05) for k in v3.tensors)
+    assert upstream_calls == []
+
+
+@pytest.mark.parametrize("params", [
+    {"since": "abc"}, {"since": "-1"}, {"since": "1" * 19}, {"since": "0", "codec": "nope"},
+    {"since": "0", "codec": "int8", "codec_config": "{not json"}, {"since": "0", "codec": "int8", "codec_config": "[1]"},
+    {"since": "0", "codec": "topk", "codec_config": '{"ratio": 7}'}, {"since": "99"}])
+def test_bad_diff_requests_are_the_roots_4xx_json_at_the_relay_with_nothing_sent_upstream(sites, upstream_calls,
+                                                                                        params):
+    at_root, relay, at_relay, root_url = sites
+    assert at_relay.pull_weights("e1", worker_id="w1").version == 0
+    relay_fetches(relay)
+    upstream_calls.clear()
+    mine, roots = raw_get(at_relay, "w1", **params), raw_get(at_root, "w-root", **params)
+    assert 400 <= mine.status_code < 500 and mine.status_code == roots.status_code
+    assert mine.json()["error"]["code"] == roots.json()["error"]["code"]
+    if params["since"] != "99":  # a version newer than the cache's: the relay revalidates once before answering
+        assert upstream_calls == []
+
+
+def test_the_relay_keeps_a_bounded_history_on_disk_and_across_a_restart(sites):
+    at_root, relay, at_relay, _ = sites
+    relay.store.keep_previous = 2
+    assert at_relay.pull_weights("e1", worker_id="w1").version == 0
+    for seed in range(1, 6):
+        new_root_version(at_root, seed)
+        relay_fetches(relay)
+    assert relay.store.cached_versions("e1") == [3, 4, 5]
+    held = {relay.store.cached_version("e1", v).blob for v in (3, 4, 5)}
+    assert set(relay.blobs.digests()) == held  # the blobs of versions 0-2 were deleted
+    assert all(loads(relay.blobs.path(relay.store.cached_version("e1", v).blob).read_bytes()) for v in (3, 4))
+    relay.store.close()
+    from coordinator.relay.store import RelayStore
+
+    reopened = RelayStore(relay.relay_config.coordinator.data_dir / "relay.sqlite")
+    try:
+        assert reopened.cached_versions("e1") == [3, 4, 5]
+        assert held <= reopened.referenced_blobs()  # a restart's orphan sweep keeps them
+    finally:
+        reopened.close()
+        relay.store = RelayStore(relay.relay_config.coordinator.data_dir / "relay.sqlite")  # for the fixture's close
+
+
+def test_pruned_history_versions_are_a_404_not_a_500(sites):
+    at_root, relay, at_relay, _ = sites
+    relay.store.keep_previous = 0
+    assert at_relay.pull_weights("e1", worker_id="w1").version == 0
+    new_root_version(at_root, 1)
+    relay_fetches(relay)
+    assert relay.store.cached_versions("e1") == [1]
+    with pytest.raises(NotFound):
+        at_relay.pull_diff("e1", 0, "int8", worker_id="w1")
