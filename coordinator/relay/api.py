@@ -76,6 +76,7 @@ def create_expert(name: str) -> tuple[Response, int]:
 def expert_weights(name: str) -> Response:
     """Full weights from the relay's cache (ETag, Range); ?since= diffs computed here from the versions it holds."""
     r = relay()
+    check_name(name, "expert name")  # it goes into the upstream URL and names a cache entry (audit)
     worker_id = acting_worker(request.headers.get(WORKER_HEADER), WORKER_HEADER)
     if "since" in request.args:  # the root's own view over the relay's versions: same parsing, answers, bytes
         return root_api._weights_diff(cast(Coordinator, r), name, worker_id)
@@ -114,6 +115,8 @@ def update_status(update_id: str) -> Response:
 
 @bp.put("/experts/<name>/profiles/<worker_id>")
 def put_profile(name: str, worker_id: str) -> Response:
+    check_name(name, "expert name")
+    check_name(worker_id, "worker id")
     return jsonify(relay().upstream.passthrough("PUT", f"/experts/{name}/profiles/{worker_id}", json=json_body()))
 
 

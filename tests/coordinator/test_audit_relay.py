@@ -7,8 +7,8 @@ Came back: 200 ``application/octet-stream`` whose body is the root's JSON expert
 cache then held that JSON as the weights of an expert named ``e1?x=1``. The same holds for ``?since=`` diffs (passed
 upstream as they came; ``PUT .../profiles/<worker_id>`` happened to answer 400). Worker tokens cannot reach it (their
 specialty must equal the name and is checked at registration), so only the relay's admin can, but nothing that
-is not a weights file should enter the cache. Fix: ``check_name`` on ``name`` (and ``worker_id``) in the relay's
-``expert_weights`` / ``_diff_from_upstream`` (and ``put_profile``), and quote path parts in UpstreamClient.
+is not a weights file should enter the cache. Fixed: ``check_name`` on ``name`` (and ``worker_id``) in the relay's
+``expert_weights`` (which serves ``?since=`` diffs itself since then) and ``put_profile``.
 """
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ import pytest
 from tests.coordinator.test_relay_app import relay, root  # noqa: F401 - fixtures
 
 
-@pytest.mark.xfail(strict=True, reason="audit: the relay passes an unchecked expert name into its upstream URL")
 @pytest.mark.parametrize("path", ["/api/v1/experts/e1%3Fx=1/weights",
                                   "/api/v1/experts/e1%3Fx=1/weights?since=0"])
 def test_an_expert_name_with_a_query_is_refused_by_the_relay(relay, path):  # noqa: F811 - the fixture
