@@ -125,6 +125,7 @@ class CoordinatorClient:
         self._expert_tokens: dict[str, tuple[str, str]] = {}  # specialty -> its latest (token, worker_id)
         self._registrations: dict[str, dict[str, Any]] = {}  # worker_id -> body, to renew its token
         self.digest_algorithm = DEFAULT_ALGORITHM  # sha256 once a coordinator older than 0.7 refused blake3
+        self._plain_http_seen: set[str] = set()  # base URLs that answered plain HTTP: no TLS probe after a drop
 
     def close(self) -> None:
         self.session.close()
@@ -213,6 +214,7 @@ class CoordinatorClient:
                 last = f"cannot reach the coordinator at {self.base_url}: {_reason(exc)}"
                 log.debug("%s %s failed (%s), attempt %d", method, path, last, attempt + 1)
                 continue
+            self._plain_http_seen.add(self.base_url)
             if response.status_code == 429:
                 wait = _retry_after(response, self.retry.max_retry_after)
                 last = f"coordinator rate-limited {method} {path} (HTTP 429)"
@@ -231,9 +233,12 @@ class CoordinatorClient:
         raise Unavailable(last + f" (gave up after {attempts} tries)")
 
     def _plain_http_to_tls(self) -> bool:
-        """After a dropped http:// connection: does the port answer a TLS handshake? (Retrying would not help.)"""
+        """After a dropped http:// connection: does the port answer a TLS handshake? (Retrying would not help.)
+
+        Asked only of a coordinator that never answered this client in plain HTTP: one that did drops a
+        connection under load or a restart, and each probe was a TLS handshake its log showed as a 400."""
         parts = urlsplit(self.base_url)
-        if parts.scheme != "http" or not parts.hostname:
+        if parts.scheme != "http" or not parts.hostname or self.base_url in self._plain_http_seen:
             return False
         try:
             return _speaks_tls(parts.hostname, parts.port or 80, self.timeout[0])

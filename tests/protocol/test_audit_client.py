@@ -40,3 +40,44 @@ def test_a_worker_that_joined_with_the_join_token_heartbeats_with_its_own_token(
     assert client._token_for("w1", None)[1] == "w1"
     assert client._token_for("w1", "sql_expert")[1] == "w1"
     assert client._token_for("w1", "other_expert") == (join, None)  # another expert's call is not this token's
+
+
+def test_a_coordinator_that_answered_plain_http_is_not_probed_for_tls_when_it_drops_a_connection():
+    """After a dropped connection the client asks whether the port speaks TLS (a clear "use https://" instead of
+    retries), but only of a coordinator that never answered it in plain HTTP: each probe is a TLS handshake that
+    the coordinator's log showed as a 400 "Bad request version" (seen in bench.wan's root log)."""
+    import socket
+
+
+    from protocol.client import RetryPolicy
+    from protocol.errors import Unavailable
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port, connections = listener.getsockname()[1], []
+
+    def serve() -> None:
+        for n in range(100):
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            first = conn.recv(4096)
+            connections.append(first[:1])
+            if n == 0:  # the first request is answered in plain HTTP; every later connection is dropped at once
+                body = b'{"status": "ok"}'
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    client = CoordinatorClient(f"http://127.0.0.1:{port}", retry=RetryPolicy(attempts=2, base_delay=0.01),
+                               timeout=(2.0, 2.0))
+    try:
+        client.health()
+        with pytest.raises(Unavailable):
+            client.health()
+    finally:
+        listener.close()
+        client.close()
+    assert len(connections) == 3  # one answered, two dropped tries: no TLS handshake among them
+    assert b"\x16" not in connections  # a TLS ClientHello starts with the handshake record type 0x16
