@@ -1,10 +1,10 @@
 """Forwarding: one combined update per expert upstream per forward interval.
 
 Each interval, for each expert with work: a batch still pending (built before a crash or an
-outage) is resent as stored; otherwise the queued worker updates are combined with FedBuff's
-staleness-weighted sample mean over client updates (``combine``: sum_g (n_g / N) * s(tau_g) * delta_g,
-delta_g = the sum of one worker's deltas from one base version, its progress since that version,
-tau_g = cached root version - that version), compressed with the relay's codec plus error feedback, recorded durably
+outage) is resent as stored; otherwise the queued worker updates are combined with the root's own
+rule, FedBuff's staleness-weighted sample mean (``coordinator.aggregation.fedbuff`` applied to
+zeros: sum_i (n_i / N) * s(tau_i) * delta_i, tau_i = cached root version - the version the worker
+started from), compressed with the relay's codec plus error feedback, recorded durably
 (``RelayStore.add_batch``) and sent under the update id ``<relay id>.<epoch>.<expert>.<seq>``.
 The root deduplicates update ids, so resending after a timeout or a kill -9 applies it once.
 
@@ -32,7 +32,7 @@ from safetensors import safe_open
 from compression.error_feedback import ErrorFeedback
 from compression.registry import make_codec
 from coordinator.adapters import stored_deltas
-from coordinator.aggregation.base import add_deltas, staleness_weight
+from coordinator.aggregation import AggregationParams, Update, fedbuff
 from coordinator.blobs import BlobStore
 from coordinator.relay.store import Batch, RelayStore
 from coordinator.relay.upstream import UpstreamClient, WeightsCache
@@ -69,28 +69,11 @@ def batch_update_id(relay_id: str, epoch: str, expert: str, seq: int) -> str:
 
 def combine(updates: list[tuple[dict[str, Any], StateDict | Any]], manifest: list[tuple[str, tuple[int, ...]]],
             version: int, staleness_decay: float) -> StateDict:
-    """FedBuff's staleness-weighted sample mean over the workers' client updates, applied to zeros.
-
-    In FedBuff a client update is a worker's whole progress since the version it started from. A worker that
-    syncs more often than the relay forwards pushes several deltas from one base version: consecutive steps of
-    one trajectory, each relative to its previous push, so their *sum* is its client update. Averaging them as
-    separate updates moved the root as far as one of them (bench.wan: a worker syncing every ~2.5 s behind a
-    relay forwarding every 10 s pushed ~4 per batch). So the deltas of one worker from one base version share
-    one weight, (n_g / N) * s(tau_g) with n_g their samples, and are added with it; a delta without a worker id
-    is a group of its own. The additions keep the queue's order.
-    """
-    keys = [(meta["worker_id"], meta["base_version"]) if meta.get("worker_id") else (i,)
-            for i, (meta, _) in enumerate(updates)]
-    groups: dict[tuple[Any, ...], int] = {}  # a trajectory's samples
-    for key, (meta, _) in zip(keys, updates):
-        groups[key] = groups.get(key, 0) + meta["num_samples"]
-    total = sum(groups.values())
-    weighted = [(delta, (groups[key] / total if total else 1.0 / len(groups))
-                 * staleness_weight(max(0, version - meta["base_version"]), staleness_decay))
-                for key, (meta, delta) in zip(keys, updates)]
+    """FedBuff's weighted mean of the workers' deltas (the root's code, applied to zeros)."""
     zeros = {name: torch.zeros(shape, dtype=torch.float32) for name, shape in manifest}
-    add_deltas(zeros, weighted)
-    return zeros
+    entries = [Update(delta=delta, num_samples=meta["num_samples"], staleness=max(0, version - meta["base_version"]))
+               for meta, delta in updates]
+    return fedbuff(zeros, entries, AggregationParams(1.0, staleness_decay))
 
 
 class _FileTensorsOnce(FileTensors):

@@ -99,26 +99,6 @@ def test_combine_is_fedbuffs_staleness_weighted_mean_and_ids_are_deterministic()
     assert len(long) <= 128 and long == batch_update_id("r" * 64, "ab12", "e" * 64, 7)
 
 
-def test_one_workers_deltas_from_one_base_version_are_summed_into_its_client_update():
-    """A worker syncing faster than the relay forwards pushes consecutive steps of one trajectory: their sum is
-    its progress since the base version (FedBuff's client update); averaged apart they moved the root one step."""
-    adapter = make_adapter()
-    manifest = manifest_of(adapter)
-    a1, a2, a3, b1 = (random_like(adapter, i) for i in range(4))
-    metas = [{"worker_id": "a", "num_samples": 4, "base_version": 3}, {"worker_id": "b", "num_samples": 4,
-                                                                      "base_version": 3},
-             {"worker_id": "a", "num_samples": 4, "base_version": 3}, {"worker_id": "a", "num_samples": 4,
-                                                                      "base_version": 2}]
-    out = combine(list(zip(metas, [a1, b1, a2, a3])), manifest, version=3, staleness_decay=0.5)
-    for k in adapter:  # a's two deltas from v3 are one update of 8 samples; its delta from v2 is another (stale)
-        expected = 0.5 * (a1[k] + a2[k]) + 0.25 * b1[k] + 0.25 / 1.5 * a3[k]
-        assert torch.allclose(out[k], expected, atol=1e-6)
-    anonymous = [{k: v for k, v in m.items() if k != "worker_id"} for m in metas]
-    plain = combine(list(zip(anonymous, [a1, b1, a2, a3])), manifest, version=3, staleness_decay=0.5)
-    for k in adapter:  # without worker ids every delta is its own update: the plain weighted mean
-        assert torch.allclose(plain[k], 0.25 * (a1[k] + b1[k] + a2[k]) + 0.25 / 1.5 * a3[k], atol=1e-6)
-
-
 def test_a_relay_with_a_codec_forwards_a_compressed_batch(root, tmp_path):
     """Regression: the forwarder unpacked ErrorFeedback.compress's Compressed as a tuple (TypeError)."""
     url, join = root
