@@ -27,6 +27,7 @@ import asyncio.sslproto
 import io
 import logging
 import os
+import re
 import resource
 import signal
 import socket
@@ -48,6 +49,7 @@ log = logging.getLogger(__name__)
 # asyncio's TLS protocol gives each connection a 256 KiB read buffer: 1,000 idle TLS clients cost
 # 300 MiB of RSS (bench/hostile.py). 64 KiB still reads whole TLS records (16 KiB) several at a time.
 asyncio.sslproto.SSLProtocol.max_size = 64 << 10
+CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}")  # a chunk size: hex digits only (RFC 9112 7.1), at most 64 bits
 SPOOL_IN_MEMORY = 1 << 20  # request bodies up to this stay in memory; larger ones go to disk
 READ_CHUNK = 1 << 20
 DIRECT_FROM = 256 << 10  # bodies from this size on are read straight into buffers (DirectBody)
@@ -417,13 +419,13 @@ class Connection:
     async def _receive_chunked(self, body: IO[bytes] | None, spool: Spool | None = None) -> int:
         size = 0
         while True:
-            line = await self._with_timeout(self.reader.readuntil(b"\r\n"))
-            try:
-                chunk_size = int(line.split(b";", 1)[0].strip(), 16)
-            except ValueError:
-                raise HttpError(400, "bad_request", f"bad chunk size line {line[:40]!r}") from None
+            line = await self._chunk_line("chunk size line", 400, "bad_request")
+            digits = line.split(b";", 1)[0].strip()
+            if not CHUNK_SIZE.fullmatch(digits):  # int(..., 16) alone takes "-1", "+f", "0x1f", "1_0"
+                raise HttpError(400, "bad_request", f"bad chunk size line {line[:40]!r}")
+            chunk_size = int(digits, 16)
             if chunk_size == 0:
-                while (await self._with_timeout(self.reader.readuntil(b"\r\n"))) != b"\r\n":
+                while (await self._chunk_line("trailer", 431, "request_header_fields_too_large")) != b"\r\n":
                     pass  # trailers: ignored
                 return size
             size += chunk_size
@@ -437,6 +439,13 @@ class Connection:
                 left -= len(chunk)
             if await self._with_timeout(self.reader.readexactly(2)) != b"\r\n":
                 raise HttpError(400, "bad_request", "chunk not followed by CRLF")
+
+    async def _chunk_line(self, what: str, status: int, code: str) -> bytes:
+        """A chunked body's next CRLF-ended line (a chunk size or a trailer); ``status`` if it is over the head limit."""
+        try:
+            return await self._with_timeout(self.reader.readuntil(b"\r\n"))
+        except asyncio.LimitOverrunError:
+            raise HttpError(status, code, f"{what} over {HEAD_LIMIT} bytes") from None
 
     async def _read_body(self, n: int) -> bytes:
         try:
