@@ -373,8 +373,7 @@ class Connection:
             transport.resume_reading()  # no-op unless the stream had paused it
             while direct.left:
                 try:
-                    async with asyncio.timeout(self.timeout):
-                        chunk = await direct.next_chunk()
+                    chunk = await direct.next_chunk(self.timeout)
                 except TimeoutError:
                     raise HttpError(408, "request_timeout", "the request body stopped arriving before its end; "
                                     "send it again") from None

@@ -124,7 +124,6 @@ def test_an_overlong_chunk_size_line_is_a_400(start_coordinator):
 #    Fix (coordinator/front.py, _receive_direct): restart the stall timer whenever buffer_updated reports bytes
 #    (wait for progress, not for a full buffer), as the StreamReader path already does per read.
 
-@pytest.mark.xfail(strict=True, reason="audit: a steady body under 1 MiB per --socket-timeout is answered 408")
 def test_a_slow_body_that_never_stalls_is_received(start_coordinator):
     _, url = start_coordinator("--socket-timeout", "2")
     token = admin_headers(url)["Authorization"].split()[1]
