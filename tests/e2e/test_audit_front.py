@@ -155,3 +155,16 @@ def test_a_refusal_from_the_head_reaches_a_client_that_sends_its_whole_body(star
     assert big.status_code == 413 and big.json()["error"]["details"] == {"limit": 4 * MiB}
     fits = requests.post(f"{url}/api/v1/probe", data=bytes(3 * MiB), headers={"Authorization": token}, timeout=60)
     assert fits.status_code == 200 and fits.json() == {"bytes": 3 * MiB}
+
+
+def test_a_relay_refuses_a_large_body_from_its_head_too(tmp_path):
+    from tests.e2e.test_relay import start_pair
+
+    root, relay = start_pair(tmp_path, "--forward-interval", "3600")
+    try:
+        assert _status(_head(_port(relay.url), "/api/v1/probe", 64 * MiB)) == 401
+        token = relay.headers["Authorization"].split()[1]  # the relay's own admin token
+        assert _status(_head(_port(relay.url), "/api/v1/probe", 64 * MiB, token)) == 413
+    finally:
+        relay.stop()
+        root.stop()
