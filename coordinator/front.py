@@ -27,6 +27,7 @@ import asyncio.sslproto
 import io
 import logging
 import os
+import re
 import resource
 import signal
 import socket
@@ -39,8 +40,7 @@ from pathlib import Path
 from typing import IO, Any, BinaryIO, Protocol, cast
 
 from protocol.integrity import DIGEST_HEADER, requested_algorithm
-from coordinator.front_bodies import DIRECT_CHUNK, POOLED_BUFFERS, BodyPlace, Buffer, DirectBody, Spool, \
-    read_on_thread, take_buffer, write_chunk
+from coordinator.front_bodies import BodyPlace, BufferBudget, DirectBody, Spool, read_on_thread, write_chunk
 from coordinator.http1 import HEAD_LIMIT, HttpError, RequestHead, error_response, parse_head, response_head, \
     wsgi_environ
 
@@ -48,14 +48,17 @@ log = logging.getLogger(__name__)
 # asyncio's TLS protocol gives each connection a 256 KiB read buffer: 1,000 idle TLS clients cost
 # 300 MiB of RSS (bench/hostile.py). 64 KiB still reads whole TLS records (16 KiB) several at a time.
 asyncio.sslproto.SSLProtocol.max_size = 64 << 10
+CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}")  # a chunk size: hex digits only (RFC 9112 7.1), at most 64 bits
 SPOOL_IN_MEMORY = 1 << 20  # request bodies up to this stay in memory; larger ones go to disk
 READ_CHUNK = 1 << 20
+STREAM_READ = 64 << 10  # bytes a connection's stream reads from its socket at once
 DIRECT_FROM = 256 << 10  # bodies from this size on are read straight into buffers (DirectBody)
 BODY_THREADS = 64  # threads that read a spooled body with blocking receives (read_on_thread); when all are busy, the loop reads
 THREAD_BODY_MAX = 16 << 20  # larger bodies stay on the loop, whose receive, write and hash of a body overlap
 THREAD_STALL = 2.0  # seconds a body thread waits for a piece before the loop takes the connection back
 SEND_CHUNK = 1 << 20  # one stall-timeout step of an answer: a client slower than this per timeout is dropped
 SENDFILE_CHUNK = 4 << 20  # the same for files: fewer steps, so pulls run near gunicorn's sendfile rate
+LINGER_SECONDS = 5.0  # how long an answer sent before its request's body is followed by reading and dropping that body
 GRACE_SECONDS = 10.0  # on SIGTERM, how long requests being answered get to finish
 
 WsgiApp = Callable[[dict[str, Any], Callable], Iterable[bytes]]
@@ -74,6 +77,16 @@ class BodyPlacer(Protocol):
         for the body, or None to spool it as usual (the application then answers as it would have)."""
 
 
+class Admission(Protocol):
+    """What the application answers from a request's head alone (coordinator/admission.py), asked before a body
+    the front would spool (over SPOOL_IN_MEMORY, or chunked) is read: a client without a token, or over the route's
+    own limit, costs no disk and no wait for its body (audit F9)."""
+
+    def admit(self, environ: dict[str, Any]) -> Answer | None:
+        """On a request thread (``environ`` has the head, an empty ``wsgi.input``): None to read the body and run the
+        request as usual, or the answer to send instead; the front then closes the connection (the body is unread)."""
+
+
 @dataclass(frozen=True)
 class FrontOptions:
     threads: int = 16
@@ -90,6 +103,8 @@ class FrontOptions:
     """Connections held at once; more are closed at accept."""
     placer: BodyPlacer | None = None
     """Writes some spooled bodies where the application wants them instead (needs ``spool_dir``)."""
+    admission: Admission | None = None
+    """Refuses requests from their head before a large body is read."""
 
 
 class FileBody:
@@ -136,7 +151,7 @@ class BufferingFront:
         self.bodies = ThreadPoolExecutor(BODY_THREADS, thread_name_prefix="fedmoe-body")
         self.free_body_threads = BODY_THREADS
         self.bodies_read = {"thread": 0, "loop": 0}  # large bodies by who read them (all, or the loop at least part)
-        self.buffers: list[Buffer] = []  # free DIRECT_CHUNK buffers for DirectBody and the body threads
+        self.buffers = BufferBudget()  # the receive buffers of DirectBody and the body threads
         self.connections: set[asyncio.Task] = set()
         self.busy = 0  # requests inside the application right now
         self.stopping: asyncio.Event | None = None
@@ -171,6 +186,7 @@ class BufferingFront:
             writer.close()
             return
         no_delay(writer.get_extra_info("socket"))
+        small_reads(writer)
         task = asyncio.current_task()
         assert task is not None  # start_server runs each connection's callback in a task of its own
         self.connections.add(task)
@@ -270,9 +286,15 @@ class Connection:
             raise HttpError(413, "payload_too_large",
                             f"body of {length} bytes is over the limit of {self.front.options.max_body} bytes "
                             "(coordinator flag --max-body-mb)")
+        large = head.chunked or length > SPOOL_IN_MEMORY
+        refusal, place = await self._before_body(head) if large else (None, None)
+        if refusal is not None:  # answered from the head: the body is never read
+            await self._send(head, refusal, False)
+            await self._linger()
+            return False
         if head.expects_continue and (length or head.chunked):
             await self._write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        spool = await self._spool_file(head)
+        spool = self._spool_file(head, place)
         spool_dir = self.front.options.spool_dir
         # a spool's file is made where its first bytes are written (a body thread, or the spool's thread)
         body: IO[bytes] | None = None if spool else tempfile.SpooledTemporaryFile(
@@ -300,27 +322,42 @@ class Connection:
         await self._send(head, answer, keep)
         return keep
 
-    async def _spool_file(self, head: RequestHead) -> Spool | None:
+    def _spool_file(self, head: RequestHead, place: BodyPlace | None) -> Spool | None:
         """A named, hashed spool file for a large (or chunked) body when a spool_dir is set, or the place the
         application wants the body written to."""
         if self.front.options.spool_dir is None or not (head.chunked or head.content_length > SPOOL_IN_MEMORY):
             return None
         algorithm = requested_algorithm(head.header(DIGEST_HEADER.lower()))
-        place = None if head.chunked else await self._place(head)
         return Spool(self.front.options.spool_dir, algorithm, head.content_length, self.front.hashing, place)
 
-    async def _place(self, head: RequestHead) -> BodyPlace | None:
-        """Ask the application (on a request thread) where this body goes, if it may want it somewhere."""
-        placer = self.front.options.placer
-        if placer is None or not placer.wants(head.method, head.target.partition("?")[0]):
-            return None
+    async def _before_body(self, head: RequestHead) -> tuple[Answer | None, BodyPlace | None]:
+        """Ask the application (one trip to a request thread) whether it refuses this request from its head alone
+        (``Admission``) and, if not, where the body goes (``BodyPlacer``, a spooled body of known length)."""
+        admission, placer = self.front.options.admission, self.front.options.placer
+        if placer is not None and (head.chunked or self.front.options.spool_dir is None
+                                   or not placer.wants(head.method, head.target.partition("?")[0])):
+            placer = None
+        if admission is None and placer is None:
+            return None, None
         environ = wsgi_environ(head, io.BytesIO(), head.content_length, self.server, self.peer, self.front.scheme,
                                FileBody)
+        return await asyncio.get_running_loop().run_in_executor(self.front.pool, _ask_before_body, admission, placer,
+                                                                environ)
+
+    async def _linger(self) -> None:
+        """After an answer that left the body unread: stop sending, then read and drop what the client still sends
+        for up to LINGER_SECONDS (or until it closes). Closing at once with its body in our receive buffer would
+        reset the connection, and a reset can make the client's system drop our answer before the client reads
+        it: a worker pushing with an expired token would see a broken connection, not its 401 (nginx lingers
+        likewise, ``lingering_close``)."""
+        if self.writer.can_write_eof():
+            self.writer.write_eof()
         try:
-            return await asyncio.get_running_loop().run_in_executor(self.front.pool, placer.place, environ)
-        except Exception:  # noqa: BLE001 - a bug in the placer: spool the body as usual, the application answers
-            log.exception("could not place the body of %s %s (a bug); spooling it", head.method, head.target)
-            return None
+            async with asyncio.timeout(min(self.timeout, LINGER_SECONDS)):
+                while await self.reader.read(READ_CHUNK):
+                    pass
+        except (TimeoutError, ConnectionError, OSError, ssl.SSLError):
+            pass
 
     @staticmethod
     async def _take(body: IO[bytes] | None, spool: Spool | None, chunk: bytes | memoryview) -> None:
@@ -332,20 +369,21 @@ class Connection:
             write_chunk(body, chunk)
 
     async def _receive(self, body: IO[bytes] | None, length: int, spool: Spool | None = None) -> int:
+        left = length  # what the direct read leaves (all when the buffers' budget is spent) goes through the stream
         if length >= DIRECT_FROM and hasattr(self.reader, "_buffer") and self.reader.exception() is None:
-            await self._receive_direct(body, length, spool)
-            return length
-        left = length
+            left = await self._receive_direct(body, length, spool)
         while left:
             chunk = await self._read_body(min(READ_CHUNK, left))
             await self._take(body, spool, chunk)
             left -= len(chunk)
+            del chunk  # not held while the next one is awaited (a stalled body's last piece, up to 384 KiB)
         return length
 
-    async def _receive_direct(self, body: IO[bytes] | None, length: int, spool: Spool | None) -> None:
+    async def _receive_direct(self, body: IO[bytes] | None, length: int, spool: Spool | None) -> int:
         """A large body read by a body thread (``read_on_thread``) when one is free, else (or for what a slow client
         sends after THREAD_STALL) by ``DirectBody`` straight into two buffers in turn, after the bytes that came in
-        with the head; the stream protocol gets the transport back after it (or when it fails)."""
+        with the head; the stream protocol gets the transport back after it (or when it fails). Returns what is
+        left for the stream to read (all of it, or what a body thread left, when the buffers' budget is spent)."""
         ahead = min(length, len(self.reader._buffer))  # type: ignore[attr-defined]  # CPython's StreamReader
         transport = cast(asyncio.Transport, self.writer.transport)
         if spool is not None and self._may_read_on_thread(transport, length - ahead):
@@ -353,26 +391,26 @@ class Connection:
             left = length - ahead - await self._read_on_thread(transport, spool, first, length - ahead)
             if not left:
                 self.front.bodies_read["thread"] += 1
-                return
+                return 0
             length, ahead = left, 0  # a slow client: the loop reads the rest
         self.front.bodies_read["loop"] += 1
+        buffers = self.front.buffers.take(DirectBody.buffers_for(length - ahead)) if length > ahead else None
+        if buffers is None:
+            return length
         stream = transport.get_protocol()
-        direct = DirectBody(transport, stream, length - ahead, DIRECT_CHUNK, self.front.buffers)
+        direct = DirectBody(transport, stream, length - ahead, buffers)
         transport.set_protocol(direct)  # from now on the socket is read into direct's buffers only
+        done = False
         try:
             if ahead:
                 first = await self.reader.read(ahead)  # at hand: returns at once, with exactly these bytes
                 await self._take(body, spool, first)
-            if not direct.left:
-                direct.release(self.front.buffers)
-                return
             if self.reader.at_eof():  # the client went away before the rest of the body
                 raise asyncio.IncompleteReadError(b"", direct.left)
             transport.resume_reading()  # no-op unless the stream had paused it
             while direct.left:
                 try:
-                    async with asyncio.timeout(self.timeout):
-                        chunk = await direct.next_chunk()
+                    chunk = await direct.next_chunk(self.timeout)
                 except TimeoutError:
                     raise HttpError(408, "request_timeout", "the request body stopped arriving before its end; "
                                     "send it again") from None
@@ -380,11 +418,13 @@ class Connection:
                 direct.resume()  # the other buffer is free: read into it
             if spool is not None:
                 await spool.drain()
-            direct.release(self.front.buffers)  # nothing uses them any more: the next large body may
+            done = True  # nothing uses the buffers any more: the next large body may
         finally:
+            direct.release(self.front.buffers, reuse=done)  # else a thread may still write one out: dropped
             if not transport.is_closing():
                 transport.set_protocol(stream)
                 transport.resume_reading()
+        return 0
 
     def _may_read_on_thread(self, transport: asyncio.Transport, left: int) -> bool:
         """Plain TCP (a Unix socket's MSG_WAITALL does not stop at the receive timeout), a free body thread, a body of a size the threads take, and nothing being written that the loop
@@ -398,7 +438,9 @@ class Connection:
         """Spool ``first`` and up to ``left`` more bytes on a body thread; the bytes it read from the socket."""
         front = self.front
         transport.pause_reading()  # the thread reads the socket from now on; nothing was read since ``first``
-        buffer = take_buffer(front.buffers)
+        buffers = front.buffers.take(1, bounded=False)
+        assert buffers is not None  # unbounded: always
+        buffer = buffers[0]
         front.free_body_threads -= 1
         job = front.bodies.submit(read_on_thread, transport.get_extra_info("socket").fileno(), spool, first, left,
                                   buffer, min(self.timeout, THREAD_STALL))
@@ -406,24 +448,23 @@ class Connection:
             return await asyncio.wrap_future(job)
         finally:
             front.free_body_threads += 1
+            front.buffers.give_back(buffers, reuse=job.done())
             if not job.done():  # cancelled (shutdown) while the thread still reads: never read a blocking socket
                 transport.abort()
             else:
-                if len(front.buffers) < POOLED_BUFFERS:
-                    front.buffers.append(buffer)
                 if not transport.is_closing():
                     transport.resume_reading()
 
     async def _receive_chunked(self, body: IO[bytes] | None, spool: Spool | None = None) -> int:
         size = 0
         while True:
-            line = await self._with_timeout(self.reader.readuntil(b"\r\n"))
-            try:
-                chunk_size = int(line.split(b";", 1)[0].strip(), 16)
-            except ValueError:
-                raise HttpError(400, "bad_request", f"bad chunk size line {line[:40]!r}") from None
+            line = await self._chunk_line("chunk size line", 400, "bad_request")
+            digits = line.split(b";", 1)[0].strip()
+            if not CHUNK_SIZE.fullmatch(digits):  # int(..., 16) alone takes "-1", "+f", "0x1f", "1_0"
+                raise HttpError(400, "bad_request", f"bad chunk size line {line[:40]!r}")
+            chunk_size = int(digits, 16)
             if chunk_size == 0:
-                while (await self._with_timeout(self.reader.readuntil(b"\r\n"))) != b"\r\n":
+                while (await self._chunk_line("trailer", 431, "request_header_fields_too_large")) != b"\r\n":
                     pass  # trailers: ignored
                 return size
             size += chunk_size
@@ -437,6 +478,13 @@ class Connection:
                 left -= len(chunk)
             if await self._with_timeout(self.reader.readexactly(2)) != b"\r\n":
                 raise HttpError(400, "bad_request", "chunk not followed by CRLF")
+
+    async def _chunk_line(self, what: str, status: int, code: str) -> bytes:
+        """A chunked body's next CRLF-ended line (a chunk size or a trailer); ``status`` if it is over the head limit."""
+        try:
+            return await self._with_timeout(self.reader.readuntil(b"\r\n"))
+        except asyncio.LimitOverrunError:
+            raise HttpError(status, code, f"{what} over {HEAD_LIMIT} bytes") from None
 
     async def _read_body(self, n: int) -> bytes:
         try:
@@ -496,6 +544,32 @@ class Connection:
             await self._write(error_response(exc.status, exc.code, exc.message))
         except (asyncio.TimeoutError, ConnectionError, OSError, ssl.SSLError):
             pass
+
+
+def _ask_before_body(admission: Admission | None, placer: BodyPlacer | None,
+                     environ: dict[str, Any]) -> tuple[Answer | None, BodyPlace | None]:
+    """On a request thread: the application's refusal from the head, or else where it wants the body (or None)."""
+    if admission is not None:
+        refusal = admission.admit(environ)  # a bug here is the request's 500, as in the application itself
+        if refusal is not None:
+            return refusal, None
+    if placer is None:
+        return None, None
+    try:
+        return None, placer.place(environ)
+    except Exception:  # noqa: BLE001 - a bug in the placer: spool the body as usual, the application answers
+        log.exception("could not place the body of %s %s (a bug); spooling it", environ.get("REQUEST_METHOD"),
+                      environ.get("PATH_INFO"))
+        return None, None
+
+
+def small_reads(writer: asyncio.StreamWriter) -> None:
+    """What a connection's stream reads at once (asyncio's default: 256 KiB) comes on top of its pause limit
+    (2 x HEAD_LIMIT): a head's first body bytes, or a body read through the stream (past the receive buffers' budget,
+    or chunked), then hold at most 192 KiB of memory, not 384 KiB (100 stalled bodies: 50 MiB, not 67)."""
+    transport = getattr(writer, "transport", None)
+    if hasattr(transport, "max_size"):  # a selector transport's (TLS reads in pieces of its own)
+        transport.max_size = STREAM_READ  # type: ignore[union-attr]
 
 
 def no_delay(sock: Any) -> None:

@@ -27,7 +27,7 @@ from coordinator.http1 import HttpError
 from protocol.integrity import content_id, new_hasher
 
 DIRECT_CHUNK = 1 << 20  # each of DirectBody's two buffers; also one piece of a body read on a thread
-POOLED_BUFFERS = 32  # DIRECT_CHUNK buffers the front keeps for the next large bodies (32 MiB at most)
+BUFFER_BUDGET = 12  # DIRECT_CHUNK buffers DirectBody's bodies hold at once, plus the free ones kept for the next
 Buffer = bytearray | mmap.mmap
 
 
@@ -38,8 +38,33 @@ def new_buffer(size: int) -> Buffer:
     return mmap.mmap(-1, size) if size else bytearray(0)
 
 
-def take_buffer(pool: list[Buffer], size: int = DIRECT_CHUNK) -> Buffer:
-    return pool.pop() if pool else new_buffer(size)
+class BufferBudget:
+    """The receive buffers of large bodies in flight, and the free ones kept for the next: at most ``budget`` of
+    them, held by DirectBody (which keeps its two for as long as a client stalls, up to --socket-timeout) and the
+    free list together; past it a body is read through the stream's own bounded buffer instead (slower, no larger).
+    Before (audit F10), every stalled large body held two written 1 MiB buffers: 100 of them, 200 MiB. A body
+    thread's buffer is outside the budget (``bounded=False``): BODY_THREADS bound those, and a thread gives its
+    buffer back after THREAD_STALL without progress. Used on the event loop only."""
+
+    def __init__(self, budget: int = BUFFER_BUDGET, size: int = DIRECT_CHUNK) -> None:
+        self.budget, self.size = budget, size
+        self.free: list[Buffer] = []
+        self.out = 0
+
+    def take(self, n: int, bounded: bool = True) -> list[Buffer] | None:
+        """``n`` buffers (pages already written, if reused), or None when that would go over the budget."""
+        if bounded and self.out + n > self.budget:
+            return None
+        self.out += n
+        reused = [self.free.pop() for _ in range(min(n, len(self.free)))]
+        return reused + [new_buffer(self.size) for _ in range(n - len(reused))]
+
+    def give_back(self, buffers: list[Buffer], reuse: bool = True) -> None:
+        """Return buffers from ``take``; ``reuse`` only when nothing reads or writes them any more (else they are
+        dropped, and unmapped once the last view of them goes)."""
+        self.out -= len(buffers)
+        if reuse:
+            self.free.extend(buffers[:max(0, self.budget - self.out - len(self.free))])
 
 
 @dataclass
@@ -87,30 +112,45 @@ class DirectBody(asyncio.BufferedProtocol):
     Connection loss, EOF and write flow control are passed on to the stream protocol it stands in for.
     """
 
-    def __init__(self, transport: asyncio.BaseTransport, stream: asyncio.BaseProtocol, left: int, chunk: int,
-                 pool: list[Buffer]) -> None:
+    def __init__(self, transport: asyncio.BaseTransport, stream: asyncio.BaseProtocol, left: int,
+                 buffers: list[Buffer]) -> None:
+        """``buffers``: two of the same size (``buffers_for``), or one when the body fits in it."""
         self.transport, self.stream, self.left = transport, stream, left
-        # two buffers of ``chunk`` bytes, reused from ``pool`` when it has some (a fresh one is zeroed page by page)
-        self.buffers = [take_buffer(pool, chunk) for _ in range(2 if left > chunk else 1)]
-        if len(self.buffers) == 1:
-            self.buffers.append(bytearray(0))  # never read into: the body fits in the first
+        self.taken = list(buffers)  # what ``release`` gives back
+        self.buffers = self.taken if len(buffers) == 2 else [*buffers, bytearray(0)]  # the second: never read into
         self.current = 0
-        self.view = memoryview(self.buffers[0])[:min(left, chunk)]  # where the socket reads to now
+        self.view = memoryview(self.buffers[0])[:min(left, len(self.buffers[0]))]  # where the socket reads to now
         self.filled = 0
         self.waiter: asyncio.Future | None = None
         self.problem: BaseException | None = None
+        self.arrived_at = 0.0  # loop time of the last bytes received (next_chunk's stall timer)
 
     # the consumer (Connection._receive_direct)
 
-    async def next_chunk(self) -> memoryview:
+    async def next_chunk(self, stall: float) -> memoryview:
         """The next full buffer (the last one holds the body's end); reading stays paused until ``resume``.
-        The chunk stays valid until the next-but-one call (its buffer is read into again after that)."""
+        The chunk stays valid until the next-but-one call (its buffer is read into again after that).
+        TimeoutError once no byte has arrived for ``stall`` s: a client that keeps sending, however slowly, is
+        waited for (a timeout for the whole buffer gave a steady 256 KiB/s sender 408 at a 2 s --socket-timeout)."""
+        loop = asyncio.get_running_loop()
+        self.arrived_at = loop.time()
+        timer: asyncio.TimerHandle | None = None
+
+        def check() -> None:  # one timer per buffer, moved on when bytes came meanwhile: no wake-up per read
+            nonlocal timer
+            if loop.time() < self.arrived_at + stall:
+                timer = loop.call_at(self.arrived_at + stall, check)
+            elif self.waiter is not None and not self.waiter.done():
+                self.waiter.set_exception(TimeoutError())
+
         while self.filled < len(self.view) and self.problem is None:
-            self.waiter = asyncio.get_running_loop().create_future()
+            self.waiter = loop.create_future()
+            timer = loop.call_at(self.arrived_at + stall, check)
             try:
                 await self.waiter
             finally:
                 self.waiter = None
+                timer.cancel()
         if self.problem is not None:
             raise self.problem
         chunk, self.left = self.view, self.left - self.filled
@@ -118,11 +158,20 @@ class DirectBody(asyncio.BufferedProtocol):
         self.view, self.filled = memoryview(self.buffers[self.current])[:min(self.left, len(self.buffers[self.current]))], 0
         return chunk
 
-    def release(self, pool: list[Buffer]) -> None:
-        """Give the buffers back to ``pool`` (kept up to ``POOLED_BUFFERS``); only once nothing reads them."""
-        self.view.release()
-        pool.extend(b for b in self.buffers if len(b) == DIRECT_CHUNK and len(pool) < POOLED_BUFFERS)
-        self.buffers = []
+    @staticmethod
+    def buffers_for(left: int, chunk: int = DIRECT_CHUNK) -> int:
+        return 2 if left > chunk else 1
+
+    def release(self, budget: BufferBudget, reuse: bool) -> None:
+        """Give the buffers back (for the next bodies if ``reuse``: only once nothing reads them), and drop what
+        would keep them mapped: a failed body's ``problem`` (its traceback holds this object: a cycle that only a
+        full garbage collection broke, with the buffers mapped until then)."""
+        if self.taken:
+            self.view.release()
+            self.view = memoryview(b"")
+            budget.give_back(self.taken, reuse)
+            self.taken, self.buffers = [], []
+        self.problem = None
 
     def resume(self) -> None:
         if self.left:
@@ -135,6 +184,7 @@ class DirectBody(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         self.filled += nbytes
+        self.arrived_at = asyncio.get_running_loop().time()  # progress: the stall timer starts again
         if self.filled == len(self.view):
             self.transport.pause_reading()  # type: ignore[attr-defined]  # until the consumer frees the other buffer
             self._wake()

@@ -24,6 +24,7 @@ from coordinator import int8_kernel
 from coordinator.app import create_app
 from coordinator.config import CoordinatorConfig, ServeOptions
 from coordinator.data_dir import ROOT, claim_data_dir
+from coordinator.admission import HeadAdmission
 from coordinator.front import BufferingFront, FrontOptions, raise_fd_limit
 from coordinator.upload_place import UploadPlacer
 from coordinator.hardening import announce, check_tls_files, set_socket_timeouts
@@ -126,7 +127,8 @@ def _serve_front(app: Flask, config: CoordinatorConfig, options: ServeOptions, s
     front_options = FrontOptions(threads=options.threads, socket_timeout=options.socket_timeout,
                                  max_body=config.max_body_bytes, spool_dir=app.extensions["fedmoe"].spool_dir,
                                  max_connections=max(64, limit - 256),
-                                 placer=UploadPlacer(app) if "fedmoe_uploads" in app.extensions else None)
+                                 placer=UploadPlacer(app) if "fedmoe_uploads" in app.extensions else None,
+                                 admission=HeadAdmission(app))
     try:
         BufferingFront(app, sock, front_options, tls).run()
     finally:

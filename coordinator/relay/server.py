@@ -8,6 +8,7 @@ import sys
 import torch
 
 from coordinator.data_dir import RELAY, claim_data_dir
+from coordinator.admission import HeadAdmission
 from coordinator.front import BufferingFront, FrontOptions, raise_fd_limit
 from coordinator.hardening import set_socket_timeouts
 from coordinator.relay.api import create_relay_app
@@ -45,7 +46,8 @@ def serve_relay(config: RelayConfig, options: ServeOptions) -> None:
             BufferingFront(app, sock, FrontOptions(threads=options.threads, socket_timeout=options.socket_timeout,
                                                    max_body=config.coordinator.max_body_bytes,
                                                    spool_dir=relay.blobs.tmp_dir,
-                                                   max_connections=max(64, limit - 256))).run()
+                                                   max_connections=max(64, limit - 256),
+                                                   admission=HeadAdmission(app))).run()
     finally:
         relay.close()
         data_dir_lock.close()

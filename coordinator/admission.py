@@ -1,0 +1,65 @@
+"""The front's admission check: a request whose body the front would spool is judged from its head alone first.
+
+Before (audit F9), the front read a body of up to --max-body-mb (1 GiB, spooled to the data dir) before the
+application saw its request: a client with no token could fill the disk, and ``POST /api/v1/probe`` read 1 GiB
+before its 4 MiB 413. Here the front (coordinator/front.py, ``Admission``) asks, on a request thread and before any
+of a large body is read, what the application would answer from the head alone: its route (404/405), its token and
+the route's rule (coordinator/auth.py: 401, 403) and the route's own body limit (413). A refusal is the
+application's own JSON answer (audited like any 401/403); the front sends it and closes the connection.
+
+The rate limiter is left to the request itself (one token per request, not two), and so is everything that needs
+the body. Bodies the front keeps in memory (up to 1 MiB) are not asked about: the application answers as usual.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from flask import Flask, g, request
+from werkzeug.exceptions import HTTPException
+
+from coordinator.api import JSON_BODY_LIMIT, PROMPT_BODY_LIMIT
+from coordinator.auth import ADMIN_ONLY, JOIN_ONLY, PUBLIC, READ, RULES, _authorize, bearer_token
+from coordinator.front import Answer
+from protocol.errors import FedMoEError, PayloadTooLarge
+from protocol.probe import MAX_PROBE_BYTES
+
+BODY_LIMITS: dict[str, int] = {
+    "relays.probe_upload": MAX_PROBE_BYTES, "api.probe_upload": MAX_PROBE_BYTES,  # coordinator/relays.py reads this much
+    "api.route": PROMPT_BODY_LIMIT,  # json_body(PROMPT_BODY_LIMIT)
+    # the views that read their body with json_body() and its default limit
+    "api.register_worker": JSON_BODY_LIMIT, "api.put_profile": JSON_BODY_LIMIT, "uploads.open_upload": JSON_BODY_LIMIT,
+    "relays.register_relay": JSON_BODY_LIMIT, "relays.relay_report": JSON_BODY_LIMIT,
+}
+"""Endpoints (named as in coordinator/auth.py's RULES, the same in a relay) whose views take less than --max-body-mb."""
+
+
+@dataclass(frozen=True)
+class HeadAdmission:
+    """``Admission`` for a FedMoE app (the root's or a relay's): same routes, same auth, same error answers."""
+
+    app: Flask
+
+    def admit(self, environ: dict[str, Any]) -> Answer | None:
+        with self.app.request_context(environ):
+            try:
+                self._check()
+            except (FedMoEError, HTTPException) as exc:
+                response = self.app.make_response(self.app.handle_user_exception(exc))
+                return Answer(response.status, list(response.headers.items()), [response.get_data()])
+        return None
+
+    def _check(self) -> None:
+        if request.routing_exception is not None:  # the answer does not depend on the body
+            raise request.routing_exception
+        auth = self.app.extensions.get("fedmoe_auth")
+        if auth is not None:  # Authenticator.check_request's token and rule, without its rate limiter
+            rule = RULES.get(request.endpoint or "") or (READ if request.method in ("GET", "HEAD") else ADMIN_ONLY)
+            if rule != PUBLIC:
+                g.caller = auth.tokens.authenticate(bearer_token(), allow_expired=rule == JOIN_ONLY)
+                _authorize(g.caller, rule, request.view_args or {})
+        limit = BODY_LIMITS.get(request.endpoint or "")
+        if limit is not None and request.content_length is not None and request.content_length > limit:
+            raise PayloadTooLarge(f"a body on this route may be at most {limit} bytes, got {request.content_length}",
+                                  limit=limit)
+
