@@ -82,7 +82,7 @@ class Tally:
             return None
         status, body = (answer.status_code, answer.content) if isinstance(answer, requests.Response) else answer
         self.statuses.append(status)
-        self.cases[name] = {"status": status, "json_error": _is_json_error(body) if status >= 400 else None}
+        self.cases[name] = {"status": status, "json_error": is_json_error(body) if status >= 400 else None}
         if expected is not None:
             self.cases[name]["expected"] = expected
         return status
@@ -95,7 +95,7 @@ class Tally:
                                      or ("expected" in c and c["status"] != c["expected"]))}
 
 
-def _is_json_error(body: bytes) -> bool:
+def is_json_error(body: bytes) -> bool:
     try:
         error = json.loads(body)["error"]
         return isinstance(error["code"], str) and bool(error["message"])

@@ -26,6 +26,7 @@ from typing import Any
 import requests
 
 from bench.common import CoordinatorProcess
+from bench.hostile import is_json_error
 from bench.slow_clients import Attack
 from protocol.schemas import EXPERT_HEADER
 from protocol.tensors import dumps
@@ -39,14 +40,6 @@ KNOWN_OPEN: dict[str, str] = {}
 EXPECTED = {"chunked size -1": (400,), "chunk-size line over the head limit": (400,),
             "expert name 'python_expert?x=1' weights": (400, 404)}
 """Statuses that must be one of these (any other 4xx is a wrong answer too)."""
-
-
-def _json_error(body: bytes) -> bool:
-    try:
-        error = json.loads(body)["error"]
-        return isinstance(error["code"], str) and bool(error["message"])
-    except (ValueError, KeyError, TypeError):
-        return False
 
 
 def raw_request(port: int, data: bytes, timeout: float = 20.0) -> tuple[int | None, bytes]:
@@ -116,11 +109,11 @@ class Matrix:
         except requests.RequestException as exc:
             self.cases[name] = {"status": None, "error": type(exc).__name__}
             return
-        self.cases[name] = {"status": r.status_code, "json_error": _json_error(r.content) if r.status_code >= 400
+        self.cases[name] = {"status": r.status_code, "json_error": is_json_error(r.content) if r.status_code >= 400
                             else None}
 
     def record_raw(self, name: str, status: int | None, body: bytes) -> None:
-        self.cases[name] = {"status": status, "json_error": _json_error(body) if status and status >= 400 else None}
+        self.cases[name] = {"status": status, "json_error": is_json_error(body) if status and status >= 400 else None}
 
     def summary(self) -> dict[str, Any]:
         bad = sorted(n for n, c in self.cases.items() if c["status"] is None or c["status"] >= 500
