@@ -109,6 +109,11 @@ MODES: dict[str, Mode] = {
     # of the gain (docs/benchmarks.md), so that is its best fixed codec, and the relays' lossy codec is int8
     "flat randomk+terngrad": Mode(RANDOMK_TERNGRAD, root=FLAT_FEDBUFF),
     "relays+adaptive (int8 upstream)": Mode(AUTO, relays=["--forward-compression", "int8"], needs="--sync-budget"),
+    # the same with FedBuff at the root over the two relays' batches (each root step the mean of both), against
+    # the FedAsync root's oscillation when the relays forward often (docs/wan.md, tenth run)
+    "relays+adaptive (int8 upstream; fedbuff root)": Mode(AUTO, relays=["--forward-compression", "int8"],
+                                                          needs="--sync-budget",
+                                                          root={"aggregation": "fedbuff", "buffer_size": 2}),
 }
 DEFAULT_MODES = {"tiny-qwen2": ["flat", "flat topk+int8", "relays + topk+int8 upstream", "relays+adaptive"],
                  "smollm2-135m": ["flat", "flat randomk+terngrad", "relays", "relays+adaptive (int8 upstream)"]}
