@@ -15,11 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from flask import Flask, g, request
+from flask import Flask, request
 from werkzeug.exceptions import HTTPException
 
 from coordinator.api import JSON_BODY_LIMIT, PROMPT_BODY_LIMIT
-from coordinator.auth import ADMIN_ONLY, JOIN_ONLY, PUBLIC, READ, RULES, _authorize, bearer_token
 from coordinator.front import Answer
 from protocol.errors import FedMoEError, PayloadTooLarge
 from protocol.probe import MAX_PROBE_BYTES
@@ -53,11 +52,8 @@ class HeadAdmission:
         if request.routing_exception is not None:  # the answer does not depend on the body
             raise request.routing_exception
         auth = self.app.extensions.get("fedmoe_auth")
-        if auth is not None:  # Authenticator.check_request's token and rule, without its rate limiter
-            rule = RULES.get(request.endpoint or "") or (READ if request.method in ("GET", "HEAD") else ADMIN_ONLY)
-            if rule != PUBLIC:
-                g.caller = auth.tokens.authenticate(bearer_token(), allow_expired=rule == JOIN_ONLY)
-                _authorize(g.caller, rule, request.view_args or {})
+        if auth is not None:  # the request's token and rule, without the rate limiter
+            auth.authorize_request()
         limit = BODY_LIMITS.get(request.endpoint or "")
         if limit is not None and request.content_length is not None and request.content_length > limit:
             raise PayloadTooLarge(f"a body on this route may be at most {limit} bytes, got {request.content_length}",

@@ -106,11 +106,9 @@ class Authenticator:
         """Flask before_request hook: None lets the request through, a response ends it."""
         if request.endpoint is None:  # 404/405: let Flask answer
             return None
-        rule = RULES.get(request.endpoint) or (READ if request.method in ("GET", "HEAD") else ADMIN_ONLY)
-        if rule == PUBLIC:
+        caller = self.authorize_request()
+        if caller is None:
             return None
-        caller = g.caller = self.tokens.authenticate(bearer_token(), allow_expired=rule == JOIN_ONLY)  # expired: renew
-        _authorize(caller, rule, request.view_args or {})
         g.principal = caller
         if caller.role != ADMIN and self.limiter is not None:
             # per worker; join-token calls (registrations, reads) per client address
@@ -122,6 +120,16 @@ class Authenticator:
                 self.record_refusal(exc)
                 return response
         return None
+
+    def authorize_request(self) -> Principal | None:
+        """The current request's caller under its route's rule (None: a public route); 401/403 as FedMoEError.
+        No rate limit: the front's admission check (coordinator/admission.py) asks this from a request's head too."""
+        rule = RULES.get(request.endpoint or "") or (READ if request.method in ("GET", "HEAD") else ADMIN_ONLY)
+        if rule == PUBLIC:
+            return None
+        caller = g.caller = self.tokens.authenticate(bearer_token(), allow_expired=rule == JOIN_ONLY)  # expired: renew
+        _authorize(caller, rule, request.view_args or {})
+        return caller
 
     def record_refusal(self, exc: FedMoEError) -> None:
         """Audit a refused request (the app's error handler calls this for every 401 and 403).
