@@ -36,7 +36,8 @@ class RelayFlags:
     join_token_file: Path | None = option(None, "file holding the root's join token (default: $FEDMOE_JOIN_TOKEN); "
                                                 "the relay joins with it, and its workers join the relay with it",
                                           type=Path, group=RELAY)
-    forward_interval: float = option(10.0, "seconds between combined updates sent upstream", group=RELAY)
+    forward_interval: float = option(10.0, "at most one combined update upstream per expert every SECONDS "
+                                           "(an update reaching an idle relay goes at once)", group=RELAY)
     forward_compression: str = option("safetensors", "codec of the combined update, with error feedback, e.g. "
                                                      "topk+int8 (safetensors = lossless)", metavar="CODEC", group=RELAY)
     forward_compression_config: Mapping[str, Any] = option(

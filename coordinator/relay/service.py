@@ -306,6 +306,7 @@ class RelayService:
                     except (sqlite3.Error, OSError):
                         self.drop_unreferenced([blob])
                         raise
+            self.forwarder.notify()
         finally:
             self.blobs.forget(body)
         return self.update_status(meta.update_id), True
