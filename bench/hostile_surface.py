@@ -38,6 +38,7 @@ EXPERT = "python_expert"
 # tests are tests/e2e/test_audit_front.py, tests/coordinator/test_audit_relay.py)
 KNOWN_OPEN: dict[str, str] = {}
 EXPECTED = {"chunked size -1": (400,), "chunk-size line over the head limit": (400,),
+            "Transfer-Encoding gzip": (400,), "Transfer-Encoding chunked, gzip": (400,),
             "expert name 'python_expert?x=1' weights": (400, 404)}
 """Statuses that must be one of these (any other 4xx is a wrong answer too)."""
 
@@ -76,6 +77,8 @@ def raw_cases(token: str) -> dict[str, bytes]:
         "two Content-Lengths": probe + "Content-Length: 5\r\nContent-Length: 6\r\n\r\nhello",
         "Content-Length and chunked": probe + "Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
         "Content-Length smaller than the body": probe + "Content-Length: 2\r\n\r\nhelloGET / HTTP/1.1\r\n\r\n",
+        "Transfer-Encoding gzip": probe + "Transfer-Encoding: gzip\r\n\r\nhello",
+        "Transfer-Encoding chunked, gzip": probe + "Transfer-Encoding: chunked, gzip\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
         "chunk size zz": chunked + "zz\r\nhello\r\n0\r\n\r\n",
         "chunked size -1": chunked + "-1\r\n" + "x" * 4096,
         "chunk size 2**80": chunked + "f" * 20 + "\r\nhello\r\n",

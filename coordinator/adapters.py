@@ -20,7 +20,7 @@ from coordinator.fused_check import index_update, int8_add_updates, int8_config,
     int8_update_norm, mapped, raw_update_norm
 from protocol.errors import BadRequest, InvalidUpdate
 from protocol.schemas import RAW_CODEC, FullSpec, LoraSpec
-from protocol.streaming import FileTensors, check_file, read_header
+from protocol.streaming import FileTensors, FileTensorsOnce, check_file, read_header
 from protocol.tensors import Manifest, StateDict, check_against_manifest, manifest_of
 
 LORA_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
@@ -103,9 +103,10 @@ def checked_norm(path: Path, codec: str, codec_config: dict, manifest: Manifest)
 
 
 def stored_deltas(path: Path, codec: str, codec_config: dict, manifest: Manifest) -> Mapping[str, torch.Tensor]:
-    """An accepted update's deltas for aggregation, read (and decoded) tensor by tensor from the blob."""
+    """An accepted update's deltas for aggregation, read (and decoded) tensor by tensor from the blob; a raw
+    body through one open file when the aggregation adds it whole (``FileTensorsOnce.decoded_items``)."""
     if codec == RAW_CODEC:
-        return FileTensors(path)
+        return FileTensorsOnce(path)
     return CompressedUpdate(path, make_checked_codec(codec, codec_config), codec, manifest,
                             int8=int8_config(codec, codec_config))
 

@@ -541,7 +541,7 @@ class Connection:
         if exc.status >= 500 or exc.status == 408:
             log.warning("answered %d to %s: %s", exc.status, self.peer, exc.message)
         try:
-            await self._write(error_response(exc.status, exc.code, exc.message))
+            await self._write(error_response(exc.status, exc.code, exc.message, exc.details))
         except (asyncio.TimeoutError, ConnectionError, OSError, ssl.SSLError):
             pass
 

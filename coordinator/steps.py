@@ -23,6 +23,7 @@ from compression.errors import PayloadError
 from coordinator import audit
 from coordinator.adapters import non_finite_tensor, stored_deltas
 from coordinator.aggregation import AGGREGATORS, AggregationParams, StateDict, Update, robust_aggregator
+from coordinator.aggregation.base import tensors_of
 from coordinator.config import CoordinatorConfig
 from coordinator.expert_store import ExpertStore, StaleAggregation
 from coordinator.flat_weights import load_flat, save_flat
@@ -159,7 +160,7 @@ class AggregationSteps:
         """Deltas read from the update's payload when aggregated (not kept in memory while pending)."""
         deltas = stored_deltas(path, meta["codec"], meta["codec_config"], manifest)
         scale = meta.get("norm_scale", 1.0)  # clipped at receipt (--norm-check clip)
-        return deltas if scale == 1.0 else {k: t * scale for k, t in deltas.items()}
+        return deltas if scale == 1.0 else {k: t * scale for k, t in tensors_of(deltas)}  # one pass, not per tensor
 
 
 def _save(weights: StateDict, path: Path) -> None:

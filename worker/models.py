@@ -23,7 +23,13 @@ from worker.pretrained import PRETRAINED_PRESETS, load_pretrained_preset
 
 logger = logging.getLogger(__name__)
 
-OFFLINE_HINT = "No model hub reachable? Use `--base-model tiny-qwen2` (built offline) or a local model directory."
+PRESET_CHOICES = ", ".join([f"`--base-model {name}` (built offline)" for name in PRESETS]
+                           + [f"`--base-model {name}` (after `make smollm2`)" for name in PRETRAINED_PRESETS])
+OFFLINE_HINT = f"No model hub reachable? Use a local model directory or a preset: {PRESET_CHOICES}."
+MODEL_DIRECTORY = ("a directory as save_pretrained writes it: config.json, the weights (model.safetensors or "
+                   "pytorch_model.bin) and the tokenizer (tokenizer.json, or tokenizer_config.json with its vocabulary)")
+DIRECTORY_HINT = f"--base-model DIR wants {MODEL_DIRECTORY}; or use a preset: {PRESET_CHOICES}."
+MESSAGE_LIMIT = 600  # characters of a library's error kept in the one-line message
 PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy")
 LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Config keys that describe how or where a model was loaded, not what it is.
@@ -147,12 +153,32 @@ def _finish(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, spec: st
 def _load_directory(path: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    _check_config(path)
+    part = "tokenizer"
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
+        part = "model"
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     except Exception as exc:  # transformers raises OSError, ValueError, KeyError... for a bad directory
-        raise ModelLoadError(f"cannot load a causal LM from directory {path!r}: {_first_line(exc)}") from None
+        raise ModelLoadError(f"cannot load a causal LM's {part} from directory {path!r}: {_one_line(exc)}. "
+                             f"{DIRECTORY_HINT}") from None
     return model, tokenizer
+
+
+def _check_config(path: str) -> None:
+    """config.json, the first file transformers reads, checked here: its own messages for it run over lines."""
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        raise ModelLoadError(f"base model directory {path!r} has no config.json. {DIRECTORY_HINT}")
+    try:
+        with open(config, encoding="utf-8") as f:
+            parsed = json.load(f)
+    except (OSError, ValueError) as exc:  # ValueError: JSONDecodeError and UnicodeDecodeError
+        raise ModelLoadError(f"{config!r} is not a readable JSON file ({_one_line(exc)}). "
+                             f"{DIRECTORY_HINT}") from None
+    if not isinstance(parsed, dict) or "model_type" not in parsed:
+        raise ModelLoadError(f"{config!r} is not a model config (a JSON object with a 'model_type', e.g. \"qwen2\"). "
+                             f"{DIRECTORY_HINT}")
 
 
 def _load_from_hub(model_id: str, use_huggingface: bool) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -165,7 +191,7 @@ def _load_from_hub(model_id: str, use_huggingface: bool) -> tuple[PreTrainedMode
             model = AutoModelForCausalLM.from_pretrained(model_id, dtype=torch.float32)
             return model, tokenizer
         except Exception as exc:  # anything from the hub client: OSError, HTTP errors, timeouts
-            reason = _first_line(exc)
+            reason = _one_line(exc)
     else:
         source = "ModelScope"
         try:
@@ -173,14 +199,15 @@ def _load_from_hub(model_id: str, use_huggingface: bool) -> tuple[PreTrainedMode
 
             local_dir = snapshot_download(model_id, local_files_only=hub_offline())
         except Exception as exc:  # NetworkError, CacheNotFound (not an OSError), NotExistError, ...
-            reason = _first_line(exc)
+            reason = _one_line(exc)
         else:
             return _load_directory(local_dir)
     offline = " (offline mode: HF_HUB_OFFLINE is set)" if hub_offline() else ""
     raise ModelLoadError(f"cannot download base model {model_id!r} from {source}{offline}: {reason}. {OFFLINE_HINT}")
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    line = text[0].rstrip(". ") if text else type(exc).__name__
-    return line if len(line) <= 240 else line[:237] + "..."
+def _one_line(exc: BaseException) -> str:
+    """The whole of a library's message on one line (its lines joined, not just the first: transformers
+    puts the list of what it tried on the next lines), bounded in length."""
+    line = " ".join(str(exc).split()).rstrip(". ") or type(exc).__name__
+    return line if len(line) <= MESSAGE_LIMIT else line[:MESSAGE_LIMIT - 3] + "..."

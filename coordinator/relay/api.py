@@ -10,6 +10,7 @@ queued by ``submit_update`` exactly like a one-shot push. Diff pulls (``?since=`
 """
 from __future__ import annotations
 
+import io
 from dataclasses import replace
 from typing import cast
 
@@ -74,14 +75,20 @@ def create_expert(name: str) -> tuple[Response, int]:
 
 @bp.get("/experts/<name>/weights")
 def expert_weights(name: str) -> Response:
-    """Full weights from the relay's cache (ETag, Range); ?since= diffs computed here from the versions it holds."""
+    """Full weights from the relay's cache (ETag, Range); ?since= diffs computed here from the versions it holds.
+
+    ``?version=N`` is version N, as at the root: from the cache if the relay holds it, else fetched upstream
+    for this request (the root's 404 if it does not keep N either); never another version's bytes."""
     r = relay()
     check_name(name, "expert name")  # it goes into the upstream URL and names a cache entry (audit)
     worker_id = acting_worker(request.headers.get(WORKER_HEADER), WORKER_HEADER)
     if "since" in request.args:  # the root's own view over the relay's versions: same parsing, answers, bytes
         return root_api._weights_diff(cast(Coordinator, r), name, worker_id)
+    version = root_api._int_arg("version")  # the root's parsing: its 400 for ?version=abc or -1
     for attempt in range(3):  # the cache may replace the blob between the lookup and the open
-        cached = r.weights(name)
+        cached = r.weights(name) if version is None else r.held_weights(name, version)
+        if cached is None:
+            return _weights_from_upstream(r, name, cast(int, version))
         try:
             response = send_file(r.blobs.path(cached.blob), mimetype="application/octet-stream", etag=cached.etag,
                                  conditional=True, download_name=f"{name}-v{cached.version}.safetensors", max_age=0)
@@ -89,9 +96,20 @@ def expert_weights(name: str) -> Response:
         except FileNotFoundError:
             if attempt == 2:
                 raise Conflict(f"expert {name!r} kept changing while its weights were opened; pull again") from None
+    assert cached is not None  # the loop either served it or returned
     response.headers[VERSION_HEADER] = str(cached.version)
     if response.status_code in (200, 206):
         r.bytes_served += response.content_length or 0
+    return response
+
+
+def _weights_from_upstream(r: RelayService, name: str, version: int) -> Response:
+    """Version ``version``, which this relay does not hold, fetched upstream and passed on (not kept: the cache
+    holds the newest versions, the bases of diff pulls). Conditional and Range requests are answered here."""
+    body, etag = r.upstream.version_body(name, version)
+    response = send_file(io.BytesIO(body), mimetype="application/octet-stream", etag=etag or False,
+                         conditional=True, download_name=f"{name}-v{version}.safetensors", max_age=0)
+    response.headers[VERSION_HEADER] = str(version)
     return response
 
 

@@ -21,13 +21,12 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from compression.error_feedback import ErrorFeedback
 from compression.registry import make_codec
@@ -38,7 +37,7 @@ from coordinator.relay.store import Batch, RelayStore
 from coordinator.relay.upstream import UpstreamClient, WeightsCache
 from protocol.errors import Conflict, FedMoEError, Unavailable
 from protocol.schemas import MAX_BATCH_MEMBERS, RAW_CODEC, UPDATE_ID_RE
-from protocol.streaming import FileTensors, read_header
+from protocol.streaming import FileTensorsOnce as _FileTensorsOnce, read_header
 from protocol.tensors import StateDict, dumps, loads
 
 log = logging.getLogger(__name__)
@@ -74,17 +73,6 @@ def combine(updates: list[tuple[dict[str, Any], StateDict | Any]], manifest: lis
     entries = [Update(delta=delta, num_samples=meta["num_samples"], staleness=max(0, version - meta["base_version"]))
                for meta, delta in updates]
     return fedbuff(zeros, entries, AggregationParams(1.0, staleness_decay))
-
-
-class _FileTensorsOnce(FileTensors):
-    """A raw body's tensors, read in one pass through one open file when the aggregation adds them
-    (``coordinator.aggregation.base.tensors_of``): ``FileTensors`` opens the file again for each tensor, which for
-    15 queued smollm2 updates (420 tensors each) took 2.7 of a batch's CPU seconds (docs/wan.md)."""
-
-    def decoded_items(self) -> Iterator[tuple[str, torch.Tensor]]:
-        with safe_open(str(self.path), framework="pt") as f:
-            for name in self:
-                yield name, f.get_tensor(name)
 
 
 def _stored_deltas(path: Path, codec: str, codec_config: dict, manifest: list) -> Mapping[str, torch.Tensor]:

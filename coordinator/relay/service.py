@@ -24,7 +24,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.diffs import DiffCache
 from coordinator.relay.diffs import CachedVersions
 from coordinator.relay.forwarder import Forwarder, ForwardPolicy
-from coordinator.relay.store import APPLIED_ELSEWHERE, RelayStore
+from coordinator.relay.store import APPLIED_ELSEWHERE, CachedWeights, RelayStore
 from coordinator.relay.upstream import RelayStartError, UpstreamClient, WeightsCache
 from coordinator.service import check_body_size, liveness, receive_checked
 from protocol.errors import Conflict, InsufficientStorage, InvalidUpdate, NotFound, Unavailable
@@ -231,8 +231,12 @@ class RelayService:
         finally:
             self.blobs.forget(body)
 
-    def weights(self, name: str):
+    def weights(self, name: str) -> CachedWeights:
         return self.cache.get(name)
+
+    def held_weights(self, name: str, version: int) -> CachedWeights | None:
+        """Version ``version`` of the expert if this relay holds it (its current copy or a kept previous one)."""
+        return self.store.cached_version(name, version)
 
     def weights_diff(self, name: str, since: int, codec: str, codec_config: dict[str, Any]) -> tuple[bytes, int]:
         """As the root's ``Coordinator.weights_diff``, from the versions this relay holds (coordinator/relay/diffs.py):

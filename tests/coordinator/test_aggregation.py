@@ -60,3 +60,46 @@ def test_fedbuff_does_not_depend_on_arrival_order():
 def test_bad_params_are_refused(kwargs):
     with pytest.raises(ValueError):
         AggregationParams(**kwargs)
+
+
+def test_the_roots_fedbuff_reads_each_stored_raw_update_in_one_pass_to_the_same_bits(tmp_path, monkeypatch):
+    """``stored_deltas`` of a raw body opens the file once per step, not once per tensor (420 opens per smollm2
+    update cost 2.7 CPU s for 15 of them), and the step's result is bit for bit the tensor-by-tensor one."""
+    import protocol.streaming
+    from coordinator.adapters import stored_deltas
+    from protocol.streaming import FileTensors
+    from protocol.tensors import dumps, manifest_of
+    from tests.helpers import make_adapter, random_like
+
+    current = make_adapter(layers=3)  # 12 tensors
+    manifest = manifest_of(current)
+    paths = []
+    for i in range(3):
+        paths.append(tmp_path / f"u{i}.safetensors")
+        paths[-1].write_bytes(dumps(random_like(current, i + 1)))
+    opened = []
+    real_open = protocol.streaming.safe_open
+
+    def counted_open(path, *args, **kwargs):
+        opened.append(path)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(protocol.streaming, "safe_open", counted_open)
+    params = AggregationParams(server_lr=0.7, staleness_decay=0.3)
+    counts = ((5, 0), (2, 3), (9, 1))  # (num_samples, staleness)
+
+    def step(deltas):
+        start = {k: v.clone() for k, v in current.items()}
+        return AGGREGATORS["fedbuff"](start, [Update(d, n, s) for d, (n, s) in zip(deltas, counts)], params)
+
+    deltas = [stored_deltas(p, "safetensors", {}, manifest) for p in paths]  # each reads its header
+    opened.clear()
+    fast = step(deltas)
+    assert sorted(opened) == sorted(map(str, paths))  # each update file opened once by the step
+    per_tensor = [FileTensors(p) for p in paths]
+    opened.clear()
+    slow = step(per_tensor)
+    assert len(opened) == 3 * len(current)  # what it was: one open per tensor
+    exact = step([random_like(current, i + 1) for i in range(3)])  # the same deltas from memory
+    assert all(torch.equal(fast[k], slow[k]) and torch.equal(fast[k], exact[k]) for k in current)
+    assert not torch.equal(fast[manifest[0][0]], current[manifest[0][0]])

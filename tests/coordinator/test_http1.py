@@ -39,7 +39,7 @@ def test_a_chunked_body_reaches_the_app_counted_and_de_chunked():
     (("GET / HTTP/1.1", "Content-Length: 5", "Content-Length: 6"), 400),
     (("GET / HTTP/1.1", "Content-Length: -1"), 400),
     (("GET / HTTP/1.1", "Content-Length: 1e3"), 400),
-    (("GET / HTTP/1.1", "Transfer-Encoding: gzip"), 501),
+    (("GET / HTTP/1.1", "Transfer-Encoding: gzip"), 400),
     (("GET / HTTP/1.1", "Host: a", " folded"), 400),
     (("GET / HTTP/1.1", "Bad Name: a"), 400),
     (("GET / HTTP/1.1", *[f"X-{i}: 1" for i in range(101)]), 431),
@@ -48,6 +48,20 @@ def test_heads_we_cannot_read_for_sure_are_refused(lines, status):
     with pytest.raises(HttpError) as caught:
         parse_head(head(*lines))
     assert caught.value.status == status
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "chunked, gzip", "gzip, chunked", "identity", "chunked, chunked",
+                                      "x\x7f\xff garbage", ""])
+def test_a_transfer_encoding_other_than_chunked_is_the_clients_400_not_a_501(encoding):
+    with pytest.raises(HttpError) as caught:
+        parse_head(head("POST /x HTTP/1.1", f"Transfer-Encoding: {encoding}"))
+    exc = caught.value
+    assert (exc.status, exc.code, exc.details) == (400, "bad_request", {"reason": "unsupported_transfer_encoding"})
+    assert repr(encoding) in exc.message and "Content-Length" in exc.message and "chunked" in exc.message
+    raw = error_response(exc.status, exc.code, exc.message, exc.details)
+    head_part, body = raw.split(b"\r\n\r\n", 1)
+    assert head_part.startswith(b"HTTP/1.1 400 Bad Request") and b"Connection: close" in head_part
+    assert json.loads(body)["error"]["details"] == {"reason": "unsupported_transfer_encoding"}
 
 
 def test_http_1_0_closes_unless_asked_and_1_1_keeps_unless_asked():

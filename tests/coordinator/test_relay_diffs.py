@@ -215,3 +215,44 @@ def test_pruned_history_versions_are_a_404_not_a_500(sites):
     assert relay.store.cached_versions("e1") == [1]
     with pytest.raises(NotFound):
         at_relay.pull_diff("e1", 0, "int8", worker_id="w1")
+
+
+def test_a_full_pull_of_a_version_is_that_version_held_here_or_fetched_upstream_never_the_latest(
+        sites, upstream_calls):
+    at_root, relay, at_relay, root_url = sites
+    assert at_relay.pull_weights("e1", worker_id="w1").version == 0
+    new_root_version(at_root, 1)
+    relay_fetches(relay)
+    new_root_version(at_root, 2)  # v2 exists at the root but the relay never saw it
+    new_root_version(at_root, 3)
+    assert relay_fetches(relay) == 3 and relay.store.cached_versions("e1") == [0, 1, 3]
+    upstream_calls.clear()
+    for version in (0, 1, 3):  # held: from the relay's disk, the root's bytes and ETag for that version
+        mine, roots = raw_get(at_relay, "w1", version=version), raw_get(at_root, "w-root", version=version)
+        assert mine.status_code == roots.status_code == 200, mine.text
+        assert mine.content == roots.content and mine.headers["ETag"] == roots.headers["ETag"]
+        assert mine.headers["X-FedMoE-Version"] == str(version)
+    assert upstream_calls == []
+    assert raw_get(at_relay, "w1", version=1).content != raw_get(at_relay, "w1").content  # v1 is not v3
+
+    mine, roots = raw_get(at_relay, "w1", version=2), raw_get(at_root, "w-root", version=2)  # not held: upstream
+    assert mine.status_code == 200 and mine.content == roots.content and mine.headers["ETag"] == roots.headers["ETag"]
+    assert mine.headers["X-FedMoE-Version"] == "2" and len(upstream_calls) == 1
+    pulled = at_relay.pull_weights("e1", version=2, worker_id="w1")  # a client checks the ETag against the bytes
+    assert pulled.version == 2 and at_relay.pull_weights("e1", etag=pulled.etag, version=2, worker_id="w1").tensors \
+        is None  # If-None-Match: 304, passed on
+    assert relay.store.cached_versions("e1") == [0, 1, 3]  # nothing kept of it
+
+    mine, roots = raw_get(at_relay, "w1", version=99), raw_get(at_root, "w-root", version=99)
+    assert mine.status_code == roots.status_code == 404 and mine.json() == roots.json()
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "1" * 19, "", " 1", "1.0"])
+def test_a_bad_version_is_the_roots_400_at_the_relay_with_nothing_sent_upstream(sites, upstream_calls, value):
+    at_root, relay, at_relay, root_url = sites
+    assert at_relay.pull_weights("e1", worker_id="w1").version == 0
+    relay_fetches(relay)
+    upstream_calls.clear()
+    mine, roots = raw_get(at_relay, "w1", version=value), raw_get(at_root, "w-root", version=value)
+    assert mine.status_code == roots.status_code == 400 and mine.json() == roots.json()
+    assert upstream_calls == []

@@ -7,10 +7,13 @@ later), and kill -9 of the relay at random moments (bench/relay_crash.py).
 """
 from __future__ import annotations
 
+import json
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import requests
@@ -107,6 +110,28 @@ def test_relay_forwards_one_sample_weighted_mean_and_serves_pulls_from_its_cache
         assert sorted(w["worker_id"] for w in site["workers"]) == ["w0", "w1", "w2"]
         assert site["stats"]["updates_forwarded"] == 3 and site["stats"]["batches_forwarded"] == 1
         assert site["stats"]["bytes_served"] > 0 and site["bytes_saved"] > 0
+    finally:
+        relay.stop()
+        root.stop()
+
+
+def test_an_unknown_transfer_encoding_is_a_400_then_close_at_the_root_and_at_the_relay(tmp_path):
+    root, relay = start_pair(tmp_path, "--forward-interval", "3600")
+    try:
+        for server in (root, relay):
+            parts = urlsplit(server.url)
+            with socket.create_connection((parts.hostname, parts.port), timeout=30) as sock:
+                sock.sendall(b"POST /api/v1/probe HTTP/1.1\r\nHost: h\r\nAuthorization: Bearer "
+                             + (tmp_path / "join").read_text().strip().encode()
+                             + b"\r\nTransfer-Encoding: chunked, gzip\r\n\r\n5\r\nhello\r\n0\r\n\r\n")
+                answer = b""
+                while piece := sock.recv(65536):  # the server closes: the body's framing is unknown
+                    answer += piece
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 400 ") and b"Connection: close" in head, (server.url, head)
+            error = json.loads(body)["error"]
+            assert error["code"] == "bad_request" and error["details"]["reason"] == "unsupported_transfer_encoding"
+            assert "'chunked, gzip'" in error["message"]
     finally:
         relay.stop()
         root.stop()

@@ -39,3 +39,12 @@ def test_bad_dataset_line_names_the_line(tmp_path):
     data.write_text('{"prompt": "a", "reference_code": "b"}\n{"prompt": "c"}\n')
     result = run_worker("--specialty", "x", "--dataset", str(data), "--base-model", "tiny-qwen2")
     assert result.returncode == 2 and "line 2" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_directory_without_a_model_is_one_line_naming_what_is_wanted(tmp_path):
+    result = run_worker("--specialty", "python_expert", "--base-model", str(tmp_path), "--threads", "1",
+                        "--coordinator-url", "http://127.0.0.1:9")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    (error,) = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert f"base model directory {str(tmp_path)!r} has no config.json" in error
+    assert "config.json, the weights" in error and error.endswith("`--base-model smollm2-135m` (after `make smollm2`).")

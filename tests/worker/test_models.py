@@ -98,11 +98,35 @@ def test_local_directory_round_trip_keeps_the_fingerprint(tiny, tmp_path):
     assert loaded.tokenizer(text)["input_ids"] == tiny.tokenizer(text)["input_ids"]
 
 
-def test_unloadable_directory_names_the_directory(tmp_path):
-    with pytest.raises(ModelLoadError, match="cannot load a causal LM from directory"):
-        load_base_model(str(tmp_path))
-    with pytest.raises(ModelLoadError, match="does not exist.*--base-model tiny-qwen2"):
-        load_base_model(str(tmp_path / "missing" / "model"))
+BAD_DIRECTORIES = {  # config.json's text (None: none), what the one-line message must say
+    "missing": (None, "does not exist"),
+    "empty": (None, "has no config.json"),
+    "broken config.json": ("{not json", "config.json' is not a readable JSON file (Expecting property name"),
+    "config.json a list": ("[1]", "config.json' is not a model config"),
+    "config.json without model_type": ('{"hidden_size": 8}', "is not a model config (a JSON object with a 'model_type'"),
+    # transformers' own error for this runs over five lines: the list of what it tried was cut at "from one of:"
+    "unknown model_type, no tokenizer": ('{"model_type": "nosuch"}',
+                                         "tokenizer from directory {path!r}: Couldn't instantiate the backend "
+                                         "tokenizer from one of: (1) a `tokenizers` library serialization file, (2)"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_DIRECTORIES)
+def test_an_unloadable_directory_is_one_complete_line_with_what_was_looked_for_and_the_presets(tmp_path, case):
+    config, expected = BAD_DIRECTORIES[case]
+    path = tmp_path / "model"
+    if case != "missing":
+        path.mkdir()
+    if config is not None:
+        (path / "config.json").write_text(config)
+    with pytest.raises(ModelLoadError) as info:
+        load_base_model(str(path))
+    message = str(info.value)
+    assert "\n" not in message and str(path) in message and expected.format(path=str(path)) in message, message
+    assert "`--base-model tiny-qwen2` (built offline)" in message and "`--base-model smollm2-135m`" in message
+    if case != "missing":
+        assert "config.json, the weights (model.safetensors or pytorch_model.bin) and the tokenizer" in message
+    assert message.endswith("(after `make smollm2`)."), message  # the end of the message, not a cut
 
 
 @pytest.mark.parametrize("use_huggingface, source", [(False, "ModelScope"), (True, "Hugging Face")])
