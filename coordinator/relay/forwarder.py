@@ -21,8 +21,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping
-from pathlib import Path
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +36,7 @@ from coordinator.relay.store import Batch, RelayStore
 from coordinator.relay.upstream import UpstreamClient, WeightsCache
 from protocol.errors import Conflict, FedMoEError, Unavailable
 from protocol.schemas import MAX_BATCH_MEMBERS, RAW_CODEC, UPDATE_ID_RE
-from protocol.streaming import FileTensorsOnce as _FileTensorsOnce, read_header
+from protocol.streaming import read_header
 from protocol.tensors import StateDict, dumps, loads
 
 log = logging.getLogger(__name__)
@@ -73,11 +72,6 @@ def combine(updates: list[tuple[dict[str, Any], StateDict | Any]], manifest: lis
     entries = [Update(delta=delta, num_samples=meta["num_samples"], staleness=max(0, version - meta["base_version"]))
                for meta, delta in updates]
     return fedbuff(zeros, entries, AggregationParams(1.0, staleness_decay))
-
-
-def _stored_deltas(path: Path, codec: str, codec_config: dict, manifest: list) -> Mapping[str, torch.Tensor]:
-    """``coordinator.adapters.stored_deltas``, with raw bodies read in one pass."""
-    return _FileTensorsOnce(path) if codec == RAW_CODEC else stored_deltas(path, codec, codec_config, manifest)
 
 
 class Forwarder:
@@ -179,7 +173,7 @@ class Forwarder:
         # s(root - cached) * s(cached - base_i), against s(root - base_i) with a fresh base.
         cached = self.cache.get(expert)
         manifest = read_header(self.blobs.path(cached.blob)).manifest
-        deltas = [(u.meta, _stored_deltas(self.blobs.path(u.blob), u.meta["codec"], u.meta["codec_config"], manifest))
+        deltas = [(u.meta, stored_deltas(self.blobs.path(u.blob), u.meta["codec"], u.meta["codec_config"], manifest))
                   for u in queued]
         combined = combine(deltas, manifest, cached.version, self.policy.staleness_decay)
         seq = self.store.next_seq(expert)

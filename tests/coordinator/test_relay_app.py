@@ -188,7 +188,7 @@ def test_a_stale_pull_gets_the_cached_weights_at_once_and_the_new_version_after_
 def test_raw_bodies_are_combined_in_one_pass_per_file_bit_for_bit_as_tensor_by_tensor(tmp_path):
     """The forwarder reads a queued raw body through one open file (FileTensors reopened it for every tensor)."""
     from coordinator.adapters import stored_deltas
-    from coordinator.relay.forwarder import _FileTensorsOnce, _stored_deltas
+    from protocol.streaming import FileTensors, FileTensorsOnce
 
     adapter = make_adapter()
     manifest = manifest_of(adapter)
@@ -197,10 +197,10 @@ def test_raw_bodies_are_combined_in_one_pass_per_file_bit_for_bit_as_tensor_by_t
         paths.append(tmp_path / f"u{i}.safetensors")
         paths[-1].write_bytes(dumps(random_like(adapter, i)))
     metas = [{"num_samples": n, "base_version": v} for n, v in ((3, 4), (5, 2), (1, 4))]
-    once = [_stored_deltas(p, "safetensors", {}, manifest) for p in paths]
-    assert all(isinstance(d, _FileTensorsOnce) for d in once)
+    once = [stored_deltas(p, "safetensors", {}, manifest) for p in paths]
+    assert all(isinstance(d, FileTensorsOnce) for d in once)
     assert dict(once[0].decoded_items()).keys() == adapter.keys()
     fast = combine(list(zip(metas, once)), manifest, version=4, staleness_decay=0.1)
-    slow = combine(list(zip(metas, [stored_deltas(p, "safetensors", {}, manifest) for p in paths])), manifest,
+    slow = combine(list(zip(metas, [FileTensors(p) for p in paths])), manifest,
                    version=4, staleness_decay=0.1)
     assert all(torch.equal(fast[k], slow[k]) for k in adapter)
