@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import statistics
 import subprocess
@@ -383,11 +384,13 @@ def figures(records: list[dict[str, Any]]) -> dict[str, Any]:
 def evaluate(rows: list[dict[str, Any]], s: Settings) -> None:
     """Held-out loss of the kept versions (off the clock), then each mode's time to the target.
 
-    With ``s.max_eval_versions`` only that many versions per mode are evaluated at first (evenly spaced,
-    the first and last included); then, for each target, every version between a mode's last evaluated
-    one above it and its first at or below it, so the time to target is that of the first version that
-    reaches it, as if all were evaluated (unless an unevaluated version earlier reached it and a later
-    evaluated one did not: a noisy curve can hide such a dip).
+    With ``s.max_eval_versions`` only that many versions per mode are evaluated at first (evenly spaced, the
+    first and last included), except flat's, which are all evaluated (its best is the target). Then, for each
+    target, every version of a mode before its first evaluated one at or below it is evaluated in order until
+    one reaches it (all of them if none evaluated did), so the time to target is exact: the first version
+    that reaches it. (Before, only the versions since the last evaluated one above the target were: a
+    noisy curve that dipped under the target between two samples, rose and came down again was timed at
+    its second crossing.)
     """
     import torch
 
@@ -408,12 +411,12 @@ def evaluate(rows: list[dict[str, Any]], s: Settings) -> None:
 
     for row in rows:
         versions = row["versions"]
-        n, k = len(versions), s.max_eval_versions
+        n, k = len(versions), 0 if row["mode"] == "flat" else s.max_eval_versions
         picks = range(n) if not k or n <= k else sorted({round(i * (n - 1) / (k - 1)) for i in range(k)})
         for i in picks:
             loss(versions[i])
     flat = next(r for r in rows if r["mode"] == "flat")
-    flat_losses = [v["heldout_loss"] for v in flat["versions"] if "heldout_loss" in v]
+    flat_losses = [v["heldout_loss"] for v in flat["versions"]]
     start, target = flat_losses[0], min(flat_losses)
     # the held-out curves are noisy and flat's best is often its last version, so also the time to 90%
     # of flat's gain from the start, a target every mode's curve crosses in the run
@@ -421,10 +424,7 @@ def evaluate(rows: list[dict[str, Any]], s: Settings) -> None:
     for row in rows:
         versions = row["versions"]
         for key, goal in (("time_to_target_s", target), ("time_to_target90_s", target90)):
-            first = next((i for i, v in enumerate(versions) if v.get("heldout_loss", goal + 1) <= goal), None)
-            if first is not None:  # the versions skipped just before it: one of them may be the first
-                before = max((i for i, v in enumerate(versions[:first]) if "heldout_loss" in v), default=-1)
-                first = next(i for i in range(before + 1, first + 1) if loss(versions[i]) <= goal)
+            first = first_reaching(versions, goal, loss)
             row[key] = round(versions[first]["seconds"], 1) if first is not None else None
         row["target_loss"], row["target90_loss"] = target, target90
         evaluated = [v["heldout_loss"] for v in versions if "heldout_loss" in v]
@@ -432,6 +432,14 @@ def evaluate(rows: list[dict[str, Any]], s: Settings) -> None:
         row["versions_kept"], row["versions_evaluated"] = len(versions), len(evaluated)
         for v in versions:
             v.pop("weights", None)
+
+
+def first_reaching(versions: list[dict[str, Any]], goal: float, loss: Callable[[dict[str, Any]], float]) -> int | None:
+    """Index of the first version whose held-out loss is at or below ``goal`` (None: none is), evaluating with
+    ``loss`` only what that needs: the versions before the first already evaluated one that reaches it (all of
+    them if none does), in order, until one does."""
+    sampled = next((i for i, v in enumerate(versions) if v.get("heldout_loss", math.inf) <= goal), len(versions))
+    return next((i for i in range(sampled) if loss(versions[i]) <= goal), None if sampled == len(versions) else sampled)
 
 
 def available(mode: Mode) -> bool:

@@ -86,3 +86,25 @@ def test_pulls_are_counted_by_kind_and_by_where_their_bytes_came_from():
     assert relay_pulls(row) == {"served_full": 700, "served_diffs": 100, "passed_through": 100, "diffs_unavailable": 2}
     row["relays"] = []
     assert relay_pulls(row) is None
+
+
+def test_the_time_to_target_is_the_first_version_reaching_it_even_between_two_sampled_ones():
+    from bench.wan import first_reaching
+
+    truth = [2.4, 2.0, 1.5, 1.9, 2.2, 1.8, 1.4, 1.2]  # dips under 1.6 at index 2, rises, comes down again at 6
+    versions = [{"heldout_loss": truth[i]} if i in (0, 4, 7) else {} for i in range(len(truth))]  # sampled
+    evaluated = []
+
+    def loss(v):  # as bench.wan's: a version is evaluated once
+        i = next(j for j, x in enumerate(versions) if x is v)
+        if "heldout_loss" in v:
+            return v["heldout_loss"]
+        evaluated.append(i)
+        v["heldout_loss"] = truth[i]
+        return truth[i]
+
+    assert first_reaching(versions, 1.6, loss) == 2  # the old rule (since the last sampled above) said 6
+    assert evaluated == [1, 2]  # in order, stopping at the first that reaches it
+    assert first_reaching(versions, 1.0, loss) is None  # none reaches it: all evaluated to be sure
+    assert sorted(evaluated) == [1, 2, 3, 5, 6]
+    assert first_reaching([{"heldout_loss": 1.5}], 1.6, loss) == 0
