@@ -43,6 +43,15 @@ class RelayFlags:
     forward_compression_config: Mapping[str, Any] = option(
         help='settings of --forward-compression, e.g. \'{"ratio": 0.05}\' (default: its defaults)',
         default_factory=dict, metavar="JSON", parse=json_object, group=RELAY)
+    upstream_pull_compression: str | None = option(
+        None, "fetch new root versions as compressed diffs since the cached one, e.g. int8 (default: full weights, "
+              "byte for byte the root's); the relay then serves the root's weights within the codec's error",
+        metavar="CODEC", group=RELAY)
+    upstream_pull_compression_config: Mapping[str, Any] = option(
+        help="settings of --upstream-pull-compression (default: its defaults)", default_factory=dict, metavar="JSON",
+        parse=json_object, group=RELAY)
+    upstream_full_pull_every: int = option(10, "with --upstream-pull-compression, every N-th fetch is a full one",
+                                           group=RELAY)
     relay_id: str | None = option(None, "this relay's name at the root (default: host name and port)", group=RELAY)
     advertise_url: str | None = option(None, "URL workers reach this relay at, published at the root's "
                                              "/api/v1/relays", metavar="URL", group=RELAY)
@@ -91,6 +100,7 @@ def _serve_relay(args: RelayFlags, base: CoordinatorConfig, options: ServeOption
     from coordinator.relay.forwarder import ForwardPolicy
     from coordinator.relay.server import serve_relay
     from coordinator.relay.service import RelayConfig
+    from coordinator.relay.upstream import DiffPulls
     from protocol.schemas import RAW_CODEC
 
     codec_config = dict(args.forward_compression_config)
@@ -99,6 +109,13 @@ def _serve_relay(args: RelayFlags, base: CoordinatorConfig, options: ServeOption
             make_codec(args.forward_compression, codec_config)
         except (CompressionError, ValueError, TypeError) as exc:
             raise ValueError(f"--forward-compression {args.forward_compression!r}: {exc}") from None
+    upstream_diffs = None
+    if args.upstream_pull_compression is not None:
+        try:
+            upstream_diffs = DiffPulls(args.upstream_pull_compression, dict(args.upstream_pull_compression_config),
+                                       args.upstream_full_pull_every)
+        except (CompressionError, TypeError) as exc:
+            raise ValueError(f"--upstream-pull-compression {args.upstream_pull_compression!r}: {exc}") from None
     join_token = os.environ.get("FEDMOE_JOIN_TOKEN")
     if args.join_token_file is not None:
         if not args.join_token_file.is_file():
@@ -108,7 +125,7 @@ def _serve_relay(args: RelayFlags, base: CoordinatorConfig, options: ServeOption
     config = RelayConfig(
         upstream=args.upstream.rstrip("/"), coordinator=base, join_token=join_token, relay_id=args.relay_id,
         advertise_url=args.advertise_url, max_queue_mb=args.max_queue_mb,
-        base_model_fingerprint=args.base_model_fingerprint,
+        base_model_fingerprint=args.base_model_fingerprint, upstream_diffs=upstream_diffs,
         forward=ForwardPolicy(interval=args.forward_interval, codec=args.forward_compression,
                               codec_config=codec_config, staleness_decay=base.staleness_decay))
     serve_relay(config, options)

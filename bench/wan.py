@@ -110,6 +110,11 @@ MODES: dict[str, Mode] = {
     # of the gain (docs/benchmarks.md), so that is its best fixed codec, and the relays' lossy codec is int8
     "flat randomk+terngrad": Mode(RANDOMK_TERNGRAD, root=FLAT_FEDBUFF),
     "relays+adaptive (int8 upstream)": Mode(AUTO, relays=["--forward-compression", "int8"], needs="--sync-budget"),
+    # the relays also fetch new root versions as int8 diffs (a full fetch every 10th): ~1 s of the site's downlink
+    # per version instead of ~4 s, so the weights its workers train on are fresher (docs/wan.md)
+    "relays+adaptive (int8 both ways)": Mode(AUTO, relays=["--forward-compression", "int8",
+                                                            "--upstream-pull-compression", "int8"],
+                                             needs="--sync-budget"),
     # the same with FedBuff at the root over the two relays' batches (each root step the mean of both), against
     # the FedAsync root's oscillation when the relays forward often (docs/wan.md, tenth run)
     "relays+adaptive (int8 upstream; fedbuff root)": Mode(AUTO, relays=["--forward-compression", "int8"],

@@ -24,7 +24,7 @@ bp = Blueprint("relays", __name__, url_prefix=API_PREFIX)
 
 REPORT_COUNTERS = ("bytes_received", "bytes_forwarded", "updates_received", "updates_forwarded",
                    "batches_forwarded", "queued_updates", "queued_bytes", "bytes_served", "bytes_fetched",
-                   "diff_bytes_served", "diffs_unavailable")
+                   "diff_bytes_served", "diffs_unavailable", "full_fetches", "diff_fetches")
 MAX_REPORTED_WORKERS = 10_000
 
 

@@ -25,7 +25,7 @@ from coordinator.diffs import DiffCache
 from coordinator.relay.diffs import CachedVersions
 from coordinator.relay.forwarder import Forwarder, ForwardPolicy
 from coordinator.relay.store import APPLIED_ELSEWHERE, CachedWeights, RelayStore
-from coordinator.relay.upstream import RelayStartError, UpstreamClient, WeightsCache
+from coordinator.relay.upstream import DiffPulls, RelayStartError, UpstreamClient, WeightsCache
 from coordinator.service import check_body_size, liveness, receive_checked
 from protocol.errors import Conflict, InsufficientStorage, InvalidUpdate, NotFound, Unavailable
 from protocol.files import private_dir
@@ -55,6 +55,8 @@ class RelayConfig:
     """Pin the base model: the root and workers with another fingerprint are refused."""
     revalidate_seconds: float = 1.0
     """A worker's pull revalidates the cached weights upstream at most this often per expert."""
+    upstream_diffs: DiffPulls | None = None
+    """Fetch new versions as compressed diffs since the cached one (None: full weights, byte for byte the root's)."""
 
     def __post_init__(self) -> None:
         if not self.upstream.startswith(("http://", "https://")):
@@ -97,7 +99,7 @@ class RelayService:
         self.relay_id = config.relay_id or self.store.relay_id(_default_relay_id(port))
         self.upstream = UpstreamClient(config.upstream, config.join_token, data_dir / "relay_token")
         self.cache = WeightsCache(self.store, self.blobs, self.upstream, config.revalidate_seconds,
-                                  self.drop_unreferenced)
+                                  self.drop_unreferenced, diff_pulls=config.upstream_diffs)
         self.forwarder = Forwarder(self.relay_id, self.store, self.blobs, self.upstream, self.cache, config.forward,
                                    self.drop_unreferenced, self.report, self.blobs_guard)
         self.versions = CachedVersions(self.cache, self.blobs)
@@ -190,7 +192,9 @@ class RelayService:
                    for w in self.list_workers()]
         stats = self.store.stats() | {"bytes_served": self.bytes_served, "bytes_fetched": self.cache.bytes_fetched,
                                       "diff_bytes_served": self.diff_bytes_served,
-                                      "diffs_unavailable": self.diffs_unavailable}
+                                      "diffs_unavailable": self.diffs_unavailable,
+                                      "full_fetches": self.cache.upstream_fetches,
+                                      "diff_fetches": self.cache.diff_fetches}
         self.upstream.report(self.relay_id, workers, stats)
 
     # experts ------------------------------------------------------------------

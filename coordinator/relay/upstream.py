@@ -5,7 +5,10 @@ mapped back to exceptions) plus the calls only a relay makes: registering itself
 token for a relay-scoped token (kept in ``<data dir>/relay_token`` so a restart renews it), and
 reporting its workers. ``WeightsCache`` serves workers' pulls from the relay's disk, revalidated
 upstream with ``If-None-Match`` at most once per ``revalidate_seconds`` per expert; an unreachable
-upstream serves the cached copy.
+upstream serves the cached copy. With ``DiffPulls`` (``--upstream-pull-compression``) a new version comes
+as a compressed diff since the cached one, as a worker's ``--pull-compression`` pull does, with a full
+pull every ``full_every``-th time; the cached copy is then the root's weights within the codec's error,
+under an ETag of its own bytes.
 """
 from __future__ import annotations
 
@@ -20,11 +23,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from compression import make_codec
+from compression.wire import decode_update
 from coordinator.blobs import BlobStore
 from coordinator.relay.store import CachedWeights, RelayStore
 from protocol.client import CoordinatorClient, RetryPolicy, _read_body
 from protocol.errors import Conflict, FedMoEError, Forbidden, NotFound, Unauthorized, Unavailable
 from protocol.schemas import VERSION_HEADER
+from protocol.streaming import tensors_from_buffer
+from protocol.tensors import dumps, manifest_of
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +126,22 @@ class UpstreamClient(CoordinatorClient):
         return self._json(method, path, **kwargs)
 
 
+@dataclass(frozen=True)
+class DiffPulls:
+    """Fetch new versions upstream as compressed diffs (``--upstream-pull-compression``)."""
+
+    codec: str
+    """A diff codec the root encodes with (``fp16``, ``int8``, ...)."""
+    config: dict[str, Any] = field(default_factory=dict)
+    full_every: int = 10
+    """Every N-th fetch of an expert is a full one (and the first after a start), so errors cannot add up."""
+
+    def __post_init__(self) -> None:
+        make_codec(self.codec, self.config)  # CompressionError listing the valid names and keys
+        if self.full_every < 1:
+            raise ValueError(f"--upstream-full-pull-every must be >= 1, got {self.full_every}")
+
+
 @dataclass
 class _Freshness:
     checked: float = float("-inf")
@@ -128,6 +151,8 @@ class _Freshness:
     """Held while the expert is revalidated upstream: one revalidation at a time, foreground or background."""
     refreshing: bool = False
     """A background revalidation is queued or running."""
+    diffs: int | None = None
+    """Diff fetches since the last full one (None: no full fetch by this process yet)."""
 
 
 class WeightsCache:
@@ -135,8 +160,9 @@ class WeightsCache:
 
     def __init__(self, store: RelayStore, blobs: BlobStore, upstream: UpstreamClient, revalidate_seconds: float,
                  drop_unreferenced: Callable[[list[str]], None], clock: Callable[[], float] = time.monotonic,
-                 in_background: bool = True) -> None:
+                 in_background: bool = True, diff_pulls: DiffPulls | None = None) -> None:
         self.store, self.blobs, self.upstream = store, blobs, upstream
+        self.diff_pulls = diff_pulls
         self.revalidate_seconds = revalidate_seconds
         self.in_background = in_background
         """Stale-while-revalidate: a pull finding a stale copy gets it at once and starts one revalidation on
@@ -149,6 +175,8 @@ class WeightsCache:
         self._guard = threading.Lock()
         self.upstream_fetches = 0
         """Full bodies downloaded from upstream (a test's and the report's count)."""
+        self.diff_fetches = 0
+        """New versions built from a diff fetched upstream."""
         self.bytes_fetched = 0
 
     def get(self, name: str, wait: bool = False) -> CachedWeights:
@@ -185,9 +213,16 @@ class WeightsCache:
             cached = self.store.cached(name)
             if cached is not None and self.clock() - fresh.checked < self.revalidate_seconds:
                 return cached
-            cached = self._revalidate(name, cached)
+            by_diff = (self.diff_pulls is not None and cached is not None and fresh.diffs is not None
+                       and fresh.diffs + 1 < self.diff_pulls.full_every)
+            fetched = self._revalidate_by_diff(name, cached) if by_diff and cached is not None else None
+            if fetched is None:
+                fetched = self._revalidate(name, cached)
+                fresh.diffs = 0
+            elif fetched is not cached:
+                fresh.diffs = (fresh.diffs or 0) + 1
             fresh.checked = self.clock()
-            return cached
+            return fetched
 
     def _refresh(self, name: str, fresh: _Freshness) -> None:
         """The background revalidation ``get`` started: pulls meanwhile get the cached copy."""
@@ -212,16 +247,43 @@ class WeightsCache:
             raise NotFound(f"upstream sent no weights for {name!r}")
         self.upstream_fetches += 1
         self.bytes_fetched += len(body)
+        entry = self._keep(name, version, etag or hashlib.sha256(body).hexdigest(), body, cached)
+        log.info("cached expert %s version %d (%d bytes) from upstream", name, version, len(body))
+        return entry
+
+    def _revalidate_by_diff(self, name: str, cached: CachedWeights) -> CachedWeights | None:
+        """The new version as the cached weights plus a diff fetched upstream; ``cached`` if there is none,
+        None if upstream no longer keeps the cached version (the caller then fetches it in full)."""
+        assert self.diff_pulls is not None
+        codec, config = self.diff_pulls.codec, self.diff_pulls.config
+        try:
+            payload, version = self.upstream.pull_diff(name, cached.version, codec, config)
+        except NotFound:
+            log.info("upstream no longer keeps %s version %d; fetching the new version in full", name, cached.version)
+            return None
+        if not payload or version == cached.version:
+            return cached
+        base = tensors_from_buffer(bytearray(self.blobs.path(cached.blob).read_bytes()))
+        delta = decode_update(payload, manifest_of(base), make_codec(codec, config))
+        body = dumps({k: base[k] + delta[k].to(base[k].dtype) for k in base})
+        self.diff_fetches += 1
+        self.bytes_fetched += len(payload)
+        # an ETag of these bytes, not the root's: they are the root's version within the codec's error
+        entry = self._keep(name, version, hashlib.sha256(body).hexdigest(), body, cached)
+        log.info("cached expert %s version %d from a %d-byte %s diff since version %d", name, version, len(payload),
+                 codec, cached.version)
+        return entry
+
+    def _keep(self, name: str, version: int, etag: str, body: bytes, cached: CachedWeights | None) -> CachedWeights:
+        """Store ``body`` as the expert's current cached weights (the replaced copy joins the history)."""
         info = self.upstream.passthrough("GET", f"/experts/{name}")
         digest = self.blobs.put_bytes(body)
-        entry = CachedWeights(name, version, etag or hashlib.sha256(body).hexdigest(), digest,
-                              {k: v for k, v in info.items() if k != "versions"})
+        entry = CachedWeights(name, version, etag, digest, {k: v for k, v in info.items() if k != "versions"})
         dropped = self.store.put_cached(entry)  # the replaced version joins the history (diff pulls' bases)
         if cached is not None and cached.blob != digest:
             dropped.append(cached.blob)
         if dropped:
             self.drop_unreferenced(dropped)
-        log.info("cached expert %s version %d (%d bytes) from upstream", name, version, len(body))
         return entry
 
     def known(self, name: str) -> CachedWeights | None:
