@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -56,3 +57,54 @@ def push(client, name: str, delta, meta: dict[str, Any] | None = None, body: byt
     """POST an update through a Flask test client."""
     return client.post(f"/api/v1/experts/{name}/updates", data=dumps(delta) if body is None else body,
                        headers={UPDATE_HEADER: json.dumps(meta or update_meta())})
+
+
+def serve_on_loopback(app):
+    """(server, URL) of a WSGI app served on a free loopback port in a thread; ``server.shutdown()`` stops it."""
+    import threading
+
+    from werkzeug.serving import make_server
+
+    server = make_server("127.0.0.1", 0, app, threaded=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_port}"
+
+
+@contextmanager
+def relay_sites(tmp_path, **relay_settings: Any):
+    """A real root holding expert ``e1`` and a real relay ``r1`` under it (``RelayConfig`` settings
+    ``relay_settings``; forwarding only when a test asks), each on a loopback port. Yields (a client of the root
+    registered as worker ``w-root``, the relay service, a client of the relay registered as ``w1``, the root URL)."""
+    from coordinator.app import create_app
+    from coordinator.config import CoordinatorConfig
+    from coordinator.relay.api import create_relay_app
+    from coordinator.relay.forwarder import ForwardPolicy
+    from coordinator.relay.service import RelayConfig
+    from protocol.client import CoordinatorClient
+
+    base = {"id": "m", "fingerprint": FINGERPRINT}
+    root_app = create_app(CoordinatorConfig(data_dir=tmp_path / "root", gateway_interval=0))
+    root_server, root_url = serve_on_loopback(root_app)
+    CoordinatorClient(root_url, token=root_app.extensions["fedmoe_auth"].admin_token).create_expert(
+        "e1", make_adapter(), expert_spec())
+    join = (tmp_path / "root" / "join_token").read_text().strip()
+    relay_app = create_relay_app(RelayConfig(upstream=root_url, join_token=join, relay_id="r1",
+                                             coordinator=CoordinatorConfig(data_dir=tmp_path / "relay"),
+                                             forward=ForwardPolicy(interval=3600), **relay_settings))
+    relay = relay_app.extensions["fedmoe"]
+    relay.join_upstream()
+    relay_server, relay_url = serve_on_loopback(relay_app)
+    at_root, at_relay = CoordinatorClient(root_url, token=join), CoordinatorClient(relay_url, token=join)
+    at_root.register_worker("w-root", "e1", base)
+    at_relay.register_worker("w1", "e1", base)
+    try:
+        yield at_root, relay, at_relay, root_url
+    finally:
+        for client in (at_root, at_relay):
+            client.close()
+        relay_server.shutdown()
+        relay_server.server_close()
+        relay.close()
+        root_server.shutdown()
+        root_server.server_close()
+        root_app.extensions["fedmoe"].close()

@@ -4,66 +4,25 @@ A real root and a real relay, each served on a loopback port; every request the 
 """
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
-from werkzeug.serving import make_server
 
 from compression import make_codec
 from compression.wire import decode_update
-from coordinator.app import create_app
-from coordinator.config import CoordinatorConfig
-from coordinator.relay.api import create_relay_app
-from coordinator.relay.forwarder import ForwardPolicy
-from coordinator.relay.service import RelayConfig
 from protocol.client import CoordinatorClient
 from protocol.errors import NotFound
 from protocol.tensors import dumps, loads, manifest_of
-from tests.helpers import FINGERPRINT, expert_spec, make_adapter, random_like
+from tests.helpers import make_adapter, random_like, relay_sites
 from worker.adaptive import LinkEstimate
 from worker.encoding import CodecChoice, PullSettings
 from worker.pulling import ExpertPuller
 from worker.sync_state import ExpertState
 
-BASE = {"id": "m", "fingerprint": FINGERPRINT}
-
-
-def serve(app):
-    server = make_server("127.0.0.1", 0, app, threaded=True)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server, f"http://127.0.0.1:{server.server_port}"
-
-
 @pytest.fixture
 def sites(tmp_path):
-    """(root client as a worker, relay service, relay URL, a worker token at the relay, root URL)."""
-    root_app = create_app(CoordinatorConfig(data_dir=tmp_path / "root", gateway_interval=0))
-    root_server, root_url = serve(root_app)
-    CoordinatorClient(root_url, token=root_app.extensions["fedmoe_auth"].admin_token).create_expert(
-        "e1", make_adapter(), expert_spec())
-    join = (tmp_path / "root" / "join_token").read_text().strip()
-    relay_app = create_relay_app(RelayConfig(upstream=root_url, join_token=join, relay_id="r1",
-                                             coordinator=CoordinatorConfig(data_dir=tmp_path / "relay"),
-                                             forward=ForwardPolicy(interval=3600)))
-    relay = relay_app.extensions["fedmoe"]
-    relay.join_upstream()
-    relay_server, relay_url = serve(relay_app)
-    at_root = CoordinatorClient(root_url, token=join)
-    at_root.register_worker("w-root", "e1", BASE)
-    at_relay = CoordinatorClient(relay_url, token=join)
-    at_relay.register_worker("w1", "e1", BASE)
-    try:
-        yield at_root, relay, at_relay, root_url
-    finally:
-        for client in (at_root, at_relay):
-            client.close()
-        relay_server.shutdown()
-        relay_server.server_close()
-        relay.close()
-        root_server.shutdown()
-        root_server.server_close()
-        root_app.extensions["fedmoe"].close()
+    """(root client as a worker, relay service, relay client as a worker, root URL)."""
+    with relay_sites(tmp_path) as parts:
+        yield parts
 
 
 def new_root_version(at_root: CoordinatorClient, seed: int) -> int:

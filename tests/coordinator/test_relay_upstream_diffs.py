@@ -1,71 +1,30 @@
 """``--upstream-pull-compression``: a relay fetches each new root version as a compressed diff since its cached
-one (a full fetch every ``full_every``-th time), serves the result under an ETag of its own bytes, and builds its
-batches on it. A real root and a real relay on loopback ports; every request the relay sends upstream is counted.
+one (a full fetch every ``full_every``-th time) and serves the result under an ETag of its own bytes. A real root and a real relay on loopback ports; every request the relay sends upstream is counted.
 """
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
-from werkzeug.serving import make_server
 
-from coordinator.app import create_app
-from coordinator.config import CoordinatorConfig
-from coordinator.relay.api import create_relay_app
-from coordinator.relay.forwarder import ForwardPolicy
-from coordinator.relay.service import RelayConfig
 from coordinator.relay.upstream import DiffPulls
 from protocol.client import CoordinatorClient
 from protocol.tensors import dumps
-from tests.helpers import FINGERPRINT, expert_spec, make_adapter, random_like
-
-BASE = {"id": "m", "fingerprint": FINGERPRINT}
-
-
-def serve(app):
-    server = make_server("127.0.0.1", 0, app, threaded=True)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server, f"http://127.0.0.1:{server.server_port}"
+from tests.helpers import make_adapter, random_like, relay_sites
 
 
 @pytest.fixture
 def sites(tmp_path):
-    """(root client as a worker, relay service, relay client as a worker, the upstream requests' paths)."""
-    root_app = create_app(CoordinatorConfig(data_dir=tmp_path / "root", gateway_interval=0))
-    root_server, root_url = serve(root_app)
-    CoordinatorClient(root_url, token=root_app.extensions["fedmoe_auth"].admin_token).create_expert(
-        "e1", make_adapter(), expert_spec())
-    join = (tmp_path / "root" / "join_token").read_text().strip()
-    relay_app = create_relay_app(RelayConfig(upstream=root_url, join_token=join, relay_id="r1",
-                                             coordinator=CoordinatorConfig(data_dir=tmp_path / "relay"),
-                                             forward=ForwardPolicy(interval=3600),
-                                             upstream_diffs=DiffPulls("fp16", full_every=3)))
-    relay = relay_app.extensions["fedmoe"]
-    relay.join_upstream()
-    relay_server, relay_url = serve(relay_app)
-    at_root, at_relay = CoordinatorClient(root_url, token=join), CoordinatorClient(relay_url, token=join)
-    at_root.register_worker("w-root", "e1", BASE)
-    at_relay.register_worker("w1", "e1", BASE)
-    calls: list[str] = []
-    original = relay.upstream._request
+    """(root client as a worker, relay service, relay client as a worker, the upstream requests the relay sent)."""
+    with relay_sites(tmp_path, upstream_diffs=DiffPulls("fp16", full_every=3)) as (at_root, relay, at_relay, _):
+        calls: list[str] = []
+        original = relay.upstream._request
 
-    def counted(method, path, **kwargs):
-        calls.append(f"{method} {path}" + ("?since" if "since" in (kwargs.get("params") or {}) else ""))
-        return original(method, path, **kwargs)
+        def counted(method, path, **kwargs):
+            calls.append(f"{method} {path}" + ("?since" if "since" in (kwargs.get("params") or {}) else ""))
+            return original(method, path, **kwargs)
 
-    relay.upstream._request = counted
-    try:
+        relay.upstream._request = counted
         yield at_root, relay, at_relay, calls
-    finally:
-        for client in (at_root, at_relay):
-            client.close()
-        relay_server.shutdown()
-        relay_server.server_close()
-        relay.close()
-        root_server.shutdown()
-        root_server.server_close()
-        root_app.extensions["fedmoe"].close()
 
 
 def new_root_version(at_root: CoordinatorClient, seed: int) -> int:
