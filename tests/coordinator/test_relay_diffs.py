@@ -18,6 +18,7 @@ from worker.encoding import CodecChoice, PullSettings
 from worker.pulling import ExpertPuller
 from worker.sync_state import ExpertState
 
+
 @pytest.fixture
 def sites(tmp_path):
     """(root client as a worker, relay service, relay client as a worker, root URL)."""
