@@ -108,3 +108,14 @@ def test_the_time_to_target_is_the_first_version_reaching_it_even_between_two_sa
     assert first_reaching(versions, 1.0, loss) is None  # none reaches it: all evaluated to be sure
     assert sorted(evaluated) == [1, 2, 3, 5, 6]
     assert first_reaching([{"heldout_loss": 1.5}], 1.6, loss) == 0
+
+
+def test_every_mode_s_relay_flags_are_run_coordinator_s():
+    import run_coordinator
+
+    for name, mode in MODES.items():
+        if mode.relays is not None:
+            args = run_coordinator.parse_args(["--upstream", "http://127.0.0.1:1", *mode.relays])
+            assert args.upstream == "http://127.0.0.1:1", name
+    both = run_coordinator.parse_args(["--upstream", "http://h:1", *MODES["relays+adaptive (int8 both ways)"].relays])
+    assert both.upstream_pull_compression == both.forward_compression == "int8"
