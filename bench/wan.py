@@ -214,8 +214,10 @@ PRESETS: dict[str, Settings] = {
 def worker_command(name: str, url: str, results: Path, flags: list[str], s: Settings) -> list[str]:
     seed = str(zlib.crc32(name.encode()) or 1)  # a codec seed of 0 means "unseeded"
     extra = ([] if s.threads is None else ["--threads", str(s.threads)]) + ([] if s.overlap else ["--no-overlap"])
+    # --seed: each worker its own order over the examples, as workers with data of their own would see; with
+    # one seed for all, the six workers took the same example at each step (their mean was one example's step)
     return [sys.executable, str(ROOT / "run_worker.py"), "--specialty", SPECIALTY, "--base-model", s.base_model,
-            "--device", "cpu", "--coordinator-url", url, "--worker-id", name, "--results", str(results),
+            "--device", "cpu", "--coordinator-url", url, "--worker-id", name, "--seed", seed, "--results", str(results),
             "--state-dir", str(results.with_suffix(".state")), "--duration", str(s.duration),
             "--sync-interval", str(s.sync_interval), "--batch-size", str(s.batch_size),
             "--max-seq-len", str(s.max_seq_len), "--no-heldout-eval", *extra,

@@ -55,6 +55,8 @@ def test_the_smollm2_preset_is_the_link_bound_one_and_seeds_each_worker_s_codec(
     configs = [json.loads(argv[argv.index("--compression-config") + 1]) for argv in commands]
     seeds = [(c["randomk"]["seed"], c["terngrad"]["seed"]) for c in configs]
     assert all(a == b > 0 for a, b in seeds) and seeds[0] != seeds[1]  # each worker keeps its own entries
+    orders = [argv[argv.index("--seed") + 1] for argv in commands]
+    assert orders[0] != orders[1]  # each worker its own order over the examples
     assert all(c["randomk"]["ratio"] == 0.1 and c["randomk"]["rescale"] is True for c in configs)
     tiny = worker_command("w", "http://10.0.0.1:1", tmp_path / "w.jsonl", MODES["flat"].workers, PRESETS["quick"])
     assert "--no-overlap" not in tiny and "--threads" not in tiny  # the tiny presets are unchanged
