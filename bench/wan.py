@@ -206,7 +206,7 @@ PRESETS: dict[str, Settings] = {
     "tiny-qwen2": Settings(sites=2, workers=3, duration=120, sync_interval=10),
     # link-bound: see the module docstring; held-out examples at 32 tokens cost ~0.15 CPU s each
     "smollm2-135m": Settings(sites=2, workers=3, duration=150, sync_interval=1, base_model="smollm2-135m",
-                             batch_size=1, max_seq_len=32, threads=1, overlap=False, forward_interval=10,
+                             batch_size=1, max_seq_len=32, threads=1, overlap=False, forward_interval=5,
                              heldout=36, max_eval_versions=14),
 }
 

@@ -108,3 +108,20 @@ def relay_sites(tmp_path, **relay_settings: Any):
         root_server.shutdown()
         root_server.server_close()
         root_app.extensions["fedmoe"].close()
+
+
+def new_root_version(at_root, seed: int) -> int:
+    """Push a random update to expert ``e1`` at the root as worker ``w-root`` (see ``relay_sites``); its new version."""
+    version = at_root.expert("e1")["version"]
+    at_root.push_update("e1", dumps(random_like(make_adapter(), seed)), {
+        "update_id": f"root-{seed}", "base_version": version, "num_samples": 4, "worker_id": "w-root"})
+    return at_root.expert("e1")["version"]
+
+
+def relay_fetches(relay) -> int:
+    """Let the relay's cache take the root's current version of ``e1`` now (as its revalidation would), then
+    freeze it (from here a pull never revalidates: any upstream call is a test's); the cached version."""
+    relay.cache.revalidate_seconds = 0.0
+    version = relay.cache.get("e1", wait=True).version
+    relay.cache.revalidate_seconds = 1e9
+    return version

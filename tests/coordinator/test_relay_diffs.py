@@ -12,7 +12,7 @@ from compression.wire import decode_update
 from protocol.client import CoordinatorClient
 from protocol.errors import NotFound
 from protocol.tensors import dumps, loads, manifest_of
-from tests.helpers import make_adapter, random_like, relay_sites
+from tests.helpers import new_root_version, relay_fetches, relay_sites
 from worker.adaptive import LinkEstimate
 from worker.encoding import CodecChoice, PullSettings
 from worker.pulling import ExpertPuller
@@ -26,19 +26,14 @@ def sites(tmp_path):
         yield parts
 
 
-def new_root_version(at_root: CoordinatorClient, seed: int) -> int:
-    version = at_root.expert("e1")["version"]
-    at_root.push_update("e1", dumps(random_like(make_adapter(), seed)), {
-        "update_id": f"root-{seed}", "base_version": version, "num_samples": 4, "worker_id": "w-root"})
-    return at_root.expert("e1")["version"]
-
-
-def relay_fetches(relay) -> int:
-    """Let the relay's cache take the root's current version now (as its revalidation would), then freeze it."""
-    relay.cache.revalidate_seconds = 0.0
-    version = relay.cache.get("e1", wait=True).version
-    relay.cache.revalidate_seconds = 1e9  # from here, a pull never revalidates: any upstream call is a diff's
-    return version
+def relay_holds_0_1_3(at_root, relay, at_relay) -> None:
+    """The root at version 3; the relay holding versions 0, 1 and 3 (never 2)."""
+    assert at_relay.pull_weights("e1", worker_id="w1").version == 0
+    new_root_version(at_root, 1)
+    relay_fetches(relay)
+    new_root_version(at_root, 2)  # v2 exists at the root but the relay never saw it
+    new_root_version(at_root, 3)
+    assert relay_fetches(relay) == 3 and relay.store.cached_versions("e1") == [0, 1, 3]
 
 
 @pytest.fixture
@@ -92,12 +87,7 @@ def test_a_diff_since_a_version_the_relay_holds_is_the_roots_answer_byte_for_byt
 def test_a_since_the_relay_does_not_hold_is_a_404_and_the_worker_pulls_full_weights_from_the_cache(
         sites, upstream_calls):
     at_root, relay, at_relay, root_url = sites
-    assert at_relay.pull_weights("e1", worker_id="w1").version == 0
-    new_root_version(at_root, 1)
-    relay_fetches(relay)
-    new_root_version(at_root, 2)  # v2 exists at the root but the relay never saw it
-    new_root_version(at_root, 3)
-    assert relay_fetches(relay) == 3 and relay.store.cached_versions("e1") == [0, 1, 3]
+    relay_holds_0_1_3(at_root, relay, at_relay)
     v2 = at_root.pull_weights("e1", version=2).tensors
     upstream_calls.clear()
 
@@ -180,12 +170,7 @@ def test_pruned_history_versions_are_a_404_not_a_500(sites):
 def test_a_full_pull_of_a_version_is_that_version_held_here_or_fetched_upstream_never_the_latest(
         sites, upstream_calls):
     at_root, relay, at_relay, root_url = sites
-    assert at_relay.pull_weights("e1", worker_id="w1").version == 0
-    new_root_version(at_root, 1)
-    relay_fetches(relay)
-    new_root_version(at_root, 2)  # v2 exists at the root but the relay never saw it
-    new_root_version(at_root, 3)
-    assert relay_fetches(relay) == 3 and relay.store.cached_versions("e1") == [0, 1, 3]
+    relay_holds_0_1_3(at_root, relay, at_relay)
     upstream_calls.clear()
     for version in (0, 1, 3):  # held: from the relay's disk, the root's bytes and ETag for that version
         mine, roots = raw_get(at_relay, "w1", version=version), raw_get(at_root, "w-root", version=version)

@@ -7,9 +7,7 @@ import pytest
 import torch
 
 from coordinator.relay.upstream import DiffPulls
-from protocol.client import CoordinatorClient
-from protocol.tensors import dumps
-from tests.helpers import make_adapter, random_like, relay_sites
+from tests.helpers import new_root_version, relay_fetches, relay_sites
 
 
 @pytest.fixture
@@ -27,28 +25,14 @@ def sites(tmp_path):
         yield at_root, relay, at_relay, calls
 
 
-def new_root_version(at_root: CoordinatorClient, seed: int) -> int:
-    version = at_root.expert("e1")["version"]
-    at_root.push_update("e1", dumps(random_like(make_adapter(), seed)), {
-        "update_id": f"root-{seed}", "base_version": version, "num_samples": 4, "worker_id": "w-root"})
-    return at_root.expert("e1")["version"]
-
-
-def fetch(relay) -> None:
-    """Let the relay's cache take the root's current version now, as its revalidation would."""
-    relay.cache.revalidate_seconds = 0.0
-    relay.cache.get("e1", wait=True)
-    relay.cache.revalidate_seconds = 1e9
-
-
 def test_new_versions_come_as_diffs_with_a_full_fetch_every_third_time(sites):
     at_root, relay, at_relay, calls = sites
-    fetch(relay)  # the first fetch of a process is a full one
+    relay_fetches(relay)  # the first fetch of a process is a full one
     kinds = []
     for seed in range(1, 6):
         version = new_root_version(at_root, seed)
         calls.clear()
-        fetch(relay)
+        relay_fetches(relay)
         weights = [c for c in calls if "/weights" in c]
         kinds.append("diff" if weights == ["GET /experts/e1/weights?since"] else "full")
         pulled = at_relay.pull_weights("e1", worker_id="w1")
@@ -69,9 +53,9 @@ def test_new_versions_come_as_diffs_with_a_full_fetch_every_third_time(sites):
 
 def test_nothing_new_costs_no_body_and_a_pruned_base_falls_back_to_a_full_fetch(sites, monkeypatch):
     at_root, relay, _, calls = sites
-    fetch(relay)
+    relay_fetches(relay)
     calls.clear()
-    fetch(relay)  # the root is still at version 0: an empty diff answer, nothing stored
+    relay_fetches(relay)  # the root is still at version 0: an empty diff answer, nothing stored
     assert relay.cache.diff_fetches == 0 and relay.cache.known("e1").version == 0
     new_root_version(at_root, 1)
     from protocol.errors import NotFound
@@ -80,7 +64,7 @@ def test_nothing_new_costs_no_body_and_a_pruned_base_falls_back_to_a_full_fetch(
         raise NotFound("version 0 is no longer kept")
 
     monkeypatch.setattr(relay.upstream, "pull_diff", gone)
-    fetch(relay)
+    relay_fetches(relay)
     assert relay.cache.known("e1").version == 1 and relay.cache.upstream_fetches == 2
 
 
