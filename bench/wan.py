@@ -115,6 +115,11 @@ MODES: dict[str, Mode] = {
     "relays+adaptive (int8 both ways)": Mode(AUTO, relays=["--forward-compression", "int8",
                                                             "--upstream-pull-compression", "int8"],
                                              needs="--sync-budget"),
+    # both ways, FedBuff K=2 at the root with server lr 2: each root step both sites' batches added (FedAsync's
+    # step size), one version per pair of batches instead of one per batch (docs/wan.md, "What bounds")
+    "relays+adaptive (int8 both ways; fedbuff root x2)": Mode(
+        AUTO, relays=["--forward-compression", "int8", "--upstream-pull-compression", "int8"], needs="--sync-budget",
+        root={"aggregation": "fedbuff", "buffer_size": 2, "server_lr": 2.0}),
     # the same with FedBuff at the root over the two relays' batches (each root step the mean of both), against
     # the FedAsync root's oscillation when the relays forward often (docs/wan.md, tenth run)
     "relays+adaptive (int8 upstream; fedbuff root)": Mode(AUTO, relays=["--forward-compression", "int8"],
