@@ -1,10 +1,10 @@
 """Forwarding: one combined update per expert upstream per forward interval.
 
 At most once per interval (at once when an update reaches an idle relay), for each expert with work:
-a batch still pending (built before a crash or an outage) is resent as stored; otherwise the queued worker updates are combined with the root's own
-rule, FedBuff's staleness-weighted sample mean (``coordinator.aggregation.fedbuff`` applied to
-zeros: sum_i (n_i / N) * s(tau_i) * delta_i, tau_i = cached root version - the version the worker
-started from), compressed with the relay's codec plus error feedback, recorded durably
+a batch still pending (built before a crash or an outage) is resent as stored; otherwise the queued
+worker updates are combined with the root's own rule, FedBuff's staleness-weighted sample mean
+(``coordinator.aggregation.fedbuff`` applied to zeros: sum_i (n_i / N) * s(tau_i) * delta_i, tau_i =
+cached root version - the version the worker started from), compressed with the relay's codec plus error feedback, recorded durably
 (``RelayStore.add_batch``) and sent under the update id ``<relay id>.<epoch>.<expert>.<seq>``.
 The root deduplicates update ids, so resending after a timeout or a kill -9 applies it once.
 

@@ -30,8 +30,7 @@ from coordinator.relay.store import CachedWeights, RelayStore
 from protocol.client import CoordinatorClient, RetryPolicy, _read_body
 from protocol.errors import Conflict, FedMoEError, Forbidden, NotFound, Unauthorized, Unavailable
 from protocol.schemas import VERSION_HEADER
-from protocol.streaming import tensors_from_buffer
-from protocol.tensors import dumps, manifest_of
+from protocol.tensors import dumps, load_file, manifest_of
 
 log = logging.getLogger(__name__)
 
@@ -213,9 +212,9 @@ class WeightsCache:
             cached = self.store.cached(name)
             if cached is not None and self.clock() - fresh.checked < self.revalidate_seconds:
                 return cached
-            by_diff = (self.diff_pulls is not None and cached is not None and fresh.diffs is not None
-                       and fresh.diffs + 1 < self.diff_pulls.full_every)
-            fetched = self._revalidate_by_diff(name, cached) if by_diff and cached is not None else None
+            fetched = None
+            if cached is not None and self._diff_due(fresh):
+                fetched = self._revalidate_by_diff(name, cached)
             if fetched is None:
                 fetched = self._revalidate(name, cached)
                 fresh.diffs = 0
@@ -223,6 +222,11 @@ class WeightsCache:
                 fresh.diffs = (fresh.diffs or 0) + 1
             fresh.checked = self.clock()
             return fetched
+
+    def _diff_due(self, fresh: _Freshness) -> bool:
+        """Whether the next fetch may be a diff: diff pulls on, a full fetch done by this process, not the Nth."""
+        return (self.diff_pulls is not None and fresh.diffs is not None
+                and fresh.diffs + 1 < self.diff_pulls.full_every)
 
     def _refresh(self, name: str, fresh: _Freshness) -> None:
         """The background revalidation ``get`` started: pulls meanwhile get the cached copy."""
@@ -263,7 +267,7 @@ class WeightsCache:
             return None
         if not payload or version == cached.version:
             return cached
-        base = tensors_from_buffer(bytearray(self.blobs.path(cached.blob).read_bytes()))
+        base = load_file(self.blobs.path(cached.blob))
         delta = decode_update(payload, manifest_of(base), make_codec(codec, config))
         body = dumps({k: base[k] + delta[k].to(base[k].dtype) for k in base})
         self.diff_fetches += 1
