@@ -52,6 +52,9 @@ class RelayFlags:
         parse=json_object, group=RELAY)
     upstream_full_pull_every: int = option(10, "with --upstream-pull-compression, every N-th fetch is a full one",
                                            group=RELAY)
+    site_model: bool = option(False, "serve the site's workers the root's weights plus their updates not yet in "
+                                     "them, and forward the sum of those updates (hierarchical FL's edge model; "
+                                     "docs/wan.md)", group=RELAY)
     relay_id: str | None = option(None, "this relay's name at the root (default: host name and port)", group=RELAY)
     advertise_url: str | None = option(None, "URL workers reach this relay at, published at the root's "
                                              "/api/v1/relays", metavar="URL", group=RELAY)
@@ -125,7 +128,7 @@ def _serve_relay(args: RelayFlags, base: CoordinatorConfig, options: ServeOption
     config = RelayConfig(
         upstream=args.upstream.rstrip("/"), coordinator=base, join_token=join_token, relay_id=args.relay_id,
         advertise_url=args.advertise_url, max_queue_mb=args.max_queue_mb,
-        base_model_fingerprint=args.base_model_fingerprint, upstream_diffs=upstream_diffs,
+        base_model_fingerprint=args.base_model_fingerprint, upstream_diffs=upstream_diffs, site_model=args.site_model,
         forward=ForwardPolicy(interval=args.forward_interval, codec=args.forward_compression,
                               codec_config=codec_config, staleness_decay=base.staleness_decay))
     serve_relay(config, options)

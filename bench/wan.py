@@ -120,6 +120,15 @@ MODES: dict[str, Mode] = {
     "relays+adaptive (int8 both ways; fedbuff root x2)": Mode(
         AUTO, relays=["--forward-compression", "int8", "--upstream-pull-compression", "int8"], needs="--sync-budget",
         root={"aggregation": "fedbuff", "buffer_size": 2, "server_lr": 2.0}),
+    # each relay serves its site's model (the root's version plus the site's updates not yet in it) and forwards the
+    # sum of its workers' weighted deltas, the site's progress (coordinator/relay/site.py); the root averages the two
+    # sites' batches (FedBuff K=2), hierarchical FL's cloud round (docs/wan.md)
+    "relays+adaptive (int8 both ways; site model)": Mode(
+        AUTO, relays=["--forward-compression", "int8", "--upstream-pull-compression", "int8", "--site-model"],
+        needs="--sync-budget", root={"aggregation": "fedbuff", "buffer_size": 2}),
+    "relays+adaptive (int8 both ways; site model; fedasync root)": Mode(
+        AUTO, relays=["--forward-compression", "int8", "--upstream-pull-compression", "int8", "--site-model"],
+        needs="--sync-budget"),
     # the same with FedBuff at the root over the two relays' batches (each root step the mean of both), against
     # the FedAsync root's oscillation when the relays forward often (docs/wan.md, tenth run)
     "relays+adaptive (int8 upstream; fedbuff root)": Mode(AUTO, relays=["--forward-compression", "int8"],

@@ -86,11 +86,15 @@ def expert_weights(name: str) -> Response:
         return root_api._weights_diff(cast(Coordinator, r), name, worker_id)
     version = root_api._int_arg("version")  # the root's parsing: its 400 for ?version=abc or -1
     for attempt in range(3):  # the cache may replace the blob between the lookup and the open
-        cached = r.weights(name) if version is None else r.held_weights(name, version)
-        if cached is None:
-            return _weights_from_upstream(r, name, cast(int, version))
+        if version is None:
+            cached, path = r.weights_file(name, worker_id)
+        else:
+            cached = r.held_weights(name, version)
+            if cached is None:
+                return _weights_from_upstream(r, name, version)
+            path = r.blobs.path(cached.blob)
         try:
-            response = send_file(r.blobs.path(cached.blob), mimetype="application/octet-stream", etag=cached.etag,
+            response = send_file(path, mimetype="application/octet-stream", etag=cached.etag,
                                  conditional=True, download_name=f"{name}-v{cached.version}.safetensors", max_age=0)
             break
         except FileNotFoundError:

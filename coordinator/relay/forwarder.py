@@ -31,7 +31,9 @@ from compression.error_feedback import ErrorFeedback
 from compression.registry import make_codec
 from coordinator.adapters import stored_deltas
 from coordinator.aggregation import AggregationParams, Update, fedbuff
+from coordinator.aggregation.base import add_deltas
 from coordinator.blobs import BlobStore
+from coordinator.relay.site import SiteModel, sum_weighted
 from coordinator.relay.store import Batch, RelayStore
 from coordinator.relay.upstream import UpstreamClient, WeightsCache
 from protocol.errors import Conflict, FedMoEError, Unavailable
@@ -77,13 +79,15 @@ def combine(updates: list[tuple[dict[str, Any], StateDict | Any]], manifest: lis
 class Forwarder:
     def __init__(self, relay_id: str, store: RelayStore, blobs: BlobStore, upstream: UpstreamClient,
                  cache: WeightsCache, policy: ForwardPolicy, drop_unreferenced: Callable[[list[str]], None],
-                 report: Callable[[], None], blobs_guard: threading.RLock) -> None:
+                 report: Callable[[], None], blobs_guard: threading.RLock, site: SiteModel | None = None) -> None:
         self.relay_id, self.epoch = relay_id, store.epoch()
         self.store, self.blobs, self.upstream, self.cache = store, blobs, upstream, cache
         self.policy = policy
         self.drop_unreferenced = drop_unreferenced
         self.report = report
         self.blobs_guard = blobs_guard
+        self.site = site
+        """With a site model, a batch is the sum of its members' weighted deltas (coordinator/relay/site.py)."""
         self._codec = None if policy.codec == RAW_CODEC else make_codec(policy.codec, policy.codec_config or {})
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -175,7 +179,8 @@ class Forwarder:
         manifest = read_header(self.blobs.path(cached.blob)).manifest
         deltas = [(u.meta, stored_deltas(self.blobs.path(u.blob), u.meta["codec"], u.meta["codec_config"], manifest))
                   for u in queued]
-        combined = combine(deltas, manifest, cached.version, self.policy.staleness_decay)
+        combined = (sum_weighted(deltas, manifest) if self.site is not None
+                    else combine(deltas, manifest, cached.version, self.policy.staleness_decay))
         seq = self.store.next_seq(expert)
         payload, residual = self._encode(expert, combined, manifest, seq)
         samples = sum(u.meta["num_samples"] for u in queued)
@@ -209,7 +214,7 @@ class Forwarder:
         """Push ``batch`` upstream; FORWARDED, REFUSED (for good, dropped) or SUPERSEDED (rebuild now)."""
         payload = self.blobs.path(batch.blob).read_bytes()
         try:
-            self.upstream.push_update(batch.expert, payload, batch.meta)
+            status = self.upstream.push_update(batch.expert, payload, batch.meta)
         except Unavailable:
             raise
         except Conflict as exc:
@@ -220,10 +225,21 @@ class Forwarder:
             return self._refused(batch, exc)
         except FedMoEError as exc:
             return self._refused(batch, exc)
+        if self.site is not None:
+            self.site.forwarded(batch.expert, batch.update_id, self._decoded(batch), status.get("applied_version"))
         self.drop_unreferenced(self.store.batch_done(batch, "forwarded"))
         log.info("forwarded %s upstream (%d bytes for %d worker update(s))", batch.update_id, batch.size,
                  batch.members)
         return FORWARDED
+
+    def _decoded(self, batch: Batch) -> StateDict:
+        """What the root decodes of ``batch`` (its payload through the forward codec), in fp32."""
+        cached = self.cache.get(batch.expert)
+        manifest = read_header(self.blobs.path(cached.blob)).manifest
+        total = {name: torch.zeros(shape, dtype=torch.float32) for name, shape in manifest}
+        add_deltas(total, [(stored_deltas(self.blobs.path(batch.blob), batch.meta["codec"],
+                                          batch.meta["codec_config"], manifest), 1.0)])
+        return total
 
     def _refused(self, batch: Batch, exc: FedMoEError) -> str:
         """Refused for good: retrying the same bytes cannot help."""
@@ -246,6 +262,8 @@ class Forwarder:
                     "pushed them again elsewhere): dropping them and re-sending the rest", len(elsewhere),
                     batch.members, batch.update_id)
         self.drop_unreferenced(self.store.supersede_batch(batch, elsewhere))
+        if self.site is not None:
+            self.site.reset(batch.expert)
 
     def flush(self) -> int:
         """Forward now (tests; the loop does this every interval)."""

@@ -17,13 +17,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from coordinator.adapters import checked_norm
+from coordinator.adapters import checked_norm, stored_deltas
 from coordinator.audit import Event
 from coordinator.blobs import BlobStore, storage_errors
 from coordinator.config import CoordinatorConfig
 from coordinator.diffs import DiffCache
 from coordinator.relay.diffs import CachedVersions
 from coordinator.relay.forwarder import Forwarder, ForwardPolicy
+from coordinator.relay.site import SITE_WEIGHT, SiteModel
 from coordinator.relay.store import APPLIED_ELSEWHERE, CachedWeights, RelayStore
 from coordinator.relay.upstream import DiffPulls, RelayStartError, UpstreamClient, WeightsCache
 from coordinator.service import check_body_size, liveness, receive_checked
@@ -57,6 +58,8 @@ class RelayConfig:
     """A worker's pull revalidates the cached weights upstream at most this often per expert."""
     upstream_diffs: DiffPulls | None = None
     """Fetch new versions as compressed diffs since the cached one (None: full weights, byte for byte the root's)."""
+    site_model: bool = False
+    """Serve the root's weights plus the site's updates not yet in them; forward their sum (coordinator/relay/site.py)."""
 
     def __post_init__(self) -> None:
         if not self.upstream.startswith(("http://", "https://")):
@@ -100,8 +103,10 @@ class RelayService:
         self.upstream = UpstreamClient(config.upstream, config.join_token, data_dir / "relay_token")
         self.cache = WeightsCache(self.store, self.blobs, self.upstream, config.revalidate_seconds,
                                   self.drop_unreferenced, diff_pulls=config.upstream_diffs)
+        self.site = (SiteModel(data_dir / "site", self.store, self.blobs, self.cache.get, self._applied_version,
+                               config.forward.staleness_decay) if config.site_model else None)
         self.forwarder = Forwarder(self.relay_id, self.store, self.blobs, self.upstream, self.cache, config.forward,
-                                   self.drop_unreferenced, self.report, self.blobs_guard)
+                                   self.drop_unreferenced, self.report, self.blobs_guard, self.site)
         self.versions = CachedVersions(self.cache, self.blobs)
         self.diffs = DiffCache(self.versions)
         self.bytes_served = 0
@@ -238,6 +243,16 @@ class RelayService:
     def weights(self, name: str) -> CachedWeights:
         return self.cache.get(name)
 
+    def weights_file(self, name: str, worker_id: str | None) -> tuple[CachedWeights, Path]:
+        """What a pull of the current weights is sent: the cached root version, or the site's weights."""
+        if self.site is not None:
+            return self.site.weights(name, worker_id)
+        cached = self.cache.get(name)
+        return cached, self.blobs.path(cached.blob)
+
+    def _applied_version(self, update_id: str) -> int | None:
+        return self.upstream.update_status(update_id).get("applied_version")
+
     def held_weights(self, name: str, version: int) -> CachedWeights | None:
         """Version ``version`` of the expert if this relay holds it (its current copy or a kept previous one)."""
         return self.store.cached_version(name, version)
@@ -245,6 +260,10 @@ class RelayService:
     def weights_diff(self, name: str, since: int, codec: str, codec_config: dict[str, Any]) -> tuple[bytes, int]:
         """As the root's ``Coordinator.weights_diff``, from the versions this relay holds (coordinator/relay/diffs.py):
         (payload, current version), an empty payload when ``since`` is current; NotFound when ``since`` is not held."""
+        if self.site is not None:
+            self.diffs_unavailable += 1
+            raise NotFound(f"this relay serves its site's weights of {name!r}, not the root's versions: pull them "
+                           "in full (over the site's network)")
         if since > self.cache.get(name).version:  # the worker saw a newer version elsewhere: catch up if due
             self.cache.get(name, wait=True)
         try:
@@ -302,6 +321,9 @@ class RelayService:
                 raise InvalidUpdate(f"update {meta.update_id!r} holds NaN or Inf values; it was not recorded",
                                     reason="not_finite")
             size = body.stat().st_size
+            stored = meta.to_json()
+            if self.site is not None:
+                stored[SITE_WEIGHT] = self.site.weight_for(name, meta.worker_id)
             with self._push_lock:
                 known = self.store.update(meta.update_id)  # a concurrent retry may have won
                 if known is not None:
@@ -310,10 +332,13 @@ class RelayService:
                 with self.blobs_guard, storage_errors(f"record update {meta.update_id!r}"):
                     blob = self.blobs.adopt(body, digest)
                     try:
-                        self.store.add_update(name, meta.to_json(), blob, size)
+                        self.store.add_update(name, stored, blob, size)
                     except (sqlite3.Error, OSError):
                         self.drop_unreferenced([blob])
                         raise
+            if self.site is not None:
+                self.site.added(name, stored_deltas(self.blobs.path(blob), meta.codec, meta.codec_config, manifest),
+                                stored[SITE_WEIGHT])
             self.forwarder.notify()
         finally:
             self.blobs.forget(body)

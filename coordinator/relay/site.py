@@ -1,0 +1,203 @@
+"""The site model: a relay that serves its workers the root's weights plus its site's progress not yet in them.
+
+Without it a relay is a pass-through for weights: its workers train on the root's newest version and only see
+each other's steps once the relay has forwarded them and a new root version has come back over the WAN
+(~7-10 s in bench.wan). What they push in the meantime are steps from the same weights, which the relay
+averages into one step's worth (FedBuff's mean): however many workers a site has, the root moves by about one
+averaged step per forwarded batch (docs/wan.md, "What bounds the time to target").
+
+With ``--site-model`` the relay keeps the edge model of hierarchical federated learning (HierFAVG: Liu et al.,
+"Client-Edge-Cloud Hierarchical Federated Learning", ICC 2020; its clients train on the edge server's model, and
+the edge's model is reset to the cloud's after each cloud round):
+
+    site = R + owed
+
+R is the root version the relay holds (its cache), ``owed`` the site's updates not yet in R: each worker update is
+added as it arrives, weighted ``s(tau) = 1 / (1 + decay * tau)`` with tau the site updates added since that worker
+last pulled (FedAsync inside the site, whose delays are a LAN's), so a worker's next pull already holds its own
+and its neighbours' steps. A forwarded batch is then the *sum* of its members' weighted deltas, the site's
+progress since the last batch (with a lossy forward codec plus error feedback, what the root decodes, E_b; the
+codec's residual stays owed). When the relay takes a new root version R' that includes batch b (the root's
+``applied_version``), ``owed`` drops E_b: the root decided how much of the site's progress to keep (averaged with
+the other sites' by FedBuff, discounted by staleness), and the site continues from that, HierFAVG's reset.
+
+The site's weights are served under the root's version number (a worker's ``base_version`` is never ahead of
+the root's, so one that fails over to the root pushes there as usual) and an ETag of their own bytes; diff pulls
+are not served (a 404: the worker pulls the full weights, over the site's LAN). Exactly-once is untouched: what
+is forwarded is built from the durable queue (each update's weight is recorded with it), and the site model is
+only what the workers train on, rebuilt from the queue, the pending batches and the residual after a restart.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from coordinator.adapters import stored_deltas
+from coordinator.aggregation.base import add_deltas, staleness_weight
+from coordinator.blobs import BlobStore
+from coordinator.relay.store import CachedWeights, RelayStore
+from protocol.errors import FedMoEError
+from protocol.streaming import read_header
+from protocol.tensors import StateDict, dumps, load_file, loads
+
+log = logging.getLogger(__name__)
+
+SITE_WEIGHT = "site_weight"
+"""Key of a worker update's weight in the site model, in the meta the relay records with it."""
+
+
+@dataclass
+class _Pending:
+    update_id: str
+    delta: StateDict
+    """What the root decodes of the batch (E_b)."""
+    applied_version: int | None = None
+
+
+@dataclass
+class _Site:
+    root: CachedWeights
+    owed: StateDict
+    counter: int = 0
+    """Changes of the site's weights so far (a worker's staleness inside the site is counted in them)."""
+    served: dict[str, int] = field(default_factory=dict)
+    """Each worker's counter when it last pulled."""
+    pending: list[_Pending] = field(default_factory=list)
+    """Batches forwarded whose inclusion in the held root version is not known yet."""
+    entry: CachedWeights | None = None
+    path: Path | None = None
+
+
+class SiteModel:
+    def __init__(self, directory: Path, store: RelayStore, blobs: BlobStore, root_weights: Callable[[str], CachedWeights],
+                 applied_version: Callable[[str], int | None], staleness_decay: float) -> None:
+        self.directory = directory
+        directory.mkdir(parents=True, exist_ok=True)
+        for stale in directory.glob("*.safetensors"):  # served before a restart: rebuilt on the first pull
+            stale.unlink(missing_ok=True)
+        self.store, self.blobs = store, blobs
+        self.root_weights = root_weights
+        self.applied_version = applied_version
+        """The root's applied_version of a forwarded batch (None: not applied yet, e.g. buffered)."""
+        self.staleness_decay = staleness_decay
+        self._sites: dict[str, _Site] = {}
+        self._lock = threading.RLock()
+
+    # what the relay's service calls ------------------------------------------------
+
+    def weights(self, name: str, worker_id: str | None) -> tuple[CachedWeights, Path]:
+        """The site's weights for a pull (and the file to send); the root's newer version taken in first."""
+        root = self.root_weights(name)
+        with self._lock:
+            site = self._site(name, root)
+            if root.version != site.root.version or root.etag != site.root.etag:
+                self._rebase(name, site, root)
+            if worker_id is not None:
+                site.served[worker_id] = site.counter
+            assert site.entry is not None and site.path is not None
+            return site.entry, site.path
+
+    def weight_for(self, name: str, worker_id: str | None) -> float:
+        """The weight of this worker's update in the site model: s(site changes since its last pull)."""
+        with self._lock:
+            site = self._sites.get(name)
+            if site is None or worker_id is None:
+                return 1.0
+            return staleness_weight(max(0, site.counter - site.served.get(worker_id, site.counter)),
+                                    self.staleness_decay)
+
+    def added(self, name: str, delta: Mapping[str, torch.Tensor], weight: float) -> None:
+        """A worker update was recorded durably: the site's weights include it from now on."""
+        with self._lock:
+            site = self._sites.get(name)
+            if site is None:  # not served yet: built from the queue on the first pull
+                return
+            add_deltas(site.owed, [(delta, weight)])
+            self._publish(name, site)
+
+    def forwarded(self, name: str, update_id: str, delta: StateDict, applied_version: int | None) -> None:
+        """Batch ``update_id`` reached the root, which decodes ``delta`` of it."""
+        with self._lock:
+            site = self._sites.get(name)
+            if site is not None:
+                site.pending.append(_Pending(update_id, delta, applied_version))
+
+    def reset(self, name: str) -> None:
+        """Rebuilt from the durable state on the next pull (a batch was superseded: its members are queued again)."""
+        with self._lock:
+            self._sites.pop(name, None)
+
+    # inside ----------------------------------------------------------------------
+
+    def _site(self, name: str, root: CachedWeights) -> _Site:
+        site = self._sites.get(name)
+        if site is None:
+            site = self._sites[name] = _Site(root, self._owed_from_store(name, root))
+            self._publish(name, site)
+        return site
+
+    def _owed_from_store(self, name: str, root: CachedWeights) -> StateDict:
+        """After a (re)start: the forward codec's residual, batches built but not sent, and the queued updates."""
+        manifest = read_header(self.blobs.path(root.blob)).manifest
+        owed = {n: torch.zeros(shape, dtype=torch.float32) for n, shape in manifest}
+        weighted: list[tuple[Mapping[str, torch.Tensor], float]] = []
+        residual = self.store.residual(name)
+        if residual is not None:
+            weighted.append((loads(self.blobs.path(residual).read_bytes()), 1.0))
+        batch = self.store.pending_batch(name)
+        if batch is not None:
+            weighted.append((stored_deltas(self.blobs.path(batch.blob), batch.meta["codec"],
+                                           batch.meta["codec_config"], manifest), 1.0))
+        for u in self.store.queued(name):
+            weighted.append((stored_deltas(self.blobs.path(u.blob), u.meta["codec"], u.meta["codec_config"], manifest),
+                             float(u.meta.get(SITE_WEIGHT, 1.0))))
+        add_deltas(owed, weighted)
+        return owed
+
+    def _rebase(self, name: str, site: _Site, root: CachedWeights) -> None:
+        """Take root version ``root``: batches it includes are no longer owed (HierFAVG's reset to the cloud)."""
+        still = []
+        for p in site.pending:
+            if p.applied_version is None:
+                try:
+                    p.applied_version = self.applied_version(p.update_id)
+                except FedMoEError as exc:  # upstream unreachable: ask again at the next version
+                    log.warning("could not ask upstream about batch %s: %s", p.update_id, exc)
+            if p.applied_version is not None and p.applied_version <= root.version:
+                add_deltas(site.owed, [(p.delta, -1.0)])
+            else:
+                still.append(p)
+        site.pending, site.root = still, root
+        self._publish(name, site)
+
+    def _publish(self, name: str, site: _Site) -> None:
+        """Write the site's weights R + owed (atomically, a new file each time: a pull may still be sending the last)."""
+        base = load_file(self.blobs.path(site.root.blob))
+        body = dumps({k: base[k] + site.owed[k].to(base[k].dtype) for k in base})
+        site.counter += 1
+        path = self.directory / f"{hashlib.sha256(name.encode()).hexdigest()[:16]}-{site.counter}.safetensors"
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_bytes(body)  # not fsynced: derived data, rebuilt after a crash
+        os.replace(tmp, path)
+        old = site.path
+        site.path = path
+        site.entry = CachedWeights(name, site.root.version, hashlib.sha256(body).hexdigest(), site.root.blob,
+                                   site.root.info)
+        if old is not None:
+            old.unlink(missing_ok=True)  # an open file is still sent whole (POSIX)
+
+
+def sum_weighted(updates: list[tuple[dict[str, Any], Mapping[str, torch.Tensor]]],
+                 manifest: list[tuple[str, tuple[int, ...]]]) -> StateDict:
+    """A site batch: the sum of its members' deltas, each with the weight it had in the site model."""
+    total = {name: torch.zeros(shape, dtype=torch.float32) for name, shape in manifest}
+    add_deltas(total, [(delta, float(meta.get(SITE_WEIGHT, 1.0))) for meta, delta in updates])
+    return total
