@@ -71,9 +71,9 @@ def serve_on_loopback(app):
 
 
 @contextmanager
-def relay_sites(tmp_path, **relay_settings: Any):
-    """A real root holding expert ``e1`` and a real relay ``r1`` under it (``RelayConfig`` settings
-    ``relay_settings``; forwarding only when a test asks), each on a loopback port. Yields (a client of the root
+def relay_sites(tmp_path, root: dict[str, Any] | None = None, **relay_settings: Any):
+    """A real root holding expert ``e1`` (``CoordinatorConfig`` settings ``root``) and a real relay ``r1`` under it
+    (``RelayConfig`` settings ``relay_settings``; forwarding only when a test asks), each on a loopback port. Yields (a client of the root
     registered as worker ``w-root``, the relay service, a client of the relay registered as ``w1``, the root URL)."""
     from coordinator.app import create_app
     from coordinator.config import CoordinatorConfig
@@ -83,7 +83,7 @@ def relay_sites(tmp_path, **relay_settings: Any):
     from protocol.client import CoordinatorClient
 
     base = {"id": "m", "fingerprint": FINGERPRINT}
-    root_app = create_app(CoordinatorConfig(data_dir=tmp_path / "root", gateway_interval=0))
+    root_app = create_app(CoordinatorConfig(data_dir=tmp_path / "root", gateway_interval=0, **(root or {})))
     root_server, root_url = serve_on_loopback(root_app)
     CoordinatorClient(root_url, token=root_app.extensions["fedmoe_auth"].admin_token).create_expert(
         "e1", make_adapter(), expert_spec())

@@ -87,20 +87,20 @@ def expert_weights(name: str) -> Response:
     version = root_api._int_arg("version")  # the root's parsing: its 400 for ?version=abc or -1
     for attempt in range(3):  # the cache may replace the blob between the lookup and the open
         if version is None:
-            cached, path = r.weights_file(name, worker_id)
+            cached, source = r.weights_file(name, worker_id)
         else:
-            cached = r.held_weights(name, version)
-            if cached is None:
+            held = r.held_weights(name, version)
+            if held is None:
                 return _weights_from_upstream(r, name, version)
-            path = r.blobs.path(cached.blob)
+            cached, source = held, r.blobs.path(held.blob)
         try:
-            response = send_file(path, mimetype="application/octet-stream", etag=cached.etag,
+            response = send_file(io.BytesIO(source) if isinstance(source, bytes) else source,
+                                 mimetype="application/octet-stream", etag=cached.etag,
                                  conditional=True, download_name=f"{name}-v{cached.version}.safetensors", max_age=0)
             break
         except FileNotFoundError:
             if attempt == 2:
                 raise Conflict(f"expert {name!r} kept changing while its weights were opened; pull again") from None
-    assert cached is not None  # the loop either served it or returned
     response.headers[VERSION_HEADER] = str(cached.version)
     if response.status_code in (200, 206):
         r.bytes_served += response.content_length or 0

@@ -103,7 +103,7 @@ class RelayService:
         self.upstream = UpstreamClient(config.upstream, config.join_token, data_dir / "relay_token")
         self.cache = WeightsCache(self.store, self.blobs, self.upstream, config.revalidate_seconds,
                                   self.drop_unreferenced, diff_pulls=config.upstream_diffs)
-        self.site = (SiteModel(data_dir / "site", self.store, self.blobs, self.cache.get, self._applied_version,
+        self.site = (SiteModel(self.store, self.blobs, self.cache.get, self._applied_version,
                                config.forward.staleness_decay) if config.site_model else None)
         self.forwarder = Forwarder(self.relay_id, self.store, self.blobs, self.upstream, self.cache, config.forward,
                                    self.drop_unreferenced, self.report, self.blobs_guard, self.site)
@@ -243,8 +243,8 @@ class RelayService:
     def weights(self, name: str) -> CachedWeights:
         return self.cache.get(name)
 
-    def weights_file(self, name: str, worker_id: str | None) -> tuple[CachedWeights, Path]:
-        """What a pull of the current weights is sent: the cached root version, or the site's weights."""
+    def weights_file(self, name: str, worker_id: str | None) -> tuple[CachedWeights, Path | bytes]:
+        """What a pull of the current weights is sent: the cached root version's file, or the site's weights."""
         if self.site is not None:
             return self.site.weights(name, worker_id)
         cached = self.cache.get(name)

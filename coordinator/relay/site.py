@@ -31,11 +31,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -73,16 +71,17 @@ class _Site:
     pending: list[_Pending] = field(default_factory=list)
     """Batches forwarded whose inclusion in the held root version is not known yet."""
     entry: CachedWeights | None = None
-    path: Path | None = None
+    body: bytes = b""
+    """The site's weights as served (safetensors bytes of R + owed)."""
+    base: StateDict | None = None
+    """R's tensors, read once per root version."""
+    dirty: bool = True
+    """Updates added since ``body`` was built: rebuilt on the next pull (several pushes, one rebuild)."""
 
 
 class SiteModel:
-    def __init__(self, directory: Path, store: RelayStore, blobs: BlobStore, root_weights: Callable[[str], CachedWeights],
+    def __init__(self, store: RelayStore, blobs: BlobStore, root_weights: Callable[[str], CachedWeights],
                  applied_version: Callable[[str], int | None], staleness_decay: float) -> None:
-        self.directory = directory
-        directory.mkdir(parents=True, exist_ok=True)
-        for stale in directory.glob("*.safetensors"):  # served before a restart: rebuilt on the first pull
-            stale.unlink(missing_ok=True)
         self.store, self.blobs = store, blobs
         self.root_weights = root_weights
         self.applied_version = applied_version
@@ -93,17 +92,19 @@ class SiteModel:
 
     # what the relay's service calls ------------------------------------------------
 
-    def weights(self, name: str, worker_id: str | None) -> tuple[CachedWeights, Path]:
-        """The site's weights for a pull (and the file to send); the root's newer version taken in first."""
+    def weights(self, name: str, worker_id: str | None) -> tuple[CachedWeights, bytes]:
+        """The site's weights for a pull (entry and bytes); the root's newer version taken in first."""
         root = self.root_weights(name)
         with self._lock:
             site = self._site(name, root)
             if root.version != site.root.version or root.etag != site.root.etag:
-                self._rebase(name, site, root)
+                self._rebase(site, root)
+            if site.dirty:
+                self._publish(name, site)
             if worker_id is not None:
                 site.served[worker_id] = site.counter
-            assert site.entry is not None and site.path is not None
-            return site.entry, site.path
+            assert site.entry is not None
+            return site.entry, site.body
 
     def weight_for(self, name: str, worker_id: str | None) -> float:
         """The weight of this worker's update in the site model: s(site changes since its last pull)."""
@@ -121,7 +122,8 @@ class SiteModel:
             if site is None:  # not served yet: built from the queue on the first pull
                 return
             add_deltas(site.owed, [(delta, weight)])
-            self._publish(name, site)
+            site.counter += 1
+            site.dirty = True
 
     def forwarded(self, name: str, update_id: str, delta: StateDict, applied_version: int | None) -> None:
         """Batch ``update_id`` reached the root, which decodes ``delta`` of it."""
@@ -141,7 +143,6 @@ class SiteModel:
         site = self._sites.get(name)
         if site is None:
             site = self._sites[name] = _Site(root, self._owed_from_store(name, root))
-            self._publish(name, site)
         return site
 
     def _owed_from_store(self, name: str, root: CachedWeights) -> StateDict:
@@ -162,7 +163,7 @@ class SiteModel:
         add_deltas(owed, weighted)
         return owed
 
-    def _rebase(self, name: str, site: _Site, root: CachedWeights) -> None:
+    def _rebase(self, site: _Site, root: CachedWeights) -> None:
         """Take root version ``root``: batches it includes are no longer owed (HierFAVG's reset to the cloud)."""
         still = []
         for p in site.pending:
@@ -175,24 +176,18 @@ class SiteModel:
                 add_deltas(site.owed, [(p.delta, -1.0)])
             else:
                 still.append(p)
-        site.pending, site.root = still, root
-        self._publish(name, site)
+        site.pending, site.root, site.base = still, root, None
+        site.counter += 1
+        site.dirty = True
 
     def _publish(self, name: str, site: _Site) -> None:
-        """Write the site's weights R + owed (atomically, a new file each time: a pull may still be sending the last)."""
-        base = load_file(self.blobs.path(site.root.blob))
-        body = dumps({k: base[k] + site.owed[k].to(base[k].dtype) for k in base})
-        site.counter += 1
-        path = self.directory / f"{hashlib.sha256(name.encode()).hexdigest()[:16]}-{site.counter}.safetensors"
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_bytes(body)  # not fsynced: derived data, rebuilt after a crash
-        os.replace(tmp, path)
-        old = site.path
-        site.path = path
-        site.entry = CachedWeights(name, site.root.version, hashlib.sha256(body).hexdigest(), site.root.blob,
+        """Build the served bytes of R + owed (kept in memory: rebuilt at most once per pull, ~45 ms for 9.8 MB)."""
+        if site.base is None:
+            site.base = load_file(self.blobs.path(site.root.blob))
+        site.body = dumps({k: v + site.owed[k].to(v.dtype) for k, v in site.base.items()})
+        site.entry = CachedWeights(name, site.root.version, hashlib.sha256(site.body).hexdigest(), site.root.blob,
                                    site.root.info)
-        if old is not None:
-            old.unlink(missing_ok=True)  # an open file is still sent whole (POSIX)
+        site.dirty = False
 
 
 def sum_weighted(updates: list[tuple[dict[str, Any], Mapping[str, torch.Tensor]]],
