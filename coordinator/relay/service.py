@@ -10,6 +10,7 @@ from urllib.parse import urlsplit
 
 import logging
 import socket
+from contextlib import AbstractContextManager, nullcontext
 import sqlite3
 import threading
 import time
@@ -329,20 +330,23 @@ class RelayService:
                 if known is not None:
                     return self._seen_before(known, name, digest, body), False
                 self.room_for(size)
-                with self.blobs_guard, storage_errors(f"record update {meta.update_id!r}"):
+                with self.blobs_guard, storage_errors(f"record update {meta.update_id!r}"), self._site_lock():
                     blob = self.blobs.adopt(body, digest)
                     try:
                         self.store.add_update(name, stored, blob, size)
                     except (sqlite3.Error, OSError):
                         self.drop_unreferenced([blob])
                         raise
-            if self.site is not None:
-                self.site.added(name, stored_deltas(self.blobs.path(blob), meta.codec, meta.codec_config, manifest),
-                                stored[SITE_WEIGHT])
+                    if self.site is not None:
+                        self.site.added(name, stored_deltas(self.blobs.path(blob), meta.codec, meta.codec_config,
+                                                            manifest), stored[SITE_WEIGHT])
             self.forwarder.notify()
         finally:
             self.blobs.forget(body)
         return self.update_status(meta.update_id), True
+
+    def _site_lock(self) -> AbstractContextManager[Any]:
+        return self.site.lock if self.site is not None else nullcontext()
 
     def _seen_before(self, known: dict[str, Any], name: str, digest: str, body: Path) -> dict[str, Any]:
         if known["expert"] != name:

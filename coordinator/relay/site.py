@@ -88,14 +88,16 @@ class SiteModel:
         """The root's applied_version of a forwarded batch (None: not applied yet, e.g. buffered)."""
         self.staleness_decay = staleness_decay
         self._sites: dict[str, _Site] = {}
-        self._lock = threading.RLock()
+        self.lock = threading.RLock()
+        """Held by the relay while it records a worker update and adds it here: a site built from the queue
+        meanwhile would count it twice."""
 
     # what the relay's service calls ------------------------------------------------
 
     def weights(self, name: str, worker_id: str | None) -> tuple[CachedWeights, bytes]:
         """The site's weights for a pull (entry and bytes); the root's newer version taken in first."""
         root = self.root_weights(name)
-        with self._lock:
+        with self.lock:
             site = self._site(name, root)
             if root.version != site.root.version or root.etag != site.root.etag:
                 self._rebase(site, root)
@@ -108,7 +110,7 @@ class SiteModel:
 
     def weight_for(self, name: str, worker_id: str | None) -> float:
         """The weight of this worker's update in the site model: s(site changes since its last pull)."""
-        with self._lock:
+        with self.lock:
             site = self._sites.get(name)
             if site is None or worker_id is None:
                 return 1.0
@@ -117,7 +119,7 @@ class SiteModel:
 
     def added(self, name: str, delta: Mapping[str, torch.Tensor], weight: float) -> None:
         """A worker update was recorded durably: the site's weights include it from now on."""
-        with self._lock:
+        with self.lock:
             site = self._sites.get(name)
             if site is None:  # not served yet: built from the queue on the first pull
                 return
@@ -127,14 +129,20 @@ class SiteModel:
 
     def forwarded(self, name: str, update_id: str, delta: StateDict, applied_version: int | None) -> None:
         """Batch ``update_id`` reached the root, which decodes ``delta`` of it."""
-        with self._lock:
+        with self.lock:
             site = self._sites.get(name)
-            if site is not None:
+            if site is None:
+                return
+            if applied_version is not None and applied_version <= site.root.version:  # already taken in
+                add_deltas(site.owed, [(delta, -1.0)])
+                site.counter += 1
+                site.dirty = True
+            else:
                 site.pending.append(_Pending(update_id, delta, applied_version))
 
     def reset(self, name: str) -> None:
         """Rebuilt from the durable state on the next pull (a batch was superseded: its members are queued again)."""
-        with self._lock:
+        with self.lock:
             self._sites.pop(name, None)
 
     # inside ----------------------------------------------------------------------
