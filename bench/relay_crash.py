@@ -58,9 +58,12 @@ def free_port() -> int:
 class PushingClient(threading.Thread):
     """One worker: pushes until told to stop, each update retried (same id, same bytes) until acknowledged."""
 
-    def __init__(self, url: str, join_token: str, index: int, seed: int, stop: threading.Event) -> None:
+    def __init__(self, url: str, join_token: str, index: int, seed: int, stop: threading.Event,
+                 pull: bool = False) -> None:
         super().__init__(daemon=True)
         self.url, self.index, self.stop_event = url, index, stop
+        self.pull = pull
+        """Pull the weights after each acknowledged push, as a worker does (a --site-model relay builds them then)."""
         self.rng = random.Random(seed * 1000 + index)
         self.worker_id = f"crash-w{index}"
         self.acked: dict[str, int] = {}
@@ -82,6 +85,17 @@ class PushingClient(threading.Thread):
             samples = self.rng.randint(1, 1000)
             body = dumps(tiny_adapter(self.rng.randint(0, 10**6), 0.01))
             self._push_until_acked(update_id, samples, body)
+            if self.pull:
+                self._pull()
+
+    def _pull(self) -> None:
+        try:
+            r = requests.get(f"{self.url}/api/v1/experts/{EXPERT}/weights", timeout=30,
+                             headers={"Authorization": f"Bearer {self.token}", "X-FedMoE-Worker": self.worker_id})
+        except requests.RequestException:
+            return  # the relay is down: the next sync pulls again
+        if r.status_code >= 500 and r.status_code not in (503, 507):
+            self.server_errors.append(f"pull: {r.status_code} {r.text[:200]}")
 
     def _push_until_acked(self, update_id: str, samples: int, body: bytes) -> None:
         meta = {"update_id": update_id, "base_version": 0, "num_samples": samples, "worker_id": self.worker_id}
@@ -103,7 +117,7 @@ class PushingClient(threading.Thread):
 
 
 def run(kills: int = 20, clients: int = 3, seed: int = 0, max_uptime: float = 1.5, work_dir: Path | None = None,
-        settle_timeout: float = 60.0) -> dict[str, Any]:
+        settle_timeout: float = 60.0, site_model: bool = False) -> dict[str, Any]:
     rng = random.Random(seed)
     work_dir = Path(work_dir or tempfile.mkdtemp(prefix="relay-crash-"))
     root = CoordinatorProcess(work_dir / "root", "--staleness-decay", "0", "--rate-limit", "0")
@@ -116,7 +130,7 @@ def run(kills: int = 20, clients: int = 3, seed: int = 0, max_uptime: float = 1.
         relay = CoordinatorProcess(work_dir / "relay", "--port", str(port), "--upstream", root.url,
                                    "--join-token-file", str(work_dir / "join"), "--forward-interval", "0.2",
                                    "--relay-id", "crash-relay", "--rate-limit", "0", "--staleness-decay", "0",
-                                   new_session=True)
+                                   *(["--site-model"] if site_model else []), new_session=True)
         relay.start()
         body = dumps(tiny_adapter(seed))
         created = requests.put(f"{root.url}/api/v1/experts/{EXPERT}", data=body, timeout=30,
@@ -124,7 +138,7 @@ def run(kills: int = 20, clients: int = 3, seed: int = 0, max_uptime: float = 1.
                                         DIGEST_HEADER: digest_header(body)})
         created.raise_for_status()
         stop = threading.Event()
-        pushers = [PushingClient(relay.url, join_token, i, seed, stop) for i in range(clients)]
+        pushers = [PushingClient(relay.url, join_token, i, seed, stop, pull=site_model) for i in range(clients)]
         for p in pushers:
             p.start()
         restarts = []
@@ -170,8 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kills", type=int, default=20)
     p.add_argument("--clients", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--site-model", action="store_true", help="the relay with --site-model; clients pull after each push")
     args = p.parse_args(argv)
-    report = run(args.kills, args.clients, args.seed)
+    report = run(args.kills, args.clients, args.seed, site_model=args.site_model)
     restarts = sorted(report["restart_s"])
     print(format_table(["kills", "pushes acked", "samples acked", "root samples", "root updates", "restart s (median)"],
                        [[report["kills"], report["pushes_acknowledged"], report["samples_acknowledged"],
