@@ -75,3 +75,4 @@ def test_bad_settings_are_refused_with_the_flag_named():
         DiffPulls("nope")
     with pytest.raises(ValueError, match="--upstream-full-pull-every must be >= 1"):
         DiffPulls("int8", full_every=0)
+
