@@ -19,7 +19,11 @@ uplink. Modes (``MODES``; the defaults are per base model, ``DEFAULT_MODES``):
 - on smollm2-135m: ``flat randomk+terngrad`` (the best fixed codec measured on that model: random-k
   10% + TernGrad, unbiased, no error feedback, each worker its own selection seed), and
   ``relays+adaptive (int8 upstream)`` (the relays' long link in int8 with error feedback, +0.00% on
-  smollm2-135m in docs/benchmarks.md, where top-k + int8 kept ~10% of the gain).
+  smollm2-135m in docs/benchmarks.md, where top-k + int8 kept ~10% of the gain);
+- ``relays+adaptive (int8 both ways; site model)``: the relays also fetch root versions as int8 diffs and serve
+  their site's model (``--site-model``: the root's version plus the site's updates not yet in it; a batch is the
+  site's summed progress), and the root averages the two sites' batches (FedBuff K=2), hierarchical FL's
+  edge/cloud rounds: the smollm2 default for relays + adaptive (docs/wan.md).
 
 Two regimes. tiny-qwen2 (``--quick``, and the default) is compute-bound: a 150 KB update is ~8% of
 a sync. ``--base-model smollm2-135m`` is built to be link-bound: a 9.8 MB LoRA update (rank 8, all
@@ -136,7 +140,7 @@ MODES: dict[str, Mode] = {
                                                           root={"aggregation": "fedbuff", "buffer_size": 2}),
 }
 DEFAULT_MODES = {"tiny-qwen2": ["flat", "flat topk+int8", "relays + topk+int8 upstream", "relays+adaptive"],
-                 "smollm2-135m": ["flat", "flat randomk+terngrad", "relays", "relays+adaptive (int8 upstream)"]}
+                 "smollm2-135m": ["flat", "flat randomk+terngrad", "relays", "relays+adaptive (int8 both ways; site model)"]}
 
 
 @dataclass(frozen=True)
