@@ -67,6 +67,8 @@ class PushingClient(threading.Thread):
         self.rng = random.Random(seed * 1000 + index)
         self.worker_id = f"crash-w{index}"
         self.acked: dict[str, int] = {}
+        self.pulled = 0
+        """Pulls answered with weights (a dropped connection while the relay is down is not one)."""
         self.server_errors: list[str] = []
         self.token = self._register(join_token)
 
@@ -96,6 +98,8 @@ class PushingClient(threading.Thread):
             return  # the relay is down: the next sync pulls again
         if r.status_code >= 500 and r.status_code not in (503, 507):
             self.server_errors.append(f"pull: {r.status_code} {r.text[:200]}")
+        elif r.status_code == 200 and r.content:
+            self.pulled += 1
 
     def _push_until_acked(self, update_id: str, samples: int, body: bytes) -> None:
         meta = {"update_id": update_id, "base_version": 0, "num_samples": samples, "worker_id": self.worker_id}
@@ -161,7 +165,7 @@ def run(kills: int = 20, clients: int = 3, seed: int = 0, max_uptime: float = 1.
     return {"kills": kills, "clients": clients, "seed": seed, "pushes_acknowledged": len(acked),
             "samples_acknowledged": expected, "root_samples_seen": seen, "root_updates_applied":
             expert["updates_applied"], "restart_s": restarts,
-            "server_errors": [e for p in pushers for e in p.server_errors],
+            "server_errors": [e for p in pushers for e in p.server_errors], "pulls_answered": sum(p.pulled for p in pushers),
             "relay_stats": tree[0]["stats"] if tree else {}}
 
 

@@ -215,7 +215,13 @@ class BufferingFront:
 
         result = self.app(environ, start_response)
         if type(result) is FileBody:
-            answer.file = result
+            if _has_fileno(result.filelike):
+                answer.file = result
+                return answer
+            try:  # an in-memory file (send_file(io.BytesIO(...))): its bytes, as one chunk (sendfile needs a fd)
+                answer.chunks.append(result.filelike.read())
+            finally:
+                result.close()
             return answer
         try:
             answer.chunks.extend(chunk for chunk in result if chunk)
@@ -582,6 +588,14 @@ def no_delay(sock: Any) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError:  # the connection is already gone: serving it fails on its own
             pass
+
+
+def _has_fileno(f: BinaryIO) -> bool:
+    try:
+        f.fileno()
+    except (AttributeError, OSError, io.UnsupportedOperation):
+        return False
+    return True
 
 
 def _declared_length(headers: list[tuple[str, str]], default: int) -> int:
