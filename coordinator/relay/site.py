@@ -98,6 +98,11 @@ class SiteModel:
         """The site's weights for a pull (entry and bytes); the root's newer version taken in first."""
         root = self.root_weights(name)
         with self.lock:
+            site = self._sites.get(name)
+            unknown = [] if site is None or root.version == site.root.version else \
+                [p for p in site.pending if p.applied_version is None]
+        self._ask_upstream(unknown)  # not under the lock: pushes are recorded meanwhile
+        with self.lock:
             site = self._site(name, root)
             if root.version != site.root.version or root.etag != site.root.etag:
                 self._rebase(site, root)
@@ -171,15 +176,18 @@ class SiteModel:
         add_deltas(owed, weighted)
         return owed
 
+    def _ask_upstream(self, pending: list[_Pending]) -> None:
+        """Which root version applied each of these batches (a FedBuff root answers a push before it applies it)."""
+        for p in pending:
+            try:
+                p.applied_version = self.applied_version(p.update_id)
+            except FedMoEError as exc:  # upstream unreachable: ask again at the next version
+                log.warning("could not ask upstream about batch %s: %s", p.update_id, exc)
+
     def _rebase(self, site: _Site, root: CachedWeights) -> None:
         """Take root version ``root``: batches it includes are no longer owed (HierFAVG's reset to the cloud)."""
         still = []
         for p in site.pending:
-            if p.applied_version is None:
-                try:
-                    p.applied_version = self.applied_version(p.update_id)
-                except FedMoEError as exc:  # upstream unreachable: ask again at the next version
-                    log.warning("could not ask upstream about batch %s: %s", p.update_id, exc)
             if p.applied_version is not None and p.applied_version <= root.version:
                 add_deltas(site.owed, [(p.delta, -1.0)])
             else:
