@@ -109,10 +109,17 @@ def expert_weights(name: str) -> Response:
 
 def _weights_from_upstream(r: RelayService, name: str, version: int) -> Response:
     """Version ``version``, which this relay does not hold, fetched upstream and passed on (not kept: the cache
-    holds the newest versions, the bases of diff pulls). Conditional and Range requests are answered here."""
-    body, etag = r.upstream.version_body(name, version)
-    response = send_file(io.BytesIO(body), mimetype="application/octet-stream", etag=etag or False,
-                         conditional=True, download_name=f"{name}-v{version}.safetensors", max_age=0)
+    holds the newest versions, the bases of diff pulls). A client's If-None-Match goes upstream with it (a 304
+    costs no body over the long link); Range requests are answered here. Fetched bytes count as fetched."""
+    body, etag = r.upstream.version_body(name, version, request.headers.get("If-None-Match"))
+    if body is None:
+        response = Response(status=304)
+        if etag:
+            response.set_etag(etag)
+    else:
+        r.cache.bytes_fetched += len(body)
+        response = send_file(io.BytesIO(body), mimetype="application/octet-stream", etag=etag or False,
+                             conditional=True, download_name=f"{name}-v{version}.safetensors", max_age=0)
     response.headers[VERSION_HEADER] = str(version)
     return response
 

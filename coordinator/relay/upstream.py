@@ -104,11 +104,18 @@ class UpstreamClient(CoordinatorClient):
             return None, version, etag
         return bytes(_read_body(r, self.base_url)), version, r.headers.get("ETag", "").strip('"') or None
 
-    def version_body(self, name: str, version: int) -> tuple[bytes, str | None]:
-        """(body, ETag) of version ``version`` of the expert's weights, as raw bytes; the upstream's errors as
-        they are (NotFound for a version it does not keep)."""
-        r = self._request("GET", f"/experts/{name}/weights", params={"version": str(version)}, stream=True)
-        return bytes(_read_body(r, self.base_url)), r.headers.get("ETag", "").strip('"') or None
+    def version_body(self, name: str, version: int, if_none_match: str | None = None) -> tuple[bytes | None, str | None]:
+        """(body, ETag) of version ``version`` of the expert's weights, as raw bytes (None: the upstream's 304 to
+        ``if_none_match``, a client's header passed on); the upstream's errors as they are (NotFound for a
+        version it does not keep)."""
+        headers = {"If-None-Match": if_none_match} if if_none_match else {}
+        r = self._request("GET", f"/experts/{name}/weights", params={"version": str(version)}, headers=headers,
+                          stream=True)
+        etag = r.headers.get("ETag", "").strip('"') or None
+        if r.status_code == 304:
+            r.close()
+            return None, etag
+        return bytes(_read_body(r, self.base_url)), etag
 
     def create_expert_from_file(self, name: str, body: Path, spec: dict[str, Any]):
         """PUT the expert's initial adapter (a received file) upstream; the response (201 or 200)."""

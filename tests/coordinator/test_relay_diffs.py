@@ -184,8 +184,15 @@ def test_a_full_pull_of_a_version_is_that_version_held_here_or_fetched_upstream_
     assert mine.status_code == 200 and mine.content == roots.content and mine.headers["ETag"] == roots.headers["ETag"]
     assert mine.headers["X-FedMoE-Version"] == "2" and len(upstream_calls) == 1
     pulled = at_relay.pull_weights("e1", version=2, worker_id="w1")  # a client checks the ETag against the bytes
+    fetched, bodies = relay.cache.bytes_fetched, []
+    original = relay.upstream.version_body
+    relay.upstream.version_body = lambda *a: bodies.append(original(*a)[0]) or original(*a)
     assert pulled.version == 2 and at_relay.pull_weights("e1", etag=pulled.etag, version=2, worker_id="w1").tensors \
-        is None  # If-None-Match: 304, passed on
+        is None  # If-None-Match: passed upstream, whose 304 comes back without a body over the long link
+    relay.upstream.version_body = original
+    assert bodies == [None] and relay.cache.bytes_fetched == fetched
+    assert raw_get(at_relay, "w1", version=2).content == roots.content
+    assert relay.cache.bytes_fetched == fetched + len(roots.content)  # a body fetched counts as fetched
     assert relay.store.cached_versions("e1") == [0, 1, 3]  # nothing kept of it
 
     mine, roots = raw_get(at_relay, "w1", version=99), raw_get(at_root, "w-root", version=99)
