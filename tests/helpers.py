@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import uuid
 from contextlib import contextmanager
 from typing import Any
@@ -125,3 +126,35 @@ def relay_fetches(relay) -> int:
     version = relay.cache.get("e1", wait=True).version
     relay.cache.revalidate_seconds = 1e9
     return version
+
+
+def run_main(main, *argv: str) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of a command's ``main(argv)`` run in this test process, as ``sys.exit(main())``
+    would end it: a subprocess spends ~2-6 CPU s importing torch, transformers and peft before its first line.
+    A command's ``__main__`` path itself (the import, no traceback) stays checked through one subprocess per
+    command; this is for its other cases. The root logger, every logger's level and torch's thread count are put
+    back afterwards (bench commands configure logging and set one thread)."""
+    import contextlib
+    import io
+    import logging
+
+    levels = {name: logger.level for name, logger in logging.root.manager.loggerDict.items()
+              if isinstance(logger, logging.Logger)}
+    root_level, root_handlers, threads = logging.root.level, list(logging.root.handlers), torch.get_num_threads()
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(argv))
+            except SystemExit as exc:  # argparse's errors, SystemExit("message")
+                if isinstance(exc.code, str):
+                    print(exc.code, file=sys.stderr)
+                code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+    finally:
+        for name, logger in logging.root.manager.loggerDict.items():
+            if isinstance(logger, logging.Logger):
+                logger.setLevel(levels.get(name, logging.NOTSET))
+        logging.root.setLevel(root_level)
+        logging.root.handlers[:] = root_handlers
+        torch.set_num_threads(threads)
+    return code or 0, out.getvalue(), err.getvalue()
