@@ -132,15 +132,21 @@ def run_main(main, *argv: str) -> tuple[int, str, str]:
     """(exit code, stdout, stderr) of a command's ``main(argv)`` run in this test process, as ``sys.exit(main())``
     would end it: a subprocess spends ~2-6 CPU s importing torch, transformers and peft before its first line.
     A command's ``__main__`` path itself (the import, no traceback) stays checked through one subprocess per
-    command; this is for its other cases. The root logger, every logger's level and torch's thread count are put
-    back afterwards (bench commands configure logging and set one thread)."""
+    command; this is for its other cases. Every logger's level and handlers and torch's thread count are put
+    back afterwards (bench commands configure logging and set one thread), and so are the environment variables
+    (run_worker --threads sets OMP_NUM_THREADS and others for its children)."""
     import contextlib
     import io
     import logging
+    import os
 
-    levels = {name: logger.level for name, logger in logging.root.manager.loggerDict.items()
-              if isinstance(logger, logging.Logger)}
-    root_level, root_handlers, threads = logging.root.level, list(logging.root.handlers), torch.get_num_threads()
+    def loggers() -> list[logging.Logger]:
+        return [logging.root, *(logger for logger in logging.root.manager.loggerDict.values()
+                                if isinstance(logger, logging.Logger))]
+
+    saved = {logger: (logger.level, list(logger.handlers), logger.propagate) for logger in loggers()}
+    threads = torch.get_num_threads()
+    environ = dict(os.environ)
     out, err = io.StringIO(), io.StringIO()
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -151,10 +157,12 @@ def run_main(main, *argv: str) -> tuple[int, str, str]:
                     print(exc.code, file=sys.stderr)
                 code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
     finally:
-        for name, logger in logging.root.manager.loggerDict.items():
-            if isinstance(logger, logging.Logger):
-                logger.setLevel(levels.get(name, logging.NOTSET))
-        logging.root.setLevel(root_level)
-        logging.root.handlers[:] = root_handlers
+        for logger in loggers():  # a logger first made by the command goes back to NOTSET, no handlers
+            level, handlers, propagate = saved.get(logger, (logging.NOTSET, [], True))
+            logger.setLevel(level)
+            logger.handlers[:] = handlers
+            logger.propagate = propagate
         torch.set_num_threads(threads)
+        os.environ.clear()
+        os.environ.update(environ)
     return code or 0, out.getvalue(), err.getvalue()
