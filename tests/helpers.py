@@ -128,13 +128,13 @@ def relay_fetches(relay) -> int:
     return version
 
 
-def run_main(main, *argv: str) -> tuple[int, str, str]:
+def run_main(main, *argv: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
     """(exit code, stdout, stderr) of a command's ``main(argv)`` run in this test process, as ``sys.exit(main())``
     would end it: a subprocess spends ~2-6 CPU s importing torch, transformers and peft before its first line.
     A command's ``__main__`` path itself (the import, no traceback) stays checked through one subprocess per
     command; this is for its other cases. Every logger's level and handlers and torch's thread count are put
     back afterwards (bench commands configure logging and set one thread), and so are the environment variables
-    (run_worker --threads sets OMP_NUM_THREADS and others for its children)."""
+    (run_worker --threads sets OMP_NUM_THREADS and others for its children); ``env`` adds some for the call."""
     import contextlib
     import io
     import logging
@@ -147,6 +147,7 @@ def run_main(main, *argv: str) -> tuple[int, str, str]:
     saved = {logger: (logger.level, list(logger.handlers), logger.propagate) for logger in loggers()}
     threads = torch.get_num_threads()
     environ = dict(os.environ)
+    os.environ.update(env or {})
     out, err = io.StringIO(), io.StringIO()
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
