@@ -43,7 +43,7 @@ def test_two_worker_processes_train_their_experts_and_the_gateway_loads(start_co
     workers = {}
     for specialty in ("python_expert", "sql_expert"):
         cmd = [sys.executable, str(ROOT / "run_worker.py"), "--coordinator-url", url, "--specialty", specialty,
-               "--base-model", "tiny-qwen2", "--duration", "14", "--sync-interval", "4",
+               "--base-model", "tiny-qwen2", "--duration", "10", "--sync-interval", "3",
                "--lora-rank", "4", "--results", str(tmp_path / f"{specialty}.jsonl"),
                "--state-dir", str(tmp_path / f"{specialty}.state")]
         cmd += ["--log-format", "json"] if specialty == "sql_expert" else []
@@ -56,7 +56,7 @@ def test_two_worker_processes_train_their_experts_and_the_gateway_loads(start_co
 
     client = CoordinatorClient(url)
     listed = {w["specialty"]: w for w in client.list_workers()}
-    assert {s: (w["status"], w["sync_interval"]) for s, w in listed.items()} == {s: ("alive", 4) for s in workers}
+    assert {s: (w["status"], w["sync_interval"]) for s, w in listed.items()} == {s: ("alive", 3) for s in workers}
     assert all(w["bytes_up"] > 0 and w["bytes_down"] > 0 for w in listed.values())
     experts = {e["name"]: e for e in client.list_experts()}
     for specialty in workers:
