@@ -27,30 +27,21 @@ import time
 
 import pytest
 
-from tests.e2e.conftest import LISTENING, ROOT, admin_headers, spawn
+from tests.e2e.conftest import admin_headers, module_coordinator
 
 MiB = 1 << 20
-
-
-def _coordinator(tmp_path_factory, *flags: str):
-    data_dir = tmp_path_factory.mktemp("coordinator")
-    process = spawn(str(ROOT / "run_coordinator.py"), "--host", "127.0.0.1", "--port", "0", "--data-dir", str(data_dir), *flags)
-    try:
-        yield process.wait_for(LISTENING).group(1)
-    finally:
-        process.stop()
 
 
 @pytest.fixture(scope="module")
 def stall_3s(tmp_path_factory):
     """One coordinator with --socket-timeout 3 for the tests that only need their answer (a start is ~2 CPU s)."""
-    yield from _coordinator(tmp_path_factory, "--socket-timeout", "3")
+    yield from module_coordinator(tmp_path_factory, "--socket-timeout", "3")
 
 
 @pytest.fixture(scope="module")
 def default_flags(tmp_path_factory):
     """One coordinator with the default flags, likewise shared."""
-    yield from _coordinator(tmp_path_factory)
+    yield from module_coordinator(tmp_path_factory)
 
 
 def _head(port: int, path: str, length: int, token: str | None = None) -> socket.socket:
