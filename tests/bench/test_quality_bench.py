@@ -164,7 +164,8 @@ def test_a_median_ignores_one_scaled_attacker_among_three():
 
 
 def test_compression_quick_run(tmp_path):
-    report, stdout = quick(tmp_path, "quality_compression")
+    # in this process: the module's command line is test_a_bad_compression_flag_from_the_command_line_...'s
+    report, stdout = quick(tmp_path, "quality_compression", in_process=True)
     assert report["base_model"] == SMOKE_MODEL
     codecs = report["summary"]["codecs"]
     fp32, int8 = codecs["safetensors"], next(v for k, v in codecs.items() if k.startswith("int8"))
@@ -286,9 +287,10 @@ def test_fvc_sweep_arms_parse_or_say_why():
 def test_fvc_sweep_scores_validation_only(tmp_path):
     out = tmp_path / "sweep.json"
     arms = ["central", "central:lr=0.02", "fed:rounds=1,steps=2"]
-    proc = subprocess.run([sys.executable, "-m", "bench.fvc_sweep", "--quick", "--total-steps", "6", "--arms", *arms,
-                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # in this process (tests.helpers.run_main); the command line is the bad flag's below, from the shell
+    code, stdout, stderr = run_main(importlib.import_module("bench.fvc_sweep").main, "--quick", "--total-steps", "6",
+                                    "--arms", *arms, "--out", str(out))
+    assert code == 0, stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["split"] == "validation" and report["validation_problems"] == 8
     summary = report["summary"]
@@ -297,7 +299,7 @@ def test_fvc_sweep_scores_validation_only(tmp_path):
     assert summary["arms"][best]["vs_best_central_pct"] == 0
     assert all(v["loss"] < summary["base_validation"]["loss"] for v in summary["arms"].values())
     assert summary["arms"]["central lr preset"]["loss"] != summary["arms"]["central lr 0.02"]["loss"]
-    assert report["cost"]["train_steps"] == 18 and best in proc.stdout
+    assert report["cost"]["train_steps"] == 18 and best in stdout
     assert planned("fvc_sweep", "--quick", "--total-steps", "6", "--arms", *arms) == (
         report["cost"]["train_steps"], report["cost"]["eval_examples"])
     bad = subprocess.run([sys.executable, "-m", "bench.fvc_sweep", "--arms", "fed:steps=5"], cwd=ROOT,
