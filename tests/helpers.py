@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import uuid
 from contextlib import contextmanager
 from typing import Any
@@ -125,3 +126,44 @@ def relay_fetches(relay) -> int:
     version = relay.cache.get("e1", wait=True).version
     relay.cache.revalidate_seconds = 1e9
     return version
+
+
+def run_main(main, *argv: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of a command's ``main(argv)`` run in this test process, as ``sys.exit(main())``
+    would end it: a subprocess spends ~2-6 CPU s importing torch, transformers and peft before its first line.
+    A command's ``__main__`` path itself (the import, no traceback) stays checked through one subprocess per
+    command; this is for its other cases. Every logger's level and handlers and torch's thread count are put
+    back afterwards (bench commands configure logging and set one thread), and so are the environment variables
+    (run_worker --threads sets OMP_NUM_THREADS and others for its children); ``env`` adds some for the call."""
+    import contextlib
+    import io
+    import logging
+    import os
+
+    def loggers() -> list[logging.Logger]:
+        return [logging.root, *(logger for logger in logging.root.manager.loggerDict.values()
+                                if isinstance(logger, logging.Logger))]
+
+    saved = {logger: (logger.level, list(logger.handlers), logger.propagate) for logger in loggers()}
+    threads = torch.get_num_threads()
+    environ = dict(os.environ)
+    os.environ.update(env or {})
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(argv))
+            except SystemExit as exc:  # argparse's errors, SystemExit("message")
+                if isinstance(exc.code, str):
+                    print(exc.code, file=sys.stderr)
+                code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+    finally:
+        for logger in loggers():  # a logger first made by the command goes back to NOTSET, no handlers
+            level, handlers, propagate = saved.get(logger, (logging.NOTSET, [], True))
+            logger.setLevel(level)
+            logger.handlers[:] = handlers
+            logger.propagate = propagate
+        torch.set_num_threads(threads)
+        os.environ.clear()
+        os.environ.update(environ)
+    return code or 0, out.getvalue(), err.getvalue()

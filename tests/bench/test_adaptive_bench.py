@@ -8,6 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from bench.adaptive import main
+from tests.helpers import run_main
+
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.bench, pytest.mark.e2e, pytest.mark.slow]
@@ -75,10 +78,9 @@ def test_fixed_from_a_run_of_other_settings_is_refused_in_one_line(tmp_path):
     earlier = tmp_path / "earlier.json"
     earlier.write_text(json.dumps({"settings": {"base_model": "tiny-qwen2", "rounds": 9}, "records": [],
                                    "same_bytes_ratio": {}}))
-    proc = subprocess.run([sys.executable, "-m", "bench.adaptive", "--fixed-from", str(earlier)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: --fixed-from {earlier} was run with")
+    code, _, stderr = run_main(main, "--fixed-from", str(earlier))  # in this process: the shell's is the test above
+    lines = stderr.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith(f"error: --fixed-from {earlier} was run with")
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -86,6 +88,5 @@ def test_fixed_from_a_run_of_other_settings_is_refused_in_one_line(tmp_path):
     (["--topk-ratios", "2"], "error: --topk-ratios must be within [0.001, 1], got 2.0"),
 ])
 def test_bad_extra_configuration_flags_answer_with_one_line(flags, message):
-    proc = subprocess.run([sys.executable, "-m", "bench.adaptive", *flags], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [message]
+    code, _, stderr = run_main(main, *flags)  # in this process: ~3 CPU s of imports each as a subprocess
+    assert code == 2 and stderr.strip().splitlines() == [message]

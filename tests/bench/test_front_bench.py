@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.helpers import run_main
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -23,6 +25,7 @@ def test_small_run_answers_every_push_with_its_digest(tmp_path):
 
 
 def test_a_bad_flag_is_one_readable_line():
-    proc = subprocess.run([sys.executable, "-m", "bench.front", "--server-root", "/nonexistent"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "no coordinator/front.py there" in proc.stderr and "Traceback" not in proc.stderr
+    from bench.front import main
+
+    code, _, stderr = run_main(main, "--server-root", "/nonexistent")  # the command line is the small run's
+    assert code == 2 and "no coordinator/front.py there" in stderr and "Traceback" not in stderr

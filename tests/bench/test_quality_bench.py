@@ -1,6 +1,7 @@
 """The real-model quality suites, run on tiny-qwen2 (--quick): their arithmetic and their verdicts."""
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import re
@@ -14,25 +15,33 @@ import torch
 from bench.fedrounds import FedJob, run_central, run_fed
 from bench.fvc_sweep import Arm, parse_arm, pick, summarize_horizons
 from bench.realdata import DOMAINS, SMOKE_MODEL, Lab, ds1000_domains, shards
+from tests.helpers import run_main
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def quick(tmp_path: Path, module: str, *args: str) -> tuple[dict, str]:
+def quick(tmp_path: Path, module: str, *args: str, in_process: bool = False) -> tuple[dict, str]:
+    """``python -m bench.<module> --quick``: its report and stdout. ``in_process`` runs its main() here instead
+    (tests.helpers.run_main; saves the ~6 CPU s of imports), for the runs after a module's first from the shell."""
     out = tmp_path / f"{module}.json"
-    proc = subprocess.run([sys.executable, "-m", f"bench.{module}", "--quick", "--out", str(out), *args], cwd=ROOT,
+    argv = ["--quick", "--out", str(out), *args]
+    if in_process:
+        code, stdout, stderr = run_main(importlib.import_module(f"bench.{module}").main, *argv)
+        assert code == 0, stderr[-3000:]
+        return json.loads(out.read_text()), stdout
+    proc = subprocess.run([sys.executable, "-m", f"bench.{module}", *argv], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text()), proc.stdout
 
 
 def planned(module: str, *args: str) -> tuple[int, int]:
-    """(optimiser steps, scored problems) that ``--estimate`` plans for ``module`` run with ``args``."""
-    proc = subprocess.run([sys.executable, "-m", f"bench.{module}", "--estimate", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    found = re.search(r"(\d+) optimiser steps, (\d+) scored problems", proc.stdout)
-    assert found, proc.stdout
+    """(optimiser steps, scored problems) that ``--estimate`` plans for ``module`` run with ``args`` (arithmetic
+    only, run in this process: each module's command line is exercised by its quick run)."""
+    code, stdout, stderr = run_main(importlib.import_module(f"bench.{module}").main, "--estimate", *args)
+    assert code == 0, stderr[-3000:]
+    found = re.search(r"(\d+) optimiser steps, (\d+) scored problems", stdout)
+    assert found, stdout
     return int(found[1]), int(found[2])
 
 
@@ -155,7 +164,8 @@ def test_a_median_ignores_one_scaled_attacker_among_three():
 
 
 def test_compression_quick_run(tmp_path):
-    report, stdout = quick(tmp_path, "quality_compression")
+    # in this process: the module's command line is test_a_bad_compression_flag_from_the_command_line_...'s
+    report, stdout = quick(tmp_path, "quality_compression", in_process=True)
     assert report["base_model"] == SMOKE_MODEL
     codecs = report["summary"]["codecs"]
     fp32, int8 = codecs["safetensors"], next(v for k, v in codecs.items() if k.startswith("int8"))
@@ -185,7 +195,7 @@ def test_compression_quick_run(tmp_path):
 
 
 def test_compression_federated_vs_central_only_at_a_server_lr(tmp_path):
-    report, stdout = quick(tmp_path, "quality_compression", "--fvc-only", "--server-lr", "2", "--fedasync")
+    report, stdout = quick(tmp_path, "quality_compression", "--fvc-only", "--server-lr", "2", "--fedasync", in_process=True)
     assert {r["label"] for r in report["records"]} == {"safetensors"} and report["summary"]["targets"] == {}
     fvc = report["summary"]["federated_vs_central"]
     assert fvc["fedbuff"]["server_lr"] == 2 == report["settings"]["server_lr"] and "fedasync" in fvc
@@ -195,15 +205,15 @@ def test_compression_federated_vs_central_only_at_a_server_lr(tmp_path):
 
 
 def test_compression_takes_each_arms_learning_rate(tmp_path):
-    report, stdout = quick(tmp_path, "quality_compression", "--fvc-only", "--lr", "0.02", "--central-lr", "0.005")
+    report, stdout = quick(tmp_path, "quality_compression", "--fvc-only", "--lr", "0.02", "--central-lr", "0.005", in_process=True)
     fvc = report["summary"]["federated_vs_central"]
     assert report["settings"]["lr"] == 0.02 == fvc["fedbuff"]["lr"] and fvc["central"]["lr"] == 0.005
     assert "fedbuff (lr 0.02) (server lr 1)" in stdout and "central (lr 0.005)" in stdout
-    default, _ = quick(tmp_path, "quality_compression", "--fvc-only")
+    default, _ = quick(tmp_path, "quality_compression", "--fvc-only", in_process=True)
     assert default["records"][0]["loss"] != report["records"][0]["loss"]  # the flag reached the workers
     assert default["central"][0]["loss"] != report["central"][0]["loss"]
     # the codecs' fp32 reference is the longer run's expert after the codec rounds (a snapshot after round 2 of 3)
-    short, _ = quick(tmp_path, "quality_compression", "--fvc-only", "--fvc-rounds", "2")
+    short, _ = quick(tmp_path, "quality_compression", "--fvc-only", "--fvc-rounds", "2", in_process=True)
     assert default["settings"]["fvc_rounds"] == 3 and short["settings"]["rounds"] == 2
     assert default["records"][0]["loss"] == short["records"][0]["loss"]
     assert default["records"][0]["bytes_sent"] == short["records"][0]["bytes_sent"]
@@ -277,9 +287,10 @@ def test_fvc_sweep_arms_parse_or_say_why():
 def test_fvc_sweep_scores_validation_only(tmp_path):
     out = tmp_path / "sweep.json"
     arms = ["central", "central:lr=0.02", "fed:rounds=1,steps=2"]
-    proc = subprocess.run([sys.executable, "-m", "bench.fvc_sweep", "--quick", "--total-steps", "6", "--arms", *arms,
-                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # in this process (tests.helpers.run_main); the command line is the bad flag's below, from the shell
+    code, stdout, stderr = run_main(importlib.import_module("bench.fvc_sweep").main, "--quick", "--total-steps", "6",
+                                    "--arms", *arms, "--out", str(out))
+    assert code == 0, stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["split"] == "validation" and report["validation_problems"] == 8
     summary = report["summary"]
@@ -288,7 +299,7 @@ def test_fvc_sweep_scores_validation_only(tmp_path):
     assert summary["arms"][best]["vs_best_central_pct"] == 0
     assert all(v["loss"] < summary["base_validation"]["loss"] for v in summary["arms"].values())
     assert summary["arms"]["central lr preset"]["loss"] != summary["arms"]["central lr 0.02"]["loss"]
-    assert report["cost"]["train_steps"] == 18 and best in proc.stdout
+    assert report["cost"]["train_steps"] == 18 and best in stdout
     assert planned("fvc_sweep", "--quick", "--total-steps", "6", "--arms", *arms) == (
         report["cost"]["train_steps"], report["cost"]["eval_examples"])
     bad = subprocess.run([sys.executable, "-m", "bench.fvc_sweep", "--arms", "fed:steps=5"], cwd=ROOT,
@@ -326,12 +337,15 @@ def test_horizon_summary_tunes_each_kind_on_validation_and_compares_held_out_see
 
 
 def test_fvc_horizons_checkpoint_score_and_reuse_the_cache(tmp_path):
+    """Run in this process (bench.fvc_sweep's command line is test_fvc_sweep_scores_validation_only's): a run,
+    the same run again from the cache, a shorter one cut from it, and the flags that do not fit."""
+    from bench.fvc_sweep import main
+
     out, cache = tmp_path / "h.json", tmp_path / "cache"
     arms = ["central", "fed:steps=1"]
-    cmd = [sys.executable, "-m", "bench.fvc_sweep", "--quick", "--horizons", "3", "6", "--every", "3", "--arms", *arms,
-           "--cache", str(cache), "--heldout", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    argv = ["--quick", "--horizons", "3", "6", "--every", "3", "--arms", *arms, "--cache", str(cache), "--heldout"]
+    code, _, stderr = run_main(main, *argv, "--out", str(out))
+    assert code == 0, stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["heldout_problems"] == 8 and report["every"] == 3 and report["cost"]["train_steps"] == 12
     for r in report["records"]:
@@ -342,14 +356,14 @@ def test_fvc_horizons_checkpoint_score_and_reuse_the_cache(tmp_path):
     assert report["records"][1]["label"] == "fed 2x1 lr preset slr 1"  # 2 rounds x 1 step x 3 workers = 6
     assert set(report["summary"]["comparisons"]) == {"3 fixed", "3 chosen", "6 fixed", "6 chosen"}
     assert planned("fvc_sweep", "--quick", "--horizons", "3", "6", "--every", "3", "--arms", *arms)[0] == 12
-    again = subprocess.run(cmd[:-1] + [str(tmp_path / "again.json")], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert again.returncode == 0, again.stderr[-3000:]
+    code, _, stderr = run_main(main, *argv, "--out", str(tmp_path / "again.json"))
+    assert code == 0, stderr[-3000:]
     second = json.loads((tmp_path / "again.json").read_text())
     assert all(r["cached"] for r in second["records"]) and second["cost"]["train_steps"] == 0
     assert second["summary"]["comparisons"] == report["summary"]["comparisons"]
-    shorter = subprocess.run(cmd[:5] + ["3"] + cmd[7:-1] + [str(tmp_path / "short.json")], cwd=ROOT,
-                             capture_output=True, text=True, timeout=600)  # --horizons 3: the 6-step runs, cut
-    assert shorter.returncode == 0, shorter.stderr[-3000:]
+    shorter = argv[:3] + argv[4:]  # --horizons 3: the 6-step runs, cut
+    code, _, stderr = run_main(main, *shorter, "--out", str(tmp_path / "short.json"))
+    assert code == 0, stderr[-3000:]
     short = json.loads((tmp_path / "short.json").read_text())
     assert [r["label"] for r in short["records"]] == ["central lr preset", "fed 1x1 lr preset slr 1"]
     assert all(r["cached"] and set(r["validation"]) == {"3"} for r in short["records"])
@@ -358,6 +372,5 @@ def test_fvc_horizons_checkpoint_score_and_reuse_the_cache(tmp_path):
     for bad, message in [(["--every", "2", "--horizons", "6"], "not a whole number of rounds"),
                          (["--every", "4", "--horizons", "6"], "not multiples of --every 4"),
                          (["--heldout"], "--heldout needs --horizons")]:
-        proc = subprocess.run([sys.executable, "-m", "bench.fvc_sweep", "--quick", "--arms", "fed:steps=1", *bad],
-                              cwd=ROOT, capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        code, _, stderr = run_main(main, "--quick", "--arms", "fed:steps=1", *bad)
+        assert code == 2 and message in stderr and "Traceback" not in stderr, stderr

@@ -1,7 +1,11 @@
 """The three scripts' command lines: --version, --help with examples, and one-line errors (exit 2).
 
-Errors run the real scripts in a subprocess (what users see); --version and --help call main()
-in-process, since argparse prints them before any work starts.
+--version and --help call main() in-process, since argparse prints them before any work starts. Errors
+run each script once as users do, in a process of its own (run_coordinator.py: a port in use;
+get_gateway_model.py: an unreachable coordinator; run_worker.py: tests/e2e/test_worker_cli.py), which
+checks the script's own path: its imports, exit code 2 and no traceback. The other error cases call
+main() in this process (``run(..., in_process=True)``; a process costs 2-6 CPU s of imports each),
+on a thread given two minutes: a script that went on to serve or train instead of refusing fails there.
 """
 from __future__ import annotations
 
@@ -9,6 +13,8 @@ import json
 import socket
 import subprocess
 import sys
+import threading
+from typing import Any
 
 import pytest
 
@@ -17,14 +23,32 @@ import run_coordinator
 import run_worker
 from protocol.version import __version__
 from tests.e2e.conftest import ROOT, env
+from tests.helpers import run_main
 
 SCRIPTS = {"run_coordinator.py": run_coordinator, "run_worker.py": run_worker,
            "get_gateway_model.py": get_gateway_model}
 
 
-def run(script: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / script), *args], cwd=ROOT, env=env(), capture_output=True,
-                          text=True, timeout=90)
+def run(script: str, *args: str, in_process: bool = False) -> subprocess.CompletedProcess:
+    if not in_process:
+        return subprocess.run([sys.executable, str(ROOT / script), *args], cwd=ROOT, env=env(), capture_output=True,
+                              text=True, timeout=90)
+    done: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            done["result"] = run_main(SCRIPTS[script].main, *args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test below
+            done["error"] = exc
+
+    thread = threading.Thread(target=call, name=f"main of {script}", daemon=True)
+    thread.start()
+    thread.join(timeout=120)
+    assert not thread.is_alive(), f"{script} {' '.join(args)} still runs after 120 s instead of refusing its flags"
+    if "error" in done:
+        raise done["error"]
+    code, stdout, stderr = done["result"]
+    return subprocess.CompletedProcess([script, *args], code, stdout, stderr)
 
 
 def one_error_line(result: subprocess.CompletedProcess) -> str:
@@ -59,7 +83,7 @@ def test_port_in_use_names_the_flag(tmp_path):
                     "(is another coordinator running? pick another --port)")
 
 
-@pytest.mark.slow  # a real process each
+@pytest.mark.slow  # imports torch
 @pytest.mark.parametrize("script, args, message", [
     ("run_coordinator.py", ["--gateway-weights", "python_expert=heavy"], "--gateway-weights: expected NAME=WEIGHT"),
     ("run_coordinator.py", ["--gateway-strategy", "ties", "--gateway-config", '{"p": 0.5}'],
@@ -77,7 +101,7 @@ def test_port_in_use_names_the_flag(tmp_path):
      "--strategy-config is not valid JSON"),
 ])
 def test_errors_are_one_line_with_the_fix(script, args, message):
-    assert message in one_error_line(run(script, *args))
+    assert message in one_error_line(run(script, *args, in_process=True))
 
 
 @pytest.mark.slow  # real processes

@@ -76,6 +76,19 @@ def spawn(*args: str, cwd: Path = ROOT) -> Process:
     return Process(proc)
 
 
+def module_coordinator(tmp_path_factory: pytest.TempPathFactory, *flags: str) -> Iterator[str]:
+    """For a module-scoped fixture of a test module (tests/conftest.py then runs its tests on one xdist process):
+    one coordinator, started with ``flags``, for tests that only read its answers or use resources of their own;
+    yields its URL and stops it after the module. A start costs ~2 CPU s of imports."""
+    data_dir = tmp_path_factory.mktemp("coordinator")
+    process = spawn(str(ROOT / "run_coordinator.py"), "--host", "127.0.0.1", "--port", "0", "--data-dir",
+                    str(data_dir), *flags)
+    try:
+        yield process.wait_for(LISTENING).group(1)
+    finally:
+        process.stop()
+
+
 @pytest.fixture
 def start_coordinator(tmp_path) -> Iterator:
     started: list[Process] = []

@@ -25,9 +25,23 @@ from __future__ import annotations
 import socket
 import time
 
-from tests.e2e.conftest import admin_headers
+import pytest
+
+from tests.e2e.conftest import admin_headers, module_coordinator
 
 MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def stall_3s(tmp_path_factory):
+    """One coordinator with --socket-timeout 3 for the tests that only need their answer (a start is ~2 CPU s)."""
+    yield from module_coordinator(tmp_path_factory, "--socket-timeout", "3")
+
+
+@pytest.fixture(scope="module")
+def default_flags(tmp_path_factory):
+    """One coordinator with the default flags, likewise shared."""
+    yield from module_coordinator(tmp_path_factory)
 
 
 def _head(port: int, path: str, length: int, token: str | None = None) -> socket.socket:
@@ -53,15 +67,15 @@ def _memory_kib(pid: int) -> int:
     return sum(int(fields[k].split()[0]) for k in ("RssAnon", "RssShmem"))
 
 
-def test_a_large_body_without_a_token_is_refused_before_it_is_read(start_coordinator):
-    _, url = start_coordinator("--socket-timeout", "3")
+def test_a_large_body_without_a_token_is_refused_before_it_is_read(stall_3s):
+    url = stall_3s
     sock = _head(_port(url), "/api/v1/probe", 64 * MiB)  # and no body: the answer must not wait for one
 
     assert _status(sock) == 401  # was 408 after --socket-timeout: the front waited for 64 MiB first
 
 
-def test_an_oversized_probe_is_refused_before_it_is_read(start_coordinator):
-    _, url = start_coordinator("--socket-timeout", "3")
+def test_an_oversized_probe_is_refused_before_it_is_read(stall_3s):
+    url = stall_3s
     token = admin_headers(url)["Authorization"].split()[1]
     sock = _head(_port(url), "/api/v1/probe", 64 * MiB, token)
 
@@ -98,8 +112,8 @@ def test_stalled_bodies_hold_bounded_memory(start_coordinator):
 # 4. A chunk-size line (or trailer) longer than the stream's limit (a 200 KB chunk extension) raised
 #    LimitOverrunError out of _receive_chunked: 500 "internal". Fix: catch it there, 400 (or 431 for trailers).
 
-def test_a_negative_chunk_size_is_refused_at_once(start_coordinator):
-    _, url = start_coordinator("--socket-timeout", "3")
+def test_a_negative_chunk_size_is_refused_at_once(stall_3s):
+    url = stall_3s
     sock = socket.create_connection(("127.0.0.1", _port(url)), timeout=30)
     auth = admin_headers(url)["Authorization"].encode()  # without a token it is a 401 from the head (F9's fix)
     sock.sendall(b"POST /api/v1/probe HTTP/1.1\r\nHost: h\r\nAuthorization: " + auth
@@ -108,8 +122,8 @@ def test_a_negative_chunk_size_is_refused_at_once(start_coordinator):
     assert _status(sock) == 400  # was 408 after --socket-timeout, with everything sent until then held in memory
 
 
-def test_an_overlong_chunk_size_line_is_a_400(start_coordinator):
-    _, url = start_coordinator()
+def test_an_overlong_chunk_size_line_is_a_400(default_flags):
+    url = default_flags
     sock = socket.create_connection(("127.0.0.1", _port(url)), timeout=30)
     auth = admin_headers(url)["Authorization"].encode()
     sock.sendall(b"POST /api/v1/probe HTTP/1.1\r\nHost: h\r\nAuthorization: " + auth
@@ -144,12 +158,12 @@ def test_a_slow_body_that_never_stalls_is_received(start_coordinator):
     assert _status(sock) == 200
 
 
-def test_a_refusal_from_the_head_reaches_a_client_that_sends_its_whole_body(start_coordinator):
+def test_a_refusal_from_the_head_reaches_a_client_that_sends_its_whole_body(default_flags):
     """Answered from the head, the body is never read: a client that sends all of it before reading the answer (as
     ``requests`` does) still gets the application's JSON refusal, not a reset connection."""
     import requests
 
-    _, url = start_coordinator()
+    url = default_flags
     token = admin_headers(url)["Authorization"]
     bad = requests.post(f"{url}/api/v1/probe", data=bytes(8 * MiB), headers={"Authorization": "Bearer nope"},
                         timeout=60)

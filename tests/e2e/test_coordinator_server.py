@@ -7,14 +7,21 @@ import numpy as np
 import requests
 import torch
 
+import get_gateway_model
 from protocol.client import CoordinatorClient, RetryPolicy
 from protocol.errors import InvalidPayload, NotFound, Unavailable
 from protocol.tensors import dumps
 from tests.e2e.conftest import ROOT, admin_headers, env
-from tests.helpers import expert_spec, make_adapter, random_like, update_meta
+from tests.helpers import expert_spec, make_adapter, random_like, run_main, update_meta
 
 
-def run_gateway_tool(*args: str) -> subprocess.CompletedProcess:
+def run_gateway_tool(*args: str, in_process: bool = True) -> subprocess.CompletedProcess:
+    """get_gateway_model.py with ``args``: its main() in this process (tests.helpers.run_main: no ~2-4 CPU s of
+    imports per call), or as a process of its own (``in_process=False``: the script's own path, exit code, no
+    traceback; test_gateway_tool_gives_one_clear_line_when_unreachable and tests/cli run it so)."""
+    if in_process:
+        code, stdout, stderr = run_main(get_gateway_model.main, *args)
+        return subprocess.CompletedProcess(["get_gateway_model.py", *args], code, stdout, stderr)
     return subprocess.run([sys.executable, str(ROOT / "get_gateway_model.py"), *args], cwd=ROOT, env=env(),
                           capture_output=True, text=True, timeout=300)
 
@@ -85,7 +92,7 @@ def test_restart_on_the_same_data_dir_keeps_everything(start_coordinator, tmp_pa
 
 
 def test_gateway_tool_gives_one_clear_line_when_unreachable():
-    result = run_gateway_tool("--coordinator-url", "http://127.0.0.1:9", "--list-experts")
+    result = run_gateway_tool("--coordinator-url", "http://127.0.0.1:9", "--list-experts", in_process=False)
     assert result.returncode == 2
     assert result.stderr.startswith("error: cannot reach the coordinator at http://127.0.0.1:9")
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1

@@ -19,7 +19,7 @@ ROWS = ["base model", *EXPERTS, "gateway", "routed"]
 def demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo") / "run"
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "demo.py"), "--preset", "tiny", "--data", "ds1000",
-                             "--duration", "8", "--sync-interval", "4", "--eval-examples", "6", "--threads", "2",
+                             "--duration", "5", "--sync-interval", "2.5", "--eval-examples", "6", "--threads", "2",
                              "--out", str(out)], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout, json.loads((out / "losses.json").read_text()), out

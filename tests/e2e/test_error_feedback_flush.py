@@ -49,7 +49,7 @@ def final_local_adapter(state) -> tuple[dict[str, torch.Tensor], dict]:
 def test_the_coordinator_ends_with_the_weights_the_worker_trained(start_coordinator, tmp_path, ending):
     _, url = start_coordinator()
     results, state = tmp_path / "results.jsonl", tmp_path / "state"
-    duration = "16" if ending == "duration" else "600"
+    duration = "12" if ending == "duration" else "600"
     proc = subprocess.Popen([sys.executable, str(ROOT / "run_worker.py"), "--coordinator-url", url, *FLAGS,
                              "--duration", duration, "--sync-interval", "2", "--results", str(results),
                              "--state-dir", str(state)], env=env() | {"OMP_NUM_THREADS": "1"}, cwd=ROOT,

@@ -5,7 +5,6 @@ import http.client
 import json
 import socket
 import subprocess
-import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -15,14 +14,15 @@ from urllib.parse import urlsplit
 import pytest
 import requests
 
+import get_gateway_model
+
 from protocol.client import CoordinatorClient, RetryPolicy
 from protocol.credentials import local_token
 from protocol.errors import TLSFailure, Unauthorized
 from protocol.integrity import DIGEST_HEADER, digest_header
 from protocol.schemas import EXPERT_HEADER, UPDATE_HEADER
 from protocol.tensors import dumps
-from tests.e2e.conftest import ROOT, env
-from tests.helpers import FINGERPRINT, expert_spec, make_adapter, random_like, update_meta
+from tests.helpers import FINGERPRINT, expert_spec, make_adapter, random_like, run_main, update_meta
 
 BASE = {"id": "tiny-test", "fingerprint": FINGERPRINT}
 
@@ -114,8 +114,10 @@ def test_the_local_entry_is_withdrawn_when_the_coordinator_stops(start_coordinat
 
 
 def run_tool(*args: str, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "get_gateway_model.py"), *args], cwd=ROOT, text=True,
-                          capture_output=True, env={**env(), **(extra_env or {})}, timeout=120)
+    """get_gateway_model.py's main() in this process (tests.helpers.run_main; the script's own process is
+    tests/cli's), with ``extra_env`` set for the call: FEDMOE_CONFIG_DIR and FEDMOE_TOKEN are read when used."""
+    code, stdout, stderr = run_main(get_gateway_model.main, *args, env=extra_env)
+    return subprocess.CompletedProcess(["get_gateway_model.py", *args], code, stdout, stderr)
 
 
 def test_remote_tool_needs_a_token_and_an_admin_can_revoke(start_coordinator, tmp_path):

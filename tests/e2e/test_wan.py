@@ -20,7 +20,7 @@ from protocol.errors import Unavailable
 from protocol.resume import check_etag, resumable_body
 from protocol.streaming import tensors_from_buffer
 from protocol.tensors import load_file
-from tests.e2e.conftest import ROOT, admin_headers, env
+from tests.e2e.conftest import ROOT, admin_headers, env, module_coordinator
 from protocol.tensors import dumps
 from tests.helpers import expert_spec, make_adapter, update_meta
 
@@ -44,12 +44,14 @@ def namespaces():
     assert not ours(), f"a test left network namespaces behind: {sorted(ours())}"
 
 
-@pytest.fixture
-def expert_server(start_coordinator):
-    _, url = start_coordinator()
-    adapter = make_adapter(**ADAPTER)
-    CoordinatorClient(url).create_expert("e", adapter, expert_spec(rank=16))
-    return url, adapter
+@pytest.fixture(scope="module")
+def expert_server(tmp_path_factory):
+    """One coordinator holding expert "e" for the module's tests (they read it; the two that add or change an expert
+    use experts of their own, "f" and "g")."""
+    for url in module_coordinator(tmp_path_factory):
+        adapter = make_adapter(**ADAPTER)
+        CoordinatorClient(url).create_expert("e", adapter, expert_spec(rank=16))
+        yield url, adapter
 
 
 def test_link_has_the_configured_delay_and_bandwidth(namespaces) -> None:
@@ -163,7 +165,8 @@ def test_delay_proxy_delays_each_direction_without_namespaces() -> None:
 def test_interrupted_gateway_pull_resumes(expert_server) -> None:
     url, adapter = expert_server
     admin = CoordinatorClient(url)
-    admin.push_update("e", dumps({k: torch.full_like(v, 0.01) for k, v in adapter.items()}), update_meta(num_samples=5))
+    admin.create_expert("g", adapter, expert_spec(rank=16))  # its own: "e" stays as the other tests read it
+    admin.push_update("g", dumps({k: torch.full_like(v, 0.01) for k, v in adapter.items()}), update_meta(num_samples=5))
     want = admin.gateway_tensors()
     size = len(requests.get(f"{url}/api/v1/gateway/weights?format=safetensors", headers=admin_headers(url),
                             timeout=30).content)

@@ -1,13 +1,25 @@
-"""run_worker.py answers bad flags and files with one readable line, never a traceback."""
+"""run_worker.py answers bad flags and files with one readable line, never a traceback.
+
+One case runs ``python run_worker.py`` in a process of its own (the script's own path: imports, exit code, no
+traceback, through a model load); the others call its ``main()`` in the test process (tests.helpers.run_main),
+which saves the ~5 CPU s each process spends importing torch, transformers and peft."""
 import subprocess
 import sys
 
 import pytest
 
+import run_worker as script
 from tests.e2e.conftest import ROOT, env
+from tests.helpers import run_main
+
+FROM_THE_SHELL = "cannot reach the coordinator"
+"""The case run as its own process: it goes furthest (flags, data, model load, the first request)."""
 
 
-def run_worker(*args: str, timeout: float = 90) -> subprocess.CompletedProcess:
+def run_worker(*args: str, timeout: float = 90, in_process: bool = True) -> subprocess.CompletedProcess:
+    if in_process:
+        code, stdout, stderr = run_main(script.main, *args)
+        return subprocess.CompletedProcess(["run_worker.py", *args], code, stdout, stderr)
     return subprocess.run([sys.executable, str(ROOT / "run_worker.py"), *args], cwd=ROOT, env=env(),
                           capture_output=True, text=True, timeout=timeout)
 
@@ -27,7 +39,7 @@ def run_worker(*args: str, timeout: float = 90) -> subprocess.CompletedProcess:
      "cannot reach the coordinator"),
 ])
 def test_bad_input_is_one_clear_line(args, message):
-    result = run_worker(*args)
+    result = run_worker(*args, in_process=message != FROM_THE_SHELL)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]

@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 import torch
 
+import get_gateway_model
 from protocol.client import CoordinatorClient, RetryPolicy
 from protocol.tensors import loads
 from tests.e2e.conftest import ROOT, env
+from tests.helpers import run_main
 from worker.data import load_examples, sample_dataset_path, split_examples
 from worker.evaluation import adapter_loss
 from worker.federation import FederatedWorker, SyncSettings
@@ -41,7 +43,7 @@ def test_two_worker_processes_train_their_experts_and_the_gateway_loads(start_co
     workers = {}
     for specialty in ("python_expert", "sql_expert"):
         cmd = [sys.executable, str(ROOT / "run_worker.py"), "--coordinator-url", url, "--specialty", specialty,
-               "--base-model", "tiny-qwen2", "--duration", "14", "--sync-interval", "4",
+               "--base-model", "tiny-qwen2", "--duration", "10", "--sync-interval", "3",
                "--lora-rank", "4", "--results", str(tmp_path / f"{specialty}.jsonl"),
                "--state-dir", str(tmp_path / f"{specialty}.state")]
         cmd += ["--log-format", "json"] if specialty == "sql_expert" else []
@@ -54,7 +56,7 @@ def test_two_worker_processes_train_their_experts_and_the_gateway_loads(start_co
 
     client = CoordinatorClient(url)
     listed = {w["specialty"]: w for w in client.list_workers()}
-    assert {s: (w["status"], w["sync_interval"]) for s, w in listed.items()} == {s: ("alive", 4) for s in workers}
+    assert {s: (w["status"], w["sync_interval"]) for s, w in listed.items()} == {s: ("alive", 3) for s in workers}
     assert all(w["bytes_up"] > 0 and w["bytes_down"] > 0 for w in listed.values())
     experts = {e["name"]: e for e in client.list_experts()}
     for specialty in workers:
@@ -76,9 +78,8 @@ def test_two_worker_processes_train_their_experts_and_the_gateway_loads(start_co
         assert routed.count(specialty) >= 0.9 * len(heldout), routed
 
     out = tmp_path / "gateway.npz"
-    saved = subprocess.run([sys.executable, str(ROOT / "get_gateway_model.py"), "--coordinator-url", url,
-                            "--save-gateway", str(out)], env=env(), cwd=ROOT, capture_output=True, text=True)
-    assert saved.returncode == 0, saved.stderr
+    code, _, stderr = run_main(get_gateway_model.main, "--coordinator-url", url, "--save-gateway", str(out))
+    assert code == 0, stderr  # in this process (the tool's own process is tests/cli's): no second torch import
     npz = np.load(out, allow_pickle=False)
     meta = json.loads(str(npz["__fedmoe__"]))
     assert meta["lora"]["rank"] == 8 and set(meta["sources"]) == set(workers)
@@ -184,16 +185,15 @@ def test_generate_and_merged_export_with_the_tiny_base_model(start_coordinator, 
     worker.interval.add(trainer.train_steps(3))
     worker.sync()
 
-    tool = [sys.executable, str(ROOT / "get_gateway_model.py"), "--coordinator-url", url]
-    answer = subprocess.run([*tool, "--generate", heldout[0].prompt, "--max-new-tokens", "8"], env=env(), cwd=ROOT,
-                            capture_output=True, text=True, timeout=120)
-    assert answer.returncode == 0, answer.stderr
-    assert "[routed to sql_expert" in answer.stderr and answer.stdout.strip()
+    tool = get_gateway_model.main  # in this process: the tool's own process is tests/cli's
+    code, stdout, stderr = run_main(tool, "--coordinator-url", url, "--generate", heldout[0].prompt,
+                                    "--max-new-tokens", "8")
+    assert code == 0, stderr
+    assert "[routed to sql_expert" in stderr and stdout.strip()
 
     merged = tmp_path / "merged"
-    saved = subprocess.run([*tool, "--save-gateway", str(merged), "--format", "merged"], env=env(), cwd=ROOT,
-                           capture_output=True, text=True, timeout=120)
-    assert saved.returncode == 0, saved.stderr
+    code, _, stderr = run_main(tool, "--coordinator-url", url, "--save-gateway", str(merged), "--format", "merged")
+    assert code == 0, stderr
     model = AutoModelForCausalLM.from_pretrained(merged)
     ids = torch.tensor([[1, 2, 3, 4]])
     from gateway.export import merged_copy
