@@ -58,7 +58,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from bench.common import RESULTS_DIR, SCRATCH_DIR, configure_logging, format_table, running_coordinator, write_json_atomic
+from bench.common import (RESULTS_DIR, SCRATCH_DIR, configure_logging, format_table, running_coordinator, sample_path,
+                          write_json_atomic)
 from bench.wanemu import NamespaceUnavailable, WanLink, check_available
 from protocol.credentials import TOKEN_ENV, local_token
 from worker.adaptive import LOSSY, RAW_BYTES, TOPK_INT8, SparseRung, ratio_of
@@ -113,7 +114,7 @@ def drive(spec_path: Path) -> None:
     import torch
 
     from protocol.client import CoordinatorClient
-    from worker.data import load_examples, sample_dataset_path, split_examples
+    from worker.data import load_examples, split_examples
     from worker.encoding import CompressionSettings, UpdateEncoder
     from worker.federation import FederatedWorker, SyncSettings
     from worker.models import load_base_model
@@ -123,7 +124,7 @@ def drive(spec_path: Path) -> None:
     spec = json.loads(spec_path.read_text())
     s, c = Settings(**spec["settings"]), Config(**spec["config"])
     torch.set_num_threads(1)
-    train, _ = split_examples(load_examples(sample_dataset_path(SPECIALTY)))
+    train, _ = split_examples(load_examples(sample_path(SPECIALTY)))
     team = []
     for i in range(s.workers):
         base = load_base_model(s.base_model)
@@ -191,12 +192,12 @@ def expert_loss(url: str, s: Settings) -> tuple[dict[str, float], int]:
     from bench.realdata import loss_pair
     from gateway.export import attach_adapter
     from protocol.client import CoordinatorClient
-    from worker.data import load_examples, sample_dataset_path, split_examples
+    from worker.data import load_examples, split_examples
     from worker.evaluation import answer_losses
     from worker.models import load_base_model
 
     client = CoordinatorClient(url)
-    _, heldout = split_examples(load_examples(sample_dataset_path(SPECIALTY)))
+    _, heldout = split_examples(load_examples(sample_path(SPECIALTY)))
     weights = client.pull_weights(SPECIALTY).tensors
     if weights is None:
         raise RuntimeError("the coordinator returned no weights for the expert")

@@ -77,15 +77,17 @@ def load_domain(name: str, path: Path) -> Domain:
     return Domain(name, tuple(train), tuple(heldout))
 
 
+def sample_path(name: str) -> Path:
+    """The shipped sample dataset data/<name>.jsonl; FileNotFoundError that says what to run if it is missing."""
+    path = sample_dataset_path(name)
+    if path is None:
+        raise FileNotFoundError(f"sample dataset data/{name}.jsonl is missing; run `python data/make_samples.py`")
+    return path
+
+
 def sample_suite() -> Suite:
     """The project's sample data (python_expert, sql_expert, docs_expert)."""
-    domains = []
-    for name in SAMPLE_DOMAINS:
-        path = sample_dataset_path(name)
-        if path is None:
-            raise FileNotFoundError(f"sample dataset data/{name}.jsonl is missing; run `python data/make_samples.py`")
-        domains.append(load_domain(name, path))
-    return Suite("sample", tuple(domains))
+    return Suite("sample", tuple(load_domain(name, sample_path(name)) for name in SAMPLE_DOMAINS))
 
 
 def ds1000_suite(directory: Path = DS1000_DIR) -> Suite | None:
@@ -262,13 +264,13 @@ def run_parallel(tasks: Sequence[Task], jobs: int, on_result: Callable[[int, Any
     Processes are spawned, not forked: torch's thread pools do not survive a fork. ``on_result``
     sees (number finished so far, result) as each task ends; results come back in task order.
     """
+    results: list[Any] = []
     if jobs == 1:
-        results = []
         for fn, args in tasks:
             results.append(fn(*args))
             on_result(len(results), results[-1])
         return results
-    results: list[Any] = [None] * len(tasks)
+    results = [None] * len(tasks)
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=jobs, mp_context=context, initializer=initializer,
                              initargs=initargs) as pool:
