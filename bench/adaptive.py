@@ -56,12 +56,12 @@ import zlib
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
-from bench.common import (RESULTS_DIR, SCRATCH_DIR, configure_logging, format_table, running_coordinator, sample_path,
-                          write_json_atomic)
+from bench.common import (RESULTS_DIR, SCRATCH_DIR, configure_logging, format_table, recorded_token, running_coordinator,
+                          sample_path, write_json_atomic)
 from bench.wanemu import NamespaceUnavailable, WanLink, check_available
-from protocol.credentials import TOKEN_ENV, local_token
+from protocol.credentials import TOKEN_ENV
 from worker.adaptive import LOSSY, RAW_BYTES, TOPK_INT8, SparseRung, ratio_of
 
 log = logging.getLogger("bench.adaptive")
@@ -159,7 +159,7 @@ def run_config(c: Config, s: Settings, scratch: Path) -> dict[str, Any]:
     with running_coordinator() as url:
         port = int(url.rsplit(":", 1)[1])
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-               "HF_HUB_OFFLINE": "1", TOKEN_ENV: local_token(url)}  # the site cannot see this host's token file by URL
+               "HF_HUB_OFFLINE": "1", TOKEN_ENV: recorded_token(url)}  # the site cannot see this host's token file by URL
         with WanLink(("127.0.0.1", port), s.rate_mbit, s.rtt_ms) as link:
             spec_path.write_text(json.dumps({"url": link.url, "out": str(out), "settings": asdict(s),
                                              "config": asdict(c)}))
@@ -204,7 +204,7 @@ def expert_loss(url: str, s: Settings) -> tuple[dict[str, float], int]:
     base = load_base_model(s.base_model)
     model = attach_adapter(base.model, weights, client.expert(SPECIALTY)["lora"])
     model.eval()
-    losses = loss_pair(answer_losses(cast(Any, model), base.tokenizer, heldout, max_seq_len=s.max_seq_len))
+    losses = loss_pair(answer_losses(model, base.tokenizer, heldout, max_seq_len=s.max_seq_len))
     client.close()
     return losses, len(weights)
 

@@ -33,8 +33,10 @@ from werkzeug.serving import make_server
 
 from coordinator.app import create_app
 from coordinator.config import CoordinatorConfig
-from protocol.credentials import publish_local_token, withdraw_local_token
+from protocol.client import Pulled
+from protocol.credentials import local_token, publish_local_token, withdraw_local_token
 from protocol.files import write_atomically
+from protocol.tensors import StateDict
 from worker.data import Example, load_examples, sample_dataset_path, split_examples
 
 log = logging.getLogger(__name__)
@@ -138,6 +140,24 @@ def running_coordinator(**settings: Any) -> Iterator[str]:
             thread.join()
             server.server_close()
             app.extensions["fedmoe"].close()
+
+
+def recorded_token(url: str) -> str:
+    """The admin token a coordinator on this machine recorded for ``url`` (running_coordinator does, with auth on).
+
+    For a child's environment, where a None would fail as an unreadable TypeError inside subprocess.
+    """
+    token = local_token(url)
+    if token is None:
+        raise RuntimeError(f"no admin token is recorded for {url}: is its coordinator running here, with auth on?")
+    return token
+
+
+def pulled_tensors(pulled: Pulled) -> StateDict:
+    """A pull's tensors. They are None only for a 304, which a pull that sent no ETag does not get."""
+    if pulled.tensors is None:
+        raise RuntimeError(f"the coordinator answered 'unchanged' (version {pulled.version}) to a pull without an ETag")
+    return pulled.tensors
 
 
 class CoordinatorProcess:

@@ -78,9 +78,9 @@ def server(tmp_path_factory) -> Iterator[Server]:
     process.stop()
 
 
-def delta(**changes: torch.Tensor) -> dict[str, torch.Tensor]:
-    tensors = random_like(ADAPTER, 2)
-    tensors.update(changes)
+def delta(**changes: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """A random delta shaped like ADAPTER; a tensor in ``changes`` replaces or adds one, None drops one."""
+    tensors: dict[str, torch.Tensor | None] = {**random_like(ADAPTER, 2), **changes}
     return {k: v for k, v in tensors.items() if v is not None}
 
 
@@ -115,6 +115,7 @@ def post_chunked(url: str, path: str, headers: dict[str, str], total: int, chunk
     The server may answer 413 and close before the whole body is sent: stop sending then, read the answer.
     """
     parts = urlsplit(url)
+    assert parts.hostname, f"no host in {url!r}"
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
     try:
         conn.putrequest("POST", path)
