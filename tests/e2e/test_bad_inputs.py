@@ -34,7 +34,8 @@ FIRST_BODY = dumps(random_like(ADAPTER, 1))
 
 @dataclass
 class Server:
-    process: Process
+    process: Process | None
+    """The coordinator this module started; None for one started elsewhere (bench.hostile's matrix)."""
     url: str
     join_token: str = ""
 
@@ -268,5 +269,6 @@ def test_nothing_bad_was_applied_and_the_replay_with_the_same_body_is_still_200(
     assert experts == {"e", "other", "big"}  # "big": made by the overflow case, left at version 1
     big = server.get("/experts/big").json()
     assert (big["version"], big["updates_applied"], big["pending_updates"]) == (1, 1, 0)
+    assert server.process is not None  # the module fixture started it
     log = "".join(server.process.log)
     assert "unhandled error" not in log and "Traceback" not in log, log[-3000:]
