@@ -33,7 +33,7 @@ browser: $(CHROMIUM)  ## headless Chromium for tests/e2e/test_dashboard_browser.
 lint: $(STAMP)  ## pyflakes and pycodestyle errors (ruff.toml)
 	$(VENV)/bin/ruff check .
 
-typecheck: $(STAMP)  ## mypy over the packages and entry scripts (mypy.ini)
+typecheck: $(STAMP)  ## mypy over the packages, entry scripts, bench/ and scripts/ (mypy.ini)
 	$(PY) -m mypy
 
 # pytest-xdist: test processes per run (0 = one process, no xdist). Four processes on two cores: most of the whole

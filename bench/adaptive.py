@@ -56,11 +56,12 @@ import zlib
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
-from bench.common import RESULTS_DIR, SCRATCH_DIR, configure_logging, format_table, running_coordinator, write_json_atomic
+from bench.common import (RESULTS_DIR, SCRATCH_DIR, configure_logging, format_table, recorded_token, running_coordinator,
+                          sample_path, write_json_atomic)
 from bench.wanemu import NamespaceUnavailable, WanLink, check_available
-from protocol.credentials import TOKEN_ENV, local_token
+from protocol.credentials import TOKEN_ENV
 from worker.adaptive import LOSSY, RAW_BYTES, TOPK_INT8, SparseRung, ratio_of
 
 log = logging.getLogger("bench.adaptive")
@@ -113,7 +114,7 @@ def drive(spec_path: Path) -> None:
     import torch
 
     from protocol.client import CoordinatorClient
-    from worker.data import load_examples, sample_dataset_path, split_examples
+    from worker.data import load_examples, split_examples
     from worker.encoding import CompressionSettings, UpdateEncoder
     from worker.federation import FederatedWorker, SyncSettings
     from worker.models import load_base_model
@@ -123,7 +124,7 @@ def drive(spec_path: Path) -> None:
     spec = json.loads(spec_path.read_text())
     s, c = Settings(**spec["settings"]), Config(**spec["config"])
     torch.set_num_threads(1)
-    train, _ = split_examples(load_examples(sample_dataset_path(SPECIALTY)))
+    train, _ = split_examples(load_examples(sample_path(SPECIALTY)))
     team = []
     for i in range(s.workers):
         base = load_base_model(s.base_model)
@@ -158,7 +159,7 @@ def run_config(c: Config, s: Settings, scratch: Path) -> dict[str, Any]:
     with running_coordinator() as url:
         port = int(url.rsplit(":", 1)[1])
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-               "HF_HUB_OFFLINE": "1", TOKEN_ENV: local_token(url)}  # the site cannot see this host's token file by URL
+               "HF_HUB_OFFLINE": "1", TOKEN_ENV: recorded_token(url)}  # the site cannot see this host's token file by URL
         with WanLink(("127.0.0.1", port), s.rate_mbit, s.rtt_ms) as link:
             spec_path.write_text(json.dumps({"url": link.url, "out": str(out), "settings": asdict(s),
                                              "config": asdict(c)}))
@@ -191,19 +192,19 @@ def expert_loss(url: str, s: Settings) -> tuple[dict[str, float], int]:
     from bench.realdata import loss_pair
     from gateway.export import attach_adapter
     from protocol.client import CoordinatorClient
-    from worker.data import load_examples, sample_dataset_path, split_examples
+    from worker.data import load_examples, split_examples
     from worker.evaluation import answer_losses
     from worker.models import load_base_model
 
     client = CoordinatorClient(url)
-    _, heldout = split_examples(load_examples(sample_dataset_path(SPECIALTY)))
+    _, heldout = split_examples(load_examples(sample_path(SPECIALTY)))
     weights = client.pull_weights(SPECIALTY).tensors
     if weights is None:
         raise RuntimeError("the coordinator returned no weights for the expert")
     base = load_base_model(s.base_model)
     model = attach_adapter(base.model, weights, client.expert(SPECIALTY)["lora"])
     model.eval()
-    losses = loss_pair(answer_losses(cast(Any, model), base.tokenizer, heldout, max_seq_len=s.max_seq_len))
+    losses = loss_pair(answer_losses(model, base.tokenizer, heldout, max_seq_len=s.max_seq_len))
     client.close()
     return losses, len(weights)
 

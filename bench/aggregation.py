@@ -29,7 +29,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -92,9 +92,21 @@ def write(c: Coordinator, tensors: dict[str, torch.Tensor]) -> Path:
     return c.store.write_temp(lambda path: save_file(tensors, path))
 
 
+class Record(TypedDict):
+    """One aggregation rule's figures in the JSON's "records"."""
+
+    rule: str
+    updates_per_step: int
+    model_bytes: int
+    seconds: float
+    gbps: float
+    step_seconds: float
+    step_gbps: float
+
+
 def measure(size_mb: int, repeats: int) -> dict[str, Any]:
     size = size_mb * MiB
-    records = []
+    records: list[Record] = []
     for rule, k in (("fedasync", 1), ("fedbuff", BUFFER)):
         seconds = in_memory_seconds(rule, size_mb, k, repeats)
         step = coordinator_step_seconds(rule, size_mb, k, repeats)

@@ -36,7 +36,8 @@ from typing import Any
 
 import torch
 
-from bench.common import RESULTS_DIR, Domain, configure_logging, format_table, load_suites, running_coordinator, write_json_atomic
+from bench.common import (RESULTS_DIR, Domain, configure_logging, format_table, load_suites, pulled_tensors,
+                          running_coordinator, write_json_atomic)
 from protocol.client import CoordinatorClient
 from protocol.errors import InvalidUpdate
 from protocol.tensors import StateDict, dumps
@@ -140,14 +141,14 @@ def run_job(domain: Domain, run: Run, s: Settings) -> dict[str, Any]:
             pulled = client.pull_weights(domain.name)
             for member in team:
                 try:
-                    push_round(client, domain.name, member, pulled.tensors, pulled.version, s.steps)
+                    push_round(client, domain.name, member, pulled_tensors(pulled), pulled.version, s.steps)
                 except InvalidUpdate:
                     rejected += 1
                 pushed += 1
         final = client.pull_weights(domain.name)
         lora = client.expert(domain.name)["lora"]
         client.close()
-    loss = adapter_loss(load_base_model(BASE_MODEL), domain.heldout, final.tensors, lora,  # trainers wrap theirs
+    loss = adapter_loss(load_base_model(BASE_MODEL), domain.heldout, pulled_tensors(final), lora,  # trainers wrap theirs
                         max_seq_len=s.max_seq_len)
     return {"attack": run.attack, "robust": run.robust, "norm_check": run.norm_check, "label": run.label,
             "workers": len(team), "eval_loss": loss, "version": final.version, "pushed": pushed,

@@ -33,8 +33,10 @@ from werkzeug.serving import make_server
 
 from coordinator.app import create_app
 from coordinator.config import CoordinatorConfig
-from protocol.credentials import publish_local_token, withdraw_local_token
+from protocol.client import Pulled
+from protocol.credentials import local_token, publish_local_token, withdraw_local_token
 from protocol.files import write_atomically
+from protocol.tensors import StateDict
 from worker.data import Example, load_examples, sample_dataset_path, split_examples
 
 log = logging.getLogger(__name__)
@@ -77,15 +79,17 @@ def load_domain(name: str, path: Path) -> Domain:
     return Domain(name, tuple(train), tuple(heldout))
 
 
+def sample_path(name: str) -> Path:
+    """The shipped sample dataset data/<name>.jsonl; FileNotFoundError that says what to run if it is missing."""
+    path = sample_dataset_path(name)
+    if path is None:
+        raise FileNotFoundError(f"sample dataset data/{name}.jsonl is missing; run `python data/make_samples.py`")
+    return path
+
+
 def sample_suite() -> Suite:
     """The project's sample data (python_expert, sql_expert, docs_expert)."""
-    domains = []
-    for name in SAMPLE_DOMAINS:
-        path = sample_dataset_path(name)
-        if path is None:
-            raise FileNotFoundError(f"sample dataset data/{name}.jsonl is missing; run `python data/make_samples.py`")
-        domains.append(load_domain(name, path))
-    return Suite("sample", tuple(domains))
+    return Suite("sample", tuple(load_domain(name, sample_path(name)) for name in SAMPLE_DOMAINS))
 
 
 def ds1000_suite(directory: Path = DS1000_DIR) -> Suite | None:
@@ -136,6 +140,24 @@ def running_coordinator(**settings: Any) -> Iterator[str]:
             thread.join()
             server.server_close()
             app.extensions["fedmoe"].close()
+
+
+def recorded_token(url: str) -> str:
+    """The admin token a coordinator on this machine recorded for ``url`` (running_coordinator does, with auth on).
+
+    For a child's environment, where a None would fail as an unreadable TypeError inside subprocess.
+    """
+    token = local_token(url)
+    if token is None:
+        raise RuntimeError(f"no admin token is recorded for {url}: is its coordinator running here, with auth on?")
+    return token
+
+
+def pulled_tensors(pulled: Pulled) -> StateDict:
+    """A pull's tensors. They are None only for a 304, which a pull that sent no ETag does not get."""
+    if pulled.tensors is None:
+        raise RuntimeError(f"the coordinator answered 'unchanged' (version {pulled.version}) to a pull without an ETag")
+    return pulled.tensors
 
 
 class CoordinatorProcess:
@@ -262,13 +284,13 @@ def run_parallel(tasks: Sequence[Task], jobs: int, on_result: Callable[[int, Any
     Processes are spawned, not forked: torch's thread pools do not survive a fork. ``on_result``
     sees (number finished so far, result) as each task ends; results come back in task order.
     """
+    results: list[Any] = []
     if jobs == 1:
-        results = []
         for fn, args in tasks:
             results.append(fn(*args))
             on_result(len(results), results[-1])
         return results
-    results: list[Any] = [None] * len(tasks)
+    results = [None] * len(tasks)
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=jobs, mp_context=context, initializer=initializer,
                              initargs=initargs) as pool:

@@ -45,12 +45,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.common import write_json_atomic
+from bench.common import sample_path, write_json_atomic
 from bench.realdata import ds1000_domains
 from gateway.lora import split_modules
 from gateway.merges import MERGES, merge
 from gateway.router import DEFAULT_THRESHOLD, route, text_profile
-from worker.data import IGNORE_INDEX, Example, encode_example, load_examples, sample_dataset_path, split_examples
+from worker.data import IGNORE_INDEX, Example, encode_example, load_examples, split_examples
 from worker.evaluation import adapter_loss
 from worker.models import BaseModel, load_base_model
 from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
@@ -121,6 +121,12 @@ class Adapter:
     tensors: dict[str, torch.Tensor] | None
     lora: dict[str, Any] | None
 
+    def trained(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """(tensors, lora) of a trained adapter; ValueError for the base model, which has neither."""
+        if self.tensors is None or self.lora is None:
+            raise ValueError("the base model (Adapter(None, None)) has no LoRA tensors to merge")
+        return self.tensors, self.lora
+
 
 BASE = Adapter(None, None)
 
@@ -131,7 +137,7 @@ def load_domains(suite: str) -> tuple[str, list[Domain]]:
         return "ds1000", [Domain(d.name, list(d.train), list(d.validation), list(d.heldout)) for d in ds1000_domains()]
     domains = []
     for name in SAMPLE_DOMAINS:
-        rest, heldout = split_examples(load_examples(sample_dataset_path(name)), 0.1)
+        rest, heldout = split_examples(load_examples(sample_path(name)), 0.1)
         train, validation = split_examples(rest, 0.2)  # every hash left is >= 0.1: [0.1, 0.2)
         domains.append(Domain(name, train, validation, heldout))
     return "sample", domains
@@ -139,7 +145,10 @@ def load_domains(suite: str) -> tuple[str, list[Domain]]:
 
 def train_experts(domains: Sequence[Domain], settings: Settings) -> tuple[dict[str, Adapter], dict[str, Any]]:
     """One expert per domain, each trained for the same number of steps."""
-    experts, stats = {}, {"steps": settings.steps, "seconds": {}, "last_train_loss": {}}
+    experts: dict[str, Adapter] = {}
+    steps = settings.steps
+    seconds: dict[str, float] = {}
+    last_train_loss: dict[str, float] = {}
     for domain in domains:
         trainer = LoraTrainer(load_base_model(BASE_MODEL), LoraSettings(rank=settings.rank),
                               TrainSettings(lr=settings.lr, batch_size=settings.batch_size,
@@ -147,13 +156,13 @@ def train_experts(domains: Sequence[Domain], settings: Settings) -> tuple[dict[s
                               domain.train)
         started = time.perf_counter()
         # The first expert trains for the time budget; the others take as many steps as it did.
-        done, loss = train_for(trainer, stats["steps"], settings.seconds_per_expert)
-        stats["steps"] = done
-        stats["seconds"][domain.name] = round(time.perf_counter() - started, 2)
-        stats["last_train_loss"][domain.name] = round(loss, 4)  # mean over the last chunk of steps
+        done, loss = train_for(trainer, steps, settings.seconds_per_expert)
+        steps = done
+        seconds[domain.name] = round(time.perf_counter() - started, 2)
+        last_train_loss[domain.name] = round(loss, 4)  # mean over the last chunk of steps
         experts[domain.name] = Adapter(trainer.adapter_state(), trainer.lora_config)
-        log.info("trained %s: %d steps in %.1f s", domain.name, done, stats["seconds"][domain.name])
-    return experts, stats
+        log.info("trained %s: %d steps in %.1f s", domain.name, done, seconds[domain.name])
+    return experts, {"steps": steps, "seconds": seconds, "last_train_loss": last_train_loss}
 
 
 def train_for(trainer: LoraTrainer, steps: int | None, seconds: float) -> tuple[int, float]:
@@ -173,17 +182,19 @@ def train_for(trainer: LoraTrainer, steps: int | None, seconds: float) -> tuple[
 
 def merged_adapter(experts: Mapping[str, Adapter], strategy: str, config: Mapping[str, Any]) -> Adapter:
     """gateway.merges' `strategy` over the experts, weight 1 each, as a PEFT adapter."""
-    first = next(iter(experts.values()))
-    modules = [split_modules(e.tensors, alpha=e.lora["alpha"], rank=e.lora["rank"]) for e in experts.values()]
+    trained = [e.trained() for e in experts.values()]
+    modules = [split_modules(state, alpha=lora["alpha"], rank=lora["rank"]) for state, lora in trained]
     tensors, alpha, rank = merge(strategy, modules, [1.0] * len(modules), **config).state_dict()
-    return Adapter(tensors, {"rank": rank, "alpha": alpha, "target_modules": first.lora["target_modules"]})
+    return Adapter(tensors, {"rank": rank, "alpha": alpha, "target_modules": trained[0][1]["target_modules"]})
 
 
 def naive_factor_average(experts: Mapping[str, Adapter]) -> Adapter:
     """A and B averaged separately: mean(B) @ mean(A) != mean(B @ A), wrong on purpose."""
-    states = [e.tensors for e in experts.values()]
-    return Adapter({key: sum(s[key] for s in states) / len(states) for key in states[0]},
-                   dict(next(iter(experts.values())).lora))
+    trained = [e.trained() for e in experts.values()]
+    states = [state for state, _ in trained]
+    # sum() from a zero tensor, not from 0: the same additions in the same order, typed as a tensor
+    return Adapter({key: sum((s[key] for s in states), torch.zeros_like(states[0][key])) / len(states)
+                    for key in states[0]}, dict(trained[0][1]))
 
 
 def tune_lam(base: BaseModel, domains: Sequence[Domain], experts: Mapping[str, Adapter],
@@ -201,7 +212,7 @@ def tune_lam(base: BaseModel, domains: Sequence[Domain], experts: Mapping[str, A
             adapter = merged_adapter(experts, strategy, {**config, "lam": lam})
             losses = {**reference, "merge": losses_of(base, adapter, validation, max_seq_len)}
             scores[lam] = statistics.fmean(retained_gains(losses)["merge"].values())
-        best = max(scores, key=scores.get)
+        best = max(scores, key=scores.__getitem__)
         tuned[label] = {"strategy": strategy, "config": {**config, "lam": best},
                         "validation_mean_r": {f"{lam:.4g}": r for lam, r in scores.items()}}
         log.info("%s: lam %.3g is best on validation (mean R %.3f)", label, best, scores[best])
@@ -337,7 +348,7 @@ def check_targets(gains: Mapping[str, Mapping[str, float]], router: Mapping[str,
     """The issue's targets, each with whether it was met and the numbers behind it."""
     mean = {m: statistics.fmean(g.values()) for m, g in gains.items()}
     merges = [m for m in gains if m.split(" ")[0] in MERGE_PLAN and m != GATEWAY]
-    best = max(merges, key=mean.get)
+    best = max(merges, key=mean.__getitem__)
     exact = gains[GATEWAY]
     worse = [d for d in exact if gains[best][d] < exact[d]]
     return [

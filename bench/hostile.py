@@ -37,6 +37,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -142,7 +143,7 @@ def bad_input_matrix(data_dir: Path) -> dict[str, Any]:
             assert target.put_expert(name, dumps(adapter), expert_spec()).status_code == 201
         assert target.push(matrix.FIRST_BODY, matrix.REPLAYED).status_code == 202
         tally = Tally()
-        _, growth = measured(server.pid, lambda: [tally.send(name, lambda send=send: send(target), status)
+        _, growth = measured(server.pid, lambda: [tally.send(name, partial(send, target), status)
                                                   for name, send, status in matrix.CASES])
     finally:
         server.stop()
@@ -182,7 +183,7 @@ def hostile_requests(server: CoordinatorProcess, prompt_mb: float) -> dict[str, 
         tally.send("full pull after overflow", lambda: requests.get(f"{url}/experts/overflow/weights",
                                                                     headers=auth, timeout=60))
         tally.send("diff pull after overflow", lambda: requests.get(
-            f"{url}/experts/overflow/weights", params={"since": 0, "codec": "fp16"}, headers=auth, timeout=60))
+            f"{url}/experts/overflow/weights", params={"since": "0", "codec": "fp16"}, headers=auth, timeout=60))
         tally.send("gateway after overflow", lambda: requests.get(f"{url}/gateway", headers=auth, timeout=60))
         tally.send("gateway weights after overflow", lambda: requests.get(f"{url}/gateway/weights",
                                                                           headers=auth, timeout=60))
@@ -202,7 +203,7 @@ def hostile_requests(server: CoordinatorProcess, prompt_mb: float) -> dict[str, 
             tally.send(f"{EXPERT_HEADER} nested {shape}", lambda: requests.put(
                 f"{url}/experts/deep", data=dumps(adapter), timeout=60, headers={**auth, EXPERT_HEADER: text}))
             tally.send(f"codec_config nested {shape}", lambda: requests.get(
-                f"{url}/experts/overflow/weights", params={"since": 0, "codec": "fp16", "codec_config": text},
+                f"{url}/experts/overflow/weights", params={"since": "0", "codec": "fp16", "codec_config": text},
                 headers=auth, timeout=60))
             tally.send(f"{WORKER_HEADER} nested {shape}", lambda: requests.get(
                 f"{url}/experts/overflow/weights", headers={**auth, WORKER_HEADER: text}, timeout=60))

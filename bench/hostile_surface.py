@@ -103,7 +103,8 @@ class Matrix:
     """Requests and their answers on one server."""
 
     def __init__(self, base: str) -> None:
-        self.base, self.cases = base, {}  # type: dict[str, dict[str, Any]]
+        self.base = base
+        self.cases: dict[str, dict[str, Any]] = {}
 
     def send(self, name: str, method: str, path: str, token: str | None = None, **kwargs: Any) -> None:
         headers = {**({"Authorization": f"Bearer {token}"} if token else {}), **kwargs.pop("headers", {})}

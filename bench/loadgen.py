@@ -145,21 +145,22 @@ class Http:
     async def request(self, method: str, path: str, headers: dict[str, str],
                       body: bytes | list[bytes | memoryview] = b"") -> tuple[int, dict, bytes]:
         """One exchange; ``body`` may come in pieces (written in order, none copied here)."""
-        if self.writer is None:
+        if self.reader is None or self.writer is None:
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port, limit=1 << 20)
+        reader, writer = self.reader, self.writer
         parts = body if isinstance(body, list) else [body]
         head = f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Length: {sum(len(p) for p in parts)}\r\n"
         head += "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n"
         try:
-            self.writer.write(head.encode("latin-1"))
+            writer.write(head.encode("latin-1"))
             for part in parts:
-                self.writer.write(part)
-            await self.writer.drain()
-            raw = await self.reader.readuntil(b"\r\n\r\n")
+                writer.write(part)
+            await writer.drain()
+            raw = await reader.readuntil(b"\r\n\r\n")
             lines = raw.decode("latin-1").split("\r\n")
             status = int(lines[0].split()[1])
             answer = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:] if line)}
-            data = await self.reader.readexactly(int(answer.get("content-length", "0")))
+            data = await reader.readexactly(int(answer.get("content-length", "0")))
         except BaseException:
             self.close()
             raise
@@ -212,8 +213,9 @@ class Generator:
         self.counter += 1
         pooled = self.pool[(worker + n) % len(self.pool)]
         body, digest = pooled.parts(self.counter)
-        meta = {"update_id": f"load-worker-{worker}:{n}", "base_version": self.versions[worker],
-                "num_samples": 1 + (worker * 7 + n) % 50, "codec": self.plan.codec, "codec_config": {},
+        update_id, num_samples = f"load-worker-{worker}:{n}", 1 + (worker * 7 + n) % 50
+        meta = {"update_id": update_id, "base_version": self.versions[worker],
+                "num_samples": num_samples, "codec": self.plan.codec, "codec_config": {},
                 "worker_id": f"load-worker-{worker}", "train_loss": 1.0}
         headers = {"Authorization": f"Bearer {self.tokens[worker]}", UPDATE_HEADER: json.dumps(meta),
                    "Content-Type": "application/octet-stream", DIGEST_HEADER: digest}
@@ -236,7 +238,7 @@ class Generator:
                 break
             await asyncio.sleep(min(5.0, float(answer.get("retry-after", "1") or 1)))
         self.report.body_bytes += pooled.size
-        self.report.results.append(PushResult(meta["update_id"], self.expert(worker), meta["num_samples"],
+        self.report.results.append(PushResult(update_id, self.expert(worker), num_samples,
                                               time.perf_counter() - scheduled, status, attempts))
 
     async def closed(self) -> None:

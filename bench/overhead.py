@@ -42,9 +42,10 @@ from typing import Any
 
 import torch
 
-from bench.common import RESULTS_DIR, SCRATCH_DIR, configure_logging, coordinator_process, format_table, write_json_atomic
+from bench.common import (RESULTS_DIR, SCRATCH_DIR, configure_logging, coordinator_process, format_table, sample_path,
+                          write_json_atomic)
 from protocol.client import CoordinatorClient
-from worker.data import load_examples, sample_dataset_path, split_examples
+from worker.data import load_examples, split_examples
 from worker.federation import FederatedWorker, SyncSettings
 from worker.models import load_base_model
 from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
@@ -102,7 +103,7 @@ def federated_phase(worker: FederatedWorker, mode: str, seconds: float, round_: 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)
     started = time.perf_counter()
-    train, _ = split_examples(load_examples(sample_dataset_path(SPECIALTY)))
+    train, _ = split_examples(load_examples(sample_path(SPECIALTY)))
     base = load_base_model(BASE_MODEL)
     trainer = LoraTrainer(base, LoraSettings(rank=args.lora_rank),
                           TrainSettings(lr=1e-2, batch_size=args.batch_size, max_seq_len=args.max_seq_len), train)

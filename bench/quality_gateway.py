@@ -118,7 +118,7 @@ def split_losses(lab: Lab, adapter: Adapter, split: Mapping[str, Sequence],
 
 
 def expert_losses(lab: Lab, experts: Mapping[str, Adapter], split: Mapping[str, Sequence],
-                  top: Sequence[str]) -> dict[str, Losses]:
+                  top: Sequence[str | None]) -> dict[str, Losses]:
     """Each expert on all of its own domain and on the other domains' prompts the router sends it."""
     flat = [(d, i) for d, examples in split.items() for i in range(len(examples))]
     out = {}
@@ -143,23 +143,28 @@ def retained(method: Losses, base: Losses, experts: Mapping[str, Losses], withou
 def tune(lab: Lab, experts: Mapping[str, Adapter], base_val: Losses, expert_val: Mapping[str, Losses],
          validation: Mapping[str, Sequence], grid: Sequence[float], merges: Sequence[str]) -> dict[str, dict[str, Any]]:
     """Per merge of ``merges``, the lam of ``grid`` with the best mean validation R."""
-    tuned = {}
+    tuned: dict[str, dict[str, Any]] = {}
     for label in merges:
         strategy, config = MERGE_PLAN[label]
-        scores = {}
+        scores: dict[float, float] = {}
         for lam in grid:
             losses = split_losses(lab, merged_adapter(experts, strategy, {**config, "lam": lam}), validation)
             scores[lam] = statistics.fmean(retained(losses, base_val, expert_val, False).values())
-        best = max(scores, key=scores.get)
+        best = max(scores, key=scores.__getitem__)
         tuned[label] = {"strategy": strategy, "config": {**config, "lam": best}, "validation_mean_r": scores}
         log.info("%s: lam %.3g best on validation (mean R %.3f)", label, best, scores[best])
     return tuned
 
 
-def routing(domains: Sequence[RealDomain], split: str) -> tuple[list[str], list[str], list[float]]:
-    """(truth, top expert, confidence) per prompt of ``split``, routed on the training prompts' profiles."""
+def routing(domains: Sequence[RealDomain], split: str) -> tuple[list[str], list[str | None], list[float]]:
+    """(truth, top expert, confidence) per prompt of ``split``, routed on the training prompts' profiles.
+
+    The top expert is None (confidence 0) for a prompt too short to compare (gateway.router.route).
+    """
     profiles = {d.name: text_profile(e.prompt for e in d.train) for d in domains}
-    truth, top, confidence = [], [], []
+    truth: list[str] = []
+    top: list[str | None] = []
+    confidence: list[float] = []
     for d in domains:
         for e in getattr(d, split):
             result = route(e.prompt, profiles, 0.0)
@@ -252,14 +257,17 @@ def run(lab: Lab, domains: Sequence[RealDomain], s: Settings) -> dict[str, Any]:
     return report
 
 
-def routing_gains(top: Sequence[str], val: Mapping[str, Losses], names: Sequence[str]) -> list[float]:
-    """Per validation prompt: the gateway's summed nll minus its top expert's (nats saved by routing it)."""
+def routing_gains(top: Sequence[str | None], val: Mapping[str, Losses], names: Sequence[str]) -> list[float]:
+    """Per validation prompt: the gateway's summed nll minus its top expert's (nats saved by routing it).
+
+    A prompt with no top expert (too short to compare) can only go to the gateway: it saves nothing.
+    """
     flat = [(d, i) for d in names for i in range(len(val["base"][d]))]
-    return [val[GATEWAY][d][i].nll - val[f"expert:{e}"][d][i].nll for (d, i), e in zip(flat, top)]
+    return [0.0 if e is None else val[GATEWAY][d][i].nll - val[f"expert:{e}"][d][i].nll for (d, i), e in zip(flat, top)]
 
 
 def summarize(per_seed: Sequence[Mapping[str, Losses]], names: Sequence[str], truth: Sequence[str],
-              top: Sequence[str], confidence: Sequence[float], fitted: float) -> dict[str, Any]:
+              top: Sequence[str | None], confidence: Sequence[float], fitted: float) -> dict[str, Any]:
     thresholds = {"fitted on losses": fitted, "default": DEFAULT_THRESHOLD, "old_0.7": OLD_THRESHOLD}
     choices = {k: [f"expert:{e}" if c >= t else GATEWAY for e, c in zip(top, confidence)]
                for k, t in thresholds.items()}

@@ -147,8 +147,10 @@ class Lab:
                lora: Mapping[str, Any] | None = None) -> list[AnswerLoss]:
         """Per-example answer losses of the base model with ``adapter`` (None: the base model itself)."""
         started = time.process_time()
-        model = self.base.model
+        model: torch.nn.Module = self.base.model
         if adapter is not None:
+            if lora is None:
+                raise ValueError("an adapter needs its lora config (rank, alpha, target_modules)")
             model = attach_adapter(copy.deepcopy(self.base.model), dict(adapter), dict(lora))
         model.eval()
         out = answer_losses(model, self.base.tokenizer, list(examples), max_seq_len=self.max_seq_len)

@@ -39,8 +39,8 @@ from protocol.tensors import dumps
 RESULTS = RESULTS_DIR / "relay_crash.json"
 EXPERT = "relay_crash_expert"
 FINGERPRINT = "ef" * 32
-SPEC = {"lora": {"rank": 2, "alpha": 4.0, "target_modules": ["q_proj"]},
-        "base_model": {"id": "tiny-test", "fingerprint": FINGERPRINT}}
+SPEC: dict[str, Any] = {"lora": {"rank": 2, "alpha": 4.0, "target_modules": ["q_proj"]},
+                        "base_model": {"id": "tiny-test", "fingerprint": FINGERPRINT}}
 
 
 def tiny_adapter(seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:

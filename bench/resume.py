@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from bench.common import (RESULTS_DIR, SCRATCH_DIR, configure_logging, coordinator_process, format_table,
-                          write_json_atomic)
+                          pulled_tensors, write_json_atomic)
 from bench.wanemu import DelayProxy
 from bench.wanemu.cut import CutProxy
 from protocol.client import CoordinatorClient, RetryPolicy
@@ -127,11 +127,11 @@ def run(settings: Settings) -> list[Row]:
 
 
 def check_applied_once(admin: CoordinatorClient, experts: list[str]) -> None:
-    reference = admin.pull_weights(experts[0]).tensors
+    reference = pulled_tensors(admin.pull_weights(experts[0]))
     for name in experts:
         info = admin.expert(name)
         assert info["updates_applied"] == 1 and info["version"] == 1, (name, info)
-        got = admin.pull_weights(name).tensors
+        got = pulled_tensors(admin.pull_weights(name))
         assert all(torch.equal(got[k], reference[k]) for k in reference), f"{name} differs from {experts[0]}"
 
 

@@ -89,6 +89,7 @@ class ServeProcess:
              "--api-key-file", str(keys), *flags, "--poll-interval", str(poll),
              "--threads", str(threads), "--max-tokens", "256"],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert self.proc.stdout is not None  # stdout=PIPE
         self.log: list[str] = []
         for line in self.proc.stdout:
             self.log.append(line)

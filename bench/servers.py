@@ -78,9 +78,8 @@ def start_postgres() -> Postgres | str:
     if user:
         entry = pwd.getpwnam(user)
         os.chown(directory, entry.pw_uid, entry.pw_gid)
-    run_as = {"user": user} if user else {}
     init = subprocess.run([str(PG_BIN / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust", "-E", "UTF8",
-                           "--no-sync"], capture_output=True, text=True, cwd=directory, **run_as)
+                           "--no-sync"], capture_output=True, text=True, cwd=directory, user=user)
     if init.returncode != 0:
         shutil.rmtree(directory, ignore_errors=True)
         return f"initdb failed: {(init.stderr or init.stdout).strip().splitlines()[-1:]}"
@@ -88,7 +87,7 @@ def start_postgres() -> Postgres | str:
     proc = subprocess.Popen([str(PG_BIN / "postgres"), "-D", str(data), "-p", str(port), "-k", str(directory),
                              "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off", "-c", "max_connections=200"],
                             stdout=subprocess.DEVNULL, stderr=open(directory / "log", "w"), cwd=directory,
-                            start_new_session=True, **run_as)
+                            start_new_session=True, user=user)  # user None: as this process
     why = _wait_for_port(port, proc, START_TIMEOUT)
     server = Postgres(directory, port, proc, user)
     if why is None:

@@ -49,7 +49,9 @@ class Attack:
         self.opened = self.opened or dict.fromkeys(self.counts, 0)
         self.closed_by_server = self.closed_by_server or dict.fromkeys(self.counts, 0)
         self._loop = asyncio.new_event_loop()
-        self._stop: asyncio.Event | None = None
+        # An asyncio.Event binds to a loop only when first awaited (Python >= 3.10): made here, it is never None,
+        # so stop() before the thread has reached _main still finds it.
+        self._stop = asyncio.Event()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="slow-clients", daemon=True)
 
@@ -74,7 +76,6 @@ class Attack:
         self._loop.run_until_complete(self._main())
 
     async def _main(self) -> None:
-        self._stop = asyncio.Event()
         context = None
         if self.tls:
             context = ssl.create_default_context()

@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench.common import format_table, write_json_atomic
-from worker.data import load_examples, sample_dataset_path, split_examples
+from bench.common import format_table, sample_path, write_json_atomic
+from worker.data import load_examples, split_examples
 from worker.distributed import SingleProcess, TorchCollective
 from worker.models import load_base_model
 from worker.strategies import ParallelSettings
@@ -59,7 +59,7 @@ def settings() -> TrainSettings:
 
 
 def data():
-    return split_examples(load_examples(sample_dataset_path("sql_expert")))
+    return split_examples(load_examples(sample_path("sql_expert")))
 
 
 def run_config(name: str, parallel: ParallelSettings, steps: int, collective: SingleProcess) -> dict[str, Any]:

@@ -46,13 +46,13 @@ from typing import Any
 
 import torch
 
-from bench.common import RESULTS_DIR, configure_logging, coordinator_process, format_table, write_json_atomic
+from bench.common import RESULTS_DIR, configure_logging, coordinator_process, format_table, sample_path, write_json_atomic
 from protocol.client import CoordinatorClient
 from protocol.files import fsync_dir, write_atomically
 from protocol.tensors import dumps
 from worker import resume
 from worker.checkpoint import MANIFEST, CheckpointWriter, WorkerCheckpoint, _write_durably, flatten_optimizer
-from worker.data import load_examples, sample_dataset_path, split_examples
+from worker.data import load_examples, split_examples
 from worker.encoding import CompressionSettings, UpdateEncoder
 from worker.federation import FederatedWorker, SyncSettings
 from worker.models import load_base_model
@@ -160,9 +160,7 @@ def variant(name: str, clock: PhaseClock) -> Iterator[None]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)
     started, cpu_started = time.perf_counter(), time.process_time()
-    dataset = sample_dataset_path(SPECIALTY)
-    assert dataset is not None  # shipped in data/
-    train, _ = split_examples(load_examples(dataset))
+    train, _ = split_examples(load_examples(sample_path(SPECIALTY)))
     base = load_base_model(args.base_model)
     trainer = LoraTrainer(base, LoraSettings(rank=args.lora_rank),
                           TrainSettings(lr=1e-3, batch_size=1, max_seq_len=32), train)
@@ -185,13 +183,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     worker.settings = replace(worker.settings, state_dir=Path(scratch) / f"state-{name}-{block}")
                     with variant(name, clock):
                         for _ in range(args.syncs):
-                            train = time.thread_time()
+                            step_started = time.thread_time()
                             worker.train_step()
-                            train = time.thread_time() - train
+                            step_cpu = time.thread_time() - step_started
                             clock.take()
                             cpu = time.process_time()
                             record = worker.sync()
-                            phases = clock.take() | {"total": time.process_time() - cpu, "train_step": train}
+                            phases = clock.take() | {"total": time.process_time() - cpu, "train_step": step_cpu}
                             phases["bytes_down"] = record.get("bytes_down", 0)
                             samples[name].append(phases)
                     mine = samples[name][-args.syncs:]

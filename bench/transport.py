@@ -44,7 +44,7 @@ import threading  # noqa: E402
 import time  # noqa: E402
 import uuid  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
-from concurrent.futures import ThreadPoolExecutor  # noqa: E402
+from concurrent.futures import Future, ThreadPoolExecutor  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -148,7 +148,8 @@ def pipeline_seconds(payload: memoryview, path: Path) -> float:
         conn, _ = server.accept()
         hasher = new_hasher("blake3", len(payload))
         with conn, open(path, "wb") as out, ThreadPoolExecutor(2) as pool:
-            got, turn, pending = 0, 0, []
+            got, turn = 0, 0
+            pending: list[Future[Any]] = []
             while got < len(payload):
                 view = memoryview(buffers[turn])[:min(piece, len(payload) - got)]
                 filled = 0
@@ -225,8 +226,9 @@ def base64_json_seconds(tensors: dict[str, torch.Tensor]) -> float:
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         started = time.perf_counter()
-        body = {"weights": {k: {"shape": list(t.shape), "data": base64.b64encode(t.numpy().tobytes()).decode()}
-                            for k, t in tensors.items()}}
+        body: dict[str, Any] = {"weights": {k: {"shape": list(t.shape),
+                                                "data": base64.b64encode(t.numpy().tobytes()).decode()}
+                                            for k, t in tensors.items()}}
         r = requests.post(f"http://127.0.0.1:{server.port}/update", json=body, timeout=600)
         r.raise_for_status()
         return time.perf_counter() - started
@@ -244,7 +246,10 @@ def serving_pid(master: int) -> int:
 
 def status_kib(pid: int, field: str) -> int:
     text = Path(f"/proc/{pid}/status").read_text()
-    return int(re.search(rf"^{field}:\s+(\d+) kB", text, re.M).group(1))
+    match = re.search(rf"^{field}:\s+(\d+) kB", text, re.M)
+    if match is None:
+        raise RuntimeError(f"/proc/{pid}/status has no {field} line")
+    return int(match.group(1))
 
 
 def peak_rss_during(pid: int, action: Callable[[], None]) -> tuple[int, int, int]:
@@ -324,7 +329,7 @@ def measure_pushes(size_mb: int, repeats: int, floor: bool = False) -> dict[str,
     nbytes = len(body)
     spec = {"kind": "full", "full": {"num_parameters": sum(t.numel() for t in tensors.values())},
             "base_model": {"id": "bench", "fingerprint": FINGERPRINT}}
-    runs: list[dict[str, float]] = []
+    runs: list[dict[str, Any]] = []  # figures, the chunk count, None for a phase a push had not, the floor's dict
     with tempfile.TemporaryDirectory(dir=SCRATCH_DIR) as scratch, \
             coordinator_process(Path(scratch) / "data", "--aggregation", "fedbuff", "--buffer-size", "1000",
                                 "--max-body-mb", str(2 * size_mb + 64)) as coordinator:
@@ -345,9 +350,10 @@ def measure_pushes(size_mb: int, repeats: int, floor: bool = False) -> dict[str,
             wall = time.perf_counter() - started
             client_cpu, answered_cpu = own_cpu_seconds() - client_cpu, cpu_seconds(pid) - server_cpu
             wait_until_idle(pid)  # work the push left behind after its answer (none expected) counts for it
-            run = {"socket_seconds": socket_s, "push_seconds": wall, "push_vs_socket": socket_s / wall,
-                   "coordinator_cpu_seconds": cpu_seconds(pid) - server_cpu, "coordinator_cpu_at_answer": answered_cpu,
-                   "client_cpu_seconds": client_cpu, "load_average": os.getloadavg()[0]}
+            run: dict[str, Any] = {
+                "socket_seconds": socket_s, "push_seconds": wall, "push_vs_socket": socket_s / wall,
+                "coordinator_cpu_seconds": cpu_seconds(pid) - server_cpu, "coordinator_cpu_at_answer": answered_cpu,
+                "client_cpu_seconds": client_cpu, "load_average": os.getloadavg()[0]}
             stats = client.last_upload  # where the push's time went (None: it went in one request)
             if stats is not None:
                 run |= {"chunks": stats.chunks, **{k: getattr(stats, k, None) for k in TIMELINE}}

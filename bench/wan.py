@@ -65,11 +65,11 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from bench.common import (RESULTS_DIR, SCRATCH_DIR, configure_logging, format_table, running_coordinator,
-                          sample_suite, write_json_atomic)
+from bench.common import (RESULTS_DIR, SCRATCH_DIR, configure_logging, format_table, pulled_tensors, recorded_token,
+                          running_coordinator, sample_suite, write_json_atomic)
 from bench.wanemu import NamespaceUnavailable, WanLink, check_available
 from protocol.client import CoordinatorClient
-from protocol.credentials import TOKEN_ENV, local_token
+from protocol.credentials import TOKEN_ENV
 
 log = logging.getLogger("bench.wan")
 ROOT = Path(__file__).resolve().parents[1]
@@ -250,6 +250,7 @@ def start_relay(link: WanLink, index: int, flags: list[str], s: Settings, scratc
                             "--relay-id", f"site-{index}", "--forward-interval", str(forward_interval(s)),
                             "--rate-limit", "0", *flags],
                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None  # stdout=PIPE
     lines = []
     for line in proc.stdout:
         lines.append(line)
@@ -274,8 +275,8 @@ def run_mode(name: str, s: Settings, scratch: Path) -> dict[str, Any]:
         # (exits in reverse: the workers' cgroups are removed after the finally below has reaped them)
         port = int(url.rsplit(":", 1)[1])
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-               "HF_HUB_OFFLINE": "1", TOKEN_ENV: local_token(url),  # the site cannot see this host's token file
-               "FEDMOE_JOIN_TOKEN": local_token(url)}  # relays join with it (the admin may register relays)
+               "HF_HUB_OFFLINE": "1", TOKEN_ENV: recorded_token(url),  # the site cannot see this host's token file
+               "FEDMOE_JOIN_TOKEN": recorded_token(url)}  # relays join with it (the admin may register relays)
         links = [stack.enter_context(WanLink(("127.0.0.1", port), s.rate_mbit, s.rtt_ms)) for _ in range(s.sites)]
         run = Run()
         started = time.monotonic()
@@ -347,7 +348,7 @@ def versions_bytes(url: str) -> int:
     """Size of the expert's full weights at the root (0 before it exists)."""
     client = CoordinatorClient(url)
     try:
-        return sum(t.numel() * t.element_size() for t in client.pull_weights(SPECIALTY).tensors.values())
+        return sum(t.numel() * t.element_size() for t in pulled_tensors(client.pull_weights(SPECIALTY)).values())
     except Exception:  # noqa: BLE001 - only sizes a wait
         return 0
     finally:

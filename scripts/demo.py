@@ -67,6 +67,8 @@ def sample_domains() -> list[Domain]:
     domains = []
     for specialty in ("python_expert", "sql_expert", "docs_expert"):
         path = sample_dataset_path(specialty)
+        if path is None:
+            raise SystemExit(f"sample dataset data/{specialty}.jsonl is missing; run `python data/make_samples.py`")
         domains.append(Domain(specialty, path, tuple(split_examples(load_examples(path))[1])))
     return domains
 
@@ -174,6 +176,7 @@ def start_coordinator(run: Path) -> tuple[subprocess.Popen, str]:
                              "--gateway-interval", "0"],  # the losses table scores the newest gateway
                             env={**child_env(), "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
+    assert proc.stdout is not None  # stdout=PIPE
     deadline = time.monotonic() + 60
     for line in proc.stdout:
         log.write(line)
@@ -186,8 +189,11 @@ def start_coordinator(run: Path) -> tuple[subprocess.Popen, str]:
 
 
 def _drain(proc: subprocess.Popen, log) -> None:
+    stdout = proc.stdout
+    assert stdout is not None  # start_coordinator's stdout=PIPE
+
     def copy() -> None:
-        for line in proc.stdout:
+        for line in stdout:
             log.write(line)
             log.flush()
 

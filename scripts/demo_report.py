@@ -105,9 +105,14 @@ def _label(target: str) -> str:
 def generate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: str, max_new_tokens: int) -> str:
     """The model's greedy answer to the prompt as a chat turn (at most max_new_tokens tokens)."""
     ids = torch.tensor([prompt_token_ids(tokenizer, prompt)])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+    # GenerationMixin.generate (every *ForCausalLM has it); mypy resolves it through torch's Module.__getattr__ (a
+    # Tensor), as in gateway/generate.py: transformers 5's PreTrainedModel is no GenerationMixin by itself
+    out = model.generate(ids, attention_mask=torch.ones_like(ids),  # type: ignore[operator]
+                         max_new_tokens=max_new_tokens, do_sample=False,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=pad_token_id(tokenizer))
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    assert isinstance(text, str)  # one sequence of ids decodes to one string (a batch would give a list)
+    return text
 
 
 def print_tables(report: Report, versions: Mapping[str, int]) -> None:

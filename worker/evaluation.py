@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from gateway.export import attach_adapter
 from protocol.tensors import StateDict
@@ -71,7 +71,7 @@ def total(losses: Sequence[AnswerLoss]) -> AnswerLoss:
 
 
 @torch.no_grad()
-def answer_losses(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example], *,
+def answer_losses(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example], *,
                   max_seq_len: int = 256, batch_size: int = 8) -> list[AnswerLoss]:
     """One AnswerLoss per example, in the order given (no grad; the model should be in eval mode).
 

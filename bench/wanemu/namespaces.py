@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 PREFIX = "fwan"
 """Namespace and interface names start with this (and the creating pid), so leftovers are easy to spot."""
-SUBNET_POOL = ipaddress.ip_network("10.77.0.0/16")
+SUBNET_POOL = ipaddress.IPv4Network("10.77.0.0/16")
 
 _lock = threading.Lock()
 _counter = itertools.count()

@@ -41,6 +41,7 @@ class Process:
         threading.Thread(target=self._pump, daemon=True).start()
 
     def _pump(self) -> None:
+        assert self.proc.stdout is not None, "spawn() pipes stdout"
         for line in self.proc.stdout:
             self.log.append(line)
             self.lines.put(line)

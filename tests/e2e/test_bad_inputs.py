@@ -34,7 +34,8 @@ FIRST_BODY = dumps(random_like(ADAPTER, 1))
 
 @dataclass
 class Server:
-    process: Process
+    process: Process | None
+    """The coordinator this module started; None for one started elsewhere (bench.hostile's matrix)."""
     url: str
     join_token: str = ""
 
@@ -78,9 +79,9 @@ def server(tmp_path_factory) -> Iterator[Server]:
     process.stop()
 
 
-def delta(**changes: torch.Tensor) -> dict[str, torch.Tensor]:
-    tensors = random_like(ADAPTER, 2)
-    tensors.update(changes)
+def delta(**changes: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """A random delta shaped like ADAPTER; a tensor in ``changes`` replaces or adds one, None drops one."""
+    tensors: dict[str, torch.Tensor | None] = {**random_like(ADAPTER, 2), **changes}
     return {k: v for k, v in tensors.items() if v is not None}
 
 
@@ -115,6 +116,7 @@ def post_chunked(url: str, path: str, headers: dict[str, str], total: int, chunk
     The server may answer 413 and close before the whole body is sent: stop sending then, read the answer.
     """
     parts = urlsplit(url)
+    assert parts.hostname, f"no host in {url!r}"
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
     try:
         conn.putrequest("POST", path)
@@ -267,5 +269,6 @@ def test_nothing_bad_was_applied_and_the_replay_with_the_same_body_is_still_200(
     assert experts == {"e", "other", "big"}  # "big": made by the overflow case, left at version 1
     big = server.get("/experts/big").json()
     assert (big["version"], big["updates_applied"], big["pending_updates"]) == (1, 1, 0)
+    assert server.process is not None  # the module fixture started it
     log = "".join(server.process.log)
     assert "unhandled error" not in log and "Traceback" not in log, log[-3000:]
