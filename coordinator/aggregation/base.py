@@ -81,5 +81,13 @@ def add_deltas(current: StateDict, weighted: list[tuple[Mapping[str, torch.Tenso
         start = end
 
 
+def weighted_sum(manifest: Iterable[tuple[str, tuple[int, ...]]],
+                 weighted: list[tuple[Mapping[str, torch.Tensor], float]]) -> dict[str, torch.Tensor]:
+    """``sum alpha * delta`` over ``weighted``, in fp32, from zeros shaped as ``manifest`` (``add_deltas``' order)."""
+    total = {name: torch.zeros(shape, dtype=torch.float32) for name, shape in manifest}
+    add_deltas(total, weighted)
+    return total
+
+
 class Aggregator(Protocol):
     def __call__(self, current: StateDict, updates: list[Update], params: AggregationParams) -> StateDict: ...

@@ -4,8 +4,9 @@ At most once per interval (at once when an update reaches an idle relay), for ea
 a batch still pending (built before a crash or an outage) is resent as stored; otherwise the queued
 worker updates are combined with the root's own rule, FedBuff's staleness-weighted sample mean
 (``coordinator.aggregation.fedbuff`` applied to zeros: sum_i (n_i / N) * s(tau_i) * delta_i, tau_i =
-cached root version - the version the worker started from), compressed with the relay's codec plus error feedback, recorded durably
-(``RelayStore.add_batch``) and sent under the update id ``<relay id>.<epoch>.<expert>.<seq>``.
+cached root version - the version the worker started from; with ``--site-model`` the sum of the weights
+each update had in the site model, coordinator/relay/site.py), compressed with the relay's codec plus
+error feedback, recorded durably (``RelayStore.add_batch``) and sent under the update id ``<relay id>.<epoch>.<expert>.<seq>``.
 The root deduplicates update ids, so resending after a timeout or a kill -9 applies it once.
 
 Exactly once across relays: a batch's metadata names its members (worker update id -> body content
@@ -29,12 +30,11 @@ import torch
 
 from compression.error_feedback import ErrorFeedback
 from compression.registry import make_codec
-from coordinator.adapters import stored_deltas
 from coordinator.aggregation import AggregationParams, Update, fedbuff
-from coordinator.aggregation.base import add_deltas
+from coordinator.aggregation.base import weighted_sum
 from coordinator.blobs import BlobStore
 from coordinator.relay.site import SiteModel, sum_weighted
-from coordinator.relay.store import Batch, RelayStore
+from coordinator.relay.store import Batch, RelayStore, held_deltas
 from coordinator.relay.upstream import UpstreamClient, WeightsCache
 from protocol.errors import Conflict, FedMoEError, Unavailable
 from protocol.schemas import MAX_BATCH_MEMBERS, RAW_CODEC, UPDATE_ID_RE
@@ -177,8 +177,7 @@ class Forwarder:
         # s(root - cached) * s(cached - base_i), against s(root - base_i) with a fresh base.
         cached = self.cache.get(expert)
         manifest = read_header(self.blobs.path(cached.blob)).manifest
-        deltas = [(u.meta, stored_deltas(self.blobs.path(u.blob), u.meta["codec"], u.meta["codec_config"], manifest))
-                  for u in queued]
+        deltas = [(u.meta, held_deltas(self.blobs, u, manifest)) for u in queued]
         combined = (sum_weighted(deltas, manifest) if self.site is not None
                     else combine(deltas, manifest, cached.version, self.policy.staleness_decay))
         seq = self.store.next_seq(expert)
@@ -234,12 +233,9 @@ class Forwarder:
 
     def _decoded(self, batch: Batch) -> StateDict:
         """What the root decodes of ``batch`` (its payload through the forward codec), in fp32."""
-        cached = self.cache.get(batch.expert)
+        cached = self.cache.known(batch.expert) or self.cache.get(batch.expert)
         manifest = read_header(self.blobs.path(cached.blob)).manifest
-        total = {name: torch.zeros(shape, dtype=torch.float32) for name, shape in manifest}
-        add_deltas(total, [(stored_deltas(self.blobs.path(batch.blob), batch.meta["codec"],
-                                          batch.meta["codec_config"], manifest), 1.0)])
-        return total
+        return weighted_sum(manifest, [(held_deltas(self.blobs, batch, manifest), 1.0)])
 
     def _refused(self, batch: Batch, exc: FedMoEError) -> str:
         """Refused for good: retrying the same bytes cannot help."""

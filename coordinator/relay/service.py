@@ -10,10 +10,10 @@ from urllib.parse import urlsplit
 
 import logging
 import socket
-from contextlib import AbstractContextManager, nullcontext
 import sqlite3
 import threading
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,7 +60,8 @@ class RelayConfig:
     upstream_diffs: DiffPulls | None = None
     """Fetch new versions as compressed diffs since the cached one (None: full weights, byte for byte the root's)."""
     site_model: bool = False
-    """Serve the root's weights plus the site's updates not yet in them; forward their sum (coordinator/relay/site.py)."""
+    """Serve the root's weights plus the site's updates not yet in them; forward their sum
+    (coordinator/relay/site.py)."""
 
     def __post_init__(self) -> None:
         if not self.upstream.startswith(("http://", "https://")):
@@ -250,9 +251,6 @@ class RelayService:
                 return response.json(), response.status_code
         finally:
             self.blobs.forget(body)
-
-    def weights(self, name: str) -> CachedWeights:
-        return self.cache.get(name)
 
     def weights_file(self, name: str, worker_id: str | None) -> tuple[CachedWeights, Path | bytes]:
         """What a pull of the current weights is sent: the cached root version's file, or the site's weights."""

@@ -38,10 +38,9 @@ from typing import Any
 
 import torch
 
-from coordinator.adapters import stored_deltas
-from coordinator.aggregation.base import add_deltas, staleness_weight
+from coordinator.aggregation.base import add_deltas, staleness_weight, weighted_sum
 from coordinator.blobs import BlobStore
-from coordinator.relay.store import CachedWeights, RelayStore
+from coordinator.relay.store import CachedWeights, RelayStore, held_deltas
 from protocol.errors import FedMoEError
 from protocol.streaming import read_header
 from protocol.tensors import StateDict, dumps, load_file, loads
@@ -161,20 +160,16 @@ class SiteModel:
     def _owed_from_store(self, name: str, root: CachedWeights) -> StateDict:
         """After a (re)start: the forward codec's residual, batches built but not sent, and the queued updates."""
         manifest = read_header(self.blobs.path(root.blob)).manifest
-        owed = {n: torch.zeros(shape, dtype=torch.float32) for n, shape in manifest}
         weighted: list[tuple[Mapping[str, torch.Tensor], float]] = []
         residual = self.store.residual(name)
         if residual is not None:
             weighted.append((loads(self.blobs.path(residual).read_bytes()), 1.0))
         batch = self.store.pending_batch(name)
         if batch is not None:
-            weighted.append((stored_deltas(self.blobs.path(batch.blob), batch.meta["codec"],
-                                           batch.meta["codec_config"], manifest), 1.0))
-        for u in self.store.queued(name):
-            weighted.append((stored_deltas(self.blobs.path(u.blob), u.meta["codec"], u.meta["codec_config"], manifest),
-                             float(u.meta.get(SITE_WEIGHT, 1.0))))
-        add_deltas(owed, weighted)
-        return owed
+            weighted.append((held_deltas(self.blobs, batch, manifest), 1.0))
+        weighted += [(held_deltas(self.blobs, u, manifest), float(u.meta.get(SITE_WEIGHT, 1.0)))
+                     for u in self.store.queued(name)]
+        return weighted_sum(manifest, weighted)
 
     def _ask_upstream(self, pending: list[_Pending]) -> None:
         """Which root version applied each of these batches (a FedBuff root answers a push before it applies it)."""
@@ -209,6 +204,4 @@ class SiteModel:
 def sum_weighted(updates: list[tuple[dict[str, Any], Mapping[str, torch.Tensor]]],
                  manifest: list[tuple[str, tuple[int, ...]]]) -> StateDict:
     """A site batch: the sum of its members' deltas, each with the weight it had in the site model."""
-    total = {name: torch.zeros(shape, dtype=torch.float32) for name, shape in manifest}
-    add_deltas(total, [(delta, float(meta.get(SITE_WEIGHT, 1.0))) for meta, delta in updates])
-    return total
+    return weighted_sum(manifest, [(delta, float(meta.get(SITE_WEIGHT, 1.0))) for meta, delta in updates])

@@ -34,13 +34,16 @@ import secrets
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from coordinator.adapters import stored_deltas
+from coordinator.blobs import BlobStore
 from coordinator.store import WORKERS_QUERY, touch_worker_row, upsert_worker_row, worker_dicts
 from protocol.files import private_file
+from protocol.tensors import Manifest
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS state (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -127,6 +130,11 @@ class CachedWeights:
     etag: str
     blob: str
     info: dict[str, Any]
+
+
+def held_deltas(blobs: BlobStore, held: QueuedUpdate | Batch, manifest: Manifest) -> Mapping[str, Any]:
+    """A queued update's or a batch's deltas as the root decodes them, read tensor by tensor from its blob."""
+    return stored_deltas(blobs.path(held.blob), held.meta["codec"], held.meta["codec_config"], manifest)
 
 
 APPLIED_ELSEWHERE = "applied_elsewhere"
