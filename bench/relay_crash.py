@@ -165,7 +165,8 @@ def run(kills: int = 20, clients: int = 3, seed: int = 0, max_uptime: float = 1.
     return {"kills": kills, "clients": clients, "seed": seed, "pushes_acknowledged": len(acked),
             "samples_acknowledged": expected, "root_samples_seen": seen, "root_updates_applied":
             expert["updates_applied"], "restart_s": restarts,
-            "server_errors": [e for p in pushers for e in p.server_errors], "pulls_answered": sum(p.pulled for p in pushers),
+            "server_errors": [e for p in pushers for e in p.server_errors],
+            "pulls_answered": sum(p.pulled for p in pushers),
             "relay_stats": tree[0]["stats"] if tree else {}}
 
 
@@ -188,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kills", type=int, default=20)
     p.add_argument("--clients", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--site-model", action="store_true", help="the relay with --site-model; clients pull after each push")
+    p.add_argument("--site-model", action="store_true",
+                   help="the relay with --site-model; clients pull after each push")
     args = p.parse_args(argv)
     report = run(args.kills, args.clients, args.seed, site_model=args.site_model)
     restarts = sorted(report["restart_s"])

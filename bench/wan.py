@@ -99,6 +99,8 @@ class Mode:
 FLAT_FEDBUFF = {"aggregation": "fedbuff", "buffer_size": 3}
 TOPK_UPSTREAM = ["--forward-compression", "topk+int8", "--forward-compression-config", '{"ratio": 0.05}']
 AUTO = ["--compression", "auto", "--sync-budget", "2"]
+INT8_BOTH_WAYS = ["--forward-compression", "int8", "--upstream-pull-compression", "int8"]
+"""Relay flags: int8 with error feedback on the long link, and new root versions fetched as int8 diffs."""
 
 MODES: dict[str, Mode] = {
     "flat": Mode(["--compression", "safetensors"], root=FLAT_FEDBUFF),
@@ -116,23 +118,20 @@ MODES: dict[str, Mode] = {
     "relays+adaptive (int8 upstream)": Mode(AUTO, relays=["--forward-compression", "int8"], needs="--sync-budget"),
     # the relays also fetch new root versions as int8 diffs (a full fetch every 10th): ~1 s of the site's downlink
     # per version instead of ~4 s, so the weights its workers train on are fresher (docs/wan.md)
-    "relays+adaptive (int8 both ways)": Mode(AUTO, relays=["--forward-compression", "int8",
-                                                            "--upstream-pull-compression", "int8"],
-                                             needs="--sync-budget"),
+    "relays+adaptive (int8 both ways)": Mode(AUTO, relays=INT8_BOTH_WAYS, needs="--sync-budget"),
     # both ways, FedBuff K=2 at the root with server lr 2: each root step both sites' batches added (FedAsync's
     # step size), one version per pair of batches instead of one per batch (docs/wan.md, "What bounds")
     "relays+adaptive (int8 both ways; fedbuff root x2)": Mode(
-        AUTO, relays=["--forward-compression", "int8", "--upstream-pull-compression", "int8"], needs="--sync-budget",
+        AUTO, relays=INT8_BOTH_WAYS, needs="--sync-budget",
         root={"aggregation": "fedbuff", "buffer_size": 2, "server_lr": 2.0}),
     # each relay serves its site's model (the root's version plus the site's updates not yet in it) and forwards the
     # sum of its workers' weighted deltas, the site's progress (coordinator/relay/site.py); the root averages the two
     # sites' batches (FedBuff K=2), hierarchical FL's cloud round (docs/wan.md)
     "relays+adaptive (int8 both ways; site model)": Mode(
-        AUTO, relays=["--forward-compression", "int8", "--upstream-pull-compression", "int8", "--site-model"],
-        needs="--sync-budget", root={"aggregation": "fedbuff", "buffer_size": 2}),
+        AUTO, relays=[*INT8_BOTH_WAYS, "--site-model"], needs="--sync-budget",
+        root={"aggregation": "fedbuff", "buffer_size": 2}),
     "relays+adaptive (int8 both ways; site model; fedasync root)": Mode(
-        AUTO, relays=["--forward-compression", "int8", "--upstream-pull-compression", "int8", "--site-model"],
-        needs="--sync-budget"),
+        AUTO, relays=[*INT8_BOTH_WAYS, "--site-model"], needs="--sync-budget"),
     # the same with FedBuff at the root over the two relays' batches (each root step the mean of both), against
     # the FedAsync root's oscillation when the relays forward often (docs/wan.md, tenth run)
     "relays+adaptive (int8 upstream; fedbuff root)": Mode(AUTO, relays=["--forward-compression", "int8"],
@@ -140,7 +139,8 @@ MODES: dict[str, Mode] = {
                                                           root={"aggregation": "fedbuff", "buffer_size": 2}),
 }
 DEFAULT_MODES = {"tiny-qwen2": ["flat", "flat topk+int8", "relays + topk+int8 upstream", "relays+adaptive"],
-                 "smollm2-135m": ["flat", "flat randomk+terngrad", "relays", "relays+adaptive (int8 both ways; site model)"]}
+                 "smollm2-135m": ["flat", "flat randomk+terngrad", "relays",
+                                  "relays+adaptive (int8 both ways; site model)"]}
 
 
 @dataclass(frozen=True)
