@@ -66,6 +66,9 @@ def test_relay_join_token_registers_a_relay_whose_token_pushes_to_any_expert(mak
     # but it is not the admin, and it reports only for itself
     assert relay.get("/api/v1/gateway/weights").status_code == 403
     assert relay.post("/api/v1/relays/site-b/report", json={}).status_code == 403
+    # nor does it mint worker identities at the root (it did: the join token's rule let any token through)
+    assert relay.post("/api/v1/workers", json={"worker_id": "w5", "specialty": "e1", "base_model": {
+        "id": "m", "fingerprint": FINGERPRINT}}).status_code == 403
 
 
 def test_a_relay_of_another_base_model_is_refused_with_409(make_app):
