@@ -17,6 +17,8 @@ are open, plain and TLS, against the same client's figures with no attack (same 
 - ``new_surface``: the routes added since (upload probe, resumable uploads, ``?since=``, Range, the relay's
   API) and HTTP framing lies, against a root and a relay; slow probes and upload chunks while a normal worker
   syncs through the relay; 64 concurrent 4 MiB probes (bench/hostile_surface.py).
+- ``reservation_exhaustion``: resumable uploads opened by every identity the workers' join token gives and never
+  sent, declaring 1.25x the free disk; then an honest worker's 9 MiB pushes (bench/hostile_reservations.py).
 
     python -m bench.hostile            # 1,000 slow connections, 240 MiB model; a few minutes
     python -m bench.hostile --quick    # 100 connections, 16 MiB model (tests/bench)
@@ -60,7 +62,7 @@ ROOT = Path(__file__).resolve().parents[1]
 log = logging.getLogger("bench.hostile")
 MiB = 1 << 20
 P99_TARGET_S = 1.0
-PARTS = ("bad_inputs", "hostile", "slow_clients", "compressed_pushes", "new_surface")
+PARTS = ("bad_inputs", "hostile", "slow_clients", "compressed_pushes", "new_surface", "reservation_exhaustion")
 NESTING = 3000
 urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)  # our own self-signed loopback cert
 
@@ -382,6 +384,10 @@ def table(report: dict[str, Any]) -> str:
                          "5MB push p99 s"], rows)
     if "new_surface" in report:
         text += "\n\n" + surface_table(report["new_surface"])
+    if "reservation_exhaustion" in report:
+        from bench.hostile_reservations import TABLE_HEADERS, table_rows
+
+        text += "\n\n" + format_table(TABLE_HEADERS, table_rows(report["reservation_exhaustion"]))
     return text
 
 
@@ -432,7 +438,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
             log.info("new surface: probe, uploads, since, Range, relay API, framing; root and relay")
             report["new_surface"] = new_surface(root / "surface", min(args.connections, 200))
+        if "reservation_exhaustion" in args.only:
+            from bench.hostile_reservations import reservation_exhaustion
+
+            log.info("reservation exhaustion: uploads opened and never sent, then an honest worker's 9 MiB pushes")
+            report["reservation_exhaustion"] = reservation_exhaustion(root / "reservations",
+                                                                      honest_pushes=3 if args.quick else 10)
     parts = [report.get("bad_inputs"), *report.get("hostile", {}).values(), report.get("compressed_pushes"),
+             report.get("reservation_exhaustion"),
              *(p["under_attack"] for p in report.get("slow_clients", {}).values())]
     parts = [p for p in parts if p is not None]
     report |= {"requests_tried": sum(p["requests"] for p in parts), "status_5xx": sum(p["status_5xx"] for p in parts),

@@ -49,6 +49,8 @@ class CoordinatorConfig:
     route_threshold: float = option(DEFAULT_ROUTE_THRESHOLD, "router confidence below which prompts go to the "
                                                              "gateway instead of one expert")
     max_body_mb: float = option(1024.0, "largest accepted request body in MiB (413 above it)")
+    upload_idle_seconds: float = option(300.0, "a resumable upload that receives no chunk for this long expires "
+                                               "(one receiving chunks never does); its bytes are removed")
     auth: bool = option(True, "accept requests without tokens; only on a trusted lab network", flag="--no-auth",
                         group=SECURITY)
     admin_token_file: Path | None = option(None, "file holding the admin token (default: <data-dir>/admin_token, "
@@ -110,6 +112,8 @@ class CoordinatorConfig:
             raise ValueError(f"--route-threshold must be in [0, 1], got {self.route_threshold}")
         if not self.max_body_mb > 0:
             raise ValueError(f"--max-body-mb must be > 0, got {self.max_body_mb}")
+        if not 1 <= self.upload_idle_seconds <= 86400:
+            raise ValueError(f"--upload-idle-seconds must be 1-86400, got {self.upload_idle_seconds}")
         if self.admin_token_file is not None:
             object.__setattr__(self, "admin_token_file", Path(self.admin_token_file).expanduser().absolute())
             if self.admin_token_file.is_dir():  # was "[Errno 21] Is a directory", after the data dir's recovery ran

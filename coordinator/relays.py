@@ -1,8 +1,9 @@
 """The root's side of relay coordinators (docs/wan.md, "Relays"): registration, reports, the tree.
 
-A relay (``coordinator.relay``) registers with the join token at ``POST /api/v1/relays`` and gets a
-relay-scoped token (``coordinator.tokens``, role ``relay``): it may push and pull for any expert, on
-behalf of its workers. Registration refuses (409) a relay whose base model fingerprint differs from
+A relay (``coordinator.relay``) registers with the relay join token (``<data dir>/relay_join_token``, not
+the workers' join token: a worker must not be able to make itself a relay) at ``POST /api/v1/relays`` and
+gets a relay-scoped token (``coordinator.tokens``, role ``relay``): it may push and pull for any expert, on
+behalf of its workers; its resumable uploads are its own (coordinator/uploads.py ``owner_of``). Registration refuses (409) a relay whose base model fingerprint differs from
 an existing expert's, so a relay for another model never starts. Each forward interval the relay
 reports its workers and byte counts at ``POST /api/v1/relays/<id>/report``; ``GET /api/v1/relays``
 lists the tree (relays, their workers, bytes saved), which is also how workers discover relays.

@@ -45,7 +45,10 @@ class RelayConfig:
     coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
     """Data dir, tokens, body limit and staleness decay, as for the root."""
     join_token: str | None = None
-    """The root's join token: the relay joins with it, and its workers join the relay with it too."""
+    """The root's join token: the relay's workers join the relay with it (as they would the root)."""
+    relay_join_token: str | None = None
+    """The root's relay join token: the relay registers at the root with it (else with ``join_token``, which the
+    root refuses unless it is the admin's)."""
     relay_id: str | None = None
     """Name of this relay at the root (default: host name and port)."""
     advertise_url: str | None = None
@@ -105,7 +108,8 @@ class RelayService:
         self._creating: dict[str, threading.Lock] = {}
         """One lock per expert name a worker asked to create (a name is checked before it gets one)."""
         self.relay_id = config.relay_id or self.store.relay_id(_default_relay_id(port))
-        self.upstream = UpstreamClient(config.upstream, config.join_token, data_dir / "relay_token")
+        self.upstream = UpstreamClient(config.upstream, config.join_token, data_dir / "relay_token",
+                                       relay_join_token=config.relay_join_token)
         self.cache = WeightsCache(self.store, self.blobs, self.upstream, config.revalidate_seconds,
                                   self.drop_unreferenced, diff_pulls=config.upstream_diffs)
         self.site = (SiteModel(self.store, self.blobs, self.cache.get, self._applied_version,
