@@ -390,7 +390,9 @@ _relays: dict[str, Any] = {  # coordinator/relays.py; docs/wan.md, "Relays"
                                     "url": {"type": ["string", "null"], "maxLength": 512},
                                     "base_model": {"oneOf": [_ref("BaseModel"), {"type": "null"}]}}}}}},
                  "responses": {"200": _json({"type": "object", "required": ["relay_id", "experts"]},
-                                            "Registered; ``token`` is the relay's token when auth is on."),
+                                            "Registered; ``token`` is the relay's token when auth is on; ``limits`` "
+                                            "the root's --server-lr and --norm-* settings, which the relay "
+                                            "applies to its workers' updates before acknowledging them."),
                                "400": BAD_REQUEST,
                                "403": _error("The relay id is active, or the token may not register relays."),
                                "409": _error("The relay's base model differs from an expert's."),
