@@ -38,8 +38,10 @@ from typing import Any
 
 import torch
 
+from coordinator.adapters import non_finite_tensor
 from coordinator.aggregation.base import add_deltas, staleness_weight, weighted_sum
 from coordinator.blobs import BlobStore
+from coordinator.relay.checks import RelayChecks
 from coordinator.relay.store import CachedWeights, RelayStore, held_deltas
 from protocol.errors import FedMoEError
 from protocol.streaming import read_header
@@ -121,13 +123,28 @@ class SiteModel:
             return staleness_weight(max(0, site.counter - site.served.get(worker_id, site.counter)),
                                     self.staleness_decay)
 
-    def added(self, name: str, delta: Mapping[str, torch.Tensor], weight: float) -> None:
-        """A worker update was recorded durably: the site's weights include it from now on."""
+    def admit(self, name: str, root: CachedWeights, delta: Mapping[str, torch.Tensor], weight: float,
+              checks: RelayChecks, update_id: str) -> StateDict:
+        """What the site owes with this worker update added (weighted ``weight``), for ``added`` once it is recorded;
+        InvalidUpdate (422) if the site's weights, or a root step taking them in, would not be finite with it.
+
+        Checked against ``root``, the root version the relay holds now (the next pull serves it): the sum of the
+        site's updates is what overflows, where the forwarder's mean of them could not (coordinator/relay/checks.py).
+        Call it holding ``lock``, which ``added`` needs to find the same site."""
+        with self.lock:
+            site = self._site(name, root)
+            owed = {k: v.clone() for k, v in site.owed.items()}
+        add_deltas(owed, [(delta, weight)])
+        checks.check_site(root, owed, update_id, name)
+        return owed
+
+    def added(self, name: str, owed: StateDict) -> None:
+        """A worker update was recorded durably: the site owes ``owed`` (from ``admit``) from now on."""
         with self.lock:
             site = self._sites.get(name)
-            if site is None:  # not served yet: built from the queue on the first pull
+            if site is None:  # reset meanwhile (a refused or superseded batch): rebuilt from the queue on a pull
                 return
-            add_deltas(site.owed, [(delta, weight)])
+            site.owed = owed
             site.counter += 1
             site.dirty = True
 
@@ -195,7 +212,13 @@ class SiteModel:
         """Build the served bytes of R + owed (kept in memory: rebuilt at most once per pull, ~45 ms for 9.8 MB)."""
         if site.base is None:
             site.base = load_file(self.blobs.path(site.root.blob))
-        site.body = dumps({k: v + site.owed[k].to(v.dtype) for k, v in site.base.items()})
+        weights = {k: v + site.owed[k].to(v.dtype) for k, v in site.base.items()}
+        bad = non_finite_tensor(weights)
+        if bad is not None:  # a new root version the site's updates were not checked against: never serve Inf
+            log.error("the site's weights of %s overflow tensor %r on root version %d: serving the root's own until "
+                      "its next version", name, bad, site.root.version)
+            weights = site.base
+        site.body = dumps(weights)
         site.entry = CachedWeights(name, site.root.version, hashlib.sha256(site.body).hexdigest(), site.root.blob,
                                    site.root.info)
         site.dirty = False
