@@ -80,9 +80,13 @@ def check_step_result(new: Mapping[str, torch.Tensor], update_id: str, expert: s
                             "divergence) and send a smaller update", reason="result_not_finite", tensor=bad)
 
 
-def weights_plus(weights: Path, weighted: list[tuple[Mapping[str, torch.Tensor], float]]) -> StateDict:
-    """The weights in file ``weights`` plus ``sum alpha * delta``, in float32 as a step adds them (a fresh copy)."""
-    current = load_flat(weights) or load_file(weights)
+def weights_plus(weights: Path | Mapping[str, torch.Tensor],
+                 weighted: list[tuple[Mapping[str, torch.Tensor], float]]) -> StateDict:
+    """``weights`` (a file, or tensors left as they are) plus ``sum alpha * delta``, in float32 as a step adds them."""
+    if isinstance(weights, Path):
+        current = load_flat(weights) or load_file(weights)
+    else:
+        current = {k: v.to(torch.float32, copy=True) for k, v in weights.items()}
     add_deltas(current, weighted)
     return current
 

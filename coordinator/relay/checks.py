@@ -62,18 +62,19 @@ class RelayChecks:
         return judge_norm(norm, self.store.recent_norms(expert, policy.history), policy)
 
     def check_step(self, weights: CachedWeights, delta: Mapping[str, torch.Tensor], update_id: str,
-                   expert: str, alpha: float = 1.0) -> None:
-        """Refuse (422 ``result_not_finite``) ``delta`` if ``weights + server_lr * alpha * delta`` is not finite."""
+                   expert: str) -> None:
+        """Refuse (422 ``result_not_finite``) ``delta`` if ``weights + server_lr * delta`` is not finite."""
         with self.blobs_guard:  # the cache never deletes the file while it is read
-            new = weights_plus(self.blobs.path(weights.blob), [(delta, alpha * self.limits.server_lr)])
+            new = weights_plus(self.blobs.path(weights.blob), [(delta, self.limits.server_lr)])
         check_step_result(new, update_id, expert)
 
-    def check_site(self, root: CachedWeights, owed: Mapping[str, torch.Tensor], update_id: str, expert: str) -> None:
+    def check_site(self, root: Mapping[str, torch.Tensor], owed: Mapping[str, torch.Tensor], update_id: str,
+                   expert: str) -> None:
         """Refuse (422) a worker update that makes what a site-model relay owes (its site's progress not in the root's
-        weights) overflow the site's weights ``root + owed`` or a root step ``root + server_lr * owed`` taking it in.
-        Both, with one check: ``root + a * owed`` is finite for every a between 0 and the larger factor if it is at
-        that factor (element by element, it moves monotonically with a)."""
-        self.check_step(root, owed, update_id, expert, alpha=max(1.0, 1.0 / self.limits.server_lr))
+        weights ``root``) overflow the site's weights ``root + owed`` or a root step ``root + server_lr * owed``
+        taking it in. Both with one check: element by element ``root + a * owed`` moves monotonically with a, so it
+        is finite for every a between 0 and the larger factor if it is at that factor."""
+        check_step_result(weights_plus(root, [(owed, max(1.0, self.limits.server_lr))]), update_id, expert)
 
 
 def _limits_or_none(data: Any) -> UpdateLimits | None:

@@ -14,6 +14,14 @@ id, ``UpdateMeta.members``, at most ``MAX_BATCH_MEMBERS``). The root records the
 one transaction and refuses (409, ``reason: members_applied``, the ids in ``members``) a batch naming
 an update it already has, from another relay or pushed to it directly after a worker failed over.
 The relay then drops those members and re-sends the rest as a new batch (``_supersede``).
+
+Refusals: a worker update was acknowledged (202) after the root's own checks (coordinator/relay/checks.py), and
+each batch is checked again before it is sent (``_check``). A batch the root refuses all the same for its contents
+(a 4xx: its step would overflow on weights that moved meanwhile, its norm is over the root's limit) is split in
+halves, each sent at once under a new id, until the update the root refuses is alone: that one is refused for good,
+the others reach the root (``_refused``; ``RelayStore.split_batch``). Before, the whole batch was dropped with every
+member: one worker pushing deltas of 3e38 cost 6 of 9 honest updates that had their 202. A refusal of the request
+rather than of the batch (401, 403, 408) keeps the batch for the next cycle.
 """
 from __future__ import annotations
 

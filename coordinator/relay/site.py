@@ -126,17 +126,24 @@ class SiteModel:
     def admit(self, name: str, root: CachedWeights, delta: Mapping[str, torch.Tensor], weight: float,
               checks: RelayChecks, update_id: str) -> StateDict:
         """What the site owes with this worker update added (weighted ``weight``), for ``added`` once it is recorded;
-        InvalidUpdate (422) if the site's weights, or a root step taking them in, would not be finite with it.
+        InvalidUpdate (422) if the site's weights, or a root step taking in what it owes, would not be finite.
 
-        Checked against ``root``, the root version the relay holds now (the next pull serves it): the sum of the
-        site's updates is what overflows, where the forwarder's mean of them could not (coordinator/relay/checks.py).
-        Call it holding ``lock``, which ``added`` needs to find the same site."""
+        Checked on the root version the site stands on (what ``owed`` is relative to; ``root``, the relay's newest,
+        only for a site not built yet or whose version left the relay's disk): the newest may already hold batches
+        the site still owes, and counting them twice refused honest updates once the weights were large. The sum
+        of the site's updates is what overflows, where the forwarder's mean of them could not
+        (coordinator/relay/checks.py). The caller holds ``lock`` until ``added``."""
         with self.lock:
             site = self._site(name, root)
+            try:
+                base = self._base(site)
+            except FileNotFoundError:  # pruned from the relay's history: take the newest now, as a pull would
+                self._rebase(site, root)
+                base = self._base(site)
             owed = {k: v.clone() for k, v in site.owed.items()}
-        add_deltas(owed, [(delta, weight)])
-        checks.check_site(root, owed, update_id, name)
-        return owed
+            add_deltas(owed, [(delta, weight)])
+            checks.check_site(base, owed, update_id, name)
+            return owed
 
     def added(self, name: str, owed: StateDict) -> None:
         """A worker update was recorded durably: the site owes ``owed`` (from ``admit``) from now on."""
@@ -208,16 +215,22 @@ class SiteModel:
         site.counter += 1
         site.dirty = True
 
-    def _publish(self, name: str, site: _Site) -> None:
-        """Build the served bytes of R + owed (kept in memory: rebuilt at most once per pull, ~45 ms for 9.8 MB)."""
+    def _base(self, site: _Site) -> StateDict:
+        """The tensors of the root version the site stands on, read once per version (FileNotFoundError once the
+        relay's cache has let it go)."""
         if site.base is None:
             site.base = load_file(self.blobs.path(site.root.blob))
-        weights = {k: v + site.owed[k].to(v.dtype) for k, v in site.base.items()}
+        return site.base
+
+    def _publish(self, name: str, site: _Site) -> None:
+        """Build the served bytes of R + owed (kept in memory: rebuilt at most once per pull, ~45 ms for 9.8 MB)."""
+        base = self._base(site)
+        weights = {k: v + site.owed[k].to(v.dtype) for k, v in base.items()}
         bad = non_finite_tensor(weights)
         if bad is not None:  # a new root version the site's updates were not checked against: never serve Inf
             log.error("the site's weights of %s overflow tensor %r on root version %d: serving the root's own until "
                       "its next version", name, bad, site.root.version)
-            weights = site.base
+            weights = base
         site.body = dumps(weights)
         site.entry = CachedWeights(name, site.root.version, hashlib.sha256(site.body).hexdigest(), site.root.blob,
                                    site.root.info)

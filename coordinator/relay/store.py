@@ -12,13 +12,21 @@ The invariants, each owned by one method here:
   it, the stored bytes are resent as they are until the root answers, so the root's update-id
   deduplication makes forwarding exactly-once.
 - ``batch_done``: a forwarded batch's payload, its members' blobs and the residual it started from
-  are dropped, and old forwarded rows are pruned (``prune_forwarded``).
+  are dropped, and old forwarded rows are pruned (``prune_forwarded``). A batch of one update the root
+  refused for good is dropped with it, and gives back the residual it started from (the root applied none
+  of it), with an audit row naming the update.
 - ``put_cached``: the newest weights of an expert as fetched upstream; the version they replace moves
   to ``cache_history`` (the newest ``keep_previous`` per expert), so a worker's diff pull since a version
   it pulled here is answered here, not over the long link.
 - ``supersede_batch``: the root refused a batch because some members reached it another way (a
   worker that failed over to another relay or to the root): the batch is retired, those members are
   marked applied elsewhere, the others queued again, and the residual the batch started from restored.
+- ``split_batch``: the root refused a batch of several updates for its contents (a 422: its step would
+  overflow, its norm is over the limit): retired as ``supersede_batch`` retires one, and its members queued
+  again in two halves (``split_group``), each sent as a batch of its own under a new id. Bisection: one
+  update the root refuses costs its own half, then its quarter, until it alone is refused. The root recorded
+  nothing of a refused batch, so its members may go upstream again under any id; a member that reached the
+  root another way meanwhile is still caught by the members check (409, ``supersede_batch``).
 
 Pruning keeps what recovery needs: the newest batch row of each expert (its sequence number, so a
 restart never reuses a batch id), queued updates and pending batches, and the newest
@@ -287,18 +295,21 @@ class RelayStore:
 
     def batch_done(self, batch: Batch, status: str, events: tuple[Event, ...] = ()) -> list[str]:
         """The root answered for ``batch`` (forwarded, or refused for good): drop its payloads, prune old
-        rows, add ``events`` to the audit log. The blobs no longer named here (for the caller to delete if
-        unreferenced)."""
+        rows, add ``events`` to the audit log. A refused batch gives back the residual it was encoded on (the root
+        applied none of it: ``retire_batch``); a forwarded one leaves its own. The blobs no longer named here (for
+        the caller to delete if unreferenced)."""
         with self.transaction() as db:
             for event in events:
                 insert_event(db, event)
-            freed = [r[0] for r in db.execute(
-                "SELECT blob FROM updates WHERE expert = ? AND batch = ? AND blob IS NOT NULL UNION "
-                "SELECT blob FROM batches WHERE expert = ? AND seq = ? AND blob IS NOT NULL UNION "
-                "SELECT prev_residual FROM batches WHERE expert = ? AND seq = ? AND prev_residual IS NOT NULL",
-                (batch.expert, batch.seq) * 3).fetchall()]
-            db.execute("UPDATE batches SET status = ?, blob = NULL, prev_residual = NULL WHERE expert = ? AND seq = ?",
-                       (status, batch.expert, batch.seq))
+            freed = [r[0] for r in db.execute("SELECT blob FROM updates WHERE expert = ? AND batch = ? AND blob IS NOT "
+                                              "NULL", (batch.expert, batch.seq)).fetchall()]
+            if status == "forwarded":
+                freed += [b for b in db.execute("SELECT blob, prev_residual FROM batches WHERE expert = ? AND seq = ?",
+                                                (batch.expert, batch.seq)).fetchone() if b]
+                db.execute("UPDATE batches SET status = ?, blob = NULL, prev_residual = NULL WHERE expert = ? AND "
+                           "seq = ?", (status, batch.expert, batch.seq))
+            else:
+                freed += retire_batch(db, batch.expert, batch.seq, status)
             db.execute("UPDATE updates SET blob = NULL WHERE expert = ? AND batch = ?", (batch.expert, batch.seq))
             prune_forwarded(db, self.keep_forwarded)
         return freed
