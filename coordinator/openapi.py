@@ -219,7 +219,7 @@ _api: dict[str, Any] = {
         "summary": "Full weights (safetensors), or with since= the compressed difference from that version.",
         "parameters": [EXPERT_NAME,
                        _query("version", VERSION_QUERY, "Version (default: current)."),
-                       _query("since", VERSION_QUERY, "Send current minus this version."),
+                       _query("since", VERSION_QUERY, "Send that version minus this one."),
                        _query("codec", {"type": "string"}, "Codec of the difference (default fp16)."),
                        _json_param("codec_config", "query", {"type": "object"}, "Codec options as a JSON object."),
                        _header("If-None-Match", "ETag held by the caller."),

@@ -174,9 +174,11 @@ class Coordinator:
         """A stored blob's bytes; FileNotFoundError if it was pruned meanwhile."""
         return self.store.open_blob(digest)
 
-    def weights_diff(self, name: str, since: int, codec: str, codec_config: dict[str, Any]) -> tuple[bytes, int]:
-        """The current weights minus version ``since``, encoded with a codec: (payload, current version)."""
-        return self.diffs.get(name, since, codec, codec_config)
+    def weights_diff(self, name: str, since: int, codec: str, codec_config: dict[str, Any],
+                     version: int | None = None) -> tuple[bytes, int]:
+        """Version ``version`` (default: the current one) minus version ``since``, encoded with a codec:
+        (payload, version)."""
+        return self.diffs.get(name, since, codec, codec_config, version)
 
     def record_pull(self, worker_id: str | None, name: str, body_bytes: int) -> None:
         if worker_id:

@@ -279,9 +279,10 @@ class RelayService:
         """Version ``version`` of the expert if this relay holds it (its current copy or a kept previous one)."""
         return self.store.cached_version(name, version)
 
-    def weights_diff(self, name: str, since: int, codec: str, codec_config: dict[str, Any]) -> tuple[bytes, int]:
+    def weights_diff(self, name: str, since: int, codec: str, codec_config: dict[str, Any],
+                     version: int | None = None) -> tuple[bytes, int]:
         """As the root's ``Coordinator.weights_diff``, from the versions this relay holds (coordinator/relay/diffs.py):
-        (payload, current version), an empty payload when ``since`` is current; NotFound when ``since`` is not held."""
+        (payload, version), an empty payload when ``since`` is that version; NotFound when one is not held."""
         if self.site is not None:
             self.diffs_unavailable += 1
             raise NotFound(f"this relay serves its site's weights of {name!r}, not the root's versions: pull them "
@@ -289,7 +290,7 @@ class RelayService:
         if since > self.cache.get(name).version:  # the worker saw a newer version elsewhere: catch up if due
             self.cache.get(name, wait=True)
         try:
-            return self.diffs.get(name, since, codec, codec_config)
+            return self.diffs.get(name, since, codec, codec_config, version)
         except NotFound:
             self.diffs_unavailable += 1
             raise
