@@ -17,6 +17,8 @@ are open, plain and TLS, against the same client's figures with no attack (same 
 - ``new_surface``: the routes added since (upload probe, resumable uploads, ``?since=``, Range, the relay's
   API) and HTTP framing lies, against a root and a relay; slow probes and upload chunks while a normal worker
   syncs through the relay; 64 concurrent 4 MiB probes (bench/hostile_surface.py).
+- ``relay_poisoning``: a worker pushing finite deltas of 3e38 behind a real relay, plain and ``--site-model``;
+  honest acknowledged updates lost or doubled at the root, pulls holding Inf (bench/hostile_relay.py).
 
     python -m bench.hostile            # 1,000 slow connections, 240 MiB model; a few minutes
     python -m bench.hostile --quick    # 100 connections, 16 MiB model (tests/bench)
@@ -60,7 +62,7 @@ ROOT = Path(__file__).resolve().parents[1]
 log = logging.getLogger("bench.hostile")
 MiB = 1 << 20
 P99_TARGET_S = 1.0
-PARTS = ("bad_inputs", "hostile", "slow_clients", "compressed_pushes", "new_surface")
+PARTS = ("bad_inputs", "hostile", "slow_clients", "compressed_pushes", "new_surface", "relay_poisoning")
 NESTING = 3000
 urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)  # our own self-signed loopback cert
 
@@ -382,6 +384,10 @@ def table(report: dict[str, Any]) -> str:
                          "5MB push p99 s"], rows)
     if "new_surface" in report:
         text += "\n\n" + surface_table(report["new_surface"])
+    if "relay_poisoning" in report:
+        from bench.hostile_relay import poisoning_table
+
+        text += "\n\n" + poisoning_table(report["relay_poisoning"])
     return text
 
 
@@ -432,8 +438,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
             log.info("new surface: probe, uploads, since, Range, relay API, framing; root and relay")
             report["new_surface"] = new_surface(root / "surface", min(args.connections, 200))
+        if "relay_poisoning" in args.only:
+            from bench.hostile_relay import relay_poisoning
+
+            log.info("relay poisoning: 3e38 pushes behind a relay, plain and --site-model")
+            report["relay_poisoning"] = relay_poisoning(root / "relay-poisoning", rounds=3 if args.quick else 6)
     parts = [report.get("bad_inputs"), *report.get("hostile", {}).values(), report.get("compressed_pushes"),
-             *(p["under_attack"] for p in report.get("slow_clients", {}).values())]
+             *(p["under_attack"] for p in report.get("slow_clients", {}).values()),
+             *(report.get("relay_poisoning", {}).get(mode) for mode in ("plain", "site_model"))]
     parts = [p for p in parts if p is not None]
     report |= {"requests_tried": sum(p["requests"] for p in parts), "status_5xx": sum(p["status_5xx"] for p in parts),
                "normal_client_p99_s": max(((p["under_attack"][k]["p99_s"] or float("inf"))
