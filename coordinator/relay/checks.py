@@ -31,11 +31,15 @@ import torch
 from coordinator.blobs import BlobStore
 from coordinator.norm_check import NormVerdict, judge_norm
 from coordinator.relay.store import CachedWeights, RelayStore
-from coordinator.update_limits import UpdateLimits, check_step_result, weights_plus
+from coordinator.update_limits import (UpdateLimits, check_step_result, headroom, peak_magnitude, surely_finite,
+                                       weights_plus)
+from protocol.streaming import FileTensorsOnce
 
 log = logging.getLogger(__name__)
 
 LIMITS_SETTING = "root_limits"
+ROOM_KEPT = 16
+"""Weights files whose headroom is remembered (a few versions of a few experts)."""
 
 
 class RelayChecks:
@@ -45,6 +49,8 @@ class RelayChecks:
         self.store, self.blobs, self.blobs_guard = store, blobs, blobs_guard
         self.limits = _limits_or_none(store.setting(LIMITS_SETTING)) or UpdateLimits()
         """The root's defaults until it has told us its own (a root of an older release never does)."""
+        self._room: dict[str, float] = {}
+        """Cached weights file (blob digest) -> its tensors' ``headroom``; used under ``blobs_guard``."""
 
     def learn(self, limits: Any) -> None:
         """Take the limits the root answered at registration (None: it sent none) and keep them for restarts."""
@@ -64,17 +70,32 @@ class RelayChecks:
     def check_step(self, weights: CachedWeights, delta: Mapping[str, torch.Tensor], update_id: str,
                    expert: str) -> None:
         """Refuse (422 ``result_not_finite``) ``delta`` if ``weights + server_lr * delta`` is not finite."""
+        lr = self.limits.server_lr
         with self.blobs_guard:  # the cache never deletes the file while it is read
-            new = weights_plus(self.blobs.path(weights.blob), [(delta, self.limits.server_lr)])
+            if surely_finite(self._headroom(weights), peak_magnitude(delta), lr):
+                return
+            new = weights_plus(self.blobs.path(weights.blob), [(delta, lr)])
         check_step_result(new, update_id, expert)
 
-    def check_site(self, root: Mapping[str, torch.Tensor], owed: Mapping[str, torch.Tensor], update_id: str,
-                   expert: str) -> None:
+    def check_site(self, root: Mapping[str, torch.Tensor], room: float,
+                   owed: Mapping[str, torch.Tensor], update_id: str, expert: str) -> None:
         """Refuse (422) a worker update that makes what a site-model relay owes (its site's progress not in the root's
-        weights ``root``) overflow the site's weights ``root + owed`` or a root step ``root + server_lr * owed``
-        taking it in. Both with one check: element by element ``root + a * owed`` moves monotonically with a, so it
-        is finite for every a between 0 and the larger factor if it is at that factor."""
-        check_step_result(weights_plus(root, [(owed, max(1.0, self.limits.server_lr))]), update_id, expert)
+        weights ``root``, whose ``headroom`` is ``room``) overflow the site's weights ``root + owed``
+        or a root step ``root + server_lr * owed`` taking it in. Both with one check: element by element
+        ``root + a * owed`` moves monotonically with a, so it is finite for every a between 0 and the larger factor
+        if it is at that factor."""
+        alpha = max(1.0, self.limits.server_lr)
+        if not surely_finite(room, peak_magnitude(owed), alpha):
+            check_step_result(weights_plus(root, [(owed, alpha)]), update_id, expert)
+
+    def _headroom(self, weights: CachedWeights) -> float:
+        """``headroom`` of a cached weights file, read once per file (weights files never change)."""
+        room = self._room.get(weights.blob)
+        if room is None:
+            if len(self._room) >= ROOM_KEPT:
+                self._room.pop(next(iter(self._room)))
+            room = self._room[weights.blob] = headroom(FileTensorsOnce(self.blobs.path(weights.blob)))
+        return room
 
 
 def _limits_or_none(data: Any) -> UpdateLimits | None:

@@ -42,6 +42,7 @@ from coordinator.adapters import non_finite_tensor
 from coordinator.aggregation.base import add_deltas, staleness_weight, weighted_sum
 from coordinator.blobs import BlobStore
 from coordinator.relay.checks import RelayChecks
+from coordinator.update_limits import headroom
 from coordinator.relay.store import CachedWeights, RelayStore, held_deltas
 from protocol.errors import FedMoEError
 from protocol.streaming import read_header
@@ -76,6 +77,8 @@ class _Site:
     """The site's weights as served (safetensors bytes of R + owed)."""
     base: StateDict | None = None
     """R's tensors, read once per root version."""
+    base_room: float | None = None
+    """Their ``coordinator.update_limits.headroom``, for ``admit``'s check."""
     dirty: bool = True
     """Updates added since ``body`` was built: rebuilt on the next pull (several pushes, one rebuild)."""
 
@@ -140,9 +143,11 @@ class SiteModel:
             except FileNotFoundError:  # pruned from the relay's history: take the newest now, as a pull would
                 self._rebase(site, root)
                 base = self._base(site)
+            if site.base_room is None:
+                site.base_room = headroom(base)
             owed = {k: v.clone() for k, v in site.owed.items()}
             add_deltas(owed, [(delta, weight)])
-            checks.check_site(base, owed, update_id, name)
+            checks.check_site(base, site.base_room, owed, update_id, name)
             return owed
 
     def added(self, name: str, owed: StateDict) -> None:
@@ -211,7 +216,7 @@ class SiteModel:
                 add_deltas(site.owed, [(p.delta, -1.0)])
             else:
                 still.append(p)
-        site.pending, site.root, site.base = still, root, None
+        site.pending, site.root, site.base, site.base_room = still, root, None, None
         site.counter += 1
         site.dirty = True
 
