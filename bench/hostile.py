@@ -19,6 +19,8 @@ are open, plain and TLS, against the same client's figures with no attack (same 
   syncs through the relay; 64 concurrent 4 MiB probes (bench/hostile_surface.py).
 - ``reservation_exhaustion``: resumable uploads opened by every identity the workers' join token gives and never
   sent, declaring 1.25x the free disk; then an honest worker's 9 MiB pushes (bench/hostile_reservations.py).
+- ``relay_poisoning``: a worker pushing finite deltas of 3e38 behind a real relay, plain and ``--site-model``;
+  honest acknowledged updates lost or doubled at the root, pulls holding Inf (bench/hostile_relay.py).
 
     python -m bench.hostile            # 1,000 slow connections, 240 MiB model; a few minutes
     python -m bench.hostile --quick    # 100 connections, 16 MiB model (tests/bench)
@@ -62,7 +64,8 @@ ROOT = Path(__file__).resolve().parents[1]
 log = logging.getLogger("bench.hostile")
 MiB = 1 << 20
 P99_TARGET_S = 1.0
-PARTS = ("bad_inputs", "hostile", "slow_clients", "compressed_pushes", "new_surface", "reservation_exhaustion")
+PARTS = ("bad_inputs", "hostile", "slow_clients", "compressed_pushes", "new_surface", "reservation_exhaustion",
+         "relay_poisoning")
 NESTING = 3000
 urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)  # our own self-signed loopback cert
 
@@ -388,6 +391,10 @@ def table(report: dict[str, Any]) -> str:
         from bench.hostile_reservations import TABLE_HEADERS, table_rows
 
         text += "\n\n" + format_table(TABLE_HEADERS, table_rows(report["reservation_exhaustion"]))
+    if "relay_poisoning" in report:
+        from bench.hostile_relay import poisoning_table
+
+        text += "\n\n" + poisoning_table(report["relay_poisoning"])
     return text
 
 
@@ -444,9 +451,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             log.info("reservation exhaustion: uploads opened and never sent, then an honest worker's 9 MiB pushes")
             report["reservation_exhaustion"] = reservation_exhaustion(root / "reservations",
                                                                       honest_pushes=3 if args.quick else 10)
+        if "relay_poisoning" in args.only:
+            from bench.hostile_relay import relay_poisoning
+
+            log.info("relay poisoning: 3e38 pushes behind a relay, plain and --site-model")
+            report["relay_poisoning"] = relay_poisoning(root / "relay-poisoning", rounds=3 if args.quick else 6)
     parts = [report.get("bad_inputs"), *report.get("hostile", {}).values(), report.get("compressed_pushes"),
              report.get("reservation_exhaustion"),
-             *(p["under_attack"] for p in report.get("slow_clients", {}).values())]
+             *(p["under_attack"] for p in report.get("slow_clients", {}).values()),
+             *(report.get("relay_poisoning", {}).get(mode) for mode in ("plain", "site_model"))]
     parts = [p for p in parts if p is not None]
     report |= {"requests_tried": sum(p["requests"] for p in parts), "status_5xx": sum(p["status_5xx"] for p in parts),
                "normal_client_p99_s": max(((p["under_attack"][k]["p99_s"] or float("inf"))

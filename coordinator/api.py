@@ -189,7 +189,7 @@ def _weights_diff(c: Coordinator, name: str, worker_id: str | None) -> Response:
     config = loads_json(request.args.get("codec_config", "{}"), "codec_config")
     if not isinstance(config, dict):
         raise BadRequest(f"codec_config must be a JSON object, got {config!r}")
-    payload, version = c.weights_diff(name, since, codec, config)
+    payload, version = c.weights_diff(name, since, codec, config, _int_arg("version"))  # ?version=: to that one
     response = Response(payload, status=200 if payload else 304, mimetype="application/octet-stream")
     response.headers[VERSION_HEADER] = str(version)
     if payload:

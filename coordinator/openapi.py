@@ -219,7 +219,7 @@ _api: dict[str, Any] = {
         "summary": "Full weights (safetensors), or with since= the compressed difference from that version.",
         "parameters": [EXPERT_NAME,
                        _query("version", VERSION_QUERY, "Version (default: current)."),
-                       _query("since", VERSION_QUERY, "Send current minus this version."),
+                       _query("since", VERSION_QUERY, "Send that version minus this one."),
                        _query("codec", {"type": "string"}, "Codec of the difference (default fp16)."),
                        _json_param("codec_config", "query", {"type": "object"}, "Codec options as a JSON object."),
                        _header("If-None-Match", "ETag held by the caller."),
@@ -390,7 +390,9 @@ _relays: dict[str, Any] = {  # coordinator/relays.py; docs/wan.md, "Relays"
                                     "url": {"type": ["string", "null"], "maxLength": 512},
                                     "base_model": {"oneOf": [_ref("BaseModel"), {"type": "null"}]}}}}}},
                  "responses": {"200": _json({"type": "object", "required": ["relay_id", "experts"]},
-                                            "Registered; ``token`` is the relay's token when auth is on."),
+                                            "Registered; ``token`` is the relay's token when auth is on; ``limits`` "
+                                            "the root's --server-lr and --norm-* settings, which the relay "
+                                            "applies to its workers' updates before acknowledging them."),
                                "400": BAD_REQUEST,
                                "403": _error("The relay id is active, or the token may not register relays."),
                                "409": _error("The relay's base model differs from an expert's."),

@@ -37,6 +37,7 @@ from coordinator.norm_check import judge_norm
 from coordinator.recovery import recover
 from coordinator.steps import AggregationSteps
 from coordinator.store import RELAYED, ExpertRow, ManifestStore, UpdateRow, members_applied, parsed_manifest
+from coordinator.update_limits import NORM_SCALE
 from gateway.router import combine_profiles, profile_from_json, profile_to_json
 from gateway.router import route as route_prompt
 from protocol.errors import BadRequest, Conflict, InsufficientStorage, InvalidPayload, NotFound, PayloadTooLarge
@@ -173,9 +174,11 @@ class Coordinator:
         """A stored blob's bytes; FileNotFoundError if it was pruned meanwhile."""
         return self.store.open_blob(digest)
 
-    def weights_diff(self, name: str, since: int, codec: str, codec_config: dict[str, Any]) -> tuple[bytes, int]:
-        """The current weights minus version ``since``, encoded with a codec: (payload, current version)."""
-        return self.diffs.get(name, since, codec, codec_config)
+    def weights_diff(self, name: str, since: int, codec: str, codec_config: dict[str, Any],
+                     version: int | None = None) -> tuple[bytes, int]:
+        """Version ``version`` (default: the current one) minus version ``since``, encoded with a codec:
+        (payload, version)."""
+        return self.diffs.get(name, since, codec, codec_config, version)
 
     def record_pull(self, worker_id: str | None, name: str, body_bytes: int) -> None:
         if worker_id:
@@ -215,7 +218,7 @@ class Coordinator:
                 self._refuse_recorded_members(meta)  # again under the lock: a direct push of a member may have won
                 verdict = judge_norm(norm, self.store.recent_norms(name, self.config.norm_history),
                                      self.config.norm_policy)  # InvalidUpdate (422) in reject mode
-                stored = meta.to_json() | ({"norm_scale": verdict.scale} if verdict.clipped else {})
+                stored = meta.to_json() | ({NORM_SCALE: verdict.scale} if verdict.clipped else {})
                 step = self.steps.prepare(name, stored, body)  # InvalidUpdate (422) if not finite
                 self.store.add_update(name, stored, body, body_digest, size, _fp32_bytes(manifest),
                                       norm=verdict.accepted_norm, events=audit.update_accepted(name, meta, verdict, size),
