@@ -158,8 +158,12 @@ SCHEMAS: dict[str, Any] = {
 _api: dict[str, Any] = {
     "/health": {"get": {
         "operationId": "health", "summary": "Liveness and the number of experts.",
-        "responses": {"200": _json({"type": "object", "required": ["status", "experts"],
-                                    "properties": {"status": {"type": "string"}, "experts": {"type": "integer"}}},
+        "responses": {"200": _json({"type": "object", "required": ["status", "experts", "store"],
+                                    "properties": {"status": {"type": "string"}, "experts": {"type": "integer"},
+                                                   "store": {"type": "string", "enum": ["ok", "slow", "unavailable"],
+                                                             "description": "ok: experts was read just now; "
+                                                             "slow or unavailable: the last count read, the "
+                                                             "store did not answer within 0.5 s or failed."}}},
                                    "The coordinator is up.")}}},
     "/openapi.json": {"get": {
         "operationId": "openapi", "summary": "This description.",

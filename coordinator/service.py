@@ -33,6 +33,7 @@ from coordinator.diffs import DiffCache
 from coordinator.errors import REFUSALS
 from coordinator.expert_store import ExpertStore, WeightsRef
 from coordinator.gateway_builder import GatewayBuilder
+from coordinator.health import StoreHealth
 from coordinator.norm_check import judge_norm
 from coordinator.recovery import recover
 from coordinator.steps import AggregationSteps
@@ -64,6 +65,8 @@ class Coordinator:
         self.steps = AggregationSteps(self.store, config, self._stepped)
         self.on_aggregated: Callable[[float], None] = lambda seconds: None
         """Called with the seconds each aggregation step took (metrics hook)."""
+        self.health = StoreHealth(self.expert_count)
+        """What /health answers, without waiting on a database that is held up (coordinator/health.py)."""
         orphans = self.store.remove_orphans()  # blobs written just before a crash, never recorded
         if orphans:
             log.info("removed %d unrecorded blob(s) left by an interrupted write", orphans)
