@@ -124,9 +124,10 @@ SCHEMAS: dict[str, Any] = {
     "UpdateStatus": {
         "type": "object", "required": ["update_id", "expert", "status", "expert_version"],
         "properties": {"update_id": {"type": "string"}, "expert": {"type": "string"},
-                       "status": {"type": "string", "enum": ["pending", "applied"]},
+                       "status": {"type": "string", "enum": ["pending", "applied", "quarantined"]},
                        "applied_version": {"type": ["integer", "null"]},
-                       "expert_version": {"type": "integer"}},
+                       "expert_version": {"type": ["integer", "null"],
+                                          "description": "null: the expert was set aside (quarantined)"}},
     },
     "Worker": {
         "type": "object", "required": ["worker_id", "specialty", "status"],

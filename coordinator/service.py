@@ -67,10 +67,8 @@ class Coordinator:
         """Called with the seconds each aggregation step took (metrics hook)."""
         self.health = StoreHealth(self.expert_count)
         """What /health answers, without waiting on a database that is held up (coordinator/health.py)."""
-        orphans = self.store.remove_orphans()  # blobs written just before a crash, never recorded
-        if orphans:
-            log.info("removed %d unrecorded blob(s) left by an interrupted write", orphans)
-        recover(self.store, self.steps.run)  # finish what a crash interrupted; quarantine what can never be used
+        # finish what a crash interrupted; refuse to start on what this process cannot see (coordinator/recovery.py)
+        recover(self.store, self.steps.run)
         self.gateway.start()
 
     def close(self) -> None:
@@ -272,12 +270,13 @@ class Coordinator:
         row = self.store.update(update_id)
         if row is None:
             raise NotFound(f"no update with id {update_id!r}")
-        expert = self.require_expert(row.expert)
+        expert = self.store.expert(row.expert)  # None once an operator set the expert aside (--quarantine)
         relayed = {}
         if row.status == RELAYED:  # a worker update inside a relay's batch: it shares the batch's fate
             relayed, row = {"relayed_in": row.meta["relayed_in"]}, self.store.update(row.meta["relayed_in"]) or row
         return {"update_id": update_id, "expert": row.expert, "status": row.status,
-                "applied_version": row.applied_version, "expert_version": expert.version, **relayed}
+                "applied_version": row.applied_version,
+                "expert_version": None if expert is None else expert.version, **relayed}
 
     # routing ------------------------------------------------------------------
 
