@@ -173,9 +173,15 @@ def _lose_bucket(bucket: str, restart: CoordinatorProcess) -> dict[str, Any]:
 
     s3 = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"])
     time.sleep(2)  # some pushes before
-    for item in s3.list_objects_v2(Bucket=bucket).get("Contents", []):
-        s3.delete_object(Bucket=bucket, Key=item["Key"])
-    s3.delete_bucket(Bucket=bucket)
+    for _ in range(20):  # a push may store a blob between the listing and the bucket's deletion: again
+        for item in s3.list_objects_v2(Bucket=bucket).get("Contents", []):
+            s3.delete_object(Bucket=bucket, Key=item["Key"])
+        try:
+            s3.delete_bucket(Bucket=bucket)
+            break
+        except s3.exceptions.ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") != "BucketNotEmpty":
+                raise
     time.sleep(10)  # pushes find it gone; a replica makes it again and uploads what it holds
     restart.stop()
     try:
