@@ -95,6 +95,7 @@ class ManifestBackend(Protocol):
                       events: tuple[Event, ...] = ()) -> None: ...
     def expert(self, name: str) -> ExpertRow | None: ...
     def experts(self) -> list[ExpertRow]: ...
+    def expert_count(self) -> int: ...  # on a connection of its own where writes could hold it up (/health)
     def version_blob(self, name: str, version: int) -> tuple[bool, str | None]: ...
     def versions(self, name: str) -> list[dict[str, Any]]: ...
     def commit_version(self, name: str, version: int, blob: str, applied: list[UpdateRow],
@@ -437,6 +438,9 @@ class ExpertStore:
 
     def experts(self) -> list[ExpertRow]:
         return self._rows.experts()
+
+    def expert_count(self) -> int:
+        return self._rows.expert_count()
 
     def versions(self, name: str) -> list[dict[str, Any]]:
         return self._rows.versions(name)

@@ -144,7 +144,7 @@ class Coordinator:
         return self.store.require_expert(name)
 
     def expert_count(self) -> int:
-        return len(self.store.experts())
+        return self.store.expert_count()
 
     def expert_info(self, name: str) -> dict[str, Any]:
         return self._info(self.require_expert(name))
@@ -218,17 +218,22 @@ class Coordinator:
                                      self.config.norm_policy)  # InvalidUpdate (422) in reject mode
                 stored = meta.to_json() | ({"norm_scale": verdict.scale} if verdict.clipped else {})
                 step = self.steps.prepare(name, stored, body)  # InvalidUpdate (422) if not finite
-                self.store.add_update(name, stored, body, body_digest, size, _fp32_bytes(manifest),
-                                      norm=verdict.accepted_norm, events=audit.update_accepted(name, meta, verdict, size),
-                                      durable=False)  # synced below, with other pushes', after the lock
+                recorded = self.store.add_update(name, stored, body, body_digest, size, _fp32_bytes(manifest),
+                                                 norm=verdict.accepted_norm,
+                                                 events=audit.update_accepted(name, meta, verdict, size),
+                                                 durable=False)  # synced below, with other pushes', after the lock
+                unapplied: UpdateRow | None = None
                 try:
                     self.steps.run_locked(name, step)
                 except REFUSALS as exc:  # recorded (durable) all the same, so not an error to the client
+                    unapplied = recorded
                     level = logging.WARNING if isinstance(exc, InsufficientStorage) else logging.ERROR
                     log.log(level, "update %s of %s is recorded but not applied yet: %s", meta.update_id, name, exc)
         finally:
             self.store.forget(body)
         self.store.sync()  # group commit: durable (blob and row) before the 202
+        if unapplied is not None:  # pending, as recorded (the newest update is in the step that failed); not read back:
+            return _status(unapplied, expert.version), True  # a database held up would turn the 202 into a 503
         return self.update_status(meta.update_id), True
 
     def _refuse_recorded_members(self, meta: UpdateMeta) -> None:
@@ -271,12 +276,11 @@ class Coordinator:
         if row is None:
             raise NotFound(f"no update with id {update_id!r}")
         expert = self.store.expert(row.expert)  # None once an operator set the expert aside (--quarantine)
-        relayed = {}
         if row.status == RELAYED:  # a worker update inside a relay's batch: it shares the batch's fate
-            relayed, row = {"relayed_in": row.meta["relayed_in"]}, self.store.update(row.meta["relayed_in"]) or row
-        return {"update_id": update_id, "expert": row.expert, "status": row.status,
-                "applied_version": row.applied_version,
-                "expert_version": None if expert is None else expert.version, **relayed}
+            batch = self.store.update(row.meta["relayed_in"]) or row
+            return _status(batch, None if expert is None else expert.version) | {
+                "update_id": update_id, "relayed_in": row.meta["relayed_in"]}
+        return _status(row, None if expert is None else expert.version)
 
     # routing ------------------------------------------------------------------
 
@@ -336,6 +340,12 @@ class Coordinator:
     def list_workers(self) -> list[dict[str, Any]]:
         now = time.time()
         return [w | {"status": liveness(now - w["last_seen"], w["sync_interval"])} for w in self.store.workers()]
+
+
+def _status(row: UpdateRow, expert_version: int | None) -> dict[str, Any]:
+    """An update's status as the API answers it."""
+    return {"update_id": row.update_id, "expert": row.expert, "status": row.status,
+            "applied_version": row.applied_version, "expert_version": expert_version}
 
 
 def check_body_size(length: int | None, limit: int) -> None:

@@ -225,6 +225,11 @@ class ManifestStore:
     def experts(self) -> list[ExpertRow]:
         return [_expert(r) for r in self._all("SELECT * FROM experts ORDER BY name")]
 
+    def expert_count(self) -> int:
+        """How many experts there are (/health)."""
+        row = self._one("SELECT COUNT(*) AS n FROM experts")
+        return int(row["n"]) if row else 0
+
     def version_blob(self, name: str, version: int) -> tuple[bool, str | None]:
         """(exists, blob digest or None if pruned) of one version."""
         row = self._one("SELECT blob FROM versions WHERE expert = ? AND version = ?", name, version)

@@ -199,6 +199,8 @@ class PostgresManifestStore(ManifestStore):
         self.url = url
         self._lock = BoundedLock(url, CONNECTION_WAIT_S)  # type: ignore[assignment]  # used as ManifestStore's RLock
         self._db = PgConnection(url)
+        self._health_db: PgConnection | None = None
+        self._health_lock = threading.Lock()
         with self._guarded():
             self._db.execute("SELECT pg_advisory_lock(%s)" % WRITE_LOCK)  # one replica creates the schema
             try:
@@ -248,6 +250,21 @@ class PostgresManifestStore(ManifestStore):
     def _one(self, sql: str, *args: Any) -> Row | None:
         with self._lock, self._guarded():
             return self._db.execute(sql, args).fetchone()
+
+    def expert_count(self) -> int:
+        """On a connection of its own (made on first use): /health's read must not hold the one the writes wait
+        for while a lock held elsewhere keeps it waiting, nor wait behind them (coordinator/health.py)."""
+        with self._health_lock:
+            try:
+                if self._health_db is None:
+                    self._health_db = PgConnection(self.url)
+                row = self._health_db.execute("SELECT COUNT(*) AS n FROM experts").fetchone()
+            except (psycopg.errors.LockNotAvailable, psycopg.errors.QueryCanceled) as exc:
+                raise busy(self.url, exc) from None
+            except psycopg.OperationalError as exc:
+                self._health_db = None
+                raise unavailable(self.url, exc) from None
+        return int(row["n"])
 
     def events(self, *args: Any, **kwargs: Any) -> list[dict[str, Any]]:
         with self._guarded():
