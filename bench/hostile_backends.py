@@ -147,7 +147,7 @@ def backend_faults(scratch: Path, lock_s: float = 15.0) -> dict[str, Any]:
                   "empty_store": during(worker, lambda: start_refused(third["empty"])),
                   "bucket_loss": during(worker, lambda: _lose_bucket(bucket, replicas[1])),
                   "table_lock": during(worker, lambda: _hold_table_lock(pg.url, lock_s))}
-        return report | {"acknowledged": len(worker.acknowledged)} | _tally(replicas[0], admin, worker)
+        return report | {"acknowledged": len(worker.acknowledged)} | _tally(replicas[0], admin, worker) | _stamp()
     finally:
         for server in replicas:
             server.stop()
@@ -210,6 +210,15 @@ def _tally(server: CoordinatorProcess, headers: dict[str, str], worker: HonestWo
     info = requests.get(server.url + f"{API_PREFIX}/experts/{EXPERT}", headers=headers, timeout=60).json()
     return {"acknowledged_lost": len(set(worker.acknowledged) - recorded),
             "doubled": max(0, info["updates_applied"] + info["pending_updates"] - len(recorded))}
+
+
+def _stamp() -> dict[str, Any]:
+    """The commit measured and the machine's load (1, 5, 15 min) at the end of the run."""
+    import subprocess
+
+    head = subprocess.run(["git", "-C", str(Path(__file__).resolve().parents[1]), "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True).stdout.strip()
+    return {"commit": head or None, "load_average": [round(x, 1) for x in os.getloadavg()]}
 
 
 def faults_table(report: dict[str, Any]) -> str:
