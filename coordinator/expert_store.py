@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, ContextManager, Protocol, TypeGuard, TypeVar
 
 from coordinator.audit import Event
+from coordinator.backends.errors import BackendUnavailable
 from coordinator.blobs import is_storage_full, storage_errors
 from coordinator.group_commit import GroupCommit
 from protocol.integrity import DEFAULT_ALGORITHM, Readable
@@ -177,10 +178,17 @@ class ExpertStore:
         try:
             self.group_commit.sync()
         except BaseException:
-            with self._unreferenced_guard:
-                self._unreferenced += unreferenced  # the next sync deletes them (or the next start, as orphans)
+            self._drop_later(unreferenced)
             raise
-        self.drop_unreferenced(unreferenced)
+        try:
+            self.drop_unreferenced(unreferenced)
+        except BackendUnavailable:  # housekeeping, not durability: the writes are acknowledged all the same
+            self._drop_later(unreferenced)
+
+    def _drop_later(self, digests: list[str]) -> None:
+        """The next sync deletes them (or the next start, as orphans)."""
+        with self._unreferenced_guard:
+            self._unreferenced += digests
 
     def close(self) -> None:
         self._rows.close()
@@ -242,6 +250,9 @@ class ExpertStore:
             digest = self._blobs.adopt(tmp, digest, sync=False)  # durable at the next flush (sync())
             try:
                 return record(digest)
+            except BackendUnavailable:  # the rows cannot be asked now (a lock held elsewhere): not a second wait
+                self._drop_later([digest])
+                raise
             except BaseException:
                 self.drop_unreferenced([digest])
                 raise
