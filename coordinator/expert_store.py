@@ -92,6 +92,7 @@ class ManifestBackend(Protocol):
 
     def close(self) -> None: ...
     def flush(self) -> None: ...  # make every commit so far durable (group commit)
+    def held_up(self) -> bool: ...  # a lock held elsewhere just cut a statement short: optional reads can wait
     def create_expert(self, name: str, spec: dict[str, Any], manifest: str, blob: str,
                       events: tuple[Event, ...] = ()) -> None: ...
     def expert(self, name: str) -> ExpertRow | None: ...
@@ -180,10 +181,17 @@ class ExpertStore:
         except BaseException:
             self._drop_later(unreferenced)
             raise
+        if self._rows.held_up():  # housekeeping, not durability: not a second wait for a lock held elsewhere
+            self._drop_later(unreferenced)
+            return
         try:
             self.drop_unreferenced(unreferenced)
-        except BackendUnavailable:  # housekeeping, not durability: the writes are acknowledged all the same
+        except BackendUnavailable:  # the writes are acknowledged all the same
             self._drop_later(unreferenced)
+
+    def held_up(self) -> bool:
+        """A lock held elsewhere just cut a database statement short: reads a request can do without can wait."""
+        return self._rows.held_up()
 
     def _drop_later(self, digests: list[str]) -> None:
         """The next sync deletes them (or the next start, as orphans)."""

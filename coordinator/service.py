@@ -13,6 +13,7 @@ is applied twice.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -222,19 +223,23 @@ class Coordinator:
                                                  norm=verdict.accepted_norm,
                                                  events=audit.update_accepted(name, meta, verdict, size),
                                                  durable=False)  # synced below, with other pushes', after the lock
-                unapplied: UpdateRow | None = None
+                step_failed = False
                 try:
                     self.steps.run_locked(name, step)
                 except REFUSALS as exc:  # recorded (durable) all the same, so not an error to the client
-                    unapplied = recorded
+                    step_failed = True
                     level = logging.WARNING if isinstance(exc, InsufficientStorage) else logging.ERROR
                     log.log(level, "update %s of %s is recorded but not applied yet: %s", meta.update_id, name, exc)
         finally:
             self.store.forget(body)
         self.store.sync()  # group commit: durable (blob and row) before the 202
-        if unapplied is not None:  # pending, as recorded (the newest update is in the step that failed); not read back:
-            return _status(unapplied, expert.version), True  # a database held up would turn the 202 into a 503
-        return self.update_status(meta.update_id), True
+        if not step_failed and not self.store.held_up():
+            with contextlib.suppress(BackendUnavailable):
+                return self.update_status(meta.update_id), True
+        # Recorded and durable: a 202 whatever the database does now (a 503 would say "nothing was recorded"), with
+        # the row as recorded, pending. Exact when its step failed (the newest update is in the last step); when the
+        # database is held up and its status is not read back, a step may have applied it meanwhile.
+        return _status(recorded, expert.version), True
 
     def _refuse_recorded_members(self, meta: UpdateMeta) -> None:
         """A relay batch naming an update recorded here is refused whole (409 members_applied) before its step is

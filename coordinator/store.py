@@ -188,6 +188,10 @@ class ManifestStore:
             with self._lock:  # TRUNCATE waits for readers; this connection is the only one
                 self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
+    def held_up(self) -> bool:
+        """Whether a lock held elsewhere just cut a statement short (coordinator/backends/postgres.py); SQLite: never."""
+        return False
+
     @contextmanager
     def transaction(self) -> Iterator[Connection]:
         with self._lock:

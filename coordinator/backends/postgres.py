@@ -200,6 +200,7 @@ class PostgresManifestStore(ManifestStore):
         self._lock = BoundedLock(url, CONNECTION_WAIT_S)  # type: ignore[assignment]  # used as ManifestStore's RLock
         self._db = PgConnection(url)
         self._health_db: PgConnection | None = None
+        self._held_up_until = 0.0
         self._health_lock = threading.Lock()
         with self._guarded():
             self._db.execute("SELECT pg_advisory_lock(%s)" % WRITE_LOCK)  # one replica creates the schema
@@ -215,10 +216,16 @@ class PostgresManifestStore(ManifestStore):
         try:
             yield
         except (psycopg.errors.LockNotAvailable, psycopg.errors.QueryCanceled) as exc:
+            self._held_up_until = time.monotonic() + LOCK_TIMEOUT_S
             raise busy(self.url, exc) from None
         except psycopg.OperationalError as exc:
             self._reconnect()
             raise unavailable(self.url, exc) from None
+
+    def held_up(self) -> bool:
+        """A lock held elsewhere cut a statement short less than LOCK_TIMEOUT_S ago: reads a request can do without
+        (cleanups, reading back what it just wrote) are left for later rather than waiting for the lock again."""
+        return time.monotonic() < self._held_up_until
 
     def _reconnect(self) -> None:
         with contextlib.suppress(Exception):
