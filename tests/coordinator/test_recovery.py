@@ -111,3 +111,13 @@ def test_the_admin_command_on_the_command_line(federation):
     done = subprocess.run(run + ["e"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert done.stdout == f"1 pending update(s) of 'e' set aside: {federation['update_id']}\n"
+
+
+def test_a_database_that_is_down_at_start_is_one_line(tmp_path):
+    """Was a traceback of BackendUnavailable: a replica started before its PostgreSQL answers."""
+    run = subprocess.run([sys.executable, str(ROOT / "run_coordinator.py"), "--data-dir", str(tmp_path / "d"),
+                          "--port", "0", "--manifest", "postgresql://postgres@127.0.0.1:1/fedmoe"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "PostgreSQL" in errors[0] and "not answering" in errors[0], run.stderr
