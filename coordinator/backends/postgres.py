@@ -222,6 +222,14 @@ class PostgresManifestStore(ManifestStore):
             self._reconnect()
             raise unavailable(self.url, exc) from None
 
+    def close(self) -> None:
+        super().close()
+        with self._health_lock:
+            if self._health_db is not None:
+                with contextlib.suppress(psycopg.Error):
+                    self._health_db.close()
+                self._health_db = None
+
     def held_up(self) -> bool:
         """A lock held elsewhere cut a statement short less than LOCK_TIMEOUT_S ago: reads a request can do without
         (cleanups, reading back what it just wrote) are left for later rather than waiting for the lock again."""
