@@ -7,16 +7,21 @@ still answer. The same rules on PostgreSQL + S3: tests/e2e/test_backend_faults.p
 """
 from __future__ import annotations
 
+import contextlib
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from coordinator.blobs import BlobStore
 from coordinator.config import CoordinatorConfig
+from coordinator.expert_store import ExpertStore
 from coordinator.quarantine import quarantine_command
-from coordinator.recovery import StoreMismatch
+from coordinator.recovery import RecoveryRefused, StoreMismatch, recover
+from coordinator.store import ManifestStore
 from tests.helpers import make_adapter, push, put_expert, random_like, update_meta
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -121,3 +126,28 @@ def test_a_database_that_is_down_at_start_is_one_line(tmp_path):
     assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
     errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "PostgreSQL" in errors[0] and "not answering" in errors[0], run.stderr
+
+
+class ThreadLocks:
+    """ExpertStore's cross-replica locks, as a shared (PostgreSQL) manifest brings them; here per thread only."""
+
+    @contextlib.contextmanager
+    def hold(self, name: str) -> Iterator[None]:
+        yield
+
+
+def test_unusable_data_in_a_shared_manifest_is_named_and_not_set_aside(federation):
+    """On PostgreSQL a replica may not quarantine alone: the same check on SQLite with the store marked shared."""
+    federation["paths"]["update"].write_bytes(b"\0" * 64)  # there, but not a payload the loader can read
+    data = federation["data"]
+    store = ExpertStore(BlobStore(data / "blobs"), ManifestStore(data / "manifest.sqlite"), keep_versions=20,
+                        locks=ThreadLocks())
+    try:
+        with pytest.raises(RecoveryRefused) as refused:
+            recover(store, aggregate=lambda name: None)
+        assert f"pending update {federation['update_id']!r} of 'e'" in str(refused.value)
+        assert "--quarantine e" in str(refused.value)
+        assert store.update(federation["update_id"]).status == "pending"  # nothing changed
+        assert not (data / "quarantine").exists()
+    finally:
+        store.close()
