@@ -19,7 +19,7 @@ def error_code(response) -> str:
 
 
 def test_health(client):
-    assert client.get("/api/v1/health").get_json() == {"status": "ok", "experts": 0}
+    assert client.get("/api/v1/health").get_json() == {"status": "ok", "experts": 0, "store": "ok"}
 
 
 def test_create_expert_then_list_and_fetch_weights(client):
