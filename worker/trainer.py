@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from worker.data import (IGNORE_INDEX, Batch, BatchStream, Example, StreamPosition, collate, encode_example,
+from worker.data import (IGNORE_INDEX, Batch, BatchStream, Example, StreamPosition, collate, encode_examples,
                          pad_token_id)
 from worker.distributed import PRECISIONS, SingleProcess, autocast, check_precision, grad_scaler
 from worker.full_params import full_expert_config, trainable_weights
@@ -153,12 +153,12 @@ def micro_batches(batch: Batch, rank: int, world_size: int, grad_accum: int) -> 
 def evaluate_loss(model: PreTrainedModel | torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
                   examples: Sequence[Example], *, max_seq_len: int = 256, batch_size: int = 8,
                   device: str | torch.device = "cpu") -> float:
-    """Mean cross-entropy per answer token over the examples (in order, no grad, eval mode)."""
+    """Mean cross-entropy per answer token over the examples (in order, no grad, eval mode; plain text packed)."""
     if not examples:
         raise ValueError("evaluate_loss needs at least one example")
     was_training = model.training
     model.eval()
-    encoded = [encode_example(tokenizer, ex, max_seq_len) for ex in examples]
+    encoded = encode_examples(tokenizer, examples, max_seq_len)
     total, count = 0.0, 0
     try:
         for i in range(0, len(encoded), batch_size):
@@ -239,7 +239,7 @@ class LoraTrainer:
     def _setup_data(self, train_examples: Sequence[Example]) -> None:
         """Tokenise the examples once and deal them in seeded batches."""
         tokenizer, train = self.base.tokenizer, self.settings
-        encoded = [encode_example(tokenizer, ex, train.max_seq_len) for ex in train_examples]
+        encoded = encode_examples(tokenizer, train_examples, train.max_seq_len)
         self._stream = BatchStream(encoded, train.batch_size, seed=train.seed, pad_id=pad_token_id(tokenizer))
 
     def _wrap(self, parallel: ParallelSettings) -> None:
