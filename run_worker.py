@@ -29,7 +29,7 @@ from protocol.errors import FedMoEError
 
 # torch, transformers and peft take seconds to import: the worker modules that need them are imported
 # once the flags are parsed, so --help and a mistyped flag answer at once (tests/cli/test_cli.py).
-from worker.choices import STRATEGY_CHOICES
+from worker.choices import DATASET_FORMATS, STRATEGY_CHOICES
 from worker.stopping import Handler, restore, stop_on_signals
 
 if TYPE_CHECKING:
@@ -55,8 +55,17 @@ class WorkerFlags:
                                                            "root: the worker probes them and joins the best")
     worker_id: str | None = option(None, "unique worker name (default: <hostname>-<specialty>)")
     specialty: str = option(help="expert to train, e.g. python_expert")
-    dataset: Path | None = option(None, "JSONL with 'prompt' and 'reference_code' (default: data/<specialty>.jsonl "
-                                        "if shipped)", type=Path)
+    dataset: Path | None = option(None, "training data: a JSONL, JSON, CSV, Parquet or Arrow file, or a save_to_disk "
+                                        "directory, in any --dataset-format (default: data/<specialty>.jsonl if "
+                                        "shipped)", type=Path)
+    dataset_format: str = option("auto", "how the rows are laid out: prompt-reference (prompt, reference_code), "
+                                         "prompt-completion, messages (OpenAI chat), alpaca, sharegpt, text (plain, "
+                                         "packed); auto detects it from the first rows", choices=DATASET_FORMATS)
+    split_key: str | None = option(None, "hold out whole groups of rows that share this field's value, e.g. DS-1000's "
+                                         "perturbation_origin_id, so variants of one problem never straddle the split",
+                                   metavar="FIELD")
+    eval_dataset: Path | None = option(None, "score held-out loss on this file instead of a split of --dataset (all of "
+                                             "--dataset then trains)", type=Path, metavar="FILE")
     base_model: str = option(DEFAULT_BASE_MODEL, "ModelScope id, Hugging Face id (with --use-huggingface), local "
                                                  "directory, or the offline preset tiny-qwen2")
     use_huggingface: bool = option(False, "download --base-model from Hugging Face")
@@ -203,6 +212,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
     from worker.federation import SyncSettings
     from worker.presets import RECOMMENDED_LR
     from worker.runner import WorkerConfig
+    from worker.splits import DataSettings
     from worker.trainer import LoraSettings, TrainSettings
 
     _check_names(args)
@@ -240,6 +250,8 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         use_proxy=args.use_proxy, device=args.device, compression=compression, pull=pull, token=args.token,
         ca_cert=args.ca_cert, progress=False if args.log_format == "json" else None, threads=args.threads,
         heldout_eval=not args.no_heldout_eval, parallel=parallel_settings(args, deepspeed),
+        data=DataSettings(dataset_format=args.dataset_format, split_key=args.split_key,
+                          eval_dataset=args.eval_dataset),
         profile=profile_settings(args), tensorboard=tensorboard_dir(args))
 
 
@@ -248,10 +260,11 @@ def _check_address_and_files(args: argparse.Namespace) -> None:
     check_coordinator_url(args.coordinator_url)
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be at least 1, got {args.threads}")
-    if args.dataset is not None and not args.dataset.is_file():
-        what = "is a directory" if args.dataset.is_dir() else "does not exist"
-        raise ValueError(f"--dataset {str(args.dataset)!r} {what}; pass a JSONL file with 'prompt' and "
-                         "'reference_code' on each line")
+    for flag, path in (("--dataset", args.dataset), ("--eval-dataset", args.eval_dataset)):
+        if path is not None and (not path.exists() or path.is_dir() and not any(path.iterdir())):
+            what = "is an empty directory" if path.exists() else "does not exist"
+            raise ValueError(f"{flag} {str(path)!r} {what}; pass a dataset file (JSONL, JSON, CSV, Parquet) or a "
+                             "directory written by save_to_disk")
     if args.results is not None:
         _check_results_path(args.results)
     if args.ca_cert is not None and not args.ca_cert.is_file():
