@@ -36,7 +36,8 @@ def chat_turns(messages: Any, key: str) -> list[Turn]:
         role = message.get("role")
         if role not in ROLES:
             raise ValueError(f'{where} has role {role!r}; FedMoE trains on {", ".join(ROLES)} messages')
-        weight = message.get("weight", 1)
+        weight = message.get("weight")
+        weight = 1 if weight is None else weight  # None: absent (Arrow gives every struct every key)
         if weight not in (0, 1):
             raise ValueError(f'{where} has weight {weight!r}; OpenAI\'s format allows 0 or 1')
         turns.append(Turn(role, message_content(message, where), trained=weight == 1))
