@@ -29,7 +29,7 @@ from protocol.errors import FedMoEError
 
 # torch, transformers and peft take seconds to import: the worker modules that need them are imported
 # once the flags are parsed, so --help and a mistyped flag answer at once (tests/cli/test_cli.py).
-from worker.choices import DATASET_FORMATS, STRATEGY_CHOICES
+from worker.choices import DATASET_FORMATS, OPTIMIZERS, STRATEGY_CHOICES
 from worker.stopping import Handler, restore, stop_on_signals
 
 if TYPE_CHECKING:
@@ -102,6 +102,14 @@ class WorkerFlags:
                                               "projections)", group=TRAINING)
     lr: float | None = option(None, "AdamW learning rate (default: 2e-4; 1e-2 for the random tiny-qwen2 preset)",
                               type=float, group=TRAINING)
+    optimizer: str = option("adamw", "adamw, or galore: Adam on a low-rank projection of each weight matrix's "
+                                     "gradient (GaLore), for full-parameter experts (--lora-rank 0)",
+                            choices=OPTIMIZERS, group=TRAINING)
+    galore_rank: int = option(128, "--optimizer galore: rank of the gradient projection", metavar="R",
+                              group=TRAINING)
+    galore_update_interval: int = option(200, "--optimizer galore: steps between two SVDs of the gradient",
+                                         metavar="STEPS", group=TRAINING)
+    galore_scale: float = option(0.25, "--optimizer galore: scale of the projected-back update", group=TRAINING)
     batch_size: int = option(8, "examples per step", group=TRAINING)
     max_seq_len: int = option(256, "tokens per example", group=TRAINING)
     seed: int = option(0, "seed for init and shuffling", group=TRAINING)
@@ -195,6 +203,23 @@ def deepspeed_plan(args: argparse.Namespace):
     return plan
 
 
+GALORE_FLAGS = ("galore_rank", "galore_update_interval", "galore_scale")
+
+
+def optimizer_settings(args: argparse.Namespace):
+    """--optimizer and its --galore-* settings; a --galore-* flag without --optimizer galore is refused."""
+    from worker.galore import GaLoreSettings
+    from worker.optimizers import OptimizerSettings
+
+    given = [f"--{name.replace('_', '-')}" for name in GALORE_FLAGS
+             if getattr(args, name) != WorkerFlags.__dataclass_fields__[name].default]
+    if given and args.optimizer != "galore":
+        raise ValueError(f"{', '.join(given)} set(s) GaLore, which --optimizer {args.optimizer} does not use; "
+                         "add --optimizer galore or drop them")
+    return OptimizerSettings(args.optimizer, GaLoreSettings(rank=args.galore_rank, scale=args.galore_scale,
+                                                            update_interval=args.galore_update_interval))
+
+
 def default_worker_id(specialty: str) -> str:
     host = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname()) or "worker"
     return f"{host}-{specialty}"[:64]
@@ -228,6 +253,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
     train_kwargs = {"batch_size": args.batch_size, "max_seq_len": args.max_seq_len, "seed": args.seed,
                     "grad_accum": args.grad_accum, "precision": args.precision,
                     "gradient_checkpointing": args.gradient_checkpointing}
+    train_kwargs["optimizer"] = optimizer_settings(args)
     train_kwargs.update(deepspeed.train if deepspeed is not None else {})
     lr = args.lr if args.lr is not None else RECOMMENDED_LR.get(args.base_model)
     if lr is not None:

@@ -18,6 +18,7 @@ from worker.data import (IGNORE_INDEX, Batch, BatchStream, Example, StreamPositi
 from worker.distributed import PRECISIONS, SingleProcess, autocast, check_precision, grad_scaler
 from worker.full_params import full_expert_config, trainable_weights
 from worker.models import BaseModel, default_target_modules
+from worker.optimizers import OptimizerSettings, build_optimizer
 from worker.sharded_state import broadcast_into, gather_full, load_full
 from worker.step_metrics import peak_memory_mb
 from worker.strategies import ParallelSettings, choose_strategy, make_strategy
@@ -66,6 +67,8 @@ class TrainSettings:
     """fp32, or bf16/fp16 autocast for the forward pass (weights and optimiser stay float32)."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass: less memory, ~30% more compute."""
+    optimizer: OptimizerSettings = OptimizerSettings()
+    """--optimizer adamw, or galore (low-rank projected Adam for full-parameter experts) and its settings."""
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -231,9 +234,13 @@ class LoraTrainer:
         self._wrap(parallel)
 
     def _setup_optimizer(self) -> None:
-        """AdamW over the trainable parameters (after _wrap: FSDP replaces them) and the fp16 gradient scaler."""
+        """The optimiser over the trainable parameters (after _wrap: FSDP replaces them) and the fp16 gradient scaler."""
         self._params = [p for p in self.model.parameters() if p.requires_grad]
-        self._optimizer = torch.optim.AdamW(self._params, lr=self.settings.lr, weight_decay=self.settings.weight_decay)
+        if self.settings.optimizer.name != "adamw" and self.sharded:
+            raise ValueError(f"--optimizer {self.settings.optimizer.name} needs whole weight matrices; use it with "
+                             "--strategy ddp, not a sharding strategy")
+        self._optimizer = build_optimizer(self.settings.optimizer, self.model, self._params, lr=self.settings.lr,
+                                          weight_decay=self.settings.weight_decay)
         self._scaler = grad_scaler(self.device, self.settings.precision)
 
     def _setup_data(self, train_examples: Sequence[Example]) -> None:
