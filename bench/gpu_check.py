@@ -135,7 +135,8 @@ def generation_section(device: str, model: str) -> dict[str, Any]:
     synchronize(device)
     started = time.perf_counter()
     with torch.no_grad():
-        output = base.model.generate(**batch, max_new_tokens=32, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        output = base.model.generate(**batch, max_new_tokens=32, do_sample=False,  # type: ignore[operator]  # transformers' generate is a mixin mypy misses
+                                     pad_token_id=tokenizer.pad_token_id)
     synchronize(device)
     seconds = time.perf_counter() - started
     new_tokens = (output.shape[1] - batch["input_ids"].shape[1]) * output.shape[0]
@@ -178,7 +179,8 @@ def _comm_rank(rank: int, out: str) -> None:
         register_comm_hook(ddp, name, config, meter)
         x = torch.randn(64, 1024, device=f"cuda:{rank}")
         ddp(x).pow(2).mean().backward()
-        results[name] = {"grad_norm": float(model.weight.grad.norm()), **meter.take()}
+        grad = model.weight.grad
+        results[name] = {"grad_norm": float(grad.norm()) if grad is not None else None, **meter.take()}
     if rank == 0:
         Path(out, "rank0.json").write_text(json.dumps(results))
     dist.destroy_process_group()

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -45,10 +45,11 @@ def _galore(settings: OptimizerSettings, model: torch.nn.Module, params: list[to
                          "full-parameter experts: add --lora-rank 0")
     chosen = {id(p) for p in projected}
     galore = settings.galore
-    groups = [{"params": [p for p in params if id(p) not in chosen]},
-              {"params": projected, "rank": galore.rank, "update_interval": galore.update_interval,
-               "scale": galore.scale}]
-    return GaLoreAdamW([g for g in groups if g["params"]], lr=lr, weight_decay=weight_decay)
+    plain = [p for p in params if id(p) not in chosen]
+    groups: list[dict[str, Any]] = [{"params": plain}] if plain else []
+    groups.append({"params": projected, "rank": galore.rank, "update_interval": galore.update_interval,
+                   "scale": galore.scale})
+    return GaLoreAdamW(groups, lr=lr, weight_decay=weight_decay)
 
 
 OPTIMIZER_BUILDERS: dict[str, Builder] = {"adamw": _adamw, "galore": _galore}
