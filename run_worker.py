@@ -29,7 +29,7 @@ from protocol.errors import FedMoEError
 
 # torch, transformers and peft take seconds to import: the worker modules that need them are imported
 # once the flags are parsed, so --help and a mistyped flag answer at once (tests/cli/test_cli.py).
-from worker.choices import STRATEGY_CHOICES
+from worker.choices import DATASET_FORMATS, OPTIMIZERS, STRATEGY_CHOICES
 from worker.stopping import Handler, restore, stop_on_signals
 
 if TYPE_CHECKING:
@@ -55,8 +55,17 @@ class WorkerFlags:
                                                            "root: the worker probes them and joins the best")
     worker_id: str | None = option(None, "unique worker name (default: <hostname>-<specialty>)")
     specialty: str = option(help="expert to train, e.g. python_expert")
-    dataset: Path | None = option(None, "JSONL with 'prompt' and 'reference_code' (default: data/<specialty>.jsonl "
-                                        "if shipped)", type=Path)
+    dataset: Path | None = option(None, "training data: a JSONL, JSON, CSV, Parquet or Arrow file, or a save_to_disk "
+                                        "directory, in any --dataset-format (default: data/<specialty>.jsonl if "
+                                        "shipped)", type=Path)
+    dataset_format: str = option("auto", "how the rows are laid out: prompt-reference (prompt, reference_code), "
+                                         "prompt-completion, messages (OpenAI chat), alpaca, sharegpt, text (plain, "
+                                         "packed); auto detects it from the first rows", choices=DATASET_FORMATS)
+    split_key: str | None = option(None, "hold out whole groups of rows that share this field's value, e.g. DS-1000's "
+                                         "perturbation_origin_id, so variants of one problem never straddle the split",
+                                   metavar="FIELD")
+    eval_dataset: Path | None = option(None, "score held-out loss on this file instead of a split of --dataset (all of "
+                                             "--dataset then trains)", type=Path, metavar="FILE")
     base_model: str = option(DEFAULT_BASE_MODEL, "ModelScope id, Hugging Face id (with --use-huggingface), local "
                                                  "directory, or the offline preset tiny-qwen2")
     use_huggingface: bool = option(False, "download --base-model from Hugging Face")
@@ -93,6 +102,14 @@ class WorkerFlags:
                                               "projections)", group=TRAINING)
     lr: float | None = option(None, "AdamW learning rate (default: 2e-4; 1e-2 for the random tiny-qwen2 preset)",
                               type=float, group=TRAINING)
+    optimizer: str = option("adamw", "adamw, or galore: Adam on a low-rank projection of each weight matrix's "
+                                     "gradient (GaLore), for full-parameter experts (--lora-rank 0)",
+                            choices=OPTIMIZERS, group=TRAINING)
+    galore_rank: int = option(128, "--optimizer galore: rank of the gradient projection", metavar="R",
+                              group=TRAINING)
+    galore_update_interval: int = option(200, "--optimizer galore: steps between two SVDs of the gradient",
+                                         metavar="STEPS", group=TRAINING)
+    galore_scale: float = option(0.25, "--optimizer galore: scale of the projected-back update", group=TRAINING)
     batch_size: int = option(8, "examples per step", group=TRAINING)
     max_seq_len: int = option(256, "tokens per example", group=TRAINING)
     seed: int = option(0, "seed for init and shuffling", group=TRAINING)
@@ -186,6 +203,23 @@ def deepspeed_plan(args: argparse.Namespace):
     return plan
 
 
+GALORE_FLAGS = ("galore_rank", "galore_update_interval", "galore_scale")
+
+
+def optimizer_settings(args: argparse.Namespace):
+    """--optimizer and its --galore-* settings; a --galore-* flag without --optimizer galore is refused."""
+    from worker.galore import GaLoreSettings
+    from worker.optimizers import OptimizerSettings
+
+    given = [f"--{name.replace('_', '-')}" for name in GALORE_FLAGS
+             if getattr(args, name) != WorkerFlags.__dataclass_fields__[name].default]
+    if given and args.optimizer != "galore":
+        raise ValueError(f"{', '.join(given)} set(s) GaLore, which --optimizer {args.optimizer} does not use; "
+                         "add --optimizer galore or drop them")
+    return OptimizerSettings(args.optimizer, GaLoreSettings(rank=args.galore_rank, scale=args.galore_scale,
+                                                            update_interval=args.galore_update_interval))
+
+
 def default_worker_id(specialty: str) -> str:
     host = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname()) or "worker"
     return f"{host}-{specialty}"[:64]
@@ -203,6 +237,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
     from worker.federation import SyncSettings
     from worker.presets import RECOMMENDED_LR
     from worker.runner import WorkerConfig
+    from worker.splits import DataSettings
     from worker.trainer import LoraSettings, TrainSettings
 
     _check_names(args)
@@ -218,6 +253,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
     train_kwargs = {"batch_size": args.batch_size, "max_seq_len": args.max_seq_len, "seed": args.seed,
                     "grad_accum": args.grad_accum, "precision": args.precision,
                     "gradient_checkpointing": args.gradient_checkpointing}
+    train_kwargs["optimizer"] = optimizer_settings(args)
     train_kwargs.update(deepspeed.train if deepspeed is not None else {})
     lr = args.lr if args.lr is not None else RECOMMENDED_LR.get(args.base_model)
     if lr is not None:
@@ -240,6 +276,8 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         use_proxy=args.use_proxy, device=args.device, compression=compression, pull=pull, token=args.token,
         ca_cert=args.ca_cert, progress=False if args.log_format == "json" else None, threads=args.threads,
         heldout_eval=not args.no_heldout_eval, parallel=parallel_settings(args, deepspeed),
+        data=DataSettings(dataset_format=args.dataset_format, split_key=args.split_key,
+                          eval_dataset=args.eval_dataset),
         profile=profile_settings(args), tensorboard=tensorboard_dir(args))
 
 
@@ -248,10 +286,11 @@ def _check_address_and_files(args: argparse.Namespace) -> None:
     check_coordinator_url(args.coordinator_url)
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be at least 1, got {args.threads}")
-    if args.dataset is not None and not args.dataset.is_file():
-        what = "is a directory" if args.dataset.is_dir() else "does not exist"
-        raise ValueError(f"--dataset {str(args.dataset)!r} {what}; pass a JSONL file with 'prompt' and "
-                         "'reference_code' on each line")
+    for flag, path in (("--dataset", args.dataset), ("--eval-dataset", args.eval_dataset)):
+        if path is not None and (not path.exists() or path.is_dir() and not any(path.iterdir())):
+            what = "is an empty directory" if path.exists() else "does not exist"
+            raise ValueError(f"{flag} {str(path)!r} {what}; pass a dataset file (JSONL, JSON, CSV, Parquet) or a "
+                             "directory written by save_to_disk")
     if args.results is not None:
         _check_results_path(args.results)
     if args.ca_cert is not None and not args.ca_cert.is_file():

@@ -101,6 +101,9 @@ def test_worker_flag_defaults_are_the_worker_settings_defaults():
     for name in ("duration", "sync_interval", "speed_factor", "resume", "overlap"):
         assert getattr(config.sync, name) == getattr(defaults, name), name
     assert config.device == "auto" and config.heldout_eval and config.profile is None
+    from worker.splits import DataSettings
+
+    assert config.data == DataSettings()
 
 
 def test_gateway_tool_formats_are_the_library_formats():
