@@ -62,6 +62,9 @@ class WorkerFlags:
     use_huggingface: bool = option(False, "download --base-model from Hugging Face")
     speed_factor: float = option(1.0, "relative speed in (0, 1]; 0.5 simulates a machine half as fast")
     duration: float = option(3600.0, "seconds to train")
+    max_steps: int | None = option(None, "optimiser steps to train (a resumed run counts the steps it resumed "
+                                         "with); the run ends after N steps or --duration, whichever comes first, "
+                                         "with the final push", type=int, metavar="N")
     sync_interval: float = option(10.0, "seconds between syncs")
     use_proxy: bool = option(False, "honour HTTP(S)_PROXY for coordinator and hub")
     token: str | None = option(None, "the coordinator's join token (default: $FEDMOE_TOKEN, or found automatically "
@@ -231,7 +234,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
     return WorkerConfig(
         coordinator_url=args.coordinator_url, dataset=Path(dataset), base_model=args.base_model,
         sync=SyncSettings(specialty=args.specialty, worker_id=worker_id,
-                          duration=args.duration, sync_interval=args.sync_interval,
+                          duration=args.duration, max_steps=args.max_steps, sync_interval=args.sync_interval,
                           speed_factor=args.speed_factor, results_path=args.results,
                           state_dir=args.state_dir or default_state_dir(worker_id), resume=not args.fresh,
                           overlap=not args.no_overlap),
@@ -248,6 +251,8 @@ def _check_address_and_files(args: argparse.Namespace) -> None:
     check_coordinator_url(args.coordinator_url)
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be at least 1, got {args.threads}")
+    if args.max_steps is not None and args.max_steps < 1:
+        raise ValueError(f"--max-steps must be at least 1, got {args.max_steps}")
     if args.dataset is not None and not args.dataset.is_file():
         what = "is a directory" if args.dataset.is_dir() else "does not exist"
         raise ValueError(f"--dataset {str(args.dataset)!r} {what}; pass a JSONL file with 'prompt' and "

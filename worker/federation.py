@@ -101,6 +101,10 @@ class SyncSettings:
     worker_id: str
     duration: float = 3600.0
     """Seconds to run before the final push."""
+    max_steps: int | None = None
+    """Optimiser steps to train before the final push (Hugging Face Trainer's ``max_steps``), counted over the
+    whole run, a resumed checkpoint's steps included; the run ends at ``max_steps`` or ``duration``, whichever
+    comes first. None: ``duration`` alone decides."""
     sync_interval: float = 10.0
     """Seconds of training between syncs."""
     speed_factor: float = 1.0
@@ -119,6 +123,8 @@ class SyncSettings:
     def __post_init__(self) -> None:
         if not self.duration > 0:
             raise ValueError(f"--duration must be > 0 seconds, got {self.duration}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"--max-steps must be at least 1, got {self.max_steps}")
         if not self.sync_interval > 0:
             raise ValueError(f"--sync-interval must be > 0 seconds, got {self.sync_interval}")
         if not 0 < self.speed_factor <= 1:
@@ -302,7 +308,7 @@ class FederatedWorker:
     # the loop -----------------------------------------------------------------
 
     def run(self) -> RunSummary:
-        """Train and sync until ``duration`` is over or Ctrl-C; always ends with a final push."""
+        """Train and sync until ``duration`` is over, ``max_steps`` are taken or Ctrl-C; always ends with a final push."""
         s = self.settings
         started, cpu_started = time.monotonic(), time.process_time()
         end, due = started + s.duration, started + s.sync_interval
@@ -310,8 +316,8 @@ class FederatedWorker:
         STOP.arm()  # a signal now stops at the next step boundary (worker.stopping)
         at_once = False
         try:
-            while not self.collective.agree(time.monotonic() >= end or STOP.requested):  # dist: rank 0 decides
-                self.train_step()
+            while not self.collective.agree(time.monotonic() >= end or STOP.requested or self.steps_left() == 0):
+                self.train_step()  # dist: rank 0 decides when to stop (the ranks' step counts are the same)
                 if self.totals.steps - steps_before == self.settings.steps_per_check:  # a sign of life (and a test's cue)
                     log.info("training: the first %d step(s) of this run are done", self.settings.steps_per_check)
                 self.poll_sync()
@@ -341,9 +347,17 @@ class FederatedWorker:
                 STOP.disarm()
         return summary
 
+    def steps_left(self) -> int | None:
+        """Optimiser steps still to take under ``max_steps`` (None: no step limit)."""
+        if self.settings.max_steps is None:
+            return None
+        return max(0, self.settings.max_steps - self.trainer.global_step)
+
     def train_step(self) -> None:
-        """Train ``steps_per_check`` steps (the loop's per-step point)."""
-        stats = self.trainer.train_steps(self.settings.steps_per_check)
+        """Train ``steps_per_check`` steps, fewer if ``max_steps`` is that close (the loop's per-step point)."""
+        left = self.steps_left()
+        stats = self.trainer.train_steps(self.settings.steps_per_check if left is None
+                                         else min(left, self.settings.steps_per_check))
         self.interval.add(stats)
         self.totals.add(stats)
         if self.console is not None:

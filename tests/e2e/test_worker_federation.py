@@ -225,3 +225,23 @@ def test_a_nan_update_is_dropped_and_the_worker_resyncs(start_coordinator, codec
     assert client.expert("sql_expert")["version"] == 0  # nothing poisoned the expert
     worker.interval.add(trainer.train_steps(1))
     assert worker.sync()["delivered"] and client.expert("sql_expert")["version"] == 1  # and it goes on
+
+
+def test_max_steps_stops_after_exactly_that_many_optimiser_steps_and_pushes_them(start_coordinator, tiny_base):
+    _, url = start_coordinator()
+    train, _ = split_examples(load_examples(sample_dataset_path("sql_expert")))
+    trainer = LoraTrainer(tiny_base, LoraSettings(rank=2), TrainSettings(lr=1e-3, batch_size=2, max_seq_len=32), train)
+    client = CoordinatorClient(url)
+    spec = {"lora": trainer.lora_config, "base_model": {"id": tiny_base.model_id, "fingerprint": tiny_base.fingerprint}}
+    # two steps per clock check: the third check must take one step, not two; no sync falls due before the end
+    settings = SyncSettings(specialty="sql_expert", worker_id="w1", duration=600, sync_interval=600, max_steps=3,
+                            steps_per_check=2)
+    worker = FederatedWorker(settings, client, trainer, spec)
+    worker.join()
+    summary = worker.run()
+    assert summary.steps == trainer.global_step == 3
+    info = client.expert("sql_expert")  # the final push carried all three steps
+    assert (info["version"], info["updates_applied"], info["samples_seen"]) == (1, 1, 3 * 2)
+    pulled = client.pull_weights("sql_expert").tensors
+    local = trainer.adapter_state()
+    assert all(torch.allclose(pulled[k], local[k], atol=1e-6) for k in local)
