@@ -28,7 +28,8 @@ from coordinator.relay.forwarder import Forwarder, ForwardPolicy
 from coordinator.relay.site import SITE_WEIGHT, SiteModel
 from coordinator.relay.store import APPLIED_ELSEWHERE, CachedWeights, RelayStore
 from coordinator.relay.upstream import DiffPulls, RelayStartError, UpstreamClient, WeightsCache
-from coordinator.service import check_body_size, liveness, receive_checked
+from coordinator.liveness import liveness
+from coordinator.service import check_body_size, receive_checked
 from protocol.errors import Conflict, InsufficientStorage, InvalidUpdate, NotFound, Unavailable
 from protocol.files import private_dir
 from protocol.integrity import Readable, algorithm_of
