@@ -113,6 +113,12 @@ class WorkerFlags:
     no_heldout_eval: bool = option(False, "skip the held-out loss logged before and after training (on a large "
                                           "model it takes two forward passes over the held-out examples)",
                                    group=TRAINING)
+    early_stopping_patience: int | None = option(
+        None, "score every pulled expert version on the held-out split and stop (with the final push) after N "
+              "versions in a row that did not improve on the best (Trainer's EarlyStoppingCallback); default: off",
+        type=int, metavar="N", group=TRAINING)
+    early_stopping_threshold: float = option(0.0, "with --early-stopping-patience: the least drop in held-out loss "
+                                                  "that counts as an improvement", group=TRAINING)
     results: Path | None = option(None, "append one JSON line per sync to this file", type=Path, group=TRAINING)
     strategy: str = option("auto", "ddp replicates the model; fsdp shards parameters, gradients and optimiser state "
                                    "(ZeRO-3-like); fsdp-grad-op shards gradients and optimiser state (ZeRO-2-like); "
@@ -189,6 +195,17 @@ def deepspeed_plan(args: argparse.Namespace):
     return plan
 
 
+def early_stopping(args: argparse.Namespace):
+    """--early-stopping-patience's settings, or None when it is off."""
+    from worker.early_stopping import EarlyStoppingSettings
+
+    if args.early_stopping_patience is None:
+        if args.early_stopping_threshold != 0.0:
+            raise ValueError("--early-stopping-threshold given without --early-stopping-patience N")
+        return None
+    return EarlyStoppingSettings(args.early_stopping_patience, args.early_stopping_threshold)
+
+
 def default_worker_id(specialty: str) -> str:
     host = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname()) or "worker"
     return f"{host}-{specialty}"[:64]
@@ -242,7 +259,8 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         train=TrainSettings(**train_kwargs), use_huggingface=args.use_huggingface,
         use_proxy=args.use_proxy, device=args.device, compression=compression, pull=pull, token=args.token,
         ca_cert=args.ca_cert, progress=False if args.log_format == "json" else None, threads=args.threads,
-        heldout_eval=not args.no_heldout_eval, parallel=parallel_settings(args, deepspeed),
+        heldout_eval=not args.no_heldout_eval, early_stopping=early_stopping(args),
+        parallel=parallel_settings(args, deepspeed),
         profile=profile_settings(args), tensorboard=tensorboard_dir(args))
 
 

@@ -8,9 +8,11 @@ from typing import Callable
 
 from gateway.router import profile_to_json, text_profile
 from protocol.client import CoordinatorClient
+from protocol.tensors import StateDict
 from worker.console import SyncConsole
 from worker.data import dataset_sha256, load_examples, split_examples
 from worker.distributed import SingleProcess, process_group
+from worker.early_stopping import BestVersion, EarlyStoppingSettings
 from worker.encoding import CompressionSettings, PullSettings, UpdateEncoder
 from worker.federation import FederatedWorker, SyncSettings
 from worker.models import load_base_model
@@ -53,6 +55,8 @@ class WorkerConfig:
     """CPU threads torch may use in this process (each rank under torchrun); None = all cores."""
     heldout_eval: bool = True
     """Log the held-out loss before and after training (two forward passes over the held-out examples)."""
+    early_stopping: EarlyStoppingSettings | None = None
+    """Score every pulled expert version on the held-out split; stop when it stops improving (None: off)."""
 
 
 def build_worker(config: WorkerConfig, collective: SingleProcess | None = None,
@@ -88,7 +92,26 @@ def build_worker(config: WorkerConfig, collective: SingleProcess | None = None,
                              console=SyncConsole(config.sync.sync_interval, progress=config.progress)
                              if collective.is_primary else None, on_result=board.sync if board else None,
                              dataset={"path": str(config.dataset), "sha256": dataset_sha256(config.dataset)})
+    if config.early_stopping is not None and collective.is_primary:
+        if not heldout:
+            raise ValueError("--early-stopping-patience needs held-out examples; the dataset is too small to hold "
+                             "any out")
+        worker.early_stopping = BestVersion(config.early_stopping)
+        worker.heldout_score = heldout_scorer(trainer, heldout)
     return worker, trainer, heldout
+
+
+def heldout_scorer(trainer: LoraTrainer, heldout: list) -> Callable[[StateDict], float]:
+    """Held-out loss of given adapter weights; the trainer's own weights are put back after."""
+    def score(weights: StateDict) -> float:
+        local = trainer.adapter_state()
+        trainer.load_adapter_state(weights)
+        try:
+            return trainer.eval_loss(heldout)
+        finally:
+            trainer.load_adapter_state(local)
+
+    return score
 
 
 def _tensorboard(config: WorkerConfig, collective: SingleProcess):
