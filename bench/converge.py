@@ -233,7 +233,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--max-seq-len", type=int, default=96)
     p.add_argument("--sync-interval", type=float, default=30.0, help="FedMoE workers' seconds between pushes")
-    p.add_argument("--max-evals", type=int, default=12, help="versions scored per FedMoE arm at most")
+    p.add_argument("--max-evals", type=int, default=6, help="versions scored per FedMoE arm at most")
     p.add_argument("--flower-python", type=Path, default=FLOWER_PYTHON)
     p.add_argument("--quick", action="store_true", help="tiny-qwen2, 2 workers, 4 steps: a smoke run")
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "converge.json")
@@ -254,6 +254,11 @@ def main(argv: list[str] | None = None) -> int:
     if "flower" in args.arms and (problem := check_flower(args.flower_python)):
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    # One thread: on a shared 2-core machine torch's OpenMP threads spin-wait for a busy core, and scoring one
+    # version took over 5 minutes at load 17 with two (under a minute with one).
+    import torch
+
+    torch.set_num_threads(1)
     plan = Plan(args.base_model, args.domain, args.steps, args.local_steps, args.lr, args.batch_size,
                 args.max_seq_len, args.sync_interval, args.max_evals)
     lab = Lab(plan.base_model, batch_size=plan.batch_size, max_seq_len=plan.max_seq_len)
