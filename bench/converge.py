@@ -161,14 +161,14 @@ def scored_versions(versions: list[dict[str, Any]], limit: int, batch_size: int)
 
 
 def run_flower(lab: Lab, plan: Plan, shards: list[Path], heldout: list[Example], work: Path,
-               flower_python: Path) -> Curve:
+               flower_python: Path, parallel: int = 1) -> Curve:
     """Flower's FedAvg (simulation engine) in its own virtualenv, on the same shards; every round scored."""
     out = work / "flower"
     rounds = plan.steps // plan.local_steps
     command = [str(flower_python), "-m", "bench.flower_baseline", "--shards", str(shards[0].parent), "--out", str(out),
                "--clients", str(len(shards)), "--rounds", str(rounds), "--local-steps", str(plan.local_steps),
                "--base-model", plan.base_model, "--lr", str(plan.lr), "--batch-size", str(plan.batch_size),
-               "--max-seq-len", str(plan.max_seq_len), "--seed", "0", "--threads", "1"]
+               "--max-seq-len", str(plan.max_seq_len), "--seed", "0", "--threads", "1", "--parallel", str(parallel)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
            "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT), "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"}
     started = time.monotonic()
@@ -235,6 +235,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sync-interval", type=float, default=30.0, help="FedMoE workers' seconds between pushes")
     p.add_argument("--max-evals", type=int, default=6, help="versions scored per FedMoE arm at most")
     p.add_argument("--flower-python", type=Path, default=FLOWER_PYTHON)
+    p.add_argument("--flower-parallel", type=int, default=1,
+                   help="Flower clients trained at once (each a model copy in memory; FedAvg's result is the same)")
     p.add_argument("--quick", action="store_true", help="tiny-qwen2, 2 workers, 4 steps: a smoke run")
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "converge.json")
     args = p.parse_args(argv)
@@ -273,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
             shards = write_shards(plan.domain, n, work / "shards")
             for arm in args.arms:
                 (work / arm).mkdir()
-                curves.append(run_flower(lab, plan, shards, heldout, work, args.flower_python) if arm == "flower"
+                curves.append(run_flower(lab, plan, shards, heldout, work, args.flower_python, args.flower_parallel)
+                              if arm == "flower"
                               else run_fedmoe(lab, plan, arm, shards, heldout, work))
     rows = []
     for curve in curves:
