@@ -268,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     base = loss_pair(lab.losses(heldout))["loss"]
     log.info("base model: held-out %.4f on %d %s problems", base, len(heldout), plan.domain)
     curves: list[Curve] = []
+    failures: list[str] = []
     started = time.monotonic()
     for n in args.workers:
         with tempfile.TemporaryDirectory(prefix=f"converge-{n}-", dir=SCRATCH_DIR) as tmp:
@@ -275,23 +276,47 @@ def main(argv: list[str] | None = None) -> int:
             shards = write_shards(plan.domain, n, work / "shards")
             for arm in args.arms:
                 (work / arm).mkdir()
-                curves.append(run_flower(lab, plan, shards, heldout, work, args.flower_python, args.flower_parallel)
-                              if arm == "flower"
-                              else run_fedmoe(lab, plan, arm, shards, heldout, work))
+                try:
+                    curves.append(run_flower(lab, plan, shards, heldout, work, args.flower_python,
+                                             args.flower_parallel) if arm == "flower"
+                                  else run_fedmoe(lab, plan, arm, shards, heldout, work))
+                except RuntimeError as exc:  # one arm failing keeps the others' curves (and says why)
+                    log.error("%s x%d failed: %s", arm, n, exc)
+                    failures.append(f"{arm} x{n}: {str(exc)[:300]}")
+                    keep_log(work, arm, n, args.out)
+                write_result(args.out, plan, base, curves, failures, started, lab)  # after every arm
+    rows = summaries(curves, base)
+    print(f"\n{plan.domain} held-out answer-token loss ({len(heldout)} problems), {plan.base_model}, "
+          f"{plan.steps} steps per worker, batch {plan.batch_size} x {plan.max_seq_len}, lr {plan.lr:g}\n")
+    print(render(rows))
+    print(f"\nwrote {args.out}" + (f"; failed: {'; '.join(failures)}" if failures else ""))
+    return 1 if failures else 0
+
+
+def summaries(curves: list[Curve], base: float) -> list[dict[str, Any]]:
     rows = []
     for curve in curves:
         reference = next((c.points[-1]["loss"] for c in curves if c.arm == "flower" and c.workers == curve.workers),
                          None)
         rows.append(curve.summary(base, reference))
-    print(f"\n{plan.domain} held-out answer-token loss ({len(heldout)} problems), {plan.base_model}, "
-          f"{plan.steps} steps per worker, batch {plan.batch_size} x {plan.max_seq_len}, lr {plan.lr:g}\n")
-    print(render(rows))
-    result = {"plan": asdict(plan), "base_loss": base, "summary": rows, "curves": [asdict(c) for c in curves],
-              "commit": git_commit(), "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
-              "wall_seconds": round(time.monotonic() - started, 1), "cost": lab.compute.as_dict()}
-    write_json_atomic(args.out, result)
-    print(f"\nwrote {args.out}")
-    return 0
+    return rows
+
+
+def write_result(out: Path, plan: Plan, base: float, curves: list[Curve], failures: list[str], started: float,
+                 lab: Lab) -> None:
+    write_json_atomic(out, {"plan": asdict(plan), "base_loss": base, "summary": summaries(curves, base),
+                            "curves": [asdict(c) for c in curves], "failures": failures, "commit": git_commit(),
+                            "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
+                            "wall_seconds": round(time.monotonic() - started, 1), "cost": lab.compute.as_dict()})
+
+
+def keep_log(work: Path, arm: str, n: int, out: Path) -> None:
+    """A failed arm's logs, kept in the temp dir (the run's own directory is removed at the end)."""
+    kept = Path(tempfile.gettempdir()) / f"{out.stem}-{arm}-x{n}-logs"
+    kept.mkdir(parents=True, exist_ok=True)
+    for path in work.glob("*.log"):
+        if path.name.startswith((arm, "flower")):
+            (kept / path.name).write_bytes(path.read_bytes()[-200_000:])
 
 
 if __name__ == "__main__":
