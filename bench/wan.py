@@ -50,7 +50,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import statistics
 import subprocess
@@ -59,21 +58,23 @@ import tempfile
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from bench.common import (RESULTS_DIR, SCRATCH_DIR, configure_logging, format_table, pulled_tensors, recorded_token,
-                          running_coordinator, sample_suite, write_json_atomic)
+                          running_coordinator, write_json_atomic)
+from bench.wan_eval import evaluate, first_reaching, summarise
+from bench.wan_flower import FlowerRun, FlowerUnavailable, check_flower, run_flower
+from bench.wan_setup import (PRESETS, ROOT, SPECIALTY, CpuCapUnavailable, Settings, check_cpu_cap, cpu_capped,
+                             link_seconds, write_shards)
 from bench.wanemu import NamespaceUnavailable, WanLink, check_available
 from protocol.client import CoordinatorClient
 from protocol.credentials import TOKEN_ENV
 
 log = logging.getLogger("bench.wan")
-ROOT = Path(__file__).resolve().parents[1]
-SPECIALTY = "sql_expert"
+__all__ = ["CpuCapUnavailable", "PRESETS", "cpu_capped", "first_reaching"]  # bench.wan's names, as before the split
 TOPK_INT8 = ["--compression", "topk+int8", "--compression-config", '{"ratio": 0.05}']
 SEED = "@SEED@"
 """Replaced in a mode's worker flags by a seed of the worker's own (a hash of its id)."""
@@ -90,7 +91,19 @@ class Mode:
     needs: str | None = None
     """A run_worker.py --help text this mode needs (a flag built on another branch)."""
     root: dict[str, Any] = field(default_factory=dict)
-    """The root's CoordinatorConfig settings (default: fedasync)."""
+    """The root's CoordinatorConfig settings (empty: the coordinator's defaults)."""
+    sync_interval: float | None = None
+    """The workers' --sync-interval (None: the preset's)."""
+    overlap: bool | None = None
+    """True: the worker's default, sync overlapped with training (None: the preset's)."""
+    flower_steps: int | None = None
+    """Flower's FedAvg through its deployment engine at this many local steps per round (bench.wan_flower)
+    instead of FedMoE workers."""
+
+    @property
+    def baseline(self) -> bool:
+        """A baseline the relays are measured against: every mode without relays."""
+        return self.relays is None
 
 
 # Flat baselines aggregate with FedBuff over the group size (3): each root step is a sample-weighted
@@ -138,41 +151,27 @@ MODES: dict[str, Mode] = {
                                                           needs="--sync-budget",
                                                           root={"aggregation": "fedbuff", "buffer_size": 2}),
 }
+
+# Issue 35's baselines, as a user would run them: the worker's defaults (sync overlapped with training, i.e. no
+# --no-overlap) and the coordinator's (no root settings: FedAsync mixing each update in at 1 / the workers alive on
+# the expert, with its staleness weight), at three sync intervals around the worker's default of 10 s; the best
+# fixed codec of this model at each; Flower's FedAvg through its deployment engine at three round lengths (local
+# optimiser steps per round; FlowerTune's LLM recipes train a fixed number of local steps a round)
+SWEEP_INTERVALS = (3, 10, 30)
+FLOWER_STEPS = (3, 10, 30)
+for _interval in SWEEP_INTERVALS:
+    MODES[f"flat defaults sync {_interval}s"] = Mode(["--compression", "safetensors"], sync_interval=_interval,
+                                                      overlap=True)
+    MODES[f"flat randomk+terngrad defaults sync {_interval}s"] = Mode(RANDOMK_TERNGRAD, sync_interval=_interval,
+                                                                       overlap=True)
+for _steps in FLOWER_STEPS:
+    MODES[f"flower fedavg {_steps} steps/round"] = Mode([], flower_steps=_steps)
+
 DEFAULT_MODES = {"tiny-qwen2": ["flat", "flat topk+int8", "relays + topk+int8 upstream", "relays+adaptive"],
-                 "smollm2-135m": ["flat", "flat randomk+terngrad", "relays",
+                 "smollm2-135m": [*(f"flat defaults sync {i}s" for i in SWEEP_INTERVALS),
+                                  "flat randomk+terngrad defaults sync 10s",
+                                  *(f"flower fedavg {n} steps/round" for n in FLOWER_STEPS),
                                   "relays+adaptive (int8 both ways; site model)"]}
-
-
-@dataclass(frozen=True)
-class Settings:
-    sites: int
-    workers: int
-    """run_worker.py processes per site."""
-    duration: float
-    """Seconds each worker trains."""
-    sync_interval: float
-    """Seconds between a worker's syncs."""
-    base_model: str = "tiny-qwen2"
-    batch_size: int = 4
-    max_seq_len: int = 64
-    threads: int | None = None
-    """--threads of each worker (None: run_worker.py's default)."""
-    overlap: bool = True
-    """False: --no-overlap (training waits for each sync)."""
-    forward_interval: float | None = None
-    """Seconds between a relay's forwards (None: sync_interval)."""
-    max_eval_versions: int = 0
-    """Evaluate at most this many of a mode's kept versions, evenly spaced, then every version between the
-    last one above a target and the first at or below it (0: every version)."""
-    rate_mbit: float = 20.0
-    """Bandwidth of a site's link to the root, each way."""
-    rtt_ms: float = 50.0
-    """Round-trip time the delay proxy adds on that link."""
-    heldout: int = 48
-    """Held-out examples each kept version is evaluated on."""
-    worker_cpu: float | None = None
-    """Cap each worker at this fraction of one core (a cgroup cpu quota), the same in every mode, as if each
-    ran on a slow machine of its own (None: the workers share the host's cores as they come)."""
 
 
 @dataclass
@@ -181,57 +180,18 @@ class Run:
     relays: list[subprocess.Popen] = field(default_factory=list)
 
 
-CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
-"""cgroup v1's cpu controller (these machines); cgroup v2 hosts would need cpu.max instead."""
-CFS_PERIOD_US = 100_000
+def mode_settings(mode: Mode, s: Settings) -> Settings:
+    """The preset with the mode's own sync interval and overlap."""
+    return replace(s, sync_interval=s.sync_interval if mode.sync_interval is None else mode.sync_interval,
+                   overlap=s.overlap if mode.overlap is None else mode.overlap)
 
 
-class CpuCapUnavailable(RuntimeError):
-    """No writable cgroup cpu controller here: --worker-cpu cannot be honoured."""
-
-
-@contextmanager
-def cpu_capped(name: str, share: float) -> Iterator[Callable[[int], None]]:
-    """A cgroup capped at ``share`` of one core; yields ``add(pid)``, which moves a process (all its threads,
-    and those it starts later) into it. The group is removed on exit (its processes must be gone by then)."""
-    group = CPU_CGROUP / f"fedmoe-wan-{os.getpid()}-{name}"
-    try:
-        group.mkdir()
-        (group / "cpu.cfs_period_us").write_text(str(CFS_PERIOD_US))
-        (group / "cpu.cfs_quota_us").write_text(str(max(1000, round(share * CFS_PERIOD_US))))
-    except OSError as exc:
-        raise CpuCapUnavailable(f"--worker-cpu needs a writable cgroup v1 cpu controller at {CPU_CGROUP} "
-                                f"({exc.strerror}); run without it") from None
-    def add(pid: int) -> None:
-        (group / "cgroup.procs").write_text(str(pid))
-
-    try:
-        yield add
-    finally:
-        try:
-            group.rmdir()
-        except OSError as exc:  # a process still in it: say so, leave the empty-quota group behind
-            log.warning("could not remove cgroup %s: %s", group, exc.strerror)
-
-
-def check_cpu_cap() -> None:
-    with cpu_capped("probe", 1.0):
-        pass
-
-
-PRESETS: dict[str, Settings] = {
-    "quick": Settings(sites=2, workers=3, duration=40, sync_interval=8),
-    "tiny-qwen2": Settings(sites=2, workers=3, duration=120, sync_interval=10),
-    # link-bound: see the module docstring; held-out examples at 32 tokens cost ~0.15 CPU s each
-    "smollm2-135m": Settings(sites=2, workers=3, duration=150, sync_interval=1, base_model="smollm2-135m",
-                             batch_size=1, max_seq_len=32, threads=1, overlap=False, forward_interval=5,
-                             heldout=36, max_eval_versions=14),
-}
-
-
-def worker_command(name: str, url: str, results: Path, flags: list[str], s: Settings) -> list[str]:
+def worker_command(name: str, url: str, results: Path, flags: list[str], s: Settings,
+                   dataset: Path | None = None) -> list[str]:
+    """A run_worker.py command line; ``dataset`` its own shard (None: the expert's sample data, all of it)."""
     seed = str(zlib.crc32(name.encode()) or 1)  # a codec seed of 0 means "unseeded"
     extra = ([] if s.threads is None else ["--threads", str(s.threads)]) + ([] if s.overlap else ["--no-overlap"])
+    extra += ([] if s.lr is None else ["--lr", str(s.lr)]) + ([] if dataset is None else ["--dataset", str(dataset)])
     # --seed: each worker its own order over the examples, as workers with data of their own would see; with
     # one seed for all, the six workers took the same example at each step (their mean was one example's step)
     return [sys.executable, str(ROOT / "run_worker.py"), "--specialty", SPECIALTY, "--base-model", s.base_model,
@@ -265,10 +225,17 @@ def forward_interval(s: Settings) -> float:
     return s.sync_interval if s.forward_interval is None else s.forward_interval
 
 
-def run_mode(name: str, s: Settings, scratch: Path) -> dict[str, Any]:
-    """One federation of ``s.sites`` x ``s.workers`` workers in mode ``name``; figures and the root's versions."""
+def run_mode(name: str, s: Settings, scratch: Path, keep: Path, shards: list[Path] | None = None) -> dict[str, Any]:
+    """One run of mode ``name`` (``s.sites`` x ``s.workers`` workers, worker k on ``shards[k]`` if given): figures,
+    and the versions the root kept (Flower: its rounds), their weights saved in ``keep``."""
     mode = MODES[name]
-    paths = [scratch / f"{name}-{site}-{i}.jsonl".replace(" ", "_") for site in range(s.sites)
+    scratch.mkdir(parents=True, exist_ok=True)
+    if mode.flower_steps is not None:
+        if shards is None:
+            raise ValueError("Flower's clients train on shards: pass them")
+        return {**run_flower(name, FlowerRun(mode.flower_steps), s, scratch, shards, keep), "baseline": True}
+    s = mode_settings(mode, s)
+    paths = [scratch / f"{name}-{site}-{i}.jsonl".replace(" ", "_").replace(",", "") for site in range(s.sites)
              for i in range(s.workers)]
     cpu_before = _cpu_seconds()
     with running_coordinator(keep_versions=1000, **mode.root) as url, ExitStack() as stack:
@@ -290,7 +257,8 @@ def run_mode(name: str, s: Settings, scratch: Path) -> dict[str, Any]:
                     path = paths[site * s.workers + i]
                     with path.with_suffix(".log").open("w") as log_file:  # a file: 6 pipes read in turn could fill
                         run.procs.append(link.site.popen(
-                            worker_command(f"wan-{site}-{i}", target, path, mode.workers, s), cwd=ROOT, env=env,
+                            worker_command(f"wan-{site}-{i}", target, path, mode.workers, s,
+                                           shards[site * s.workers + i] if shards else None), cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=log_file))
                     if s.worker_cpu is not None:  # before it loads torch: every thread it starts stays capped
                         stack.enter_context(cpu_capped(f"{site}-{i}", s.worker_cpu))(run.procs[-1].pid)
@@ -307,7 +275,7 @@ def run_mode(name: str, s: Settings, scratch: Path) -> dict[str, Any]:
         wall = time.monotonic() - started
         ingress = sum(link.proxy.bytes_to_target for link in links)
         egress = sum(link.proxy.bytes_to_client for link in links)
-        versions = kept_versions(url)
+        versions = kept_versions(url, keep)
         relay_reports = relay_counters(url) if run.relays else []
     failed = [(p.returncode, path) for p, path in zip(run.procs, paths) if p.returncode != 0]
     if failed:
@@ -316,7 +284,9 @@ def run_mode(name: str, s: Settings, scratch: Path) -> dict[str, Any]:
     records = [json.loads(line) for p in paths for line in p.read_text().splitlines()]
     cpu = {k: round(v - cpu_before[k], 1) for k, v in _cpu_seconds().items()}
     capacity = s.sites * s.rate_mbit * 1e6 / 8 * wall  # bytes the site links could carry each way in the run
-    return {"mode": name, "root": mode.root or {"aggregation": "fedasync"}, **figures(records),
+    return {"mode": name, "engine": "fedmoe", "baseline": mode.baseline, "sync_interval": s.sync_interval,
+            "overlap": s.overlap, "root": mode.root or {"aggregation": "the coordinator's default"},
+            **figures(records, s.worker_count),
             "root_ingress_bytes": ingress, "root_egress_bytes": egress, "wall_seconds": round(wall, 1),
             "link_busy_up": round(ingress / capacity, 3), "link_busy_down": round(egress / capacity, 3),
             "cpu_seconds": cpu, "relays": relay_reports, "versions": versions}
@@ -355,10 +325,6 @@ def versions_bytes(url: str) -> int:
         client.close()
 
 
-def link_seconds(nbytes: int, s: Settings) -> float:
-    return nbytes / (s.rate_mbit * 1e6 / 8)
-
-
 def _cpu_seconds() -> dict[str, float]:
     """user+sys CPU seconds of this process (root coordinator, delay proxies) and of waited-for children."""
     import resource
@@ -367,21 +333,26 @@ def _cpu_seconds() -> dict[str, float]:
     return {"root_and_proxies": me.ru_utime + me.ru_stime, "workers_and_relays": kids.ru_utime + kids.ru_stime}
 
 
-def kept_versions(url: str) -> list[dict[str, Any]]:
+def kept_versions(url: str, directory: Path) -> list[dict[str, Any]]:
     """Every version the root kept: seconds since version 0 (the expert's creation: worker start-up on a
-    loaded machine is not federation time), and its weights (held for evaluation)."""
+    loaded machine is not federation time), and the file its weights were saved to in ``directory`` (on disk:
+    three runs of eight modes keep ~10 GB of a 9.8 MB adapter's versions until they are scored)."""
+    from safetensors.torch import save_file
+
     client = CoordinatorClient(url)
+    directory.mkdir(parents=True, exist_ok=True)
     out = []
     versions = client.expert(SPECIALTY)["versions"]
     for v in versions:
         if v["stored"]:
-            weights = client.pull_weights(SPECIALTY, version=v["version"]).tensors
+            path = directory / f"version-{v['version']:05d}.safetensors"
+            save_file(pulled_tensors(client.pull_weights(SPECIALTY, version=v["version"])), str(path))
             out.append({"version": v["version"], "seconds": v["created_at"] - versions[0]["created_at"],
-                        "weights": weights})
+                        "file": str(path)})
     return out
 
 
-def figures(records: list[dict[str, Any]]) -> dict[str, Any]:
+def figures(records: list[dict[str, Any]], workers: int = 1) -> dict[str, Any]:
     syncs = [r for r in records if "sync_seconds" in r]
     pushed = [r["bytes_sent"] for r in syncs if "bytes_sent" in r]
 
@@ -402,70 +373,10 @@ def figures(records: list[dict[str, Any]]) -> dict[str, Any]:
             "blocked_seconds_median": median("blocked_seconds"),
             "checkpoint_seconds_median": median("checkpoint_seconds"),
             "steps_total": sum(r.get("steps", 0) for r in syncs), "codecs": choices, "pull_codecs": pulls,
+            "steps_per_worker": round(sum(r.get("steps", 0) for r in syncs) / workers, 1),
             "sync_seconds_median": round(statistics.median(r["sync_seconds"] for r in syncs), 3) if syncs else None,
             "push_bytes_median": int(statistics.median(pushed)) if pushed else None,
             "pull_bytes_total": sum(r.get("bytes_down", 0) for r in syncs)}
-
-
-def evaluate(rows: list[dict[str, Any]], s: Settings) -> None:
-    """Held-out loss of the kept versions (off the clock), then each mode's time to the target.
-
-    With ``s.max_eval_versions`` only that many versions per mode are evaluated at first (evenly spaced, the
-    first and last included), except flat's, which are all evaluated (its best is the target). Then, for each
-    target, every version of a mode before its first evaluated one at or below it is evaluated in order until
-    one reaches it (all of them if none evaluated did), so the time to target is exact: the first version
-    that reaches it. (Before, only the versions since the last evaluated one above the target were: a
-    noisy curve that dipped under the target between two samples, rose and came down again was timed at
-    its second crossing.)
-    """
-    import torch
-
-    from worker.models import load_base_model
-    from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
-
-    torch.set_num_threads(1)
-    domain = next(d for d in sample_suite().domains if d.name == SPECIALTY)
-    heldout = list(domain.heldout[:s.heldout])
-    trainer = LoraTrainer(load_base_model(s.base_model), LoraSettings(),
-                          TrainSettings(batch_size=s.batch_size, max_seq_len=s.max_seq_len), list(domain.train))
-
-    def loss(v: dict[str, Any]) -> float:
-        if "heldout_loss" not in v:
-            trainer.load_adapter_state(v["weights"])
-            v["heldout_loss"] = round(trainer.eval_loss(heldout, batch_size=8), 4)
-        return v["heldout_loss"]
-
-    for row in rows:
-        versions = row["versions"]
-        n, k = len(versions), 0 if row["mode"] == "flat" else s.max_eval_versions
-        picks = range(n) if not k or n <= k else sorted({round(i * (n - 1) / (k - 1)) for i in range(k)})
-        for i in picks:
-            loss(versions[i])
-    flat = next(r for r in rows if r["mode"] == "flat")
-    flat_losses = [v["heldout_loss"] for v in flat["versions"]]
-    start, target = flat_losses[0], min(flat_losses)
-    # the held-out curves are noisy and flat's best is often its last version, so also the time to 90%
-    # of flat's gain from the start, a target every mode's curve crosses in the run
-    target90 = round(start - 0.9 * (start - target), 4)
-    for row in rows:
-        versions = row["versions"]
-        for key, goal in (("time_to_target_s", target), ("time_to_target90_s", target90)):
-            first = first_reaching(versions, goal, loss)
-            row[key] = round(versions[first]["seconds"], 1) if first is not None else None
-        row["target_loss"], row["target90_loss"] = target, target90
-        evaluated = [v["heldout_loss"] for v in versions if "heldout_loss" in v]
-        row["heldout_start"], row["heldout_best"] = (evaluated[0], min(evaluated)) if evaluated else (None, None)
-        row["versions_kept"], row["versions_evaluated"] = len(versions), len(evaluated)
-        for v in versions:
-            v.pop("weights", None)
-
-
-def first_reaching(versions: list[dict[str, Any]], goal: float, loss: Callable[[dict[str, Any]], float]) -> int | None:
-    """Index of the first version whose held-out loss is at or below ``goal`` (None: none is), evaluating with
-    ``loss`` only what that needs: the versions before the first already evaluated one that reaches it (all of
-    them if none does), in order, until one does."""
-    sampled = next((i for i, v in enumerate(versions) if v.get("heldout_loss", math.inf) <= goal), len(versions))
-    return next((i for i in range(sampled) if loss(versions[i]) <= goal), None if sampled == len(versions) else sampled)
 
 
 def available(mode: Mode) -> bool:
@@ -490,6 +401,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Settings] | 
                              "as if each ran on a machine of its own; e.g. 0.25 (default: no cap)")
     parser.add_argument("--forward-interval", type=float, default=None, metavar="SECONDS",
                         help="seconds between a relay's forwards upstream (default: the preset's)")
+    parser.add_argument("--runs", type=int, default=1, help="runs of every mode (issue 35 measures 3: median, range)")
     parser.add_argument("--out", type=Path, default=None,
                         help="results JSON (default: bench/results/wan.json, wan_quick.json with --quick)")
     parser.add_argument("--verbose", action="store_true")
@@ -511,8 +423,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Settings] | 
         s = replace(s, worker_cpu=args.worker_cpu)
     names = [m.strip() for m in (args.modes or ",".join(DEFAULT_MODES[s.base_model])).split(",") if m.strip()]
     unknown = [m for m in names if m not in MODES]
-    if unknown or "flat" not in names:
-        return f"--modes must include flat and name only {list(MODES)}, got {names}"
+    if unknown or not any(MODES[m].baseline for m in names):
+        return f"--modes must include a baseline (a mode without relays) and name only {list(MODES)}, got {names}"
+    if not 1 <= args.runs <= 20:
+        return f"--runs must be 1-20, got {args.runs}"
     args.modes = names
     args.out = args.out or RESULTS_DIR / ("wan_quick.json" if args.quick else "wan.json")
     return args, s
@@ -527,49 +441,83 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.verbose)
     try:
         check_available()
-        if s.worker_cpu is not None:
-            check_cpu_cap()
-    except (NamespaceUnavailable, CpuCapUnavailable) as exc:
+        if s.worker_cpu is not None or any(MODES[m].flower_steps is not None for m in args.modes):
+            check_cpu_cap()  # Flower's processes are tracked in cgroups, capped or not
+        if any(MODES[m].flower_steps is not None for m in args.modes):
+            check_flower()
+    except (NamespaceUnavailable, CpuCapUnavailable, FlowerUnavailable) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    rows, skipped = [], {}
-    started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="fedmoe-wan-", dir=SCRATCH_DIR) as scratch:
+    started, load_before = time.monotonic(), os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="fedmoe-wan-", dir=SCRATCH_DIR) as scratch, \
+            tempfile.TemporaryDirectory(prefix="fedmoe-wan-versions-") as kept:  # on disk: see kept_versions
+        rows, skipped = run_all(args, s, Path(scratch), Path(kept))
+        goals = evaluate(rows, s)
+    summary = summarise(rows, goals)
+    for r in rows:
+        r["relay_pulls"] = relay_pulls(r)
+    print(summary_table(summary, goals))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(args.out, {"settings": asdict(s), "quick": args.quick, "runs": args.runs, "targets": goals,
+                                 "summary": summary, "results": rows, "skipped": skipped, **stamp(load_before),
+                                 "seconds": round(time.monotonic() - started, 1)})
+    return 0
+
+
+def run_all(args: argparse.Namespace, s: Settings, scratch: Path, kept: Path) -> tuple[list[dict], dict[str, str]]:
+    """``args.runs`` rounds over the modes (run 1 of every mode, then run 2, ...: a load that changes over the hours
+    falls on every mode alike); the rows, and the modes skipped or failed."""
+    rows: list[dict[str, Any]] = []
+    skipped: dict[str, str] = {}
+    shards = write_shards(scratch / "shards", s.worker_count)
+    for run in range(args.runs):
         for name in args.modes:
+            if name in skipped:
+                continue
             if not available(MODES[name]):
-                skipped[name] = f"run_worker.py has no --compression {MODES[name].needs} on this branch"
+                skipped[name] = f"run_worker.py has no {MODES[name].needs} on this branch"
                 log.warning("%s: skipped (%s)", name, skipped[name])
                 continue
-            log.info("%s: %d sites x %d %s workers over %.0f Mbit/s, %.0f ms RTT", name, s.sites, s.workers,
-                     s.base_model, s.rate_mbit, s.rtt_ms)
+            log.info("%s, run %d/%d: %d sites x %d %s workers over %.0f Mbit/s, %.0f ms RTT", name, run + 1, args.runs,
+                     s.sites, s.workers, s.base_model, s.rate_mbit, s.rtt_ms)
+            slug = f"{len(rows):03d}"
             try:
-                rows.append(run_mode(name, s, Path(scratch)))
+                row = run_mode(name, s, scratch / slug, kept / slug, shards)
             except (RuntimeError, subprocess.TimeoutExpired) as exc:  # keep the other modes' figures
-                if name == "flat":
-                    raise
                 skipped[name] = f"failed: {str(exc)[-2000:]}"
                 log.error("%s: failed, going on without it: %s", name, exc)
                 continue
-            log.info("%s: done, %d versions kept, root ingress %d bytes", name, len(rows[-1]["versions"]),
-                     rows[-1]["root_ingress_bytes"])
-    evaluate(rows, s)
-    base = next(r for r in rows if r["mode"] == "flat")
-    for r in rows:
-        r["relay_pulls"] = relay_pulls(r)
-        r["ingress_vs_flat"] = round(base["root_ingress_bytes"] / max(1, r["root_ingress_bytes"]), 2)
-        for key in ("time_to_target_s", "time_to_target90_s"):
-            hit, flat_hit = r[key], base[key]
-            r[key.replace("time_to", "speedup")] = round(flat_hit / hit, 2) if hit and flat_hit else None
-    keys = ["mode", "syncs", "steps_total", "root_ingress_bytes", "ingress_vs_flat", "root_egress_bytes",
-            "link_busy_up", "link_busy_down", "heldout_best", "time_to_target_s", "speedup_target_s",
-            "time_to_target90_s", "speedup_target90_s", "sync_seconds_median", "push_seconds_median",
-            "pull_seconds_median", "checkpoint_seconds_median", "train_seconds_median"]
-    print(format_table(keys, [[r[k] for k in keys] for r in rows]))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(args.out, {"settings": asdict(s), "quick": args.quick, "results": rows, "skipped": skipped,
-                                 "seconds": round(time.monotonic() - started, 1),
-                                 "note": "measured on a shared 2-core machine under load"})
-    return 0
+            rows.append({**row, "run": run, "load_after": [round(x, 2) for x in os.getloadavg()]})
+            log.info("%s: done, %d versions kept, root ingress %d bytes", name, len(row["versions"]),
+                     row["root_ingress_bytes"])
+    return rows, skipped
+
+
+def stamp(load_before: tuple[float, float, float]) -> dict[str, Any]:
+    """The commit measured and the machine's load (issue 35: speed figures carry both)."""
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                capture_output=True, text=True).stdout.strip())
+    return {"commit": commit + ("+dirty" if dirty else ""), "load_before": [round(x, 2) for x in load_before],
+            "load_after": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count(),
+            "note": "measured on a shared 2-core machine; see load_before/load_after and each row's load_after"}
+
+
+def summary_table(summary: list[dict[str, Any]], goals: dict[str, Any]) -> str:
+    def cell(x: dict[str, Any], scale: float = 1.0) -> str:
+        if x["median"] is None:
+            return f"never ({x['never']}/{x['runs']})"
+        low, high = x["min"], x["max"]
+        span = f" [{low / scale:.4g}-{high / scale:.4g}]" if x["runs"] > 1 and low is not None and high is not None else ""
+        return f"{x['median'] / scale:.4g}{span}"
+
+    keys = ["mode", "to target s", "x", "to 90% s", "x90", "final loss", "steps/worker", "root in MB", "root out MB"]
+    rows = [[line["mode"], cell(line["time_to_target_s"]), line["speedup_target_s"], cell(line["time_to_target90_s"]),
+             line["speedup_target90_s"], cell(line["heldout_final"]), cell(line["steps_per_worker"]),
+             cell(line["root_ingress_bytes"], 1e6), cell(line["root_egress_bytes"], 1e6)] for line in summary]
+    return (f"targets: {goals['target_loss']} (best baseline's final loss: {goals['best_baseline']}) and "
+            f"{goals['target90_loss']} (90% of its gain from {goals['start_loss']}); medians [ranges] over runs\n"
+            + format_table(keys, rows))
 
 
 if __name__ == "__main__":
