@@ -75,6 +75,10 @@ class WorkerFlags:
                                          "with); the run ends after N steps or --duration, whichever comes first, "
                                          "with the final push", type=int, metavar="N")
     sync_interval: float = option(10.0, "seconds between syncs")
+    comm_share: float | None = option(None, "stretch the interval between syncs so that pushing and pulling take at "
+                                            "most this share of the worker's time, e.g. 0.25 on a slow link "
+                                            "(never below --sync-interval; default: sync every --sync-interval)",
+                                      type=float, metavar="SHARE")
     use_proxy: bool = option(False, "honour HTTP(S)_PROXY for coordinator and hub")
     token: str | None = option(None, "the coordinator's join token (default: $FEDMOE_TOKEN, or found automatically "
                                      "when the coordinator runs on this machine)")
@@ -290,7 +294,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
                           duration=args.duration, max_steps=args.max_steps, sync_interval=args.sync_interval,
                           speed_factor=args.speed_factor, results_path=args.results,
                           state_dir=args.state_dir or default_state_dir(worker_id), resume=not args.fresh,
-                          overlap=not args.no_overlap),
+                          overlap=not args.no_overlap, comm_share=args.comm_share),
         lora=LoraSettings(rank=args.lora_rank, alpha=args.lora_alpha, target_modules=modules),
         train=TrainSettings(**train_kwargs), use_huggingface=args.use_huggingface,
         use_proxy=args.use_proxy, device=args.device, compression=compression, pull=pull, token=args.token,
@@ -323,6 +327,8 @@ def _check_address_and_files(args: argparse.Namespace) -> None:
                          "pass --compression auto or drop --sync-budget")
     if args.sync_budget is not None and not (args.sync_budget > 0 and math.isfinite(args.sync_budget)):
         raise ValueError(f"--sync-budget must be a positive number of seconds, got {args.sync_budget}")
+    if args.comm_share is not None and not 0 < args.comm_share < 1:
+        raise ValueError(f"--comm-share must be a share of the worker's time in (0, 1), got {args.comm_share}")
     if args.compression == "auto" and args.sync_budget is None:
         raise ValueError("--compression auto needs --sync-budget SECONDS (how long a push may take)")
 
