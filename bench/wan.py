@@ -401,6 +401,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Settings] | 
                              "as if each ran on a machine of its own; e.g. 0.25 (default: no cap)")
     parser.add_argument("--forward-interval", type=float, default=None, metavar="SECONDS",
                         help="seconds between a relay's forwards upstream (default: the preset's)")
+    parser.add_argument("--sites", type=int, default=None, help="emulated sites (default: the preset's, 2)")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="workers per site (default: the preset's, 3; a smollm2 worker takes ~1-2 GB here)")
     parser.add_argument("--runs", type=int, default=1, help="runs of every mode (issue 35 measures 3: median, range)")
     parser.add_argument("--out", type=Path, default=None,
                         help="results JSON (default: bench/results/wan.json, wan_quick.json with --quick)")
@@ -425,6 +428,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Settings] | 
     unknown = [m for m in names if m not in MODES]
     if unknown or not any(MODES[m].baseline for m in names):
         return f"--modes must include a baseline (a mode without relays) and name only {list(MODES)}, got {names}"
+    for flag, value in (("--sites", args.sites), ("--workers", args.workers)):
+        if value is not None and not 1 <= value <= 8:
+            return f"{flag} must be 1-8, got {value}"
+    s = replace(s, sites=args.sites or s.sites, workers=args.workers or s.workers)
     if not 1 <= args.runs <= 20:
         return f"--runs must be 1-20, got {args.runs}"
     args.modes = names
