@@ -41,6 +41,7 @@ DEFAULT_BASE_MODEL = "qwen/Qwen2-0.5B-Instruct"
 
 
 CHECKPOINT, COMPRESSION, TRAINING = "checkpoint and sync", "compression", "training"
+PLACEMENT = "placement over a WAN (docs/wan.md)"
 PARALLEL = "inside a worker (torchrun ranks; docs/bigger-workers.md)"
 
 
@@ -92,6 +93,18 @@ class WorkerFlags:
     compression: str = option("safetensors", "update codec: safetensors (uncompressed), a compression spec such "
                                              "as int8, topk+int8, or auto (picked at each sync to fit --sync-budget)",
                               group=COMPRESSION)
+    follow_placement: bool = option(False, "report link measurements to the root (--coordinator-url) and sync with the "
+                                           "relay it assigns (the root groups workers by their links)",
+                                    group=PLACEMENT)
+    placement_interval: float = option(30.0, "with --follow-placement: seconds between two rounds of probes",
+                                       metavar="SECONDS", group=PLACEMENT)
+    can_relay: bool = option(False, "also run a relay the root may assign nearby workers to (implies "
+                                    "--follow-placement; needs the relay join token)", group=PLACEMENT)
+    relay_host: str | None = option(None, "with --can-relay: the address other workers reach this machine at "
+                                          "(default: the one it reaches the root from)", group=PLACEMENT)
+    relay_join_token_file: Path | None = option(None, "with --can-relay: file holding the root's relay join token "
+                                                      "(default: $FEDMOE_RELAY_JOIN_TOKEN)", type=Path,
+                                                group=PLACEMENT)
     sync_budget: float | None = option(None, "with --compression auto: seconds a push (and a pull) may take; the "
                                              "codec and ratio are picked from the measured throughput, and pulls "
                                              "become compressed diffs when full weights would take longer",
@@ -303,7 +316,26 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         parallel=parallel_settings(args, deepspeed),
         data=DataSettings(dataset_format=args.dataset_format, split_key=args.split_key,
                           eval_dataset=args.eval_dataset),
-        profile=profile_settings(args), tensorboard=tensorboard_dir(args))
+        profile=profile_settings(args), tensorboard=tensorboard_dir(args), placement=placement_settings(args, worker_id))
+
+
+def placement_settings(args: argparse.Namespace, worker_id: str):
+    """--follow-placement and --can-relay's settings, or None when the worker syncs where --coordinator-url says."""
+    from worker.runner import PlacementSettings
+
+    if not (args.follow_placement or args.can_relay):
+        for flag in ("relay_host", "relay_join_token_file"):
+            if getattr(args, flag) is not None:
+                raise ValueError(f"--{flag.replace('_', '-')} applies to --can-relay only; add it or drop the flag")
+        return None
+    if "," in args.coordinator_url:
+        raise ValueError("--follow-placement takes the root's URL alone in --coordinator-url (the root assigns the "
+                         f"relays), got {args.coordinator_url!r}")
+    if not 1 <= args.placement_interval <= 86_400:
+        raise ValueError(f"--placement-interval must be 1-86400 seconds, got {args.placement_interval}")
+    return PlacementSettings(interval=args.placement_interval, can_relay=args.can_relay, relay_host=args.relay_host,
+                             relay_join_token_file=args.relay_join_token_file,
+                             relay_id=f"{worker_id}-relay")
 
 
 def _check_address_and_files(args: argparse.Namespace) -> None:

@@ -145,8 +145,11 @@ class Placement:
     """A plan that changes nothing in the membership is adopted only if it speeds some worker's sync by this share."""
     hold_seconds: float = 60.0
     """... and the plan in force is at least this old."""
+    expire_seconds: float = 150.0
+    """A worker that has not reported for this long has left (workers report every --placement-interval, 30 s)."""
     clock: Callable[[], float] = time.monotonic
     reports: dict[str, dict[str, Link]] = field(default_factory=dict)
+    reported_at: dict[str, float] = field(default_factory=dict)
     current: Plan = field(default_factory=lambda: Plan((), ()))
     generation: int = 0
     """Counts adopted plans (a worker that sees it change asks where to go)."""
@@ -156,13 +159,17 @@ class Placement:
     def report(self, worker: str, links: Mapping[str, Link], relays: Sequence[str]) -> bool:
         """A worker's fresh measurements; True if the plan changed."""
         with self._lock:
-            self.reports[worker] = dict(links)
+            self.reports[worker], self.reported_at[worker] = dict(links), self.clock()
+            for gone in [w for w, at in self.reported_at.items() if self.clock() - at > self.expire_seconds]:
+                del self.reports[gone], self.reported_at[gone]
             return self._consider(relays)
 
     def forget(self, workers: Sequence[str], relays: Sequence[str]) -> bool:
         """Workers that left (no heartbeat); True if the plan changed."""
         with self._lock:
             gone = [w for w in workers if self.reports.pop(w, None) is not None]
+            for w in gone:
+                del self.reported_at[w]
             return self._consider(relays) if gone else False
 
     def _consider(self, relays: Sequence[str]) -> bool:

@@ -72,6 +72,7 @@ from worker.data import StreamPosition
 from worker.distributed import SingleProcess
 from worker.early_stopping import BestVersion
 from worker.encoding import CompressionSettings, PullSettings, UpdateEncoder
+from worker.placement import PlacementFollower
 from worker.pulling import ExpertPuller
 from worker.stopping import STOP
 from worker.sync_state import ExpertState, Fetched, IntervalStats, Outgoing, RunSummary, SyncJob
@@ -178,6 +179,8 @@ class FederatedWorker:
     """{"path", "sha256"} of the training data: a checkpoint trained on other data is not resumed."""
     _writer: CheckpointWriter | None = field(default=None, repr=False)
     _upload_base: UploadPolicy | None = field(default=None, repr=False)
+    placement: PlacementFollower | None = None
+    """--follow-placement: reports this worker's links to the root and moves ``client`` where the root assigns."""
     pacing: SyncPacing | None = field(default=None, repr=False)
     """--comm-share's interval policy (set from the settings; None: a fixed --sync-interval)."""
     early_stopping: BestVersion | None = None
@@ -226,6 +229,10 @@ class FederatedWorker:
             return {}
         resumed = self._resume()
         self.client.register_worker(s.worker_id, s.specialty, self.expert_spec["base_model"], s.sync_interval)
+        if self.placement is not None:  # its reports go to the root under this worker's own token there
+            self.placement.root.register_worker(s.worker_id, s.specialty, self.expert_spec["base_model"],
+                                                s.sync_interval)
+            self.placement.follow()  # before the first pull: the worker starts at the coordinator the root assigns
         info = self._join_expert()
         if resumed and info["version"] < self.state.version:
             self._forget_history(info["version"])
@@ -481,6 +488,10 @@ class FederatedWorker:
         job.delivered = job.record["delivered"] = self._push()
         pulling = time.perf_counter()
         job.fetched = self._pull(job) if job.delivered and not job.final else None
+        if self.placement is not None and not job.final and self.placement.due():  # after the pull: the next sync
+            followed = self.placement.follow()  # goes where the root now says (a move registers there first)
+            if followed is not None:
+                job.record["placement"] = {"relay_id": followed["relay_id"], "moved": followed["moved"]}
         job.record |= {"pulled": job.fetched is not None, "bytes_down": job.fetched.nbytes if job.fetched else 0,
                        "push_seconds": round(pulling - pushing, 4),
                        "pull_seconds": round(job.fetched.seconds, 4) if job.fetched else 0.0}

@@ -60,11 +60,14 @@ def test_a_join_or_a_leave_regroups_at_once_and_link_jitter_never_does():
     assert placement.assignment("s2-w1") == {"worker_id": "s2-w1", "relay_id": "r2", "generation": before + 1,
                                              "planned": True}
     jittered = {h: Link(link.rtt_ms * 1.25, link.mbps) for h, link in reports["s0-w0"].items()}
-    now[0] += 3600
+    now[0] += 100  # past the hold, within the reports' expiry
     assert not placement.report("s0-w0", jittered, relays)  # 25% slower RTTs: the same groups, nothing to do
     assert placement.forget(["s1-w1"], relays)  # a leave: s1-w0 is alone now, so it goes to the root at once
     assert placement.assignment("s1-w0")["relay_id"] is None
     assert not placement.forget(["nobody"], relays)
+    now[0] += placement.expire_seconds + 1  # silent workers have left: the next report regroups without them
+    assert placement.report("s0-w1", reports["s0-w1"], relays)
+    assert placement.view()["groups"] == [{"members": ["s0-w1"], "relay_id": None}]
 
 
 def test_a_link_change_moves_a_worker_only_when_it_is_much_better_and_the_plan_has_held_for_a_while():
