@@ -67,8 +67,8 @@ from bench.common import (RESULTS_DIR, SCRATCH_DIR, configure_logging, format_ta
                           running_coordinator, write_json_atomic)
 from bench.wan_eval import evaluate, first_reaching, summarise
 from bench.wan_flower import FlowerRun, FlowerUnavailable, check_flower, run_flower
-from bench.wan_setup import (PRESETS, ROOT, SPECIALTY, CpuCapUnavailable, Settings, check_cpu_cap, cpu_capped,
-                             link_seconds, write_shards)
+from bench.wan_setup import (PRESETS, ROOT, SCENARIOS, SPECIALTY, CpuCapUnavailable, Settings, check_cpu_cap,
+                             cpu_capped, link_seconds, write_shards)
 from bench.wanemu import NamespaceUnavailable, WanLink, check_available
 from protocol.client import CoordinatorClient
 from protocol.credentials import TOKEN_ENV
@@ -96,6 +96,8 @@ class Mode:
     """The workers' --sync-interval (None: the preset's)."""
     overlap: bool | None = None
     """True: the worker's default, sync overlapped with training (None: the preset's)."""
+    scenario: str | None = None
+    """A fleet of bench.wan_setup.SCENARIOS (its sites, links and worker speeds) instead of the preset's."""
     flower_steps: int | None = None
     """Flower's FedAvg through its deployment engine at this many local steps per round (bench.wan_flower)
     instead of FedMoE workers."""
@@ -167,6 +169,17 @@ for _interval in SWEEP_INTERVALS:
 for _steps in FLOWER_STEPS:
     MODES[f"flower fedavg {_steps} steps/round"] = Mode([], flower_steps=_steps)
 
+# issue 35 item 3: three workers of speeds 1, 0.5, 0.25 on fast, 20 and 5 Mbit/s links (bench.wan_setup.SCENARIOS),
+# each pacing itself (--compression auto sizes each push to --sync-budget, --comm-share stretches its interval so its
+# link takes at most a quarter of its time), FedAsync at the root weighing staleness; against the same three at full
+# speed on equal links, and against Flower's FedAvg on the same mix (each round waits for the slowest)
+PACED = [*AUTO, "--comm-share", "0.25"]
+MODES["hetero fedmoe paced"] = Mode(PACED, scenario="hetero", sync_interval=2, overlap=True, needs="--comm-share")
+MODES["homogeneous fedmoe paced"] = Mode(PACED, scenario="homogeneous", sync_interval=2, overlap=True,
+                                         needs="--comm-share")
+MODES["hetero flower fedavg 10 steps/round"] = Mode([], scenario="hetero", flower_steps=10)
+HETERO_MODES = ["homogeneous fedmoe paced", "hetero fedmoe paced", "hetero flower fedavg 10 steps/round"]
+
 DEFAULT_MODES = {"tiny-qwen2": ["flat", "flat topk+int8", "relays + topk+int8 upstream", "relays+adaptive"],
                  "smollm2-135m": [*(f"flat defaults sync {i}s" for i in SWEEP_INTERVALS),
                                   "flat randomk+terngrad defaults sync 10s",
@@ -181,7 +194,8 @@ class Run:
 
 
 def mode_settings(mode: Mode, s: Settings) -> Settings:
-    """The preset with the mode's own sync interval and overlap."""
+    """The preset with the mode's own sync interval, overlap and fleet."""
+    s = replace(s, **SCENARIOS[mode.scenario]) if mode.scenario else s
     return replace(s, sync_interval=s.sync_interval if mode.sync_interval is None else mode.sync_interval,
                    overlap=s.overlap if mode.overlap is None else mode.overlap)
 
@@ -230,11 +244,12 @@ def run_mode(name: str, s: Settings, scratch: Path, keep: Path, shards: list[Pat
     and the versions the root kept (Flower: its rounds), their weights saved in ``keep``."""
     mode = MODES[name]
     scratch.mkdir(parents=True, exist_ok=True)
+    s = mode_settings(mode, s)
+    shards = shards and shards[:s.worker_count]
     if mode.flower_steps is not None:
-        if shards is None:
+        if not shards:
             raise ValueError("Flower's clients train on shards: pass them")
         return {**run_flower(name, FlowerRun(mode.flower_steps), s, scratch, shards, keep), "baseline": True}
-    s = mode_settings(mode, s)
     paths = [scratch / f"{name}-{site}-{i}.jsonl".replace(" ", "_").replace(",", "") for site in range(s.sites)
              for i in range(s.workers)]
     cpu_before = _cpu_seconds()
@@ -244,7 +259,7 @@ def run_mode(name: str, s: Settings, scratch: Path, keep: Path, shards: list[Pat
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                "HF_HUB_OFFLINE": "1", TOKEN_ENV: recorded_token(url),  # the site cannot see this host's token file
                "FEDMOE_JOIN_TOKEN": recorded_token(url)}  # relays join with it (the admin may register relays)
-        links = [stack.enter_context(WanLink(("127.0.0.1", port), s.rate_mbit, s.rtt_ms)) for _ in range(s.sites)]
+        links = [stack.enter_context(WanLink(("127.0.0.1", port), *s.site_link(i))) for i in range(s.sites)]
         run = Run()
         started = time.monotonic()
         try:
@@ -260,8 +275,9 @@ def run_mode(name: str, s: Settings, scratch: Path, keep: Path, shards: list[Pat
                             worker_command(f"wan-{site}-{i}", target, path, mode.workers, s,
                                            shards[site * s.workers + i] if shards else None), cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=log_file))
-                    if s.worker_cpu is not None:  # before it loads torch: every thread it starts stays capped
-                        stack.enter_context(cpu_capped(f"{site}-{i}", s.worker_cpu))(run.procs[-1].pid)
+                    share = s.worker_share(site * s.workers + i)
+                    if share is not None:  # before it loads torch: every thread it starts stays capped
+                        stack.enter_context(cpu_capped(f"{site}-{i}", share))(run.procs[-1].pid)
             deadline = time.monotonic() + s.duration + 900  # start-up under load
             for p in run.procs:
                 p.wait(timeout=max(1.0, deadline - time.monotonic()))
@@ -277,19 +293,44 @@ def run_mode(name: str, s: Settings, scratch: Path, keep: Path, shards: list[Pat
         egress = sum(link.proxy.bytes_to_client for link in links)
         versions = kept_versions(url, keep)
         relay_reports = relay_counters(url) if run.relays else []
+        shares = contributions(url, mode.root.get("staleness_decay", 0.1)) if mode.relays is None else None
     failed = [(p.returncode, path) for p, path in zip(run.procs, paths) if p.returncode != 0]
     if failed:
         raise RuntimeError(f"{name}: worker exited {failed[0][0]}:\n"
                            f"{failed[0][1].with_suffix('.log').read_text()[-3000:]}")
     records = [json.loads(line) for p in paths for line in p.read_text().splitlines()]
     cpu = {k: round(v - cpu_before[k], 1) for k, v in _cpu_seconds().items()}
-    capacity = s.sites * s.rate_mbit * 1e6 / 8 * wall  # bytes the site links could carry each way in the run
+    capacity = s.link_capacity(wall)  # bytes the site links could carry each way in the run
     return {"mode": name, "engine": "fedmoe", "baseline": mode.baseline, "sync_interval": s.sync_interval,
             "overlap": s.overlap, "root": mode.root or {"aggregation": "the coordinator's default"},
             **figures(records, s.worker_count),
             "root_ingress_bytes": ingress, "root_egress_bytes": egress, "wall_seconds": round(wall, 1),
             "link_busy_up": round(ingress / capacity, 3), "link_busy_down": round(egress / capacity, 3),
-            "cpu_seconds": cpu, "relays": relay_reports, "versions": versions}
+            "cpu_seconds": cpu, "relays": relay_reports, "contributions": shares, "versions": versions}
+
+
+def contributions(url: str, staleness_decay: float) -> dict[str, dict[str, Any]]:
+    """Per worker, from the root's audit log: updates applied, their staleness (versions behind when applied), and
+    its share of the expert's steps, each update weighted as FedAsync weighs it, 1 / (1 + decay * staleness) (the
+    common alpha = 1 / active workers is the same for all and cancels in the share). A flat mode's update ids
+    start with the worker id (worker/federation.py)."""
+    client = CoordinatorClient(url)
+    try:
+        events = client.events("version_applied", limit=500)
+    finally:
+        client.close()
+    per: dict[str, dict[str, Any]] = {}
+    for event in events:
+        for update_id, tau in zip(event["detail"]["update_ids"], event["detail"]["staleness"]):
+            worker = update_id.rsplit("-", 1)[0]
+            row = per.setdefault(worker, {"updates": 0, "staleness": [], "weight": 0.0})
+            row["updates"] += 1
+            row["staleness"].append(tau)
+            row["weight"] += 1 / (1 + staleness_decay * tau)
+    total = sum(r["weight"] for r in per.values()) or 1.0
+    return {w: {"updates": r["updates"], "staleness_median": statistics.median(r["staleness"]),
+                "staleness_max": max(r["staleness"]), "share": round(r["weight"] / total, 3)}
+            for w, r in sorted(per.items())}
 
 
 def relay_counters(url: str) -> list[dict[str, Any]]:

@@ -159,12 +159,12 @@ def run_flower(name: str, run: FlowerRun, s: Settings, scratch: Path, shards: li
         root_group(superlink.pid)
         try:
             wait_for_port(port, superlink, timeout=300)
-            links = [stack.enter_context(WanLink(("127.0.0.1", port), s.rate_mbit, s.rtt_ms)) for _ in range(s.sites)]
+            links = [stack.enter_context(WanLink(("127.0.0.1", port), *s.site_link(i))) for i in range(s.sites)]
             started = time.monotonic()
             for site, link in enumerate(links):
                 for i in range(s.workers):
                     k = site * s.workers + i
-                    group = stack.enter_context(cpu_capped(f"flower-{site}-{i}", s.worker_cpu))
+                    group = stack.enter_context(cpu_capped(f"flower-{site}-{i}", s.worker_share(k)))
                     groups.append(group)
                     start_supernode(link, k, s, scratch, env, group)
             submit = subprocess.run([str(FLOWER_VENV / "bin" / "flwr"), "run", str(app), "bench", "--format", "json"],
@@ -228,6 +228,6 @@ def flower_row(name: str, run: FlowerRun, s: Settings, rounds: list[dict[str, An
             "round_seconds_median": round(sorted(lengths)[len(lengths) // 2], 2) if lengths else None,
             "first_round_seconds": round(rounds[1]["time"] - rounds[0]["time"], 1),
             "root_ingress_bytes": ingress, "root_egress_bytes": egress, "wall_seconds": round(wall, 1),
-            "link_busy_up": round(ingress / (s.sites * s.rate_mbit * 1e6 / 8 * wall), 3),
-            "link_busy_down": round(egress / (s.sites * s.rate_mbit * 1e6 / 8 * wall), 3),
+            "link_busy_up": round(ingress / s.link_capacity(wall), 3),
+            "link_busy_down": round(egress / s.link_capacity(wall), 3),
             "relays": [], "versions": versions}

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from bench.common import sample_suite
 
@@ -55,9 +56,32 @@ class Settings:
     """Cap each worker at this fraction of one core (a cgroup cpu quota), the same in every mode, as if each
     ran on a slow machine of its own (None: the workers share the host's cores as they come)."""
 
+    site_rates: tuple[float, ...] = ()
+    """Mbit/s of each site's link (issue 35's heterogeneous fleet: fast, 20, 5); empty: ``rate_mbit`` for all."""
+    site_rtts: tuple[float, ...] = ()
+    """RTT of each site's link, ms; empty: ``rtt_ms`` for all."""
+    worker_speeds: tuple[float, ...] = ()
+    """Each worker's speed (1, 0.5, 0.25): its CPU cap is ``(worker_cpu or 1 core) * speed``, for FedMoE workers and
+    Flower clients alike; empty: every worker at ``worker_cpu``."""
+
     @property
     def worker_count(self) -> int:
         return self.sites * self.workers
+
+    def site_link(self, site: int) -> tuple[float, float]:
+        """(Mbit/s, RTT ms) of ``site``'s link to the root."""
+        rate = self.site_rates[site] if self.site_rates else self.rate_mbit
+        return rate, self.site_rtts[site] if self.site_rtts else self.rtt_ms
+
+    def worker_share(self, k: int) -> float | None:
+        """Worker k's CPU cap in cores (None: uncapped)."""
+        if not self.worker_speeds:
+            return self.worker_cpu
+        return (self.worker_cpu or 1.0) * self.worker_speeds[k]
+
+    def link_capacity(self, seconds: float) -> float:
+        """Bytes the sites' links could carry each way in ``seconds``."""
+        return sum(self.site_link(i)[0] for i in range(self.sites)) * 1e6 / 8 * seconds
 
 
 PRESETS: dict[str, Settings] = {
@@ -69,6 +93,15 @@ PRESETS: dict[str, Settings] = {
     "smollm2-135m": Settings(sites=2, workers=3, duration=150, sync_interval=1, base_model="smollm2-135m",
                              batch_size=1, max_seq_len=32, lr=1e-3, threads=1, overlap=False, forward_interval=5,
                              heldout=36, max_eval_versions=14),
+}
+
+
+SCENARIOS: dict[str, dict[str, Any]] = {
+    # issue 35 item 3: one worker per site, each its own speed and link (the slowest worker on the slowest link:
+    # synchronous rounds wait for it), against the same three workers all at full speed on 20 Mbit/s links
+    "hetero": {"sites": 3, "workers": 1, "site_rates": (1000.0, 20.0, 5.0), "site_rtts": (1.0, 50.0, 50.0),
+               "worker_speeds": (1.0, 0.5, 0.25)},
+    "homogeneous": {"sites": 3, "workers": 1},
 }
 
 

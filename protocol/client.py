@@ -333,6 +333,11 @@ class CoordinatorClient:
     def list_workers(self) -> list[dict[str, Any]]:
         return self._json("GET", "/workers")["workers"]
 
+    def events(self, kind: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
+        """The audit log, newest first (``GET /api/v1/events``), of one ``kind`` if given."""
+        params: dict[str, Any] = {"limit": limit} | ({"kind": kind} if kind else {})
+        return self._json("GET", "/events", params=params)["events"]
+
     def list_experts(self) -> list[dict[str, Any]]:
         return self._json("GET", "/experts")["experts"]
 
