@@ -17,6 +17,7 @@ import argparse
 import math
 import os
 import re
+import shlex
 import socket
 import sys
 import warnings
@@ -105,6 +106,8 @@ class WorkerFlags:
     relay_join_token_file: Path | None = option(None, "with --can-relay: file holding the root's relay join token "
                                                       "(default: $FEDMOE_RELAY_JOIN_TOKEN)", type=Path,
                                                 group=PLACEMENT)
+    relay_flags: str = option("", "with --can-relay: run_coordinator.py flags of the relay, e.g. "
+                                  "'--forward-compression int8 --site-model'", metavar="FLAGS", group=PLACEMENT)
     sync_budget: float | None = option(None, "with --compression auto: seconds a push (and a pull) may take; the "
                                              "codec and ratio are picked from the measured throughput, and pulls "
                                              "become compressed diffs when full weights would take longer",
@@ -324,8 +327,8 @@ def placement_settings(args: argparse.Namespace, worker_id: str):
     from worker.runner import PlacementSettings
 
     if not (args.follow_placement or args.can_relay):
-        for flag in ("relay_host", "relay_join_token_file"):
-            if getattr(args, flag) is not None:
+        for flag in ("relay_host", "relay_join_token_file", "relay_flags"):
+            if getattr(args, flag):
                 raise ValueError(f"--{flag.replace('_', '-')} applies to --can-relay only; add it or drop the flag")
         return None
     if "," in args.coordinator_url:
@@ -335,7 +338,7 @@ def placement_settings(args: argparse.Namespace, worker_id: str):
         raise ValueError(f"--placement-interval must be 1-86400 seconds, got {args.placement_interval}")
     return PlacementSettings(interval=args.placement_interval, can_relay=args.can_relay, relay_host=args.relay_host,
                              relay_join_token_file=args.relay_join_token_file,
-                             relay_id=f"{worker_id}-relay")
+                             relay_id=f"{worker_id}-relay", relay_flags=tuple(shlex.split(args.relay_flags)))
 
 
 def _check_address_and_files(args: argparse.Namespace) -> None:

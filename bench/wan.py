@@ -88,6 +88,9 @@ class Mode:
     """The workers' compression flags."""
     relays: list[str] | None = None
     """Flags of one relay per site (None: flat, workers talk to the root)."""
+    self_formed: list[str] | None = None
+    """No relay placed by hand: every worker follows the root's placement, each site's first worker is started with
+    --can-relay and these flags for its relay (issue 35 item 2); None: not this kind of mode."""
     needs: str | None = None
     """A run_worker.py --help text this mode needs (a flag built on another branch)."""
     root: dict[str, Any] = field(default_factory=dict)
@@ -105,7 +108,7 @@ class Mode:
     @property
     def baseline(self) -> bool:
         """A baseline the relays are measured against: every mode without relays."""
-        return self.relays is None
+        return self.relays is None and self.self_formed is None
 
 
 # Flat baselines aggregate with FedBuff over the group size (3): each root step is a sample-weighted
@@ -178,6 +181,10 @@ MODES["hetero fedmoe paced"] = Mode(PACED, scenario="hetero", sync_interval=2, o
 MODES["homogeneous fedmoe paced"] = Mode(PACED, scenario="homogeneous", sync_interval=2, overlap=True,
                                          needs="--comm-share")
 MODES["hetero flower fedavg 10 steps/round"] = Mode([], scenario="hetero", flower_steps=10)
+# issue 35 item 2: the hand-placed site-model relays' settings, with no relay placed by hand
+MODES["relays+adaptive self-formed (int8 both ways; site model)"] = Mode(
+    AUTO, self_formed=[*INT8_BOTH_WAYS, "--site-model"], needs="--follow-placement",
+    root={"aggregation": "fedbuff", "buffer_size": 2})
 HETERO_MODES = ["homogeneous fedmoe paced", "hetero fedmoe paced", "hetero flower fedavg 10 steps/round"]
 
 DEFAULT_MODES = {"tiny-qwen2": ["flat", "flat topk+int8", "relays + topk+int8 upstream", "relays+adaptive"],
@@ -214,6 +221,18 @@ def worker_command(name: str, url: str, results: Path, flags: list[str], s: Sett
             "--sync-interval", str(s.sync_interval), "--batch-size", str(s.batch_size),
             "--max-seq-len", str(s.max_seq_len), "--no-heldout-eval", *extra,
             *[flag.replace(SEED, seed) for flag in flags]]
+
+
+def self_formed_flags(mode: Mode, index: int, s: Settings) -> list[str]:
+    """A self-formed mode's placement flags for worker ``index`` of its site: all follow the root's placement (every
+    5 s, to form fast in a short run), the site's first also runs a relay (the only hint: which machines may)."""
+    if mode.self_formed is None:
+        return []
+    flags = ["--follow-placement", "--placement-interval", "5"]
+    if index == 0:
+        relay = [*mode.self_formed, "--forward-interval", str(forward_interval(s)), "--rate-limit", "0"]
+        flags += ["--can-relay", "--relay-flags", " ".join(relay)]
+    return flags
 
 
 def start_relay(link: WanLink, index: int, flags: list[str], s: Settings, scratch: Path,
@@ -258,7 +277,8 @@ def run_mode(name: str, s: Settings, scratch: Path, keep: Path, shards: list[Pat
         port = int(url.rsplit(":", 1)[1])
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                "HF_HUB_OFFLINE": "1", TOKEN_ENV: recorded_token(url),  # the site cannot see this host's token file
-               "FEDMOE_JOIN_TOKEN": recorded_token(url)}  # relays join with it (the admin may register relays)
+               "FEDMOE_JOIN_TOKEN": recorded_token(url),  # relays join with it (the admin may register relays)
+               "FEDMOE_RELAY_JOIN_TOKEN": recorded_token(url)}  # --can-relay workers' relays register with it
         links = [stack.enter_context(WanLink(("127.0.0.1", port), *s.site_link(i))) for i in range(s.sites)]
         run = Run()
         started = time.monotonic()
@@ -270,9 +290,10 @@ def run_mode(name: str, s: Settings, scratch: Path, keep: Path, shards: list[Pat
                     run.relays.append(proc)
                 for i in range(s.workers):
                     path = paths[site * s.workers + i]
+                    flags = mode.workers + self_formed_flags(mode, i, s)
                     with path.with_suffix(".log").open("w") as log_file:  # a file: 6 pipes read in turn could fill
                         run.procs.append(link.site.popen(
-                            worker_command(f"wan-{site}-{i}", target, path, mode.workers, s,
+                            worker_command(f"wan-{site}-{i}", target, path, flags, s,
                                            shards[site * s.workers + i] if shards else None), cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=log_file))
                     share = s.worker_share(site * s.workers + i)

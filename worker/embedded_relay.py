@@ -101,9 +101,26 @@ class EmbeddedRelay:
         self.stop()
         raise RelayStartError(f"the embedded relay did not listen on port {self._port} within {timeout:.0f} s")
 
+    def drain(self, timeout: float = 120.0) -> None:
+        """Forward what the relay holds now (``POST /api/v1/forward`` with its admin token): the worker is leaving,
+        and updates its group pushed here would otherwise wait in its queue until it starts again. Best effort:
+        what is not forwarded stays durable in the relay's data dir."""
+        import requests
+
+        try:
+            token = (self.settings.data_dir / "admin_token").read_text().strip()
+            answer = requests.post(f"http://127.0.0.1:{self._port}/api/v1/forward", timeout=timeout,
+                                   headers={"Authorization": f"Bearer {token}"})
+            answer.raise_for_status()
+            log.info("--can-relay: forwarded the relay's queue before stopping: %s", answer.json())
+        except (OSError, requests.RequestException, ValueError) as exc:
+            log.warning("--can-relay: could not drain the relay (%s); its queue is kept in %s", exc,
+                        self.settings.data_dir)
+
     def stop(self) -> None:
         if self._proc is None or self._proc.poll() is not None:
             return
+        self.drain()
         self._proc.terminate()
         try:
             self._proc.wait(timeout=30)

@@ -76,6 +76,8 @@ class PlacementSettings:
     relay_host: str | None = None
     relay_join_token_file: Path | None = None
     relay_id: str = ""
+    relay_flags: tuple[str, ...] = ()
+    """More run_coordinator.py flags for the relay."""
 
 
 def build_worker(config: WorkerConfig, collective: SingleProcess | None = None,
@@ -195,7 +197,8 @@ def start_relay(config: WorkerConfig) -> EmbeddedRelay | None:
     relay = EmbeddedRelay(RelaySettings(upstream=config.coordinator_url.rstrip("/"), relay_id=placement.relay_id,
                                         data_dir=state / "relay", host=placement.relay_host,
                                         join_token=config.token or resolve_join_token(),
-                                        relay_join_token_file=placement.relay_join_token_file))
+                                        relay_join_token_file=placement.relay_join_token_file,
+                                        extra=placement.relay_flags))
     try:
         relay.start()
     except RelayStartError as exc:
