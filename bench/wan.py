@@ -115,6 +115,9 @@ class Mode:
 # mean of 3 workers' deltas, as a relay's forward is. Flat fedasync applies every delta in full and
 # oscillated (an effective step ~6x with 6 workers: docs/wan.md), which would flatter the relays.
 FLAT_FEDBUFF = {"aggregation": "fedbuff", "buffer_size": 3}
+PER_SITE = "sites"
+"""A relay mode's root ``buffer_size``: one batch from each site (the run's ``--sites``) per root step."""
+SITES_FEDBUFF = {"aggregation": "fedbuff", "buffer_size": PER_SITE}
 TOPK_UPSTREAM = ["--forward-compression", "topk+int8", "--forward-compression-config", '{"ratio": 0.05}']
 AUTO = ["--compression", "auto", "--sync-budget", "2"]
 INT8_BOTH_WAYS = ["--forward-compression", "int8", "--upstream-pull-compression", "int8"]
@@ -141,20 +144,20 @@ MODES: dict[str, Mode] = {
     # step size), one version per pair of batches instead of one per batch (docs/wan.md, "What bounds")
     "relays+adaptive (int8 both ways; fedbuff root x2)": Mode(
         AUTO, relays=INT8_BOTH_WAYS, needs="--sync-budget",
-        root={"aggregation": "fedbuff", "buffer_size": 2, "server_lr": 2.0}),
+        root={**SITES_FEDBUFF, "server_lr": 2.0}),
     # each relay serves its site's model (the root's version plus the site's updates not yet in it) and forwards the
     # sum of its workers' weighted deltas, the site's progress (coordinator/relay/site.py); the root averages the two
     # sites' batches (FedBuff K=2), hierarchical FL's cloud round (docs/wan.md)
     "relays+adaptive (int8 both ways; site model)": Mode(
         AUTO, relays=[*INT8_BOTH_WAYS, "--site-model"], needs="--sync-budget",
-        root={"aggregation": "fedbuff", "buffer_size": 2}),
+        root=SITES_FEDBUFF),
     "relays+adaptive (int8 both ways; site model; fedasync root)": Mode(
         AUTO, relays=[*INT8_BOTH_WAYS, "--site-model"], needs="--sync-budget"),
     # the same with FedBuff at the root over the two relays' batches (each root step the mean of both), against
     # the FedAsync root's oscillation when the relays forward often (docs/wan.md, tenth run)
     "relays+adaptive (int8 upstream; fedbuff root)": Mode(AUTO, relays=["--forward-compression", "int8"],
                                                           needs="--sync-budget",
-                                                          root={"aggregation": "fedbuff", "buffer_size": 2}),
+                                                          root=SITES_FEDBUFF),
 }
 
 # Issue 35's baselines, as a user would run them: the worker's defaults (sync overlapped with training, i.e. no
@@ -184,7 +187,7 @@ MODES["hetero flower fedavg 10 steps/round"] = Mode([], scenario="hetero", flowe
 # issue 35 item 2: the hand-placed site-model relays' settings, with no relay placed by hand
 MODES["relays+adaptive self-formed (int8 both ways; site model)"] = Mode(
     AUTO, self_formed=[*INT8_BOTH_WAYS, "--site-model"], needs="--follow-placement",
-    root={"aggregation": "fedbuff", "buffer_size": 2})
+    root=SITES_FEDBUFF)
 HETERO_MODES = ["homogeneous fedmoe paced", "hetero fedmoe paced", "hetero flower fedavg 10 steps/round"]
 
 DEFAULT_MODES = {"tiny-qwen2": ["flat", "flat topk+int8", "relays + topk+int8 upstream", "relays+adaptive"],
@@ -205,6 +208,11 @@ def mode_settings(mode: Mode, s: Settings) -> Settings:
     s = replace(s, **SCENARIOS[mode.scenario]) if mode.scenario else s
     return replace(s, sync_interval=s.sync_interval if mode.sync_interval is None else mode.sync_interval,
                    overlap=s.overlap if mode.overlap is None else mode.overlap)
+
+
+def root_settings(mode: Mode, s: Settings) -> dict[str, Any]:
+    """The mode's root settings for this run: a per-site buffer is as large as the run has sites."""
+    return {k: s.sites if v == PER_SITE else v for k, v in mode.root.items()}
 
 
 def worker_command(name: str, url: str, results: Path, flags: list[str], s: Settings,
@@ -272,7 +280,8 @@ def run_mode(name: str, s: Settings, scratch: Path, keep: Path, shards: list[Pat
     paths = [scratch / f"{name}-{site}-{i}.jsonl".replace(" ", "_").replace(",", "") for site in range(s.sites)
              for i in range(s.workers)]
     cpu_before = _cpu_seconds()
-    with running_coordinator(keep_versions=1000, **mode.root) as url, ExitStack() as stack:
+    root = root_settings(mode, s)
+    with running_coordinator(keep_versions=1000, **root) as url, ExitStack() as stack:
         # (exits in reverse: the workers' cgroups are removed after the finally below has reaped them)
         port = int(url.rsplit(":", 1)[1])
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
@@ -323,7 +332,7 @@ def run_mode(name: str, s: Settings, scratch: Path, keep: Path, shards: list[Pat
     cpu = {k: round(v - cpu_before[k], 1) for k, v in _cpu_seconds().items()}
     capacity = s.link_capacity(wall)  # bytes the site links could carry each way in the run
     return {"mode": name, "engine": "fedmoe", "baseline": mode.baseline, "sync_interval": s.sync_interval,
-            "overlap": s.overlap, "root": mode.root or {"aggregation": "the coordinator's default"},
+            "overlap": s.overlap, "root": root or {"aggregation": "the coordinator's default"},
             **figures(records, s.worker_count),
             "root_ingress_bytes": ingress, "root_egress_bytes": egress, "wall_seconds": round(wall, 1),
             "link_busy_up": round(ingress / capacity, 3), "link_busy_down": round(egress / capacity, 3),
