@@ -71,6 +71,9 @@ class WorkerFlags:
     use_huggingface: bool = option(False, "download --base-model from Hugging Face")
     speed_factor: float = option(1.0, "relative speed in (0, 1]; 0.5 simulates a machine half as fast")
     duration: float = option(3600.0, "seconds to train")
+    max_steps: int | None = option(None, "optimiser steps to train (a resumed run counts the steps it resumed "
+                                         "with); the run ends after N steps or --duration, whichever comes first, "
+                                         "with the final push", type=int, metavar="N")
     sync_interval: float = option(10.0, "seconds between syncs")
     use_proxy: bool = option(False, "honour HTTP(S)_PROXY for coordinator and hub")
     token: str | None = option(None, "the coordinator's join token (default: $FEDMOE_TOKEN, or found automatically "
@@ -127,6 +130,12 @@ class WorkerFlags:
     no_heldout_eval: bool = option(False, "skip the held-out loss logged before and after training (on a large "
                                           "model it takes two forward passes over the held-out examples)",
                                    group=TRAINING)
+    early_stopping_patience: int | None = option(
+        None, "score every pulled expert version on the held-out split and stop (with the final push) after N "
+              "versions in a row that did not improve on the best (Trainer's EarlyStoppingCallback); default: off",
+        type=int, metavar="N", group=TRAINING)
+    early_stopping_threshold: float = option(0.0, "with --early-stopping-patience: the least drop in held-out loss "
+                                                  "that counts as an improvement", group=TRAINING)
     results: Path | None = option(None, "append one JSON line per sync to this file", type=Path, group=TRAINING)
     strategy: str = option("auto", "ddp replicates the model; fsdp shards parameters, gradients and optimiser state "
                                    "(ZeRO-3-like); fsdp-grad-op shards gradients and optimiser state (ZeRO-2-like); "
@@ -220,6 +229,17 @@ def optimizer_settings(args: argparse.Namespace):
                                                             update_interval=args.galore_update_interval))
 
 
+def early_stopping(args: argparse.Namespace):
+    """--early-stopping-patience's settings, or None when it is off."""
+    from worker.early_stopping import EarlyStoppingSettings
+
+    if args.early_stopping_patience is None:
+        if args.early_stopping_threshold != 0.0:
+            raise ValueError("--early-stopping-threshold given without --early-stopping-patience N")
+        return None
+    return EarlyStoppingSettings(args.early_stopping_patience, args.early_stopping_threshold)
+
+
 def default_worker_id(specialty: str) -> str:
     host = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname()) or "worker"
     return f"{host}-{specialty}"[:64]
@@ -267,7 +287,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
     return WorkerConfig(
         coordinator_url=args.coordinator_url, dataset=Path(dataset), base_model=args.base_model,
         sync=SyncSettings(specialty=args.specialty, worker_id=worker_id,
-                          duration=args.duration, sync_interval=args.sync_interval,
+                          duration=args.duration, max_steps=args.max_steps, sync_interval=args.sync_interval,
                           speed_factor=args.speed_factor, results_path=args.results,
                           state_dir=args.state_dir or default_state_dir(worker_id), resume=not args.fresh,
                           overlap=not args.no_overlap),
@@ -275,7 +295,8 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         train=TrainSettings(**train_kwargs), use_huggingface=args.use_huggingface,
         use_proxy=args.use_proxy, device=args.device, compression=compression, pull=pull, token=args.token,
         ca_cert=args.ca_cert, progress=False if args.log_format == "json" else None, threads=args.threads,
-        heldout_eval=not args.no_heldout_eval, parallel=parallel_settings(args, deepspeed),
+        heldout_eval=not args.no_heldout_eval, early_stopping=early_stopping(args),
+        parallel=parallel_settings(args, deepspeed),
         data=DataSettings(dataset_format=args.dataset_format, split_key=args.split_key,
                           eval_dataset=args.eval_dataset),
         profile=profile_settings(args), tensorboard=tensorboard_dir(args))
@@ -286,6 +307,8 @@ def _check_address_and_files(args: argparse.Namespace) -> None:
     check_coordinator_url(args.coordinator_url)
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be at least 1, got {args.threads}")
+    if args.max_steps is not None and args.max_steps < 1:
+        raise ValueError(f"--max-steps must be at least 1, got {args.max_steps}")
     for flag, path in (("--dataset", args.dataset), ("--eval-dataset", args.eval_dataset)):
         if path is not None and (not path.exists() or path.is_dir() and not any(path.iterdir())):
             what = "is an empty directory" if path.exists() else "does not exist"

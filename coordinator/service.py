@@ -35,6 +35,7 @@ from coordinator.errors import REFUSALS
 from coordinator.expert_store import ExpertStore, WeightsRef
 from coordinator.gateway_builder import GatewayBuilder
 from coordinator.health import StoreHealth
+from coordinator.liveness import liveness
 from coordinator.norm_check import judge_norm
 from coordinator.recovery import recover
 from coordinator.steps import AggregationSteps
@@ -395,16 +396,6 @@ def open_store(config: CoordinatorConfig) -> ExpertStore:
                            locks=ExpertLocks(config.manifest))
     return ExpertStore(blobs, ManifestStore(private_file(config.data_dir / "manifest.sqlite"), group_commit=True),
                        config.keep_versions)
-
-
-def liveness(silent_for: float, sync_interval: float | None) -> str:
-    """alive: heard from within 3 sync intervals (30 s at least); stale: within 20 (5 min); else gone."""
-    interval = sync_interval or 10.0
-    if silent_for <= max(3 * interval, 30.0):
-        return "alive"
-    if silent_for <= max(20 * interval, 300.0):
-        return "stale"
-    return "gone"
 
 
 def _fp32_bytes(manifest: list[tuple[str, tuple[int, ...]]]) -> int:

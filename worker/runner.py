@@ -8,8 +8,10 @@ from typing import Callable
 
 from gateway.router import profile_to_json, text_profile
 from protocol.client import CoordinatorClient
+from protocol.tensors import StateDict
 from worker.console import SyncConsole
 from worker.distributed import SingleProcess, process_group
+from worker.early_stopping import BestVersion, EarlyStoppingSettings
 from worker.encoding import CompressionSettings, PullSettings, UpdateEncoder
 from worker.federation import FederatedWorker, SyncSettings
 from worker.models import load_base_model
@@ -55,6 +57,8 @@ class WorkerConfig:
     """Log the held-out loss before and after training (two forward passes over the held-out examples)."""
     data: DataSettings = DataSettings()
     """--dataset-format, --split-key, --eval-dataset: how --dataset is read and what is held out."""
+    early_stopping: EarlyStoppingSettings | None = None
+    """Score every pulled expert version on the held-out split; stop when it stops improving (None: off)."""
 
 
 def build_worker(config: WorkerConfig, collective: SingleProcess | None = None,
@@ -90,12 +94,31 @@ def build_worker(config: WorkerConfig, collective: SingleProcess | None = None,
                              console=SyncConsole(config.sync.sync_interval, progress=config.progress)
                              if collective.is_primary else None, on_result=board.sync if board else None,
                              dataset={"path": str(config.dataset), "sha256": _fingerprint(config, train_examples)})
+    if config.early_stopping is not None and collective.is_primary:
+        if not heldout:
+            raise ValueError("--early-stopping-patience needs held-out examples; the dataset is too small to hold "
+                             "any out")
+        worker.early_stopping = BestVersion(config.early_stopping)
+        worker.heldout_score = heldout_scorer(trainer, heldout)
     return worker, trainer, heldout
 
 
 def _fingerprint(config: WorkerConfig, train_examples: list) -> str:
     packed = any(example.plain_text for example in train_examples)
     return data_fingerprint(config.dataset, config.data, packed=packed, max_seq_len=config.train.max_seq_len)
+
+
+def heldout_scorer(trainer: LoraTrainer, heldout: list) -> Callable[[StateDict], float]:
+    """Held-out loss of given adapter weights; the trainer's own weights are put back after."""
+    def score(weights: StateDict) -> float:
+        local = trainer.adapter_state()
+        trainer.load_adapter_state(weights)
+        try:
+            return trainer.eval_loss(heldout)
+        finally:
+            trainer.load_adapter_state(local)
+
+    return score
 
 
 def _tensorboard(config: WorkerConfig, collective: SingleProcess):

@@ -48,6 +48,13 @@ def test_malformed_coordinator_url_names_the_flag(script, extra, url, reason):
 
 
 @pytest.mark.slow
+def test_max_steps_zero_fails_before_loading_the_model():
+    line = one_error_line(run("run_worker.py", "--specialty", "python_expert", "--base-model", "tiny-qwen2",
+                              "--max-steps", "0", in_process=True))
+    assert line == "error: --max-steps must be at least 1, got 0"
+
+
+@pytest.mark.slow
 def test_coordinator_threads_zero_fails_before_listening(tmp_path):
     result = run("run_coordinator.py", "--port", "0", "--threads", "0", "--data-dir", str(tmp_path / "d"),
                  in_process=True)

@@ -98,7 +98,7 @@ def test_worker_flag_defaults_are_the_worker_settings_defaults():
     assert config.pull == PullSettings() and config.parallel == ParallelSettings()
     assert config.train == TrainSettings(lr=config.train.lr)  # --lr: by preset (worker.presets)
     defaults = SyncSettings(specialty="sql_expert", worker_id="w")
-    for name in ("duration", "sync_interval", "speed_factor", "resume", "overlap"):
+    for name in ("duration", "max_steps", "sync_interval", "speed_factor", "resume", "overlap"):
         assert getattr(config.sync, name) == getattr(defaults, name), name
     assert config.device == "auto" and config.heldout_eval and config.profile is None
     from worker.splits import DataSettings

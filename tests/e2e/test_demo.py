@@ -19,7 +19,7 @@ ROWS = ["base model", *EXPERTS, "gateway", "routed"]
 def demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo") / "run"
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "demo.py"), "--preset", "tiny", "--data", "ds1000",
-                             "--duration", "5", "--sync-interval", "2.5", "--eval-examples", "6", "--threads", "2",
+                             "--max-steps", "20", "--sync-interval", "2.5", "--eval-examples", "6", "--threads", "2",
                              "--out", str(out)], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout, json.loads((out / "losses.json").read_text()), out
@@ -64,7 +64,7 @@ def test_answers_are_shown_side_by_side_and_the_run_is_recorded(demo):
         assert set(losses["answers"][domain]) == {"base model", "routed"}
         assert f"=== {domain}: " in stdout
     assert stdout.count("base model" + " " * 10) >= 3 and "| routed to " in stdout
-    assert all(t["steps"] >= 1 for t in losses["trained"].values())
+    assert losses["max_steps"] == 20 and all(t["steps"] == 20 for t in losses["trained"].values())  # fixed steps
     assert set(losses["phases"]) == {"load base model", "start coordinator", "train", "save gateway",
                                      "evaluate and generate"}
     assert (out / "gateway_model.npz").is_file() and (out / "train_loss.png").is_file()
@@ -80,7 +80,7 @@ suite stays on tiny-qwen2 (make test) and this one runs on request: `make test-s
                                                     "with `make test-smollm2`")
 def test_the_smollm2_preset_runs_end_to_end(tmp_path):
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "demo.py"), "--preset", "smollm2",
-                             "--duration", "1", "--sync-interval", "10", "--eval-examples", "1",
+                             "--max-steps", "1", "--sync-interval", "10", "--eval-examples", "1",
                              "--out", str(tmp_path / "run")], cwd=ROOT, env=env(), capture_output=True, text=True,
                             timeout=1200)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
