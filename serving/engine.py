@@ -51,11 +51,13 @@ class AdapterWeights:
 
 class GenerationEngine:
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, registry: AdapterRegistry,
-                 options: EngineOptions = EngineOptions(), max_queue: int = 64, seed: int = 0) -> None:
+                 options: EngineOptions = EngineOptions(), max_queue: int = 64, seed: int = 0,
+                 bank: AdapterBank | None = None) -> None:
+        """``bank``: the model's AdapterBank when adapters are installed already (``model`` is then its model)."""
         self.tokenizer = tokenizer
         self.registry = registry
         self.options = options
-        self.bank = AdapterBank(_fresh_storage(model).eval())
+        self.bank = bank or AdapterBank(_fresh_storage(model).eval())
         self.model = self.bank.model
         self.stop_ids = frozenset(_stop_ids(model, tokenizer))
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

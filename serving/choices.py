@@ -1,0 +1,53 @@
+"""The routed model names: which adapters answer a request that names no expert.
+
+- ``routed``: the one expert the router picks, or the gateway when its confidence is under the
+  threshold (what ``auto`` did before soft mixtures).
+- ``mixture``: the router's top-k experts at once, weighted by its probabilities (one forward, each
+  row adding several LoRA deltas: serving/batched_lora.py). Uniform probabilities over every expert
+  give exactly the equal-weight gateway, one dominant expert gives that expert; in between the answer
+  moves smoothly instead of jumping at a threshold, so an unsure or wrong top expert costs less.
+- ``auto``: the method measured best on held-out DS-1000 problems (``AUTO_METHOD``; docs/gateway.md).
+
+Each choice is a function from (request text, what is loaded) to a Choice, chosen by name from ``CHOICES``.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from gateway.router import mixture_weights
+from serving.adapters import GATEWAY
+from serving.routing import LocalRouter
+
+ROUTED, MIXTURE = "routed", "mixture"
+MIXTURE_TOP_K = 3
+"""Experts in a mixture (three domains ship: all of them, so uniform uncertainty is the gateway)."""
+AUTO_METHOD = MIXTURE
+"""What ``auto`` means (bench/quality_gateway.py measures every method per domain; docs/gateway.md)."""
+
+
+@dataclass(frozen=True)
+class Choice:
+    weights: dict[str, float]
+    """Model name (an expert or "gateway") -> weight; one entry at weight 1 for a single adapter."""
+    route: dict[str, float | dict[str, float]] = field(default_factory=dict)
+    """What the response reports: confidence, routing time (ms) and, for a mixture, its weights."""
+
+
+def routed(router: LocalRouter, text: str, experts: set[str]) -> Choice:
+    result = router.route(text, experts)
+    route = {"confidence": round(result.confidence, 4), "route_ms": round(1000 * result.seconds, 3)}
+    return Choice({result.expert or GATEWAY: 1.0}, route)
+
+
+def mixture(router: LocalRouter, text: str, experts: set[str]) -> Choice:
+    result = router.route(text, experts)
+    weights = mixture_weights(result.probabilities, MIXTURE_TOP_K) if result.probabilities else {}
+    route: dict[str, float | dict[str, float]] = {"confidence": round(result.confidence, 4),
+                                                  "route_ms": round(1000 * result.seconds, 3)}
+    if not weights:  # nothing to compare (no profiles, a prompt too short): the gateway answers
+        return Choice({GATEWAY: 1.0}, route)
+    return Choice(weights, route | {"mixture": weights})
+
+
+CHOICES: dict[str, Callable[[LocalRouter, str, set[str]], Choice]] = {ROUTED: routed, MIXTURE: mixture}
