@@ -59,17 +59,23 @@ class MixLab:
             tensors, lora = adapter.trained()
             self.bank.install(name, tensors, lora)
 
-    @torch.no_grad()
     def losses(self, examples: Sequence[Example], mixes: Sequence[Mix]) -> list[AnswerLoss]:
-        """Each example's answer loss under its own mix (one forward each: mixes differ by prompt)."""
         started = time.process_time()
-        out = []
-        for example, mix in zip(examples, mixes):
-            with self.bank.rows(RowMix.of([mix])):
-                out += answer_losses(self.model, self.lab.base.tokenizer, [example], max_seq_len=self.lab.max_seq_len)
+        out = mixed_losses(self.bank, self.lab.base.tokenizer, examples, mixes, self.lab.max_seq_len)
         self.lab.compute.eval_cpu += time.process_time() - started
         self.lab.compute.eval_examples += len(examples)
         return out
+
+
+@torch.no_grad()
+def mixed_losses(bank: AdapterBank, tokenizer: Any, examples: Sequence[Example], mixes: Sequence[Mix],
+                 max_seq_len: int) -> list[AnswerLoss]:
+    """Each example's answer loss under its own mix (one forward each: mixes differ by prompt)."""
+    out = []
+    for example, mix in zip(examples, mixes):
+        with bank.rows(RowMix.of([mix])):
+            out += answer_losses(bank.model, tokenizer, [example], max_seq_len=max_seq_len)
+    return out
 
 
 def routing_table(domains: Sequence[Any], split: str, experts: Sequence[str]) -> dict[str, list[dict[str, Any]]]:
@@ -141,7 +147,8 @@ def harnesses(name: str) -> list[str]:
     return [json.loads(line)["code_context"] for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
-def generate_answers(mixlab: MixLab, prompts: Sequence[str], mixes: Sequence[Mix], max_tokens: int) -> list[str]:
+def generate_answers(bank: AdapterBank, tokenizer: Any, prompts: Sequence[str], mixes: Sequence[Mix],
+                     max_tokens: int) -> list[str]:
     """Greedy answers of every (prompt, mix), generated together by serving's engine."""
     from serving.adapters import AdapterRegistry, LoadedAdapter
     from serving.config import EngineOptions
@@ -149,9 +156,8 @@ def generate_answers(mixlab: MixLab, prompts: Sequence[str], mixes: Sequence[Mix
     from serving.jobs import END, Job
     from serving.schema import CompletionRequest, Sampling
 
-    tokenizer = mixlab.lab.base.tokenizer
-    engine = GenerationEngine(mixlab.model, tokenizer, AdapterRegistry(), EngineOptions(max_batch=16),
-                              max_queue=len(prompts) + 1, bank=mixlab.bank)
+    engine = GenerationEngine(bank.model, tokenizer, AdapterRegistry(), EngineOptions(max_batch=16),
+                              max_queue=len(prompts) + 1, bank=bank)
     jobs = []
     for prompt, mix in zip(prompts, mixes):
         request = CompletionRequest("chat", "bench", None, prompt, max_tokens, Sampling(temperature=0),
@@ -269,7 +275,7 @@ def pass_at_1_table(mixlab: MixLab, domains: Sequence[Any], threshold: float, pr
                         plan.append((table, method, len(flat) - 1, mixes[method][i]))
     unique = list(dict.fromkeys((index, mix) for _, _, index, mix in plan))
     prompts = [domains[names.index(flat[i][0])].heldout[flat[i][1]].prompt for i, _ in unique]
-    answers = generate_answers(mixlab, prompts, [mix for _, mix in unique], max_tokens)
+    answers = generate_answers(mixlab.bank, mixlab.lab.base.tokenizer, prompts, [mix for _, mix in unique], max_tokens)
     contexts = {d: harnesses(d) for d in names}
     passed = dict(zip(unique, score_answers(answers, [contexts[flat[i][0]][flat[i][1]] for i, _ in unique])))
     out: dict[str, Any] = {"checkable": {d: sum(c[:problems or len(c)]) for d, c in checkable.items()},
