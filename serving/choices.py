@@ -12,7 +12,7 @@ Each choice is a function from (request text, what is loaded) to a Choice, chose
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from gateway.router import mixture_weights
@@ -30,14 +30,14 @@ AUTO_METHOD = MIXTURE
 class Choice:
     weights: dict[str, float]
     """Model name (an expert or "gateway") -> weight; one entry at weight 1 for a single adapter."""
-    route: dict[str, float | dict[str, float]] = field(default_factory=dict)
+    route: Mapping[str, float | dict[str, float]] = field(default_factory=dict)
     """What the response reports: confidence, routing time (ms) and, for a mixture, its weights."""
 
 
 def routed(router: LocalRouter, text: str, experts: set[str]) -> Choice:
     result = router.route(text, experts)
     route = {"confidence": round(result.confidence, 4), "route_ms": round(1000 * result.seconds, 3)}
-    return Choice({result.expert or GATEWAY: 1.0}, route)
+    return Choice({result.expert or GATEWAY: 1.0}, route)  # the one adapter, at weight 1
 
 
 def mixture(router: LocalRouter, text: str, experts: set[str]) -> Choice:
