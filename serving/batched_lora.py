@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,6 +43,18 @@ class RowMix:
     """The adapters present in the batch (each at most once), in column order."""
     weights: Tensor
     """(batch, len(slots)) float: row b's weight of slot j (0: not used; one adapter: 1)."""
+    expanded: dict[tuple[int, ...], Tensor | None] = field(default_factory=dict)
+    """Rank-column weights per column layout, made once per forward and shared by every layer with that
+    layout (None: every row weighs every column 1, as in a batch of one adapter: no product needed)."""
+
+    def columns(self, layout: tuple[int, ...], index: Tensor, dims: int, dtype: torch.dtype) -> Tensor | None:
+        """The (batch, 1, ..., R) weights of the rank columns whose slots ``index`` names."""
+        if layout not in self.expanded:
+            weights = self.weights[:, index].to(dtype)
+            ones = bool((weights == 1).all())
+            self.expanded[layout] = None if ones else weights.view(weights.shape[0], *[1] * (dims - 2),
+                                                                     weights.shape[1])
+        return self.expanded[layout]
 
     @staticmethod
     def of(rows: Sequence[Sequence[tuple[str, float]]]) -> RowMix | None:
@@ -67,6 +79,8 @@ class _Stack:
     """(R, out): their B factors times their scale, transposed and concatenated."""
     columns: Tensor
     """(R,) long: which slot (index into slots) each rank column belongs to."""
+    layout: tuple[int, ...] = ()
+    """``columns`` as a tuple: layers with the same layout share the mix's expanded weights."""
 
 
 class StackedLoraLinear(nn.Module):
@@ -88,9 +102,12 @@ class StackedLoraLinear(nn.Module):
         stack = self._stacked(mix.slots)
         if stack is None:  # no adapter of this batch adapts this layer
             return out
-        weights = mix.weights.to(x.dtype)[:, stack.columns]  # (batch, R)
-        low = (x @ stack.a_t) * weights.view(weights.shape[0], *[1] * (x.dim() - 2), weights.shape[1])
-        return out + low @ stack.b_t
+        low = x @ stack.a_t
+        weights = mix.columns(stack.layout, stack.columns, x.dim(), x.dtype)
+        if weights is not None:
+            low.mul_(weights)
+        flat = out.view(-1, out.shape[-1])  # the base output is a fresh tensor: add the low-rank term in place
+        return flat.addmm_(low.view(-1, low.shape[-1]), stack.b_t).view(out.shape)
 
     def forget(self, slot: str) -> None:
         self.factors.pop(slot, None)
@@ -110,7 +127,7 @@ class StackedLoraLinear(nn.Module):
         a_t = torch.cat([a for _, (a, _) in present]).t().contiguous()
         b_t = torch.cat([b for _, (_, b) in present], dim=1).t().contiguous()
         columns = torch.cat([torch.full((a.shape[0],), j, dtype=torch.long) for j, (a, _) in present])
-        self._stack = _Stack(slots, a_t, b_t, columns)
+        self._stack = _Stack(slots, a_t, b_t, columns, tuple(columns.tolist()))
         return self._stack
 
 
