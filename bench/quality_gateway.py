@@ -87,7 +87,7 @@ QUICK = Settings(model=SMOKE_MODEL, steps=3, seeds=1, lam_grid=(0.5,), pass_prob
 def estimate(s: Settings, measured: Path, last: Path) -> dict[str, Any]:
     """Optimiser steps and scored problems of the run, priced from ``measured``; validation sizes come from
     ``last`` (this suite's results; else the split is built). Prompts the router sends to another domain's
-    expert add a few."""
+    expert add a few; pass@1's generation and sandboxed runs are not priced."""
     try:
         sizes = json.loads(last.read_text())["domains"]
         val = {d: int(v["validation"]) for d, v in sizes.items()}
@@ -95,9 +95,11 @@ def estimate(s: Settings, measured: Path, last: Path) -> dict[str, Any]:
         val = {d.name: len(d.validation) for d in ds1000_domains()}
     held = sum(heldout_size(d) for d in val)
     per_seed = 2 * sum(val.values()) + 3 * held  # experts and the exact average on validation; + naive on held-out
+    per_seed += (2 + 4 + (4 if s.arrow else 0)) * held  # mixtures; leave-one-out's four; Arrow with/without GKS, twice
+    wrong_cost = 4 * sum(val.values())  # seed 0: the gateway and every expert on every validation problem
     tuning = len(s.merges) * (len(s.lam_grid) * sum(min(n, s.tune_limit or n) for n in val.values()) + held)
-    return planned_cost(s.seeds * len(val) * s.steps, held + sum(val.values()) + s.seeds * per_seed + tuning,
-                        measured)
+    return planned_cost(s.seeds * len(val) * s.steps,
+                        held + sum(val.values()) + s.seeds * per_seed + tuning + wrong_cost, measured)
 
 
 def train_experts(lab: Lab, domains: Sequence[RealDomain], steps: int, seed: int) -> tuple[dict[str, Adapter], list]:
