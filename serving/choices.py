@@ -22,8 +22,11 @@ from serving.routing import LocalRouter
 ROUTED, MIXTURE = "routed", "mixture"
 MIXTURE_TOP_K = 3
 """Experts in a mixture (three domains ship: all of them, so uniform uncertainty is the gateway)."""
-AUTO_METHOD = MIXTURE
-"""What ``auto`` means (bench/quality_gateway.py measures every method per domain; docs/gateway.md)."""
+AUTO_METHOD = ROUTED
+"""What ``auto`` means: the method bench/quality_gateway.py measured best among those serving runs. On its only
+run so far (a tiny-qwen2 smoke run, docs/gateway.md) one-expert routing beat the top-3 mixture on every shipped
+domain (the router's probabilities are nearly one-hot) and tied it with a domain left out; re-measure on
+smollm2-135m and change this with the figures."""
 
 
 @dataclass(frozen=True)

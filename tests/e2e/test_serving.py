@@ -149,6 +149,8 @@ def test_routed_picks_one_expert_by_the_profiles_and_falls_back_to_the_gateway(o
     assert reply.model_extra["fedmoe"]["requested"] == "routed"
     vague = ask(oai, "routed", "ok")  # no n-gram in common with anything: nothing to be confident about
     assert vague.headers["X-FedMoE-Expert"] == "gateway"
+    auto = ask(oai, "auto", SQL_PROMPT).parse()  # auto is the measured default: routed, for now
+    assert auto.model == "sql_expert" and auto.model_extra["fedmoe"]["route"]["method"] == "routed"
 
 
 def weighted_sum(adapters: dict[str, dict], weights: dict[str, float]) -> dict:
@@ -158,9 +160,9 @@ def weighted_sum(adapters: dict[str, dict], weights: dict[str, float]) -> dict:
             else torch.cat([weights[n] * adapters[n][key] for n in names], dim=1) for key in adapters[names[0]]}
 
 
-def test_auto_is_a_mixture_of_the_experts_weighted_by_the_router_and_answers_as_their_weighted_sum(federation, oai):
+def test_a_mixture_of_the_experts_weighted_by_the_router_answers_as_their_weighted_sum(federation, oai):
     prompt = "Write a SQL query that lists every customer and describe what the function returns"
-    reply = ask(oai, "auto", prompt, 10).parse()
+    reply = ask(oai, "mixture", prompt, 10).parse()
     route = reply.model_extra["fedmoe"]["route"]
     weights = route["mixture"]
     assert route["method"] == "mixture" and set(weights) <= set(EXPERTS) and len(weights) >= 2
