@@ -81,7 +81,7 @@ class Settings:
     """Longest generated answer for pass@1, in tokens."""
 
 
-QUICK = Settings(model=SMOKE_MODEL, steps=3, seeds=1, lam_grid=(0.5,), pass_problems=3, pass_tokens=16)
+QUICK = Settings(model=SMOKE_MODEL, steps=3, seeds=1, lam_grid=(0.5,), pass_problems=1, pass_tokens=8)
 
 
 def estimate(s: Settings, measured: Path, last: Path) -> dict[str, Any]:
