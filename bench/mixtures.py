@@ -25,9 +25,10 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
+from transformers import PreTrainedModel
 
 from bench.gateway import Adapter, merged_adapter
 from bench.realdata import DS1000_DATA, Lab
@@ -156,7 +157,7 @@ def generate_answers(bank: AdapterBank, tokenizer: Any, prompts: Sequence[str], 
     from serving.jobs import END, Job
     from serving.schema import CompletionRequest, Sampling
 
-    engine = GenerationEngine(bank.model, tokenizer, AdapterRegistry(), EngineOptions(max_batch=16),
+    engine = GenerationEngine(cast(PreTrainedModel, bank.model), tokenizer, AdapterRegistry(), EngineOptions(max_batch=16),
                               max_queue=len(prompts) + 1, bank=bank)
     jobs = []
     for prompt, mix in zip(prompts, mixes):
@@ -265,11 +266,14 @@ def pass_at_1_table(mixlab: MixLab, domains: Sequence[Any], threshold: float, pr
     flat: list[tuple[str, int]] = []
     for d in domains:
         routes = routing_table(domains, "heldout", names)[d.name]
-        shipped = {"base": [()] * len(routes), **per_prompt_mixes(routes, names, threshold, ((GATEWAY, 1.0),))}
+        shipped: dict[str, list[Mix]] = {"base": [()] * len(routes),
+                                         **per_prompt_mixes(routes, names, threshold, ((GATEWAY, 1.0),))}
         others = [n for n in names if n != d.name]
         for i in range(min(len(d.heldout), problems or len(d.heldout))):
             flat.append((d.name, i))
-            for table, mixes in (("shipped", shipped), ("leave_one_out", lodo_mixes(domains, d, others, threshold))):
+            tables: list[tuple[str, dict[str, list[Mix]]]] = [
+                ("shipped", shipped), ("leave_one_out", lodo_mixes(domains, d, others, threshold))]
+            for table, mixes in tables:
                 for method in ("base", "gateway", "routed", MIXTURE_ROW):
                     if method in mixes and not (table == "leave_one_out" and method == "base"):
                         plan.append((table, method, len(flat) - 1, mixes[method][i]))

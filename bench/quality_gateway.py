@@ -265,7 +265,7 @@ def run(lab: Lab, domains: Sequence[RealDomain], s: Settings) -> dict[str, Any]:
         log.info("seed %d evaluated", seed)
     fitted = round(fit_threshold(conf_v, gains, floor=1 / len(domains)), 2)
     report = summarize(per_seed, names, truth_h, top_h, conf_h, fitted)
-    report["leave_one_out"] = {m: {d: spread([seed[m][d] and mean_loss(seed[m][d]) for seed in per_seed_lodo])
+    report["leave_one_out"] = {m: {d: spread([mean_loss(seed[m][d]) for seed in per_seed_lodo])
                                    for d in names} for m in per_seed_lodo[0]}
     wrong_cost = soft_report["wrong_expert"]["wrong_cost"]
     soft_report["wrong_expert"]["threshold"] = round(fit_threshold_counting_mistakes(

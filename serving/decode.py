@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from serving.batched_lora import AdapterBank, RowMix
 from serving.schema import Sampling
@@ -81,9 +82,9 @@ class RunningBatch:
         start = int(self.mask.any(dim=0).long().argmax())  # first position a remaining row uses
         self.mask = self.mask[:, start:]
         assert self.cache is not None
-        for layer in self.cache.layers:
-            layer.keys = layer.keys[index, :, start:]
-            layer.values = layer.values[index, :, start:]
+        for layer in _layers(self.cache):
+            keys, values = _states(layer)
+            layer.keys, layer.values = keys[index, :, start:], values[index, :, start:]
         self._mix = RowMix.of([r.adapters for r in self.rows])
 
     def _forward(self, ids: Tensor, mask: Tensor, cache: DynamicCache | None) -> Tensor:
@@ -97,13 +98,30 @@ class RunningBatch:
             self.rows, self.cache, self.mask = rows, cache, mask
         else:
             width = max(self.mask.shape[1], mask.shape[1])
-            for old, new in zip(self.cache.layers, cache.layers):
-                old.keys = torch.cat([_left_pad(old.keys, width), _left_pad(new.keys, width)])
-                old.values = torch.cat([_left_pad(old.values, width), _left_pad(new.values, width)])
+            for old, new in zip(_layers(self.cache), _layers(cache)):
+                (old_keys, old_values), (new_keys, new_values) = _states(old), _states(new)
+                old.keys = torch.cat([_left_pad(old_keys, width), _left_pad(new_keys, width)])
+                old.values = torch.cat([_left_pad(old_values, width), _left_pad(new_values, width)])
             self.mask = torch.cat([F.pad(self.mask, (width - self.mask.shape[1], 0)),
                                    F.pad(mask, (width - mask.shape[1], 0))])
             self.rows = self.rows + rows
         self._mix = RowMix.of([r.adapters for r in self.rows])
+
+
+def _layers(cache: DynamicCache) -> list[DynamicLayer]:
+    """The cache's layers, each a plain DynamicLayer: sliding-window or linear-attention layers keep other
+    layouts, which rows cannot join or leave by padding and slicing."""
+    layers = list(cache.layers)
+    if not all(type(layer) is DynamicLayer for layer in layers):
+        kinds = sorted({type(layer).__name__ for layer in layers})
+        raise NotImplementedError(f"continuous batching needs a plain DynamicCache; this model's has {kinds}")
+    return layers  # type: ignore[return-value]  # checked just above
+
+
+def _states(layer: DynamicLayer) -> tuple[Tensor, Tensor]:
+    keys, values = layer.keys, layer.values
+    assert keys is not None and values is not None  # filled by the prefill before any join or leave
+    return keys, values
 
 
 def _left_pad(states: Tensor, width: int) -> Tensor:
