@@ -279,7 +279,10 @@ _api: dict[str, Any] = {
         "requestBody": {"required": True, "content": {"application/json": {"schema": {
             "type": "object", "required": ["prompt"],
             "properties": {"prompt": {"type": "string", "minLength": 1},
-                           "threshold": {"type": "number", "minimum": 0, "maximum": 1}}}}}},
+                           "threshold": {"type": "number", "minimum": 0, "maximum": 1},
+                           "expected": {"type": "string", "description": "The expert the caller knows the prompt "
+                                        "belongs to (an evaluation): the answer and /metrics then say whether the "
+                                        "route was right, a wrong expert or a fallback to the gateway."}}}}}},
         "responses": {"200": _json({"type": "object", "required": ["target"]}, "The choice and its scores."),
                       "400": BAD_REQUEST, "404": _error("No expert has a routing profile yet."),
                       "413": _error("JSON body over 64 KiB (only the first 8192 characters of a prompt are read).")}}},

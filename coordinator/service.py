@@ -52,6 +52,11 @@ from protocol.tensors import load_file, manifest_to_json
 log = logging.getLogger(__name__)
 
 
+def route_outcome(expert: str | None, expected: str) -> str:
+    """right, wrong_expert or fallback (to the gateway)."""
+    return "fallback" if expert is None else "right" if expert == expected else "wrong_expert"
+
+
 class Coordinator:
     """The service: what the API asks for, on top of an ``ExpertStore`` (blobs + manifest).
 
@@ -311,17 +316,27 @@ class Coordinator:
                                           sum(n for _, n in rows)) for name, rows in stored.items()}
         return {"threshold": self.config.route_threshold, "profiles": profiles}
 
-    def route(self, prompt: str, threshold: float | None = None) -> dict[str, Any]:
-        """Pick the expert whose data the prompt resembles, or the gateway when unsure."""
+    def route(self, prompt: str, threshold: float | None = None, expected: str | None = None) -> dict[str, Any]:
+        """Pick the expert whose data the prompt resembles, or the gateway when unsure.
+
+        ``expected``: the expert the caller knows the prompt belongs to; the answer then says whether the
+        route was right, a wrong expert (worse: it can answer below the base model) or a fallback.
+        """
         stored = self.store.profiles()
         if not stored:
             raise NotFound("no expert has a routing profile yet (workers send one when they join)")
         profiles = {name: combine_profiles([(np.frombuffer(v, dtype="<f4"), n) for v, n in rows])
                     for name, rows in stored.items()}
         threshold = self.config.route_threshold if threshold is None else threshold
+        if expected is not None and expected not in profiles:
+            raise BadRequest(f"'expected' names no expert with a routing profile: {expected!r}; "
+                             f"known: {', '.join(sorted(profiles))}")
         result = route_prompt(prompt, profiles, threshold)  # ProfileError: a 400 (coordinator.errors)
-        return {"expert": result.expert, "target": result.expert or "gateway", "confidence": result.confidence,
-                "threshold": threshold, "scores": result.scores}
+        answer = {"expert": result.expert, "target": result.expert or "gateway", "confidence": result.confidence,
+                  "threshold": threshold, "scores": result.scores, "probabilities": result.probabilities}
+        if expected is not None:
+            answer["outcome"] = route_outcome(result.expert, expected)
+        return answer
 
     # workers ------------------------------------------------------------------
 

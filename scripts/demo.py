@@ -191,7 +191,9 @@ def start_coordinator(run: Path) -> tuple[subprocess.Popen, str]:
             return proc, m.group(1).decode()
         if time.monotonic() > deadline:
             break
-    raise SystemExit(f"the coordinator did not start; see {run / 'coordinator.log'}")
+    proc.terminate()  # not left running after we give up on it (it outlived a failed demo at load 15)
+    proc.wait(timeout=30)
+    raise SystemExit(f"the coordinator did not start within 60 s; see {run / 'coordinator.log'}")
 
 
 def _drain(proc: subprocess.Popen, log) -> None:

@@ -126,6 +126,11 @@ def build_worker(config: WorkerConfig, collective: SingleProcess | None = None,
     return worker, trainer, heldout
 
 
+def _fingerprint(config: WorkerConfig, train_examples: list) -> str:
+    packed = any(example.plain_text for example in train_examples)
+    return data_fingerprint(config.dataset, config.data, packed=packed, max_seq_len=config.train.max_seq_len)
+
+
 def heldout_scorer(trainer: LoraTrainer, heldout: list) -> Callable[[StateDict], float]:
     """Held-out loss of given adapter weights; the trainer's own weights are put back after."""
     def score(weights: StateDict) -> float:
@@ -137,11 +142,6 @@ def heldout_scorer(trainer: LoraTrainer, heldout: list) -> Callable[[StateDict],
             trainer.load_adapter_state(local)
 
     return score
-
-
-def _fingerprint(config: WorkerConfig, train_examples: list) -> str:
-    packed = any(example.plain_text for example in train_examples)
-    return data_fingerprint(config.dataset, config.data, packed=packed, max_seq_len=config.train.max_seq_len)
 
 
 def _tensorboard(config: WorkerConfig, collective: SingleProcess):

@@ -79,7 +79,7 @@ def test_coordinator_flag_defaults_are_the_config_defaults():
 def test_serve_flag_defaults_are_the_config_defaults():
     args = serve.parse_args([])
     assert from_flags(Limits, args) == Limits() and from_flags(EngineOptions, args) == EngineOptions()
-    assert serve.parse_args(["--no-mix-adapters"]).mix_adapters is False
+    assert serve.parse_args(["--max-batch", "4"]).max_batch == 4
     from serving.server import ServeOptions as ServingOptions
 
     assert {f.name: f.default for f in fields(serve.ServeFlags) if f.name in ("host", "port", "poll_interval")} == \

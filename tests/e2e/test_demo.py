@@ -12,7 +12,7 @@ import pytest
 from tests.e2e.conftest import ROOT, env
 
 EXPERTS = ["numpy_expert", "pandas_expert", "sklearn_expert"]
-ROWS = ["base model", *EXPERTS, "gateway", "routed"]
+ROWS = ["base model", *EXPERTS, "gateway", "routed", "mixture"]
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +56,25 @@ def test_the_routed_row_is_made_of_the_routed_targets_losses(demo):
         else:  # a token-weighted mix lies between the best and worst of the models it mixes
             mixed = [losses["loss"]["gateway" if t == "gateway" else t][domain] for t in set(targets)]
             assert min(mixed) - 1e-9 <= losses["loss"]["routed"][domain] <= max(mixed) + 1e-9
+
+
+def test_every_route_says_right_wrong_expert_or_fallback_and_the_mixture_row_is_scored(demo):
+    _, losses, _ = demo
+    for domain in EXPERTS:
+        outcomes = losses["route_outcomes"][domain]
+        assert len(outcomes) == 6 and set(outcomes) <= {"right", "wrong_expert", "fallback"}
+        assert outcomes.count("fallback") == losses["routes"][domain].count("gateway")
+        assert math.isfinite(losses["loss"]["mixture"][domain]) and losses["loss"]["mixture"][domain] > 0
+
+
+def test_pass_at_1_runs_every_answer_of_four_models_through_ds1000s_tests(demo):
+    stdout, losses, _ = demo
+    table = losses["pass_at_1"]
+    assert list(table) == ["base model", "gateway", "routed", "mixture"]
+    for row in table.values():
+        assert {d: r["scored"] for d, r in row.items()} == dict.fromkeys(EXPERTS, 6)
+        assert all(0 <= r["passed"] <= r["scored"] for r in row.values())
+    assert "pass@1: DS-1000's own test" in stdout
 
 
 def test_answers_are_shown_side_by_side_and_the_run_is_recorded(demo):
