@@ -535,6 +535,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         r["relay_pulls"] = relay_pulls(r)
     print(summary_table(summary, goals))
+    args.out.with_suffix(".partial.json").unlink(missing_ok=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(args.out, {"settings": asdict(s), "quick": args.quick, "runs": args.runs, "targets": goals,
                                  "summary": summary, "results": rows, "skipped": skipped, **stamp(load_before),
@@ -566,6 +567,9 @@ def run_all(args: argparse.Namespace, s: Settings, scratch: Path, kept: Path) ->
                 log.error("%s: failed, going on without it: %s", name, exc)
                 continue
             rows.append({**row, "run": run, "load_after": [round(x, 2) for x in os.getloadavg()]})
+            # before scoring (at the end, off the clock): a long run stopped early keeps its steps and bytes
+            write_json_atomic(args.out.with_suffix(".partial.json"), {"settings": asdict(s), "results": rows,
+                                                                     "skipped": skipped})
             log.info("%s: done, %d versions kept, root ingress %d bytes", name, len(row["versions"]),
                      row["root_ingress_bytes"])
     return rows, skipped
