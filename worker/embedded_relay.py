@@ -78,21 +78,35 @@ class EmbeddedRelay:
             argv += ["--relay-join-token-file", str(s.relay_join_token_file)]
         return argv
 
-    def start(self, timeout: float = 120.0) -> None:
-        """Start it and wait until it answers /health (it has registered at the root by then)."""
+    @property
+    def log_path(self) -> Path:
+        return self.settings.data_dir / "relay.log"
+
+    def launch(self) -> None:
+        """Start it and return at once: it registers at the root by itself once up, and only then does the root list
+        it to workers, so the worker need not wait (a coordinator took minutes to import on a loaded machine)."""
         env = dict(os.environ)
         if self.settings.join_token:
             env["FEDMOE_JOIN_TOKEN"] = self.settings.join_token  # its own workers join it with the root's join token
         self.settings.data_dir.mkdir(parents=True, exist_ok=True)
-        log_path = self.settings.data_dir / "relay.log"
-        with log_path.open("ab") as out:
+        with self.log_path.open("ab") as out:
             self._proc = subprocess.Popen(self.command(), cwd=ROOT_DIR, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+    def exited(self) -> str | None:
+        """Why the relay is gone (its exit code and last log line), or None while it runs (or before launch)."""
+        if self._proc is None or self._proc.poll() is None:
+            return None
+        tail = self.log_path.read_text(errors="replace").strip().splitlines()[-1:]
+        return f"the embedded relay exited {self._proc.returncode}: {' '.join(tail)} (log: {self.log_path})"
+
+    def start(self, timeout: float = 120.0) -> None:
+        """Launch it and wait until it listens (it has registered at the root by then)."""
+        self.launch()
+        assert self._proc is not None  # launched
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                tail = log_path.read_text(errors="replace").strip().splitlines()[-1:]
-                raise RelayStartError(f"the embedded relay exited {self._proc.returncode}: {' '.join(tail)} "
-                                      f"(log: {log_path})")
+            if (reason := self.exited()) is not None:
+                raise RelayStartError(reason)
             try:
                 socket.create_connection(("127.0.0.1", self._port), timeout=1).close()
                 return
@@ -118,6 +132,8 @@ class EmbeddedRelay:
                         self.settings.data_dir)
 
     def stop(self) -> None:
+        if (reason := self.exited()) is not None:
+            log.warning("--can-relay: %s", reason)
         if self._proc is None or self._proc.poll() is not None:
             return
         self.drain()

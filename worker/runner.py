@@ -14,7 +14,7 @@ from protocol.tensors import StateDict
 from worker.console import SyncConsole
 from worker.distributed import SingleProcess, process_group
 from worker.early_stopping import BestVersion, EarlyStoppingSettings
-from worker.embedded_relay import EmbeddedRelay, RelaySettings, RelayStartError
+from worker.embedded_relay import EmbeddedRelay, RelaySettings
 from worker.encoding import CompressionSettings, PullSettings, UpdateEncoder
 from worker.federation import FederatedWorker, SyncSettings
 from worker.models import load_base_model
@@ -188,8 +188,9 @@ def run_worker(config: WorkerConfig) -> None:
 
 
 def start_relay(config: WorkerConfig) -> EmbeddedRelay | None:
-    """--can-relay: the worker's own relay, up and registered at the root before the worker joins (None: not asked,
-    or it could not start: logged, and the worker trains on without it)."""
+    """--can-relay: the worker's own relay, launched before the worker loads its model; it registers at the root when
+    up, and the root's plan sends workers to it from then on (None: not asked, or it could not start: logged, and the
+    worker trains on without it)."""
     placement = config.placement
     if placement is None or not placement.can_relay:
         return None
@@ -200,11 +201,11 @@ def start_relay(config: WorkerConfig) -> EmbeddedRelay | None:
                                         relay_join_token_file=placement.relay_join_token_file,
                                         extra=placement.relay_flags))
     try:
-        relay.start()
-    except RelayStartError as exc:
-        log.error("--can-relay: %s; training on without a relay", exc)
+        relay.launch()
+    except OSError as exc:
+        log.error("--can-relay: the embedded relay could not start (%s); training on without a relay", exc)
         return None
-    log.info("--can-relay: relay %s at %s", placement.relay_id, relay.url)
+    log.info("--can-relay: relay %s starting at %s (log: %s)", placement.relay_id, relay.url, relay.log_path)
     return relay
 
 
