@@ -28,7 +28,7 @@ from protocol.cli import add_common_flags, add_flags, comma_list, from_flags, js
     setup_logging
 
 
-RELAY = 'relay (docs/wan.md, "Relays"): with --upstream this process is a relay'
+RELAY = 'relay (docs/wan.md, "Relays placed by hand"): with --upstream this process is a relay'
 
 
 @dataclass(frozen=True)

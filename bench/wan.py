@@ -10,7 +10,7 @@ uplink. Modes (``MODES``; the defaults are per base model, ``DEFAULT_MODES``):
 - ``flat``: every worker talks to the root over its site's link (uncompressed pushes); the root
   aggregates with FedBuff over K=3 (the group size), the fair baseline: flat fedasync applies each
   of 6 workers' deltas in full and oscillates (``flat fedasync``, kept for reference);
-- ``flat topk+int8``: the same with the best fixed codec of the flat baseline (docs/wan.md);
+- ``flat topk+int8``: the same with the best fixed codec of the flat baseline (docs/history/wan.md);
 - ``relays``: one relay per site runs *inside* the site (``run_coordinator.py --upstream``); the
   site's workers reach it on the namespace's loopback (fast), and only the relay crosses the WAN,
   forwarding one combined update per expert per ``--forward-interval`` (lossless);
@@ -23,7 +23,7 @@ uplink. Modes (``MODES``; the defaults are per base model, ``DEFAULT_MODES``):
 - ``relays+adaptive (int8 both ways; site model)``: the relays also fetch root versions as int8 diffs and serve
   their site's model (``--site-model``: the root's version plus the site's updates not yet in it; a batch is the
   site's summed progress), and the root averages the two sites' batches (FedBuff K=2), hierarchical FL's
-  edge/cloud rounds: the smollm2 default for relays + adaptive (docs/wan.md).
+  edge/cloud rounds: the smollm2 default for relays + adaptive (docs/history/wan.md).
 
 Two regimes. tiny-qwen2 (``--quick``, and the default) is compute-bound: a 150 KB update is ~8% of
 a sync. ``--base-model smollm2-135m`` is built to be link-bound: a 9.8 MB LoRA update (rank 8, all
@@ -113,7 +113,7 @@ class Mode:
 
 # Flat baselines aggregate with FedBuff over the group size (3): each root step is a sample-weighted
 # mean of 3 workers' deltas, as a relay's forward is. Flat fedasync applies every delta in full and
-# oscillated (an effective step ~6x with 6 workers: docs/wan.md), which would flatter the relays.
+# oscillated (an effective step ~6x with 6 workers: docs/history/wan.md), which would flatter the relays.
 FLAT_FEDBUFF = {"aggregation": "fedbuff", "buffer_size": 3}
 PER_SITE = "sites"
 """A relay mode's root ``buffer_size``: one batch from each site (the run's ``--sites``) per root step."""
@@ -138,23 +138,23 @@ MODES: dict[str, Mode] = {
     "flat randomk+terngrad": Mode(RANDOMK_TERNGRAD, root=FLAT_FEDBUFF),
     "relays+adaptive (int8 upstream)": Mode(AUTO, relays=["--forward-compression", "int8"], needs="--sync-budget"),
     # the relays also fetch new root versions as int8 diffs (a full fetch every 10th): ~1 s of the site's downlink
-    # per version instead of ~4 s, so the weights its workers train on are fresher (docs/wan.md)
+    # per version instead of ~4 s, so the weights its workers train on are fresher (docs/history/wan.md)
     "relays+adaptive (int8 both ways)": Mode(AUTO, relays=INT8_BOTH_WAYS, needs="--sync-budget"),
     # both ways, FedBuff K=2 at the root with server lr 2: each root step both sites' batches added (FedAsync's
-    # step size), one version per pair of batches instead of one per batch (docs/wan.md, "What bounds")
+    # step size), one version per pair of batches instead of one per batch (docs/history/wan.md, "What bounds")
     "relays+adaptive (int8 both ways; fedbuff root x2)": Mode(
         AUTO, relays=INT8_BOTH_WAYS, needs="--sync-budget",
         root={**SITES_FEDBUFF, "server_lr": 2.0}),
     # each relay serves its site's model (the root's version plus the site's updates not yet in it) and forwards the
     # sum of its workers' weighted deltas, the site's progress (coordinator/relay/site.py); the root averages the two
-    # sites' batches (FedBuff K=2), hierarchical FL's cloud round (docs/wan.md)
+    # sites' batches (FedBuff K=2), hierarchical FL's cloud round (docs/history/wan.md)
     "relays+adaptive (int8 both ways; site model)": Mode(
         AUTO, relays=[*INT8_BOTH_WAYS, "--site-model"], needs="--sync-budget",
         root=SITES_FEDBUFF),
     "relays+adaptive (int8 both ways; site model; fedasync root)": Mode(
         AUTO, relays=[*INT8_BOTH_WAYS, "--site-model"], needs="--sync-budget"),
     # the same with FedBuff at the root over the two relays' batches (each root step the mean of both), against
-    # the FedAsync root's oscillation when the relays forward often (docs/wan.md, tenth run)
+    # the FedAsync root's oscillation when the relays forward often (docs/history/wan.md, tenth run)
     "relays+adaptive (int8 upstream; fedbuff root)": Mode(AUTO, relays=["--forward-compression", "int8"],
                                                           needs="--sync-budget",
                                                           root=SITES_FEDBUFF),

@@ -323,7 +323,7 @@ class CoordinatorClient:
         """Talk to ``urls[0]`` from the next call on, with the rest as its fail-over (as a comma list given at start
         would be, without probing them now); True if that changes the coordinator. A worker token is per
         coordinator: the first call at the new one registers again, and queued pushes keep their update ids, so
-        a push acknowledged just before the move is applied once (docs/wan.md, "Exactly once across relays")."""
+        a push acknowledged just before the move is applied once (docs/history/wan.md, "Exactly once across relays")."""
         urls = [u.rstrip("/") for u in urls]
         moved = urls[0] != self.base_url
         self._candidates = urls if len(urls) > 1 else []
