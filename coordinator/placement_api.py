@@ -15,7 +15,7 @@ from flask import Blueprint, Flask, Response, current_app, jsonify, request
 
 from coordinator.placement import ROOT, Link, Placement
 from coordinator.relays import registry
-from protocol.errors import BadRequest
+from protocol.errors import BadRequest, NotFound
 from protocol.schemas import API_PREFIX, is_finite_number
 
 bp = Blueprint("placement", __name__, url_prefix=API_PREFIX)
@@ -54,6 +54,8 @@ def parse_links(body: Any, known: set[str]) -> dict[str, Link]:
 
 @bp.post("/workers/<worker_id>/probes")
 def report_probes(worker_id: str) -> Response:
+    if not any(w["worker_id"] == worker_id for w in current_app.extensions["fedmoe"].list_workers()):
+        raise NotFound(f"no worker {worker_id!r} registered here: register first (POST /api/v1/workers)")
     relays = relay_urls()
     links = parse_links(request.get_json(silent=True), {ROOT, *relays})
     changed = placement().report(worker_id, links, sorted(relays))

@@ -46,5 +46,7 @@ def test_a_worker_reports_only_for_itself_and_a_malformed_report_is_a_400_that_c
         assert r.status_code == 400 and words in r.json["error"]["message"], (links, r.json)
     r = w1.post("/api/v1/workers/w1/probes", data="not json", content_type="application/json")
     assert r.status_code == 400
+    r = report(app.test_client(), "never-registered", {"root": WAN})  # the admin, for a worker the root never saw
+    assert r.status_code == 404 and "register first" in r.json["error"]["message"]
     assert w1.get("/api/v1/placement").json["groups"] == []  # nothing was planned from the refused reports
     assert app.test_client(token=None).get("/api/v1/placement").status_code == 401
