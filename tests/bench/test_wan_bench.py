@@ -194,3 +194,15 @@ def test_flower_s_clock_starts_when_its_clients_began_training_not_when_the_serv
     assert training_start(rounds) == 180.0 - 20.0
     assert training_start(rounds[:2]) is None  # round 1's length holds the model loads: wait for round 2
     assert training_start(rounds[:3]) == 180.0 - 19.0
+
+
+def test_a_relay_mode_s_root_takes_one_batch_per_site_whatever_the_number_of_sites():
+    from dataclasses import replace
+
+    from bench.wan import root_settings
+
+    s = PRESETS["smollm2-135m"]
+    for name in ("relays+adaptive (int8 both ways; site model)", "relays+adaptive self-formed (int8 both ways; site model)"):
+        assert root_settings(MODES[name], replace(s, sites=1)) == {"aggregation": "fedbuff", "buffer_size": 1}
+        assert root_settings(MODES[name], replace(s, sites=3))["buffer_size"] == 3  # was 2 whatever the sites
+    assert root_settings(MODES["flat"], replace(s, sites=1))["buffer_size"] == 3  # flat: the group size, as before
