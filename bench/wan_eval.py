@@ -4,7 +4,7 @@ Targets (issue 35): the best baseline's final held-out loss, and 90% of its gain
 the modes without relays (flat at each swept sync interval, flat with a fixed codec, Flower's FedAvg at each round
 length); the best one is the baseline mode whose final loss (its last version's, the median over its runs) is lowest.
 Every run's time to a target is the time of its first version at or below it (``first_reaching``: exact, whatever
-was sampled before). A mode's figures are the median over its runs with their range; its speed-up is the fastest
+was sampled before), and its steps to it the optimiser steps per worker trained by then (``steps_at``). A mode's figures are the median over its runs with their range; its speed-up is the fastest
 baseline mode's median time over its own.
 """
 from __future__ import annotations
@@ -87,11 +87,20 @@ def evaluate(rows: list[dict[str, Any]], s: Settings, loss: Loss | None = None) 
         for key, goal in (("time_to_target_s", goals["target_loss"]), ("time_to_target90_s", goals["target90_loss"])):
             first = first_reaching(versions, goal, loss)
             row[key] = round(versions[first]["seconds"], 1) if first is not None else None
+            row[key.replace("time_to", "steps_to").removesuffix("_s")] = steps_at(row, row[key])
         evaluated = [v["heldout_loss"] for v in versions if "heldout_loss" in v]
         row["heldout_start"], row["heldout_best"] = evaluated[0], min(evaluated)
         row["heldout_final"] = versions[-1]["heldout_loss"]
         row["versions_kept"], row["versions_evaluated"] = len(versions), len(evaluated)
     return goals
+
+
+def steps_at(row: dict[str, Any], seconds: float | None) -> float | None:
+    """Optimiser steps per worker trained by ``seconds`` after the expert's creation (the row's ``step_clock``;
+    None: the target was never reached, or the row has no clock)."""
+    if seconds is None or not row.get("step_clock"):
+        return None
+    return max((steps for t, steps in row["step_clock"] if t <= seconds), default=0.0)
 
 
 def spread(values: Sequence[float | None]) -> dict[str, Any]:
@@ -105,7 +114,7 @@ def spread(values: Sequence[float | None]) -> dict[str, Any]:
             "runs": len(values), "never": missing}
 
 
-SUMMARY_KEYS = ("time_to_target_s", "time_to_target90_s", "heldout_final", "heldout_best", "root_ingress_bytes",
+SUMMARY_KEYS = ("time_to_target_s", "time_to_target90_s", "steps_to_target", "steps_to_target90", "heldout_final", "heldout_best", "root_ingress_bytes",
                 "root_egress_bytes", "steps_per_worker", "steps_total")
 
 

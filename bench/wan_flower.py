@@ -230,4 +230,5 @@ def flower_row(name: str, run: FlowerRun, s: Settings, rounds: list[dict[str, An
             "root_ingress_bytes": ingress, "root_egress_bytes": egress, "wall_seconds": round(wall, 1),
             "link_busy_up": round(ingress / s.link_capacity(wall), 3),
             "link_busy_down": round(egress / s.link_capacity(wall), 3),
-            "relays": [], "versions": versions}
+            "relays": [], "step_clock": [[v["seconds"], v["version"] * run.local_steps] for v in versions],
+            "versions": versions}

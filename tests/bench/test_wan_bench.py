@@ -206,3 +206,17 @@ def test_a_relay_mode_s_root_takes_one_batch_per_site_whatever_the_number_of_sit
         assert root_settings(MODES[name], replace(s, sites=1)) == {"aggregation": "fedbuff", "buffer_size": 1}
         assert root_settings(MODES[name], replace(s, sites=3))["buffer_size"] == 3  # was 2 whatever the sites
     assert root_settings(MODES["flat"], replace(s, sites=1))["buffer_size"] == 3  # flat: the group size, as before
+
+
+def test_learning_is_counted_in_steps_each_worker_had_trained_when_a_target_was_reached():
+    from bench.wan import step_clock
+    from bench.wan_eval import steps_at
+
+    t0 = 1000.0  # the expert's creation; each record is a sync at "time" carrying the steps trained before it
+    records = [{"time": 1010.0, "steps": 4}, {"time": 1005.0, "steps": 2}, {"time": 1020.0, "steps": 6},
+               {"time": 1021.0, "steps": 0}]  # a sync that trained nothing (the final one) adds nothing
+    clock = step_clock(records, t0, workers=2)
+    assert clock == [[5.0, 1.0], [10.0, 3.0], [20.0, 6.0]]
+    row = {"step_clock": clock}
+    assert [steps_at(row, t) for t in (4.0, 10.0, 19.9, 60.0)] == [0.0, 3.0, 3.0, 6.0]
+    assert steps_at(row, None) is None and steps_at({}, 10.0) is None  # never reached; a row without a clock
