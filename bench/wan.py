@@ -1,11 +1,16 @@
 #!/usr/bin/env python3
-"""WAN benchmark: flat federation against relay coordinators, over emulated WAN links.
+"""WAN benchmark: flat federation and Flower against relay coordinators, over emulated WAN links (docs/wan.md).
 
-Two emulated sites (``bench.wanemu``: a network namespace, a veth pair shaped with tbf, a delay
-proxy) each hold three real ``run_worker.py`` processes training one expert; the root coordinator
-runs on this host's loopback, behind each site's 20 Mbit/s, 50 ms RTT link. The link is the site's:
-its three workers (or its relay) share the one veth pair and its tbf, as they would share a site's
-uplink. Modes (``MODES``; the defaults are per base model, ``DEFAULT_MODES``):
+Emulated sites (``bench.wanemu``: a network namespace, a veth pair shaped with tbf, a delay proxy; two by
+default, ``--sites``) each hold real ``run_worker.py`` processes (three, ``--workers``) training one expert; the
+root coordinator runs on this host's loopback, behind each site's 20 Mbit/s, 50 ms RTT link. The link is the site's:
+its workers (or its relay) share the one veth pair and its tbf, as they would share a site's uplink.
+
+Issue 35's baselines, the smollm2-135m defaults: ``flat defaults sync N s`` (a user's defaults, overlap on, the
+coordinator's default aggregation, N swept over 3/10/30), ``flat randomk+terngrad defaults sync N s`` (the best fixed
+codec), ``flower fedavg N steps/round`` (Flower's deployment engine, bench/wan_flower.py), against ``relays+adaptive
+(int8 both ways; site model)`` and its self-formed twin (no relay placed by hand: issue 35 item 2); the ``hetero``
+modes are item 3's mixed fleet. Older modes, kept to rerun the history's figures (docs/history/wan.md):
 
 - ``flat``: every worker talks to the root over its site's link (uncompressed pushes); the root
   aggregates with FedBuff over K=3 (the group size), the fair baseline: flat fedasync applies each
