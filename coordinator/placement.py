@@ -14,7 +14,7 @@ turns the reports into a plan:
    (unreachable counts as infinite), if that total beats the root's: a group whose members are as close to the root as
    to any relay, or that has one member, syncs with the root (a relay for one worker saves nothing upstream).
 4. **Hysteresis.** ``Placement.consider`` adopts a new plan at once when the workers or relays changed (one joined,
-   left or stopped answering), else only when it moves some worker to a host whose estimated sync is at least
+   left or stopped answering, or a worker first reached a relay: it came up after the worker's last report), else only when it moves some worker to a host whose estimated sync is at least
    ``improvement`` (30%) faster than its current host's and the last change is ``hold_seconds`` (60 s) old: RTTs measured on
    a loaded link jitter by tens of percent, and each move costs the worker a registration at its new coordinator.
 
@@ -154,6 +154,8 @@ class Placement:
     generation: int = 0
     """Counts adopted plans (a worker that sees it change asks where to go)."""
     changed_at: float = -math.inf
+    _reachable: frozenset[tuple[str, str]] = field(default_factory=frozenset, repr=False)
+    """(worker, host) pairs measured reachable at the last consideration: a new one is news, not jitter."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def report(self, worker: str, links: Mapping[str, Link], relays: Sequence[str]) -> bool:
@@ -175,9 +177,14 @@ class Placement:
     def _consider(self, relays: Sequence[str]) -> bool:
         live = [r for r in relays if any(r in links for links in self.reports.values())]
         proposal = plan(self.reports, live)
+        reachable = frozenset((w, h) for w, links in self.reports.items() for h, link in links.items() if link.reachable)
+        # a worker that reaches a host it could not reach before (a relay that came up after its last report) is a
+        # change of the topology like a join: it must not wait out the hold meant for jittery RTTs
+        new_links, self._reachable = bool(reachable - self._reachable), reachable
         if proposal.groups == self.current.groups:
             return False
-        membership_changed = proposal.workers != self.current.workers or proposal.hosts != self.current.hosts
+        membership_changed = (proposal.workers != self.current.workers or proposal.hosts != self.current.hosts
+                              or new_links)
         if not membership_changed and not self._worth_moving(proposal):
             return False
         self.current, self.changed_at = proposal, self.clock()

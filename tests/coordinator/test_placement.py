@@ -92,3 +92,18 @@ def test_a_link_change_moves_a_worker_only_when_it_is_much_better_and_the_plan_h
                                                 (1.0, 0.0, 0.006)])
 def test_a_link_s_sync_estimate_is_round_trips_plus_the_bytes_at_its_rate(rtt, mbps, seconds):
     assert Link(rtt, mbps).sync_seconds() == pytest.approx(seconds)
+
+
+def test_a_relay_a_worker_could_not_reach_at_first_is_used_as_soon_as_it_reaches_it_not_after_the_hold():
+    """The e2e run stayed at the root: a worker that probed its site's relay while it was still starting reported it
+    unreachable, the plan was made with that, and its next report (reachable now) was taken for jitter and held 60 s."""
+    now = [0.0]
+    placement = Placement(clock=lambda: now[0])
+    reports = site_reports(sites=1, relays_in=(0,))
+    starting = {**reports["s0-w1"], "r0": Link(math.inf)}
+    placement.report("s0-w0", reports["s0-w0"], ["r0"])
+    assert placement.report("s0-w1", starting, ["r0"])  # a join: adopted, but r0 is not reachable for s0-w1 yet
+    assert placement.assignment("s0-w0")["relay_id"] is None
+    now[0] += 4  # well within the hold
+    assert placement.report("s0-w1", reports["s0-w1"], ["r0"])  # it reaches r0 now: adopted at once
+    assert placement.view()["groups"] == [{"members": ["s0-w0", "s0-w1"], "relay_id": "r0"}]

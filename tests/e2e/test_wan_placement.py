@@ -25,9 +25,10 @@ from tests.e2e.conftest import ROOT, env
 from tests.helpers import serve_on_loopback
 
 SITES, WORKERS = 3, 2
-FORMED_WITHIN_S = 30
+FORMED_WITHIN_S = 45
 """The stated time: from the moment every worker has joined the root and every relay has registered there, to every
-site's workers assigned to that site's relay (workers report every 2 s here; a join regroups at once)."""
+site's workers assigned to that site's relay (each worker reports at its syncs, every ~2-15 s under load; a join,
+or a relay a worker reaches for the first time, regroups at once)."""
 START_BOUND_S = 600
 """Nine torch processes (six workers, three relays) starting on a loaded 2-core machine: minutes; not a figure."""
 
