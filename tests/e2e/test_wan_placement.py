@@ -114,6 +114,8 @@ def test_three_sites_group_themselves_behind_their_own_relays_and_lose_nothing(n
             p.send_signal(signal.SIGTERM)
         for p in procs:
             p.wait(timeout=300)
+        pushed = [r["update_id"] for rows in records(tmp_path).values() for r in rows if r.get("update_id")]
+        status = {u: get(f"updates/{u}") for u in pushed}  # asked of the root before it stops
     finally:
         for p in procs:
             if p.poll() is None:
@@ -125,8 +127,6 @@ def test_three_sites_group_themselves_behind_their_own_relays_and_lose_nothing(n
     logs = {p.name: p.read_text()[-2000:] for p in tmp_path.glob("*.log")}
     assert all(p.returncode == 0 for p in procs), logs
     print(f"hierarchy formed {formed:.1f} s after the last worker and relay were up")
-    pushed = [r["update_id"] for rows in records(tmp_path).values() for r in rows if r.get("update_id")]
     assert len(pushed) >= 2 * len(names)
-    status = {u: get(f"updates/{u}") for u in pushed}
     assert all(s.get("status") == "applied" for s in status.values()), {u: s for u, s in status.items()
                                                                            if s.get("status") != "applied"}
