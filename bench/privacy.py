@@ -1,0 +1,318 @@
+#!/usr/bin/env python3
+"""How much a coordinator learns about a worker's training data, with and without each protection.
+
+A membership-inference attack by an honest-but-curious coordinator (bench/membership.py), on
+smollm2-135m and one DS-1000 domain (numpy_expert by default): the domain's training problems are
+split by whole problem families into members (what the target worker trains on, 97 problems) and
+non-members (97 problems nobody trains on). Every worker starts from the same expert adapter and
+takes ``steps`` AdamW steps (a sync's worth: one update). The attacker scores members and non-members
+by their loss under what it holds, alone and calibrated by the public base model's loss, and we
+report the AUC and the TPR at 1% FPR with 95% bootstrap intervals, next to each arm's held-out loss
+on the domain's held-out problems (the protection's cost). The arms, i.e. what the coordinator holds:
+
+- ``single``: one worker's raw update (base + delta): what it receives today from every worker;
+- ``mean_of_K``: the FedBuff step of K updates, the target's and K-1 others' (trained on other data:
+  two pandas halves and sklearn): the new expert version;
+- ``sum_of_K``: the sum of those K updates, which is all that secure aggregation with a cohort of K
+  reveals to the coordinator (the same information as ``mean_of_K``, scaled);
+- ``dp_fedavg_eps*``: DP-FedAvg's step on those K updates (clip at C = their median norm, Gaussian
+  noise sigma x C, sigma calibrated to epsilon at delta for this one step; accounting with q = 1):
+  what everyone who sees the expert holds, and what the coordinator holds with secure aggregation and
+  distributed noise. Without secure aggregation the coordinator still sees each raw update (``single``);
+- ``dp_sgd_eps*``: the target worker trains with example-level DP-SGD (worker/dp_sgd.py, Opacus, noise
+  calibrated to epsilon over its steps at Poisson rate q = batch / members), and the coordinator holds
+  its update.
+
+Learning claims count optimiser steps, not seconds. Trained deltas and per-example losses are cached
+(``--cache``), so a rerun with more arms only trains and scores what is new.
+
+    python -m bench.privacy                 # smollm2-135m (make smollm2): ~50 CPU minutes
+    python -m bench.privacy --quick         # tiny-qwen2 smoke run
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import functools
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from bench.common import RESULTS_DIR, configure_logging, format_table, run_parallel, write_json_atomic
+from bench.membership import MembershipSplit, attack, membership_split
+from bench.realdata import DS1000_DATA, REAL_MODEL, SMOKE_MODEL, Lab, ds1000_domains, loss_pair, shards
+from privacy.accountant import noise_multiplier_for
+from privacy.dp import DPFedAvgSettings, dp_fedavg_step, noise_generator, update_norm
+from worker.data import Example
+from worker.dp_sgd import DPSGDSettings, DPSGDTrainer
+from worker.evaluation import AnswerLoss
+from worker.trainer import LoraSettings, TrainSettings
+
+log = logging.getLogger("bench.privacy")
+warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+warnings.filterwarnings("ignore", message="Full backward hook is firing", category=UserWarning)  # Opacus, frozen inputs
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Settings:
+    model: str = REAL_MODEL
+    domain: str = "numpy_expert"
+    steps: int = 60
+    """AdamW steps each worker takes before its update is sent (batch x <= max_seq_len tokens)."""
+    batch_size: int = 4
+    max_seq_len: int = 128
+    lr: float = 2e-3
+    """Every worker's AdamW lr (smollm2's single-worker lr is 1e-3; more memorises more: the leak we measure)."""
+    cohort: int = 4
+    """K: updates in one FedBuff step / one secure-aggregation cohort."""
+    delta: float = 1e-5
+    dp_fedavg_epsilons: tuple[float, ...] = (1.0, 4.0, 8.0)
+    dp_sgd_epsilons: tuple[float, ...] = (8.0,)
+    dp_sgd_clip: float = 1.0
+    """DP-SGD's per-example gradient clipping norm C."""
+    bootstrap: int = 1000
+    limit: int = 0
+    """Members and non-members each cut to this many (0: all); for smoke runs."""
+    seed: int = 0
+
+    @property
+    def tag(self) -> str:
+        """What a cached delta depends on."""
+        return f"{self.model}-{self.domain}-s{self.steps}-b{self.batch_size}-l{self.max_seq_len}-lr{self.lr}-n{self.limit}"
+
+
+QUICK = Settings(model=SMOKE_MODEL, steps=6, lr=1e-2, limit=24, bootstrap=200, dp_fedavg_epsilons=(8.0,))
+
+
+@dataclass(frozen=True)
+class Data:
+    split: MembershipSplit
+    heldout: tuple[Example, ...]
+    others: tuple[tuple[str, tuple[Example, ...]], ...]
+    """The other K-1 workers' data: the pandas training problems in two halves, then sklearn's."""
+
+    @property
+    def scored(self) -> list[Example]:
+        return [*self.split.members, *self.split.nonmembers, *self.heldout]
+
+
+def load_data(s: Settings) -> Data:
+    split = membership_split(DS1000_DATA / "train" / f"{s.domain}.jsonl", s.domain)
+    if s.limit:
+        split = dataclasses.replace(split, members=split.members[:s.limit], nonmembers=split.nonmembers[:s.limit])
+    domains = {d.name: d for d in ds1000_domains()}
+    pool = [(f"{d.name}/{i}", tuple(shard)) for d in domains.values() if d.name != s.domain
+            for i, shard in enumerate(shards(d.train, 2))]
+    others = tuple((name, ex[:s.limit * 2] if s.limit else ex) for name, ex in pool[:s.cohort - 1])
+    return Data(split, domains[s.domain].heldout, others)
+
+
+@functools.lru_cache(maxsize=1)
+def _lab(model: str, batch_size: int, max_seq_len: int) -> Lab:
+    torch.set_num_threads(1)
+    return Lab(model, batch_size=batch_size, max_seq_len=max_seq_len)
+
+
+def train_update(s: Settings, name: str, examples: Sequence[Example], dp_sgd_sigma: float | None,
+                 out: Path) -> dict[str, Any]:
+    """One worker's ``s.steps`` steps from the common initial adapter; its delta saved to ``out``."""
+    lab = _lab(s.model, s.batch_size, s.max_seq_len)
+    started = time.process_time()
+    lora = LoraSettings(rank=8, alpha=16.0)
+    train = TrainSettings(lr=s.lr, batch_size=s.batch_size, max_seq_len=s.max_seq_len, seed=s.seed)
+    base = dataclasses.replace(lab.base, model=copy.deepcopy(lab.base.model))
+    if dp_sgd_sigma is None:
+        trainer = lab.trainer(examples, s.seed, lr=s.lr)
+    else:
+        trainer = DPSGDTrainer(base, lora, train, list(examples), DPSGDSettings(dp_sgd_sigma, s.dp_sgd_clip, s.delta))
+    initial = trainer.adapter_state()
+    stats = trainer.train_steps(s.steps)
+    after = trainer.adapter_state()
+    save_file({k: (after[k] - initial[k]).contiguous() for k in initial}, str(out))
+    save_file(initial, str(out.with_suffix(".init.safetensors")))
+    meta = {"name": name, "examples": len(examples), "steps": s.steps, "train_loss": stats.loss,
+            "lora": trainer.lora_config, "cpu_seconds": time.process_time() - started}
+    if isinstance(trainer, DPSGDTrainer):
+        meta["privacy"] = trainer.privacy_spent()
+    out.with_suffix(".json").write_text(json.dumps(meta))
+    return meta
+
+
+def score_adapter(s: Settings, adapter_file: Path | None, lora: dict[str, Any] | None, out: Path) -> list[list[float]]:
+    """Per-example [nll, tokens, nll_without_end, tokens_without_end] of every scored example, saved to ``out``."""
+    lab = _lab(s.model, s.batch_size, s.max_seq_len)
+    data = load_data(s)
+    adapter = load_file(str(adapter_file)) if adapter_file is not None else None
+    losses = lab.losses(data.scored, adapter, lora)
+    rows = [[x.nll, x.tokens, x.nll_without_end, x.tokens_without_end] for x in losses]
+    out.write_text(json.dumps(rows))
+    return rows
+
+
+def _cached(path: Path) -> bool:
+    return path.is_file() and path.stat().st_size > 0
+
+
+def train_all(s: Settings, data: Data, cache: Path, jobs: int) -> dict[str, dict[str, Any]]:
+    """The target's plain and DP-SGD updates and the others' updates, trained where not cached."""
+    wanted: list[tuple[str, Sequence[Example], float | None]] = [("target", data.split.members, None)]
+    wanted += [(f"other{i}", ex, None) for i, (_, ex) in enumerate(data.others, start=1)]
+    q = min(1.0, s.batch_size / len(data.split.members))
+    for eps in s.dp_sgd_epsilons:
+        wanted.append((f"dp_sgd_eps{eps:g}", data.split.members, noise_multiplier_for(eps, s.delta, s.steps, q)))
+    tasks = [(train_update, (s, name, list(ex), sigma, cache / f"{name}.safetensors"))
+             for name, ex, sigma in wanted if not _cached(cache / f"{name}.json")]
+    log.info("training %d of %d updates (%d steps each)", len(tasks), len(wanted), s.steps)
+    run_parallel(tasks, jobs, lambda done, meta: log.info("trained %s (%d/%d)", meta["name"], done, len(tasks)))
+    return {name: json.loads((cache / f"{name}.json").read_text()) for name, _, _ in wanted}
+
+
+def load_delta(cache: Path, name: str) -> dict[str, torch.Tensor]:
+    return load_file(str(cache / f"{name}.safetensors"))
+
+
+def build_arms(s: Settings, cache: Path, trained: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each arm's adapter (initial + what the coordinator holds) saved in the cache; its description."""
+    initial = load_file(str(cache / "target.init.safetensors"))
+    updates = [load_delta(cache, "target")] + [load_delta(cache, f"other{i}") for i in range(1, s.cohort)]
+    norms = [update_norm(u) for u in updates]
+    arms: dict[str, dict[str, Any]] = {}
+
+    def add(name: str, change: dict[str, torch.Tensor], **info: Any) -> None:
+        save_file({k: (initial[k] + change[k]).contiguous() for k in initial}, str(cache / f"arm-{name}.safetensors"))
+        arms[name] = {"update_norm": update_norm(change), **info}
+
+    add("single", updates[0])
+    total = {k: sum(u[k] for u in updates) for k in initial}
+    add(f"mean_of_{s.cohort}", {k: v / s.cohort for k, v in total.items()})
+    add(f"sum_of_{s.cohort}", total)
+    clip = statistics.median(norms)
+    for eps in s.dp_fedavg_epsilons:
+        sigma = noise_multiplier_for(eps, s.delta, steps=1)
+        settings = DPFedAvgSettings(clip_norm=clip, noise_multiplier=sigma, delta=s.delta)
+        step = {k: torch.zeros_like(v) for k, v in initial.items()}
+        report = dp_fedavg_step(step, updates, settings, s.cohort, 1.0, noise_generator(s.seed + int(eps * 1000)))
+        add(f"dp_fedavg_eps{eps:g}", step, epsilon=eps, noise_multiplier=sigma, clip_norm=clip,
+            clipped=report.clipped, noise_std_per_coordinate=settings.noise_std / s.cohort)
+    for eps in s.dp_sgd_epsilons:
+        name = f"dp_sgd_eps{eps:g}"
+        add(name, load_delta(cache, name), **trained[name]["privacy"])
+    for name in arms:
+        arms[name]["lora"] = trained["target"]["lora"]
+    return arms
+
+
+def score_all(s: Settings, cache: Path, arms: dict[str, dict[str, Any]], jobs: int) -> dict[str, list[list[float]]]:
+    wanted = {"base": None, **{name: cache / f"arm-{name}.safetensors" for name in arms}}
+    lora = next(iter(arms.values()))["lora"]
+    # a cached score is only reused for deterministic arms; noised arms are rebuilt and rescored each run
+    tasks = [(score_adapter, (s, path, lora if path else None, cache / f"loss-{name}.json"))
+             for name, path in wanted.items() if not _cached(cache / f"loss-{name}.json")]
+    log.info("scoring %d of %d models", len(tasks), len(wanted))
+    run_parallel(tasks, jobs, lambda done, _: log.info("scored %d/%d", done, len(tasks)))
+    return {name: json.loads((cache / f"loss-{name}.json").read_text()) for name in wanted}
+
+
+def per_example_mean(rows: Sequence[Sequence[float]]) -> list[float]:
+    return [nll / tokens if tokens else 0.0 for nll, tokens, _, _ in rows]
+
+
+def summarize(s: Settings, data: Data, arms: dict[str, dict[str, Any]], losses: dict[str, list[list[float]]]) -> dict:
+    n_m, n_n = len(data.split.members), len(data.split.nonmembers)
+    is_member = [True] * n_m + [False] * n_n
+    base = per_example_mean(losses["base"])[:n_m + n_n]
+    out: dict[str, Any] = {}
+    for name in ["base", *arms]:
+        rows = losses[name]
+        heldout = loss_pair([AnswerLoss(*r) for r in rows[n_m + n_n:]])
+        record: dict[str, Any] = {"heldout_loss": heldout["loss"], "heldout_loss_without_end": heldout["loss_without_end"],
+                                  "members_loss": loss_pair([AnswerLoss(*r) for r in rows[:n_m]])["loss"],
+                                  "nonmembers_loss": loss_pair([AnswerLoss(*r) for r in rows[n_m:n_m + n_n]])["loss"]}
+        if name != "base":
+            record["attack"] = attack(per_example_mean(rows)[:n_m + n_n], base, is_member, s.bootstrap)
+            record.update({k: v for k, v in arms[name].items() if k != "lora"})
+        out[name] = record
+    return out
+
+
+def render(results: dict[str, Any]) -> str:
+    rows = []
+    for name, r in results.items():
+        a = r.get("attack", {})
+        rows.append([name, r["heldout_loss"], r["members_loss"], r["nonmembers_loss"],
+                     *(f"{a[k]['auc']:.3f} [{a[k]['auc_ci'][0]:.2f}, {a[k]['auc_ci'][1]:.2f}]" if a else "-"
+                       for k in ("loss", "calibrated")),
+                     f"{a['calibrated']['tpr_at_1pct_fpr']:.3f}" if a else "-"])
+    return format_table(["what the attacker holds", "held-out loss", "members", "non-members", "AUC loss [95% CI]",
+                         "AUC calibrated [95% CI]", "TPR@1%FPR cal."], rows, align="lrrrllr")
+
+
+def git_head() -> str:
+    try:
+        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny-qwen2 smoke run (seconds)")
+    p.add_argument("--steps", type=int, default=None, help="optimiser steps per worker update")
+    p.add_argument("--domain", default=None, help="DS-1000 domain of the target (default numpy_expert)")
+    p.add_argument("--jobs", type=int, default=1, help="processes training/scoring at once (each 1 torch thread)")
+    p.add_argument("--cache", type=Path, default=None, help="where deltas and losses are kept between runs")
+    p.add_argument("--out", type=Path, default=None, help="results JSON (default bench/results/privacy.json)")
+    p.add_argument("-v", "--verbose", action="store_true")
+    args = p.parse_args(argv)
+    if args.steps is not None and args.steps < 1:
+        p.error(f"--steps must be at least 1, got {args.steps}")
+    if args.jobs < 1:
+        p.error(f"--jobs must be at least 1, got {args.jobs}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    configure_logging(args.verbose)
+    s = QUICK if args.quick else Settings()
+    s = dataclasses.replace(s, **{k: v for k, v in (("steps", args.steps), ("domain", args.domain)) if v is not None})
+    cache = args.cache or Path("/tmp") / f"fedmoe-privacy-{s.tag}"
+    cache.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    data = load_data(s)
+    trained = train_all(s, data, cache, args.jobs)
+    arms = build_arms(s, cache, trained)
+    for name in arms:  # noised arms are rebuilt above; never reuse a score of an older noise draw
+        if name.startswith("dp_fedavg"):
+            (cache / f"loss-{name}.json").unlink(missing_ok=True)
+    losses = score_all(s, cache, arms, args.jobs)
+    results = summarize(s, data, arms, losses)
+    print(render(results))
+    report = {"settings": dataclasses.asdict(s), "members": len(data.split.members),
+              "nonmembers": len(data.split.nonmembers), "heldout": len(data.heldout),
+              "others": [name for name, _ in data.others], "updates": trained, "arms": results,
+              "commit": git_head(), "load_average_at_end": list(os.getloadavg()),
+              "wall_seconds": round(time.monotonic() - started, 1)}
+    out = args.out or RESULTS_DIR / ("privacy_quick.json" if args.quick else "privacy.json")
+    write_json_atomic(out, report)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
