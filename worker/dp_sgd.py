@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,10 @@ from worker.data import IGNORE_INDEX, Batch, Example, collate, encode_example, p
 from worker.models import BaseModel
 from worker.strategies import ParallelSettings
 from worker.trainer import LoraSettings, LoraTrainer, StepStats, TrainSettings
+
+
+LEDGER_KEY = "dp_sgd_privacy"
+"""Where optimizer_state() keeps the ledger (JSON) inside the first parameter group."""
 
 
 @dataclass(frozen=True)
@@ -161,13 +166,31 @@ class DPSGDTrainer(LoraTrainer):
             loss = math.nan
         else:
             per_example = per_example_loss(self._train_model, batch)
-            per_example.mean().backward()
+            with warnings.catch_warnings():  # Opacus's hooks on layers whose inputs need no grad: harmless
+                warnings.filterwarnings("ignore", message="Full backward hook is firing", category=UserWarning)
+                per_example.mean().backward()
             loss = float(per_example.detach().mean())
         self._optimizer.step()
         self.global_step += 1
         return loss
 
+    def optimizer_state(self) -> dict:
+        """The optimiser's state with the privacy ledger in its first parameter group, so that a checkpoint
+        carries the epsilon spent with the moments it belongs to: a resumed run goes on counting, never from 0."""
+        state = super().optimizer_state()
+        groups = [dict(group) for group in state["param_groups"]]
+        groups[0][LEDGER_KEY] = self.privacy.to_json()
+        return {**state, "param_groups": groups}
+
+    def load_optimizer_state(self, state: dict) -> None:
+        groups = [dict(group) for group in state["param_groups"]]
+        saved = groups[0].pop(LEDGER_KEY, None)
+        if saved is not None:
+            self.privacy = PrivacyLedger.from_json(saved)
+        super().load_optimizer_state({**state, "param_groups": groups})
+
     def privacy_spent(self) -> dict[str, Any]:
-        """{"epsilon", "delta", "steps", "noise_multiplier", "max_grad_norm", "sample_rate", "accountant"}."""
-        return {**self.privacy.report(), "noise_multiplier": self.dp.noise_multiplier,
+        """{"mechanism": "dp-sgd", "epsilon", "delta", "steps", "noise_multiplier", "max_grad_norm", "sample_rate",
+        "accountant"}: what the worker's results and its pushed updates carry."""
+        return {"mechanism": "dp-sgd", **self.privacy.report(), "noise_multiplier": self.dp.noise_multiplier,
                 "max_grad_norm": self.dp.max_grad_norm, "sample_rate": self.sample_rate}
