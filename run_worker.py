@@ -41,6 +41,7 @@ DEFAULT_BASE_MODEL = "qwen/Qwen2-0.5B-Instruct"
 
 
 CHECKPOINT, COMPRESSION, TRAINING = "checkpoint and sync", "compression", "training"
+PRIVACY = "privacy (docs/privacy.md)"
 PARALLEL = "inside a worker (torchrun ranks; docs/bigger-workers.md)"
 
 
@@ -111,6 +112,13 @@ class WorkerFlags:
                                           "model it takes two forward passes over the held-out examples)",
                                    group=TRAINING)
     results: Path | None = option(None, "append one JSON line per sync to this file", type=Path, group=TRAINING)
+    dp_sgd: str | None = option(None, "train with example-level DP-SGD (Opacus, LoRA parameters only): Poisson "
+                                      "batches of expected --batch-size, each example's gradient clipped to "
+                                      "MAX_GRAD_NORM, Gaussian noise of NOISE_MULTIPLIER x MAX_GRAD_NORM; the "
+                                      "epsilon spent goes into --results and with every pushed update",
+                                metavar="NOISE_MULTIPLIER,MAX_GRAD_NORM", group=PRIVACY)
+    dp_delta: float = option(1e-5, "delta of the (epsilon, delta) --dp-sgd reports; keep it well below 1 / "
+                                   "training examples", group=PRIVACY)
     strategy: str = option("auto", "ddp replicates the model; fsdp shards parameters, gradients and optimiser state "
                                    "(ZeRO-3-like); fsdp-grad-op shards gradients and optimiser state (ZeRO-2-like); "
                                    "auto picks by parameter count", choices=STRATEGY_CHOICES, group=PARALLEL)
@@ -228,6 +236,8 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
     pull = PullSettings(codec=args.pull_compression, full_every=args.full_pull_every,
                         config=parse_json_flag(args.pull_compression_config, "--pull-compression-config"))
     worker_id = args.worker_id or default_worker_id(args.specialty)
+    lora = LoraSettings(rank=args.lora_rank, alpha=args.lora_alpha, target_modules=modules)
+    train = TrainSettings(**train_kwargs)
     return WorkerConfig(
         coordinator_url=args.coordinator_url, dataset=Path(dataset), base_model=args.base_model,
         sync=SyncSettings(specialty=args.specialty, worker_id=worker_id,
@@ -235,12 +245,23 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
                           speed_factor=args.speed_factor, results_path=args.results,
                           state_dir=args.state_dir or default_state_dir(worker_id), resume=not args.fresh,
                           overlap=not args.no_overlap),
-        lora=LoraSettings(rank=args.lora_rank, alpha=args.lora_alpha, target_modules=modules),
-        train=TrainSettings(**train_kwargs), use_huggingface=args.use_huggingface,
+        lora=lora, train=train, dp_sgd=dp_sgd_settings(args, lora, train), use_huggingface=args.use_huggingface,
         use_proxy=args.use_proxy, device=args.device, compression=compression, pull=pull, token=args.token,
         ca_cert=args.ca_cert, progress=False if args.log_format == "json" else None, threads=args.threads,
         heldout_eval=not args.no_heldout_eval, parallel=parallel_settings(args, deepspeed),
         profile=profile_settings(args), tensorboard=tensorboard_dir(args))
+
+
+def dp_sgd_settings(args: argparse.Namespace, lora, train):
+    """--dp-sgd's settings, or None; ValueError (naming the flag) for a value or a combination it cannot take."""
+    if args.dp_sgd is None:
+        if args.dp_delta != WorkerFlags.__dataclass_fields__["dp_delta"].default:
+            raise ValueError("--dp-delta applies to --dp-sgd only; pass --dp-sgd NOISE_MULTIPLIER,MAX_GRAD_NORM")
+        return None
+    from worker.dp_sgd import DPSGDSettings, check_dp_sgd_settings  # imports Opacus
+
+    check_dp_sgd_settings(lora, train, int(os.environ.get("WORLD_SIZE", "1")))
+    return DPSGDSettings.parse(args.dp_sgd, args.dp_delta)
 
 
 def _check_address_and_files(args: argparse.Namespace) -> None:

@@ -94,6 +94,12 @@ class Trainer(Protocol):
     def load_optimizer_state(self, state: dict) -> None: ...
 
 
+def privacy_claim(trainer: Trainer) -> dict[str, Any] | None:
+    """A DP-SGD trainer's (epsilon, delta) spent so far (worker.dp_sgd), or None for a plain one."""
+    spent = getattr(trainer, "privacy_spent", None)
+    return spent() if spent is not None else None
+
+
 @dataclass(frozen=True)
 class SyncSettings:
     specialty: str
@@ -487,6 +493,9 @@ class FederatedWorker:
         meta = {"update_id": f"{self.settings.worker_id}-{uuid.uuid4().hex[:16]}",
                 "base_version": job.record["base_version"], "num_samples": stats.samples,
                 "train_loss": stats.loss, "worker_id": self.settings.worker_id, **encoded.codec_meta}
+        privacy = privacy_claim(self.trainer)
+        if privacy is not None:  # --dp-sgd: the epsilon spent so far travels with the update and into --results
+            meta["privacy"] = privacy
         adaptive = {}
         if decision is not None:
             adaptive = {"push_choice": decision.record()}
@@ -506,7 +515,7 @@ class FederatedWorker:
                 "tokens_per_second": round(stats.tokens_per_second, 2),
                 "compute_tokens_per_second": round(stats.tokens / max(stats.seconds, 1e-9), 2),
                 "update_id": meta["update_id"], "codec": meta["codec"], "codec_config": meta["codec_config"],
-                **adaptive, **m}
+                **({"privacy": privacy} if privacy is not None else {}), **adaptive, **m}
 
     def _choose_push(self, delta: StateDict) -> Decision:
         numel = sum(t.numel() for t in delta.values())

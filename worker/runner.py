@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from gateway.router import profile_to_json, text_profile
 from protocol.client import CoordinatorClient
@@ -19,6 +19,9 @@ from worker.step_metrics import StepLog
 from worker.strategies import ParallelSettings
 from worker.threads import apply_thread_budget
 from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
+
+if TYPE_CHECKING:
+    from worker.dp_sgd import DPSGDSettings
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +56,8 @@ class WorkerConfig:
     """CPU threads torch may use in this process (each rank under torchrun); None = all cores."""
     heldout_eval: bool = True
     """Log the held-out loss before and after training (two forward passes over the held-out examples)."""
+    dp_sgd: DPSGDSettings | None = None
+    """--dp-sgd: train with example-level DP-SGD (worker.dp_sgd) instead of plain AdamW steps."""
 
 
 def build_worker(config: WorkerConfig, collective: SingleProcess | None = None,
@@ -64,8 +69,7 @@ def build_worker(config: WorkerConfig, collective: SingleProcess | None = None,
                            device=device, use_proxy=config.use_proxy)
     collective.check_same("the base model fingerprint", base.fingerprint)
     board = _tensorboard(config, collective)
-    trainer = LoraTrainer(base, config.lora, config.train, train_examples, device=device, collective=collective,
-                          parallel=config.parallel, step_log=_step_sinks(config, collective, board))
+    trainer = _trainer(config, base, train_examples, collective, device, board)
     if config.profile is not None:
         trainer.profiler = StepProfiler(config.profile, collective.rank)
     spec = {**trainer.expert_config, "base_model": {"id": base.model_id, "fingerprint": base.fingerprint}}
@@ -89,6 +93,19 @@ def build_worker(config: WorkerConfig, collective: SingleProcess | None = None,
                              if collective.is_primary else None, on_result=board.sync if board else None,
                              dataset={"path": str(config.dataset), "sha256": dataset_sha256(config.dataset)})
     return worker, trainer, heldout
+
+
+def _trainer(config: WorkerConfig, base, train_examples: list, collective: SingleProcess, device: str,
+             board) -> LoraTrainer:
+    if config.dp_sgd is None:
+        return LoraTrainer(base, config.lora, config.train, train_examples, device=device, collective=collective,
+                           parallel=config.parallel, step_log=_step_sinks(config, collective, board))
+    from worker.dp_sgd import DPSGDTrainer, check_dp_sgd_settings  # imports Opacus: only when asked for
+
+    check_dp_sgd_settings(config.lora, config.train, collective.world_size)
+    log.info("DP-SGD: noise multiplier %g, per-example clip %g, delta %g", config.dp_sgd.noise_multiplier,
+             config.dp_sgd.max_grad_norm, config.dp_sgd.delta)
+    return DPSGDTrainer(base, config.lora, config.train, train_examples, config.dp_sgd, device=device)
 
 
 def _tensorboard(config: WorkerConfig, collective: SingleProcess):

@@ -1,0 +1,53 @@
+"""Differential privacy end to end: a --dp-sgd worker (tiny-qwen2) reports and pushes the epsilon it spent."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from privacy.accountant import GaussianSteps, epsilon_spent
+from tests.e2e.conftest import ROOT, env
+
+
+def run_worker(url: str, tmp_path, *extra: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    results = tmp_path / "results.jsonl"
+    proc = subprocess.run([sys.executable, str(ROOT / "run_worker.py"), "--coordinator-url", url,
+                           "--specialty", "sql_expert", "--base-model", "tiny-qwen2", "--duration", "6",
+                           "--sync-interval", "2", "--lora-rank", "4", "--batch-size", "4", "--max-seq-len", "64",
+                           "--threads", "1", "--no-heldout-eval", "--results", str(results),
+                           "--state-dir", str(tmp_path / "state"), *extra],
+                          env=env() | {"OMP_NUM_THREADS": "1"}, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    records = [json.loads(line) for line in results.read_text().splitlines()] if results.is_file() else []
+    return proc, records
+
+
+def test_dp_sgd_worker_reports_the_epsilon_it_spent_in_results_and_pushes(start_coordinator, tmp_path):
+    _, url = start_coordinator()
+    proc, records = run_worker(url, tmp_path, "--dp-sgd", "1.2,0.5", "--dp-delta", "1e-6")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    pushed = [r for r in records if r.get("bytes_sent")]
+    assert pushed, records
+    steps = 0
+    for record in pushed:
+        privacy = record["privacy"]
+        assert privacy["mechanism"] == "dp-sgd" and privacy["delta"] == 1e-6
+        assert (privacy["noise_multiplier"], privacy["max_grad_norm"]) == (1.2, 0.5)
+        steps = max(steps, privacy["steps"])
+        # the worker's sample rate is batch / its training examples (the sample data's 90% training split)
+        expected = epsilon_spent([GaussianSteps(1.2, privacy["sample_rate"], privacy["steps"])], 1e-6)
+        assert privacy["epsilon"] == pytest.approx(expected, abs=1e-5) and privacy["epsilon"] > 0
+    assert steps >= sum(r["steps"] for r in pushed[:-1])  # counted over the whole run, never reset per sync
+
+
+def test_dp_sgd_flag_mistakes_are_one_line(tmp_path):
+    for args, message in ((["--dp-sgd", "1.0"], "--dp-sgd wants NOISE_MULTIPLIER,MAX_GRAD_NORM"),
+                          (["--dp-sgd", "1,1", "--lora-rank", "0"], "--lora-rank 0"),
+                          (["--dp-delta", "1e-6"], "--dp-delta applies to --dp-sgd only")):
+        proc = subprocess.run([sys.executable, str(ROOT / "run_worker.py"), "--specialty", "sql_expert",
+                               "--base-model", "tiny-qwen2", "--coordinator-url", "http://127.0.0.1:9", *args],
+                              env=env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        (error,) = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+        assert message in error
