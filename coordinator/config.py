@@ -20,6 +20,7 @@ from protocol.cli import json_object, option
 
 REPLICAS = "replicas (docs/scale.md)"
 SECURITY = 'security (README, "Security")'
+PRIVACY = "privacy (docs/privacy.md)"
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,17 @@ class CoordinatorConfig:
     robust: str = option("none", "robust combination of each fedbuff buffer (none = weighted mean)",
                          choices=("none", *ROBUST_NAMES))
     trim_fraction: float = option(0.2, "share of values trimmed at each end by --robust trimmed_mean")
+    dp_noise: float | None = option(None, "worker-level differential privacy (DP-FedAvg): each aggregation step "
+                                          "clips every worker's update to --dp-clip and adds Gaussian noise of this "
+                                          "multiple of --dp-clip; the (epsilon, delta) spent is shown per expert",
+                                    type=float, metavar="SIGMA", group=PRIVACY)
+    dp_clip: float | None = option(None, "with --dp-noise: the L2 norm every worker's contribution to a step is "
+                                         "clipped to", type=float, metavar="C", group=PRIVACY)
+    dp_delta: float = option(1e-5, "with --dp-noise: the delta of the (epsilon, delta) reported; keep it well "
+                                   "below 1 / number of workers", group=PRIVACY)
+    dp_budget: float | None = option(None, "with --dp-noise: the epsilon an expert may spend; pushes that would "
+                                           "need another step are then refused (409 privacy_budget_spent)",
+                                     type=float, metavar="EPS", group=PRIVACY)
     extra: Mapping[str, object] = field(default_factory=dict)
     """Flask config overrides (tests)."""
 
@@ -124,9 +136,38 @@ class CoordinatorConfig:
         if not self.rate_limit >= 0:
             raise ValueError(f"--rate-limit must be >= 0 requests per minute (0 = no limit), got {self.rate_limit}")
         self._check_robustness()
+        self._check_privacy()
         for name, weight in (self.gateway_weights or {}).items():
             if not weight >= 0:
                 raise ValueError(f"--gateway-weights: weight of {name!r} must be >= 0, got {weight}")
+
+    def _check_privacy(self) -> None:
+        """--dp-* flags: all or nothing, and not with what would change a worker's influence on a step."""
+        if self.dp_noise is None:
+            given = [flag for flag, value in (("--dp-clip", self.dp_clip), ("--dp-budget", self.dp_budget))
+                     if value is not None] + (["--dp-delta"] if self.dp_delta != 1e-5 else [])
+            if given:
+                raise ValueError(f"{', '.join(given)} need(s) --dp-noise SIGMA (worker-level differential privacy)")
+            return
+        if self.dp_clip is None:
+            raise ValueError("--dp-noise needs --dp-clip C: the L2 norm each worker's update is clipped to")
+        if self.robust != "none":
+            raise ValueError(f"--dp-noise cannot be combined with --robust {self.robust}: its guarantee needs each "
+                             "step to be the clipped mean plus noise")
+        if self.manifest is not None:
+            raise ValueError("--dp-noise keeps each expert's privacy ledger in --data-dir, which replicas sharing "
+                             "--manifest do not share; run one coordinator for private experts")
+        self.dp  # noqa: B018 - builds the settings, which check each value
+
+    @property
+    def dp(self) -> Any:
+        """The DP-FedAvg settings (privacy.dp.DPFedAvgSettings), or None without --dp-noise."""
+        if self.dp_noise is None or self.dp_clip is None:
+            return None
+        from privacy.dp import DPFedAvgSettings  # torch: not for --help
+
+        return DPFedAvgSettings(clip_norm=self.dp_clip, noise_multiplier=self.dp_noise, delta=self.dp_delta,
+                                budget=self.dp_budget)
 
     def _check_robustness(self) -> None:
         from coordinator.aggregation.robust import trim_count
