@@ -102,3 +102,15 @@ def membership_split(train_file: Path, domain: str, salt: str = "members") -> Me
         (sides[0] if len(sides[0]) <= len(sides[1]) else sides[1]).extend(group)
     as_examples = [tuple(Example(r["prompt"], r["reference_code"]) for r in side) for side in sides]
     return MembershipSplit(domain, as_examples[0], as_examples[1])
+
+
+def dp_auc_bound(epsilon: float, delta: float, points: int = 100_001) -> float:
+    """The largest AUC any membership test can reach against an (epsilon, delta)-DP mechanism.
+
+    DP bounds every test's error rates (Kairouz, Oh and Viswanath 2015): TPR <= e^eps FPR + delta and
+    TPR <= 1 - e^-eps (1 - delta - FPR); the AUC bound is the area under that envelope.
+    """
+    fpr = np.linspace(0.0, 1.0, points)
+    tpr = np.minimum.reduce([np.exp(epsilon) * fpr + delta, 1 - np.exp(-epsilon) * (1 - delta - fpr),
+                             np.ones_like(fpr)])
+    return float(np.trapezoid(np.clip(tpr, 0.0, 1.0), fpr))

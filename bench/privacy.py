@@ -52,7 +52,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from bench.common import RESULTS_DIR, configure_logging, format_table, run_parallel, write_json_atomic
-from bench.membership import MembershipSplit, attack, membership_split
+from bench.membership import MembershipSplit, attack, dp_auc_bound, membership_split
 from bench.realdata import DS1000_DATA, REAL_MODEL, SMOKE_MODEL, Lab, ds1000_domains, loss_pair, shards
 from privacy.accountant import noise_multiplier_for
 from privacy.dp import DPFedAvgSettings, dp_fedavg_step, noise_generator, update_norm
@@ -167,70 +167,105 @@ def _cached(path: Path) -> bool:
     return path.is_file() and path.stat().st_size > 0
 
 
-def train_all(s: Settings, data: Data, cache: Path, jobs: int) -> dict[str, dict[str, Any]]:
-    """The target's plain and DP-SGD updates and the others' updates, trained where not cached."""
-    wanted: list[tuple[str, Sequence[Example], float | None]] = [("target", data.split.members, None)]
-    wanted += [(f"other{i}", ex, None) for i, (_, ex) in enumerate(data.others, start=1)]
+ARM_GROUPS = ("single", "mean", "dp_fedavg", "dp_sgd")
+"""What ``--arms`` chooses from; each group trains and scores only what it needs (the rest stays cached)."""
+
+
+def updates_needed(s: Settings, groups: Sequence[str]) -> list[str]:
+    names = ["target"]
+    if {"mean", "dp_fedavg"} & set(groups):
+        names += [f"other{i}" for i in range(1, s.cohort)]
+    if "dp_sgd" in groups:
+        names += [f"dp_sgd_eps{eps:g}" for eps in s.dp_sgd_epsilons]
+    return names
+
+
+def train_all(s: Settings, data: Data, cache: Path, jobs: int, groups: Sequence[str],
+              only: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
+    """The updates the chosen arm groups need (or the ``only`` ones named), trained where not cached."""
+    examples: dict[str, tuple[Sequence[Example], float | None]] = {"target": (data.split.members, None)}
+    examples |= {f"other{i}": (ex, None) for i, (_, ex) in enumerate(data.others, start=1)}
     q = min(1.0, s.batch_size / len(data.split.members))
     for eps in s.dp_sgd_epsilons:
-        wanted.append((f"dp_sgd_eps{eps:g}", data.split.members, noise_multiplier_for(eps, s.delta, s.steps, q)))
-    tasks = [(train_update, (s, name, list(ex), sigma, cache / f"{name}.safetensors"))
-             for name, ex, sigma in wanted if not _cached(cache / f"{name}.json")]
+        examples[f"dp_sgd_eps{eps:g}"] = (data.split.members, noise_multiplier_for(eps, s.delta, s.steps, q))
+    wanted = list(only) or updates_needed(s, groups)
+    unknown = sorted(set(wanted) - set(examples))
+    if unknown:
+        raise SystemExit(f"--train: unknown update(s) {unknown}; known: {', '.join(examples)}")
+    tasks = [(train_update, (s, name, list(examples[name][0]), examples[name][1], cache / f"{name}.safetensors"))
+             for name in wanted if not _cached(cache / f"{name}.json")]
     log.info("training %d of %d updates (%d steps each)", len(tasks), len(wanted), s.steps)
     run_parallel(tasks, jobs, lambda done, meta: log.info("trained %s (%d/%d)", meta["name"], done, len(tasks)))
-    return {name: json.loads((cache / f"{name}.json").read_text()) for name, _, _ in wanted}
+    return {name: json.loads((cache / f"{name}.json").read_text()) for name in wanted}
 
 
 def load_delta(cache: Path, name: str) -> dict[str, torch.Tensor]:
     return load_file(str(cache / f"{name}.safetensors"))
 
 
-def build_arms(s: Settings, cache: Path, trained: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Each arm's adapter (initial + what the coordinator holds) saved in the cache; its description."""
+def build_arms(s: Settings, cache: Path, trained: dict[str, dict[str, Any]], groups: Sequence[str]) -> list[str]:
+    """Each chosen arm's adapter (initial + what the coordinator holds) and description, saved in the cache."""
     initial = load_file(str(cache / "target.init.safetensors"))
-    updates = [load_delta(cache, "target")] + [load_delta(cache, f"other{i}") for i in range(1, s.cohort)]
-    norms = [update_norm(u) for u in updates]
-    arms: dict[str, dict[str, Any]] = {}
+    built: list[str] = []
 
     def add(name: str, change: dict[str, torch.Tensor], **info: Any) -> None:
         save_file({k: (initial[k] + change[k]).contiguous() for k in initial}, str(cache / f"arm-{name}.safetensors"))
-        arms[name] = {"update_norm": update_norm(change), **info}
+        info = {"update_norm": update_norm(change), "lora": trained["target"]["lora"], **info}
+        (cache / f"arm-{name}.json").write_text(json.dumps(info))
+        built.append(name)
 
-    add("single", updates[0])
-    total = {k: sum(u[k] for u in updates) for k in initial}
-    add(f"mean_of_{s.cohort}", {k: v / s.cohort for k, v in total.items()})
-    clip = statistics.median(norms)
-    for eps in s.dp_fedavg_epsilons:
-        sigma = noise_multiplier_for(eps, s.delta, steps=1)
-        settings = DPFedAvgSettings(clip_norm=clip, noise_multiplier=sigma, delta=s.delta)
-        step = {k: torch.zeros_like(v) for k, v in initial.items()}
-        report = dp_fedavg_step(step, updates, settings, s.cohort, 1.0, noise_generator(s.seed + int(eps * 1000)))
-        add(f"dp_fedavg_eps{eps:g}", step, epsilon=eps, noise_multiplier=sigma, clip_norm=clip,
-            clipped=report.clipped, noise_std_per_coordinate=settings.noise_std / s.cohort)
-    for eps in s.dp_sgd_epsilons:
-        name = f"dp_sgd_eps{eps:g}"
-        add(name, load_delta(cache, name), **trained[name]["privacy"])
-    for name in arms:
-        arms[name]["lora"] = trained["target"]["lora"]
-    return arms
+    if "single" in groups:
+        add("single", load_delta(cache, "target"))
+    if {"mean", "dp_fedavg"} & set(groups):
+        updates = [load_delta(cache, "target")] + [load_delta(cache, f"other{i}") for i in range(1, s.cohort)]
+        if "mean" in groups:
+            add(f"mean_of_{s.cohort}", {k: sum(u[k] for u in updates) / s.cohort for k in initial})
+        if "dp_fedavg" in groups:
+            clip = statistics.median(update_norm(u) for u in updates)
+            for eps in s.dp_fedavg_epsilons:
+                sigma = noise_multiplier_for(eps, s.delta, steps=1)
+                settings = DPFedAvgSettings(clip_norm=clip, noise_multiplier=sigma, delta=s.delta)
+                step = {k: torch.zeros_like(v) for k, v in initial.items()}
+                # a fixed noise seed per epsilon, so that a rerun scores the same draw (the product draws from
+                # the OS's entropy: privacy.dp.noise_generator)
+                report = dp_fedavg_step(step, updates, settings, s.cohort, 1.0,
+                                        noise_generator(s.seed + int(eps * 1000)))
+                add(f"dp_fedavg_eps{eps:g}", step, epsilon=eps, delta=s.delta, noise_multiplier=sigma,
+                    clip_norm=clip, clipped=report.clipped, noise_std_per_coordinate=settings.noise_std / s.cohort,
+                    contributions_norms=list(report.norms))
+    if "dp_sgd" in groups:
+        for eps in s.dp_sgd_epsilons:
+            name = f"dp_sgd_eps{eps:g}"
+            add(name, load_delta(cache, name), target_epsilon=eps, **trained[name]["privacy"])
+    return built
 
 
-def score_all(s: Settings, cache: Path, arms: dict[str, dict[str, Any]], jobs: int) -> dict[str, list[list[float]]]:
+def score_all(s: Settings, cache: Path, arms: Sequence[str], jobs: int) -> None:
+    """Per-example losses of the base model and of each arm, where not cached."""
     wanted = {"base": None, **{name: cache / f"arm-{name}.safetensors" for name in arms}}
-    lora = next(iter(arms.values()))["lora"]
-    # a cached score is only reused for deterministic arms; noised arms are rebuilt and rescored each run
+    lora = json.loads((cache / f"arm-{arms[0]}.json").read_text())["lora"] if arms else None
     tasks = [(score_adapter, (s, path, lora if path else None, cache / f"loss-{name}.json"))
              for name, path in wanted.items() if not _cached(cache / f"loss-{name}.json")]
     log.info("scoring %d of %d models", len(tasks), len(wanted))
     run_parallel(tasks, jobs, lambda done, _: log.info("scored %d/%d", done, len(tasks)))
-    return {name: json.loads((cache / f"loss-{name}.json").read_text()) for name in wanted}
+
+
+def scored_arms(cache: Path) -> dict[str, dict[str, Any]]:
+    """Every arm scored so far in this cache (by this or an earlier run), with its description."""
+    order = {group: i for i, group in enumerate(("single", "mean", "dp_fedavg", "dp_sgd"))}
+    names = [p.name[len("loss-"):-len(".json")] for p in cache.glob("loss-*.json")]
+    names = [n for n in names if n != "base" and (cache / f"arm-{n}.json").is_file()]
+    names.sort(key=lambda n: (next((i for g, i in order.items() if n.startswith(g)), 9), n))
+    return {n: json.loads((cache / f"arm-{n}.json").read_text()) for n in names}
 
 
 def per_example_mean(rows: Sequence[Sequence[float]]) -> list[float]:
     return [nll / tokens if tokens else 0.0 for nll, tokens, _, _ in rows]
 
 
-def summarize(s: Settings, data: Data, arms: dict[str, dict[str, Any]], losses: dict[str, list[list[float]]]) -> dict:
+def summarize(s: Settings, data: Data, cache: Path) -> dict:
+    arms = scored_arms(cache)
+    losses = {name: json.loads((cache / f"loss-{name}.json").read_text()) for name in ["base", *arms]}
     n_m, n_n = len(data.split.members), len(data.split.nonmembers)
     is_member = [True] * n_m + [False] * n_n
     base = per_example_mean(losses["base"])[:n_m + n_n]
@@ -244,6 +279,8 @@ def summarize(s: Settings, data: Data, arms: dict[str, dict[str, Any]], losses: 
         if name != "base":
             record["attack"] = attack(per_example_mean(rows)[:n_m + n_n], base, is_member, s.bootstrap)
             record.update({k: v for k, v in arms[name].items() if k != "lora"})
+            if "epsilon" in arms[name]:  # the most any membership test can reach against this guarantee
+                record["dp_auc_bound"] = dp_auc_bound(arms[name]["epsilon"], arms[name]["delta"])
         out[name] = record
     return out
 
@@ -271,8 +308,16 @@ def git_head() -> str:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny-qwen2 smoke run (seconds)")
+    p.add_argument("--model", default=None, help=f"base model (default {REAL_MODEL}; {SMOKE_MODEL} for a fast full run)")
+    p.add_argument("--lr", type=float, default=None, help="every worker's AdamW learning rate (default 3e-3)")
     p.add_argument("--steps", type=int, default=None, help="optimiser steps per worker update")
     p.add_argument("--domain", default=None, help="DS-1000 domain of the target (default numpy_expert)")
+    p.add_argument("--arms", nargs="+", choices=ARM_GROUPS, default=list(ARM_GROUPS),
+                   help="arm groups to train and score now (others already scored in --cache are reported too)")
+    p.add_argument("--train", nargs="+", default=[], metavar="UPDATE",
+                   help="only train these updates into --cache (target, other1.., dp_sgd_eps8) and exit")
+    p.add_argument("--dp-fedavg-epsilons", nargs="+", type=float, default=None, metavar="EPS",
+                   help="epsilons of the DP-FedAvg arms (default 1 4 8)")
     p.add_argument("--jobs", type=int, default=1, help="processes training/scoring at once (each 1 torch thread)")
     p.add_argument("--cache", type=Path, default=None, help="where deltas and losses are kept between runs")
     p.add_argument("--out", type=Path, default=None, help="results JSON (default bench/results/privacy.json)")
@@ -289,24 +334,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging(args.verbose)
     s = QUICK if args.quick else Settings()
-    s = dataclasses.replace(s, **{k: v for k, v in (("steps", args.steps), ("domain", args.domain)) if v is not None})
+    given = (("steps", args.steps), ("domain", args.domain), ("model", args.model), ("lr", args.lr),
+             ("dp_fedavg_epsilons", tuple(args.dp_fedavg_epsilons) if args.dp_fedavg_epsilons else None))
+    s = dataclasses.replace(s, **{k: v for k, v in given if v is not None})
     cache = args.cache or Path("/tmp") / f"fedmoe-privacy-{s.tag}"
     cache.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     data = load_data(s)
-    trained = train_all(s, data, cache, args.jobs)
-    arms = build_arms(s, cache, trained)
-    for name in arms:  # noised arms are rebuilt above; never reuse a score of an older noise draw
-        if name.startswith("dp_fedavg"):
-            (cache / f"loss-{name}.json").unlink(missing_ok=True)
-    losses = score_all(s, cache, arms, args.jobs)
-    results = summarize(s, data, arms, losses)
+    trained = train_all(s, data, cache, args.jobs, args.arms, args.train)
+    if args.train:  # only train (a way to spread one run's trainings over processes started one by one)
+        return 0
+    score_all(s, cache, build_arms(s, cache, trained, args.arms), args.jobs)
+    results = summarize(s, data, cache)
     print(render(results))
+    updates = {p.stem: json.loads(p.read_text()) for p in sorted(cache.glob("*.json"))
+               if not p.name.startswith(("arm-", "loss-"))}
     report = {"settings": dataclasses.asdict(s), "members": len(data.split.members),
               "nonmembers": len(data.split.nonmembers), "heldout": len(data.heldout),
-              "others": [name for name, _ in data.others], "updates": trained, "arms": results,
+              "others": [name for name, _ in data.others], "updates": updates, "arms": results,
               "commit": git_head(), "load_average_at_end": list(os.getloadavg()),
-              "wall_seconds": round(time.monotonic() - started, 1)}
+              "wall_seconds_this_run": round(time.monotonic() - started, 1)}
     out = args.out or RESULTS_DIR / ("privacy_quick.json" if args.quick else "privacy.json")
     write_json_atomic(out, report)
     print(f"wrote {out}")
