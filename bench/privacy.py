@@ -230,7 +230,7 @@ def build_arms(s: Settings, cache: Path, trained: dict[str, dict[str, Any]], gro
                 # the OS's entropy: privacy.dp.noise_generator)
                 report = dp_fedavg_step(step, updates, settings, s.cohort, 1.0,
                                         noise_generator(s.seed + int(eps * 1000)))
-                add(f"dp_fedavg_eps{eps:g}", step, epsilon=eps, delta=s.delta, noise_multiplier=sigma,
+                add(f"dp_fedavg_eps{eps:g}_of_{s.cohort}", step, epsilon=eps, delta=s.delta, noise_multiplier=sigma,
                     clip_norm=clip, clipped=report.clipped, noise_std_per_coordinate=settings.noise_std / s.cohort,
                     contributions_norms=list(report.norms))
     if "dp_sgd" in groups:
@@ -311,6 +311,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help=f"base model (default {REAL_MODEL}; {SMOKE_MODEL} for a fast full run)")
     p.add_argument("--lr", type=float, default=None, help="every worker's AdamW learning rate (default 3e-3)")
     p.add_argument("--steps", type=int, default=None, help="optimiser steps per worker update")
+    p.add_argument("--cohort", type=int, default=None, help="K: updates per FedBuff step / secure-aggregation cohort "
+                                                             "(default 4)")
     p.add_argument("--domain", default=None, help="DS-1000 domain of the target (default numpy_expert)")
     p.add_argument("--arms", nargs="+", choices=ARM_GROUPS, default=list(ARM_GROUPS),
                    help="arm groups to train and score now (others already scored in --cache are reported too)")
@@ -325,6 +327,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.steps is not None and args.steps < 1:
         p.error(f"--steps must be at least 1, got {args.steps}")
+    if args.cohort is not None and not 1 <= args.cohort <= 7:
+        p.error(f"--cohort must be 1-7 (the target and up to 6 other workers' data), got {args.cohort}")
     if args.jobs < 1:
         p.error(f"--jobs must be at least 1, got {args.jobs}")
     return args
@@ -335,6 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(args.verbose)
     s = QUICK if args.quick else Settings()
     given = (("steps", args.steps), ("domain", args.domain), ("model", args.model), ("lr", args.lr),
+             ("cohort", args.cohort),
              ("dp_fedavg_epsilons", tuple(args.dp_fedavg_epsilons) if args.dp_fedavg_epsilons else None))
     s = dataclasses.replace(s, **{k: v for k, v in given if v is not None})
     cache = args.cache or Path("/tmp") / f"fedmoe-privacy-{s.tag}"

@@ -1,4 +1,5 @@
-"""Differential privacy end to end: a --dp-sgd worker (tiny-qwen2) reports and pushes the epsilon it spent."""
+"""Differential privacy end to end: a --dp-sgd worker (tiny-qwen2) reports and pushes the epsilon it spent; a real
+coordinator with --dp-budget refuses the push that would spend past it."""
 from __future__ import annotations
 
 import json
@@ -8,7 +9,11 @@ import sys
 import pytest
 
 from privacy.accountant import GaussianSteps, epsilon_spent
+from protocol.client import CoordinatorClient
+from protocol.errors import Conflict
+from protocol.tensors import dumps
 from tests.e2e.conftest import ROOT, env
+from tests.helpers import expert_spec, make_adapter, random_like, update_meta
 
 
 def run_worker(url: str, tmp_path, *extra: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
@@ -51,3 +56,22 @@ def test_dp_sgd_flag_mistakes_are_one_line(tmp_path):
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
         (error,) = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
         assert message in error
+
+
+def test_dp_budget_refuses_the_push_past_it_at_a_real_coordinator(start_coordinator):
+    """run_coordinator.py --dp-noise 2 --dp-clip 1 --dp-budget B, B between the epsilon of 2 and 3 steps (fedasync:
+    a step per push): the third push is refused with 409 privacy_budget_spent and nothing of it is applied."""
+    sigma = 2.0
+    two, three = (epsilon_spent([GaussianSteps(sigma, 1.0, n)], 1e-5) for n in (2, 3))
+    _, url = start_coordinator("--dp-noise", str(sigma), "--dp-clip", "1", "--dp-budget", f"{(two + three) / 2:.6f}")
+    client = CoordinatorClient(url)
+    initial = make_adapter()
+    client.create_expert("private_expert", initial, expert_spec())
+    for version in range(2):
+        client.push_update("private_expert", dumps(random_like(initial, version)), update_meta(version, worker_id="w1"))
+    with pytest.raises(Conflict) as refused:
+        client.push_update("private_expert", dumps(random_like(initial, 5)), update_meta(2, worker_id="w1"))
+    assert refused.value.code == "privacy_budget_spent"
+    shown = client.expert("private_expert")
+    assert shown["version"] == 2
+    assert shown["privacy"]["dp_fedavg"]["epsilon"] == pytest.approx(two, abs=1e-5)
