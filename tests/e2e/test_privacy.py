@@ -8,12 +8,13 @@ import sys
 
 import pytest
 
+import run_worker as run_worker_script
 from privacy.accountant import GaussianSteps, epsilon_spent
 from protocol.client import CoordinatorClient
 from protocol.errors import Conflict
 from protocol.tensors import dumps
 from tests.e2e.conftest import ROOT, env
-from tests.helpers import expert_spec, make_adapter, random_like, update_meta
+from tests.helpers import expert_spec, make_adapter, random_like, run_main, update_meta
 
 
 def run_worker(url: str, tmp_path, *extra: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
@@ -46,16 +47,18 @@ def test_dp_sgd_worker_reports_the_epsilon_it_spent_in_results_and_pushes(start_
     assert steps >= sum(r["steps"] for r in pushed[:-1])  # counted over the whole run, never reset per sync
 
 
-def test_dp_sgd_flag_mistakes_are_one_line(tmp_path):
-    for args, message in ((["--dp-sgd", "1.0"], "--dp-sgd wants NOISE_MULTIPLIER,MAX_GRAD_NORM"),
-                          (["--dp-sgd", "1,1", "--lora-rank", "0"], "--lora-rank 0"),
-                          (["--dp-delta", "1e-6"], "--dp-delta applies to --dp-sgd only")):
-        proc = subprocess.run([sys.executable, str(ROOT / "run_worker.py"), "--specialty", "sql_expert",
-                               "--base-model", "tiny-qwen2", "--coordinator-url", "http://127.0.0.1:9", *args],
-                              env=env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-        (error,) = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-        assert message in error
+@pytest.mark.parametrize("args, message", [
+    (["--dp-sgd", "1.0"], "--dp-sgd wants NOISE_MULTIPLIER,MAX_GRAD_NORM"),
+    (["--dp-sgd", "1,1", "--lora-rank", "0"], "--lora-rank 0"),
+    (["--dp-delta", "1e-6"], "--dp-delta applies to --dp-sgd only"),
+])
+def test_dp_sgd_flag_mistakes_are_one_line(args, message):
+    """In this process (tests.helpers.run_main): the flags are refused before a model or a coordinator is needed."""
+    code, _, stderr = run_main(run_worker_script.main, "--specialty", "sql_expert", "--base-model", "tiny-qwen2",
+                               "--coordinator-url", "http://127.0.0.1:9", *args)
+    assert code == 2 and "Traceback" not in stderr, stderr
+    (error,) = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert message in error
 
 
 def test_dp_budget_refuses_the_push_past_it_at_a_real_coordinator(start_coordinator):
