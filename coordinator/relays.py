@@ -76,6 +76,7 @@ def registry() -> RelayRegistry:
 def register_relay() -> tuple[Response, int]:
     from coordinator.api import coordinator, json_body
     from coordinator.auth import authenticator, principal
+    from coordinator.update_limits import UpdateLimits
 
     body = json_body()
     relay_id = check_name(body.get("relay_id"), "relay_id")
@@ -99,7 +100,8 @@ def register_relay() -> tuple[Response, int]:
 
         token = auth.tokens.issue(relay_key(relay_id), "*", principal(), role=RELAY)
     registry().registered(relay_id, url, None if spec is None else {"id": spec.id, "fingerprint": spec.fingerprint})
-    return jsonify({"relay_id": relay_id, "experts": coordinator().list_experts()} | token), 200
+    limits = UpdateLimits.of(coordinator().config).to_json()  # what the relay must refuse before its 202
+    return jsonify({"relay_id": relay_id, "experts": coordinator().list_experts(), "limits": limits} | token), 200
 
 
 @bp.post("/relays/<relay_id>/report")
