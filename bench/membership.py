@@ -53,7 +53,7 @@ def bootstrap(members: Sequence[float], nonmembers: Sequence[float], rounds: int
     m, n = np.asarray(members), np.asarray(nonmembers)
     aucs, tprs = [], []
     for _ in range(rounds):
-        mb, nb = rng.choice(m, len(m)), rng.choice(n, len(n))
+        mb, nb = rng.choice(m, len(m)).tolist(), rng.choice(n, len(n)).tolist()
         aucs.append(auc(mb, nb))
         tprs.append(tpr_at_fpr(mb, nb))
     return {"auc_ci": [float(np.percentile(aucs, 2.5)), float(np.percentile(aucs, 97.5))],

@@ -219,7 +219,7 @@ def build_arms(s: Settings, cache: Path, trained: dict[str, dict[str, Any]], gro
     if {"mean", "dp_fedavg"} & set(groups):
         updates = [load_delta(cache, "target")] + [load_delta(cache, f"other{i}") for i in range(1, s.cohort)]
         if "mean" in groups:
-            add(f"mean_of_{s.cohort}", {k: sum(u[k] for u in updates) / s.cohort for k in initial})
+            add(f"mean_of_{s.cohort}", {k: torch.stack([u[k] for u in updates]).sum(0) / s.cohort for k in initial})
         if "dp_fedavg" in groups:
             clip = statistics.median(update_norm(u) for u in updates)
             for eps in s.dp_fedavg_epsilons:
@@ -338,7 +338,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging(args.verbose)
     s = QUICK if args.quick else Settings()
-    given = (("steps", args.steps), ("domain", args.domain), ("model", args.model), ("lr", args.lr),
+    given: tuple[tuple[str, Any], ...] = (("steps", args.steps), ("domain", args.domain), ("model", args.model), ("lr", args.lr),
              ("cohort", args.cohort),
              ("dp_fedavg_epsilons", tuple(args.dp_fedavg_epsilons) if args.dp_fedavg_epsilons else None))
     s = dataclasses.replace(s, **{k: v for k, v in given if v is not None})
