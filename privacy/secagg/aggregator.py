@@ -137,7 +137,7 @@ class SecureAggregator:
 
     def _form(self, expert: str, members: tuple[str, ...]) -> CohortState:
         settings = self.settings
-        config = CohortConfig(cohort_id=f"{expert}-{secrets.token_hex(6)}", expert=expert, members=members,
+        config = CohortConfig(cohort_id=f"{expert[:64]}-{secrets.token_hex(8)}", expert=expert, members=members,
                               threshold=settings.t, numel=self.numel_of(expert),
                               quant=FixedPoint(settings.clip, settings.max_weight, len(members)))
         state = CohortState(config)
@@ -255,7 +255,10 @@ class SecureAggregator:
                 before = state.phase
                 {Phase.ADVERTISE: state.close_advertise, Phase.SHARE: state.close_share,
                  Phase.MASK: state.close_mask, Phase.UNMASK: state.close_unmask}[before]()
-                self._after(state, before)
+                if state.phase is before:  # unmasking with t answers in: nothing left to wait for, only to apply
+                    del self._deadline[cohort_id]
+                else:
+                    self._after(state, before)
 
     def ready(self) -> list[CohortSum]:
         """Every cohort whose masks can be removed, unmasked (the caller applies each, then ``applied``)."""

@@ -20,3 +20,16 @@ def test_bench_reports_bytes_times_and_an_exact_sum(tmp_path, capsys):
     assert arms["masked"]["bytes_up_per_worker"] < 1.05 * arms["plain"]["bytes_up_per_worker"]
     assert arms["masked"]["max_error"] < 1e-5 and arms["masked, 1 drops"]["max_error"] < 1e-5
     assert "masked, 1 drops" in capsys.readouterr().out
+
+
+def test_quality_bench_secagg_equals_plain_fedbuff_up_to_quantisation(tmp_path):
+    from bench import secagg_quality
+
+    out = tmp_path / "quality.json"
+    secagg_quality.main(["--quick", "--workers", "2", "--rounds", "2", "--steps", "1", "--out", str(out)])
+    result = json.loads(out.read_text())
+    plain, secure = result["arms"]["plain"], result["arms"]["secagg"]
+    assert plain["optimiser_steps"] == secure["optimiser_steps"] == 4
+    assert abs(plain["heldout"]["loss"] - secure["heldout"]["loss"]) < 1e-3
+    assert 0 < max(secure["quantisation_error"]) < 1e-3
+    assert result["final_weight_drift"] < 1e-3 * result["largest_weight"]

@@ -154,3 +154,18 @@ def test_a_worker_is_in_one_unfinished_cohort_at_a_time(tmp_path, clock):
     assert agg.join("python_expert", "w0")["cohort"]["cohort_id"] == first["w0"].cohort_id
     assert agg.join("python_expert", "w9")["phase"] == "forming"
     assert [c["phase"] for c in agg.cohorts("python_expert")] == ["mask"]
+
+
+def test_a_survivor_silent_in_the_unmasking_round_does_not_stop_the_step(tmp_path, clock):
+    agg = aggregator(tmp_path, clock)
+    sessions = open_cohort(agg)
+    delta = deltas()
+    submit(sessions, delta, WORKERS)
+    for name in ["w0", "w1", "w2"]:  # w3 sent its input, then went quiet: 3 = t answers
+        sessions[name].advance()
+    clock.now += 11
+    agg.tick()
+    agg.tick()  # a second tick past the deadline changes nothing
+    [ready] = agg.ready()
+    assert ready.members == tuple(WORKERS)  # w3's input counts: its seed is rebuilt from the others' shares
+    np.testing.assert_allclose(ready.mean, sum(delta[w] for w in WORKERS) / 4, atol=1e-6)
