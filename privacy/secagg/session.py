@@ -18,8 +18,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from privacy.secagg.config import CohortConfig, Phase, b64, unb64
-from privacy.secagg.errors import CohortStateError, SecAggRefused
+from privacy.secagg.errors import SecAggRefused
 from privacy.secagg.member import CohortMember, PublicKeys
+from protocol.errors import Conflict
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ class CohortSession:
             self.member = CohortMember(CohortConfig.from_json(status["cohort"]), self.worker)
         try:
             self._act(status)
-        except CohortStateError as exc:  # the round closed under us: the next status says what happened
+        except Conflict as exc:  # the round closed under us (CohortStateError, a 409): the next status says what happened
             log.info("cohort %s moved on: %s", self.cohort_id, exc.message)
 
     def _act(self, status: dict[str, Any]) -> None:
