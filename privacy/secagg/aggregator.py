@@ -187,6 +187,11 @@ class SecureAggregator:
         with self._lock:
             return {"sealed": {u: b64(box) for u, box in self._cohort(cohort_id).shares_for(worker).items()}}
 
+    def numel_of_cohort(self, cohort_id: str) -> int:
+        """The length of a cohort's update vector (a masked input is 4 * (numel + 1) bytes)."""
+        with self._lock:
+            return self._cohort(cohort_id).config.numel
+
     def post_masked(self, cohort_id: str, worker: str, body: bytes, meta: dict[str, Any]) -> dict[str, Any]:
         """Journal a masked input, then record it: only then may the caller answer 202."""
         with self._lock:
