@@ -14,6 +14,8 @@ are open, plain and TLS, against the same client's figures with no attack (same 
   slow bodies and idle keep-alive (no token needed), plus ``--slow-readers`` that never read a pull.
 - ``compressed_pushes``: 8 concurrent maximum-size fp16 pushes to an expert of ``--model-mb``;
   target: peak RSS growth <= 2x the model size + 64 MiB (issue 13, defect 6).
+- ``backend_faults`` (only when named: it starts PostgreSQL and moto's S3 server): replicas started on a mistyped
+  or empty store, the bucket lost while running, a table lock, with an honest worker pushing (bench/hostile_backends.py).
 - ``new_surface``: the routes added since (upload probe, resumable uploads, ``?since=``, Range, the relay's
   API) and HTTP framing lies, against a root and a relay; slow probes and upload chunks while a normal worker
   syncs through the relay; 64 concurrent 4 MiB probes (bench/hostile_surface.py).
@@ -65,7 +67,8 @@ log = logging.getLogger("bench.hostile")
 MiB = 1 << 20
 P99_TARGET_S = 1.0
 PARTS = ("bad_inputs", "hostile", "slow_clients", "compressed_pushes", "new_surface", "reservation_exhaustion",
-         "relay_poisoning")
+         "relay_poisoning", "backend_faults")
+DEFAULT_PARTS = PARTS[:-1]  # backend_faults starts PostgreSQL and moto's S3 server: asked for by name
 NESTING = 3000
 urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)  # our own self-signed loopback cert
 
@@ -395,6 +398,10 @@ def table(report: dict[str, Any]) -> str:
         from bench.hostile_relay import poisoning_table
 
         text += "\n\n" + poisoning_table(report["relay_poisoning"])
+    if "backend_faults" in report:
+        from bench.hostile_backends import faults_table
+
+        text += "\n\n" + faults_table(report["backend_faults"])
     return text
 
 
@@ -456,6 +463,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
             log.info("relay poisoning: 3e38 pushes behind a relay, plain and --site-model")
             report["relay_poisoning"] = relay_poisoning(root / "relay-poisoning", rounds=3 if args.quick else 6)
+        if "backend_faults" in args.only:
+            from bench.hostile_backends import backend_faults
+
+            log.info("backend faults: replicas on PostgreSQL + S3; mistyped and empty store, bucket loss, table lock")
+            report["backend_faults"] = backend_faults(root / "backends", lock_s=5.0 if args.quick else 15.0)
     parts = [report.get("bad_inputs"), *report.get("hostile", {}).values(), report.get("compressed_pushes"),
              report.get("reservation_exhaustion"),
              *(p["under_attack"] for p in report.get("slow_clients", {}).values()),
@@ -482,7 +494,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "hostile.json", help="results JSON")
     p.add_argument("--quick", action="store_true", help="--connections 100 --slow-readers 20 --model-mb 16 "
                                                        "--prompt-mb 1 --health 10 --pushes 3 (tests/bench)")
-    p.add_argument("--only", nargs="+", choices=PARTS, default=list(PARTS), help="attacks to run (default: all)")
+    p.add_argument("--only", nargs="+", choices=PARTS, default=list(DEFAULT_PARTS),
+                   help="attacks to run (default: all but backend_faults, which starts PostgreSQL and moto)")
     p.add_argument("--health", type=int, default=60, help="the normal client's /health requests per phase")
     p.add_argument("--pushes", type=int, default=12, help="the normal client's 5 MB pushes per phase")
     p.add_argument("--client-timeout", type=float, default=60.0,

@@ -31,6 +31,11 @@ class CoordinatorConfig:
     aggregation: str = option("fedasync", "fedasync applies each update at once; fedbuff waits for --buffer-size",
                               choices=AGGREGATION_NAMES)
     server_lr: float = option(1.0, "step size on aggregated deltas")
+    async_alpha: float | None = option(
+        None, "fedasync's mixing weight alpha (Xie et al. 2019): each update is applied at alpha x server-lr / (1 + "
+              "decay x staleness); 1 is the original tool's rule (default: auto = 1 / the workers alive on the "
+              "expert, so N workers' updates add up to their mean, not N times it)",
+        metavar="ALPHA|auto", parse=lambda text, flag: _async_alpha(text))
     staleness_decay: float = option(0.1, "updates weigh 1/(1 + decay * staleness), staleness = versions behind")
     buffer_size: int = option(3, "K updates per fedbuff step")
     keep_versions: int = option(20, "newest versions per expert kept downloadable")
@@ -102,6 +107,8 @@ class CoordinatorConfig:
             raise ValueError(f"--aggregation must be one of {list(AGGREGATION_NAMES)}, got {self.aggregation!r}")
         if not self.server_lr > 0:
             raise ValueError(f"--server-lr must be > 0, got {self.server_lr}")
+        if self.async_alpha is not None and not 0 < self.async_alpha <= 1:
+            raise ValueError(f"--async-alpha must be in (0, 1] or auto, got {self.async_alpha}")
         if not self.staleness_decay >= 0:
             raise ValueError(f"--staleness-decay must be >= 0, got {self.staleness_decay}")
         if self.buffer_size < 1:
@@ -165,6 +172,19 @@ class CoordinatorConfig:
     @property
     def updates_per_step(self) -> int:
         return self.buffer_size if self.aggregation == "fedbuff" else 1
+
+
+def _async_alpha(text: str) -> float | None:
+    """``auto`` (None: 1 / active workers, decided at each step) or a number in (0, 1]."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        alpha = float(text)
+    except ValueError:
+        raise ValueError(f"--async-alpha must be a number in (0, 1] or auto, got {text!r}") from None
+    if not 0 < alpha <= 1:
+        raise ValueError(f"--async-alpha must be in (0, 1] or auto, got {text}")
+    return alpha
 
 
 def _gateway_weights(text: str) -> dict[str, float] | None:

@@ -13,7 +13,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from coordinator.aggregation import AGGREGATORS, AggregationParams, StateDict, U
 from coordinator.config import CoordinatorConfig
 from coordinator.expert_store import ExpertStore, StaleAggregation
 from coordinator.flat_weights import load_flat, save_flat
+from coordinator.liveness import active_workers
 from coordinator.recovery import quarantine_updates
 from coordinator.store import ExpertRow, UpdateRow, parsed_manifest
 from coordinator.update_limits import as_clipped, check_step_result
@@ -60,6 +61,8 @@ class AggregationSteps:
         self.store = store
         self.updates_per_step = config.updates_per_step
         self.params = AggregationParams(config.server_lr, config.staleness_decay)
+        self.async_alpha = config.async_alpha if config.aggregation == "fedasync" else 1.0
+        """fedasync's mixing weight; None: 1 / the expert's active workers, counted at each step (``params_for``)."""
         self._aggregate_fn = AGGREGATORS[config.aggregation]
         if config.robust != "none":  # a robust combination of fedbuff's buffer (coordinator.aggregation.robust)
             self._aggregate_fn = robust_aggregator(config.robust, config.trim_fraction)
@@ -94,7 +97,15 @@ class AggregationSteps:
             entries += [incoming] if incoming is not None else []
             updates = [Update(delta=self._deltas(meta, path, manifest), num_samples=meta["num_samples"],
                               staleness=max(0, expert.version - meta["base_version"])) for meta, path in entries]
-            return self._aggregate_fn(current, updates, self.params), updates
+            return self._aggregate_fn(current, updates, self.params_for(expert.name)), updates
+
+    def params_for(self, name: str) -> AggregationParams:
+        """The step's parameters: with ``--async-alpha auto`` (fedasync's default), alpha = 1 / N for the N workers
+        alive on the expert (at least 1: a push from an unregistered client counts whole)."""
+        if self.async_alpha is not None:
+            return self.params if self.async_alpha == 1.0 else replace(self.params, alpha=self.async_alpha)
+        active = active_workers(self.store.workers(), name)
+        return replace(self.params, alpha=1.0 / max(1, active))
 
     def run(self, name: str) -> None:
         """Apply whatever steps the pending updates of ``name`` make up."""

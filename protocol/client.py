@@ -422,11 +422,14 @@ class CoordinatorClient:
         """Send this worker's routing profile (gateway.router.profile_to_json) for its expert."""
         return self._json("PUT", f"/experts/{name}/profiles/{worker_id}", json=profile, worker=worker_id, expert=name)
 
-    def route(self, prompt: str, threshold: float | None = None) -> dict[str, Any]:
-        """Which expert (or "gateway") should answer ``prompt``, with the scores."""
+    def route(self, prompt: str, threshold: float | None = None, expected: str | None = None) -> dict[str, Any]:
+        """Which expert (or "gateway") should answer ``prompt``, with the scores; with ``expected`` (the expert
+        the prompt belongs to) also the outcome: right, wrong_expert or fallback."""
         body: dict[str, Any] = {"prompt": prompt}
         if threshold is not None:
             body["threshold"] = threshold
+        if expected is not None:
+            body["expected"] = expected
         return self._json("POST", "/route", json=body)
 
     def profiles(self) -> dict[str, Any]:

@@ -30,7 +30,8 @@ from coordinator.relay.forwarder import Forwarder, ForwardPolicy
 from coordinator.relay.site import SITE_WEIGHT, SiteModel
 from coordinator.relay.store import APPLIED_ELSEWHERE, CachedWeights, RelayStore
 from coordinator.relay.upstream import DiffPulls, RelayStartError, UpstreamClient, WeightsCache
-from coordinator.service import check_body_size, liveness, receive_checked
+from coordinator.liveness import liveness
+from coordinator.service import check_body_size, receive_checked
 from coordinator.update_limits import NORM_SCALE, as_clipped
 from protocol.errors import Conflict, InsufficientStorage, NotFound, Unavailable
 from protocol.files import private_dir
