@@ -25,55 +25,18 @@ from typing import Any
 import numpy as np
 
 from privacy.secagg.cohort import CohortState
-from protocol.cli import option
-from privacy.secagg.config import CohortConfig, Phase, b64, minimum_threshold, unb64
+from privacy.secagg.config import CohortConfig, Phase, b64, unb64
 from privacy.secagg.errors import BadSecAggMessage, CohortStateError
 from privacy.secagg.journal import CohortJournal
 from privacy.secagg.member import PublicKeys, UnmaskAnswer
 from privacy.secagg.quantize import FixedPoint
+from privacy.secagg.settings import SecAggSettings
 from privacy.secagg.unmask import read_masked, unmasked_sum
 
 log = logging.getLogger(__name__)
 
 FINISHED_KEPT = 64
 """Finished cohorts remembered per aggregator, so late members learn their outcome."""
-
-
-GROUP = "secure aggregation (--secure-aggregation)"
-
-
-@dataclass(frozen=True)
-class SecAggSettings:
-    """How an aggregator forms and times its cohorts (flags of the coordinator and the relay)."""
-
-    cohort_size: int = 4
-    """K: workers per cohort (the aggregator's --buffer-size); it learns only the sum of each cohort's inputs."""
-    threshold: int = option(0, "t: fewest members a step is made of and whose shares rebuild a mask secret; "
-                               "0 = a strict majority of the cohort", flag="--secagg-threshold", group=GROUP)
-    clip: float = option(1.0, "each coordinate of a delta is clipped to [-clip, clip] before quantisation to "
-                              "integers mod 2^32", flag="--secagg-clip", group=GROUP)
-    max_weight: int = option(4096, "a member's sample count, which weights its delta in the cohort's sum, is "
-                                   "capped here (with --secagg-clip it sets the quantisation step)",
-                             flag="--secagg-max-weight", group=GROUP)
-    round_timeout: float = option(60.0, "seconds the key, share and unmasking rounds wait for slow members "
-                                        "before going on without them", flag="--secagg-round-timeout", group=GROUP)
-    input_timeout: float = option(3600.0, "seconds members may take to send their masked input after the share "
-                                          "round (they train meanwhile); later ones count as dropped",
-                                  flag="--secagg-input-timeout", group=GROUP)
-
-    def __post_init__(self) -> None:
-        if not 2 <= self.cohort_size <= 1024:
-            raise ValueError(f"a secure-aggregation cohort (--buffer-size) has 2..1024 workers, got {self.cohort_size}")
-        if self.threshold and not minimum_threshold(self.cohort_size) <= self.threshold <= self.cohort_size:
-            raise ValueError(f"--secagg-threshold must be in {minimum_threshold(self.cohort_size)}.."
-                             f"{self.cohort_size} (a strict majority) or 0, got {self.threshold}")
-        FixedPoint(self.clip, self.max_weight, self.cohort_size)  # checks clip and max_weight
-        if not (self.round_timeout > 0 and self.input_timeout > 0):
-            raise ValueError("secure-aggregation timeouts must be positive")
-
-    @property
-    def t(self) -> int:
-        return self.threshold or minimum_threshold(self.cohort_size)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from typing import Any
 
 from privacy.secagg.errors import BadSecAggMessage
 from privacy.secagg.quantize import FixedPoint
+from privacy.secagg.settings import minimum_threshold
 
 COHORT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 """Safe as a file name: the journal keeps one directory per cohort."""
@@ -29,11 +30,6 @@ class Phase(str, enum.Enum):
     UNMASK = "unmask"  # survivors post the shares that remove the masks
     APPLIED = "applied"  # the unmasked sum was applied as one step
     ABANDONED = "abandoned"  # fewer than t members left in some phase: nothing applied
-
-
-def minimum_threshold(members: int) -> int:
-    """The smallest safe t: a strict majority, so two disjoint survivor sets cannot both reach it."""
-    return members // 2 + 1
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from privacy.secagg.errors import BadSecAggMessage
+from privacy.secagg.settings import MAX_WEIGHT
 
 MODULUS_BITS = 32
 SIGNED_LIMIT = 2 ** (MODULUS_BITS - 1) - 1
@@ -40,8 +41,8 @@ class FixedPoint:
     def __post_init__(self) -> None:
         if not (math.isfinite(self.clip) and self.clip > 0):
             raise BadSecAggMessage(f"clip must be a positive number, got {self.clip!r}")
-        if not 1 <= self.max_weight <= 2 ** 20:
-            raise BadSecAggMessage(f"max_weight must be in 1..{2 ** 20}, got {self.max_weight!r}")
+        if not 1 <= self.max_weight <= MAX_WEIGHT:
+            raise BadSecAggMessage(f"max_weight must be in 1..{MAX_WEIGHT}, got {self.max_weight!r}")
         if not 1 <= self.members <= 1024:
             raise BadSecAggMessage(f"a cohort has 1..1024 members, got {self.members!r}")
 
