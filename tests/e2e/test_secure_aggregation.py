@@ -5,7 +5,9 @@ Four workers train from the same expert with the same seeds against a plain FedB
 same up to quantisation, while the secure coordinator accepted no individual update. A member that
 leaves after the key rounds is recovered from its peers' shares (the step is the survivors' mean),
 each masked input the coordinator holds meanwhile is unreadable alone, and a push in the clear is
-refused.
+refused. A relay unmasks its site's cohort and forwards only the sum. kill -9 of the coordinator
+mid-cohort loses no acknowledged masked input and applies nothing with masks left in it. The last
+two drive the members' own protocol sessions with random deltas: no training needed.
 """
 from __future__ import annotations
 
@@ -16,9 +18,15 @@ import time
 import numpy as np
 import pytest
 
+from bench.common import CoordinatorProcess
 from privacy.secagg.errors import BadSecAggMessage
+from privacy.secagg.session import CohortSession
 from privacy.secagg.vector import flatten
 from protocol.client import CoordinatorClient
+from protocol.cohorts import CohortClient
+from protocol.tensors import manifest_of
+from tests.e2e.test_relay import admin, forward_now, start_pair, worker_client
+from tests.helpers import expert_spec, make_adapter, random_like
 from protocol.errors import Forbidden
 from worker.data import load_examples, sample_dataset_path, split_examples
 from worker.federation import FederatedWorker, SyncSettings
@@ -27,6 +35,7 @@ from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
 
 EXPERT = "docs_expert"
 WORKERS = ["w0", "w1", "w2", "w3"]
+RELAY_SECURE = ("--aggregation", "fedbuff", "--buffer-size", "4", "--secure-aggregation")
 SECURE = ("--aggregation", "fedbuff", "--buffer-size", "4", "--secure-aggregation", "--secagg-round-timeout", "20")
 
 
@@ -151,36 +160,41 @@ def test_a_member_dropping_after_the_key_rounds_is_recovered_and_no_input_is_rea
     assert refused.value.status == 403
 
 
-def test_a_relay_unmasks_its_sites_cohort_and_forwards_only_the_sum(tmp_path):
-    """Four members of a relay's cohort (the protocol's own sessions, random deltas: no training needed)."""
-    from privacy.secagg.session import CohortSession
-    from protocol.cohorts import CohortClient
-    from protocol.tensors import manifest_of
-    from tests.e2e.test_relay import admin, forward_now, start_pair, worker_client
-    from tests.helpers import expert_spec, make_adapter, random_like
+def advance_all(sessions):
+    for session in sessions:
+        session.advance()
 
-    secure = ("--aggregation", "fedbuff", "--buffer-size", "4", "--secure-aggregation")
-    root, relay = start_pair(tmp_path, *secure, "--forward-interval", "3600", root_flags=secure)
+
+def member_sessions(clients, expert):
+    """The protocol's own member sessions over HTTP, one per registered client (no training: random deltas)."""
+    return [CohortSession(CohortClient(c), expert, name) for c, name in zip(clients, WORKERS)]
+
+
+def random_deltas(adapter, manifest, count):
+    return [flatten(random_like(adapter, i, scale=0.01), manifest) for i in range(count)]
+
+
+def root_step(root_admin, adapter, manifest):
+    return flatten({k: v - adapter[k] for k, v in root_admin.pull_weights("e1").tensors.items()}, manifest)
+
+
+def test_a_relay_unmasks_its_sites_cohort_and_forwards_only_the_sum(tmp_path):
+    root, relay = start_pair(tmp_path, *RELAY_SECURE, "--forward-interval", "3600", root_flags=RELAY_SECURE)
     try:
         adapter = make_adapter()
         clients = [worker_client(relay.url, tmp_path, name) for name in WORKERS]
         clients[0].create_expert("e1", adapter, expert_spec())
         manifest = manifest_of(adapter)
-        sessions = [CohortSession(CohortClient(c), "e1", name) for c, name in zip(clients, WORKERS)]
-
-        def advance_all():
-            for session in sessions:
-                session.advance()
-
-        wait_for(lambda: advance_all() or all(s.can_submit for s in sessions), what="the relay cohort's shares")
-        deltas = [flatten(random_like(adapter, i, scale=0.01), manifest) for i in range(4)]
+        sessions = member_sessions(clients, "e1")
+        wait_for(lambda: advance_all(sessions) or all(s.can_submit for s in sessions), what="the relay cohort's shares")
+        deltas = random_deltas(adapter, manifest, 4)
         for i, (session, delta) in enumerate(zip(sessions, deltas)):
             session.submit(delta, 10, {"base_version": 0, "update_id": f"u{i}"}, rounding_seed=i)
-        wait_for(lambda: advance_all() or all(s.outcome for s in sessions), what="the relay to unmask its cohort")
+        wait_for(lambda: advance_all(sessions) or all(s.outcome for s in sessions), what="the relay to unmask its cohort")
         assert forward_now(relay)["delivered"] == 1
         root_admin = admin(root)
         assert root_admin.expert("e1")["samples_seen"] == 40 and root_admin.expert("e1")["updates_applied"] == 1
-        step = flatten({k: v - adapter[k] for k, v in root_admin.pull_weights("e1").tensors.items()}, manifest)
+        step = root_step(root_admin, adapter, manifest)
         assert 0 < np.abs(step - np.mean(deltas, axis=0)).max() < 1e-6  # the cohort's mean, up to quantisation
         # The relay accepted only the cohort's sum, and the root only the relay's batch of it.
         relay_admin = CoordinatorClient(relay.url, token=(relay.data_dir / "admin_token").read_text().strip())
@@ -191,4 +205,35 @@ def test_a_relay_unmasks_its_sites_cohort_and_forwards_only_the_sum(tmp_path):
                                                      "worker_id": "w0"})
     finally:
         relay.stop()
+        root.stop()
+
+
+def test_kill_9_mid_cohort_loses_no_acknowledged_input_and_applies_no_partial_sum(tmp_path):
+    root = CoordinatorProcess(tmp_path / "root", *RELAY_SECURE, new_session=True)
+    root.start()
+    try:
+        (tmp_path / "join").write_text((tmp_path / "root" / "join_token").read_text())
+        adapter = make_adapter()
+        clients = [worker_client(root.url, tmp_path, name) for name in WORKERS]
+        clients[0].create_expert("e1", adapter, expert_spec())
+        manifest = manifest_of(adapter)
+        sessions = member_sessions(clients, "e1")
+        wait_for(lambda: advance_all(sessions) or all(s.can_submit for s in sessions), what="the cohort's shares")
+        deltas = random_deltas(adapter, manifest, 4)
+        for i in (0, 1):  # two inputs acknowledged (202), then the coordinator is killed
+            sessions[i].submit(deltas[i], 10, {"base_version": 0, "update_id": f"u{i}"}, rounding_seed=i)
+        root.kill()
+        root.start()  # same data dir, a new port: the members follow it
+        for client in clients:
+            client.base_url = root.url
+        root_admin = admin(root)
+        (cohort,) = root_admin._json("GET", "/cohorts")["cohorts"]
+        assert cohort["phase"] == "mask" and cohort["inputs"] == 2, cohort  # resumed, both inputs kept
+        assert root_admin.expert("e1")["version"] == 0  # nothing applied with masks left in it
+        for i in (2, 3):
+            sessions[i].submit(deltas[i], 10, {"base_version": 0, "update_id": f"u{i}"}, rounding_seed=i)
+        wait_for(lambda: advance_all(sessions) or all(s.outcome for s in sessions), what="the resumed cohort")
+        assert root_admin.expert("e1")["samples_seen"] == 40 and root_admin.expert("e1")["updates_applied"] == 1
+        assert 0 < np.abs(root_step(root_admin, adapter, manifest) - np.mean(deltas, axis=0)).max() < 1e-6
+    finally:
         root.stop()
