@@ -86,6 +86,10 @@ class WorkerFlags:
     fresh: bool = option(False, "discard the checkpoint in --state-dir and start over", group=CHECKPOINT)
     no_overlap: bool = option(False, "pause training during each push and pull (default: sync in the background)",
                               group=CHECKPOINT)
+    secure_aggregation: bool = option(False, "push only masked, through secure-aggregation cohorts: the coordinator "
+                                             "(started with --secure-aggregation) learns only each cohort's sum "
+                                             "(docs/secure-aggregation.md); composes with dense codecs only",
+                                      group=COMPRESSION)
     compression: str = option("safetensors", "update codec: safetensors (uncompressed), a compression spec such "
                                              "as int8, topk+int8, or auto (picked at each sync to fit --sync-budget)",
                               group=COMPRESSION)
@@ -248,6 +252,21 @@ def early_stopping(args: argparse.Namespace):
     return EarlyStoppingSettings(args.early_stopping_patience, args.early_stopping_threshold)
 
 
+def _check_secure_codec(codec: str) -> None:
+    """--secure-aggregation masks every coordinate: a sparsifying codec (or auto, which picks one) is refused."""
+    from privacy.secagg.compat import check_codec
+    from privacy.secagg.errors import BadSecAggMessage
+
+    if codec == "auto":
+        raise ValueError("--secure-aggregation composes with dense codecs only, not --compression auto "
+                         "(it picks sparsifiers); pick safetensors, fp16 or int8")
+    if codec != "safetensors":
+        try:
+            check_codec(codec)
+        except BadSecAggMessage as exc:
+            raise ValueError(exc.message) from None
+
+
 def default_worker_id(specialty: str) -> str:
     host = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname()) or "worker"
     return f"{host}-{specialty}"[:64]
@@ -289,6 +308,8 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
     compression = CompressionSettings(codec=args.compression, config=parse_json_flag(args.compression_config,
                                                                                 "--compression-config"),
                                       error_feedback=not args.no_error_feedback, sync_budget=args.sync_budget)
+    if args.secure_aggregation:
+        _check_secure_codec(args.compression)
     pull = PullSettings(codec=args.pull_compression, full_every=args.full_pull_every,
                         config=parse_json_flag(args.pull_compression_config, "--pull-compression-config"))
     worker_id = args.worker_id or default_worker_id(args.specialty)
@@ -300,7 +321,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
                           duration=args.duration, max_steps=args.max_steps, sync_interval=args.sync_interval,
                           speed_factor=args.speed_factor, results_path=args.results,
                           state_dir=args.state_dir or default_state_dir(worker_id), resume=not args.fresh,
-                          overlap=not args.no_overlap),
+                          overlap=not args.no_overlap, secure_aggregation=args.secure_aggregation),
         lora=lora, train=train, dp_sgd=dp_sgd_settings(args, lora, train), use_huggingface=args.use_huggingface,
         use_proxy=args.use_proxy, device=args.device, compression=compression, pull=pull, token=args.token,
         ca_cert=args.ca_cert, progress=False if args.log_format == "json" else None, threads=args.threads,

@@ -76,6 +76,8 @@ class Coordinator:
         self.steps = AggregationSteps(self.store, config, self._stepped, ledgers=self.privacy)
         self.on_aggregated: Callable[[float], None] = lambda seconds: None
         """Called with the seconds each aggregation step took (metrics hook)."""
+        self.on_close: list[Callable[[], None]] = []
+        """Stopped before the store closes (e.g. the secure-aggregation applier, coordinator.cohorts)."""
         self.health = StoreHealth(self.expert_count)
         """What /health answers, without waiting on a database that is held up (coordinator/health.py)."""
         # finish what a crash interrupted; refuse to start on what this process cannot see (coordinator/recovery.py)
@@ -83,6 +85,8 @@ class Coordinator:
         self.gateway.start()
 
     def close(self) -> None:
+        for stop in self.on_close:
+            stop()
         self.gateway.close()
         self.store.close()
 
