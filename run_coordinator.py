@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(args, logging.DEBUG if args.debug else logging.INFO)
     from coordinator.relay.upstream import RelayStartError
-    from coordinator.server import ServerStartError, serve
+    from coordinator.http.serve import ServerStartError
+    from coordinator.server import serve
 
     try:
         config = from_flags(CoordinatorConfig, args)

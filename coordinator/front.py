@@ -105,6 +105,10 @@ class FrontOptions:
     """Writes some spooled bodies where the application wants them instead (needs ``spool_dir``)."""
     admission: Admission | None = None
     """Refuses requests from their head before a large body is read."""
+    tls_cert: Path | None = None
+    """PEM certificate (chain): serve HTTPS (``coordinator.http.serve`` makes the TLS context from it)."""
+    tls_key: Path | None = None
+    """PEM private key of ``tls_cert``."""
 
 
 class FileBody:
