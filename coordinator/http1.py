@@ -17,6 +17,7 @@ HEAD_LIMIT = 64 << 10  # bytes of request line + headers (a pushed update's meta
 MAX_HEADERS = 100
 _REQUEST_LINE = re.compile(r"([A-Z]{1,20}) (\S{1,8190}) HTTP/(1\.[01])")
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_BAD_HEAD_BYTE = re.compile(rb"\x00|\r(?!\n)|(?<!\r)\n")  # NUL, or a CR or LF that is not part of a CRLF
 _REASONS = {100: "Continue", 200: "OK", 400: "Bad Request", 404: "Not Found", 408: "Request Timeout",
             413: "Payload Too Large", 431: "Request Header Fields Too Large", 500: "Internal Server Error",
             501: "Not Implemented", 503: "Service Unavailable", 505: "HTTP Version Not Supported",
@@ -66,8 +67,24 @@ class RequestHead:
         return "close" not in tokens if self.version == "1.1" else "keep-alive" in tokens
 
 
+def check_head_bytes(raw: bytes) -> None:
+    """Refuse a head with a NUL, or a CR or LF outside a CRLF line end (400).
+
+    RFC 9110 section 5.5: a field value holding CR, LF or NUL is invalid and dangerous, to be rejected or each
+    replaced by a space. We reject: a bare LF is a line end to some parsers (RFC 9112 section 2.2 allows it) and
+    part of the value to others, so a head that two parsers split differently is never passed on (issue 30, 6).
+    """
+    bad = _BAD_HEAD_BYTE.search(raw)
+    if bad is not None:
+        start = raw.rfind(b"\r\n", 0, bad.start()) + 2 if bad.start() else 0
+        what = {b"\0": "a NUL byte", b"\r": "a CR not followed by LF"}.get(bad.group(), "an LF not preceded by CR")
+        raise HttpError(400, "bad_request", f"{what} in the request head, at {raw[start:bad.end()][:80]!r}: header "
+                        "lines end with CRLF and a value may not hold CR, LF or NUL (RFC 9110 section 5.5)")
+
+
 def parse_head(raw: bytes) -> RequestHead:
     """Parse ``raw`` (request line and headers, ending in a blank line) or raise HttpError (400, 431)."""
+    check_head_bytes(raw)
     lines = raw.decode("latin-1").split("\r\n")
     match = _REQUEST_LINE.fullmatch(lines[0])
     if match is None:

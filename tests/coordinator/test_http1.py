@@ -50,6 +50,21 @@ def test_heads_we_cannot_read_for_sure_are_refused(lines, status):
     assert caught.value.status == status
 
 
+@pytest.mark.parametrize("line, what", [
+    ("X-A: one\nTransfer-Encoding: chunked", "an LF not preceded by CR"),  # a second header to some parsers
+    ("X-A: a\nb", "an LF not preceded by CR"),
+    ("X-A: a\x00b", "a NUL byte"),
+    ("X-A: a\rb", "a CR not followed by LF"),
+    ("X-A\x00: a", "a NUL byte"),
+])
+def test_a_cr_lf_or_nul_inside_a_header_is_refused_not_passed_on(line, what):
+    """RFC 9110 section 5.5 (issue 30, 6): these were accepted and reached the application inside the value."""
+    with pytest.raises(HttpError) as caught:
+        parse_head(head("GET / HTTP/1.1", "Host: a", line))
+    assert (caught.value.status, caught.value.code) == (400, "bad_request")
+    assert caught.value.message.startswith(what) and "RFC 9110" in caught.value.message
+
+
 @pytest.mark.parametrize("encoding", ["gzip", "chunked, gzip", "gzip, chunked", "identity", "chunked, chunked",
                                       "x\x7f\xff garbage", ""])
 def test_a_transfer_encoding_other_than_chunked_is_the_clients_400_not_a_501(encoding):

@@ -186,3 +186,19 @@ def test_a_relay_refuses_a_large_body_from_its_head_too(tmp_path):
     finally:
         relay.stop()
         root.stop()
+
+
+def test_a_bare_lf_or_a_nul_in_a_header_value_is_a_json_400_and_never_reaches_the_app(default_flags):
+    """Issue 30, 6: ``X-A: one<LF>Transfer-Encoding: chunked`` reached the application as one header (a proxy that
+    splits on LF sees two); a NUL went through too. Both are the front's 400, JSON, and the connection closes."""
+    import json
+
+    for line in (b"X-A: one\nTransfer-Encoding: chunked", b"X-A: one\x00two"):
+        with socket.create_connection(("127.0.0.1", _port(default_flags)), timeout=30) as sock:
+            sock.sendall(b"GET /api/v1/health HTTP/1.1\r\nHost: h\r\n" + line + b"\r\n\r\n")
+            answer = b""
+            while piece := sock.recv(65536):  # the front closes after its own errors
+                answer += piece
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400 ") and b"Connection: close" in head, answer  # was 200 (health)
+        assert json.loads(body)["error"]["code"] == "bad_request"
