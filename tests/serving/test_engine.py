@@ -34,7 +34,8 @@ def reference():
             for name, t in adapters.items()}, adapters
 
 
-def run(jobs: list[Job], mix: bool, adapters) -> tuple[list[str], GenerationEngine]:
+def run(jobs: list[Job], mix: bool, adapters, sampling: Sampling = Sampling(temperature=0)) -> tuple[list[str],
+                                                                                                 GenerationEngine]:
     base = load_base_model("tiny-qwen2")
     registry = AdapterRegistry()
     engine = GenerationEngine(base.model, base.tokenizer, registry, EngineOptions(max_batch=8, mix_adapters=mix))
@@ -45,7 +46,7 @@ def run(jobs: list[Job], mix: bool, adapters) -> tuple[list[str], GenerationEngi
     pinned = []
     for model in jobs:
         request = CompletionRequest("chat", model, ({"role": "user", "content": PROMPT},), None, 8,
-                                    Sampling(temperature=0), (), False, False)
+                                    sampling, (), False, False)
         pinned.append(Job(request, prompt_ids, registry.pin(model), time.monotonic() + 60))
     for job in pinned:
         engine.submit(job)  # all queued before the thread starts: they make one batch
@@ -68,6 +69,13 @@ def test_a_batch_of_two_adapters_answers_as_each_alone(reference, mix):
     texts, engine = run(["a", "b", "a", "b"], mix, adapters)
     assert texts == [answers["a"], answers["b"], answers["a"], answers["b"]]
     assert engine.batches == ({4: 1} if mix else {2: 2})
+
+
+def test_a_tiny_temperature_answers_as_greedy_decoding(reference):
+    """Issue 30, 4: a temperature of 1e-45 reached sampling, whose probabilities were NaN: the batch failed (500)."""
+    answers, adapters = reference
+    texts, _ = run(["a"], False, {"a": adapters["a"]}, Sampling(temperature=1e-45, top_p=0.9))
+    assert texts == [answers["a"]]  # the greedy answer (was: FAILED, no END)
 
 
 def test_a_new_version_is_published_and_the_old_slot_dropped_after_its_last_request(reference):
