@@ -12,15 +12,11 @@ the body. Bodies the front keeps in memory (up to 1 MiB) are not asked about: th
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 from flask import Flask, request
-from werkzeug.exceptions import HTTPException
 
 from coordinator.api import JSON_BODY_LIMIT, PROMPT_BODY_LIMIT
-from coordinator.front import Answer
-from protocol.errors import FedMoEError, PayloadTooLarge
+from coordinator.http.flask_admission import FlaskAdmission, route_exists
+from protocol.errors import PayloadTooLarge
 from protocol.probe import MAX_PROBE_BYTES
 
 BODY_LIMITS: dict[str, int] = {
@@ -33,29 +29,19 @@ BODY_LIMITS: dict[str, int] = {
 """Endpoints (named as in coordinator/auth.py's RULES, the same in a relay) whose views take less than --max-body-mb."""
 
 
-@dataclass(frozen=True)
-class HeadAdmission:
+class HeadAdmission(FlaskAdmission):
     """``Admission`` for a FedMoE app (the root's or a relay's): same routes, same auth, same error answers."""
 
-    app: Flask
+    def __init__(self, app: Flask) -> None:
+        super().__init__(app, lambda: _check(app))
 
-    def admit(self, environ: dict[str, Any]) -> Answer | None:
-        with self.app.request_context(environ):
-            try:
-                self._check()
-            except (FedMoEError, HTTPException) as exc:
-                response = self.app.make_response(self.app.handle_user_exception(exc))
-                return Answer(response.status, list(response.headers.items()), [response.get_data()])
-        return None
 
-    def _check(self) -> None:
-        if request.routing_exception is not None:  # the answer does not depend on the body
-            raise request.routing_exception
-        auth = self.app.extensions.get("fedmoe_auth")
-        if auth is not None:  # the request's token and rule, without the rate limiter
-            auth.authorize_request()
-        limit = BODY_LIMITS.get(request.endpoint or "")
-        if limit is not None and request.content_length is not None and request.content_length > limit:
-            raise PayloadTooLarge(f"a body on this route may be at most {limit} bytes, got {request.content_length}",
-                                  limit=limit)
-
+def _check(app: Flask) -> None:
+    route_exists()  # the answer does not depend on the body
+    auth = app.extensions.get("fedmoe_auth")
+    if auth is not None:  # the request's token and rule, without the rate limiter
+        auth.authorize_request()
+    limit = BODY_LIMITS.get(request.endpoint or "")
+    if limit is not None and request.content_length is not None and request.content_length > limit:
+        raise PayloadTooLarge(f"a body on this route may be at most {limit} bytes, got {request.content_length}",
+                              limit=limit)

@@ -33,8 +33,8 @@ import signal
 import socket
 import ssl
 import tempfile
-from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, BinaryIO, Protocol, cast
@@ -97,6 +97,8 @@ class FrontOptions:
     """Seconds an idle kept-alive connection stays open."""
     max_body: int = 1 << 30
     """Largest request body; a larger Content-Length is answered 413 before any of it is read."""
+    max_body_flag: str = "coordinator flag --max-body-mb"
+    """Where the 413 tells the client the limit comes from."""
     spool_dir: Path | None = None
     """Where bodies over 1 MiB are spooled (unlinked files); None = the system temp dir."""
     max_connections: int = 10_000
@@ -131,6 +133,27 @@ class Answer:
     headers: list[tuple[str, str]]
     chunks: list[bytes]
     file: FileBody | None = None
+    stream: StreamedBody | None = None
+    """The rest of an answer of unknown length (no Content-Length: server-sent events), pulled chunk by chunk."""
+
+
+class StreamedBody:
+    """An application's answer iterator whose chunks the loop sends as they come (chunked transfer coding), each
+    pulled on a request thread: a thread waits for the application (e.g. for the next generated token), never for
+    the client, and the next chunk is pulled only once the last one is written (a slow reader holds it back)."""
+
+    def __init__(self, chunks: Iterator[bytes], result: Iterable[bytes]) -> None:
+        self.chunks, self.result = chunks, result
+
+    def next_chunk(self) -> bytes | None:
+        """On a request thread: the next non-empty chunk, None at the end."""
+        return next((chunk for chunk in self.chunks if chunk), None)
+
+    def close(self) -> None:
+        """On a request thread, never while ``next_chunk`` runs: the application's clean-up (a client gone mid-stream
+        stops its generation here, GeneratorExit in the app's generator)."""
+        if hasattr(self.result, "close"):
+            self.result.close()
 
 
 def raise_fd_limit() -> int:
@@ -227,10 +250,17 @@ class BufferingFront:
             finally:
                 result.close()
             return answer
+        chunks, streamed = iter(result), False
         try:
-            answer.chunks.extend(chunk for chunk in result if chunk)
+            first = next((chunk for chunk in chunks if chunk), None)  # start_response has been called after it
+            if first is not None:
+                answer.chunks.append(first)
+                if _of_unknown_length(answer, environ):
+                    answer.stream, streamed = StreamedBody(chunks, result), True
+                    return answer
+            answer.chunks.extend(chunk for chunk in chunks if chunk)
         finally:
-            if hasattr(result, "close"):
+            if not streamed and hasattr(result, "close"):
                 result.close()
         return answer
 
@@ -291,17 +321,18 @@ class Connection:
 
     async def _exchange(self, head: RequestHead) -> bool:
         """Receive the body, answer the request; whether the connection may serve another."""
-        length = head.content_length
-        if length > self.front.options.max_body:
-            raise HttpError(413, "payload_too_large",
-                            f"body of {length} bytes is over the limit of {self.front.options.max_body} bytes "
-                            "(coordinator flag --max-body-mb)")
-        large = head.chunked or length > SPOOL_IN_MEMORY
-        refusal, place = await self._before_body(head) if large else (None, None)
+        length, max_body = head.content_length, self.front.options.max_body
+        # the application judges a head first when its body would be spooled, is over the limit or is awaited
+        # (Expect: 100-continue): its own refusal (401, 413 in its own words) beats the front's 413
+        asks = head.chunked or length > min(SPOOL_IN_MEMORY, max_body) or (head.expects_continue and length > 0)
+        refusal, place = await self._before_body(head, length <= max_body) if asks else (None, None)
         if refusal is not None:  # answered from the head: the body is never read
             await self._send(head, refusal, False)
             await self._linger()
             return False
+        if length > max_body:
+            raise HttpError(413, "payload_too_large", f"body of {length} bytes is over the limit of {max_body} bytes "
+                            f"({self.front.options.max_body_flag})")
         if head.expects_continue and (length or head.chunked):
             await self._write(b"HTTP/1.1 100 Continue\r\n\r\n")
         spool = self._spool_file(head, place)
@@ -329,6 +360,7 @@ class Connection:
         assert self.front.stopping is not None  # set before the server accepts connections
         keep = head.keep_alive() and not self.front.stopping.is_set() and not any(
             k.lower() == "connection" and "close" in v.lower() for k, v in answer.headers)
+        keep = keep and (answer.stream is None or head.version == "1.1")  # HTTP/1.0: a stream ends with the close
         await self._send(head, answer, keep)
         return keep
 
@@ -340,12 +372,13 @@ class Connection:
         algorithm = requested_algorithm(head.header(DIGEST_HEADER.lower()))
         return Spool(self.front.options.spool_dir, algorithm, head.content_length, self.front.hashing, place)
 
-    async def _before_body(self, head: RequestHead) -> tuple[Answer | None, BodyPlace | None]:
+    async def _before_body(self, head: RequestHead, may_place: bool) -> tuple[Answer | None, BodyPlace | None]:
         """Ask the application (one trip to a request thread) whether it refuses this request from its head alone
         (``Admission``) and, if not, where the body goes (``BodyPlacer``, a spooled body of known length)."""
         admission, placer = self.front.options.admission, self.front.options.placer
-        if placer is not None and (head.chunked or self.front.options.spool_dir is None
-                                   or not placer.wants(head.method, head.target.partition("?")[0])):
+        if placer is not None and not (may_place and not head.chunked and head.content_length > SPOOL_IN_MEMORY
+                                       and self.front.options.spool_dir is not None
+                                       and placer.wants(head.method, head.target.partition("?")[0])):
             placer = None
         if admission is None and placer is None:
             return None, None
@@ -480,7 +513,7 @@ class Connection:
             size += chunk_size
             if size > self.front.options.max_body:
                 raise HttpError(413, "payload_too_large", f"body is larger than the limit of "
-                                f"{self.front.options.max_body} bytes (coordinator flag --max-body-mb)")
+                                f"{self.front.options.max_body} bytes ({self.front.options.max_body_flag})")
             left = chunk_size
             while left:
                 chunk = await self._read_body(min(READ_CHUNK, left))
@@ -508,6 +541,9 @@ class Connection:
         return chunk
 
     async def _send(self, head: RequestHead, answer: Answer, keep: bool) -> None:
+        if answer.stream is not None:
+            await self._send_stream(head, answer, answer.stream, keep)
+            return
         headers = answer.headers
         file, size = answer.file, sum(map(len, answer.chunks))
         names = {k.lower() for k, _ in headers}
@@ -527,6 +563,35 @@ class Connection:
         finally:
             if file is not None:
                 file.close()
+
+    async def _send_stream(self, head: RequestHead, answer: Answer, stream: StreamedBody, keep: bool) -> None:
+        """An answer of unknown length, each chunk written (and drained) before the next is pulled: chunked transfer
+        coding for HTTP/1.1, the connection's close marking its end for HTTP/1.0."""
+        chunked = head.version == "1.1"
+        headers = [(k, v) for k, v in answer.headers if k.lower() != "transfer-encoding"]
+        pull: Future | None = None
+        self.front.busy += 1  # the application still runs: shutdown's grace period waits for it
+        try:
+            await self._write(response_head(answer.status, headers + [("Transfer-Encoding", "chunked")] * chunked,
+                                            keep))
+            chunks: list[bytes | None] = list(answer.chunks)
+            while True:
+                for chunk in chunks:
+                    if chunk is None:
+                        if chunked:
+                            await self._write(b"0\r\n\r\n")
+                        return
+                    await self._write(b"%x\r\n%b\r\n" % (len(chunk), chunk) if chunked else chunk)
+                pull = self.front.pool.submit(stream.next_chunk)
+                chunks = [await asyncio.wrap_future(pull)]
+        finally:
+            self.front.busy -= 1
+            # on a request thread, and never while a pull runs there (a generator cannot be closed while it runs):
+            # a client gone mid-stream, or the connection cancelled at shutdown, ends it once the pull returns
+            if pull is not None and not pull.done():
+                pull.add_done_callback(lambda _: _close_quietly(stream))
+            else:
+                _submit_or_run(self.front.pool, _close_quietly, stream)
 
     async def _send_file(self, f: BinaryIO, offset: int, count: int) -> None:
         loop = asyncio.get_running_loop()
@@ -592,6 +657,29 @@ def no_delay(sock: Any) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError:  # the connection is already gone: serving it fails on its own
             pass
+
+
+def _close_quietly(stream: StreamedBody) -> None:
+    try:
+        stream.close()
+    except Exception:  # noqa: BLE001 - the application's clean-up failed: its bug, logged; the connection is over
+        log.exception("closing a streamed answer failed")
+
+
+def _submit_or_run(pool: ThreadPoolExecutor, call: Callable[..., Any], *args: Any) -> None:
+    """Run ``call`` on ``pool``, or here when the pool is shut down already (the server is stopping)."""
+    try:
+        pool.submit(call, *args)
+    except RuntimeError:
+        call(*args)
+
+
+def _of_unknown_length(answer: Answer, environ: dict[str, Any]) -> bool:
+    """Whether an answer is streamed: a body with no Content-Length (an application that knows its length, Flask for
+    bytes, says it), not a HEAD request's and not a status that has no body."""
+    status = answer.status.split(" ", 1)[0]
+    return (environ.get("REQUEST_METHOD") != "HEAD" and status not in ("204", "304") and not status.startswith("1")
+            and not any(k.lower() == "content-length" for k, _ in answer.headers))
 
 
 def _has_fileno(f: BinaryIO) -> bool:

@@ -78,4 +78,4 @@ def _serve_debug(app: WsgiApp, listener: socket.socket, options: FrontOptions) -
     set_socket_timeouts(listener, options.socket_timeout)
     host, port = listener.getsockname()[:2]
     tls = (str(options.tls_cert), str(options.tls_key)) if options.tls_cert is not None else None
-    make_server(host, port, app, threaded=True, fd=listener.fileno(), ssl_context=tls).serve_forever()  # type: ignore[arg-type]
+    make_server(host, port, app, threaded=True, fd=listener.fileno(), ssl_context=tls).serve_forever()
