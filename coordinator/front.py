@@ -62,6 +62,9 @@ LINGER_SECONDS = 5.0  # how long an answer sent before its request's body is fol
 GRACE_SECONDS = 10.0  # on SIGTERM, how long requests being answered get to finish
 
 WsgiApp = Callable[[dict[str, Any], Callable], Iterable[bytes]]
+ADMISSION_MARKS = "fedmoe."
+"""environ keys an ``Admission`` sets on the head's environ that the request's own environ gets too (e.g. that its
+rate-limit token is taken: coordinator/auth.py, RATE_TAKEN); no request header can make such a key."""
 SPOOLED_BODY = "fedmoe.spooled_body"
 """environ key of a ``SpooledBody`` (bodies over SPOOL_IN_MEMORY when a spool_dir is set)."""
 
@@ -84,7 +87,8 @@ class Admission(Protocol):
 
     def admit(self, environ: dict[str, Any]) -> Answer | None:
         """On a request thread (``environ`` has the head, an empty ``wsgi.input``): None to read the body and run the
-        request as usual, or the answer to send instead; the front then closes the connection (the body is unread)."""
+        request as usual, or the answer to send instead; the front then closes the connection (the body is unread).
+        Keys it adds to ``environ`` under ADMISSION_MARKS reach the request's own environ."""
 
 
 @dataclass(frozen=True)
@@ -255,7 +259,7 @@ class BufferingFront:
             first = next((chunk for chunk in chunks if chunk), None)  # start_response has been called after it
             if first is not None:
                 answer.chunks.append(first)
-                if _of_unknown_length(answer, environ):
+                if not isinstance(result, (list, tuple)) and _of_unknown_length(answer, environ):
                     answer.stream, streamed = StreamedBody(chunks, result), True
                     return answer
             answer.chunks.extend(chunk for chunk in chunks if chunk)
@@ -325,7 +329,7 @@ class Connection:
         # the application judges a head first when its body would be spooled, is over the limit or is awaited
         # (Expect: 100-continue): its own refusal (401, 413 in its own words) beats the front's 413
         asks = head.chunked or length > min(SPOOL_IN_MEMORY, max_body) or (head.expects_continue and length > 0)
-        refusal, place = await self._before_body(head, length <= max_body) if asks else (None, None)
+        refusal, place, marks = await self._before_body(head, length <= max_body) if asks else (None, None, {})
         if refusal is not None:  # answered from the head: the body is never read
             await self._send(head, refusal, False)
             await self._linger()
@@ -348,7 +352,7 @@ class Connection:
             else:
                 assert body is not None
                 body.seek(0)
-            environ = wsgi_environ(head, body, size, self.server, self.peer, self.front.scheme, FileBody)
+            environ = wsgi_environ(head, body, size, self.server, self.peer, self.front.scheme, FileBody) | marks
             if spooled is not None:
                 environ[SPOOLED_BODY] = spooled
             answer = await self.front.call_app(environ)
@@ -372,20 +376,23 @@ class Connection:
         algorithm = requested_algorithm(head.header(DIGEST_HEADER.lower()))
         return Spool(self.front.options.spool_dir, algorithm, head.content_length, self.front.hashing, place)
 
-    async def _before_body(self, head: RequestHead, may_place: bool) -> tuple[Answer | None, BodyPlace | None]:
+    async def _before_body(self, head: RequestHead, may_place: bool) -> tuple[Answer | None, BodyPlace | None,
+                                                                               dict[str, Any]]:
         """Ask the application (one trip to a request thread) whether it refuses this request from its head alone
-        (``Admission``) and, if not, where the body goes (``BodyPlacer``, a spooled body of known length)."""
+        (``Admission``) and, if not, where the body goes (``BodyPlacer``, a spooled body of known length); with what
+        the admission marked in the head's environ (keys under ``fedmoe.``), for the request's own environ."""
         admission, placer = self.front.options.admission, self.front.options.placer
         if placer is not None and not (may_place and not head.chunked and head.content_length > SPOOL_IN_MEMORY
                                        and self.front.options.spool_dir is not None
                                        and placer.wants(head.method, head.target.partition("?")[0])):
             placer = None
         if admission is None and placer is None:
-            return None, None
+            return None, None, {}
         environ = wsgi_environ(head, io.BytesIO(), head.content_length, self.server, self.peer, self.front.scheme,
                                FileBody)
-        return await asyncio.get_running_loop().run_in_executor(self.front.pool, _ask_before_body, admission, placer,
-                                                                environ)
+        refusal, place = await asyncio.get_running_loop().run_in_executor(self.front.pool, _ask_before_body,
+                                                                          admission, placer, environ)
+        return refusal, place, {k: v for k, v in environ.items() if k.startswith(ADMISSION_MARKS)}
 
     async def _linger(self) -> None:
         """After an answer that left the body unread: stop sending, then read and drop what the client still sends
@@ -582,6 +589,8 @@ class Connection:
                             await self._write(b"0\r\n\r\n")
                         return
                     await self._write(b"%x\r\n%b\r\n" % (len(chunk), chunk) if chunked else chunk)
+                if self.reader.at_eof() or self.writer.is_closing():  # the client went away: stop the application
+                    return
                 pull = self.front.pool.submit(stream.next_chunk)
                 chunks = [await asyncio.wrap_future(pull)]
         finally:
@@ -675,8 +684,9 @@ def _submit_or_run(pool: ThreadPoolExecutor, call: Callable[..., Any], *args: An
 
 
 def _of_unknown_length(answer: Answer, environ: dict[str, Any]) -> bool:
-    """Whether an answer is streamed: a body with no Content-Length (an application that knows its length, Flask for
-    bytes, says it), not a HEAD request's and not a status that has no body."""
+    """Whether an answer from an iterator (not a list: its chunks are all there) is streamed: a body with no
+    Content-Length (an application that knows its length, Flask for bytes, says it), not a HEAD request's and not
+    a status that has no body."""
     status = answer.status.split(" ", 1)[0]
     return (environ.get("REQUEST_METHOD") != "HEAD" and status not in ("204", "304") and not status.startswith("1")
             and not any(k.lower() == "content-length" for k, _ in answer.headers))
