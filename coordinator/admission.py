@@ -7,8 +7,10 @@ of a large body is read, what the application would answer from the head alone: 
 the route's rule (coordinator/auth.py: 401, 403) and the route's own body limit (413). A refusal is the
 application's own JSON answer (audited like any 401/403); the front sends it and closes the connection.
 
-The rate limiter is left to the request itself (one token per request, not two), and so is everything that needs
-the body. Bodies the front keeps in memory (up to 1 MiB) are not asked about: the application answers as usual.
+The rate limiter too (429 with Retry-After from the head, issue 30): its token is taken here and the request is
+marked (coordinator/auth.py, RATE_TAKEN), so that the application does not take a second one. Everything that needs
+the body is left to the request itself. Bodies the front keeps in memory (up to 1 MiB) are not asked about, unless
+the client waits for the head's verdict (Expect: 100-continue): the application answers as usual.
 """
 from __future__ import annotations
 
@@ -39,9 +41,10 @@ class HeadAdmission(FlaskAdmission):
 def _check(app: Flask) -> None:
     route_exists()  # the answer does not depend on the body
     auth = app.extensions.get("fedmoe_auth")
-    if auth is not None:  # the request's token and rule, without the rate limiter
-        auth.authorize_request()
+    caller = auth.authorize_request() if auth is not None else None  # the request's token and rule
     limit = BODY_LIMITS.get(request.endpoint or "")
     if limit is not None and request.content_length is not None and request.content_length > limit:
         raise PayloadTooLarge(f"a body on this route may be at most {limit} bytes, got {request.content_length}",
                               limit=limit)
+    if auth is not None:  # last: a request refused above costs its caller no token
+        auth.take_rate(caller)

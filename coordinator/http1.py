@@ -60,7 +60,8 @@ class RequestHead:
 
     @property
     def expects_continue(self) -> bool:
-        return (self.header("expect") or "").lower() == "100-continue"
+        """Whether the client waits for "100 Continue" before it sends the body (HTTP/1.0: ignored, RFC 9110 10.1.1)."""
+        return self.version == "1.1" and (self.header("expect") or "").strip().lower() == "100-continue"
 
     def keep_alive(self) -> bool:
         tokens = {t.strip().lower() for t in (self.header("connection") or "").split(",")}

@@ -202,3 +202,41 @@ def test_a_bare_lf_or_a_nul_in_a_header_value_is_a_json_400_and_never_reaches_th
         head, _, body = answer.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 400 ") and b"Connection: close" in head, answer  # was 200 (health)
         assert json.loads(body)["error"]["code"] == "bad_request"
+
+
+def test_a_request_over_the_rate_limit_gets_its_429_from_the_head_and_an_admitted_one_costs_one_token(
+        start_coordinator, tmp_path):
+    """Issue 30, 8: the rate limiter was left to the request itself, so a client over its limit still had its body
+    read first (up to --max-body-mb). Admission now takes the request's token from its head; the application then
+    takes none (one token per request, not two)."""
+    import json
+
+    import requests
+
+    from protocol.client import CoordinatorClient
+    from protocol.integrity import DIGEST_HEADER, digest_header
+    from protocol.schemas import UPDATE_HEADER
+    from protocol.tensors import dumps
+    from tests.helpers import expert_spec, make_adapter, update_meta
+
+    _, url = start_coordinator("--rate-limit", "2")  # 2 requests a minute per worker, 2 at most at once
+    join = (tmp_path / "coordinator" / "join_token").read_text().strip()
+    admin = CoordinatorClient(url)
+    admin.create_expert("e", make_adapter(layers=8, d_in=4096, d_out=64), expert_spec())  # ~2.3 MiB bodies
+    registered = requests.post(f"{url}/api/v1/workers", headers={"Authorization": f"Bearer {join}"}, timeout=60,
+                               json={"worker_id": "w", "specialty": "e", "base_model": expert_spec()["base_model"]})
+    token = registered.json()["token"]  # the join token's bucket is its address's, not the worker's
+    auth = {"Authorization": f"Bearer {token}"}
+    body = dumps(make_adapter(layers=8, d_in=4096, d_out=64, seed=1))
+    pushed = requests.post(f"{url}/api/v1/experts/e/updates", data=body, timeout=60,
+                           headers=auth | {UPDATE_HEADER: json.dumps(update_meta()), DIGEST_HEADER: digest_header(body)})
+    assert pushed.status_code == 202, pushed.text  # judged from its head: one token
+    assert requests.get(f"{url}/api/v1/experts/e", headers=auth, timeout=60).status_code == 200  # the second
+
+    sock = _head(_port(url), "/api/v1/experts/e/updates", 64 * MiB, token)  # no body: the answer cannot wait for it
+    answer = b""
+    while b"\r\n\r\n" not in answer and (piece := sock.recv(65536)):
+        answer += piece
+    head = answer.split(b"\r\n\r\n", 1)[0]
+    assert head.startswith(b"HTTP/1.1 429 "), head  # was 408 after --socket-timeout: the body was awaited
+    assert b"Retry-After: " in head and b"Connection: close" in head
