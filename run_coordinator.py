@@ -22,6 +22,7 @@ from typing import Any
 # Light imports only: --help and flag errors must not wait for torch, Flask or gunicorn (main imports them).
 from coordinator.config import CoordinatorConfig, ServeOptions
 from protocol.cli import add_common_flags, add_flags, from_flags, json_object, option, report_error, setup_logging
+from protocol.python_version import require_supported_python
 
 
 RELAY = 'relay (docs/wan.md, "Relays"): with --upstream this process is a relay'
@@ -75,6 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    require_supported_python()  # before anything that would fail obscurely on an older one
     args = parse_args(argv)
     setup_logging(args, logging.DEBUG if args.debug else logging.INFO)
     from coordinator.relay.upstream import RelayStartError
