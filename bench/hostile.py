@@ -14,6 +14,9 @@ are open, plain and TLS, against the same client's figures with no attack (same 
   slow bodies and idle keep-alive (no token needed), plus ``--slow-readers`` that never read a pull.
 - ``compressed_pushes``: 8 concurrent maximum-size fp16 pushes to an expert of ``--model-mb``;
   target: peak RSS growth <= 2x the model size + 64 MiB (issue 13, defect 6).
+- ``serve_slow_clients``, ``serve_sampling``, ``header_bytes``, ``tls_relay`` (bench/hostile_front.py): serve.py
+  under slow clients (``--serve-baseline``: another checkout's serve.py too, A/B), its sampling edge values, CR/LF/NUL
+  in request heads, and a relay started with --tls-cert; an honest client's p99 during each.
 - ``new_surface``: the routes added since (upload probe, resumable uploads, ``?since=``, Range, the relay's
   API) and HTTP framing lies, against a root and a relay; slow probes and upload chunks while a normal worker
   syncs through the relay; 64 concurrent 4 MiB probes (bench/hostile_surface.py).
@@ -46,6 +49,7 @@ import torch
 import urllib3
 
 import bench.common
+import bench.hostile_front
 from bench.common import RESULTS_DIR, SCRATCH_DIR, CoordinatorProcess, configure_logging, format_table, write_json_atomic
 from bench.slow_clients import KINDS, Attack
 from compression.registry import make_codec
@@ -60,7 +64,7 @@ ROOT = Path(__file__).resolve().parents[1]
 log = logging.getLogger("bench.hostile")
 MiB = 1 << 20
 P99_TARGET_S = 1.0
-PARTS = ("bad_inputs", "hostile", "slow_clients", "compressed_pushes", "new_surface")
+PARTS = ("bad_inputs", "hostile", "slow_clients", "compressed_pushes", "new_surface", *bench.hostile_front.PARTS)
 NESTING = 3000
 urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)  # our own self-signed loopback cert
 
@@ -382,6 +386,8 @@ def table(report: dict[str, Any]) -> str:
                          "5MB push p99 s"], rows)
     if "new_surface" in report:
         text += "\n\n" + surface_table(report["new_surface"])
+    if front := bench.hostile_front.table(report):
+        text += "\n\n" + front
     return text
 
 
@@ -432,9 +438,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
             log.info("new surface: probe, uploads, since, Range, relay API, framing; root and relay")
             report["new_surface"] = new_surface(root / "surface", min(args.connections, 200))
+        report |= bench.hostile_front.run_parts(root, args.only, args.connections, args.health, args.pushes,
+                                                args.serve_baseline)
     parts = [report.get("bad_inputs"), *report.get("hostile", {}).values(), report.get("compressed_pushes"),
              *(p["under_attack"] for p in report.get("slow_clients", {}).values())]
-    parts = [p for p in parts if p is not None]
+    parts = [p for p in parts if p is not None] + bench.hostile_front.summaries(report)
     report |= {"requests_tried": sum(p["requests"] for p in parts), "status_5xx": sum(p["status_5xx"] for p in parts),
                "normal_client_p99_s": max(((p["under_attack"][k]["p99_s"] or float("inf"))
                                            for p in report.get("slow_clients", {}).values()
@@ -463,6 +471,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="the normal client's timeout per request, seconds (default: %(default)s)")
     p.add_argument("--server-root", type=Path, default=None,
                    help="run another checkout's run_coordinator.py (e.g. before this change, for comparison)")
+    p.add_argument("--serve-baseline", type=Path, default=None,
+                   help="another checkout whose serve.py also runs the serve_slow_clients attack (A/B, same run)")
     p.add_argument("-v", "--verbose", action="store_true", help="library logs too")
     args = p.parse_args(argv)
     args.server = "buffering asyncio front (coordinator/front.py), 16 request threads"
