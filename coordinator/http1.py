@@ -1,23 +1,32 @@
 """HTTP/1.1 request heads for the buffering front (coordinator/front.py): parse, check, build WSGI environ.
 
-Strict on purpose: a head we are not sure how to read is a 400, never a guess, so that what the
-front takes for one request is what the application sees (no smuggling through Content-Length
-and Transfer-Encoding both, folded lines, or header names a proxy would read differently).
+Parsed by h11 (python-hyper/h11 0.16, the parser uvicorn and hypercorn use: request line, field names and values,
+Content-Length, Host on HTTP/1.1, chunked framing), instead of the regular expressions of our own this module had
+until issue 31. On top of h11, strict on purpose: a head we are not sure how to read is a 400, never a guess, so that
+what the front takes for one request is what the application sees, and what any proxy before us saw:
+
+- no NUL, and no CR or LF outside a CRLF line end (RFC 9110 5.5: h11 would take a bare LF as a line end);
+- no obs-fold (RFC 9112 5.2 lets a server unfold, as h11 does; a proxy that does not sees other headers);
+- no transfer coding but ``chunked`` alone, and not Content-Length and Transfer-Encoding both (RFC 9112 6.1: the
+  classic request smuggling pair; h11 would let Transfer-Encoding win);
+- HTTP/1.0 and 1.1 only; at most MAX_HEADERS fields; the head within HEAD_LIMIT bytes.
 """
 from __future__ import annotations
 
 import json
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import IO, Any
 from urllib.parse import unquote_to_bytes
 
+import h11
+
 HEAD_LIMIT = 64 << 10  # bytes of request line + headers (a pushed update's metadata header is ~1 KiB)
 MAX_HEADERS = 100
-_REQUEST_LINE = re.compile(r"([A-Z]{1,20}) (\S{1,8190}) HTTP/(1\.[01])")
-_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_TRANSFER_ENCODINGS = re.compile(rb"\r\ntransfer-encoding[ \t]*:[ \t]*([^\r]*?)[ \t]*(?=\r\n)", re.IGNORECASE)
 _BAD_HEAD_BYTE = re.compile(rb"\x00|\r(?!\n)|(?<!\r)\n")  # NUL, or a CR or LF that is not part of a CRLF
+_BAD_ANSWER_CHAR = re.compile(r"[\r\n\x00]")
 _REASONS = {100: "Continue", 200: "OK", 400: "Bad Request", 404: "Not Found", 408: "Request Timeout",
             413: "Payload Too Large", 431: "Request Header Fields Too Large", 500: "Internal Server Error",
             501: "Not Implemented", 503: "Service Unavailable", 505: "HTTP Version Not Supported",
@@ -39,6 +48,8 @@ class RequestHead:
     version: str
     headers: list[tuple[str, str]]
     """(lower-case name, value) in arrival order."""
+    parser: h11.Connection | None = field(default=None, repr=False, compare=False)
+    """The h11 connection that parsed this head: it reads a chunked body's framing next."""
 
     def header(self, name: str) -> str | None:
         values = [v for k, v in self.headers if k == name]
@@ -86,35 +97,40 @@ def check_head_bytes(raw: bytes) -> None:
 def parse_head(raw: bytes) -> RequestHead:
     """Parse ``raw`` (request line and headers, ending in a blank line) or raise HttpError (400, 431)."""
     check_head_bytes(raw)
-    lines = raw.decode("latin-1").split("\r\n")
-    match = _REQUEST_LINE.fullmatch(lines[0])
-    if match is None:
-        raise HttpError(400, "bad_request", f"malformed request line {lines[0][:80]!r}")
-    headers = []
-    for line in lines[1:]:
-        if not line:
-            continue
-        name, sep, value = line.partition(":")
-        if not sep or not _TOKEN.fullmatch(name):
-            raise HttpError(400, "bad_request", f"malformed header line {line[:80]!r}")
-        headers.append((name.lower(), value.strip(" \t")))
-    if len(headers) > MAX_HEADERS:
+    if b"\r\n " in raw or b"\r\n\t" in raw:  # before the final blank line, only a folded line starts so
+        raise HttpError(400, "bad_request", "a header line starts with whitespace (obs-fold, RFC 9112 section 5.2): "
+                        "send each header on one line")
+    parser = h11.Connection(h11.SERVER, max_incomplete_event_size=HEAD_LIMIT)
+    parser.receive_data(raw)
+    try:
+        request = parser.next_event()
+    except h11.RemoteProtocolError as exc:
+        if exc.error_status_hint == 501:  # a transfer coding h11 does not take: more than "chunked" alone
+            raise _unsupported_transfer_encoding(raw) from None
+        raise HttpError(400, "bad_request", f"malformed request head: {exc}") from None
+    if not isinstance(request, h11.Request):  # a complete head always parses to a request or an error
+        raise HttpError(400, "bad_request", "no request line")
+    head = RequestHead(request.method.decode("ascii"), request.target.decode("ascii"),
+                       request.http_version.decode("ascii"),
+                       [(k.decode("ascii"), v.decode("latin-1")) for k, v in request.headers], parser)
+    if head.version not in ("1.0", "1.1"):
+        raise HttpError(400, "bad_request", f"HTTP/{head.version} is not spoken here; send HTTP/1.1")
+    if len(head.headers) > MAX_HEADERS:
         raise HttpError(431, "request_header_fields_too_large", f"more than {MAX_HEADERS} headers")
-    head = RequestHead(match.group(1), match.group(2), match.group(3), headers)
-    encoding = head.header("transfer-encoding")
-    if encoding is not None:
-        if encoding.strip().lower() != "chunked":
-            # RFC 9112 section 6.1 suggests 501 for a transfer coding the server does not understand. We answer
-            # 400: the request is the client's to fix (a 5xx here is counted as our bug, warned about in the log
-            # and by bench/hostile_surface.py), and a client never retries it. The body's framing is unknown,
-            # so the connection closes after the answer, as after every error the front answers itself.
-            raise HttpError(400, "bad_request", f"Transfer-Encoding {encoding[:80]!r} is not supported: send the "
-                            "body with Content-Length, or with 'Transfer-Encoding: chunked' alone",
-                            reason="unsupported_transfer_encoding")
-        if head.header("content-length") is not None:
-            raise HttpError(400, "bad_request", "a request may not carry both Content-Length and Transfer-Encoding")
+    if head.chunked and head.header("content-length") is not None:
+        raise HttpError(400, "bad_request", "a request may not carry both Content-Length and Transfer-Encoding")
     head.content_length  # noqa: B018 - raises on a bad value before any body is read
     return head
+
+
+def _unsupported_transfer_encoding(raw: bytes) -> HttpError:
+    # RFC 9112 section 6.1 suggests 501 for a transfer coding the server does not understand. We answer 400: the
+    # request is the client's to fix (a 5xx here is counted as our bug, warned about in the log and by
+    # bench/hostile_surface.py), and a client never retries it. The body's framing is unknown, so the connection
+    # closes after the answer, as after every error the front answers itself.
+    encoding = ", ".join(v.decode("latin-1") for v in _TRANSFER_ENCODINGS.findall(raw))
+    return HttpError(400, "bad_request", f"Transfer-Encoding {encoding[:80]!r} is not supported: send the body with "
+                     "Content-Length, or with 'Transfer-Encoding: chunked' alone", reason="unsupported_transfer_encoding")
 
 
 def wsgi_environ(head: RequestHead, body: IO[bytes], body_size: int, server: tuple[str, int],
@@ -146,8 +162,12 @@ def wsgi_environ(head: RequestHead, body: IO[bytes], body_size: int, server: tup
 
 
 def response_head(status: str, headers: list[tuple[str, str]], keep_alive: bool) -> bytes:
+    """An answer's status line and headers; ValueError if the application put a CR, LF or NUL in one (a header
+    that would split the answer in two: the front answers 500 instead)."""
     lines = [f"HTTP/1.1 {status}"]
     lines += [f"{k}: {v}" for k, v in headers if k.lower() != "connection"]
+    if any(_BAD_ANSWER_CHAR.search(line) for line in lines):
+        raise ValueError(f"the application's answer has a CR, LF or NUL in its status or a header: {lines!r:.200}")
     lines.append("Connection: " + ("keep-alive" if keep_alive else "close"))
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
