@@ -35,7 +35,12 @@ from protocol.integrity import content_id, new_hasher
 SERVER = r"""
 import json, socket, sys
 from pathlib import Path
-from coordinator.front import SPOOLED_BODY, BufferingFront, FrontOptions
+from coordinator.front import BufferingFront
+try:  # the front's settings and WSGI side in coordinator/http/ (issue 31); before, in coordinator/front.py (A/B)
+    from coordinator.http.options import FrontOptions
+    from coordinator.http.wsgi import SPOOLED_BODY
+except ImportError:
+    from coordinator.front import SPOOLED_BODY, FrontOptions
 
 def app(environ, start_response):
     spooled = environ.get(SPOOLED_BODY)

@@ -22,9 +22,9 @@ from coordinator.app import create_app
 from coordinator.config import CoordinatorConfig, ServeOptions
 from coordinator.data_dir import ROOT, claim_data_dir
 from coordinator.admission import HeadAdmission
-from coordinator.front import FrontOptions
 from coordinator.upload_place import UploadPlacer
 from coordinator.hardening import announce, check_tls_files
+from coordinator.http.options import FrontOptions
 from coordinator.http.serve import bind, serve as serve_http
 from protocol.credentials import credentials_path, publish_local_token, withdraw_local_token
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 from flask import Flask
 
-from coordinator.front import FrontOptions
 from coordinator.http.flask_admission import FlaskAdmission
+from coordinator.http.options import FrontOptions
 from coordinator.http.serve import ServerStartError, bind
 from coordinator.http.serve import serve as serve_http
 from protocol.client import CoordinatorClient

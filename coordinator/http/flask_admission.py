@@ -13,7 +13,7 @@ from typing import Any
 
 from flask import Flask, request
 
-from coordinator.front import Answer
+from coordinator.http.wsgi import Answer
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,9 @@ import ssl
 from dataclasses import replace
 from pathlib import Path
 
-from coordinator.front import BufferingFront, FrontOptions, WsgiApp, raise_fd_limit
+from coordinator.front import BufferingFront, raise_fd_limit
+from coordinator.http.options import FrontOptions
+from coordinator.http.wsgi import WsgiApp
 from coordinator.hardening import check_tls_files, set_socket_timeouts
 
 log = logging.getLogger(__name__)

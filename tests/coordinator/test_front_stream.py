@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SERVER = """
 import socket, sys, time
 from pathlib import Path
-from coordinator.front import BufferingFront, FrontOptions
+from coordinator.front import BufferingFront
+from coordinator.http.options import FrontOptions
 
 here = Path(sys.argv[1]).parent
 

@@ -10,7 +10,7 @@ import io
 import pytest
 from werkzeug.test import EnvironBuilder
 
-from coordinator.front import SPOOLED_BODY
+from coordinator.http.wsgi import SPOOLED_BODY
 from coordinator.front_bodies import BodyPlace, SpooledBody
 from coordinator.upload_place import UploadPlacer
 from protocol.integrity import content_id, new_hasher

@@ -14,7 +14,7 @@ import torch
 
 from bench.common import CoordinatorProcess, SCRATCH_DIR, coordinator_process
 from bench.wanemu.cut import CutProxy
-from coordinator.front import SPOOL_IN_MEMORY
+from coordinator.http.connection import SPOOL_IN_MEMORY
 from protocol.client import CoordinatorClient, RetryPolicy
 from protocol.credentials import local_token
 from protocol.errors import Unavailable
