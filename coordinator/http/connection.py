@@ -42,6 +42,8 @@ THREAD_BODY_MAX = 16 << 20  # larger bodies stay on the loop, whose receive, wri
 THREAD_STALL = 2.0  # seconds a body thread waits for a piece before the loop takes the connection back
 SEND_CHUNK = 1 << 20  # one stall-timeout step of an answer: a client slower than this per timeout is dropped
 SENDFILE_CHUNK = 4 << 20  # the same for files: fewer steps, so pulls run near gunicorn's sendfile rate
+TLS_FILE_CHUNK = 256 << 10  # a file over TLS is read, encrypted and written this much at a time (asyncio's sendfile
+# fallback reads as much): a slow reader's answer holds this plus the transport's 64 KiB, not a whole SEND_CHUNK
 LINGER_SECONDS = 5.0  # how long an answer sent before its request's body is followed by reading and dropping that body
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
@@ -405,7 +407,8 @@ class Connection:
                 finally:
                     self.wire.sync_reading()  # sendfile paused and resumed reading on its own
             else:
-                data = await loop.run_in_executor(None, os.pread, f.fileno(), min(SEND_CHUNK, end - offset), offset)
+                data = await loop.run_in_executor(None, os.pread, f.fileno(), min(TLS_FILE_CHUNK, end - offset),
+                                                  offset)
                 if not data:
                     raise OSError(f"the file ended {end - offset} bytes before its declared length")
                 await self._write(data)
