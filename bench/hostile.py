@@ -475,7 +475,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="another checkout whose serve.py also runs the serve_slow_clients attack (A/B, same run)")
     p.add_argument("-v", "--verbose", action="store_true", help="library logs too")
     args = p.parse_args(argv)
-    args.server = "buffering asyncio front (coordinator/front.py), 16 request threads"
+    args.server = "buffering asyncio front (coordinator/http/front.py), 16 request threads"
     if args.server_root is not None:  # CoordinatorProcess starts ROOT/run_coordinator.py
         bench.common.ROOT = args.server_root.resolve()
         args.server = f"run_coordinator.py of {bench.common.ROOT}"

@@ -122,7 +122,7 @@ class Authenticator:
         return None
 
     def take_rate(self, caller: Principal | None) -> None:
-        """Take the current request's token from ``caller``'s bucket, from the head alone (coordinator/admission.py):
+        """Take the current request's token from ``caller``'s bucket, from the head alone (coordinator/http/admission.py):
         TooManyRequests (audited, with its Retry-After) when it is empty. Marks the request (RATE_TAKEN) so that
         ``check_request`` does not take a second token for it."""
         if caller is None:

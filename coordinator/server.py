@@ -21,9 +21,9 @@ from coordinator import int8_kernel
 from coordinator.app import create_app
 from coordinator.config import CoordinatorConfig, ServeOptions
 from coordinator.data_dir import ROOT, claim_data_dir
-from coordinator.admission import HeadAdmission
-from coordinator.upload_place import UploadPlacer
-from coordinator.hardening import announce, check_tls_files
+from coordinator.http.admission import HeadAdmission
+from coordinator.http.upload_placement import UploadPlacer
+from coordinator.http.listening import announce, check_tls_files
 from coordinator.http.options import FrontOptions
 from coordinator.http.serve import bind, serve as serve_http
 from protocol.credentials import credentials_path, publish_local_token, withdraw_local_token

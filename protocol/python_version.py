@@ -1,6 +1,6 @@
 """The oldest Python the servers run on, checked at start in one readable line.
 
-The HTTP front (coordinator/front.py) uses ``asyncio.timeout``, new in Python 3.11; on 3.10 the coordinator, a relay
+The HTTP front (coordinator/http/front.py) uses ``asyncio.timeout``, new in Python 3.11; on 3.10 the coordinator, a relay
 and serve.py started, said they listened, then failed on their first connection with an AttributeError deep in a
 traceback. The README states the same minimum; tests/cli/test_python_version.py keeps the two equal, and fails in CI
 when the suite runs on an older interpreter.

@@ -2,7 +2,7 @@
 
 Before (audit F9), the front read a body of up to --max-body-mb (1 GiB, spooled to the data dir) before the
 application saw its request: a client with no token could fill the disk, and ``POST /api/v1/probe`` read 1 GiB
-before its 4 MiB 413. Here the front (coordinator/front.py, ``Admission``) asks, on a request thread and before any
+before its 4 MiB 413. Here the front (coordinator/http/front.py, ``Admission``) asks, on a request thread and before any
 of a large body is read, what the application would answer from the head alone: its route (404/405), its token and
 the route's rule (coordinator/auth.py: 401, 403) and the route's own body limit (413). A refusal is the
 application's own JSON answer (audited like any 401/403); the front sends it and closes the connection.

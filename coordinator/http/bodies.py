@@ -1,4 +1,4 @@
-"""Large request bodies on their way in, for the buffering front (coordinator/front.py).
+"""Large request bodies on their way in, for the buffering front (coordinator/http/front.py).
 
 The request cycle (coordinator/http/connection.py) reads the rest of a body straight from the socket into two
 buffers of a ``BufferBudget`` in turn (``Wire.fill``), or has a body thread read it (``read_on_thread``);
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from coordinator.http1 import HttpError
+from coordinator.http.heads import HttpError
 from protocol.integrity import content_id, new_hasher
 
 DIRECT_CHUNK = 1 << 20  # each of a large body's two receive buffers; also one piece of a body read on a thread

@@ -1,8 +1,8 @@
 """One client connection's request cycle in the buffering front: read a whole request, let a thread answer it, write
-the answer; repeat (coordinator/front.py runs one per connection, on the event loop).
+the answer; repeat (coordinator/http/front.py runs one per connection, on the event loop).
 
-Heads are parsed by h11 (coordinator/http1.py); bodies are received here: a small one into memory, a large one
-(over SPOOL_IN_MEMORY) spooled to a named file as it arrives and hashed on the way (coordinator/front_bodies.py), read
+Heads are parsed by h11 (coordinator/http/heads.py); bodies are received here: a small one into memory, a large one
+(over SPOOL_IN_MEMORY) spooled to a named file as it arrives and hashed on the way (coordinator/http/bodies.py), read
 straight into two receive buffers in turn (``Wire.fill``), or by a body thread with blocking receives
 (``read_on_thread``) when one is free; a chunked body's framing is read by h11 too. Before a body is read, the
 application may judge the head alone (``Admission``: 401, 413, 429 without reading the body) and say where the body
@@ -22,17 +22,17 @@ from typing import IO, TYPE_CHECKING, Any, BinaryIO
 
 import h11
 
-from coordinator.front_bodies import DIRECT_CHUNK, BodyPlace, Spool, read_on_thread, write_chunk
+from coordinator.http.bodies import DIRECT_CHUNK, BodyPlace, Spool, read_on_thread, write_chunk
 from coordinator.http.options import ask_before_body
 from coordinator.http.wire import Wire
 from coordinator.http.wsgi import ADMISSION_MARKS, SPOOLED_BODY, Answer, FileBody, StreamedBody, close_quietly, \
     close_stream, declared_length
-from coordinator.http1 import HEAD_LIMIT, HttpError, RequestHead, error_response, parse_head, response_head, \
+from coordinator.http.heads import HEAD_LIMIT, HttpError, RequestHead, error_response, parse_head, response_head, \
     wsgi_environ
 from protocol.integrity import DIGEST_HEADER, requested_algorithm
 
 if TYPE_CHECKING:  # the front owns its connections; only its type is needed here
-    from coordinator.front import BufferingFront
+    from coordinator.http.front import BufferingFront
 
 log = logging.getLogger(__name__)
 SPOOL_IN_MEMORY = 1 << 20  # request bodies up to this stay in memory; larger ones go to disk

@@ -1,6 +1,6 @@
 """Judging a request from its head alone, in a Flask app's own words (the front's ``Admission``).
 
-The front (coordinator/front.py) asks before it reads a body it would spool, one over the limit, or one the client
+The front (coordinator/http/front.py) asks before it reads a body it would spool, one over the limit, or one the client
 waits to send (Expect: 100-continue). ``check`` runs in the app's request context with the head only (an empty
 body); whatever it raises is turned into the answer the app itself would give (its error handlers: the
 coordinator's JSON errors, serve.py's OpenAI-shaped ones), which the front sends instead of reading the body.

@@ -9,8 +9,8 @@ Files (weight pulls) are sent by the loop with sendfile; a slow reader costs a s
 (bench/hostile.py, docs/benchmarks.md): 1,000 slow connections, /health p99 well under 1 s.
 
 The parts (coordinator/http/): each connection's bytes and TLS (wire.py: an asyncio protocol of its own, public
-asyncio and ssl APIs only), its request cycle (connection.py: heads parsed by h11 in coordinator/http1.py, bodies
-received as coordinator/front_bodies.py says), the application's side of WSGI (wsgi.py) and the settings
+asyncio and ssl APIs only), its request cycle (connection.py: heads parsed by h11 in coordinator/http/heads.py, bodies
+received as coordinator/http/bodies.py says), the application's side of WSGI (wsgi.py) and the settings
 (options.py). This module holds them together: the listening socket, the thread pools, shutdown.
 
 A body over 1 MiB is written as it arrives to a named file in ``spool_dir`` (the blob store's temp dir) and hashed on
@@ -32,7 +32,7 @@ import ssl
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from coordinator.front_bodies import BufferBudget
+from coordinator.http.bodies import BufferBudget
 from coordinator.http.connection import Connection, no_delay
 from coordinator.http.options import FrontOptions
 from coordinator.http.wire import SharedBuffers, Wire

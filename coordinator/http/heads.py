@@ -1,4 +1,4 @@
-"""HTTP/1.1 request heads for the buffering front (coordinator/front.py): parse, check, build WSGI environ.
+"""HTTP/1.1 request heads for the buffering front (coordinator/http/front.py): parse, check, build WSGI environ.
 
 Parsed by h11 (python-hyper/h11 0.16, the parser uvicorn and hypercorn use: request line, field names and values,
 Content-Length, Host on HTTP/1.1, chunked framing), instead of the regular expressions of our own this module had

@@ -3,7 +3,7 @@
 Before, the root and the relay each had a serve function of their own and only the root's wired TLS: a relay
 started with --tls-cert/--tls-key answered plain HTTP, silently (issue 30). Here the caller binds the listening
 socket (so a port in use fails before anything slow starts, and ``--port 0`` works) and hands it, the WSGI app and
-the front's options to ``serve``, which runs the buffering front (coordinator/front.py), with TLS when the options
+the front's options to ``serve``, which runs the buffering front (coordinator/http/front.py), with TLS when the options
 name a certificate, or werkzeug's development server (TLS too) for --debug.
 """
 from __future__ import annotations
@@ -14,10 +14,10 @@ import ssl
 from dataclasses import replace
 from pathlib import Path
 
-from coordinator.front import BufferingFront, raise_fd_limit
+from coordinator.http.front import BufferingFront, raise_fd_limit
 from coordinator.http.options import FrontOptions
 from coordinator.http.wsgi import WsgiApp
-from coordinator.hardening import check_tls_files, set_socket_timeouts
+from coordinator.http.listening import check_tls_files, set_socket_timeouts
 
 log = logging.getLogger(__name__)
 FD_RESERVE = 256  # open files kept for everything but connections (data dir, spool files, sockets upstream)

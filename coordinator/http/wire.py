@@ -47,7 +47,7 @@ class Wire(asyncio.BufferedProtocol):
         self.target: memoryview | None = None  # a body's buffer being filled straight from the socket
         self.filled = 0
         self.holding = False  # between two buffers of a large body: nothing is read into ``pending``
-        self.lent = False  # a body thread reads the socket itself (coordinator/front_bodies.py, read_on_thread)
+        self.lent = False  # a body thread reads the socket itself (coordinator/http/bodies.py, read_on_thread)
         self.eof = False
         self.lost: BaseException | None = None
         self.arrived_at = 0.0  # loop time of the last bytes received (progress, for stall timeouts)

@@ -7,10 +7,10 @@ import sys
 
 import torch
 
-from coordinator.admission import HeadAdmission
+from coordinator.http.admission import HeadAdmission
 from coordinator.config import ServeOptions
 from coordinator.data_dir import RELAY, claim_data_dir
-from coordinator.hardening import check_tls_files
+from coordinator.http.listening import check_tls_files
 from coordinator.http.options import FrontOptions
 from coordinator.http.serve import bind, scheme, serve
 from coordinator.relay.api import create_relay_app

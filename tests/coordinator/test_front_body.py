@@ -1,4 +1,4 @@
-"""Large request bodies through the buffering front (coordinator/front.py): read straight into buffers
+"""Large request bodies through the buffering front (coordinator/http/front.py): read straight into buffers
 (DirectBody) yet byte for byte what was sent, hashed as it arrived, never past its end."""
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SERVER = """
 import hashlib, json, socket, ssl, sys
 from pathlib import Path
-from coordinator.front import BufferingFront
+from coordinator.http.front import BufferingFront
 from coordinator.http.options import FrontOptions
 from coordinator.http.wsgi import SPOOLED_BODY
 
@@ -229,14 +229,14 @@ def _tcp_pair() -> tuple[socket.socket, socket.socket]:
 def _spool(tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 
-    from coordinator.front_bodies import Spool
+    from coordinator.http.bodies import Spool
     return Spool(tmp_path, "blake3", 0, ThreadPoolExecutor(1))
 
 
 def test_a_body_thread_reads_exactly_the_body_and_leaves_the_socket_non_blocking(tmp_path):
     """The bytes after the body stay in the socket for the loop, and the socket the loop shares is non-blocking
     again (a blocking one would let a slow reader of a large answer stall every connection)."""
-    from coordinator.front_bodies import read_on_thread
+    from coordinator.http.bodies import read_on_thread
     body = os.urandom((3 << 20) + 777)
     server, client = _tcp_pair()
     with server, client:
@@ -256,7 +256,7 @@ def test_a_body_thread_reads_exactly_the_body_and_leaves_the_socket_non_blocking
 
 
 def test_a_body_thread_gives_a_stalled_body_back_with_what_it_read(tmp_path):
-    from coordinator.front_bodies import read_on_thread
+    from coordinator.http.bodies import read_on_thread
     server, client = _tcp_pair()
     with server, client:
         spool = _spool(tmp_path)
@@ -272,7 +272,7 @@ def test_a_body_thread_gives_a_stalled_body_back_with_what_it_read(tmp_path):
 def test_a_body_thread_reports_a_client_that_went_away(tmp_path):
     import asyncio
 
-    from coordinator.front_bodies import read_on_thread
+    from coordinator.http.bodies import read_on_thread
     server, client = _tcp_pair()
     with server:
         client.sendall(b"x" * 1000)

@@ -1,4 +1,4 @@
-"""The front turns Nagle off on every TCP connection it accepts (coordinator/front.py ``open``, ``no_delay``).
+"""The front turns Nagle off on every TCP connection it accepts (coordinator/http/front.py ``open``, ``no_delay``).
 
 asyncio sets TCP_NODELAY only on sockets whose ``proto`` is IPPROTO_TCP; the coordinator's listening socket is made
 with proto 0, so its connections kept Nagle on and every answer's body (a write after the head's) waited for the
@@ -10,7 +10,7 @@ import asyncio
 import socket
 from pathlib import Path
 
-from coordinator.front import BufferingFront
+from coordinator.http.front import BufferingFront
 from coordinator.http.options import FrontOptions
 from coordinator.http.wire import Wire
 

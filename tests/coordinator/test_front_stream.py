@@ -1,4 +1,4 @@
-"""Answers of unknown length through the buffering front (coordinator/front.py): sent as they are made, chunked, and
+"""Answers of unknown length through the buffering front (coordinator/http/front.py): sent as they are made, chunked, and
 the application told when the client goes away (serve.py's server-sent events ride on this).
 
 The app's generator waits between its chunks for a file that only the client creates once it has read the first
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SERVER = """
 import socket, sys, time
 from pathlib import Path
-from coordinator.front import BufferingFront
+from coordinator.http.front import BufferingFront
 from coordinator.http.options import FrontOptions
 
 here = Path(sys.argv[1]).parent

@@ -1,4 +1,4 @@
-"""Request heads as the buffering front reads them (coordinator/http1.py): strict, never a guess."""
+"""Request heads as the buffering front reads them (coordinator/http/heads.py): strict, never a guess."""
 from __future__ import annotations
 
 import io
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from coordinator.http1 import HttpError, parse_head, wsgi_environ, error_response
+from coordinator.http.heads import HttpError, parse_head, wsgi_environ, error_response
 
 
 def head(*lines: str) -> bytes:

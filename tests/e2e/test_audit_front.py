@@ -1,4 +1,4 @@
-"""Audit findings in the buffering front (coordinator/front.py, coordinator/front_bodies.py; engineer gib's files).
+"""Audit findings in the buffering front (coordinator/http/front.py, coordinator/http/bodies.py; engineer gib's files).
 
 1. Bodies are read before anyone checks who sends them or where: a client with no token can make the coordinator
    (root or relay) spool up to --max-body-mb (1 GiB) per connection into the data dir, and hold it there by sending
@@ -16,7 +16,7 @@ SPOOL_IN_MEMORY (authentication, the route's own limit: the probe's 4 MiB, JSON 
 413 at once; cap the receive buffers held by bodies in flight (a budget shared by all connections: past it, read
 with the stream's bounded buffer or wait), and release DirectBody's buffers in ``_receive_direct``'s ``finally``.
 
-Fixed (branch front2): coordinator/admission.py answers from the head (root and relay); front_bodies.BufferBudget
+Fixed (branch front2): coordinator/http/admission.py answers from the head (root and relay); front_bodies.BufferBudget
 bounds DirectBody's buffers (12 MiB in all; past it the stream, with 64 KiB reads, reads the body) and drops a failed
 body's; the chunk-size fixes and the stall timer are in front.py. The tests below ran as strict xfails until then.
 """
@@ -107,7 +107,7 @@ def test_stalled_bodies_hold_bounded_memory(start_coordinator):
 #    ``reader.read(-1)``, which keeps everything until the client closes, in memory, without a token, and the
 #    --max-body-mb check never trips (the running size goes down). Sent: ``Transfer-Encoding: chunked`` to
 #    /api/v1/probe with no token, chunk size ``-1``, then 400 MiB in 1.8 s. Came back: coordinator RSS +390 MiB
-#    (unbounded until --socket-timeout, 60 s by default), then 408. Fix (coordinator/front.py, _receive_chunked):
+#    (unbounded until --socket-timeout, 60 s by default), then 408. Fix (coordinator/http/front.py, _receive_chunked):
 #    accept only ``[0-9A-Fa-f]{1,16}`` before any ``;`` and answer 400 otherwise.
 # 4. A chunk-size line (or trailer) longer than the stream's limit (a 200 KB chunk extension) raised
 #    LimitOverrunError out of _receive_chunked: 500 "internal". Fix: catch it there, 400 (or 431 for trailers).
@@ -137,7 +137,7 @@ def test_an_overlong_chunk_size_line_is_a_400(default_flags):
 #    client that never stalls but sends under 1 MiB per --socket-timeout (17 KiB/s, 140 kbit/s at the default
 #    60 s) gets 408 on every push over 1 MiB, and on every resumable chunk of 1 MiB or more: it can never finish.
 #    Sent: a 1.5 MiB probe body at 64 KiB every 0.25 s with --socket-timeout 2. Came back: 408 after ~4 s.
-#    Fix (coordinator/front.py, _receive_direct): restart the stall timer whenever buffer_updated reports bytes
+#    Fix (coordinator/http/front.py, _receive_direct): restart the stall timer whenever buffer_updated reports bytes
 #    (wait for progress, not for a full buffer), as the StreamReader path already does per read.
 
 def test_a_slow_body_that_never_stalls_is_received(start_coordinator):
