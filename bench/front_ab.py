@@ -102,6 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--baseline", type=Path, required=True, help="the other checkout (its run_coordinator.py runs)")
     p.add_argument("--baseline-commit", default=None,
                    help="the baseline's commit, for a checkout that is no git work tree (e.g. a `git archive` copy)")
+    p.add_argument("--change-commit", default=None, help="the same for this checkout")
     p.add_argument("--pairs", type=int, default=1, help="baseline/change pairs of the hostile and transport runs")
     p.add_argument("--quick", action="store_true", help="each benchmark's smallest setting (a smoke test)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "front_ab.json", help="results JSON")
@@ -118,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def transport(root: Path) -> dict[str, float]:
         return transport_figures(root, args.quick)
 
-    report: dict[str, Any] = {"commits": {"baseline": args.baseline_commit or git_head(baseline), "change": git_head(ROOT)},
+    report: dict[str, Any] = {"commits": {"baseline": args.baseline_commit or git_head(baseline), "change": args.change_commit or git_head(ROOT)},
                               "roots": {"baseline": str(baseline), "change": str(ROOT)}, "quick": args.quick,
                               "load_average_start": os.getloadavg()}
     for name, measure in (("hostile", hostile), ("transport", transport)):
