@@ -9,6 +9,7 @@ the attack (and, for slow clients, without it first, in the same run).
 from __future__ import annotations
 
 import logging
+import os
 import ssl
 import time
 from collections.abc import Sequence
@@ -22,6 +23,7 @@ from bench.common import ROOT, CoordinatorProcess, format_table
 from bench.hostile_clients import Honest, Tally, raw_status, self_signed, status_of
 from bench.hostile_serving import EXPERT, sampling_edges, serve_slow_clients
 from bench.slow_clients import KINDS, Attack
+from bench.transport_ab import git_head
 
 log = logging.getLogger("bench.hostile_front")
 HEADER_BYTES: dict[str, bytes] = {
@@ -162,8 +164,8 @@ def run_parts(scratch: Path, only: Sequence[str], connections: int, health: int,
     if "serve_slow_clients" in only:
         roots = [ROOT] + ([serve_baseline.resolve()] if serve_baseline else [])
         log.info("serve.py under %d slow connections (%s)", connections, ", ".join(map(str, roots)))
-        report["serve_slow_clients"] = serve_slow_clients(scratch / "serve-slow", roots, connections, health,
-                                                          completions)
+        report["serve_slow_clients"] = {"sides": serve_slow_clients(scratch / "serve-slow", roots, connections,
+                                                                    health, completions)}
     if "serve_sampling" in only:
         log.info("serve.py: sampling edge values")
         report["serve_sampling"] = sampling_edges(scratch / "serve-sampling")
@@ -173,19 +175,21 @@ def run_parts(scratch: Path, only: Sequence[str], connections: int, health: int,
     if "tls_relay" in only:
         log.info("a TLS relay: plain HTTP refused, https answered, %d slow TLS clients", connections)
         report["tls_relay"] = tls_relay(scratch / "tls-relay", connections)
+    for part in report.values():  # which code ran, on how busy a machine
+        part["stamp"] = {"commit": git_head(ROOT), "load_average": [round(x, 2) for x in os.getloadavg()]}
     return report
 
 
 def summaries(report: dict[str, Any]) -> list[dict[str, Any]]:
     """Each class's summary (requests, status_5xx), for the benchmark's totals."""
     parts = [report[name] for name in ("serve_sampling", "header_bytes", "tls_relay") if name in report]
-    parts += [side["under_attack"] for side in report.get("serve_slow_clients", {}).values()]
+    parts += [side["under_attack"] for side in report.get("serve_slow_clients", {}).get("sides", {}).values()]
     return parts
 
 
 def table(report: dict[str, Any]) -> str:
     rows = []
-    for root, side in report.get("serve_slow_clients", {}).items():
+    for side in report.get("serve_slow_clients", {}).get("sides", {}).values():
         quiet, loaded = side["quiet"], side["under_attack"]
         rows.append([f"serve.py slow clients, {side['server']} ({side['connections']} conns)", loaded["requests"],
                      loaded["status_5xx"], loaded["no_answer"], side["peak_rss_growth_mb"],
