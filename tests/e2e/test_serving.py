@@ -145,6 +145,26 @@ def test_a_tiny_temperature_answers_as_greedy_decoding_not_500(oai):
         assert reply.choices[0].message.content == greedy
 
 
+def test_answers_while_slow_clients_hold_connections(federation, oai):
+    """serve.py on the buffering front (issue 30, 4): heads and bodies that drip in hold a socket, not a request
+    thread; a completion is answered while every slow connection is still open (no timing: the counts)."""
+    from tests.e2e.test_slow_clients import open_slow, still_open
+
+    host, port = federation["url"].split("://")[1].split(":")
+    slow = [open_slow((host, int(port)), False, b"GET /health HTTP/1.1\r\nHost: x\r\n") for _ in range(60)]
+    slow += [open_slow((host, int(port)), False, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                                               b"Content-Length: 5000\r\n\r\n{") for _ in range(20)]
+    try:
+        for sock in slow[:60:10]:
+            sock.sendall(b"X-Drip: 1\r\n")
+        assert ask(oai, "python_expert", "Write a function that adds two numbers", 4).parse().choices
+        assert requests.get(federation["url"] + "/health", timeout=60).json()["status"] == "ok"
+        assert sum(still_open(sock) for sock in slow) == len(slow)
+    finally:
+        for sock in slow:
+            sock.close()
+
+
 def test_text_completions_endpoint(oai):
     reply = oai.completions.create(model="docs_expert", prompt="The configuration file", max_tokens=5, temperature=0)
     assert reply.object == "text_completion" and reply.model == "docs_expert"
