@@ -18,14 +18,16 @@ import logging
 import os
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 # Light imports only: --help and flag errors must not wait for torch, Flask or gunicorn (main imports them).
 from coordinator.config import CoordinatorConfig, ServeOptions
+from privacy.secagg.settings import SecAggSettings
 from protocol.cli import add_common_flags, add_flags, comma_list, from_flags, json_object, option, report_error, \
     setup_logging
+from protocol.python_version import require_supported_python
 
 
 RELAY = 'relay (docs/wan.md, "Relays placed by hand"): with --upstream this process is a relay'
@@ -90,6 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_flags(p, ServeOptions)
     add_flags(p, CoordinatorConfig)
+    add_flags(p, SecAggSettings)
     add_flags(p, RelayFlags)
     add_flags(p, AdminFlags)
     add_common_flags(p)
@@ -97,14 +100,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    require_supported_python()  # before anything that would fail obscurely on an older one
     args = parse_args(argv)
     setup_logging(args, logging.DEBUG if args.debug else logging.INFO)
     from coordinator.relay.upstream import RelayStartError
-    from coordinator.server import ServerStartError, serve
+    from coordinator.http.serve import ServerStartError
+    from coordinator.server import serve
     from protocol.errors import Unavailable
 
     try:
         config = from_flags(CoordinatorConfig, args)
+        if config.secure_aggregation:
+            config = replace(config, secagg=from_flags(SecAggSettings, args, cohort_size=config.buffer_size))
         options = from_flags(ServeOptions, args)
         relay = from_flags(RelayFlags, args)
         admin = from_flags(AdminFlags, args)
