@@ -41,6 +41,8 @@ DEFAULT_BASE_MODEL = "qwen/Qwen2-0.5B-Instruct"
 
 
 CHECKPOINT, COMPRESSION, TRAINING = "checkpoint and sync", "compression", "training"
+CHECKPOINTING_CHOICES = {"auto": None, "on": True, "off": False}
+"""--gradient-checkpointing -> TrainSettings.gradient_checkpointing (None: decided from the model and batch size)."""
 PARALLEL = "inside a worker (torchrun ranks; docs/bigger-workers.md)"
 
 
@@ -102,8 +104,11 @@ class WorkerFlags:
                             choices=("fp32", "bf16", "fp16"), group=TRAINING)
     grad_accum: int = option(1, "split each step's --batch-size examples into N micro-batches", metavar="N",
                              group=TRAINING)
-    gradient_checkpointing: bool = option(False, "recompute activations in the backward pass to save memory",
-                                          group=TRAINING)
+    gradient_checkpointing: str = option("auto", "recompute each layer's activations in the backward pass: less "
+                                                 "memory, ~25%% more compute; auto turns it on when a batch's "
+                                                 "activations would pass 512 MiB (smollm2-135m at the default "
+                                                 "batch); the bare flag means on", choices=CHECKPOINTING_CHOICES,
+                                          nargs="?", const="on", group=TRAINING)
     threads: int | None = option(None, "CPU threads torch may use; give each of several workers on one machine its "
                                        "share of the cores (default: all cores)", type=int, metavar="N",
                                  group=TRAINING)
@@ -217,7 +222,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
     deepspeed = deepspeed_plan(args)
     train_kwargs = {"batch_size": args.batch_size, "max_seq_len": args.max_seq_len, "seed": args.seed,
                     "grad_accum": args.grad_accum, "precision": args.precision,
-                    "gradient_checkpointing": args.gradient_checkpointing}
+                    "gradient_checkpointing": CHECKPOINTING_CHOICES[args.gradient_checkpointing]}
     train_kwargs.update(deepspeed.train if deepspeed is not None else {})
     lr = args.lr if args.lr is not None else RECOMMENDED_LR.get(args.base_model)
     if lr is not None:

@@ -13,6 +13,7 @@ from worker.data import dataset_sha256, load_examples, split_examples
 from worker.distributed import SingleProcess, process_group
 from worker.encoding import CompressionSettings, PullSettings, UpdateEncoder
 from worker.federation import FederatedWorker, SyncSettings
+from worker.memory import release_freed_memory
 from worker.models import load_base_model
 from worker.profiling import ProfileSettings, StepProfiler
 from worker.step_metrics import StepLog
@@ -122,6 +123,7 @@ def _step_sinks(config: WorkerConfig, collective: SingleProcess, board) -> Calla
 def run_worker(config: WorkerConfig) -> None:
     """Train and sync until done; under torchrun, every rank runs this and rank 0 does the talking."""
     apply_thread_budget(config.threads)
+    release_freed_memory()  # before the first step: freed activations go back to the OS (worker.memory)
     with process_group(config.device) as (collective, device):
         if not collective.is_primary:  # the other ranks log warnings and errors only
             logging.getLogger("worker").setLevel(logging.WARNING)

@@ -17,6 +17,7 @@ from worker.data import (IGNORE_INDEX, Batch, BatchStream, Example, StreamPositi
 from worker.distributed import PRECISIONS, SingleProcess, autocast, check_precision, grad_scaler
 from worker.full_params import full_expert_config, trainable_weights
 from worker.losses import ANSWER_LOSSES, answer_cross_entropy
+from worker.memory import want_checkpointing
 from worker.models import BaseModel, default_target_modules
 from worker.sharded_state import broadcast_into, gather_full, load_full
 from worker.step_metrics import peak_memory_mb
@@ -64,8 +65,9 @@ class TrainSettings:
     """Micro-batches per optimiser step: each step's batch is split in this many forward/backward passes."""
     precision: str = "fp32"
     """fp32, or bf16/fp16 autocast for the forward pass (weights and optimiser stay float32)."""
-    gradient_checkpointing: bool = False
-    """Recompute each decoder layer's activations in the backward pass: less memory, ~30% more compute."""
+    gradient_checkpointing: bool | None = None
+    """Recompute each decoder layer's activations in the backward pass (less memory, more compute); None:
+    only when the activations of a micro-batch would be large (worker.memory.want_checkpointing)."""
     loss_path: str = "chunked"
     """How the answer-token loss is computed (worker.losses): chunked (the head only at answer positions, a
     chunk of the vocabulary at a time) or logits (the model's own logits of every position after the prompt)."""
@@ -198,8 +200,11 @@ class LoraTrainer:
 
     def _setup_model(self, parallel: ParallelSettings) -> None:
         """Attach the LoRA adapter (or unfreeze every weight for rank 0) and wrap the model for the ranks."""
-        base, lora = self.base, self.lora
-        if self.settings.gradient_checkpointing:
+        base, lora, train = self.base, self.lora, self.settings
+        micro_batch = math.ceil(train.batch_size / (self.collective.world_size * train.grad_accum))
+        self.checkpointing = want_checkpointing(train.gradient_checkpointing, base.model.config, micro_batch,
+                                                train.max_seq_len)
+        if self.checkpointing:
             # Non-reentrant checkpointing works with frozen inputs and with DDP; reentrant does neither well.
             base.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         if lora.rank == 0:  # a full-parameter expert: every weight trains, no adapter (worker/full_params.py)
