@@ -57,8 +57,11 @@ CONFIGS: dict[str, MemoryConfig] = {
     "chunked + mmap threshold": MemoryConfig("chunked", False, True),
     "chunked + checkpointing": MemoryConfig("chunked", True, False),
     "after": MemoryConfig("chunked", None, True),
+    "logits, lean": MemoryConfig("logits", True, True),
 }
-"""``before`` is the worker as it was; ``after`` is the worker's defaults now."""
+"""``before`` is the worker as it was; ``after`` is the worker's defaults now. ``logits, lean`` is the old loss
+path with the new memory settings (checkpointing recomputes the same arithmetic): the loss curve's reference in
+a long run where ``before``'s 6 GB would crowd a shared machine."""
 MODELS = ("tiny-qwen2", "smollm2-135m", "qwen2-0.5b")
 QWEN2_05B: dict[str, Any] = {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
                              "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
@@ -141,8 +144,12 @@ def git_head() -> str:
 
 
 def loss_drift(rows: list[dict[str, Any]]) -> None:
-    """Set each row's largest per-step loss difference from the `before` row of its model and batch size."""
-    reference = {(r["model"], r["batch_size"]): r["losses"] for r in rows if r["config"] == "before"}
+    """Set each row's largest per-step loss difference from the reference row of its model and batch size:
+    `before`, else the first row on the full-logits loss path."""
+    reference: dict[tuple[str, int], list[float]] = {}
+    for r in sorted(rows, key=lambda r: r["config"] != "before"):
+        if r["loss_path"] == "logits":
+            reference.setdefault((r["model"], r["batch_size"]), r["losses"])
     for row in rows:
         before = reference.get((row["model"], row["batch_size"]))
         row["max_loss_difference"] = None if before is None else \
