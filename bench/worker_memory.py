@@ -57,9 +57,9 @@ CONFIGS: dict[str, MemoryConfig] = {
     "chunked + mmap threshold": MemoryConfig("chunked", False, True),
     "chunked + checkpointing": MemoryConfig("chunked", True, False),
     "after": MemoryConfig("chunked", None, True),
-    "logits, lean": MemoryConfig("logits", True, True),
+    "logits lean": MemoryConfig("logits", True, True),
 }
-"""``before`` is the worker as it was; ``after`` is the worker's defaults now. ``logits, lean`` is the old loss
+"""``before`` is the worker as it was; ``after`` is the worker's defaults now. ``logits lean`` is the old loss
 path with the new memory settings (checkpointing recomputes the same arithmetic): the loss curve's reference in
 a long run where ``before``'s 6 GB would crowd a shared machine."""
 MODELS = ("tiny-qwen2", "smollm2-135m", "qwen2-0.5b")
