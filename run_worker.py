@@ -8,6 +8,7 @@ Examples:
   python run_worker.py --specialty sql_expert --compression randomk+terngrad --no-error-feedback \
       --compression-config '{"ratio": 0.1, "rescale": true}'   # ~143x; +0.15% loss on smollm2 (docs/benchmarks.md)
   python run_worker.py --specialty sql_expert --compression auto --sync-budget 2   # fit each push in ~2 s
+  python run_worker.py --specialty sql_expert --compression safetensors --pull-compression full   # lossless both ways
   python run_worker.py --specialty python_expert --results runs/python.results.jsonl --log-format json
   torchrun --nproc_per_node 2 run_worker.py --specialty sql_expert --base-model tiny-qwen2   # data parallel
 """
@@ -29,7 +30,7 @@ from protocol.errors import FedMoEError
 
 # torch, transformers and peft take seconds to import: the worker modules that need them are imported
 # once the flags are parsed, so --help and a mistyped flag answer at once (tests/cli/test_cli.py).
-from worker.choices import STRATEGY_CHOICES
+from worker.choices import DEFAULT_CODEC, DEFAULT_PULL_CODEC, FULL_PULL, STRATEGY_CHOICES, default_pull_codec
 from worker.stopping import Handler, restore, stop_on_signals
 
 if TYPE_CHECKING:
@@ -75,9 +76,10 @@ class WorkerFlags:
     fresh: bool = option(False, "discard the checkpoint in --state-dir and start over", group=CHECKPOINT)
     no_overlap: bool = option(False, "pause training during each push and pull (default: sync in the background)",
                               group=CHECKPOINT)
-    compression: str = option("safetensors", "update codec: safetensors (uncompressed), a compression spec such "
-                                             "as int8, topk+int8, or auto (picked at each sync to fit --sync-budget)",
-                              group=COMPRESSION)
+    compression: str = option(DEFAULT_CODEC, "update codec: int8 (blockwise, ~3.8x smaller, with error feedback), "
+                                              "safetensors (lossless, uncompressed), another compression spec "
+                                              "such as topk+int8, or auto (picked at each sync to fit "
+                                              "--sync-budget)", group=COMPRESSION)
     sync_budget: float | None = option(None, "with --compression auto: seconds a push (and a pull) may take; the "
                                              "codec and ratio are picked from the measured throughput, and pulls "
                                              "become compressed diffs when full weights would take longer",
@@ -85,10 +87,13 @@ class WorkerFlags:
     compression_config: str = option("{}", 'codec options, e.g. \'{"ratio": 0.01}\'', metavar="JSON",
                                       group=COMPRESSION)
     no_error_feedback: bool = option(False, "drop what a lossy codec loses", group=COMPRESSION)
-    pull_compression: str | None = option(None, "pull only the compressed difference since our version, e.g. fp16 "
-                                                "(default: full weights)", metavar="CODEC", group=COMPRESSION)
+    pull_compression: str | None = option(None, f"pull only the compressed difference since our version with this "
+                                                f"codec, or {FULL_PULL} for the full weights every time (default: "
+                                                f"{DEFAULT_PULL_CODEC}; with --compression auto, full weights or a "
+                                                "diff picked at each sync)", metavar="CODEC", group=COMPRESSION)
     pull_compression_config: str = option("{}", "options of --pull-compression", metavar="JSON", group=COMPRESSION)
-    full_pull_every: int = option(10, "with --pull-compression, every N-th pull is a full one", group=COMPRESSION)
+    full_pull_every: int = option(10, "with diff pulls (the default), every N-th pull is a full one, so lossy diffs "
+                                      "cannot drift far", group=COMPRESSION)
     lora_rank: int = option(8, "LoRA rank; 0 trains every weight (a full-parameter expert)", group=TRAINING)
     lora_alpha: float = option(16.0, "LoRA alpha", group=TRAINING)
     target_modules: str | None = option(None, "comma-separated module names (default: all attention and MLP "
@@ -230,7 +235,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
     compression = CompressionSettings(codec=args.compression, config=parse_json_flag(args.compression_config,
                                                                                 "--compression-config"),
                                       error_feedback=not args.no_error_feedback, sync_budget=args.sync_budget)
-    pull = PullSettings(codec=args.pull_compression, full_every=args.full_pull_every,
+    pull = PullSettings(codec=pull_codec(args), full_every=args.full_pull_every,
                         config=parse_json_flag(args.pull_compression_config, "--pull-compression-config"))
     worker_id = args.worker_id or default_worker_id(args.specialty)
     return WorkerConfig(
@@ -246,6 +251,14 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         ca_cert=args.ca_cert, progress=False if args.log_format == "json" else None, threads=args.threads,
         heldout_eval=not args.no_heldout_eval, parallel=parallel_settings(args, deepspeed),
         profile=profile_settings(args), tensorboard=tensorboard_dir(args))
+
+
+def pull_codec(args: argparse.Namespace) -> str | None:
+    """PullSettings.codec of --pull-compression: None (full weights) for full, and by default under
+    --compression auto (which then picks full weights or a diff at each sync); else the codec, int8 by default."""
+    if args.pull_compression == FULL_PULL:
+        return None
+    return args.pull_compression or default_pull_codec(args.compression)
 
 
 def _check_address_and_files(args: argparse.Namespace) -> None:

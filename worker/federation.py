@@ -70,7 +70,7 @@ from worker.checkpoint import CheckpointError, CheckpointWriter, discard_checkpo
 from worker.console import SyncConsole
 from worker.data import StreamPosition
 from worker.distributed import SingleProcess
-from worker.encoding import CompressionSettings, PullSettings, UpdateEncoder
+from worker.encoding import CompressionSettings, PullSettings, UpdateEncoder, default_pull
 from worker.pulling import ExpertPuller
 from worker.stopping import STOP
 from worker.sync_state import ExpertState, Fetched, IntervalStats, Outgoing, RunSummary, SyncJob
@@ -141,7 +141,9 @@ class FederatedWorker:
     expert_spec: dict[str, Any]
     """{"lora": ..., "base_model": {"id", "fingerprint"}} sent when creating the expert."""
     encoder: UpdateEncoder = field(default_factory=lambda: UpdateEncoder(CompressionSettings()))
-    pull: PullSettings = field(default_factory=PullSettings)
+    pull: PullSettings | None = None
+    """How to pull (full weights or compressed diffs); None: what goes with the encoder's codec
+    (worker.encoding.default_pull: int8 diffs, or picked at each sync under --compression auto)."""
     state: ExpertState = field(default_factory=ExpertState)
     """Where we stand with the expert: version, pulled weights, reference, outbox (changed by the sync steps)."""
     profile: dict[str, Any] | None = None
@@ -169,7 +171,8 @@ class FederatedWorker:
 
     def __post_init__(self) -> None:
         self._upload_base = self.client.upload  # what upload_policy raises the resumable threshold from
-        self.puller = ExpertPuller(self.client, self.settings.specialty, self.settings.worker_id, self.pull,
+        pull = self.pull if self.pull is not None else default_pull(self.encoder.settings)
+        self.puller = ExpertPuller(self.client, self.settings.specialty, self.settings.worker_id, pull,
                                    self.encoder.settings.sync_budget)
 
     @property

@@ -37,7 +37,8 @@ class WorkerConfig:
     device: str = "auto"
     """auto (cuda > mps > cpu), cpu, cuda[:N] or mps; under torchrun each rank takes cuda:<local rank>."""
     compression: CompressionSettings = CompressionSettings()
-    pull: PullSettings = PullSettings()
+    pull: PullSettings | None = None
+    """None: the pulls that go with --compression (worker.encoding.default_pull)."""
     token: str | None = None
     """Join (or admin) token; None = FEDMOE_TOKEN or the local coordinator's (protocol.credentials)."""
     ca_cert: Path | None = None
