@@ -10,7 +10,7 @@ export TOKENIZERS_PARALLELISM := false
 CHROMIUM ?= /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install browser smollm2 lint typecheck test test-fast test-smollm2 demo demo-tiny bench bench-quality bench-robustness clean
+.PHONY: install browser smollm2 lint typecheck test test-fast test-smollm2 demo demo-tiny bench bench-quality bench-robustness gpu-check clean
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -61,6 +61,9 @@ demo-tiny: $(STAMP)  ## the same on the random offline tiny-qwen2 preset and the
 
 bench: $(STAMP)  ## performance benchmarks (transport, aggregation, sync overhead, load; < 10 min): tables, bench/results/*.json
 	HF_HUB_OFFLINE=1 $(PY) -m bench.run_all
+
+gpu-check: smollm2  ## on a CUDA machine (<= 5 min): worker fp32/bf16, codecs, NCCL comm hooks, merge, generation -> bench/results/gpu_check.json; without CUDA one line, exit 0
+	$(PY) -m bench.gpu_check
 
 bench-quality: smollm2  ## learning quality on smollm2-135m: compression, gateway + router, poisoning, federated vs central (~39 min)
 	HF_HUB_OFFLINE=1 $(PY) -m bench.run_all --quality

@@ -30,7 +30,8 @@ from protocol.errors import FedMoEError
 
 # torch, transformers and peft take seconds to import: the worker modules that need them are imported
 # once the flags are parsed, so --help and a mistyped flag answer at once (tests/cli/test_cli.py).
-from worker.choices import DEFAULT_CODEC, DEFAULT_PULL_CODEC, FULL_PULL, STRATEGY_CHOICES, default_pull_codec
+from worker.choices import (DATASET_FORMATS, DEFAULT_CODEC, DEFAULT_PULL_CODEC, FULL_PULL, OPTIMIZERS,
+                            STRATEGY_CHOICES, default_pull_codec)
 from worker.stopping import Handler, restore, stop_on_signals
 
 if TYPE_CHECKING:
@@ -58,13 +59,25 @@ class WorkerFlags:
                                                            "root: the worker probes them and joins the best")
     worker_id: str | None = option(None, "unique worker name (default: <hostname>-<specialty>)")
     specialty: str = option(help="expert to train, e.g. python_expert")
-    dataset: Path | None = option(None, "JSONL with 'prompt' and 'reference_code' (default: data/<specialty>.jsonl "
-                                        "if shipped)", type=Path)
+    dataset: Path | None = option(None, "training data: a JSONL, JSON, CSV, Parquet or Arrow file, or a save_to_disk "
+                                        "directory, in any --dataset-format (default: data/<specialty>.jsonl if "
+                                        "shipped)", type=Path)
+    dataset_format: str = option("auto", "how the rows are laid out: prompt-reference (prompt, reference_code), "
+                                         "prompt-completion, messages (OpenAI chat), alpaca, sharegpt, text (plain, "
+                                         "packed); auto detects it from the first rows", choices=DATASET_FORMATS)
+    split_key: str | None = option(None, "hold out whole groups of rows that share this field's value, e.g. DS-1000's "
+                                         "perturbation_origin_id, so variants of one problem never straddle the split",
+                                   metavar="FIELD")
+    eval_dataset: Path | None = option(None, "score held-out loss on this file instead of a split of --dataset (all of "
+                                             "--dataset then trains)", type=Path, metavar="FILE")
     base_model: str = option(DEFAULT_BASE_MODEL, "ModelScope id, Hugging Face id (with --use-huggingface), local "
                                                  "directory, or the offline preset tiny-qwen2")
     use_huggingface: bool = option(False, "download --base-model from Hugging Face")
     speed_factor: float = option(1.0, "relative speed in (0, 1]; 0.5 simulates a machine half as fast")
     duration: float = option(3600.0, "seconds to train")
+    max_steps: int | None = option(None, "optimiser steps to train (a resumed run counts the steps it resumed "
+                                         "with); the run ends after N steps or --duration, whichever comes first, "
+                                         "with the final push", type=int, metavar="N")
     sync_interval: float = option(10.0, "seconds between syncs")
     use_proxy: bool = option(False, "honour HTTP(S)_PROXY for coordinator and hub")
     token: str | None = option(None, "the coordinator's join token (default: $FEDMOE_TOKEN, or found automatically "
@@ -100,6 +113,14 @@ class WorkerFlags:
                                               "projections)", group=TRAINING)
     lr: float | None = option(None, "AdamW learning rate (default: 2e-4; 1e-2 for the random tiny-qwen2 preset)",
                               type=float, group=TRAINING)
+    optimizer: str = option("adamw", "adamw, or galore: Adam on a low-rank projection of each weight matrix's "
+                                     "gradient (GaLore), for full-parameter experts (--lora-rank 0)",
+                            choices=OPTIMIZERS, group=TRAINING)
+    galore_rank: int = option(128, "--optimizer galore: rank of the gradient projection", metavar="R",
+                              group=TRAINING)
+    galore_update_interval: int = option(200, "--optimizer galore: steps between two SVDs of the gradient",
+                                         metavar="STEPS", group=TRAINING)
+    galore_scale: float = option(0.25, "--optimizer galore: scale of the projected-back update", group=TRAINING)
     batch_size: int = option(8, "examples per step", group=TRAINING)
     max_seq_len: int = option(256, "tokens per example", group=TRAINING)
     seed: int = option(0, "seed for init and shuffling", group=TRAINING)
@@ -120,6 +141,12 @@ class WorkerFlags:
     no_heldout_eval: bool = option(False, "skip the held-out loss logged before and after training (on a large "
                                           "model it takes two forward passes over the held-out examples)",
                                    group=TRAINING)
+    early_stopping_patience: int | None = option(
+        None, "score every pulled expert version on the held-out split and stop (with the final push) after N "
+              "versions in a row that did not improve on the best (Trainer's EarlyStoppingCallback); default: off",
+        type=int, metavar="N", group=TRAINING)
+    early_stopping_threshold: float = option(0.0, "with --early-stopping-patience: the least drop in held-out loss "
+                                                  "that counts as an improvement", group=TRAINING)
     results: Path | None = option(None, "append one JSON line per sync to this file", type=Path, group=TRAINING)
     strategy: str = option("auto", "ddp replicates the model; fsdp shards parameters, gradients and optimiser state "
                                    "(ZeRO-3-like); fsdp-grad-op shards gradients and optimiser state (ZeRO-2-like); "
@@ -196,6 +223,34 @@ def deepspeed_plan(args: argparse.Namespace):
     return plan
 
 
+GALORE_FLAGS = ("galore_rank", "galore_update_interval", "galore_scale")
+
+
+def optimizer_settings(args: argparse.Namespace):
+    """--optimizer and its --galore-* settings; a --galore-* flag without --optimizer galore is refused."""
+    from worker.galore import GaLoreSettings
+    from worker.optimizers import OptimizerSettings
+
+    given = [f"--{name.replace('_', '-')}" for name in GALORE_FLAGS
+             if getattr(args, name) != WorkerFlags.__dataclass_fields__[name].default]
+    if given and args.optimizer != "galore":
+        raise ValueError(f"{', '.join(given)} set(s) GaLore, which --optimizer {args.optimizer} does not use; "
+                         "add --optimizer galore or drop them")
+    return OptimizerSettings(args.optimizer, GaLoreSettings(rank=args.galore_rank, scale=args.galore_scale,
+                                                            update_interval=args.galore_update_interval))
+
+
+def early_stopping(args: argparse.Namespace):
+    """--early-stopping-patience's settings, or None when it is off."""
+    from worker.early_stopping import EarlyStoppingSettings
+
+    if args.early_stopping_patience is None:
+        if args.early_stopping_threshold != 0.0:
+            raise ValueError("--early-stopping-threshold given without --early-stopping-patience N")
+        return None
+    return EarlyStoppingSettings(args.early_stopping_patience, args.early_stopping_threshold)
+
+
 def default_worker_id(specialty: str) -> str:
     host = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname()) or "worker"
     return f"{host}-{specialty}"[:64]
@@ -213,6 +268,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
     from worker.federation import SyncSettings
     from worker.presets import RECOMMENDED_LR
     from worker.runner import WorkerConfig
+    from worker.splits import DataSettings
     from worker.trainer import LoraSettings, TrainSettings
 
     _check_names(args)
@@ -228,6 +284,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
     train_kwargs = {"batch_size": args.batch_size, "max_seq_len": args.max_seq_len, "seed": args.seed,
                     "grad_accum": args.grad_accum, "precision": args.precision,
                     "gradient_checkpointing": CHECKPOINTING_CHOICES[args.gradient_checkpointing]}
+    train_kwargs["optimizer"] = optimizer_settings(args)
     train_kwargs.update(deepspeed.train if deepspeed is not None else {})
     lr = args.lr if args.lr is not None else RECOMMENDED_LR.get(args.base_model)
     if lr is not None:
@@ -241,7 +298,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
     return WorkerConfig(
         coordinator_url=args.coordinator_url, dataset=Path(dataset), base_model=args.base_model,
         sync=SyncSettings(specialty=args.specialty, worker_id=worker_id,
-                          duration=args.duration, sync_interval=args.sync_interval,
+                          duration=args.duration, max_steps=args.max_steps, sync_interval=args.sync_interval,
                           speed_factor=args.speed_factor, results_path=args.results,
                           state_dir=args.state_dir or default_state_dir(worker_id), resume=not args.fresh,
                           overlap=not args.no_overlap),
@@ -249,7 +306,10 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         train=TrainSettings(**train_kwargs), use_huggingface=args.use_huggingface,
         use_proxy=args.use_proxy, device=args.device, compression=compression, pull=pull, token=args.token,
         ca_cert=args.ca_cert, progress=False if args.log_format == "json" else None, threads=args.threads,
-        heldout_eval=not args.no_heldout_eval, parallel=parallel_settings(args, deepspeed),
+        heldout_eval=not args.no_heldout_eval, early_stopping=early_stopping(args),
+        parallel=parallel_settings(args, deepspeed),
+        data=DataSettings(dataset_format=args.dataset_format, split_key=args.split_key,
+                          eval_dataset=args.eval_dataset),
         profile=profile_settings(args), tensorboard=tensorboard_dir(args))
 
 
@@ -266,10 +326,13 @@ def _check_address_and_files(args: argparse.Namespace) -> None:
     check_coordinator_url(args.coordinator_url)
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be at least 1, got {args.threads}")
-    if args.dataset is not None and not args.dataset.is_file():
-        what = "is a directory" if args.dataset.is_dir() else "does not exist"
-        raise ValueError(f"--dataset {str(args.dataset)!r} {what}; pass a JSONL file with 'prompt' and "
-                         "'reference_code' on each line")
+    if args.max_steps is not None and args.max_steps < 1:
+        raise ValueError(f"--max-steps must be at least 1, got {args.max_steps}")
+    for flag, path in (("--dataset", args.dataset), ("--eval-dataset", args.eval_dataset)):
+        if path is not None and (not path.exists() or path.is_dir() and not any(path.iterdir())):
+            what = "is an empty directory" if path.exists() else "does not exist"
+            raise ValueError(f"{flag} {str(path)!r} {what}; pass a dataset file (JSONL, JSON, CSV, Parquet) or a "
+                             "directory written by save_to_disk")
     if args.results is not None:
         _check_results_path(args.results)
     if args.ca_cert is not None and not args.ca_cert.is_file():

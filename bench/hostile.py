@@ -14,9 +14,15 @@ are open, plain and TLS, against the same client's figures with no attack (same 
   slow bodies and idle keep-alive (no token needed), plus ``--slow-readers`` that never read a pull.
 - ``compressed_pushes``: 8 concurrent maximum-size fp16 pushes to an expert of ``--model-mb``;
   target: peak RSS growth <= 2x the model size + 64 MiB (issue 13, defect 6).
+- ``backend_faults`` (only when named: it starts PostgreSQL and moto's S3 server): replicas started on a mistyped
+  or empty store, the bucket lost while running, a table lock, with an honest worker pushing (bench/hostile_backends.py).
 - ``new_surface``: the routes added since (upload probe, resumable uploads, ``?since=``, Range, the relay's
   API) and HTTP framing lies, against a root and a relay; slow probes and upload chunks while a normal worker
   syncs through the relay; 64 concurrent 4 MiB probes (bench/hostile_surface.py).
+- ``reservation_exhaustion``: resumable uploads opened by every identity the workers' join token gives and never
+  sent, declaring 1.25x the free disk; then an honest worker's 9 MiB pushes (bench/hostile_reservations.py).
+- ``relay_poisoning``: a worker pushing finite deltas of 3e38 behind a real relay, plain and ``--site-model``;
+  honest acknowledged updates lost or doubled at the root, pulls holding Inf (bench/hostile_relay.py).
 
     python -m bench.hostile            # 1,000 slow connections, 240 MiB model; a few minutes
     python -m bench.hostile --quick    # 100 connections, 16 MiB model (tests/bench)
@@ -60,7 +66,9 @@ ROOT = Path(__file__).resolve().parents[1]
 log = logging.getLogger("bench.hostile")
 MiB = 1 << 20
 P99_TARGET_S = 1.0
-PARTS = ("bad_inputs", "hostile", "slow_clients", "compressed_pushes", "new_surface")
+PARTS = ("bad_inputs", "hostile", "slow_clients", "compressed_pushes", "new_surface", "reservation_exhaustion",
+         "relay_poisoning", "backend_faults")
+DEFAULT_PARTS = PARTS[:-1]  # backend_faults starts PostgreSQL and moto's S3 server: asked for by name
 NESTING = 3000
 urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)  # our own self-signed loopback cert
 
@@ -382,6 +390,18 @@ def table(report: dict[str, Any]) -> str:
                          "5MB push p99 s"], rows)
     if "new_surface" in report:
         text += "\n\n" + surface_table(report["new_surface"])
+    if "reservation_exhaustion" in report:
+        from bench.hostile_reservations import TABLE_HEADERS, table_rows
+
+        text += "\n\n" + format_table(TABLE_HEADERS, table_rows(report["reservation_exhaustion"]))
+    if "relay_poisoning" in report:
+        from bench.hostile_relay import poisoning_table
+
+        text += "\n\n" + poisoning_table(report["relay_poisoning"])
+    if "backend_faults" in report:
+        from bench.hostile_backends import faults_table
+
+        text += "\n\n" + faults_table(report["backend_faults"])
     return text
 
 
@@ -432,8 +452,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
             log.info("new surface: probe, uploads, since, Range, relay API, framing; root and relay")
             report["new_surface"] = new_surface(root / "surface", min(args.connections, 200))
+        if "reservation_exhaustion" in args.only:
+            from bench.hostile_reservations import reservation_exhaustion
+
+            log.info("reservation exhaustion: uploads opened and never sent, then an honest worker's 9 MiB pushes")
+            report["reservation_exhaustion"] = reservation_exhaustion(root / "reservations",
+                                                                      honest_pushes=3 if args.quick else 10)
+        if "relay_poisoning" in args.only:
+            from bench.hostile_relay import relay_poisoning
+
+            log.info("relay poisoning: 3e38 pushes behind a relay, plain and --site-model")
+            report["relay_poisoning"] = relay_poisoning(root / "relay-poisoning", rounds=3 if args.quick else 6)
+        if "backend_faults" in args.only:
+            from bench.hostile_backends import backend_faults
+
+            log.info("backend faults: replicas on PostgreSQL + S3; mistyped and empty store, bucket loss, table lock")
+            report["backend_faults"] = backend_faults(root / "backends", lock_s=5.0 if args.quick else 15.0)
     parts = [report.get("bad_inputs"), *report.get("hostile", {}).values(), report.get("compressed_pushes"),
-             *(p["under_attack"] for p in report.get("slow_clients", {}).values())]
+             report.get("reservation_exhaustion"),
+             *(p["under_attack"] for p in report.get("slow_clients", {}).values()),
+             *(report.get("relay_poisoning", {}).get(mode) for mode in ("plain", "site_model"))]
     parts = [p for p in parts if p is not None]
     report |= {"requests_tried": sum(p["requests"] for p in parts), "status_5xx": sum(p["status_5xx"] for p in parts),
                "normal_client_p99_s": max(((p["under_attack"][k]["p99_s"] or float("inf"))
@@ -456,7 +494,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "hostile.json", help="results JSON")
     p.add_argument("--quick", action="store_true", help="--connections 100 --slow-readers 20 --model-mb 16 "
                                                        "--prompt-mb 1 --health 10 --pushes 3 (tests/bench)")
-    p.add_argument("--only", nargs="+", choices=PARTS, default=list(PARTS), help="attacks to run (default: all)")
+    p.add_argument("--only", nargs="+", choices=PARTS, default=list(DEFAULT_PARTS),
+                   help="attacks to run (default: all but backend_faults, which starts PostgreSQL and moto)")
     p.add_argument("--health", type=int, default=60, help="the normal client's /health requests per phase")
     p.add_argument("--pushes", type=int, default=12, help="the normal client's 5 MB pushes per phase")
     p.add_argument("--client-timeout", type=float, default=60.0,

@@ -288,7 +288,8 @@ def new_surface(data_dir: Path, connections: int) -> dict[str, Any]:
                          headers={**root.headers, EXPERT_HEADER: json.dumps(expert_spec())})
         assert r.status_code == 201, r.text
         relay = CoordinatorProcess(data_dir / "relay", *flags, "--upstream", root.url, "--join-token-file",
-                                   str(data_dir / "root" / "join_token"), "--forward-interval", "1")
+                                   str(data_dir / "root" / "join_token"), "--relay-join-token-file",
+                                   str(data_dir / "root" / "relay_join_token"), "--forward-interval", "1")
         relay.start()
         join = (data_dir / "root" / "join_token").read_text().strip()
         report: dict[str, Any] = {}

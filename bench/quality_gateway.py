@@ -45,7 +45,8 @@ from bench.gateway import MERGE_PLAN, Adapter, classification_scores, merged_ada
 from bench.quality_compression import true_delta_figures
 from bench.realdata import (REAL_MODEL, SMOKE_MODEL, Lab, add_estimate_flags, RealDomain, ds1000_domains, heldout_size,
                             planned_cost, quiet_estimate, render_plan, spread)
-from gateway.router import DEFAULT_THRESHOLD, fit_threshold, route, text_profile
+from bench.mixtures import MIXTURE_ROW, pass_at_1_table, render_soft, soft_methods, wrong_expert_cost
+from gateway.router import DEFAULT_THRESHOLD, fit_threshold, fit_threshold_counting_mistakes, route, text_profile
 from worker.evaluation import AnswerLoss, total
 
 log = logging.getLogger("bench.quality_gateway")
@@ -72,15 +73,21 @@ class Settings:
     exact average's 0.945, task arithmetic and DARE 0.938 / 0.933; ``--merges`` adds them back."""
     tune_limit: int | None = 8
     """Validation problems per domain the merges' lam is tuned on (None: all; the router always uses all)."""
+    arrow: bool = True
+    """Score PEFT's Arrow routing (with and without GenKnowSub) too."""
+    pass_problems: int | None = None
+    """Held-out problems per domain whose generated answers are executed for pass@1 (seed 0; None: all)."""
+    pass_tokens: int = 64
+    """Longest generated answer for pass@1, in tokens."""
 
 
-QUICK = Settings(model=SMOKE_MODEL, steps=3, seeds=1, lam_grid=(0.5,))
+QUICK = Settings(model=SMOKE_MODEL, steps=3, seeds=1, lam_grid=(0.5,), pass_problems=1, pass_tokens=8)
 
 
 def estimate(s: Settings, measured: Path, last: Path) -> dict[str, Any]:
     """Optimiser steps and scored problems of the run, priced from ``measured``; validation sizes come from
     ``last`` (this suite's results; else the split is built). Prompts the router sends to another domain's
-    expert add a few."""
+    expert add a few; pass@1's generation and sandboxed runs are not priced."""
     try:
         sizes = json.loads(last.read_text())["domains"]
         val = {d: int(v["validation"]) for d, v in sizes.items()}
@@ -88,9 +95,11 @@ def estimate(s: Settings, measured: Path, last: Path) -> dict[str, Any]:
         val = {d.name: len(d.validation) for d in ds1000_domains()}
     held = sum(heldout_size(d) for d in val)
     per_seed = 2 * sum(val.values()) + 3 * held  # experts and the exact average on validation; + naive on held-out
+    per_seed += (2 + 4 + (4 if s.arrow else 0)) * held  # mixtures; leave-one-out's four; Arrow with/without GKS, twice
+    wrong_cost = 4 * sum(val.values())  # seed 0: the gateway and every expert on every validation problem
     tuning = len(s.merges) * (len(s.lam_grid) * sum(min(n, s.tune_limit or n) for n in val.values()) + held)
-    return planned_cost(s.seeds * len(val) * s.steps, held + sum(val.values()) + s.seeds * per_seed + tuning,
-                        measured)
+    return planned_cost(s.seeds * len(val) * s.steps,
+                        held + sum(val.values()) + s.seeds * per_seed + tuning + wrong_cost, measured)
 
 
 def train_experts(lab: Lab, domains: Sequence[RealDomain], steps: int, seed: int) -> tuple[dict[str, Adapter], list]:
@@ -224,7 +233,7 @@ def run(lab: Lab, domains: Sequence[RealDomain], s: Settings) -> dict[str, Any]:
     truth_v, top_v, conf_v = routing(domains, "validation")
     truth_h, top_h, conf_h = routing(domains, "heldout")
     gains = [0.0] * len(top_v)
-    per_seed, deltas, tuned = [], [], {}
+    per_seed, per_seed_lodo, deltas, tuned, soft_report = [], [], [], {}, {}
     for seed in range(s.seeds):
         experts, seed_deltas = train_experts(lab, domains, s.steps, seed)
         deltas += seed_deltas
@@ -244,10 +253,25 @@ def run(lab: Lab, domains: Sequence[RealDomain], s: Settings) -> dict[str, Any]:
         for label, plan in tuned.items() if seed == 0 else ():  # merges decide no target: seed 0 only
             methods[f"{label} (lam {plan['config']['lam']:.2g})"] = split_losses(
                 lab, merged_adapter(experts, plan["strategy"], plan["config"]), heldout)
+        full, lodo, mixlab, soft_report["router_mistakes"] = soft_methods(lab, experts, domains, DEFAULT_THRESHOLD,
+                                                                          s.arrow)
+        methods.update(full)
         per_seed.append(methods)
+        per_seed_lodo.append({"base": base_held, **lodo})
+        if seed == 0:
+            soft_report["wrong_expert"] = wrong_expert_cost(mixlab, domains)
+            soft_report["pass_at_1"] = pass_at_1_table(mixlab, domains, DEFAULT_THRESHOLD, s.pass_problems,
+                                                       s.pass_tokens)
         log.info("seed %d evaluated", seed)
     fitted = round(fit_threshold(conf_v, gains, floor=1 / len(domains)), 2)
     report = summarize(per_seed, names, truth_h, top_h, conf_h, fitted)
+    report["leave_one_out"] = {m: {d: spread([mean_loss(seed[m][d]) for seed in per_seed_lodo])
+                                   for d in names} for m in per_seed_lodo[0]}
+    wrong_cost = soft_report["wrong_expert"]["wrong_cost"]
+    soft_report["wrong_expert"]["threshold"] = round(fit_threshold_counting_mistakes(
+        conf_v, [t == p for t, p in zip(truth_v, top_v)], min(wrong_cost, 1e6), floor=1 / len(domains)), 2)
+    report["soft"] = soft_report
+    report["targets"] += auto_targets(report, names)
     report["router"]["validation"] = {"prompts": len(conf_v), "top1_accuracy": statistics.fmean(
         t == p for t, p in zip(truth_v, top_v)), "fitted_threshold": fitted,
         "gain_nats_routed_at_fitted": sum(g for g, c in zip(gains, conf_v) if c >= fitted)}
@@ -255,6 +279,24 @@ def run(lab: Lab, domains: Sequence[RealDomain], s: Settings) -> dict[str, Any]:
     report["router"]["calibration"] = calibrate_router(domains)
     report["codec_true_delta"] = true_delta_figures(deltas)
     return report
+
+
+def auto_targets(report: Mapping[str, Any], names: Sequence[str]) -> list[dict[str, Any]]:
+    """The top-3 mixture (the candidate for serving's auto) against the better of gateway and routing, per domain."""
+    out = []
+    shipped = {m: {d: v["loss"][d]["mean"] for d in names} for m, v in report["methods"].items()}
+    router = f"router (threshold {DEFAULT_THRESHOLD:.2f})"
+    lodo = {m: {d: v[d]["mean"] for d in names} for m, v in report["leave_one_out"].items()}
+    for label, table, gateway, routed_label in (("shipped domains", shipped, GATEWAY, router),
+                                                ("leave one domain out", lodo, "gateway", "routed")):
+        auto, better = table[MIXTURE_ROW], {d: min(table[gateway][d], table[routed_label][d]) for d in names}
+        worst = max(auto[d] - better[d] for d in names)
+        mean_gap = statistics.fmean(auto[d] for d in names) - min(statistics.fmean(table[m][d] for d in names)
+                                                                 for m in (gateway, routed_label))
+        out.append({"target": f"top-3 mixture <= min(gateway, routed) on every domain, lower on average ({label})",
+                    "met": worst <= 0 and mean_gap < 0,
+                    "detail": f"worst domain {worst:+.4f}, mean {mean_gap:+.4f} nats per token"})
+    return out
 
 
 def routing_gains(top: Sequence[str | None], val: Mapping[str, Losses], names: Sequence[str]) -> list[float]:
@@ -321,6 +363,7 @@ def render(report: Mapping[str, Any], names: Sequence[str]) -> str:
         lines.append(f"router {k} threshold {r['threshold']:.2f}: accuracy {r['accuracy']:.3f}, macro-F1 "
                      f"{r['macro_f1']:.3f}, {r['to_gateway']:.1%} to the gateway")
     lines.append(render_calibration(report["router"]["calibration"]))
+    lines.append(render_soft(report, names))
     for t in report["targets"]:
         lines.append(f"[{'met' if t['met'] else 'NOT met'}] {t['target']}: {t['detail']}")
     return "\n".join(lines)
@@ -340,12 +383,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="merges tuned and scored besides the exact and naive averages (default: all)")
     p.add_argument("--tune-limit", type=int, default=None,
                    help=f"validation problems per domain used to tune lam (default: {Settings.tune_limit})")
+    p.add_argument("--no-arrow", action="store_true", help="skip PEFT's Arrow routing (two models per domain)")
+    p.add_argument("--pass-problems", type=int, default=None,
+                   help="held-out problems per domain executed for pass@1 (default: all; --quick: 3)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "quality_gateway.json",
                    help="results JSON (default: %(default)s)")
     add_estimate_flags(p)
     p.add_argument("-v", "--verbose", action="store_true", help="library logs too")
     args = p.parse_args(argv)
-    require_positive(p, args, "steps", "seeds", "tune_limit")
+    require_positive(p, args, "steps", "seeds", "tune_limit", "pass_problems")
     return args
 
 
@@ -357,7 +403,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     s = QUICK if args.quick else Settings()
     overrides = {"steps": args.steps, "seeds": args.seeds, "tune_limit": args.tune_limit,
                  "lam_grid": tuple(args.lam_grid) if args.lam_grid else None,
-                 "merges": tuple(args.merges) if args.merges else None}
+                 "merges": tuple(args.merges) if args.merges else None, "pass_problems": args.pass_problems,
+                 "arrow": False if args.no_arrow else None}
     s = dataclasses.replace(s, **{k: v for k, v in overrides.items() if v is not None})
     if args.estimate:
         print(render_plan("bench.quality_gateway", estimate(s, args.priced_from or args.out, args.out)))

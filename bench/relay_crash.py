@@ -132,7 +132,8 @@ def run(kills: int = 20, clients: int = 3, seed: int = 0, max_uptime: float = 1.
         (work_dir / "join").write_text(join_token)
         port = free_port()
         relay = CoordinatorProcess(work_dir / "relay", "--port", str(port), "--upstream", root.url,
-                                   "--join-token-file", str(work_dir / "join"), "--forward-interval", "0.2",
+                                   "--join-token-file", str(work_dir / "join"), "--relay-join-token-file",
+                                   str(work_dir / "root" / "relay_join_token"), "--forward-interval", "0.2",
                                    "--relay-id", "crash-relay", "--rate-limit", "0", "--staleness-decay", "0",
                                    *(["--site-model"] if site_model else []), new_session=True)
         relay.start()

@@ -1,24 +1,24 @@
 #!/usr/bin/env python3
-"""Serving benchmark: serve.py answering a mixed request stream, and how fast it follows the federation.
+"""Serving benchmark: the engine's mixed-expert batches and continuous batching, then serve.py over HTTP.
 
-A real coordinator (in this process, loopback) holds three tiny-qwen2 LoRA experts (rank 8 on all
-seven projections, random factors) with routing profiles from the sample data; serve.py runs as
-users start it, in its own process. Clients send chat requests at a fixed max_tokens, greedy,
-from `--clients` threads at once:
+Engine part (in process, no HTTP): three LoRA experts (rank 8 on all seven projections, random
+factors) installed in one GenerationEngine; closed-loop clients (1, 8, 32 by default) each send
+their next request when the last one ends, every request generating exactly --max-tokens greedy
+tokens. Rows use the base model (no adapter), one expert, three experts by turns, or a 0.7 / 0.3
+mixture of two experts; the modes are interleaved in each round (same machine load), the fastest
+of --rounds counts. Reported: tokens/s, time to first token p50/p99, and the ratios the serving
+target is about (three experts mixed vs one expert, and vs the base model).
 
-- requests/s, completion tokens/s, p50/p99 latency for a stream to 1 expert vs a stream mixed
-  over 3 experts, with the engine not batching (--max-batch 1), batching rows of any adapters
-  into one call (--max-batch 8, PEFT adapter_names) and batching per adapter (--no-mix-adapters);
-- routing overhead: the `auto` route's time per prompt (as the server reports it, and measured
-  here on the same LocalRouter over the sample prompts);
-- swap time: a new expert version pushed to the coordinator while requests run, until the first
-  response comes from it (poll interval included) and the server's own download + install time.
+HTTP part: a real coordinator (in this process, loopback) holds the three experts with routing
+profiles from the sample data; serve.py runs as users start it, in its own process; clients send
+chat requests from `--clients` threads: requests/s, tokens/s, p50/p99 latency for 1 expert vs 3
+mixed, at --max-batch 1 and the default; the `auto` route's time per prompt; the swap time of a
+version pushed during traffic.
 
-    python -m bench.serve            # quick: tiny-qwen2, ~2-3 min on 2 cores
-    python -m bench.serve --requests 96 --max-tokens 32
-    python -m bench.serve --base-model smollm2-135m --engine-only   # batching on a pretrained model
+    python -m bench.serve                                             # tiny-qwen2, both parts
+    python -m bench.serve --base-model smollm2-135m --engine-only --max-tokens 32
 
-Table on stdout, results in bench/results/serve.json.
+Tables on stdout, results in bench/results/serve.json (commit and load average in "stamp").
 """
 from __future__ import annotations
 
@@ -52,9 +52,8 @@ SERVING = re.compile(r"serving listening on (http://[\d.]+:\d+)")
 KEY = "sk-bench-serving"
 RANK = 8
 REPEATS = 5  # engine runs per setting; the fastest counts (the machine is shared, noise only adds time)
-ENGINES = {"max_batch 1": ["--max-batch", "1"], "max_batch 8 mixed": ["--max-batch", "8"],
-           "max_batch 8 per adapter": ["--max-batch", "8", "--no-mix-adapters"]}
-DEFAULT_ENGINE = "max_batch 8 mixed"
+ENGINES = {"max_batch 1": ["--max-batch", "1"], "max_batch 16 (default)": []}
+DEFAULT_ENGINE = "max_batch 16 (default)"
 
 
 def lora_adapter(model: torch.nn.Module, seed: int, scale: float = 0.05) -> dict[str, torch.Tensor]:
@@ -177,51 +176,131 @@ def measure_swap(url: str, client: CoordinatorClient, base, max_tokens: int, pol
             "failed_requests": len(failures)}
 
 
-def engine_batching(base, prompts: list[str], max_tokens: int) -> dict[str, Any]:
-    """The engine alone (no HTTP): 8 requests queued at once, 1 or 3 adapters, batched or not."""
+ENGINE_MODES = ("base model", "1 expert", "3 experts mixed", "top-2 mixture")
+"""What every row of an engine stream uses: no adapter, one expert, one of three experts by turns, or a
+weighted mixture of two experts (0.7 / 0.3, several LoRA deltas in one forward)."""
+
+
+def engine_streams(base, prompts: list[str], max_tokens: int, clients: tuple[int, ...], rounds: int,
+                   max_batch: int) -> dict[str, Any]:
+    """The engine alone (no HTTP): closed-loop clients, each sending its next request when the last ends.
+
+    For each client count every mode runs ``rounds`` times, modes interleaved within a round (A/B on one
+    machine: the load they see is the same); the round with the most tokens per CPU second of this process
+    counts, and the ratios are of tokens per CPU second: with one torch thread that is the work a token
+    costs, which other processes on a shared machine do not change (tokens per wall second do, 2.5x from
+    round to round at load 16). Every request generates exactly ``max_tokens`` tokens (stop tokens ignored),
+    so the modes do the same work.
+    """
     from serving.config import EngineOptions
 
-    out = {}
-    for label, options in (("one at a time", EngineOptions(max_batch=1)),
-                           ("batch of 8, one call", EngineOptions(max_batch=8)),
-                           ("batch of 8, one call per adapter", EngineOptions(max_batch=8, mix_adapters=False))):
-        for experts in (EXPERTS[:1], EXPERTS):
-            seconds, tokens = min(_engine_run(base, options, experts, prompts, max_tokens) for _ in range(REPEATS))
-            key = f"{len(experts)} adapter(s), {label}"
-            out[key] = {"seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1)}
-            print(f"engine: {key}: {out[key]}", file=sys.stderr, flush=True)
+    engine, registry = _engine(base, EngineOptions(max_batch=max_batch))
+    engine.stop_ids = frozenset()
+    engine.start()
+    out: dict[str, Any] = {}
+    try:
+        for n in clients:
+            runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in ENGINE_MODES}
+            for _ in range(rounds):
+                for mode in ENGINE_MODES:
+                    runs[mode].append(_closed_loop(engine, registry, base.tokenizer, mode, prompts, n, max_tokens))
+            best = {mode: max(r, key=lambda x: x["tokens_per_cpu_s"]) for mode, r in runs.items()}
+            mixed, one, bare = (best[m]["tokens_per_cpu_s"] for m in ("3 experts mixed", "1 expert", "base model"))
+            out[f"{n} clients"] = {"modes": best, "mixed_vs_one_expert": round(mixed / one, 3),
+                                   "mixed_vs_base": round(mixed / bare, 3),
+                                   "mixture_vs_one_expert": round(best["top-2 mixture"]["tokens_per_cpu_s"] / one, 3),
+                                   "all_rounds_tokens_per_s": {m: [x["tokens_per_s"] for x in r] for m, r in runs.items()},
+                                   "all_rounds_tokens_per_cpu_s": {m: [x["tokens_per_cpu_s"] for x in r]
+                                                                   for m, r in runs.items()}}
+            print(f"engine, {n} clients: " + ", ".join(f"{m} {best[m]['tokens_per_cpu_s']} tok/CPU s" for m in ENGINE_MODES)
+                  + f"; mixed/one {mixed / one:.2f}, mixed/base {mixed / bare:.2f}", file=sys.stderr, flush=True)
+    finally:
+        engine.stop()
     return out
 
 
-def _engine_run(base, options, experts, prompts: list[str], max_tokens: int) -> tuple[float, int]:
-    """(seconds, completion tokens) for 8 requests queued before the engine starts."""
+def _engine(base, options):
     import copy
 
     from serving.adapters import AdapterRegistry
     from serving.engine import AdapterWeights, GenerationEngine
-    from serving.jobs import END, Job
-    from serving.schema import CompletionRequest, Sampling
 
     lora = {"rank": RANK, "alpha": 16.0, "target_modules": list(LORA_PROJECTIONS)}
     registry = AdapterRegistry()
-    engine = GenerationEngine(copy.deepcopy(base.model), base.tokenizer, registry, options)
-    for seed, name in enumerate(experts):
+    engine = GenerationEngine(copy.deepcopy(base.model), base.tokenizer, registry, options, max_queue=256)
+    for seed, name in enumerate(EXPERTS):
         engine.install(AdapterWeights(name, 0, lora_adapter(base.model, seed), lora)).result()
-    jobs = []
-    for i in range(8):
-        request = CompletionRequest("text", experts[i % len(experts)], None, prompts[i], max_tokens,
+    return engine, registry
+
+
+def _closed_loop(engine, registry, tokenizer, mode: str, prompts: list[str], clients: int,
+                 max_tokens: int) -> dict[str, Any]:
+    """``clients`` threads, 2 requests each (at least 4 in all), through the running engine."""
+    from serving.engine import BASE_SLOT
+    from serving.jobs import END, Job
+    from serving.adapters import LoadedAdapter
+    from serving.schema import CompletionRequest, Sampling
+
+    total = max(4, 2 * clients)
+    counter = iter(range(total))
+    lock = threading.Lock()
+    finished: list[Any] = []
+
+    def one(i: int) -> Any:
+        request = CompletionRequest("text", mode, None, prompts[i % len(prompts)], max_tokens,
                                     Sampling(temperature=0), (), False, False)
-        jobs.append(Job(request, base.tokenizer(prompts[i])["input_ids"], registry.pin(request.model),
-                        time.monotonic() + 600))
-        engine.submit(jobs[-1])
-    started = time.perf_counter()
-    engine.start()
-    for job in jobs:
-        while job.events.get(timeout=600)[0] != END:
-            pass
-    seconds = time.perf_counter() - started
-    engine.stop()
-    return seconds, sum(len(job.tokens) for job in jobs)
+        ids = tokenizer(request.prompt)["input_ids"]
+        deadline = time.monotonic() + 600
+        if mode == "base model":
+            return Job(request, ids, LoadedAdapter("base", BASE_SLOT, 0, 0), deadline)
+        if mode == "top-2 mixture":
+            a, b = registry.pin(EXPERTS[i % 3]), registry.pin(EXPERTS[(i + 1) % 3])
+            return Job(request, ids, a, deadline, mixture=((a, 0.7), (b, 0.3)))
+        return Job(request, ids, registry.pin(EXPERTS[0] if mode == "1 expert" else EXPERTS[i % 3]), deadline)
+
+    def client() -> None:
+        while True:
+            with lock:
+                i = next(counter, None)
+            if i is None:
+                return
+            job = one(i)
+            engine.submit(job)
+            while job.events.get(timeout=600)[0] != END:
+                pass
+            finished.append(job)
+
+    started, cpu_started = time.perf_counter(), time.process_time()
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seconds, cpu = time.perf_counter() - started, time.process_time() - cpu_started
+    ttft = sorted(job.first_token_at - job.submitted_at for job in finished)
+    tokens = sum(len(job.tokens) for job in finished)
+    return {"requests": total, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
+            "tokens_per_cpu_s": round(tokens / cpu, 2), "cpu_seconds": round(cpu, 2),
+            "ttft_p50_ms": round(1000 * percentile(ttft, 50), 1), "ttft_p99_ms": round(1000 * percentile(ttft, 99), 1)}
+
+
+def run_stamp() -> dict[str, Any]:
+    """The commit and the machine load a result was measured at."""
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True).stdout.strip()
+    return {"commit": head.stdout.strip() + ("+changes" if dirty else ""),
+            "load_average": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count()}
+
+
+def render_engine(streams: dict[str, Any]) -> str:
+    rows = []
+    for label, r in streams["clients"].items():
+        for mode, m in r["modes"].items():
+            rows.append([label, mode, m["tokens_per_s"], m["tokens_per_cpu_s"], m["ttft_p50_ms"], m["ttft_p99_ms"]])
+        rows.append([label, "ratios (per CPU s)", "", f"mixed/one {r['mixed_vs_one_expert']:.2f}",
+                     f"mixed/base {r['mixed_vs_base']:.2f}", f"mixture/one {r['mixture_vs_one_expert']:.2f}"])
+    return format_table(["engine alone", "rows use", "tokens/s", "tokens/CPU s", "TTFT p50 ms", "TTFT p99 ms"], rows)
 
 
 def load_note() -> str:
@@ -237,7 +316,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--poll-interval", type=float, default=1.0, help="server poll interval (default: %(default)s)")
     p.add_argument("--base-model", default="tiny-qwen2",
                    help="base model preset, e.g. smollm2-135m after `make smollm2` (default: %(default)s)")
-    p.add_argument("--engine-only", action="store_true", help="only the in-process engine batching part")
+    p.add_argument("--engine-only", action="store_true", help="only the in-process engine part")
+    p.add_argument("--engine-clients", type=int, nargs="+", default=[1, 8, 32],
+                   help="closed-loop client counts of the engine part (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds per engine setting; the fastest "
+                                                          "counts (default: %(default)s)")
+    p.add_argument("--max-batch", type=int, default=32, help="engine rows per forward (default: %(default)s)")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR / "serve.json", help="results JSON (default: %(default)s)")
     args = p.parse_args(argv)
     prompts = [q for name in EXPERTS for q in prompts_of(name)[:8]]
     results: dict[str, Any] = {"benchmark": "serve", "base_model": args.base_model, "settings": vars(args),
@@ -245,13 +330,17 @@ def main(argv: list[str] | None = None) -> int:
     base = load_base_model(args.base_model)
     if args.threads:
         torch.set_num_threads(args.threads)
-    results["engine_batching"] = {"base_model": args.base_model,
-                                  "runs": engine_batching(base, prompts, args.max_tokens)}
+    clients = tuple(args.engine_clients)
+    results["engine_streams"] = {"base_model": args.base_model, "max_tokens": args.max_tokens,
+                                 "max_batch": args.max_batch, "stamp_before": run_stamp(),
+                                 "clients": engine_streams(base, prompts, args.max_tokens, clients, args.rounds,
+                                                           args.max_batch)}
+    results["engine_streams"]["stamp_after"] = run_stamp()
+    print(render_engine(results["engine_streams"]))
     if args.engine_only:  # refresh that part of an earlier full run's results
-        path = RESULTS_DIR / "serve.json"
+        path = args.out
         earlier = json.loads(path.read_text()) if path.exists() else {}
-        write_json_atomic(path, earlier | {"engine_batching": results["engine_batching"],
-                                           "engine_load_note": load_note()})
+        write_json_atomic(path, earlier | {"engine_streams": results["engine_streams"]})
         return 0
     with running_coordinator() as coordinator_url, tempfile.TemporaryDirectory() as tmp:
         client = CoordinatorClient(coordinator_url)
@@ -263,8 +352,6 @@ def main(argv: list[str] | None = None) -> int:
             server = ServeProcess(coordinator_url, keys, flags, args.poll_interval, args.threads)
             try:
                 for label, models in (("1 expert", ["python_expert"]), ("3 experts mixed", list(EXPERTS))):
-                    if label == "1 expert" and "--no-mix-adapters" in flags:
-                        continue  # one adapter: the same as mixing
                     stream = run_stream(server.url, models, prompts, args.requests, args.clients, args.max_tokens)
                     results["streams"][f"{label}, {config}"] = stream
                     print(f"{label}, {config}: {stream}", file=sys.stderr, flush=True)
@@ -278,9 +365,8 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 server.stop()
     results["load_note"] = load_note()
-    write_json_atomic(RESULTS_DIR / "serve.json", results)
-    print(format_table(["engine alone, 8 queued requests", "seconds", "tokens/s"],
-                       [[k, v["seconds"], v["tokens_per_s"]] for k, v in results["engine_batching"]["runs"].items()]))
+    results["stamp"] = run_stamp()
+    write_json_atomic(args.out, results)
     rows = [[name, s["requests_per_s"], s["tokens_per_s"], s["p50_ms"], s["p99_ms"], s["mean_completion_tokens"]]
             for name, s in results["streams"].items()]
     print(format_table(["stream", "req/s", "tokens/s", "p50 ms", "p99 ms", "tokens/req"], rows))

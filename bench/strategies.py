@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -124,7 +125,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=12, help="measured steps per configuration (default: %(default)s)")
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of: " + ", ".join(CONFIGS))
+    p.add_argument("--optimizers", metavar="MODEL", help="instead of the strategy rows, AdamW vs GaLore rows on a "
+                   "full-parameter MODEL, e.g. smollm2-135m (bench/optimizer_rows.py)")
+    p.add_argument("--optimizer-steps", type=int, default=4, help="optimiser steps per --optimizers row")
+    p.add_argument("--optimizer-rows", default="adamw,galore-a0.25,galore-a1",
+                   help="comma-separated --optimizers rows (bench/optimizer_rows.py ROWS)")
     args = p.parse_args(argv)
+    if args.optimizers:
+        return optimizer_report(args.optimizers, args.optimizer_steps, args.optimizer_rows.split(","))
     names = [n for n in args.configs.split(",") if n]
     unknown = [n for n in names if n not in CONFIGS]
     if unknown or args.steps < 1:
@@ -154,6 +162,30 @@ def main(argv: list[str] | None = None) -> int:
     print(f"1 rank: {single['tokens_per_s']:.0f} tokens/s, held-out loss {single['heldout_loss']:.3f}, "
           f"RSS {single['peak_rss_mb']:.0f} MB; * = computed from the collectives, not measured")
     print(f"results in {RESULTS.relative_to(ROOT)}")
+    return 0
+
+
+def optimizer_report(model: str, steps: int, names: list[str]) -> int:
+    """AdamW vs GaLore rows, written into strategies.json under "optimizers" (the strategy rows are kept, and
+    rows of other names already there too, so two processes can fill one table)."""
+    from bench.optimizer_rows import OPTIMIZER_HEADERS, ROWS, optimizer_rows, optimizer_table
+
+    if not names or any(name not in ROWS for name in names) or steps < 1:
+        print(f"error: --optimizer-rows must name rows of {', '.join(ROWS)} (and --optimizer-steps >= 1)",
+              file=sys.stderr)
+        return 2
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    rows = optimizer_rows(model, steps, names)
+    report = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
+    kept = [r for r in report.get("optimizers", {}).get("rows", []) if r["optimizer"] not in names
+            and report["optimizers"].get("model") == f"{model} full-parameter" and report["optimizers"]["steps"] == steps]
+    rows = kept + rows
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    report["optimizers"] = {"model": f"{model} full-parameter", "steps": steps, "rows": rows, "commit": commit,
+                            "load_average_at_end": os.getloadavg()}
+    write_json_atomic(RESULTS, report)
+    print(format_table(OPTIMIZER_HEADERS, optimizer_table(rows)))
     return 0
 
 

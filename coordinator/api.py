@@ -83,7 +83,8 @@ def receive_body() -> Path:
 
 @bp.get("/health")
 def health() -> Response:
-    return jsonify({"status": "ok", "experts": coordinator().expert_count()})
+    """Up, with the expert count; never waits on the database for more than half a second (coordinator/health.py)."""
+    return jsonify({"status": "ok", **coordinator().health.snapshot()})
 
 
 @bp.post("/workers")
@@ -189,7 +190,7 @@ def _weights_diff(c: Coordinator, name: str, worker_id: str | None) -> Response:
     config = loads_json(request.args.get("codec_config", "{}"), "codec_config")
     if not isinstance(config, dict):
         raise BadRequest(f"codec_config must be a JSON object, got {config!r}")
-    payload, version = c.weights_diff(name, since, codec, config)
+    payload, version = c.weights_diff(name, since, codec, config, _int_arg("version"))  # ?version=: to that one
     response = Response(payload, status=200 if payload else 304, mimetype="application/octet-stream")
     response.headers[VERSION_HEADER] = str(version)
     if payload:
@@ -267,12 +268,16 @@ def profiles() -> Response:
 @bp.post("/route")
 def route() -> Response:
     body = json_body(PROMPT_BODY_LIMIT)
-    prompt, threshold = body.get("prompt"), body.get("threshold")
+    prompt, threshold, expected = body.get("prompt"), body.get("threshold"), body.get("expected")
     if not isinstance(prompt, str) or not prompt:
         raise BadRequest(f"'prompt' must be a non-empty string, got {prompt!r}")
     if threshold is not None and (not is_finite_number(threshold) or not 0 <= threshold <= 1):
         raise BadRequest(f"'threshold' must be a number in [0, 1], got {threshold!r}")
-    return jsonify(coordinator().route(prompt, threshold))
+    if expected is not None and not isinstance(expected, str):
+        raise BadRequest(f"'expected' must be an expert's name, got {expected!r}")
+    result = coordinator().route(prompt, threshold, expected)
+    g.route_outcome = (expected or "", result.get("outcome") or ("expert" if result["expert"] else "fallback"))
+    return jsonify(result)
 
 
 @bp.get("/gateway")

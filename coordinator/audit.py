@@ -24,6 +24,7 @@ from protocol.schemas import loads_json
 
 if TYPE_CHECKING:
     from coordinator.norm_check import NormVerdict
+    from protocol.errors import FedMoEError
     from protocol.schemas import UpdateMeta
 
 log = logging.getLogger(__name__)
@@ -219,6 +220,16 @@ def _ids_from_header(raw: str | None) -> tuple[str | None, str | None]:
     worker_id, update_id = meta.get("worker_id"), meta.get("update_id")
     return (worker_id if isinstance(worker_id, str) and worker_id else None,
             update_id if isinstance(update_id, str) and update_id else None)
+
+
+def update_refused_upstream(name: str, update_id: str, worker_id: str | None, batch_id: str,
+                            exc: "FedMoEError") -> Event:
+    """At a relay: a worker update it had acknowledged that the root refused, alone in batch ``batch_id``."""
+    reason = str(exc.details.get("reason", exc.code))
+    return Event("update_rejected", f"update {update_id} from {worker_id or 'unknown'} refused upstream "
+                 f"({exc.status} {reason}) in batch {batch_id}: {exc.message}", expert=name, worker_id=worker_id,
+                 update_id=update_id, detail={"reason": reason, "status": exc.status, "error": exc.message[:500],
+                                              "batch": batch_id, "upstream": True})
 
 
 def update_quarantined(name: str, update_id: str, worker_id: str | None, reason: str, kept: str | None) -> Event:

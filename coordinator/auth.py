@@ -5,6 +5,8 @@ Each endpoint needs one of these (README, "Security", has the table):
 - ``public``: anyone (health check, the dashboard page itself; it asks for a token to read data).
 - ``join``: the join token or admin (registering a worker); also a worker's own token, expired or
   not, to renew it. The join token cannot register an id that is active (``coordinator.tokens``).
+  Registering a relay takes the relay join token instead (or the relay's own token, or admin); the relay
+  join token is good for nothing else.
 - ``read``: any valid token (metadata: experts, workers, gateway info, metrics, routing).
 - ``expert``: a worker token of that expert's specialty, or admin (create it, push, pull its
   weights, send profiles). Where the path names a worker, the token must be that worker's.
@@ -34,7 +36,7 @@ from flask.testing import FlaskClient
 from coordinator.audit import Event, refusal_event, rejection_event
 from coordinator.config import CoordinatorConfig
 from coordinator.ratelimit import RateLimiter
-from coordinator.tokens import ADMIN, JOIN, RELAY, WORKER, Principal, TokenStore
+from coordinator.tokens import ADMIN, JOIN, RELAY, RELAY_JOIN, WORKER, Principal, TokenStore
 from protocol.errors import FedMoEError, Forbidden, TooManyRequests, Unauthorized
 from protocol.schemas import UPDATE_HEADER, WORKER_HEADER
 
@@ -113,7 +115,7 @@ class Authenticator:
         if caller.role != ADMIN and self.limiter is not None:
             # per worker; join-token calls (registrations, reads) per client address
             key = caller.worker_id if caller.role == WORKER else \
-                f"relay:{caller.worker_id}" if caller.role == RELAY else f"join@{request.remote_addr}"
+                f"relay:{caller.worker_id}" if caller.role == RELAY else f"{caller.role}@{request.remote_addr}"
             wait = self.limiter.acquire(key or "")
             if wait > 0:
                 response, exc = _too_many(key or "", wait)
@@ -167,6 +169,9 @@ def _authorize(p: Principal, rule: str, args: dict[str, Any]) -> None:
         return
     if rule == JOIN_ONLY:  # a worker token may renew itself: check_may_register, in the view
         return
+    if p.role == RELAY_JOIN:
+        raise Forbidden("the relay join token only registers relays (POST /api/v1/relays); a relay works with the "
+                        "relay token that registering returns")
     if p.expired:  # never reached: only JOIN_ONLY authenticates with allow_expired
         raise Unauthorized(f"the token of worker {p.worker_id!r} expired", reason="expired")
     if rule == READ:

@@ -15,7 +15,7 @@ import shutil
 import sqlite3
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO
@@ -230,6 +230,25 @@ class BlobStore:
     @property
     def quarantine_location(self) -> str:
         return str(self.quarantine_dir)
+
+    # what start-up recovery asks (coordinator/recovery.py) ----------------------------------
+
+    on_lost: Callable[[], None] | None = None
+    """Called when the store finds it lost blobs while running (a remote store's bucket came back empty);
+    local files have no such event."""
+
+    @property
+    def location(self) -> str:
+        """Where the blobs are, as the operator named it (for messages)."""
+        return f"{self.root} (in --data-dir)"
+
+    def missing(self, digests: Iterable[str]) -> set[str]:
+        """Those of ``digests`` the store does not hold."""
+        return {d for d in digests if not self.path(d).is_file()}
+
+    def restore(self, digest: str) -> bool:
+        """Put back a blob the store lost from a copy of it held elsewhere; local files have no other copy."""
+        return False
 
     def digests(self) -> Iterator[str]:
         for sub in self.root.iterdir():

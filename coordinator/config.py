@@ -31,6 +31,11 @@ class CoordinatorConfig:
     aggregation: str = option("fedasync", "fedasync applies each update at once; fedbuff waits for --buffer-size",
                               choices=AGGREGATION_NAMES)
     server_lr: float = option(1.0, "step size on aggregated deltas")
+    async_alpha: float | None = option(
+        None, "fedasync's mixing weight alpha (Xie et al. 2019): each update is applied at alpha x server-lr / (1 + "
+              "decay x staleness); 1 is the original tool's rule (default: auto = 1 / the workers alive on the "
+              "expert, so N workers' updates add up to their mean, not N times it)",
+        metavar="ALPHA|auto", parse=lambda text, flag: _async_alpha(text))
     staleness_decay: float = option(0.1, "updates weigh 1/(1 + decay * staleness), staleness = versions behind")
     buffer_size: int = option(3, "K updates per fedbuff step")
     keep_versions: int = option(20, "newest versions per expert kept downloadable")
@@ -49,6 +54,8 @@ class CoordinatorConfig:
     route_threshold: float = option(DEFAULT_ROUTE_THRESHOLD, "router confidence below which prompts go to the "
                                                              "gateway instead of one expert")
     max_body_mb: float = option(1024.0, "largest accepted request body in MiB (413 above it)")
+    upload_idle_seconds: float = option(300.0, "a resumable upload that receives no chunk for this long expires "
+                                               "(one receiving chunks never does); its bytes are removed")
     auth: bool = option(True, "accept requests without tokens; only on a trusted lab network", flag="--no-auth",
                         group=SECURITY)
     admin_token_file: Path | None = option(None, "file holding the admin token (default: <data-dir>/admin_token, "
@@ -100,6 +107,8 @@ class CoordinatorConfig:
             raise ValueError(f"--aggregation must be one of {list(AGGREGATION_NAMES)}, got {self.aggregation!r}")
         if not self.server_lr > 0:
             raise ValueError(f"--server-lr must be > 0, got {self.server_lr}")
+        if self.async_alpha is not None and not 0 < self.async_alpha <= 1:
+            raise ValueError(f"--async-alpha must be in (0, 1] or auto, got {self.async_alpha}")
         if not self.staleness_decay >= 0:
             raise ValueError(f"--staleness-decay must be >= 0, got {self.staleness_decay}")
         if self.buffer_size < 1:
@@ -110,6 +119,8 @@ class CoordinatorConfig:
             raise ValueError(f"--route-threshold must be in [0, 1], got {self.route_threshold}")
         if not self.max_body_mb > 0:
             raise ValueError(f"--max-body-mb must be > 0, got {self.max_body_mb}")
+        if not 1 <= self.upload_idle_seconds <= 86400:
+            raise ValueError(f"--upload-idle-seconds must be 1-86400, got {self.upload_idle_seconds}")
         if self.admin_token_file is not None:
             object.__setattr__(self, "admin_token_file", Path(self.admin_token_file).expanduser().absolute())
             if self.admin_token_file.is_dir():  # was "[Errno 21] Is a directory", after the data dir's recovery ran
@@ -161,6 +172,19 @@ class CoordinatorConfig:
     @property
     def updates_per_step(self) -> int:
         return self.buffer_size if self.aggregation == "fedbuff" else 1
+
+
+def _async_alpha(text: str) -> float | None:
+    """``auto`` (None: 1 / active workers, decided at each step) or a number in (0, 1]."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        alpha = float(text)
+    except ValueError:
+        raise ValueError(f"--async-alpha must be a number in (0, 1] or auto, got {text!r}") from None
+    if not 0 < alpha <= 1:
+        raise ValueError(f"--async-alpha must be in (0, 1] or auto, got {text}")
+    return alpha
 
 
 def _gateway_weights(text: str) -> dict[str, float] | None:

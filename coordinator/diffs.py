@@ -52,11 +52,13 @@ class DiffCache:
         # Lock order: _compute_lock -> _guard, and _compute_lock -> the store's locks (reads); the
         # store never calls back here, and no expert lock is held by a pull.
 
-    def get(self, name: str, since: int, codec: str, codec_config: dict[str, Any]) -> tuple[bytes, int]:
-        """(payload, current version); the payload is empty when nothing changed since ``since``."""
+    def get(self, name: str, since: int, codec: str, codec_config: dict[str, Any],
+            version: int | None = None) -> tuple[bytes, int]:
+        """(payload, version): version ``version`` (default: the current one) minus version ``since``; the payload
+        is empty when they are the same version. NotFound when either is not kept (the client pulls full weights)."""
         encoder = make_checked_codec(codec, codec_config)
         for attempt in range(ATTEMPTS):
-            current = self._store.weights(name)
+            current = self._store.weights(name, version)
             if since == current.version:
                 return b"", current.version
             old = self._store.weights(name, since)  # NotFound once ``since`` itself is pruned

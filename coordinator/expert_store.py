@@ -22,12 +22,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, ContextManager, Protocol, TypeGuard, TypeVar
 
 from coordinator.audit import Event
+from coordinator.backends.errors import BackendUnavailable
 from coordinator.blobs import is_storage_full, storage_errors
 from coordinator.group_commit import GroupCommit
 from protocol.integrity import DEFAULT_ALGORITHM, Readable
@@ -67,6 +68,11 @@ class BlobBackend(Protocol):
     def quarantine(self, digest: str, reason: str) -> str | None: ...  # a copy's name; None if gone
     @property
     def quarantine_location(self) -> str: ...
+    @property
+    def location(self) -> str: ...  # where the blobs are, as the operator named it (for messages)
+    def missing(self, digests: Iterable[str]) -> set[str]: ...  # those the store does not hold
+    def restore(self, digest: str) -> bool: ...  # put a lost blob back from a copy held elsewhere (a cache)
+    on_lost: Callable[[], None] | None  # set by the ExpertStore: called when the store finds it lost blobs
 
 
 class PresigningBlobBackend(BlobBackend, Protocol):
@@ -86,10 +92,12 @@ class ManifestBackend(Protocol):
 
     def close(self) -> None: ...
     def flush(self) -> None: ...  # make every commit so far durable (group commit)
+    def held_up(self) -> bool: ...  # a lock held elsewhere just cut a statement short: optional reads can wait
     def create_expert(self, name: str, spec: dict[str, Any], manifest: str, blob: str,
                       events: tuple[Event, ...] = ()) -> None: ...
     def expert(self, name: str) -> ExpertRow | None: ...
     def experts(self) -> list[ExpertRow]: ...
+    def expert_count(self) -> int: ...  # on a connection of its own where writes could hold it up (/health)
     def version_blob(self, name: str, version: int) -> tuple[bool, str | None]: ...
     def versions(self, name: str) -> list[dict[str, Any]]: ...
     def commit_version(self, name: str, version: int, blob: str, applied: list[UpdateRow],
@@ -143,6 +151,19 @@ class ExpertStore:
         """One flush (blob directories, then the manifest's WAL) for every write that waits at once."""
         self._unreferenced: list[str] = []  # blobs to delete once the rows that let go of them are durable
         self._unreferenced_guard = threading.Lock()
+        self._repairing = threading.Lock()  # one repair at a time (repair_in_background)
+        blobs.on_lost = self.repair_in_background
+
+    @property
+    def rows_shared(self) -> bool:
+        """The manifest is shared with other replicas (PostgreSQL): no one process may set anything of it aside
+        on the strength of its own view (coordinator/recovery.py)."""
+        return self._locks is not None
+
+    @property
+    def blob_location(self) -> str:
+        """Where the blobs are, as the operator named it (``--blobs`` URL or the data dir), for messages."""
+        return self._blobs.location
 
     def _flush(self) -> None:
         self._blobs.flush()  # directories first: a durable row never names a blob whose rename is not
@@ -158,10 +179,24 @@ class ExpertStore:
         try:
             self.group_commit.sync()
         except BaseException:
-            with self._unreferenced_guard:
-                self._unreferenced += unreferenced  # the next sync deletes them (or the next start, as orphans)
+            self._drop_later(unreferenced)
             raise
-        self.drop_unreferenced(unreferenced)
+        if self._rows.held_up():  # housekeeping, not durability: not a second wait for a lock held elsewhere
+            self._drop_later(unreferenced)
+            return
+        try:
+            self.drop_unreferenced(unreferenced)
+        except BackendUnavailable:  # the writes are acknowledged all the same
+            self._drop_later(unreferenced)
+
+    def held_up(self) -> bool:
+        """A lock held elsewhere just cut a database statement short: reads a request can do without can wait."""
+        return self._rows.held_up()
+
+    def _drop_later(self, digests: list[str]) -> None:
+        """The next sync deletes them (or the next start, as orphans)."""
+        with self._unreferenced_guard:
+            self._unreferenced += digests
 
     def close(self) -> None:
         self._rows.close()
@@ -223,6 +258,9 @@ class ExpertStore:
             digest = self._blobs.adopt(tmp, digest, sync=False)  # durable at the next flush (sync())
             try:
                 return record(digest)
+            except BackendUnavailable:  # the rows cannot be asked now (a lock held elsewhere): not a second wait
+                self._drop_later([digest])
+                raise
             except BaseException:
                 self.drop_unreferenced([digest])
                 raise
@@ -326,12 +364,55 @@ class ExpertStore:
                 self._blobs.delete(digest)
 
     def remove_orphans(self) -> int:
-        """Delete blobs written just before a crash and never recorded; how many there were."""
+        """Delete blobs written just before a crash and never recorded; how many there were.
+
+        Only when the manifest and the blob store are seen to belong together (the store holds at least one blob
+        the manifest names): a manifest that names none of the store's blobs (an empty or mistyped --manifest
+        database, a fresh SQLite file next to old blobs) would otherwise have every blob deleted as unrecorded."""
         with self._guard:
-            orphans = set(self._blobs.digests()) - self._rows.referenced_blobs()
+            stored, referenced = set(self._blobs.digests()), self._rows.referenced_blobs()
+            orphans = stored - referenced
+            together = bool(stored & referenced) or bool(referenced - self._blobs.missing(referenced))
+            if orphans and not together:
+                log.warning("left %d unrecorded blob(s) in %s in place: the manifest names none of the blobs there "
+                            "(is it the manifest of this store?)", len(orphans), self._blobs.location)
+                return 0
             for digest in orphans:
                 self._blobs.delete(digest)
         return len(orphans)
+
+    def missing_blobs(self, digests: Iterable[str]) -> set[str]:
+        """Those of ``digests`` the blob store does not hold."""
+        return self._blobs.missing(digests)
+
+    def repair(self) -> tuple[list[str], set[str]]:
+        """Put back every blob the rows name that the blob store lost, from a copy held here (a remote store's
+        local cache); (restored, still missing). A blob dropped meanwhile may come back as an orphan (removed
+        at a later start)."""
+        lost = self._blobs.missing(self._rows.referenced_blobs())
+        restored = [digest for digest in sorted(lost) if self._blobs.restore(digest)]
+        if restored:
+            log.warning("re-uploaded %d blob(s) missing from %s from this replica's cache", len(restored),
+                        self._blobs.location)
+        return restored, lost - set(restored)
+
+    def repair_in_background(self) -> None:
+        """``repair`` on a thread of its own, unless one is running (the blob store found it lost blobs)."""
+        if not self._repairing.acquire(blocking=False):
+            return
+
+        def run() -> None:
+            try:
+                restored, missing = self.repair()
+                if missing:
+                    log.error("%d blob(s) the manifest names are missing from %s and not in this replica's cache",
+                              len(missing), self._blobs.location)
+            except Exception as exc:  # noqa: BLE001 - a background repair reports, the next start tries again
+                log.error("repairing the blob store failed: %s", exc)
+            finally:
+                self._repairing.release()
+
+        threading.Thread(target=run, name="fedmoe-repair", daemon=True).start()
 
     def quarantine_updates(self, name: str, updates: list[UpdateRow], reason: str,
                            event: Callable[[UpdateRow, str | None], Event]) -> int:
@@ -376,6 +457,9 @@ class ExpertStore:
 
     def experts(self) -> list[ExpertRow]:
         return self._rows.experts()
+
+    def expert_count(self) -> int:
+        return self._rows.expert_count()
 
     def versions(self, name: str) -> list[dict[str, Any]]:
         return self._rows.versions(name)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from flask import Flask, Response, request
+from flask import Flask, Response, g, request
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -55,6 +55,9 @@ class CoordinatorMetrics:
                                     ["expert", "direction"], registry=self.registry)
         self.updates = Counter("fedmoe_updates", "Pushed updates by outcome (accepted, duplicate, rejected)",
                                ["expert", "outcome"], registry=self.registry)
+        self.routes = Counter("fedmoe_routes", "Prompts routed by /api/v1/route, by the expert the caller expected "
+                              "('' when none) and outcome: right, wrong_expert, fallback (to the gateway); without an "
+                              "expected expert: expert, fallback", ["expected", "outcome"], registry=self.registry)
         self.aggregation = Histogram("fedmoe_aggregation_seconds", "Time to apply one aggregation step",
                                      registry=self.registry)
         self.registry.register(_StateCollector(coordinator))
@@ -74,6 +77,8 @@ class CoordinatorMetrics:
                 self.update_bytes.labels(expert, "in").inc(request.content_length or 0)
         elif request.endpoint == "uploads.upload_chunk" and expert and response.status_code == 200:
             self.update_bytes.labels(expert, "in").inc(request.content_length or 0)  # a resumable push's chunk
+        elif request.endpoint == "api.route" and response.status_code == 200 and "route_outcome" in g:
+            self.routes.labels(*g.route_outcome).inc()
         elif request.endpoint == "api.expert_weights" and expert and response.status_code == 200:
             self.update_bytes.labels(expert, "out").inc(response.content_length or 0)
         return response

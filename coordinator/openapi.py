@@ -124,9 +124,10 @@ SCHEMAS: dict[str, Any] = {
     "UpdateStatus": {
         "type": "object", "required": ["update_id", "expert", "status", "expert_version"],
         "properties": {"update_id": {"type": "string"}, "expert": {"type": "string"},
-                       "status": {"type": "string", "enum": ["pending", "applied"]},
+                       "status": {"type": "string", "enum": ["pending", "applied", "quarantined"]},
                        "applied_version": {"type": ["integer", "null"]},
-                       "expert_version": {"type": "integer"}},
+                       "expert_version": {"type": ["integer", "null"],
+                                          "description": "null: the expert was set aside (quarantined)"}},
     },
     "Worker": {
         "type": "object", "required": ["worker_id", "specialty", "status"],
@@ -158,8 +159,12 @@ SCHEMAS: dict[str, Any] = {
 _api: dict[str, Any] = {
     "/health": {"get": {
         "operationId": "health", "summary": "Liveness and the number of experts.",
-        "responses": {"200": _json({"type": "object", "required": ["status", "experts"],
-                                    "properties": {"status": {"type": "string"}, "experts": {"type": "integer"}}},
+        "responses": {"200": _json({"type": "object", "required": ["status", "experts", "store"],
+                                    "properties": {"status": {"type": "string"}, "experts": {"type": "integer"},
+                                                   "store": {"type": "string", "enum": ["ok", "slow", "unavailable"],
+                                                             "description": "ok: experts was read just now; "
+                                                             "slow or unavailable: the last count read, the "
+                                                             "store did not answer within 0.5 s or failed."}}},
                                    "The coordinator is up.")}}},
     "/openapi.json": {"get": {
         "operationId": "openapi", "summary": "This description.",
@@ -219,7 +224,7 @@ _api: dict[str, Any] = {
         "summary": "Full weights (safetensors), or with since= the compressed difference from that version.",
         "parameters": [EXPERT_NAME,
                        _query("version", VERSION_QUERY, "Version (default: current)."),
-                       _query("since", VERSION_QUERY, "Send current minus this version."),
+                       _query("since", VERSION_QUERY, "Send that version minus this one."),
                        _query("codec", {"type": "string"}, "Codec of the difference (default fp16)."),
                        _json_param("codec_config", "query", {"type": "object"}, "Codec options as a JSON object."),
                        _header("If-None-Match", "ETag held by the caller."),
@@ -274,7 +279,10 @@ _api: dict[str, Any] = {
         "requestBody": {"required": True, "content": {"application/json": {"schema": {
             "type": "object", "required": ["prompt"],
             "properties": {"prompt": {"type": "string", "minLength": 1},
-                           "threshold": {"type": "number", "minimum": 0, "maximum": 1}}}}}},
+                           "threshold": {"type": "number", "minimum": 0, "maximum": 1},
+                           "expected": {"type": "string", "description": "The expert the caller knows the prompt "
+                                        "belongs to (an evaluation): the answer and /metrics then say whether the "
+                                        "route was right, a wrong expert or a fallback to the gateway."}}}}}},
         "responses": {"200": _json({"type": "object", "required": ["target"]}, "The choice and its scores."),
                       "400": BAD_REQUEST, "404": _error("No expert has a routing profile yet."),
                       "413": _error("JSON body over 64 KiB (only the first 8192 characters of a prompt are read).")}}},
@@ -390,7 +398,9 @@ _relays: dict[str, Any] = {  # coordinator/relays.py; docs/wan.md, "Relays"
                                     "url": {"type": ["string", "null"], "maxLength": 512},
                                     "base_model": {"oneOf": [_ref("BaseModel"), {"type": "null"}]}}}}}},
                  "responses": {"200": _json({"type": "object", "required": ["relay_id", "experts"]},
-                                            "Registered; ``token`` is the relay's token when auth is on."),
+                                            "Registered; ``token`` is the relay's token when auth is on; ``limits`` "
+                                            "the root's --server-lr and --norm-* settings, which the relay "
+                                            "applies to its workers' updates before acknowledging them."),
                                "400": BAD_REQUEST,
                                "403": _error("The relay id is active, or the token may not register relays."),
                                "409": _error("The relay's base model differs from an expert's."),

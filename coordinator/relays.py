@@ -1,8 +1,9 @@
 """The root's side of relay coordinators (docs/wan.md, "Relays"): registration, reports, the tree.
 
-A relay (``coordinator.relay``) registers with the join token at ``POST /api/v1/relays`` and gets a
-relay-scoped token (``coordinator.tokens``, role ``relay``): it may push and pull for any expert, on
-behalf of its workers. Registration refuses (409) a relay whose base model fingerprint differs from
+A relay (``coordinator.relay``) registers with the relay join token (``<data dir>/relay_join_token``, not
+the workers' join token: a worker must not be able to make itself a relay) at ``POST /api/v1/relays`` and
+gets a relay-scoped token (``coordinator.tokens``, role ``relay``): it may push and pull for any expert, on
+behalf of its workers; its resumable uploads are its own (coordinator/uploads.py ``owner_of``). Registration refuses (409) a relay whose base model fingerprint differs from
 an existing expert's, so a relay for another model never starts. Each forward interval the relay
 reports its workers and byte counts at ``POST /api/v1/relays/<id>/report``; ``GET /api/v1/relays``
 lists the tree (relays, their workers, bytes saved), which is also how workers discover relays.
@@ -75,6 +76,7 @@ def registry() -> RelayRegistry:
 def register_relay() -> tuple[Response, int]:
     from coordinator.api import coordinator, json_body
     from coordinator.auth import authenticator, principal
+    from coordinator.update_limits import UpdateLimits
 
     body = json_body()
     relay_id = check_name(body.get("relay_id"), "relay_id")
@@ -98,7 +100,8 @@ def register_relay() -> tuple[Response, int]:
 
         token = auth.tokens.issue(relay_key(relay_id), "*", principal(), role=RELAY)
     registry().registered(relay_id, url, None if spec is None else {"id": spec.id, "fingerprint": spec.fingerprint})
-    return jsonify({"relay_id": relay_id, "experts": coordinator().list_experts()} | token), 200
+    limits = UpdateLimits.of(coordinator().config).to_json()  # what the relay must refuse before its 202
+    return jsonify({"relay_id": relay_id, "experts": coordinator().list_experts(), "limits": limits} | token), 200
 
 
 @bp.post("/relays/<relay_id>/report")

@@ -13,6 +13,7 @@ is applied twice.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -33,10 +34,13 @@ from coordinator.diffs import DiffCache
 from coordinator.errors import REFUSALS
 from coordinator.expert_store import ExpertStore, WeightsRef
 from coordinator.gateway_builder import GatewayBuilder
+from coordinator.health import StoreHealth
+from coordinator.liveness import liveness
 from coordinator.norm_check import judge_norm
 from coordinator.recovery import recover
 from coordinator.steps import AggregationSteps
 from coordinator.store import RELAYED, ExpertRow, ManifestStore, UpdateRow, members_applied, parsed_manifest
+from coordinator.update_limits import NORM_SCALE
 from gateway.router import combine_profiles, profile_from_json, profile_to_json
 from gateway.router import route as route_prompt
 from protocol.errors import BadRequest, Conflict, InsufficientStorage, InvalidPayload, NotFound, PayloadTooLarge
@@ -46,6 +50,11 @@ from protocol.schemas import MAX_COUNT, BaseModelSpec, ExpertSpec, UpdateMeta, c
 from protocol.tensors import load_file, manifest_to_json
 
 log = logging.getLogger(__name__)
+
+
+def route_outcome(expert: str | None, expected: str) -> str:
+    """right, wrong_expert or fallback (to the gateway)."""
+    return "fallback" if expert is None else "right" if expert == expected else "wrong_expert"
 
 
 class Coordinator:
@@ -64,10 +73,10 @@ class Coordinator:
         self.steps = AggregationSteps(self.store, config, self._stepped)
         self.on_aggregated: Callable[[float], None] = lambda seconds: None
         """Called with the seconds each aggregation step took (metrics hook)."""
-        orphans = self.store.remove_orphans()  # blobs written just before a crash, never recorded
-        if orphans:
-            log.info("removed %d unrecorded blob(s) left by an interrupted write", orphans)
-        recover(self.store, self.steps.run)  # finish what a crash interrupted; quarantine what can never be used
+        self.health = StoreHealth(self.expert_count)
+        """What /health answers, without waiting on a database that is held up (coordinator/health.py)."""
+        # finish what a crash interrupted; refuse to start on what this process cannot see (coordinator/recovery.py)
+        recover(self.store, self.steps.run)
         self.gateway.start()
 
     def close(self) -> None:
@@ -143,7 +152,7 @@ class Coordinator:
         return self.store.require_expert(name)
 
     def expert_count(self) -> int:
-        return len(self.store.experts())
+        return self.store.expert_count()
 
     def expert_info(self, name: str) -> dict[str, Any]:
         return self._info(self.require_expert(name))
@@ -173,9 +182,11 @@ class Coordinator:
         """A stored blob's bytes; FileNotFoundError if it was pruned meanwhile."""
         return self.store.open_blob(digest)
 
-    def weights_diff(self, name: str, since: int, codec: str, codec_config: dict[str, Any]) -> tuple[bytes, int]:
-        """The current weights minus version ``since``, encoded with a codec: (payload, current version)."""
-        return self.diffs.get(name, since, codec, codec_config)
+    def weights_diff(self, name: str, since: int, codec: str, codec_config: dict[str, Any],
+                     version: int | None = None) -> tuple[bytes, int]:
+        """Version ``version`` (default: the current one) minus version ``since``, encoded with a codec:
+        (payload, version)."""
+        return self.diffs.get(name, since, codec, codec_config, version)
 
     def record_pull(self, worker_id: str | None, name: str, body_bytes: int) -> None:
         if worker_id:
@@ -215,20 +226,29 @@ class Coordinator:
                 self._refuse_recorded_members(meta)  # again under the lock: a direct push of a member may have won
                 verdict = judge_norm(norm, self.store.recent_norms(name, self.config.norm_history),
                                      self.config.norm_policy)  # InvalidUpdate (422) in reject mode
-                stored = meta.to_json() | ({"norm_scale": verdict.scale} if verdict.clipped else {})
+                stored = meta.to_json() | ({NORM_SCALE: verdict.scale} if verdict.clipped else {})
                 step = self.steps.prepare(name, stored, body)  # InvalidUpdate (422) if not finite
-                self.store.add_update(name, stored, body, body_digest, size, _fp32_bytes(manifest),
-                                      norm=verdict.accepted_norm, events=audit.update_accepted(name, meta, verdict, size),
-                                      durable=False)  # synced below, with other pushes', after the lock
+                recorded = self.store.add_update(name, stored, body, body_digest, size, _fp32_bytes(manifest),
+                                                 norm=verdict.accepted_norm,
+                                                 events=audit.update_accepted(name, meta, verdict, size),
+                                                 durable=False)  # synced below, with other pushes', after the lock
+                step_failed = False
                 try:
                     self.steps.run_locked(name, step)
                 except REFUSALS as exc:  # recorded (durable) all the same, so not an error to the client
+                    step_failed = True
                     level = logging.WARNING if isinstance(exc, InsufficientStorage) else logging.ERROR
                     log.log(level, "update %s of %s is recorded but not applied yet: %s", meta.update_id, name, exc)
         finally:
             self.store.forget(body)
         self.store.sync()  # group commit: durable (blob and row) before the 202
-        return self.update_status(meta.update_id), True
+        if not step_failed and not self.store.held_up():
+            with contextlib.suppress(BackendUnavailable):
+                return self.update_status(meta.update_id), True
+        # Recorded and durable: a 202 whatever the database does now (a 503 would say "nothing was recorded"), with
+        # the row as recorded, pending. Exact when its step failed (the newest update is in the last step); when the
+        # database is held up and its status is not read back, a step may have applied it meanwhile.
+        return _status(recorded, expert.version), True
 
     def _refuse_recorded_members(self, meta: UpdateMeta) -> None:
         """A relay batch naming an update recorded here is refused whole (409 members_applied) before its step is
@@ -269,12 +289,12 @@ class Coordinator:
         row = self.store.update(update_id)
         if row is None:
             raise NotFound(f"no update with id {update_id!r}")
-        expert = self.require_expert(row.expert)
-        relayed = {}
+        expert = self.store.expert(row.expert)  # None once an operator set the expert aside (--quarantine)
         if row.status == RELAYED:  # a worker update inside a relay's batch: it shares the batch's fate
-            relayed, row = {"relayed_in": row.meta["relayed_in"]}, self.store.update(row.meta["relayed_in"]) or row
-        return {"update_id": update_id, "expert": row.expert, "status": row.status,
-                "applied_version": row.applied_version, "expert_version": expert.version, **relayed}
+            batch = self.store.update(row.meta["relayed_in"]) or row
+            return _status(batch, None if expert is None else expert.version) | {
+                "update_id": update_id, "relayed_in": row.meta["relayed_in"]}
+        return _status(row, None if expert is None else expert.version)
 
     # routing ------------------------------------------------------------------
 
@@ -296,17 +316,27 @@ class Coordinator:
                                           sum(n for _, n in rows)) for name, rows in stored.items()}
         return {"threshold": self.config.route_threshold, "profiles": profiles}
 
-    def route(self, prompt: str, threshold: float | None = None) -> dict[str, Any]:
-        """Pick the expert whose data the prompt resembles, or the gateway when unsure."""
+    def route(self, prompt: str, threshold: float | None = None, expected: str | None = None) -> dict[str, Any]:
+        """Pick the expert whose data the prompt resembles, or the gateway when unsure.
+
+        ``expected``: the expert the caller knows the prompt belongs to; the answer then says whether the
+        route was right, a wrong expert (worse: it can answer below the base model) or a fallback.
+        """
         stored = self.store.profiles()
         if not stored:
             raise NotFound("no expert has a routing profile yet (workers send one when they join)")
         profiles = {name: combine_profiles([(np.frombuffer(v, dtype="<f4"), n) for v, n in rows])
                     for name, rows in stored.items()}
         threshold = self.config.route_threshold if threshold is None else threshold
+        if expected is not None and expected not in profiles:
+            raise BadRequest(f"'expected' names no expert with a routing profile: {expected!r}; "
+                             f"known: {', '.join(sorted(profiles))}")
         result = route_prompt(prompt, profiles, threshold)  # ProfileError: a 400 (coordinator.errors)
-        return {"expert": result.expert, "target": result.expert or "gateway", "confidence": result.confidence,
-                "threshold": threshold, "scores": result.scores}
+        answer = {"expert": result.expert, "target": result.expert or "gateway", "confidence": result.confidence,
+                  "threshold": threshold, "scores": result.scores, "probabilities": result.probabilities}
+        if expected is not None:
+            answer["outcome"] = route_outcome(result.expert, expected)
+        return answer
 
     # workers ------------------------------------------------------------------
 
@@ -334,6 +364,12 @@ class Coordinator:
     def list_workers(self) -> list[dict[str, Any]]:
         now = time.time()
         return [w | {"status": liveness(now - w["last_seen"], w["sync_interval"])} for w in self.store.workers()]
+
+
+def _status(row: UpdateRow, expert_version: int | None) -> dict[str, Any]:
+    """An update's status as the API answers it."""
+    return {"update_id": row.update_id, "expert": row.expert, "status": row.status,
+            "applied_version": row.applied_version, "expert_version": expert_version}
 
 
 def check_body_size(length: int | None, limit: int) -> None:
@@ -375,16 +411,6 @@ def open_store(config: CoordinatorConfig) -> ExpertStore:
                            locks=ExpertLocks(config.manifest))
     return ExpertStore(blobs, ManifestStore(private_file(config.data_dir / "manifest.sqlite"), group_commit=True),
                        config.keep_versions)
-
-
-def liveness(silent_for: float, sync_interval: float | None) -> str:
-    """alive: heard from within 3 sync intervals (30 s at least); stale: within 20 (5 min); else gone."""
-    interval = sync_interval or 10.0
-    if silent_for <= max(3 * interval, 30.0):
-        return "alive"
-    if silent_for <= max(20 * interval, 300.0):
-        return "stale"
-    return "gone"
 
 
 def _fp32_bytes(manifest: list[tuple[str, tuple[int, ...]]]) -> int:

@@ -13,7 +13,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +23,14 @@ from compression.errors import PayloadError
 from coordinator import audit
 from coordinator.adapters import non_finite_tensor, stored_deltas
 from coordinator.aggregation import AGGREGATORS, AggregationParams, StateDict, Update, robust_aggregator
-from coordinator.aggregation.base import tensors_of
 from coordinator.config import CoordinatorConfig
 from coordinator.expert_store import ExpertStore, StaleAggregation
 from coordinator.flat_weights import load_flat, save_flat
+from coordinator.liveness import active_workers
 from coordinator.recovery import quarantine_updates
 from coordinator.store import ExpertRow, UpdateRow, parsed_manifest
-from protocol.errors import InvalidPayload, InvalidUpdate
+from coordinator.update_limits import as_clipped, check_step_result
+from protocol.errors import InvalidPayload
 from protocol.tensors import load_file, save_file
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,8 @@ class AggregationSteps:
         self.store = store
         self.updates_per_step = config.updates_per_step
         self.params = AggregationParams(config.server_lr, config.staleness_decay)
+        self.async_alpha = config.async_alpha if config.aggregation == "fedasync" else 1.0
+        """fedasync's mixing weight; None: 1 / the expert's active workers, counted at each step (``params_for``)."""
         self._aggregate_fn = AGGREGATORS[config.aggregation]
         if config.robust != "none":  # a robust combination of fedbuff's buffer (coordinator.aggregation.robust)
             self._aggregate_fn = robust_aggregator(config.robust, config.trim_fraction)
@@ -68,21 +71,16 @@ class AggregationSteps:
     def prepare(self, name: str, stored: dict[str, Any], body: Path) -> PreparedStep | None:
         """The aggregation step this update would complete, computed before it is recorded.
 
-        Its result must be finite: two finite pushes of 3e38 summed to +Inf in float32, and an
-        expert that is Inf cannot be pulled, merged or trained. Refusing here (422) means nothing
-        was recorded; the step is then committed as computed (not computed twice).
+        Its result must be finite (``check_step_result``; a relay applies the same rule before its 202).
+        Refusing here (422) means nothing was recorded; the step is then committed as computed (not
+        computed twice).
         """
         pending = self.store.pending_updates(name)
         if len(pending) != self.updates_per_step - 1:
             return None
         expert = self.store.require_expert(name)
         new, updates = self._candidate(expert, pending, (stored, body))
-        bad = non_finite_tensor(new)
-        if bad is not None:
-            raise InvalidUpdate(f"applying update {stored['update_id']!r} would make tensor {bad!r} of expert "
-                                f"{name!r} overflow to Inf/NaN (float32); it was not recorded. Check the worker's "
-                                "training (learning rate, divergence) and send a smaller update",
-                                reason="result_not_finite", tensor=bad)
+        check_step_result(new, stored["update_id"], name)  # InvalidUpdate (422): nothing recorded
         return PreparedStep([u.update_id for u in pending] + [stored["update_id"]], expert.version, new, updates)
 
     def _candidate(self, expert: ExpertRow, recorded: list[UpdateRow],
@@ -99,7 +97,15 @@ class AggregationSteps:
             entries += [incoming] if incoming is not None else []
             updates = [Update(delta=self._deltas(meta, path, manifest), num_samples=meta["num_samples"],
                               staleness=max(0, expert.version - meta["base_version"])) for meta, path in entries]
-            return self._aggregate_fn(current, updates, self.params), updates
+            return self._aggregate_fn(current, updates, self.params_for(expert.name)), updates
+
+    def params_for(self, name: str) -> AggregationParams:
+        """The step's parameters: with ``--async-alpha auto`` (fedasync's default), alpha = 1 / N for the N workers
+        alive on the expert (at least 1: a push from an unregistered client counts whole)."""
+        if self.async_alpha is not None:
+            return self.params if self.async_alpha == 1.0 else replace(self.params, alpha=self.async_alpha)
+        active = active_workers(self.store.workers(), name)
+        return replace(self.params, alpha=1.0 / max(1, active))
 
     def run(self, name: str) -> None:
         """Apply whatever steps the pending updates of ``name`` make up."""
@@ -158,9 +164,7 @@ class AggregationSteps:
     def _deltas(self, meta: dict[str, Any], path: Path,
                 manifest: list[tuple[str, tuple[int, ...]]]) -> Mapping[str, torch.Tensor]:
         """Deltas read from the update's payload when aggregated (not kept in memory while pending)."""
-        deltas = stored_deltas(path, meta["codec"], meta["codec_config"], manifest)
-        scale = meta.get("norm_scale", 1.0)  # clipped at receipt (--norm-check clip)
-        return deltas if scale == 1.0 else {k: t * scale for k, t in tensors_of(deltas)}  # one pass, not per tensor
+        return as_clipped(stored_deltas(path, meta["codec"], meta["codec_config"], manifest), meta)
 
 
 def _save(weights: StateDict, path: Path) -> None:

@@ -188,6 +188,10 @@ class ManifestStore:
             with self._lock:  # TRUNCATE waits for readers; this connection is the only one
                 self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
+    def held_up(self) -> bool:
+        """Whether a lock held elsewhere just cut a statement short (coordinator/backends/postgres.py); SQLite: never."""
+        return False
+
     @contextmanager
     def transaction(self) -> Iterator[Connection]:
         with self._lock:
@@ -224,6 +228,11 @@ class ManifestStore:
 
     def experts(self) -> list[ExpertRow]:
         return [_expert(r) for r in self._all("SELECT * FROM experts ORDER BY name")]
+
+    def expert_count(self) -> int:
+        """How many experts there are (/health)."""
+        row = self._one("SELECT COUNT(*) AS n FROM experts")
+        return int(row["n"]) if row else 0
 
     def version_blob(self, name: str, version: int) -> tuple[bool, str | None]:
         """(exists, blob digest or None if pruned) of one version."""

@@ -4,6 +4,9 @@
   ``<data dir>/admin_token``, made on first start (mode 0600).
 - The **join** token only registers workers. It lives in ``<data dir>/join_token`` (mode 0600);
   the operator hands it to the machines that may join. Delete it and restart to rotate it.
+- The **relay join** token only registers relays (``coordinator.relays``), in ``<data dir>/relay_join_token``
+  (mode 0600), for the machines that run relays. A relay token may push for every expert, so holding the
+  workers' join token is not enough to get one.
 - A **worker** token is what registering returns: bound to one worker id and its specialty,
   valid for ``token_ttl`` seconds. A worker renews it by registering again with that token, even
   once it has expired (the newest token of each worker is kept for this); the client keeps it in
@@ -36,8 +39,8 @@ from protocol.files import private_dir, private_file
 
 log = logging.getLogger(__name__)
 
-ADMIN, JOIN, WORKER, RELAY = "admin", "join", "worker", "relay"
-PREFIX = {ADMIN: "fmadm_", JOIN: "fmjoin_", WORKER: "fmwrk_", RELAY: "fmrly_"}
+ADMIN, JOIN, WORKER, RELAY, RELAY_JOIN = "admin", "join", "worker", "relay", "relay_join"
+PREFIX = {ADMIN: "fmadm_", JOIN: "fmjoin_", WORKER: "fmwrk_", RELAY: "fmrly_", RELAY_JOIN: "fmrjoin_"}
 RELAY_SPECIALTY = "*"
 """A relay's token is kept among worker tokens under worker id ``relay:<id>`` and this specialty (no
 expert can be named "*"): it may push and pull for any expert, on behalf of the relay's workers."""
@@ -68,7 +71,7 @@ class Principal:
     """The caller a token stands for."""
 
     role: str
-    """admin, join or worker."""
+    """admin, join, worker, relay or relay_join."""
     worker_id: str | None = None
     specialty: str | None = None
     expired: bool = False
@@ -117,7 +120,12 @@ class TokenStore:
         join_token = read_or_create_token_file(self.join_token_file, JOIN)
         if join_token == self.admin_token:
             raise ValueError("the join token must differ from the admin token (--admin-token-file)")
+        self.relay_join_token_file = data_dir / "relay_join_token"
+        relay_join_token = read_or_create_token_file(self.relay_join_token_file, RELAY_JOIN)
+        if relay_join_token in (self.admin_token, join_token):
+            raise ValueError(f"{self.relay_join_token_file} must hold a token of its own, not the admin or join token")
         self._admin_hash, self._join_hash = token_hash(self.admin_token), token_hash(join_token)
+        self._relay_join_hash = token_hash(relay_join_token)
         self.token_ttl = token_ttl
         self.clock: Callable[[], float] = time.time
         """Wall-clock seconds that issue and expire tokens (tests move it forward instead of sleeping)."""
@@ -154,6 +162,8 @@ class TokenStore:
             return Principal(ADMIN)
         if hmac.compare_digest(digest, self._join_hash):
             return Principal(JOIN)
+        if hmac.compare_digest(digest, self._relay_join_hash):
+            return Principal(RELAY_JOIN)
         with self._valid_lock:
             cached = self._valid.get(digest)
         if cached is not None and cached[1] > self.clock() and cached[0].worker_id not in self._revoked:
@@ -213,6 +223,8 @@ class TokenStore:
                 raise Forbidden(f"the token of worker {worker_id!r} is for expert {caller.specialty!r}, not "
                                 f"{specialty!r}; use another --worker-id for another specialty")
             return
+        if caller.role != JOIN:
+            raise Forbidden(f"a {caller.role} token cannot register workers; use the join token")
         until = self.active_until(worker_id)
         if until is not None:
             raise Forbidden(f"worker id {worker_id!r} is in use (it holds a token valid until "
@@ -240,13 +252,18 @@ class TokenStore:
         return {"token": token, "token_expires_at": now + self.token_ttl}
 
     def check_may_register_relay(self, caller: Principal, key: str) -> None:
-        """Like check_may_register, for a relay: the join token (if the relay id is not active), the
-        relay's own token (renewal) or the admin."""
+        """Like check_may_register, for a relay: the relay join token (if the relay id is not active), the
+        relay's own token (renewal) or the admin. The workers' join token cannot: a relay token pushes for every
+        expert, and its holder would be a relay (issue 30: any worker could mint relay identities)."""
         self.check_not_revoked(key)
         if caller.role == ADMIN or (caller.role == RELAY and relay_key(caller.worker_id or "") == key):
             return
-        if caller.role != JOIN:
-            raise Forbidden("only the join token, the admin or the relay's own token can register a relay")
+        if caller.role == JOIN:
+            raise Forbidden("the workers' join token cannot register a relay: a relay joins with the root's relay "
+                            f"join token ({self.relay_join_token_file.name} in the root's data dir; relay flag "
+                            "--relay-join-token-file)", reason="relay_join_token_needed")
+        if caller.role != RELAY_JOIN:
+            raise Forbidden("only the relay join token, the admin or the relay's own token can register a relay")
         if self.active_until(key) is not None:
             raise Forbidden(f"relay id {key.removeprefix('relay:')!r} is in use (it holds a valid token); restart "
                             "that relay on its own data dir, or use another --relay-id", reason="relay_id_in_use")

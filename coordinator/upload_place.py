@@ -4,12 +4,12 @@ Before, a 64 MiB chunk was spooled by the front to a file of its own (written an
 upload's file (``copy_file_range``) while a thread hashed it again into the upload's running digest: per GiB,
 0.54 s of writing plus 0.6-1.1 s of copying (docs/scale.md, fifth and seventh rounds). Here the front asks,
 once the head is in and before any of the body is read, where the body goes (coordinator/front.py,
-``BodyPlacer``): for ``PUT /api/v1/experts/<name>/uploads/<id>`` from the upload's owner (or the admin), at the
+``BodyPlacer``): for ``PUT /api/v1/experts/<name>/uploads/<id>`` from the upload's owner (a worker or a relay, or the admin), at the
 upload's offset, the answer is the upload's own file (``UploadStore.place_chunk``), with the upload's lock held
 until the request is over. The route's handler then only checks the chunk's digest and makes it durable.
 
 The request still goes through the application as usual (token, rate limit, Content-Range checks, the answer);
-anything this placer cannot vouch for (no token or a bad one, another worker's upload, an unknown id, a chunk not
+anything this placer cannot vouch for (no token or a bad one, another principal's upload, an unknown id, a chunk not
 at the offset, the upload busy) gets no place: the body is spooled and the handler answers as before.
 """
 from __future__ import annotations
@@ -22,9 +22,9 @@ from flask import Flask
 
 from coordinator.auth import bearer_token
 from coordinator.front_bodies import BodyPlace
-from coordinator.tokens import JOIN, WORKER
+from coordinator.tokens import ADMIN, RELAY, WORKER
 from coordinator.upload_store import UploadStore
-from coordinator.uploads import chunk_range
+from coordinator.uploads import chunk_range, owner_of
 from protocol.errors import FedMoEError
 from protocol.schemas import API_PREFIX
 
@@ -56,11 +56,12 @@ class UploadPlacer:
         return store.place_chunk(upload, start, length, hash_body=own_digest)
 
     def _caller(self) -> str | None:
-        """The worker whose upload this may be (None: the admin, a relay, or auth off); FedMoEError if none may."""
+        """The owner whose upload this may be (coordinator/uploads.py ``owner_of``; None: the admin, or auth off);
+        FedMoEError if no upload may be written with this token."""
         auth = self.app.extensions.get("fedmoe_auth")
         if auth is None:
             return None
         caller = auth.tokens.authenticate(bearer_token())
-        if caller.role == JOIN:
-            raise FedMoEError("the join token cannot send chunks")
-        return caller.worker_id if caller.role == WORKER else None
+        if caller.role not in (ADMIN, WORKER, RELAY):
+            raise FedMoEError(f"the {caller.role} token cannot send chunks")
+        return owner_of(caller)

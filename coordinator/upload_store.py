@@ -15,10 +15,11 @@ copy of the running digest; ``write`` then checks the chunk's digest, fsyncs and
 upload's lock is held and nothing past the acknowledged offset counts; a chunk that did not arrive whole or was
 refused is cut off again when the front releases the place.
 
-Bounds: a worker keeps at most ``per_worker`` uploads open (opening one more evicts its least recently
-used); an upload idle for ``idle_seconds`` expires and its files are removed (swept whenever an
-upload is opened, and at start); an upload is only opened if the disk can hold it plus what the
-other open uploads still need (else 507, nothing recorded).
+Bounds (coordinator/upload_limits.py): an open reserves no disk, only a record; a principal keeps at most
+``per_owner`` uploads open (opening one more evicts its least recently used), all principals together
+``max_open`` (an open evicts the longest idle, never one that received a chunk in the last minute, else 507);
+an upload idle for ``idle_seconds`` expires and its files are removed (swept whenever an upload is opened, and
+at start). An upload is only opened if the disk could hold its body now (else 507, nothing recorded).
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from typing import Any, BinaryIO
 
 from coordinator.blobs import storage_errors
 from coordinator.front_bodies import BodyPlace, SpooledBody
+from coordinator.upload_limits import UploadLimits, global_evictions, is_expired, own_evictions
 from protocol.errors import BadRequest, Conflict, FedMoEError, InsufficientStorage, NotFound, Unavailable
 from protocol.files import private_dir, write_atomically
 from protocol.integrity import Readable, algorithm_of, content_id, new_hasher
@@ -59,14 +61,6 @@ class RangeNotSatisfiable(FedMoEError):
     code, status = "range_not_satisfiable", 416
 
 
-@dataclass(frozen=True)
-class UploadLimits:
-    idle_seconds: float = 3600.0
-    """An upload with no chunk for this long expires; its files are removed."""
-    per_worker: int = 2
-    """Open uploads one worker may hold; opening one more evicts its least recently used."""
-
-
 @dataclass
 class Upload:
     """One resumable push. ``offset`` is the number of bytes received and acknowledged (durable)."""
@@ -74,7 +68,8 @@ class Upload:
     upload_id: str
     expert: str
     owner: str | None
-    """Worker whose token opened it (only it, or the admin, may use it); None when opened by the admin."""
+    """The principal whose token opened it (only it, or the admin, may use it; coordinator/uploads.py
+    ``owner_of``): a worker id, or ``relay:<id>``; None when opened by the admin."""
     meta: UpdateMeta
     size: int
     digest: str
@@ -166,9 +161,9 @@ class UploadStore:
 
     def sweep(self) -> None:
         """Remove uploads idle for longer than ``limits.idle_seconds`` (not those being written or finished)."""
-        deadline = self.clock() - self.limits.idle_seconds
+        now = self.clock()
         with self._guard:
-            stale = [u for u in self._uploads.values() if u.touched_at < deadline]
+            stale = [u for u in self._uploads.values() if is_expired(u, now, self.limits)]
         for upload in stale:
             if self._drop(upload, blocking=False):
                 log.info("upload %s of update %s expired at %d of %d bytes", upload.upload_id,
@@ -205,12 +200,13 @@ class UploadStore:
                                "size or digest; a retry must describe the same body, a new update needs a new "
                                "update_id", update_id=meta.update_id)
             return existing, False
+        with storage_errors(f"open an upload for update {meta.update_id!r}"):
+            self._check_space(size)
         self._make_room(owner)
         now = self.clock()
         upload = Upload(secrets.token_hex(16), expert, owner, meta, size, digest, created_at=now, touched_at=now,
                         hasher=new_hasher(algorithm_of(digest)))
         with storage_errors(f"open an upload for update {meta.update_id!r}"):
-            self._check_space(size)
             try:
                 self.part(upload).touch(mode=0o600)
                 self._save(upload)
@@ -222,28 +218,41 @@ class UploadStore:
         return upload, True
 
     def _make_room(self, owner: str | None) -> None:
-        """Evict the owner's least recently used uploads until it may open one more."""
-        if owner is None:
-            return
+        """Evict the owner's least recently used uploads until it may open one more, then, at the limit of all
+        principals' uploads, the longest idle ones (coordinator/upload_limits.py)."""
         with self._guard:
-            mine = sorted((u for u in self._uploads.values() if u.owner == owner and not u.completed),
-                          key=lambda u: u.touched_at)
-        for upload in mine[:max(0, len(mine) - self.limits.per_worker + 1)]:
+            open_uploads = [u for u in self._uploads.values() if not u.completed]
+        mine = [u for u in open_uploads if owner is not None and u.owner == owner]
+        for upload in own_evictions(mine, self.limits):
             if not self._drop(upload, blocking=False):
-                raise Conflict(f"worker {owner!r} already has {len(mine)} uploads open (the limit), and they are "
-                               "being written; finish one first", reason="too_many_uploads")
-            log.info("worker %s opened more than %d uploads: evicted upload %s of update %s", owner,
-                     self.limits.per_worker, upload.upload_id, upload.meta.update_id)
+                raise Conflict(f"{_principal(owner)} already has {len(mine)} uploads open (the limit), and they are "
+                               "being written; finish one first, or push in one request", reason="too_many_uploads")
+            open_uploads.remove(upload)
+            log.info("%s opened more than %d uploads: evicted upload %s of update %s", _principal(owner),
+                     self.limits.per_owner, upload.upload_id, upload.meta.update_id)
+        self._evict_idlest(open_uploads)
+
+    def _evict_idlest(self, open_uploads: list[Upload]) -> None:
+        """At ``max_open``, drop the longest idle uploads to make room for one more; 507 if not enough may go."""
+        now = self.clock()
+        evict = global_evictions(open_uploads, now, self.limits)
+        if evict is None or not all(self._drop(upload, blocking=False) for upload in evict):
+            raise InsufficientStorage(
+                f"the coordinator holds {len(open_uploads)} open uploads (its limit) and each received a chunk in "
+                f"the last {self.limits.protected_seconds:g} s; push the update in one request, or open the upload "
+                "again later", reason="too_many_uploads")
+        for upload in evict:
+            log.info("%d uploads open (the limit): evicted upload %s of update %s, idle %.0f s", len(open_uploads),
+                     upload.upload_id, upload.meta.update_id, now - upload.touched_at)
 
     def _check_space(self, size: int) -> None:
-        with self._guard:
-            owed = sum(u.size - u.offset for u in self._uploads.values() if not u.completed)
+        """Whether the disk could hold this body now. Nothing is reserved (other uploads' missing bytes are not
+        counted): an upload takes the space its received chunks take, and a chunk the disk cannot hold is a 507."""
         st = os.statvfs(self.root)
         free = st.f_bavail * st.f_frsize
-        if free < size + owed:
+        if free < size:
             raise InsufficientStorage(f"the coordinator's disk cannot hold an upload of {size} bytes ({free} bytes "
-                                      f"free, open uploads still need {owed}); nothing was recorded. Free space in "
-                                      "its --data-dir, then send it again")
+                                      "free); nothing was recorded. Free space in its --data-dir, then send it again")
 
     @contextmanager
     def holding(self, upload: Upload) -> Iterator[Upload]:
@@ -265,10 +274,11 @@ class UploadStore:
             upload.lock.release()
 
     def get(self, upload_id: str, expert: str, caller: str | None) -> Upload:
-        """The upload, if ``caller`` (a worker id; None for the admin) may use it; else NotFound."""
+        """The upload, if ``caller`` (its owner key, ``Upload.owner``; None for the admin) may use it; else NotFound
+        (also for another principal's upload: whether an id exists is not told)."""
         with self._guard:
             upload = self._uploads.get(upload_id) if UPLOAD_ID_RE.fullmatch(upload_id) else None
-        expired = upload is not None and upload.touched_at < self.clock() - self.limits.idle_seconds
+        expired = upload is not None and is_expired(upload, self.clock(), self.limits)
         if upload is None or expired or upload.expert != expert or caller not in (None, upload.owner):
             raise NotFound(f"no open upload {upload_id!r} for expert {expert!r} (finished, expired after "
                            f"{self.limits.idle_seconds:g} s idle, or never opened); open a new one")
@@ -444,6 +454,12 @@ class ChunkPlace:
                         self.upload.offset, exc)
         finally:
             self.upload.lock.release()
+
+
+def _principal(owner: str | None) -> str:
+    """An owner key as the operator reads it: "worker 'w1'", "relay 'site-a'"."""
+    kind, _, name = (owner or "").rpartition(":")
+    return f"{kind or 'worker'} {name!r}"
 
 
 def _check_prefix_algorithm(upload: Upload, prefix_digest: str | None) -> None:

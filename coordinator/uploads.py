@@ -37,8 +37,9 @@ from coordinator.config import CoordinatorConfig
 from coordinator.front import SPOOLED_BODY
 from coordinator.relays import check_may_carry_members
 from coordinator.service import Coordinator
-from coordinator.tokens import WORKER
-from coordinator.upload_store import Upload, UploadLimits, UploadStore
+from coordinator.tokens import RELAY, WORKER, Principal, relay_key
+from coordinator.upload_limits import UploadLimits
+from coordinator.upload_store import Upload, UploadStore
 from protocol.errors import (BadRequest, Conflict, FedMoEError, InvalidUpdate, PayloadTooLarge, RequestTimeout,
                              Unavailable)
 from protocol.integrity import DIGEST_HEADER, ClientReader, algorithm_of, hex_of, parse_digest
@@ -110,20 +111,34 @@ def target() -> UploadTarget:
 
 def install(app: Flask, service: Coordinator | UploadTarget) -> None:
     """Open the data dir's uploads and serve the routes into ``service`` (the root's Coordinator, or a relay).
-    Settings (Flask config, e.g. ``CoordinatorConfig.extra``): UPLOAD_IDLE_SECONDS (3600) and
-    UPLOADS_PER_WORKER (2)."""
+    Bounds (coordinator/upload_limits.py): ``--upload-idle-seconds``; Flask config (e.g. ``CoordinatorConfig.extra``)
+    may set UPLOAD_IDLE_SECONDS, UPLOADS_PER_WORKER (per principal, 2), MAX_OPEN_UPLOADS (1000) and
+    UPLOAD_PROTECTED_SECONDS (60)."""
     into = RootTarget(service) if isinstance(service, Coordinator) else service
-    limits = UploadLimits(float(app.config.get("UPLOAD_IDLE_SECONDS", UploadLimits.idle_seconds)),
-                          int(app.config.get("UPLOADS_PER_WORKER", UploadLimits.per_worker)))
+    default = UploadLimits()
+    limits = UploadLimits(
+        idle_seconds=float(app.config.get("UPLOAD_IDLE_SECONDS", into.config.upload_idle_seconds)),
+        per_owner=int(app.config.get("UPLOADS_PER_WORKER", default.per_owner)),
+        max_open=int(app.config.get("MAX_OPEN_UPLOADS", default.max_open)),
+        protected_seconds=float(app.config.get("UPLOAD_PROTECTED_SECONDS", default.protected_seconds)))
     app.extensions["fedmoe_uploads"] = UploadStore(into.config.data_dir / "uploads", limits)
     app.extensions["fedmoe_upload_target"] = into
     app.register_blueprint(bp)
 
 
+def owner_of(caller: Principal) -> str | None:
+    """Who owns the uploads ``caller`` opens, and may alone use them: a worker by its id, a relay by
+    ``relay:<id>`` (never a worker id: ':' is not allowed in one); None for the admin, who may use any upload.
+    A relay acts for many workers, but its uploads are its own, counted against its own limit."""
+    if caller.role == WORKER:
+        return caller.worker_id
+    if caller.role == RELAY:
+        return relay_key(caller.worker_id or "")
+    return None
+
+
 def _caller() -> str | None:
-    """The worker whose token calls (its uploads only), or None for the admin (any upload)."""
-    p = principal()
-    return p.worker_id if p.role == WORKER else None
+    return owner_of(principal())
 
 
 def _answer(upload: Upload, status: int = 200, **extra: Any) -> tuple[Response, int]:
@@ -262,4 +277,4 @@ def _audit(c: UploadTarget, upload: Upload, exc: FedMoEError) -> None:
     g.audited = True
     c.record_event(rejection_event(upload.expert, exc.status, exc.code, exc.message, exc.details,
                                    json.dumps(upload.meta.to_json()), None, request.remote_addr,
-                                   caller=_caller()))
+                                   caller=upload.owner if principal().role == WORKER else None))  # as a push's

@@ -1,4 +1,5 @@
-"""Write FedMoE's sample datasets: data/python_expert.jsonl, sql_expert.jsonl, docs_expert.jsonl.
+"""Write FedMoE's sample datasets: data/python_expert.jsonl, sql_expert.jsonl, docs_expert.jsonl, and
+one small sample per dataset format the worker reads in data/formats/ (samplegen/formats.py).
 
 Everything is generated from templates in data/samplegen/ (nothing is copied from elsewhere) and
 checked before it is written: Python answers are executed against independent oracles, SQL
@@ -17,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from samplegen import docs_tasks, python_tasks, sql_tasks  # noqa: E402
+from samplegen import docs_tasks, formats, python_tasks, sql_tasks  # noqa: E402
 
 MAX_FILE_BYTES = 400 * 1024
 
@@ -57,6 +58,9 @@ def write_all(out_dir: Path) -> dict[str, int]:
             raise AssertionError(f"{name}: {len(data)} bytes, over the {MAX_FILE_BYTES} byte budget")
         (out_dir / f"{name}.jsonl").write_bytes(data)
         counts[name] = len(records)
+    (out_dir / "formats").mkdir(exist_ok=True)
+    for file_name, make_bytes in formats.FILES.items():
+        (out_dir / "formats" / file_name).write_bytes(make_bytes())
     return counts
 
 
@@ -67,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     for name, count in write_all(args.out).items():
         print(f"{args.out / (name + '.jsonl')}: {count} examples")
+    print(f"{args.out / 'formats'}: {', '.join(formats.FILES)}")
     return 0
 
 

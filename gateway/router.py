@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -87,6 +87,9 @@ class RouteResult:
     """Cosine similarity of the prompt to each expert's profile (cube-root damped, not centred)."""
     confidence: float
     """Softmax probability of the best expert over centred similarities, in [0, 1]."""
+    probabilities: dict[str, float] = field(default_factory=dict)
+    """That softmax for every expert (sums to 1; empty when the prompt could not be compared):
+    the weights of a soft mixture of the experts (``mixture_weights``)."""
 
 
 def text_profile(
@@ -185,12 +188,29 @@ def route(
     if not query.any():  # nothing to compare: shorter than the shortest n-gram
         return RouteResult(None, scores, 0.0)
     if len(names) == 1:  # nothing to centre against; the gateway of one expert is that expert
-        best, confidence = 0, float(cosines[0] > 0)
+        best, probabilities = 0, np.array([float(cosines[0] > 0)])
     else:
         centred = _centred_cosines(damped @ damped.T, cosines, float(query @ query))
-        best, confidence = int(np.argmax(centred)), _softmax_best(centred, temperature)
+        best, probabilities = int(np.argmax(centred)), _softmax(centred, temperature)
+    confidence = float(probabilities[best])
     expert = names[best] if confidence >= threshold else None
-    return RouteResult(expert, scores, confidence)
+    return RouteResult(expert, scores, confidence, {n: float(p) for n, p in zip(names, probabilities)})
+
+
+def mixture_weights(probabilities: Mapping[str, float], top_k: int) -> dict[str, float]:
+    """The ``top_k`` most probable experts, their probabilities renormalised to sum to 1.
+
+    With every expert (top_k >= their number) and equal probabilities this is the equal-weight
+    average of the experts' updates, i.e. the exact gateway; with one dominant expert it is that
+    expert: the mixture moves between the two with the router's certainty, where a threshold jumps.
+    """
+    if top_k < 1:
+        raise ProfileError(f"top_k must be at least 1, got {top_k!r}")
+    top = sorted(probabilities.items(), key=lambda kv: (-kv[1], kv[0]))[:top_k]
+    mass = sum(p for _, p in top)
+    if mass <= 0:
+        return {}
+    return {name: p / mass for name, p in top}
 
 
 def fit_threshold(confidences: Sequence[float], gains: Sequence[float], floor: float | None = None) -> float:
@@ -219,6 +239,16 @@ def fit_threshold(confidences: Sequence[float], gains: Sequence[float], floor: f
             return 0.0
         return (above + floor) / 2 if floor < above else above
     return (above + confidences[order[best_count]]) / 2
+
+
+def fit_threshold_counting_mistakes(confidences: Sequence[float], right: Sequence[bool], wrong_cost: float,
+                                    floor: float | None = None) -> float:
+    """``fit_threshold`` where a right top expert is worth +1, a fallback to the gateway 0 and a wrong
+    expert ``-wrong_cost``: with ``wrong_cost`` > 1 a wrong expert counts as worse than a fallback by
+    that factor (a wrong expert can answer worse than the base model; the gateway rarely does)."""
+    if not wrong_cost > 0:
+        raise ProfileError(f"wrong_cost must be positive, got {wrong_cost!r}")
+    return fit_threshold(confidences, [1.0 if r else -wrong_cost for r in right], floor)
 
 
 def _profile_matrix(profiles: Mapping[str, np.ndarray]) -> tuple[list[str], np.ndarray]:
@@ -258,9 +288,9 @@ def _centred_cosines(gram: np.ndarray, dots: np.ndarray, query_sq: float) -> np.
     return np.divide(numerators, norms, out=np.zeros_like(numerators), where=norms > 1e-6)
 
 
-def _softmax_best(scores: np.ndarray, temperature: float) -> float:
+def _softmax(scores: np.ndarray, temperature: float) -> np.ndarray:
     weights = np.exp((scores - scores.max()) / temperature)
-    return float(weights.max() / weights.sum())
+    return weights / weights.sum()
 
 
 def profile_to_json(

@@ -59,7 +59,7 @@ from protocol.resume import can_resume, check_etag, resumable_body
 from protocol.schemas import API_PREFIX, EXPERT_HEADER, REDIRECT_HEADER, UPDATE_HEADER, VERSION_HEADER, WORKER_HEADER
 from protocol.streaming import tensors_from_buffer
 from protocol.tensors import StateDict, dumps
-from protocol.uploads import ResumablePush, UploadPolicy, UploadStats, UploadsUnsupported
+from protocol.uploads import ResumablePush, UploadPolicy, UploadRefused, UploadStats, UploadsUnsupported
 
 PULL_CHUNK = 4 << 20  # bytes read from the socket at a time into a pull's preallocated buffer
 
@@ -192,12 +192,12 @@ class CoordinatorClient:
         headers = dict(kwargs.pop("headers", None) or {})
         if token:
             headers["Authorization"] = f"Bearer {token}"
-        last, wait = "", None
+        last, wait, refusal = "", None, None
         attempts = self.retry.attempts if attempts is None else attempts
         for attempt in range(attempts):
             if attempt:
                 time.sleep(self.retry.delay(attempt - 1) if wait is None else wait)
-            wait = None
+            wait, refusal = None, None
             try:
                 response = self.session.request(method, url, timeout=self.timeout, headers=headers, **kwargs)
             except requests.exceptions.SSLError as exc:
@@ -230,6 +230,11 @@ class CoordinatorClient:
             if response.status_code == 503 and "Retry-After" in response.headers:  # e.g. the first gateway builds
                 wait = _retry_after(response, self.retry.max_retry_after)
                 last += f": {error_from_response(503, _json(response)).message}"
+            elif response.status_code == 507:  # raised as such: a caller tells "no room" from "unreachable"
+                refusal = error_from_response(507, _json(response))
+                last += f": {refusal.message}"
+        if refusal is not None:
+            raise type(refusal)(last + f" (gave up after {attempts} tries)", **refusal.details)
         raise Unavailable(last + f" (gave up after {attempts} tries)")
 
     def _plain_http_to_tls(self) -> bool:
@@ -375,6 +380,9 @@ class CoordinatorClient:
         if len(body) >= self.upload.threshold:
             try:
                 return self._push_resumable(name, body, meta)
+            except UploadRefused as exc:  # the body may still fit where an upload did not (issue 30)
+                log.info("%s opened no upload for update %s (%s); pushing it in one request", self.base_url,
+                         meta.get("update_id"), exc)
             except UploadsUnsupported as exc:
                 log.info("%s has no resumable uploads (%s); pushing update %s in one request", self.base_url, exc,
                          meta.get("update_id"))
@@ -414,11 +422,14 @@ class CoordinatorClient:
         """Send this worker's routing profile (gateway.router.profile_to_json) for its expert."""
         return self._json("PUT", f"/experts/{name}/profiles/{worker_id}", json=profile, worker=worker_id, expert=name)
 
-    def route(self, prompt: str, threshold: float | None = None) -> dict[str, Any]:
-        """Which expert (or "gateway") should answer ``prompt``, with the scores."""
+    def route(self, prompt: str, threshold: float | None = None, expected: str | None = None) -> dict[str, Any]:
+        """Which expert (or "gateway") should answer ``prompt``, with the scores; with ``expected`` (the expert
+        the prompt belongs to) also the outcome: right, wrong_expert or fallback."""
         body: dict[str, Any] = {"prompt": prompt}
         if threshold is not None:
             body["threshold"] = threshold
+        if expected is not None:
+            body["expected"] = expected
         return self._json("POST", "/route", json=body)
 
     def profiles(self) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from protocol.errors import FedMoEError, NotFound, RequestTimeout, Unavailable
+from protocol.errors import Conflict, FedMoEError, InsufficientStorage, NotFound, RequestTimeout, Unavailable
 from protocol.integrity import DEFAULT_ALGORITHM, digest_header, new_hasher
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,17 @@ instead of once more for the chunk's own ``X-FedMoE-Digest``."""
 
 class UploadsUnsupported(Exception):
     """The coordinator has no upload routes (one older than the routes, root or relay): push in one request."""
+
+
+class UploadRefused(UploadsUnsupported):
+    """The coordinator would not open an upload now: no room on its disk for the body, or the open-upload limit
+    (507 or 409 ``too_many_uploads``). A push in one request may still be taken: the client sends one."""
+
+
+def refused_open(exc: FedMoEError) -> bool:
+    """Whether an open's error means "no upload now" rather than "no such expert" or "bad request"."""
+    return isinstance(exc, InsufficientStorage) or (isinstance(exc, Conflict)
+                                                    and exc.details.get("reason") == "too_many_uploads")
 
 
 @dataclass(frozen=True)
@@ -193,8 +204,14 @@ class ResumablePush:
         return (self._offset + wanted) // SNAPSHOT * SNAPSHOT - self._offset
 
     def _open(self) -> dict[str, Any]:
-        return self.call("POST", f"/experts/{self.expert}/uploads",
-                         json={"update": self.meta, "size": len(self.body), "digest": self.digest}).json()
+        """Open (or find) the upload; UploadRefused when the coordinator has no room for one now."""
+        try:
+            return self.call("POST", f"/experts/{self.expert}/uploads",
+                             json={"update": self.meta, "size": len(self.body), "digest": self.digest}).json()
+        except FedMoEError as exc:
+            if refused_open(exc):
+                raise UploadRefused(str(exc)) from None
+            raise
 
     def _put(self, n: int) -> int:
         offset = self._offset

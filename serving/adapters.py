@@ -18,6 +18,8 @@ from serving.errors import ModelNotFound
 
 GATEWAY = "gateway"
 AUTO = "auto"
+ROUTED_NAMES = (AUTO, "routed", "mixture")
+"""Model names the router resolves per request (serving/choices.py), besides the experts and the gateway."""
 
 
 @dataclass(eq=False)
@@ -66,7 +68,7 @@ class AdapterRegistry:
         with self._lock:
             adapter = self._live.get(model)
             if adapter is None:
-                known = ", ".join(sorted(self._live) + [AUTO])
+                known = ", ".join(sorted(self._live) + list(ROUTED_NAMES))
                 raise ModelNotFound(f"the model {model!r} does not exist; available: {known}", param="model")
             adapter.users += 1
             return adapter

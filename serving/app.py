@@ -15,7 +15,7 @@ from typing import Any
 from flask import Flask, Response, current_app, jsonify, request
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
-from serving.adapters import AUTO, GATEWAY
+from serving.adapters import GATEWAY, ROUTED_NAMES
 from serving.auth import ApiKeys
 from serving.errors import ApiError, BodyTooLarge, Busy, InvalidRequest, MethodNotAllowed, ModelNotFound, \
     NotFoundError
@@ -83,8 +83,8 @@ def list_models() -> Response:
 
 def get_model(name: str) -> Response:
     s = service()
-    if name == AUTO and s.registry.get(GATEWAY) is not None:
-        return jsonify(model_entry(AUTO, int(time.time()), {"kind": "router"}))
+    if name in ROUTED_NAMES and s.registry.get(GATEWAY) is not None:
+        return jsonify(model_entry(name, int(time.time()), {"kind": "router"}))
     adapter = s.registry.get(name)
     if adapter is None:
         raise ModelNotFound(f"the model {name!r} does not exist; GET /v1/models lists them", param="model")

@@ -32,14 +32,12 @@ class Limits:
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """How the single generation thread groups requests."""
+    """How the single generation thread batches requests."""
 
-    max_batch: int = option(8, "requests generated together, any mix of experts (1 = one request at a time)")
-    batch_wait: float = option(0.005, "seconds the engine waits for more requests to join a batch once one has "
-                                      "arrived")
-    mix_adapters: bool = option(True, "generate a batch's rows of each adapter separately instead of in one call "
-                                      "(PEFT adapter_names; see docs/serving.md for which is faster)",
-                                flag="--no-mix-adapters")
+    max_batch: int = option(16, "rows generated together, any mix of experts; requests join and leave the running "
+                                "batch between decode steps (1 = one request at a time)")
+    batch_wait: float = option(0.005, "seconds an idle engine waits for more requests to prefill together once one "
+                                      "has arrived")
 
     def __post_init__(self) -> None:
         if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int) or self.max_batch < 1:

@@ -1,13 +1,15 @@
 """The one thread that owns the model: it loads adapters and generates, never both at once.
 
 Generation is CPU-bound and a 2-core machine gains nothing from two generations at once, so
-every request goes through one queue to this thread. Requests waiting together are generated as
-one batch, whatever adapter each uses: PEFT runs a LoRA batch with a different adapter per row
-(``adapter_names``), computing each adapter's low-rank term on its own rows only. Only requests
-with the same sampling settings share a batch (``generate`` takes one config).
+every request goes through one queue to this thread, which runs one continuously batched
+generation (serving/decode.py): between two decode steps, requests that arrived join the running
+batch (up to ``max_batch`` rows) and rows that finished leave it, so a request never waits for
+another's last token. Rows of any adapters, of a mixture of adapters, or of the base model share
+every forward: each adapted layer adds every row's own low-rank term from stacked factors
+(serving/batched_lora.py). Each row samples with its own settings.
 
 Adapter changes (installing a new version, deleting one no request pins) run on this thread too,
-between batches, so the model is never modified while it generates.
+between two decode steps, so the model is never modified while it generates.
 """
 from __future__ import annotations
 
@@ -18,24 +20,22 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable, cast
+from typing import Any, Callable
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
-from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase, StoppingCriteria, \
-    StoppingCriteriaList
-from transformers.generation.streamers import BaseStreamer
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from gateway.export import ExportError, check_adapter
 from serving.adapters import AdapterRegistry, LoadedAdapter
+from serving.batched_lora import AdapterBank
 from serving.config import EngineOptions
+from serving.decode import Row, RunningBatch, pick_tokens
 from serving.errors import Busy
 from serving.jobs import BUSY, FAILED, START, Job
-from serving.schema import Sampling
 
 log = logging.getLogger(__name__)
 
-PLACEHOLDER = "__placeholder__"  # PEFT needs one adapter to exist; this one (B = 0) is never used
+IDLE_WAIT = 0.05
+"""Seconds the idle engine waits for a request before it looks at its tasks again."""
 
 
 @dataclass(frozen=True)
@@ -51,19 +51,27 @@ class AdapterWeights:
 
 class GenerationEngine:
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, registry: AdapterRegistry,
-                 options: EngineOptions = EngineOptions(), max_queue: int = 64) -> None:
+                 options: EngineOptions = EngineOptions(), max_queue: int = 64, seed: int = 0,
+                 bank: AdapterBank | None = None) -> None:
+        """``bank``: the model's AdapterBank when adapters are installed already (``model`` is then its model)."""
         self.tokenizer = tokenizer
         self.registry = registry
         self.options = options
-        self.model = _wrap(model)
+        self.bank = bank or AdapterBank(_fresh_storage(model).eval())
+        self.model = self.bank.model
         self.stop_ids = frozenset(_stop_ids(model, tokenizer))
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self._batch = RunningBatch(self.model, self.bank, int(pad))
+        self._running: list[Job] = []
+        self._next: list[int] = []
+        """The token each running row feeds at the next step (picked from its last logits)."""
+        self._generator = torch.Generator().manual_seed(seed)
         self._jobs: "queue.Queue[Job]" = queue.Queue(maxsize=max_queue)
-        self._held: collections.deque[Job] = collections.deque()  # taken, waiting for a batch of their sampling
         self._tasks: "queue.Queue[tuple[Callable[[], Any], Future]]" = queue.Queue()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="generation", daemon=True)
         self.batches: collections.Counter[int] = collections.Counter()
-        """Batch size -> how many batches of that size ran (for /metrics-like inspection and the bench)."""
+        """Rows per forward -> how many forwards (prefills and decode steps) ran with that many rows."""
 
     def start(self) -> None:
         self._thread.start()
@@ -98,8 +106,11 @@ class GenerationEngine:
     def _run(self) -> None:
         while not self._stopping.is_set():
             self._do_tasks()
-            for group in self._groups(self._next_batch()):
-                self._generate(group)
+            self._admit()
+            if self._running:
+                self._decode()
+        for job in self._running:  # stopped mid-generation: end the rows rather than leave clients waiting
+            self._finish(job)
 
     def _do_tasks(self) -> None:
         while True:
@@ -109,58 +120,104 @@ class GenerationEngine:
                 break
             _run_task(task, future)
         for adapter in self.registry.reapable():
-            try:
-                self.model.delete_adapter(adapter.slot)
-            except Exception:  # a leaked slot costs memory only; the engine thread must live on
-                log.exception("could not drop %s v%d", adapter.model, adapter.version)
-                continue
+            self.bank.remove(adapter.slot)
             log.info("dropped %s v%d (no request uses it any more)", adapter.model, adapter.version)
 
     def _install(self, weights: AdapterWeights) -> LoadedAdapter:
-        config = _lora_config(weights)
         slot = self.registry.new_slot()
         started = time.perf_counter()
-        self.model.add_adapter(slot, config)
-        try:
-            result = cast(Any, set_peft_model_state_dict(self.model, weights.tensors, adapter_name=slot))  # peft: a bare namedtuple
-            missing = [k for k in result.missing_keys if ".lora_" in k and f".{slot}." in k]
-            if result.unexpected_keys or missing:
-                raise ExportError(f"{weights.model} v{weights.version} does not fit the base model: unexpected "
-                                  f"keys {result.unexpected_keys[:3]}, missing {missing[:3]}")
-        except Exception:  # a shape mismatch (RuntimeError) as much as a missing key: leave no half slot behind
-            self.model.delete_adapter(slot)
-            raise
-        adapter = LoadedAdapter(weights.model, slot, weights.version, int(config.r))
+        rank = self.bank.install(slot, weights.tensors, weights.lora)
+        adapter = LoadedAdapter(weights.model, slot, weights.version, rank)
         self.registry.publish(adapter)
-        log.info("serving %s v%d (rank %d), loaded in %.0f ms", weights.model, weights.version, config.r,
+        log.info("serving %s v%d (rank %d), loaded in %.0f ms", weights.model, weights.version, rank,
                  1000 * (time.perf_counter() - started))
         return adapter
 
-    def _next_batch(self) -> list[Job]:
-        """The oldest waiting job plus those that arrive within batch_wait and sample the same way."""
-        first = self._held.popleft() if self._held else self._take(0.05)
-        if first is None:
-            return []
-        batch = [first] + self._take_held(first.request.sampling)
-        wait_until = time.monotonic() + self.options.batch_wait
-        while len(batch) < self.options.max_batch:
-            job = self._take(max(0.0, wait_until - time.monotonic()))
-            if job is None:
-                break
-            (batch if job.request.sampling == first.request.sampling else self._held).append(job)
-        return [job for job in batch if self._still_wanted(job)]
-
-    def _take(self, timeout: float) -> Job | None:
+    def _admit(self) -> None:
+        """Prefill the requests waiting (up to the free rows) and add them to the running batch."""
+        free = self.options.max_batch - len(self._running)
+        if free <= 0:
+            return
+        jobs = self._take(free, wait=not self._running)
+        jobs = [job for job in jobs if self._still_wanted(job)]
+        if not jobs:
+            return
+        for job in jobs:
+            job.events.put((START, None))
+        self.batches[len(jobs)] += 1
         try:
-            return self._jobs.get(timeout=timeout) if timeout > 0 else self._jobs.get_nowait()
-        except queue.Empty:
-            return None
+            with torch.inference_mode():
+                logits = self._batch.join([_row(job) for job in jobs], [job.prompt_ids for job in jobs])
+        except Exception as exc:  # a bug, not bad input: fail these requests, keep the running ones
+            self._fail(jobs, exc)
+            return
+        self._running += jobs
+        self._next += self._accept(jobs, logits)
+        self._drop_finished()
 
-    def _take_held(self, sampling: Sampling) -> list[Job]:
-        same = [j for j in self._held if j.request.sampling == sampling][: self.options.max_batch - 1]
-        for job in same:
-            self._held.remove(job)
-        return same
+    def _take(self, n: int, wait: bool) -> list[Job]:
+        """Up to ``n`` waiting jobs. Idle (``wait``): block for the first, then give others batch_wait to join."""
+        jobs: list[Job] = []
+        if wait:
+            try:
+                jobs.append(self._jobs.get(timeout=IDLE_WAIT))
+            except queue.Empty:
+                return []
+            deadline = time.monotonic() + self.options.batch_wait
+            while len(jobs) < n and (left := deadline - time.monotonic()) > 0:
+                try:
+                    jobs.append(self._jobs.get(timeout=left))
+                except queue.Empty:
+                    break
+        while len(jobs) < n:
+            try:
+                jobs.append(self._jobs.get_nowait())
+            except queue.Empty:
+                break
+        return jobs
+
+    def _decode(self) -> None:
+        """One decode step for every running row."""
+        self.batches[len(self._running)] += 1
+        try:
+            with torch.inference_mode():
+                logits = self._batch.step(self._next)
+        except Exception as exc:  # a bug: fail the running requests, start afresh
+            running = self._running
+            self._running, self._next = [], []
+            self._batch.keep([])
+            self._fail(running, exc)
+            return
+        self._next = self._accept(self._running, logits)
+        self._drop_finished()
+
+    def _accept(self, jobs: list[Job], logits: torch.Tensor) -> list[int]:
+        tokens = pick_tokens(logits, [job.request.sampling for job in jobs], self._generator)
+        for job, token in zip(jobs, tokens):
+            job.accept(token, self.tokenizer, self.stop_ids)
+        return tokens
+
+    def _drop_finished(self) -> None:
+        keep = [i for i, job in enumerate(self._running) if not job.finished]
+        for job in self._running:
+            if job.finished:
+                self._finish(job)
+        self._batch.keep(keep)
+        self._running = [self._running[i] for i in keep]
+        self._next = [self._next[i] for i in keep]
+
+    def _finish(self, job: Job) -> None:
+        job.close()
+        for adapter in job.pinned:
+            self.registry.unpin(adapter)
+
+    def _fail(self, jobs: list[Job], exc: Exception) -> None:
+        log.error("generation failed for %d request(s)", len(jobs), exc_info=exc)
+        for job in jobs:
+            if not job.finished:
+                job.events.put((FAILED, f"generation failed: {type(exc).__name__}"))
+                job.finish_reason = "error"
+            self._finish(job)
 
     def _still_wanted(self, job: Job) -> bool:
         if job.cancelled:
@@ -169,95 +226,17 @@ class GenerationEngine:
             job.events.put((BUSY, "the request waited its whole --timeout for the model; retry later"))
         else:
             return True
-        self.registry.unpin(job.adapter)
+        for adapter in job.pinned:
+            self.registry.unpin(adapter)
         return False
 
-    def _groups(self, batch: list[Job]) -> list[list[Job]]:
-        """The batch as one generate call (rows of any adapters), or one call per adapter, in arrival order."""
-        if self.options.mix_adapters or not batch:
-            return [batch] if batch else []
-        groups: dict[str, list[Job]] = {}
-        for job in batch:
-            groups.setdefault(job.adapter.slot, []).append(job)
-        return list(groups.values())
 
-    def _generate(self, batch: list[Job]) -> None:
-        self.batches[len(batch)] += 1
-        for job in batch:
-            job.events.put((START, None))
-        try:
-            with torch.inference_mode():
-                self.model.generate(**self._inputs(batch), generation_config=self._config(batch),
-                                    streamer=_RowStreamer(batch, self.tokenizer, self.stop_ids),
-                                    stopping_criteria=StoppingCriteriaList([_RowsFinished(batch)]),
-                                    **self._adapter_choice(batch))
-        except Exception as exc:  # a bug, not bad input: fail these requests, keep serving the others
-            log.exception("generation failed for a batch of %d", len(batch))
-            for job in batch:
-                if not job.finished:
-                    job.events.put((FAILED, f"generation failed: {type(exc).__name__}"))
-                    job.finish_reason = "error"
-        finally:
-            for job in batch:
-                job.close()
-                self.registry.unpin(job.adapter)
-
-    def _adapter_choice(self, batch: list[Job]) -> dict[str, Any]:
-        """One adapter for the whole batch: make it the active one. Several: name each row's.
-
-        PEFT's per-row path (``adapter_names``) splits every LoRA layer's input by adapter, which
-        costs far more than the low-rank term itself on CPU: measured on tiny-qwen2, a batch of 8
-        rows of one adapter took 3.1x longer through it than with that adapter active.
-        """
-        slots = {job.adapter.slot for job in batch}
-        if len(slots) == 1:
-            self.model.set_adapter(slots.pop())
-            return {}
-        return {"adapter_names": [job.adapter.slot for job in batch]}
-
-    def _inputs(self, batch: list[Job]) -> dict[str, torch.Tensor]:
-        """Left-padded prompts: generated tokens of every row then line up at the right edge."""
-        width = max(len(job.prompt_ids) for job in batch)
-        pad = self.tokenizer.pad_token_id
-        ids = torch.tensor([[pad] * (width - len(j.prompt_ids)) + j.prompt_ids for j in batch], dtype=torch.long)
-        mask = torch.tensor([[0] * (width - len(j.prompt_ids)) + [1] * len(j.prompt_ids) for j in batch],
-                            dtype=torch.long)
-        return {"input_ids": ids, "attention_mask": mask}
-
-    def _config(self, batch: list[Job]) -> GenerationConfig:
-        sampling = batch[0].request.sampling
-        extra = {} if sampling.greedy else {"temperature": sampling.temperature, "top_p": sampling.top_p}
-        return GenerationConfig(max_new_tokens=max(job.request.max_tokens for job in batch),
-                                do_sample=not sampling.greedy, eos_token_id=sorted(self.stop_ids),
-                                pad_token_id=self.tokenizer.pad_token_id, **extra)
+def _row(job: Job) -> Row:
+    return Row(tuple((a.slot, w) for a, w in job.mixture_weights if a.slot != BASE_SLOT), job.request.sampling)
 
 
-class _RowStreamer(BaseStreamer):
-    """Hands each row's new token to its job. The first call carries the prompts: skipped."""
-
-    def __init__(self, batch: list[Job], tokenizer: PreTrainedTokenizerBase, stop_ids: frozenset[int]) -> None:
-        self.batch, self.tokenizer, self.stop_ids = batch, tokenizer, stop_ids
-        self.prompt_seen = False
-
-    def put(self, value: torch.Tensor) -> None:
-        if not self.prompt_seen:
-            self.prompt_seen = True
-            return
-        for job, token in zip(self.batch, value.reshape(-1).tolist()):
-            job.accept(token, self.tokenizer, self.stop_ids)
-
-    def end(self) -> None:
-        pass
-
-
-class _RowsFinished(StoppingCriteria):
-    """A row is done once its job is (stop token, stop sequence, its max_tokens, its deadline)."""
-
-    def __init__(self, batch: list[Job]) -> None:
-        self.batch = batch
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        return torch.tensor([job.finished for job in self.batch], dtype=torch.bool, device=input_ids.device)
+BASE_SLOT = ""
+"""The slot of the base model itself (no adapter): a LoadedAdapter with it adds no low-rank term."""
 
 
 def _run_task(task: Callable[[], Any], future: Future) -> None:
@@ -267,29 +246,17 @@ def _run_task(task: Callable[[], Any], future: Future) -> None:
         future.set_exception(exc)
 
 
-def _wrap(model: PreTrainedModel) -> PeftModel:
-    """The base model inside PEFT, with a zero placeholder adapter so that PEFT has one from the start.
+def _fresh_storage(model: PreTrainedModel) -> PreTrainedModel:
+    """The model with a fresh copy of every parameter's storage.
 
-    Every parameter gets a fresh copy of its storage first: generating with tiny-qwen2 exactly as
-    ``load_base_model`` returns it took 0.9-2.6 s per 16-token request, and 0.07-0.2 s after this
-    copy (same process, same load; the cause is not found, the copy is cheap next to loading).
+    Generating with tiny-qwen2 exactly as ``load_base_model`` returns it took 0.9-2.6 s per 16-token
+    request, and 0.07-0.2 s after this copy (same process, same load; the cause is not found, the copy
+    is cheap next to loading).
     """
-    from worker.models import default_target_modules
-
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.data = parameter.data.clone()
-
-    config = LoraConfig(r=1, lora_alpha=1, target_modules=default_target_modules(model)[:1], bias="none",
-                        task_type="CAUSAL_LM", init_lora_weights=True, inference_mode=True)
-    return get_peft_model(model, config, adapter_name=PLACEHOLDER).eval()
-
-
-def _lora_config(weights: AdapterWeights) -> LoraConfig:
-    config = check_adapter(weights.tensors, weights.lora)
-    config.init_lora_weights = False  # every factor is loaded next; skip the random init
-    config.inference_mode = True
-    return config
+    return model
 
 
 def _stop_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:

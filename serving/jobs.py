@@ -29,6 +29,12 @@ class Job:
     """time.monotonic() after which generation stops (finish_reason "length")."""
     route: dict[str, Any] = field(default_factory=dict)
     """How "auto" chose the adapter: confidence and routing time (empty for a named model)."""
+    mixture: tuple[tuple[LoadedAdapter, float], ...] = ()
+    """A soft mixture: (adapter, weight) pairs whose low-rank terms all answer, weighted; empty: ``adapter``
+    alone. ``adapter`` is then the mixture's heaviest member (what the response names)."""
+    submitted_at: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    """time.monotonic() of the first generated token (time to first token = this - submitted_at)."""
     events: "queue.Queue[tuple[str, Any]]" = field(default_factory=queue.Queue)
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -41,10 +47,22 @@ class Job:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def mixture_weights(self) -> tuple[tuple[LoadedAdapter, float], ...]:
+        """The adapters that answer and their weights: the mixture, or ``adapter`` at weight 1."""
+        return self.mixture or ((self.adapter, 1.0),)
+
+    @property
+    def pinned(self) -> list[LoadedAdapter]:
+        """Every adapter this job holds in the registry (each released once when it ends)."""
+        return [a for a, _ in self.mixture] or [self.adapter]
+
     def accept(self, token: int, tokenizer: PreTrainedTokenizerBase, stop_ids: frozenset[int]) -> None:
         """Take the next generated token (engine thread); sends what text became final."""
         if self.finished:
             return
+        if self.first_token_at is None:
+            self.first_token_at = time.monotonic()
         if self.cancelled:
             return self._finish("cancelled")
         if token in stop_ids:

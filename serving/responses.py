@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import Any
 
-from serving.adapters import LoadedAdapter
+from serving.adapters import ROUTED_NAMES, LoadedAdapter
 from serving.jobs import Job
 
 EXPERT_HEADER = "X-FedMoE-Expert"
@@ -80,7 +80,7 @@ def model_list(adapters: list[LoadedAdapter], routable: bool) -> dict[str, Any]:
                                                       "kind": "gateway" if a.model == "gateway" else "expert"})
               for a in adapters]
     if routable:
-        models.append(model_entry("auto", int(time.time()), {"kind": "router"}))
+        models += [model_entry(name, int(time.time()), {"kind": "router"}) for name in ROUTED_NAMES]
     return {"object": "list", "data": models}
 
 

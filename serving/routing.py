@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -26,6 +26,8 @@ class Routed:
     confidence: float
     seconds: float
     """Time spent routing."""
+    probabilities: dict[str, float] = field(default_factory=dict)
+    """The router's probability of each available expert (empty when there was nothing to compare)."""
 
 
 class LocalRouter:
@@ -66,4 +68,5 @@ class LocalRouter:
         if not profiles:
             return Routed(None, 0.0, time.perf_counter() - started)
         result = route(text, profiles, self.threshold)
-        return Routed(result.expert, result.confidence, time.perf_counter() - started)
+        probabilities = result.probabilities if result.confidence > 0 else {}
+        return Routed(result.expert, result.confidence, time.perf_counter() - started, probabilities)

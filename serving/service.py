@@ -8,6 +8,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from serving.adapters import AUTO, GATEWAY, AdapterRegistry, LoadedAdapter
+from serving.choices import AUTO_METHOD, CHOICES
 from serving.config import Limits
 from serving.engine import GenerationEngine
 from serving.errors import ContextTooLong, ModelNotFound
@@ -38,26 +39,32 @@ class ServingService:
     def admit(self, request: CompletionRequest) -> Job:
         """Check the request against the limits, pin its adapter and queue it for generation."""
         prompt_ids = self._prompt_ids(request)
-        adapter, route = self._resolve(request)
-        job = Job(request, prompt_ids, adapter, time.monotonic() + self.limits.timeout, route)
+        adapter, route, mixture = self._resolve(request)
+        job = Job(request, prompt_ids, adapter, time.monotonic() + self.limits.timeout, route, mixture=mixture)
         try:
             self.engine.submit(job)
         except Exception:
-            self.registry.unpin(adapter)
+            for pinned in job.pinned:
+                self.registry.unpin(pinned)
             raise
         return job
 
-    def _resolve(self, request: CompletionRequest) -> tuple[LoadedAdapter, dict]:
-        if request.model != AUTO:
-            return self.registry.pin(request.model), {}
-        routed = self.router.route(request.routing_text, self.registry.experts())
-        route = {"confidence": round(routed.confidence, 4), "route_ms": round(1000 * routed.seconds, 3)}
-        if routed.expert is not None:
-            try:
-                return self.registry.pin(routed.expert), route
-            except ModelNotFound:  # withdrawn between routing and pinning: the gateway answers
-                pass
-        return self.registry.pin(GATEWAY), route
+    def _resolve(self, request: CompletionRequest) -> tuple[LoadedAdapter, dict, tuple]:
+        """(adapter the response names, how it was routed, the mixture's (adapter, weight) pairs or ())."""
+        method = AUTO_METHOD if request.model == AUTO else request.model
+        if method not in CHOICES:
+            return self.registry.pin(request.model), {}, ()
+        choice = CHOICES[method](self.router, request.routing_text, self.registry.experts())
+        pinned: list[tuple[LoadedAdapter, float]] = []
+        try:
+            for name, weight in sorted(choice.weights.items(), key=lambda kv: -kv[1]):
+                pinned.append((self.registry.pin(name), weight))
+        except ModelNotFound:  # withdrawn between routing and pinning: the gateway answers
+            for adapter, _ in pinned:
+                self.registry.unpin(adapter)
+            return self.registry.pin(GATEWAY), dict(choice.route), ()
+        route = {"method": method, **choice.route}
+        return pinned[0][0], route, tuple(pinned) if len(pinned) > 1 else ()
 
     def _prompt_ids(self, request: CompletionRequest) -> list[int]:
         if request.messages is not None:

@@ -71,6 +71,11 @@ def serve_on_loopback(app):
     return server, f"http://127.0.0.1:{server.server_port}"
 
 
+def relay_join_token(root_data_dir) -> str:
+    """The root's relay join token (coordinator/tokens.py): what a relay registers at the root with."""
+    return (root_data_dir / "relay_join_token").read_text().strip()
+
+
 @contextmanager
 def relay_sites(tmp_path, root: dict[str, Any] | None = None, **relay_settings: Any):
     """A real root holding expert ``e1`` (``CoordinatorConfig`` settings ``root``) and a real relay ``r1`` under it
@@ -90,6 +95,7 @@ def relay_sites(tmp_path, root: dict[str, Any] | None = None, **relay_settings: 
         "e1", make_adapter(), expert_spec())
     join = (tmp_path / "root" / "join_token").read_text().strip()
     relay_app = create_relay_app(RelayConfig(upstream=root_url, join_token=join, relay_id="r1",
+                                             relay_join_token=relay_join_token(tmp_path / "root"),
                                              coordinator=CoordinatorConfig(data_dir=tmp_path / "relay"),
                                              forward=ForwardPolicy(interval=3600), **relay_settings))
     relay = relay_app.extensions["fedmoe"]

@@ -21,3 +21,10 @@ def default_pull_codec(push_codec: str) -> str | None:
     """The pull codec that goes with a push codec when none is named: int8 diffs, or None (full weights) under
     --compression auto, which then picks full weights or a diff at each sync from the measured download rate."""
     return None if push_codec == "auto" else DEFAULT_PULL_CODEC
+
+
+DATASET_FORMATS = ("auto", "messages", "sharegpt", "alpaca", "prompt-reference", "prompt-completion", "text")
+"""--dataset-format: how the rows of --dataset are laid out (worker/datasets/), detected with auto."""
+
+OPTIMIZERS = ("adamw", "galore")
+"""--optimizer: AdamW, or GaLore's low-rank projected Adam for full-parameter experts (worker/galore.py)."""

@@ -2,7 +2,7 @@
 
     WorkerError
     ├── CheckpointError        (worker.checkpoint; also a ValueError)
-    ├── DatasetError           (worker.data)
+    ├── DatasetError           (worker.datasets)
     ├── DistributedSetupError  (worker.distributed; also a ValueError)
     ├── ModelLoadError         (worker.models)
     └── PresetError            (worker.presets)

@@ -70,6 +70,7 @@ from worker.checkpoint import CheckpointError, CheckpointWriter, discard_checkpo
 from worker.console import SyncConsole
 from worker.data import StreamPosition
 from worker.distributed import SingleProcess
+from worker.early_stopping import BestVersion
 from worker.encoding import CompressionSettings, PullSettings, UpdateEncoder, default_pull
 from worker.pulling import ExpertPuller
 from worker.stopping import STOP
@@ -101,6 +102,10 @@ class SyncSettings:
     worker_id: str
     duration: float = 3600.0
     """Seconds to run before the final push."""
+    max_steps: int | None = None
+    """Optimiser steps to train before the final push (Hugging Face Trainer's ``max_steps``), counted over the
+    whole run, a resumed checkpoint's steps included; the run ends at ``max_steps`` or ``duration``, whichever
+    comes first. None: ``duration`` alone decides."""
     sync_interval: float = 10.0
     """Seconds of training between syncs."""
     speed_factor: float = 1.0
@@ -119,6 +124,8 @@ class SyncSettings:
     def __post_init__(self) -> None:
         if not self.duration > 0:
             raise ValueError(f"--duration must be > 0 seconds, got {self.duration}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"--max-steps must be at least 1, got {self.max_steps}")
         if not self.sync_interval > 0:
             raise ValueError(f"--sync-interval must be > 0 seconds, got {self.sync_interval}")
         if not 0 < self.speed_factor <= 1:
@@ -168,6 +175,11 @@ class FederatedWorker:
     """{"path", "sha256"} of the training data: a checkpoint trained on other data is not resumed."""
     _writer: CheckpointWriter | None = field(default=None, repr=False)
     _upload_base: UploadPolicy | None = field(default=None, repr=False)
+    early_stopping: BestVersion | None = None
+    """--early-stopping-patience: the best pulled version so far; the run stops when its patience runs out."""
+    heldout_score: Callable[[StateDict], float] | None = None
+    """Held-out loss of given expert weights on this worker's held-out split (needed with ``early_stopping``)."""
+    early_stopped: bool = False
 
     def __post_init__(self) -> None:
         self._upload_base = self.client.upload  # what upload_policy raises the resumable threshold from
@@ -220,6 +232,7 @@ class FederatedWorker:
         fetched = self._fetch()
         if fetched.weights is not None:
             self._adopt(fetched)
+            self._score_version(fetched.weights)
         self._share_weights()
         log.info("joined expert %s at version %d as %s", s.specialty, self.state.version, s.worker_id)
         return info
@@ -305,7 +318,7 @@ class FederatedWorker:
     # the loop -----------------------------------------------------------------
 
     def run(self) -> RunSummary:
-        """Train and sync until ``duration`` is over or Ctrl-C; always ends with a final push."""
+        """Train and sync until ``duration`` is over, ``max_steps`` are taken or Ctrl-C; always ends with a final push."""
         s = self.settings
         started, cpu_started = time.monotonic(), time.process_time()
         end, due = started + s.duration, started + s.sync_interval
@@ -313,8 +326,9 @@ class FederatedWorker:
         STOP.arm()  # a signal now stops at the next step boundary (worker.stopping)
         at_once = False
         try:
-            while not self.collective.agree(time.monotonic() >= end or STOP.requested):  # dist: rank 0 decides
-                self.train_step()
+            while not self.collective.agree(time.monotonic() >= end or STOP.requested or self.steps_left() == 0
+                                            or self.early_stopped):
+                self.train_step()  # dist: rank 0 decides when to stop (the ranks' step counts are the same)
                 if self.totals.steps - steps_before == self.settings.steps_per_check:  # a sign of life (and a test's cue)
                     log.info("training: the first %d step(s) of this run are done", self.settings.steps_per_check)
                 self.poll_sync()
@@ -344,9 +358,17 @@ class FederatedWorker:
                 STOP.disarm()
         return summary
 
+    def steps_left(self) -> int | None:
+        """Optimiser steps still to take under ``max_steps`` (None: no step limit)."""
+        if self.settings.max_steps is None:
+            return None
+        return max(0, self.settings.max_steps - self.trainer.global_step)
+
     def train_step(self) -> None:
-        """Train ``steps_per_check`` steps (the loop's per-step point)."""
-        stats = self.trainer.train_steps(self.settings.steps_per_check)
+        """Train ``steps_per_check`` steps, fewer if ``max_steps`` is that close (the loop's per-step point)."""
+        left = self.steps_left()
+        stats = self.trainer.train_steps(self.settings.steps_per_check if left is None
+                                         else min(left, self.settings.steps_per_check))
         self.interval.add(stats)
         self.totals.add(stats)
         if self.console is not None:
@@ -458,7 +480,10 @@ class FederatedWorker:
         """Step 5 (training thread): apply what the sync pulled, write its result line."""
         started = time.perf_counter()
         if job.fetched is not None and job.fetched.weights is not None:
+            previous = self.state.version
             self._adopt(job.fetched, carry_from=None if job.dropped else job.snapshot)
+            if self.state.version != previous:
+                job.record |= self._score_version(job.fetched.weights)
         seconds = time.perf_counter() - job.started
         blocked = job.blocked + time.perf_counter() - started if overlapped else seconds
         self.blocked_seconds += blocked
@@ -581,6 +606,14 @@ class FederatedWorker:
                 self.interval = IntervalStats()
         self.trainer.load_adapter_state(local)
         self.state.adopt(weights, ours, fetched.version, fetched.etag)
+
+    def _score_version(self, weights: StateDict) -> dict[str, Any]:
+        """--early-stopping-patience: score a newly pulled version on our held-out split; its --results fields."""
+        if self.early_stopping is None or self.heldout_score is None:
+            return {}
+        loss = self.heldout_score(weights)
+        self.early_stopped = self.early_stopping.observe(self.state.version, loss)
+        return {"heldout_loss": loss, **self.early_stopping.record()}
 
     def _heartbeat(self) -> None:
         try:

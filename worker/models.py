@@ -11,8 +11,12 @@ import hashlib
 import json
 import logging
 import os
+import socket
+import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator
+from urllib.parse import urlsplit
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -30,6 +34,9 @@ MODEL_DIRECTORY = ("a directory as save_pretrained writes it: config.json, the w
                    "pytorch_model.bin) and the tokenizer (tokenizer.json, or tokenizer_config.json with its vocabulary)")
 DIRECTORY_HINT = f"--base-model DIR wants {MODEL_DIRECTORY}; or use a preset: {PRESET_CHOICES}."
 MESSAGE_LIMIT = 600  # characters of a library's error kept in the one-line message
+PROBE_SECONDS = 3.0
+"""How long the hub's address may take to accept a TCP connection before it counts as unreachable
+(the hub clients themselves retry for 22-46 s before they give up)."""
 PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy")
 LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Config keys that describe how or where a model was loaded, not what it is.
@@ -183,27 +190,117 @@ def _check_config(path: str) -> None:
 
 def _load_from_hub(model_id: str, use_huggingface: bool) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     if use_huggingface:
-        source = "Hugging Face"
-        try:
-            from transformers import AutoModelForCausalLM, AutoTokenizer
+        return _load_from_hugging_face(model_id)
+    cached = find_in_modelscope_cache(model_id)
+    if cached is not None:  # no network call at all: snapshot_download would still ask the hub for the revision
+        logger.info("base model %s found in the ModelScope cache: %s", model_id, cached)
+        return _load_directory(str(cached))
+    looked = f"not in the ModelScope cache (looked for {_cache_places(model_id)})"
+    _fail_fast_if_unreachable(model_id, "ModelScope", os.environ.get("MODELSCOPE_ENDPOINT") or MODELSCOPE_ENDPOINT,
+                              looked)
+    try:
+        from modelscope import snapshot_download
 
-            tokenizer = AutoTokenizer.from_pretrained(model_id)
-            model = AutoModelForCausalLM.from_pretrained(model_id, dtype=torch.float32)
-            return model, tokenizer
-        except Exception as exc:  # anything from the hub client: OSError, HTTP errors, timeouts
-            reason = _one_line(exc)
-    else:
-        source = "ModelScope"
-        try:
-            from modelscope import snapshot_download
+        local_dir = snapshot_download(model_id)
+    except Exception as exc:  # NetworkError, NotExistError, ... (CacheNotFound is not an OSError)
+        raise ModelLoadError(f"cannot download base model {model_id!r} from ModelScope: {_one_line(exc)}; it is "
+                             f"{looked}. {OFFLINE_HINT}") from None
+    return _load_directory(local_dir)
 
-            local_dir = snapshot_download(model_id, local_files_only=hub_offline())
-        except Exception as exc:  # NetworkError, CacheNotFound (not an OSError), NotExistError, ...
-            reason = _one_line(exc)
-        else:
-            return _load_directory(local_dir)
-    offline = " (offline mode: HF_HUB_OFFLINE is set)" if hub_offline() else ""
-    raise ModelLoadError(f"cannot download base model {model_id!r} from {source}{offline}: {reason}. {OFFLINE_HINT}")
+
+def _load_from_hugging_face(model_id: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    def load(local_only: bool) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+        tokenizer = AutoTokenizer.from_pretrained(model_id, local_files_only=local_only)
+        model = AutoModelForCausalLM.from_pretrained(model_id, dtype=torch.float32, local_files_only=local_only)
+        return model, tokenizer
+
+    try:
+        return load(local_only=True)  # the Hugging Face cache first, without a network call
+    except Exception as exc:  # OSError and friends: not (wholly) in the cache
+        reason = _one_line(exc)
+    _fail_fast_if_unreachable(model_id, "Hugging Face", os.environ.get("HF_ENDPOINT") or HUGGING_FACE_ENDPOINT,
+                              "not in the Hugging Face cache")
+    try:
+        return load(local_only=False)
+    except Exception as exc:  # anything from the hub client: OSError, HTTP errors, timeouts
+        reason = _one_line(exc)
+    raise ModelLoadError(f"cannot download base model {model_id!r} from Hugging Face: {reason}. {OFFLINE_HINT}")
+
+
+MODELSCOPE_ENDPOINT = "https://modelscope.cn"
+"""ModelScope's API address (modelscope_hub's default; $MODELSCOPE_ENDPOINT overrides it, as there)."""
+HUGGING_FACE_ENDPOINT = "https://huggingface.co"
+
+
+def modelscope_cache_root() -> Path:
+    """$MODELSCOPE_CACHE, else ~/.cache/modelscope: where modelscope 1.40 keeps what it downloaded."""
+    return Path(os.environ.get("MODELSCOPE_CACHE") or Path.home() / ".cache" / "modelscope").expanduser()
+
+
+def modelscope_cache_places(model_id: str) -> list[Path]:
+    """Where a ModelScope download of model_id can be, newest layout first (modelscope 1.40.2's
+    snapshot_download and find_reusable_legacy_repo_dir, read in their source):
+
+    models/<owner>--<name>/snapshots/<revision>/   modelscope 1.40 (modelscope_hub)
+    models/<owner>/<name, '.' as '___'>/           1.x SDKs (e.g. models/qwen/Qwen2-0___5B-Instruct)
+    hub/models/<owner>/<masked name>/              1.x SDKs whose cache root was ~/.cache/modelscope/hub
+    hub/<owner>/<name>/, <owner>/<name>/           older SDKs, and MODELSCOPE_CACHE pointed at a flat directory
+    """
+    root = modelscope_cache_root()
+    owner, _, name = model_id.partition("/")
+    masked = name.replace(".", "___")
+    snapshots = root / "models" / f"{owner}--{name}" / "snapshots"
+    revisions = sorted(snapshots.iterdir(), key=lambda p: (p.name != "master", p.name)) if snapshots.is_dir() else []
+    return [*revisions, *(root / part / owner / n for part in ("models", "hub/models", "hub", ".")
+                          for n in dict.fromkeys((masked, name)))]
+
+
+def find_in_modelscope_cache(model_id: str) -> Path | None:
+    """The first place of modelscope_cache_places holding a config.json, or None (never a network call)."""
+    if model_id.count("/") != 1:
+        return None
+    return next((place for place in modelscope_cache_places(model_id) if (place / "config.json").is_file()), None)
+
+
+def _cache_places(model_id: str) -> str:
+    root = modelscope_cache_root()
+    owner, _, name = model_id.partition("/")
+    return (f"{root}/models/{owner}--{name}/snapshots/*, and {owner}/{name.replace('.', '___')} under "
+            f"{root}/models, {root}/hub/models, {root}/hub and {root}")
+
+
+def _fail_fast_if_unreachable(model_id: str, source: str, endpoint: str, looked: str) -> None:
+    """Offline, or with the hub's address unreachable, one line at once instead of the client's long retries."""
+    if hub_offline():
+        raise ModelLoadError(f"cannot download base model {model_id!r} from {source} (offline mode: HF_HUB_OFFLINE "
+                             f"is set): it is {looked}. {OFFLINE_HINT}")
+    if any(os.environ.get(var) for var in PROXY_VARIABLES):
+        return  # through a proxy only the client itself can tell
+    problem = unreachable(endpoint, PROBE_SECONDS)
+    if problem is not None:
+        raise ModelLoadError(f"cannot download base model {model_id!r} from {source}: {problem}, and it is {looked}. "
+                             f"{OFFLINE_HINT}")
+
+
+def unreachable(endpoint: str, timeout: float) -> str | None:
+    """None when the endpoint's host accepts a TCP connection within timeout; else what went wrong."""
+    parts = urlsplit(endpoint)
+    host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
+    outcome: list[str | None] = []
+
+    def connect() -> None:  # in a thread: the name lookup has no timeout of its own
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            outcome.append(None)
+        except OSError as exc:
+            outcome.append(f"{host}:{port} is unreachable ({_one_line(exc)})")
+
+    thread = threading.Thread(target=connect, name="hub-probe", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return outcome[0] if outcome else f"{host}:{port} did not answer within {timeout:.0f} s"
 
 
 def _one_line(exc: BaseException) -> str:

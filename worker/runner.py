@@ -8,14 +8,16 @@ from typing import Callable
 
 from gateway.router import profile_to_json, text_profile
 from protocol.client import CoordinatorClient
+from protocol.tensors import StateDict
 from worker.console import SyncConsole
-from worker.data import dataset_sha256, load_examples, split_examples
 from worker.distributed import SingleProcess, process_group
+from worker.early_stopping import BestVersion, EarlyStoppingSettings
 from worker.encoding import CompressionSettings, PullSettings, UpdateEncoder
 from worker.federation import FederatedWorker, SyncSettings
 from worker.memory import release_freed_memory
 from worker.models import load_base_model
 from worker.profiling import ProfileSettings, StepProfiler
+from worker.splits import DataSettings, data_fingerprint, training_data
 from worker.step_metrics import StepLog
 from worker.strategies import ParallelSettings
 from worker.threads import apply_thread_budget
@@ -55,13 +57,17 @@ class WorkerConfig:
     """CPU threads torch may use in this process (each rank under torchrun); None = all cores."""
     heldout_eval: bool = True
     """Log the held-out loss before and after training (two forward passes over the held-out examples)."""
+    data: DataSettings = DataSettings()
+    """--dataset-format, --split-key, --eval-dataset: how --dataset is read and what is held out."""
+    early_stopping: EarlyStoppingSettings | None = None
+    """Score every pulled expert version on the held-out split; stop when it stops improving (None: off)."""
 
 
 def build_worker(config: WorkerConfig, collective: SingleProcess | None = None,
                  device: str = "cpu") -> tuple[FederatedWorker, LoraTrainer, list]:
     """Load everything a worker needs on `device`; returns (worker, trainer, held-out examples)."""
     collective = collective or SingleProcess()
-    train_examples, heldout = split_examples(load_examples(config.dataset))
+    train_examples, heldout = training_data(config.dataset, config.data)
     base = load_base_model(config.base_model, use_huggingface=config.use_huggingface,
                            device=device, use_proxy=config.use_proxy)
     collective.check_same("the base model fingerprint", base.fingerprint)
@@ -76,7 +82,7 @@ def build_worker(config: WorkerConfig, collective: SingleProcess | None = None,
     log.info("%s: %d training and %d held-out examples from %s; base model %s (%s)",
              config.sync.worker_id, len(train_examples), len(heldout), config.dataset, base.model_id,
              base.fingerprint[:12])
-    profile = profile_to_json(text_profile(e.prompt for e in train_examples), len(train_examples))
+    profile = profile_to_json(text_profile(e.prompt or e.reference_code for e in train_examples), len(train_examples))
     sync = config.sync
     if collective.world_size > 1 and (sync.overlap or sync.state_dir is not None):
         # Collectives must run in the same order on every rank, on the training thread, and a checkpoint
@@ -89,8 +95,32 @@ def build_worker(config: WorkerConfig, collective: SingleProcess | None = None,
                              pull=config.pull, profile=profile, collective=collective,
                              console=SyncConsole(config.sync.sync_interval, progress=config.progress)
                              if collective.is_primary else None, on_result=board.sync if board else None,
-                             dataset={"path": str(config.dataset), "sha256": dataset_sha256(config.dataset)})
+                             dataset={"path": str(config.dataset), "sha256": _fingerprint(config, train_examples)})
+    if config.early_stopping is not None and collective.is_primary:
+        if not heldout:
+            raise ValueError("--early-stopping-patience needs held-out examples; the dataset is too small to hold "
+                             "any out")
+        worker.early_stopping = BestVersion(config.early_stopping)
+        worker.heldout_score = heldout_scorer(trainer, heldout)
     return worker, trainer, heldout
+
+
+def _fingerprint(config: WorkerConfig, train_examples: list) -> str:
+    packed = any(example.plain_text for example in train_examples)
+    return data_fingerprint(config.dataset, config.data, packed=packed, max_seq_len=config.train.max_seq_len)
+
+
+def heldout_scorer(trainer: LoraTrainer, heldout: list) -> Callable[[StateDict], float]:
+    """Held-out loss of given adapter weights; the trainer's own weights are put back after."""
+    def score(weights: StateDict) -> float:
+        local = trainer.adapter_state()
+        trainer.load_adapter_state(weights)
+        try:
+            return trainer.eval_loss(heldout)
+        finally:
+            trainer.load_adapter_state(local)
+
+    return score
 
 
 def _tensorboard(config: WorkerConfig, collective: SingleProcess):
@@ -136,7 +166,7 @@ def run_worker(config: WorkerConfig) -> None:
         if not collective.is_primary and not trainer.sharded:
             worker.run()
             return
-        before = trainer.eval_loss(heldout) if config.heldout_eval else None
+        before = trainer.eval_loss(heldout) if config.heldout_eval and heldout else None
         if before is not None:
             log.info("held-out loss at start: %.4f", before)
         summary = worker.run()

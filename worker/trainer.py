@@ -12,13 +12,14 @@ import torch
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from worker.data import (IGNORE_INDEX, Batch, BatchStream, Example, StreamPosition, collate, encode_example,
+from worker.data import (IGNORE_INDEX, Batch, BatchStream, Example, StreamPosition, collate, encode_examples,
                          pad_token_id)
 from worker.distributed import PRECISIONS, SingleProcess, autocast, check_precision, grad_scaler
 from worker.full_params import full_expert_config, trainable_weights
 from worker.losses import ANSWER_LOSSES, answer_cross_entropy
 from worker.memory import want_checkpointing
 from worker.models import BaseModel, default_target_modules
+from worker.optimizers import OptimizerSettings, build_optimizer
 from worker.sharded_state import broadcast_into, gather_full, load_full
 from worker.step_metrics import peak_memory_mb
 from worker.strategies import ParallelSettings, choose_strategy, make_strategy
@@ -71,6 +72,8 @@ class TrainSettings:
     loss_path: str = "chunked"
     """How the answer-token loss is computed (worker.losses): chunked (the head only at answer positions, a
     chunk of the vocabulary at a time) or logits (the model's own logits of every position after the prompt)."""
+    optimizer: OptimizerSettings = OptimizerSettings()
+    """--optimizer adamw, or galore (low-rank projected Adam for full-parameter experts) and its settings."""
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -139,7 +142,7 @@ def micro_batches(batch: Batch, rank: int, world_size: int, grad_accum: int) -> 
 def evaluate_loss(model: PreTrainedModel | torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
                   examples: Sequence[Example], *, max_seq_len: int = 256, batch_size: int = 8,
                   device: str | torch.device = "cpu") -> float:
-    """Mean cross-entropy per answer token over the examples (in order, no grad, eval mode).
+    """Mean cross-entropy per answer token over the examples (in order, no grad, eval mode; plain text packed).
 
     ``model`` is a causal LM (a PEFT model too) or the AnswerCrossEntropy a trainer wraps one in.
     """
@@ -148,7 +151,7 @@ def evaluate_loss(model: PreTrainedModel | torch.nn.Module, tokenizer: PreTraine
     loss = answer_cross_entropy(model)
     was_training = model.training
     model.eval()
-    encoded = [encode_example(tokenizer, ex, max_seq_len) for ex in examples]
+    encoded = encode_examples(tokenizer, examples, max_seq_len)
     total, count = 0.0, 0
     try:
         for i in range(0, len(encoded), batch_size):
@@ -225,15 +228,19 @@ class LoraTrainer:
         self._wrap(parallel)
 
     def _setup_optimizer(self) -> None:
-        """AdamW over the trainable parameters (after _wrap: FSDP replaces them) and the fp16 gradient scaler."""
+        """The optimiser over the trainable parameters (after _wrap: FSDP replaces them) and the fp16 gradient scaler."""
         self._params = [p for p in self.model.parameters() if p.requires_grad]
-        self._optimizer = torch.optim.AdamW(self._params, lr=self.settings.lr, weight_decay=self.settings.weight_decay)
+        if self.settings.optimizer.name != "adamw" and self.sharded:
+            raise ValueError(f"--optimizer {self.settings.optimizer.name} needs whole weight matrices; use it with "
+                             "--strategy ddp, not a sharding strategy")
+        self._optimizer = build_optimizer(self.settings.optimizer, self.model, self._params, lr=self.settings.lr,
+                                          weight_decay=self.settings.weight_decay)
         self._scaler = grad_scaler(self.device, self.settings.precision)
 
     def _setup_data(self, train_examples: Sequence[Example]) -> None:
         """Tokenise the examples once and deal them in seeded batches."""
         tokenizer, train = self.base.tokenizer, self.settings
-        encoded = [encode_example(tokenizer, ex, train.max_seq_len) for ex in train_examples]
+        encoded = encode_examples(tokenizer, train_examples, train.max_seq_len)
         self._stream = BatchStream(encoded, train.batch_size, seed=train.seed, pad_id=pad_token_id(tokenizer))
 
     def _wrap(self, parallel: ParallelSettings) -> None:

@@ -33,12 +33,17 @@ class AggregationParams:
     """Global step size applied to every aggregated delta."""
     staleness_decay: float = 0.1
     """Stale updates are weighted by 1 / (1 + staleness_decay * staleness)."""
+    alpha: float = 1.0
+    """fedasync's mixing weight (Xie et al. 2019) in (0, 1]: the share of each update applied as it arrives.
+    The coordinator sets it per step (``--async-alpha``; by default 1 / the expert's active workers)."""
 
     def __post_init__(self) -> None:
         if not self.server_lr > 0:
             raise ValueError(f"server_lr must be > 0, got {self.server_lr}")
         if not self.staleness_decay >= 0:
             raise ValueError(f"staleness_decay must be >= 0, got {self.staleness_decay}")
+        if not 0 < self.alpha <= 1:
+            raise ValueError(f"alpha must be in (0, 1], got {self.alpha}")
 
 
 def staleness_weight(staleness: int, decay: float) -> float:

@@ -1,9 +1,16 @@
-"""FedAsync (Xie et al., 2019): apply each update as soon as it arrives.
+"""FedAsync (Xie et al., 2019): apply each update as soon as it arrives, mixed in at weight alpha.
 
-    w <- w + server_lr / (1 + staleness_decay * staleness) * delta
+    w <- w + alpha * server_lr / (1 + staleness_decay * staleness) * delta
 
-This is the rule of the original FedMoE tool. Given several updates it applies
-them one after another, each with its own staleness weight, in place on ``current`` (no copy of the model).
+Xie et al. mix the worker's model in, w <- (1 - a_t) w + a_t w_new with a_t = alpha * s(t - tau); for a worker
+that started from the current version (w_new = w + delta) that is the line above. With alpha = 1 it is the
+original FedMoE tool's rule (``--async-alpha 1``). The coordinator's default sets alpha = 1 / N for N workers
+active on the expert: each of them trains from (nearly) the same weights, so at full weight their N updates
+add up to an N-times larger step from stale bases, which overshoots and oscillates; at 1 / N they add up to
+their mean, FedAvg's step (docs/benchmarks.md, "Several workers on one expert").
+
+Given several updates it applies them one after another, each with its own staleness weight, in place on
+``current`` (no copy of the model).
 """
 from __future__ import annotations
 
@@ -11,6 +18,7 @@ from coordinator.aggregation.base import AggregationParams, StateDict, Update, a
 
 
 def fedasync(current: StateDict, updates: list[Update], params: AggregationParams) -> StateDict:
-    add_deltas(current, [(update.delta, params.server_lr * staleness_weight(update.staleness, params.staleness_decay))
+    step = params.alpha * params.server_lr
+    add_deltas(current, [(update.delta, step * staleness_weight(update.staleness, params.staleness_decay))
                          for update in updates])
     return current

@@ -17,6 +17,13 @@ Serialisation across replicas:
 
 A server that is down or refuses a connection becomes ``BackendUnavailable`` (503 + Retry-After), with
 one log line naming the backend; a transaction that fails is rolled back, so nothing is half-recorded.
+
+Every wait is bounded, so a lock held elsewhere (an operator's ``LOCK TABLE``, a stuck session) is a
+503 within seconds rather than a request that hangs for as long as the lock is held (a 15 s table
+lock used to hold every push for up to 15 s, and /health with them): each session runs with
+``lock_timeout`` (LOCK_TIMEOUT_S) and ``statement_timeout`` (STATEMENT_TIMEOUT_S) unless its URL sets
+them itself (``?options=-c%20lock_timeout%3D10s``), the one connection a replica shares between its
+request threads is waited for at most CONNECTION_WAIT_S, and an expert's lock at most EXPERT_LOCK_WAIT_S.
 """
 from __future__ import annotations
 
@@ -25,6 +32,7 @@ import hashlib
 import logging
 import re
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,6 +49,14 @@ from protocol.errors import Conflict
 log = logging.getLogger(__name__)
 
 WRITE_LOCK = 0x0FED_0E  # the advisory lock every write transaction takes (the "database write lock")
+LOCK_TIMEOUT_S = 5.0
+"""A statement waiting this long for a lock (table, row, advisory) is cancelled: 503, nothing recorded."""
+STATEMENT_TIMEOUT_S = 30.0
+"""A statement running this long is cancelled (the store's statements take milliseconds)."""
+CONNECTION_WAIT_S = LOCK_TIMEOUT_S
+"""A request thread waits this long for the replica's connection while another thread's statement holds it."""
+EXPERT_LOCK_WAIT_S = 60.0
+"""A push waits this long for its expert's lock (another replica's aggregation step holds it while it computes)."""
 _ID_COLUMNS = {"events": "id", "update_norms": "id", "updates": "seq", "gateways": "version"}
 _INSERT_TABLE = re.compile(r"^\s*INSERT INTO (\w+)", re.I)
 
@@ -126,11 +142,46 @@ class PgConnection:
         self._conn.close()
 
 
-def _connect(url: str, rows: Any = dict_row) -> psycopg.Connection[Any]:
+def _connect(url: str, rows: Any = dict_row, lock_timeout: float = LOCK_TIMEOUT_S) -> psycopg.Connection[Any]:
+    """A session whose lock waits and statements are bounded (unless ``url`` sets its own bounds)."""
     try:
-        return psycopg.connect(url, autocommit=True, row_factory=rows, connect_timeout=10)
+        conn = psycopg.connect(url, autocommit=True, row_factory=rows, connect_timeout=10)
+        bounds = [(name, f"{int(seconds * 1000)}ms") for name, seconds in
+                  (("lock_timeout", lock_timeout), ("statement_timeout", STATEMENT_TIMEOUT_S)) if name not in url]
+        if bounds:  # one round trip (ExpertLocks connects once per push)
+            conn.execute("SELECT " + ", ".join("set_config(%s, %s, false)" for _ in bounds),
+                         [value for pair in bounds for value in pair])
+        return conn
     except psycopg.OperationalError as exc:
         raise unavailable(url, exc) from None
+
+
+def busy(url: str, exc: Exception) -> BackendUnavailable:
+    """A lock wait or a statement cancelled by its bound: the database answers, something holds it up."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    log_outage(log, url + "#busy", "manifest backend PostgreSQL %s busy: %s", re.sub(r"//[^@/]*@", "//", url), first)
+    return BackendUnavailable(f"the coordinator's database (PostgreSQL) is busy ({first}: a lock is held elsewhere "
+                              "for longer than this coordinator waits); nothing was recorded, try again",
+                              backend="postgresql")
+
+
+class BoundedLock:
+    """The replica's connection lock (re-entrant), waited for at most ``timeout`` seconds, then a 503."""
+
+    def __init__(self, url: str, timeout: float) -> None:
+        self._lock = threading.RLock()
+        self.url, self.timeout = url, timeout
+
+    def __enter__(self) -> None:
+        if not self._lock.acquire(timeout=self.timeout):
+            log_outage(log, self.url + "#busy", "manifest backend PostgreSQL: the connection was busy for over %.0f s",
+                       self.timeout)
+            raise BackendUnavailable(f"the coordinator's database connection has been busy for over "
+                                     f"{self.timeout:.0f} s (a lock held elsewhere?); nothing was recorded, try again",
+                                     backend="postgresql")
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
 
 
 def unavailable(url: str, exc: Exception) -> BackendUnavailable:
@@ -146,8 +197,11 @@ class PostgresManifestStore(ManifestStore):
 
     def __init__(self, url: str) -> None:  # not super().__init__: that opens SQLite
         self.url = url
-        self._lock = threading.RLock()
+        self._lock = BoundedLock(url, CONNECTION_WAIT_S)  # type: ignore[assignment]  # used as ManifestStore's RLock
         self._db = PgConnection(url)
+        self._health_db: PgConnection | None = None
+        self._held_up_until = 0.0
+        self._health_lock = threading.Lock()
         with self._guarded():
             self._db.execute("SELECT pg_advisory_lock(%s)" % WRITE_LOCK)  # one replica creates the schema
             try:
@@ -157,12 +211,29 @@ class PostgresManifestStore(ManifestStore):
 
     @contextlib.contextmanager
     def _guarded(self) -> Iterator[None]:
-        """A dropped connection or a server that went away is a 503; the connection is made anew next time."""
+        """A dropped connection or a server that went away is a 503; the connection is made anew next time.
+        A wait or statement cut short by its bound is a 503 too (the connection itself is fine)."""
         try:
             yield
+        except (psycopg.errors.LockNotAvailable, psycopg.errors.QueryCanceled) as exc:
+            self._held_up_until = time.monotonic() + LOCK_TIMEOUT_S
+            raise busy(self.url, exc) from None
         except psycopg.OperationalError as exc:
             self._reconnect()
             raise unavailable(self.url, exc) from None
+
+    def close(self) -> None:
+        super().close()
+        with self._health_lock:
+            if self._health_db is not None:
+                with contextlib.suppress(psycopg.Error):
+                    self._health_db.close()
+                self._health_db = None
+
+    def held_up(self) -> bool:
+        """A lock held elsewhere cut a statement short less than LOCK_TIMEOUT_S ago: reads a request can do without
+        (cleanups, reading back what it just wrote) are left for later rather than waiting for the lock again."""
+        return time.monotonic() < self._held_up_until
 
     def _reconnect(self) -> None:
         with contextlib.suppress(Exception):
@@ -195,6 +266,21 @@ class PostgresManifestStore(ManifestStore):
         with self._lock, self._guarded():
             return self._db.execute(sql, args).fetchone()
 
+    def expert_count(self) -> int:
+        """On a connection of its own (made on first use): /health's read must not hold the one the writes wait
+        for while a lock held elsewhere keeps it waiting, nor wait behind them (coordinator/health.py)."""
+        with self._health_lock:
+            try:
+                if self._health_db is None:
+                    self._health_db = PgConnection(self.url)
+                row = self._health_db.execute("SELECT COUNT(*) AS n FROM experts").fetchone()
+            except (psycopg.errors.LockNotAvailable, psycopg.errors.QueryCanceled) as exc:
+                raise busy(self.url, exc) from None
+            except psycopg.OperationalError as exc:
+                self._health_db = None
+                raise unavailable(self.url, exc) from None
+        return int(row["n"])
+
     def events(self, *args: Any, **kwargs: Any) -> list[dict[str, Any]]:
         with self._guarded():
             return super().events(*args, **kwargs)
@@ -223,6 +309,8 @@ class PostgresTokenStore(TokenStore):
             raise
         try:
             yield db
+        except (psycopg.errors.LockNotAvailable, psycopg.errors.QueryCanceled) as exc:
+            raise busy(self.url, exc) from None
         except psycopg.OperationalError as exc:
             raise unavailable(self.url, exc) from None
         finally:
@@ -230,10 +318,14 @@ class PostgresTokenStore(TokenStore):
 
 
 class ExpertLocks:
-    """Per-expert locks that hold across replicas: a thread lock here, a PostgreSQL advisory lock there."""
+    """Per-expert locks that hold across replicas: a thread lock here, a PostgreSQL advisory lock there.
 
-    def __init__(self, url: str) -> None:
-        self.url = url
+    Both are waited for at most ``wait`` seconds in all, then a 503: a step holds its expert's lock while
+    it computes (seconds), so the bound is generous, but a replica stuck holding it no longer stalls pushes
+    for good."""
+
+    def __init__(self, url: str, wait: float = EXPERT_LOCK_WAIT_S) -> None:
+        self.url, self.wait = url, wait
         self._local: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
 
@@ -241,15 +333,30 @@ class ExpertLocks:
     def hold(self, name: str) -> Iterator[None]:
         with self._guard:
             local = self._local.setdefault(name, threading.Lock())
-        with local:
+        deadline = time.monotonic() + self.wait
+        if not local.acquire(timeout=self.wait):
+            raise self._busy(name)
+        try:
             key = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "big", signed=True)
+            # its own session: the lock is released if this process dies
+            conn = _connect(self.url, lock_timeout=max(0.001, deadline - time.monotonic()))
             try:
-                conn = _connect(self.url)  # its own session: the lock is released if this process dies
                 conn.execute("SELECT pg_advisory_lock(%s)", (key,))
+            except psycopg.errors.LockNotAvailable:
+                conn.close()
+                raise self._busy(name) from None
             except psycopg.OperationalError as exc:
+                conn.close()
                 raise unavailable(self.url, exc) from None
             try:
                 yield
             finally:
                 with contextlib.suppress(psycopg.Error):
                     conn.close()  # ends the session, and with it the lock
+        finally:
+            local.release()
+
+    def _busy(self, name: str) -> BackendUnavailable:
+        log_outage(log, self.url + "#expert", "expert %s: its lock was held elsewhere for over %.0f s", name, self.wait)
+        return BackendUnavailable(f"expert {name!r} has been busy for over {self.wait:.0f} s (another request or "
+                                  "replica holds its lock); nothing was recorded, try again", backend="postgresql")

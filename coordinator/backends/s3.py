@@ -12,15 +12,22 @@ Endpoint and credentials are boto3's usual ones (AWS_ENDPOINT_URL, AWS_ACCESS_KE
 AWS_SECRET_ACCESS_KEY, AWS_DEFAULT_REGION, ~/.aws), so the same code talks to AWS S3, MinIO or
 moto's server. A store that cannot be reached is ``BackendUnavailable`` (503 + Retry-After), one
 log line naming it.
+
+A bucket that disappears while we run (the object store restarted empty, or someone deleted it) is
+created again by the first request that finds it gone (at most once per BUCKET_RECHECK_S), and that
+request goes on: pushes used to get 503 "NoSuchBucket" until the coordinator was restarted, since
+the bucket was only made at start. The store then calls ``on_lost`` so that the blobs the manifest
+still names are put back from this replica's cache (``restore``; coordinator/expert_store.py repairs).
 """
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 from urllib.parse import urlsplit
 
 import boto3
@@ -33,7 +40,10 @@ from protocol.files import fsync_dir
 from protocol.integrity import hex_of, is_content_id
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
+BUCKET_RECHECK_S = 5.0
+"""A missing bucket is looked for (and made again) at most this often: a store that keeps failing is not hammered."""
 ORPHAN_AGE_S = 3600.0
 """Unrecorded blobs younger than this are left alone at start: another replica may be about to record them."""
 PRESIGN_SECONDS = 300
@@ -59,16 +69,59 @@ class S3BlobStore(BlobStore):
         self.s3 = boto3.client("s3", endpoint_url=os.environ.get("AWS_ENDPOINT_URL") or None,
                                config=Config(retries={"max_attempts": 3, "mode": "standard"},
                                              connect_timeout=5, read_timeout=60))
-        with self._unavailable_as_503("open the bucket"):
-            try:
-                self.s3.head_bucket(Bucket=self.bucket)
-            except botocore.exceptions.ClientError as exc:
-                if exc.response.get("Error", {}).get("Code") not in ("404", "NoSuchBucket"):
-                    raise
-                self.s3.create_bucket(Bucket=self.bucket)
+        self._bucket_guard = threading.Lock()
+        self._open_bucket()
+        self._bucket_checked, self._bucket_there = time.monotonic(), True
 
     def key(self, digest: str) -> str:
         return self.prefix + digest
+
+    @property
+    def location(self) -> str:
+        return f"{self.url} (--blobs)"
+
+    # the bucket: made at start, and again when it is found gone --------------------------------
+
+    def _open_bucket(self) -> bool:
+        """Make sure the bucket exists; True if it had to be created."""
+        with self._unavailable_as_503("open the bucket"):
+            try:
+                self.s3.head_bucket(Bucket=self.bucket)
+                return False
+            except botocore.exceptions.ClientError as exc:
+                if error_code(exc) not in ("404", "NoSuchBucket"):
+                    raise
+            try:
+                self.s3.create_bucket(Bucket=self.bucket)
+            except botocore.exceptions.ClientError as exc:
+                if error_code(exc) not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                    raise  # another replica made it a moment ago: fine
+            return True
+
+    def _bucket_lost(self) -> bool:
+        """A request found the bucket gone: make it again (at most once per BUCKET_RECHECK_S); True if it exists now."""
+        with self._bucket_guard:
+            if time.monotonic() - self._bucket_checked < BUCKET_RECHECK_S:
+                return self._bucket_there  # looked moments ago (another request): no second look yet
+            self._bucket_checked, self._bucket_there = time.monotonic(), False
+            created = self._open_bucket()  # BackendUnavailable if the store does not answer
+            self._bucket_there = True
+        if created:
+            log.error("blob backend S3 %s: bucket %r was gone (the object store lost its data?); created it again; "
+                      "blobs the manifest names are re-uploaded from this replica's cache", self.url, self.bucket)
+            if self.on_lost is not None:
+                self.on_lost()
+        return True
+
+    def _in_bucket(self, action: str, call: Callable[[], T]) -> T:
+        """``call()``; if it finds no bucket, the bucket is made again and ``call()`` tried once more."""
+        with self._unavailable_as_503(action):
+            try:
+                return call()
+            except Exception as exc:
+                if error_code(exc) != "NoSuchBucket" or not self._bucket_lost():
+                    raise
+            return call()
 
     # writes: upload first, then the local cache ----------------------------------------------
 
@@ -76,14 +129,30 @@ class S3BlobStore(BlobStore):
         with self._digests_guard:
             received = self._received_digests.get(tmp)
         digest = digest or received or super().digest_of(tmp)
-        with self._unavailable_as_503(f"store blob {digest[:19]}"):
-            self.s3.upload_file(str(tmp), self.bucket, self.key(digest))
+        key = self.key(digest)
+        self._in_bucket(f"store blob {digest[:19]}", lambda: self.s3.upload_file(str(tmp), self.bucket, key))
         return super().adopt(tmp, digest, sync)
 
     def delete(self, digest: str) -> None:
-        with self._unavailable_as_503(f"delete blob {digest[:19]}"):
-            self.s3.delete_object(Bucket=self.bucket, Key=self.key(digest))
+        key = self.key(digest)
+        self._in_bucket(f"delete blob {digest[:19]}", lambda: self.s3.delete_object(Bucket=self.bucket, Key=key))
         super().delete(digest)
+
+    def missing(self, digests: Iterable[str]) -> set[str]:
+        """Those of ``digests`` not in the bucket (one listing of the prefix, whatever their number)."""
+        wanted = set(digests)
+        if not wanted:
+            return set()
+        return wanted - set(self._listed())
+
+    def restore(self, digest: str) -> bool:
+        """Upload a blob the bucket lost from this replica's cache, if the cache holds it whole (its hash checked)."""
+        cached = super().path(digest)
+        if not cached.is_file() or not self.verify(digest):
+            return False
+        key = self.key(digest)
+        self._in_bucket(f"restore blob {digest[:19]}", lambda: self.s3.upload_file(str(cached), self.bucket, key))
+        return True
 
     # reads: the cache, filled from the bucket --------------------------------------------------
 
@@ -108,7 +177,8 @@ class S3BlobStore(BlobStore):
                 try:
                     self.s3.download_file(self.bucket, self.key(digest), str(tmp))
                 except botocore.exceptions.ClientError as exc:
-                    if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey"):
+                    if error_code(exc) in ("404", "NoSuchKey"):
+                        self._bucket_lost()  # (a HEAD cannot tell a missing bucket from a missing key)
                         return  # pruned: the caller's open() raises FileNotFoundError, as for a local blob
                     raise
             local.parent.mkdir(exist_ok=True)
@@ -120,13 +190,19 @@ class S3BlobStore(BlobStore):
     def digests(self) -> Iterator[str]:
         """Blobs in the bucket old enough that no replica can still be recording them."""
         cutoff = time.time() - self.orphan_age
-        with self._unavailable_as_503("list blobs"):
-            pages = self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.prefix)
-            for page in pages:
+        return iter([name for name, modified in self._listed().items() if modified < cutoff])
+
+    def _listed(self) -> dict[str, float]:
+        """Every blob under the prefix, with the time it was written."""
+        def listing() -> dict[str, float]:
+            found = {}
+            for page in self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.prefix):
                 for item in page.get("Contents", []):
                     name = item["Key"][len(self.prefix):]
-                    if is_content_id(name) and item["LastModified"].timestamp() < cutoff:
-                        yield name
+                    if is_content_id(name):
+                        found[name] = item["LastModified"].timestamp()
+            return found
+        return self._in_bucket("list blobs", listing)
 
     def remote_size(self, digest: str) -> int:
         """Bytes of the blob in the bucket (0 if absent)."""
@@ -134,7 +210,7 @@ class S3BlobStore(BlobStore):
             try:
                 return int(self.s3.head_object(Bucket=self.bucket, Key=self.key(digest))["ContentLength"])
             except botocore.exceptions.ClientError as exc:
-                if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey"):
+                if error_code(exc) in ("404", "NoSuchKey"):
                     return 0
                 raise
 
@@ -148,6 +224,17 @@ class S3BlobStore(BlobStore):
 
     def _unavailable_as_503(self, action: str):
         return _S3Errors(self.url, action)
+
+
+def error_code(exc: BaseException) -> str | None:
+    """The S3 error code of ``exc``, also when boto3 wrapped it (upload_file's S3UploadFailedError keeps the
+    ClientError as its context), else None."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, botocore.exceptions.ClientError):
+            return seen.response.get("Error", {}).get("Code")
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 class _S3Errors:
@@ -167,7 +254,8 @@ class _S3Errors:
         server_side = isinstance(exc, botocore.exceptions.ClientError) and \
             str(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", "")).startswith("5")
         upload = type(exc).__name__ == "S3UploadFailedError"
-        if isinstance(exc, retryable) or server_side or upload:
+        no_bucket = error_code(exc) == "NoSuchBucket"  # gone, and made again moments ago by another request
+        if isinstance(exc, retryable) or server_side or upload or no_bucket:
             log_outage(log, self.url, "blob backend S3 %s failed to %s: %s", self.url, self.action, exc)
             raise BackendUnavailable(f"the coordinator's object store (S3 {self.url}) could not {self.action}; "
                                      "nothing was recorded, try again", backend="s3") from None

@@ -15,12 +15,14 @@ from dataclasses import replace
 from typing import cast
 
 from flask import Blueprint, Flask, Response, current_app, jsonify, request, send_file
+from werkzeug.exceptions import HTTPException
 
 from coordinator import api as root_api
 from coordinator import auth, uploads
 from coordinator.api import json_body, receive_body
 from coordinator.app import StrictJSONProvider, _log_requests_at_debug, _register_error_handlers
 from coordinator.auth import acting_worker
+from coordinator.errors import REFUSALS, as_http_error
 from coordinator.relay.service import RelayConfig, RelayService
 from coordinator.relays import check_may_carry_members, probe_body, probe_upload
 from coordinator.service import Coordinator
@@ -128,18 +130,28 @@ def _weights_from_upstream(r: RelayService, name: str, version: int) -> Response
 def push_update(name: str) -> tuple[Response, int]:
     r = relay()
     check_name(name, "expert name")
-    meta = UpdateMeta.from_json(parse_header_json(request.headers.get(UPDATE_HEADER), UPDATE_HEADER))
-    meta = replace(meta, worker_id=acting_worker(meta.worker_id, f"worker_id in {UPDATE_HEADER}"))
-    check_may_carry_members(meta)
-    if request.content_length is not None:
-        r.room_for(request.content_length)  # 507 before reading a body we could not keep
-    status, is_new = r.submit_update(name, meta, receive_body())
+    try:
+        meta = UpdateMeta.from_json(parse_header_json(request.headers.get(UPDATE_HEADER), UPDATE_HEADER))
+        meta = replace(meta, worker_id=acting_worker(meta.worker_id, f"worker_id in {UPDATE_HEADER}"))
+        check_may_carry_members(meta)
+        if request.content_length is not None:
+            r.room_for(request.content_length)  # 507 before reading a body we could not keep
+        status, is_new = r.submit_update(name, meta, receive_body())
+    except REFUSALS + (HTTPException,) as exc:  # every refused push goes to the audit log, as at the root
+        root_api._record_rejection(cast(Coordinator, r), name,
+                                   exc if isinstance(exc, HTTPException) else as_http_error(exc))
+        raise
     return jsonify(status), 202 if is_new else 200
 
 
 @bp.get("/updates/<update_id>")
 def update_status(update_id: str) -> Response:
     return jsonify(relay().update_status(update_id))
+
+
+# The audit log is the root's view over the relay's own log (RelayService.events): refused pushes, accepted
+# updates, and the updates the root refused after the relay had acknowledged them.
+bp.add_url_rule("/events", "events", root_api.events, methods=["GET"])
 
 
 @bp.put("/experts/<name>/profiles/<worker_id>")

@@ -14,6 +14,14 @@ id, ``UpdateMeta.members``, at most ``MAX_BATCH_MEMBERS``). The root records the
 one transaction and refuses (409, ``reason: members_applied``, the ids in ``members``) a batch naming
 an update it already has, from another relay or pushed to it directly after a worker failed over.
 The relay then drops those members and re-sends the rest as a new batch (``_supersede``).
+
+Refusals: a worker update was acknowledged (202) after the root's own checks (coordinator/relay/checks.py), and
+each batch is checked again before it is sent (``_check``). A batch the root refuses all the same for its contents
+(a 4xx: its step would overflow on weights that moved meanwhile, its norm is over the root's limit) is split in
+halves, each sent at once under a new id, until the update the root refuses is alone: that one is refused for good,
+the others reach the root (``_refused``; ``RelayStore.split_batch``). Before, the whole batch was dropped with every
+member: one worker pushing deltas of 3e38 cost 6 of 9 honest updates that had their 202. A refusal of the request
+rather than of the batch (401, 403, 408) keeps the batch for the next cycle.
 """
 from __future__ import annotations
 
@@ -30,13 +38,15 @@ import torch
 
 from compression.error_feedback import ErrorFeedback
 from compression.registry import make_codec
+from coordinator import audit
 from coordinator.aggregation import AggregationParams, Update, fedbuff
 from coordinator.aggregation.base import weighted_sum
 from coordinator.blobs import BlobStore
+from coordinator.relay.checks import RelayChecks
 from coordinator.relay.site import SiteModel, sum_weighted
 from coordinator.relay.store import Batch, RelayStore, held_deltas
 from coordinator.relay.upstream import UpstreamClient, WeightsCache
-from protocol.errors import Conflict, FedMoEError, Unavailable
+from protocol.errors import Conflict, FedMoEError, Forbidden, NotFound, RequestTimeout, Unauthorized, Unavailable
 from protocol.schemas import MAX_BATCH_MEMBERS, RAW_CODEC, UPDATE_ID_RE
 from protocol.streaming import read_header
 from protocol.tensors import StateDict, dumps, loads
@@ -55,8 +65,12 @@ class ForwardPolicy:
     """Worker updates weigh 1 / (1 + decay * staleness) in the combination (as at the root)."""
 
 
-FORWARDED, REFUSED, SUPERSEDED = "forwarded", "refused", "superseded"
-MAX_REBUILDS = 4
+FORWARDED, REFUSED, SUPERSEDED, SPLIT, KEPT = "forwarded", "refused", "superseded", "split", "kept"
+MAX_SENDS = 24
+"""Batches one expert may send in one cycle: a superseded batch is rebuilt at once, and a refused one's halves go at
+once (bisection isolates one bad member of MAX_BATCH_MEMBERS = 256 in 2 x 8 sends), not one per interval."""
+NOT_ABOUT_CONTENTS = (Unauthorized, Forbidden, RequestTimeout)
+"""Refusals of the request, not of the batch: it is kept as it is and sent again next cycle (never dropped)."""
 
 
 def batch_update_id(relay_id: str, epoch: str, expert: str, seq: int) -> str:
@@ -79,8 +93,11 @@ def combine(updates: list[tuple[dict[str, Any], StateDict | Any]], manifest: lis
 class Forwarder:
     def __init__(self, relay_id: str, store: RelayStore, blobs: BlobStore, upstream: UpstreamClient,
                  cache: WeightsCache, policy: ForwardPolicy, drop_unreferenced: Callable[[list[str]], None],
-                 report: Callable[[], None], blobs_guard: threading.RLock, site: SiteModel | None = None) -> None:
+                 report: Callable[[], None], blobs_guard: threading.RLock, checks: RelayChecks,
+                 site: SiteModel | None = None) -> None:
         self.relay_id, self.epoch = relay_id, store.epoch()
+        self.checks = checks
+        """The root's rules, applied to a batch before it is sent (coordinator/relay/checks.py)."""
         self.store, self.blobs, self.upstream, self.cache = store, blobs, upstream, cache
         self.policy = policy
         self.drop_unreferenced = drop_unreferenced
@@ -146,11 +163,11 @@ class Forwarder:
         with self._cycle_lock:
             for expert in self.store.experts_with_work():
                 try:
-                    for _ in range(MAX_REBUILDS):  # a superseded batch is rebuilt from its other members at once
+                    for _ in range(MAX_SENDS):
                         batch = self.store.pending_batch(expert) or self._build(expert)
                         outcome = None if batch is None else self._send(batch)
                         delivered += outcome == FORWARDED
-                        if outcome != SUPERSEDED:
+                        if not self._again_now(expert, outcome):
                             break
                 except Unavailable as exc:
                     self.upstream_reachable = False
@@ -166,8 +183,15 @@ class Forwarder:
                 log.warning("upstream refused the relay's report: %s", exc)
         return delivered
 
+    def _again_now(self, expert: str, outcome: str | None) -> bool:
+        """Send another batch of ``expert`` in this cycle: one rebuilt from a superseded batch's other members, or
+        the next half of a refused batch (they were due already; one per interval would take 16 intervals)."""
+        if outcome in (SUPERSEDED, SPLIT):
+            return True
+        return outcome in (FORWARDED, REFUSED) and self.store.has_split_groups(expert)
+
     def _build(self, expert: str) -> Batch | None:
-        queued = self.store.queued(expert)[:MAX_BATCH_MEMBERS]  # the rest go in the next batches
+        queued = self.store.next_members(expert, MAX_BATCH_MEMBERS)  # the rest go in the next batches
         if not queued:
             return None
         # The version staleness is measured against, and the batch's base: the cached one, revalidated in the
@@ -210,12 +234,18 @@ class Forwarder:
         return payload, feedback.state_dict()
 
     def _send(self, batch: Batch) -> str:
-        """Push ``batch`` upstream; FORWARDED, REFUSED (for good, dropped) or SUPERSEDED (rebuild now)."""
-        payload = self.blobs.path(batch.blob).read_bytes()
+        """Push ``batch`` upstream: FORWARDED; SUPERSEDED (some members reached the root another way: the rest
+        rebuilt now); SPLIT (refused for its contents: its halves go next), REFUSED (a batch of one refused: dropped
+        for good); KEPT (the request was refused, not the batch: sent again next cycle)."""
         try:
-            status = self.upstream.push_update(batch.expert, payload, batch.meta)
+            self._check(batch)  # the root's step rule, here: a batch it would refuse costs no upload
+            status = self.upstream.push_update(batch.expert, self.blobs.path(batch.blob).read_bytes(), batch.meta)
         except Unavailable:
             raise
+        except NOT_ABOUT_CONTENTS as exc:
+            log.warning("upstream refused the request carrying batch %s (%s); it is kept and sent again next "
+                        "cycle", batch.update_id, exc)
+            return KEPT
         except Conflict as exc:
             elsewhere = set(exc.details.get("members") or []) & set(batch.meta.get("members") or {})
             if exc.details.get("reason") == "members_applied" and elsewhere:
@@ -237,11 +267,33 @@ class Forwarder:
         manifest = read_header(self.blobs.path(cached.blob)).manifest
         return weighted_sum(manifest, [(held_deltas(self.blobs, batch, manifest), 1.0)])
 
+    def _check(self, batch: Batch) -> None:
+        """InvalidUpdate (422) if the root would refuse ``batch`` by its step rule: the batch as the root decodes it,
+        added to the cached root weights, must stay finite (they may have moved since its members' 202s)."""
+        cached = self.cache.known(batch.expert) or self.cache.get(batch.expert)
+        self.checks.check_step(cached, self._decoded(batch), batch.update_id, batch.expert)
+
     def _refused(self, batch: Batch, exc: FedMoEError) -> str:
-        """Refused for good: retrying the same bytes cannot help."""
-        log.error("upstream refused batch %s (%d worker update(s)) for good: %s", batch.update_id, batch.members, exc)
-        self.drop_unreferenced(self.store.batch_done(batch, "refused"))
-        return REFUSED
+        """The root refused ``batch`` (or would, ``_check``): retrying the same bytes cannot help, but its members
+        may be refused for one of them. Split into halves, each sent as a batch of its own, until the member the
+        root refuses is alone; that one is refused for good, with an audit row naming it. A 404 (the expert is gone
+        upstream) is every member's answer: refused whole."""
+        if batch.members > 1 and not isinstance(exc, NotFound):
+            log.warning("upstream refused batch %s of %d worker updates (%s); sending it again in two halves",
+                        batch.update_id, batch.members, exc)
+            self.drop_unreferenced(self.store.split_batch(batch))
+            outcome = SPLIT
+        else:
+            log.error("upstream refused batch %s (%d worker update(s)) for good: %s", batch.update_id, batch.members,
+                      exc)
+            events = tuple(audit.update_refused_upstream(batch.expert, update_id, self.store.worker_of(update_id),
+                                                         batch.update_id, exc)
+                           for update_id in batch.meta.get("members") or {})
+            self.drop_unreferenced(self.store.batch_done(batch, "refused", events))
+            outcome = REFUSED
+        if self.site is not None:  # the site owes what the refused batch held: rebuilt from the queue
+            self.site.reset(batch.expert)
+        return outcome
 
     def _supersede(self, batch: Batch, elsewhere: set[str]) -> None:
         """The root already has ``elsewhere`` (a worker failed over and pushed them again via another relay or

@@ -18,18 +18,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from coordinator import audit
 from coordinator.adapters import checked_norm, stored_deltas
 from coordinator.audit import Event
 from coordinator.blobs import BlobStore, storage_errors
 from coordinator.config import CoordinatorConfig
 from coordinator.diffs import DiffCache
+from coordinator.relay.checks import RelayChecks
 from coordinator.relay.diffs import CachedVersions
 from coordinator.relay.forwarder import Forwarder, ForwardPolicy
 from coordinator.relay.site import SITE_WEIGHT, SiteModel
 from coordinator.relay.store import APPLIED_ELSEWHERE, CachedWeights, RelayStore
 from coordinator.relay.upstream import DiffPulls, RelayStartError, UpstreamClient, WeightsCache
-from coordinator.service import check_body_size, liveness, receive_checked
-from protocol.errors import Conflict, InsufficientStorage, InvalidUpdate, NotFound, Unavailable
+from coordinator.liveness import liveness
+from coordinator.service import check_body_size, receive_checked
+from coordinator.update_limits import NORM_SCALE, as_clipped
+from protocol.errors import Conflict, InsufficientStorage, NotFound, Unavailable
 from protocol.files import private_dir
 from protocol.integrity import Readable, algorithm_of
 from protocol.schemas import BaseModelSpec, ExpertSpec, UpdateMeta, check_name
@@ -45,7 +49,10 @@ class RelayConfig:
     coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
     """Data dir, tokens, body limit and staleness decay, as for the root."""
     join_token: str | None = None
-    """The root's join token: the relay joins with it, and its workers join the relay with it too."""
+    """The root's join token: the relay's workers join the relay with it (as they would the root)."""
+    relay_join_token: str | None = None
+    """The root's relay join token: the relay registers at the root with it (else with ``join_token``, which the
+    root refuses unless it is the admin's)."""
     relay_id: str | None = None
     """Name of this relay at the root (default: host name and port)."""
     advertise_url: str | None = None
@@ -100,18 +107,20 @@ class RelayService:
         self.blobs = BlobStore(data_dir / "blobs")
         self.store = RelayStore(data_dir / "relay.sqlite")
         self.blobs_guard = threading.RLock()
+        self.checks = RelayChecks(self.store, self.blobs, self.blobs_guard)
         self._push_lock = threading.Lock()
         self._guard = threading.Lock()
         self._creating: dict[str, threading.Lock] = {}
         """One lock per expert name a worker asked to create (a name is checked before it gets one)."""
         self.relay_id = config.relay_id or self.store.relay_id(_default_relay_id(port))
-        self.upstream = UpstreamClient(config.upstream, config.join_token, data_dir / "relay_token")
+        self.upstream = UpstreamClient(config.upstream, config.join_token, data_dir / "relay_token",
+                                       relay_join_token=config.relay_join_token)
         self.cache = WeightsCache(self.store, self.blobs, self.upstream, config.revalidate_seconds,
                                   self.drop_unreferenced, diff_pulls=config.upstream_diffs)
         self.site = (SiteModel(self.store, self.blobs, self.cache.get, self._applied_version,
                                config.forward.staleness_decay) if config.site_model else None)
         self.forwarder = Forwarder(self.relay_id, self.store, self.blobs, self.upstream, self.cache, config.forward,
-                                   self.drop_unreferenced, self.report, self.blobs_guard, self.site)
+                                   self.drop_unreferenced, self.report, self.blobs_guard, self.checks, self.site)
         self.versions = CachedVersions(self.cache, self.blobs)
         self.diffs = DiffCache(self.versions)
         self.bytes_served = 0
@@ -127,6 +136,7 @@ class RelayService:
         base = {"id": "relay-pinned", "fingerprint": fingerprint} if fingerprint else None
         try:
             info = self.upstream.register_relay(self.relay_id, self.relay_config.advertise_url, base)
+            self.checks.learn(info.get("limits"))
         except Unavailable as exc:
             if self.upstream.relay_token is None:  # never joined: nothing to forward with
                 raise RelayStartError(f"cannot reach the upstream {self.relay_config.upstream} to join it: "
@@ -154,7 +164,15 @@ class RelayService:
             return receive_checked(self.blobs, stream, length, self.config.max_body_bytes, expected_digest, spooled)
 
     def record_event(self, event: Event) -> None:
-        log.info("refused: %s %s", event.kind, event.detail)
+        """Add an event to the relay's audit log (``GET /api/v1/events``, as at the root); never raises."""
+        try:
+            self.store.add_event(event)
+        except Exception:  # noqa: BLE001 - the audit log must not turn the answer into a 5xx
+            log.exception("could not record %s event", event.kind)
+
+    def events(self, limit: int, after: int | None = None, expert: str | None = None,
+               kind: str | None = None) -> list[dict[str, Any]]:
+        return self.store.events(limit, after, expert, kind)
 
     def list_workers(self) -> list[dict[str, Any]]:
         now = time.time()
@@ -266,9 +284,10 @@ class RelayService:
         """Version ``version`` of the expert if this relay holds it (its current copy or a kept previous one)."""
         return self.store.cached_version(name, version)
 
-    def weights_diff(self, name: str, since: int, codec: str, codec_config: dict[str, Any]) -> tuple[bytes, int]:
+    def weights_diff(self, name: str, since: int, codec: str, codec_config: dict[str, Any],
+                     version: int | None = None) -> tuple[bytes, int]:
         """As the root's ``Coordinator.weights_diff``, from the versions this relay holds (coordinator/relay/diffs.py):
-        (payload, current version), an empty payload when ``since`` is current; NotFound when ``since`` is not held."""
+        (payload, version), an empty payload when ``since`` is that version; NotFound when one is not held."""
         if self.site is not None:
             self.diffs_unavailable += 1
             raise NotFound(f"this relay serves its site's weights of {name!r}, not the root's versions: pull them "
@@ -276,7 +295,7 @@ class RelayService:
         if since > self.cache.get(name).version:  # the worker saw a newer version elsewhere: catch up if due
             self.cache.get(name, wait=True)
         try:
-            return self.diffs.get(name, since, codec, codec_config)
+            return self.diffs.get(name, since, codec, codec_config, version)
         except NotFound:
             self.diffs_unavailable += 1
             raise
@@ -325,29 +344,32 @@ class RelayService:
             # smollm2 adapter's 420 tensors, 0.29 of the 0.40 s a 9.8 MB push took here; and the manifest from the
             # cached file's header, not from loading its 9.8 MB
             manifest = manifest_from_json(self.versions.manifest_json(cached.blob))
-            norm = checked_norm(body, meta.codec, meta.codec_config, manifest)
-            if norm != norm or norm == float("inf"):
-                raise InvalidUpdate(f"update {meta.update_id!r} holds NaN or Inf values; it was not recorded",
-                                    reason="not_finite")
-            size = body.stat().st_size
-            stored = meta.to_json()
-            if self.site is not None:
+            norm = checked_norm(body, meta.codec, meta.codec_config, manifest)  # 4xx: not finite, not this expert's
+            verdict = self.checks.judge(name, norm)  # 422 in the root's --norm-check reject mode
+            stored = meta.to_json() | ({NORM_SCALE: verdict.scale} if verdict.clipped else {})
+            delta = as_clipped(stored_deltas(body, meta.codec, meta.codec_config, manifest), stored)
+            if self.site is None:  # 422 if a step of it would overflow (with the site model: SiteModel.admit)
+                self.checks.check_step(cached, delta, meta.update_id, name)
+            else:
                 stored[SITE_WEIGHT] = self.site.weight_for(name, meta.worker_id)
+            size = body.stat().st_size
             with self._push_lock:
                 known = self.store.update(meta.update_id)  # a concurrent retry may have won
                 if known is not None:
                     return self._seen_before(known, name, digest, body), False
                 self.room_for(size)
                 with self.blobs_guard, storage_errors(f"record update {meta.update_id!r}"), self._site_lock():
+                    owed = None if self.site is None else \
+                        self.site.admit(name, cached, delta, stored[SITE_WEIGHT], self.checks, meta.update_id)
                     blob = self.blobs.adopt(body, digest)
                     try:
-                        self.store.add_update(name, stored, blob, size)
+                        self.store.add_update(name, stored, blob, size, verdict.accepted_norm,
+                                              audit.update_accepted(name, meta, verdict, size))
                     except (sqlite3.Error, OSError):
                         self.drop_unreferenced([blob])
                         raise
-                    if self.site is not None:
-                        self.site.added(name, stored_deltas(self.blobs.path(blob), meta.codec, meta.codec_config,
-                                                            manifest), stored[SITE_WEIGHT])
+                    if self.site is not None and owed is not None:
+                        self.site.added(name, owed)
             self.forwarder.notify()
         finally:
             self.blobs.forget(body)

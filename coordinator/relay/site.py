@@ -38,8 +38,11 @@ from typing import Any
 
 import torch
 
+from coordinator.adapters import non_finite_tensor
 from coordinator.aggregation.base import add_deltas, staleness_weight, weighted_sum
 from coordinator.blobs import BlobStore
+from coordinator.relay.checks import RelayChecks
+from coordinator.update_limits import headroom
 from coordinator.relay.store import CachedWeights, RelayStore, held_deltas
 from protocol.errors import FedMoEError
 from protocol.streaming import read_header
@@ -74,6 +77,8 @@ class _Site:
     """The site's weights as served (safetensors bytes of R + owed)."""
     base: StateDict | None = None
     """R's tensors, read once per root version."""
+    base_room: float | None = None
+    """Their ``coordinator.update_limits.headroom``, for ``admit``'s check."""
     dirty: bool = True
     """Updates added since ``body`` was built: rebuilt on the next pull (several pushes, one rebuild)."""
 
@@ -121,13 +126,37 @@ class SiteModel:
             return staleness_weight(max(0, site.counter - site.served.get(worker_id, site.counter)),
                                     self.staleness_decay)
 
-    def added(self, name: str, delta: Mapping[str, torch.Tensor], weight: float) -> None:
-        """A worker update was recorded durably: the site's weights include it from now on."""
+    def admit(self, name: str, root: CachedWeights, delta: Mapping[str, torch.Tensor], weight: float,
+              checks: RelayChecks, update_id: str) -> StateDict:
+        """What the site owes with this worker update added (weighted ``weight``), for ``added`` once it is recorded;
+        InvalidUpdate (422) if the site's weights, or a root step taking in what it owes, would not be finite.
+
+        Checked on the root version the site stands on (what ``owed`` is relative to; ``root``, the relay's newest,
+        only for a site not built yet or whose version left the relay's disk): the newest may already hold batches
+        the site still owes, and counting them twice refused honest updates once the weights were large. The sum
+        of the site's updates is what overflows, where the forwarder's mean of them could not
+        (coordinator/relay/checks.py). The caller holds ``lock`` until ``added``."""
+        with self.lock:
+            site = self._site(name, root)
+            try:
+                base = self._base(site)
+            except FileNotFoundError:  # pruned from the relay's history: take the newest now, as a pull would
+                self._rebase(site, root)
+                base = self._base(site)
+            if site.base_room is None:
+                site.base_room = headroom(base)
+            owed = {k: v.clone() for k, v in site.owed.items()}
+            add_deltas(owed, [(delta, weight)])
+            checks.check_site(base, site.base_room, owed, update_id, name)
+            return owed
+
+    def added(self, name: str, owed: StateDict) -> None:
+        """A worker update was recorded durably: the site owes ``owed`` (from ``admit``) from now on."""
         with self.lock:
             site = self._sites.get(name)
-            if site is None:  # not served yet: built from the queue on the first pull
+            if site is None:  # reset meanwhile (a refused or superseded batch): rebuilt from the queue on a pull
                 return
-            add_deltas(site.owed, [(delta, weight)])
+            site.owed = owed
             site.counter += 1
             site.dirty = True
 
@@ -187,15 +216,27 @@ class SiteModel:
                 add_deltas(site.owed, [(p.delta, -1.0)])
             else:
                 still.append(p)
-        site.pending, site.root, site.base = still, root, None
+        site.pending, site.root, site.base, site.base_room = still, root, None, None
         site.counter += 1
         site.dirty = True
 
-    def _publish(self, name: str, site: _Site) -> None:
-        """Build the served bytes of R + owed (kept in memory: rebuilt at most once per pull, ~45 ms for 9.8 MB)."""
+    def _base(self, site: _Site) -> StateDict:
+        """The tensors of the root version the site stands on, read once per version (FileNotFoundError once the
+        relay's cache has let it go)."""
         if site.base is None:
             site.base = load_file(self.blobs.path(site.root.blob))
-        site.body = dumps({k: v + site.owed[k].to(v.dtype) for k, v in site.base.items()})
+        return site.base
+
+    def _publish(self, name: str, site: _Site) -> None:
+        """Build the served bytes of R + owed (kept in memory: rebuilt at most once per pull, ~45 ms for 9.8 MB)."""
+        base = self._base(site)
+        weights = {k: v + site.owed[k].to(v.dtype) for k, v in base.items()}
+        bad = non_finite_tensor(weights)
+        if bad is not None:  # a new root version the site's updates were not checked against: never serve Inf
+            log.error("the site's weights of %s overflow tensor %r on root version %d: serving the root's own until "
+                      "its next version", name, bad, site.root.version)
+            weights = base
+        site.body = dumps(weights)
         site.entry = CachedWeights(name, site.root.version, hashlib.sha256(site.body).hexdigest(), site.root.blob,
                                    site.root.info)
         site.dirty = False

@@ -12,13 +12,21 @@ The invariants, each owned by one method here:
   it, the stored bytes are resent as they are until the root answers, so the root's update-id
   deduplication makes forwarding exactly-once.
 - ``batch_done``: a forwarded batch's payload, its members' blobs and the residual it started from
-  are dropped, and old forwarded rows are pruned (``prune_forwarded``).
+  are dropped, and old forwarded rows are pruned (``prune_forwarded``). A batch of one update the root
+  refused for good is dropped with it, and gives back the residual it started from (the root applied none
+  of it), with an audit row naming the update.
 - ``put_cached``: the newest weights of an expert as fetched upstream; the version they replace moves
   to ``cache_history`` (the newest ``keep_previous`` per expert), so a worker's diff pull since a version
   it pulled here is answered here, not over the long link.
 - ``supersede_batch``: the root refused a batch because some members reached it another way (a
   worker that failed over to another relay or to the root): the batch is retired, those members are
   marked applied elsewhere, the others queued again, and the residual the batch started from restored.
+- ``split_batch``: the root refused a batch of several updates for its contents (a 422: its step would
+  overflow, its norm is over the limit): retired as ``supersede_batch`` retires one, and its members queued
+  again in two halves (``split_group``), each sent as a batch of its own under a new id. Bisection: one
+  update the root refuses costs its own half, then its quarter, until it alone is refused. The root recorded
+  nothing of a refused batch, so its members may go upstream again under any id; a member that reached the
+  root another way meanwhile is still caught by the members check (409, ``supersede_batch``).
 
 Pruning keeps what recovery needs: the newest batch row of each expert (its sequence number, so a
 restart never reuses a batch id), queued updates and pending batches, and the newest
@@ -40,64 +48,14 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.adapters import stored_deltas
+from coordinator.audit import Event, insert_event, insert_norm, query_events, recent_norms
 from coordinator.blobs import BlobStore
+from coordinator.relay.store_schema import create_schema, prune_forwarded, retire_batch
 from coordinator.store import WORKERS_QUERY, touch_worker_row, upsert_worker_row, worker_dicts
+from coordinator.update_limits import as_clipped
 from protocol.files import private_file
 from protocol.tensors import Manifest
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS state (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS updates (
-    update_id TEXT PRIMARY KEY,
-    expert TEXT NOT NULL,
-    worker_id TEXT,
-    meta TEXT NOT NULL,
-    blob TEXT,                    -- NULL once forwarded
-    body_sha256 TEXT NOT NULL,    -- a retry must resend the same bytes
-    size INTEGER NOT NULL,
-    received_at REAL NOT NULL,
-    batch INTEGER                 -- seq of the batch that carries it; NULL while queued
-);
-CREATE INDEX IF NOT EXISTS updates_queued ON updates (expert, batch);
-CREATE TABLE IF NOT EXISTS batches (
-    expert TEXT NOT NULL,
-    seq INTEGER NOT NULL,
-    update_id TEXT NOT NULL UNIQUE,
-    meta TEXT NOT NULL,
-    blob TEXT,                    -- NULL once forwarded
-    size INTEGER NOT NULL,
-    members INTEGER NOT NULL,
-    member_bytes INTEGER NOT NULL,
-    status TEXT NOT NULL,         -- pending, forwarded, refused, superseded
-    created_at REAL NOT NULL,
-    prev_residual TEXT,           -- the residual it was encoded on top of; NULL once it was answered
-    PRIMARY KEY (expert, seq)
-);
-CREATE TABLE IF NOT EXISTS residuals (expert TEXT PRIMARY KEY, blob TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS counters (key TEXT PRIMARY KEY, value INTEGER NOT NULL);  -- sums of pruned rows
-CREATE TABLE IF NOT EXISTS cache (
-    expert TEXT PRIMARY KEY,
-    version INTEGER NOT NULL,
-    etag TEXT NOT NULL,
-    blob TEXT NOT NULL,
-    info TEXT NOT NULL            -- the root's expert info (spec, counters) as last seen
-);
-CREATE TABLE IF NOT EXISTS cache_history (  -- versions the cache held before its current one: diff pulls' bases
-    expert TEXT NOT NULL,
-    version INTEGER NOT NULL,
-    etag TEXT NOT NULL,
-    blob TEXT NOT NULL,
-    PRIMARY KEY (expert, version)
-);
-CREATE TABLE IF NOT EXISTS workers (   -- the root's table (coordinator.store) without its traffic counters
-    worker_id TEXT PRIMARY KEY,
-    specialty TEXT NOT NULL,
-    base_model TEXT NOT NULL,
-    registered_at REAL NOT NULL,
-    last_seen REAL NOT NULL,
-    sync_interval REAL
-);
-"""
 
 
 @dataclass(frozen=True)
@@ -109,6 +67,8 @@ class QueuedUpdate:
     size: int
     body_digest: str
     """Content id of the body as the worker sent it (a batch names its members with it)."""
+    split_group: int | None = None
+    """Set when a batch carrying it was refused: it goes upstream with the others of this group only."""
 
 
 @dataclass(frozen=True)
@@ -133,8 +93,10 @@ class CachedWeights:
 
 
 def held_deltas(blobs: BlobStore, held: QueuedUpdate | Batch, manifest: Manifest) -> Mapping[str, Any]:
-    """A queued update's or a batch's deltas as the root decodes them, read tensor by tensor from its blob."""
-    return stored_deltas(blobs.path(held.blob), held.meta["codec"], held.meta["codec_config"], manifest)
+    """A queued update's or a batch's deltas as the root decodes them, read tensor by tensor from its blob (an
+    update clipped at receipt, ``--norm-check clip``, scaled as it was)."""
+    return as_clipped(stored_deltas(blobs.path(held.blob), held.meta["codec"], held.meta["codec_config"], manifest),
+                      held.meta)
 
 
 APPLIED_ELSEWHERE = "applied_elsewhere"
@@ -156,10 +118,7 @@ class RelayStore:
         self._db.row_factory = sqlite3.Row
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
-        self._db.executescript(SCHEMA)
-        columns = {r[1] for r in self._db.execute("PRAGMA table_info(batches)")}
-        if "prev_residual" not in columns:  # a data dir from before 0.9
-            self._db.execute("ALTER TABLE batches ADD COLUMN prev_residual TEXT")
+        create_schema(self._db)
         self._lock = threading.RLock()
 
     def close(self) -> None:
@@ -202,6 +161,31 @@ class RelayStore:
             db.execute("INSERT INTO state VALUES ('relay_id', ?)", (default,))
             return default
 
+    def setting(self, key: str) -> Any:
+        """A JSON value this relay keeps across restarts (e.g. the root's limits, learned when it joined)."""
+        rows = self._all("SELECT value FROM state WHERE key = ?", (f"setting.{key}",))
+        return json.loads(rows[0][0]) if rows else None
+
+    def put_setting(self, key: str, value: Any) -> None:
+        with self.transaction() as db:
+            db.execute("INSERT INTO state VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+                       (f"setting.{key}", json.dumps(value)))
+
+    # the audit log and the norm history: the root's tables and code (coordinator.audit) -----
+
+    def add_event(self, event: Event) -> None:
+        with self.transaction() as db:
+            insert_event(db, event)
+
+    def events(self, limit: int, after: int | None = None, expert: str | None = None,
+               kind: str | None = None) -> list[dict[str, Any]]:
+        with self._lock:
+            return query_events(self._db, limit, after, expert, kind)
+
+    def recent_norms(self, expert: str, n: int) -> list[float]:
+        with self._lock:
+            return recent_norms(self._db, expert, n)
+
     def stats(self) -> dict[str, int]:
         """Cumulative counters (pruned rows included) for the report to the root."""
         (received, received_bytes), = self._all("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM updates")
@@ -237,17 +221,41 @@ class RelayStore:
                          (update_id,))
         return dict(rows[0]) if rows else None
 
-    def add_update(self, expert: str, meta: dict[str, Any], blob: str, size: int) -> None:
+    def add_update(self, expert: str, meta: dict[str, Any], blob: str, size: int, norm: float | None = None,
+                   events: tuple[Event, ...] = ()) -> None:
+        """Record a worker's update, with its norm (the norm check's history, as at the root) and audit rows."""
         with self.transaction() as db:
-            db.execute("INSERT INTO updates VALUES (?, ?, ?, ?, ?, ?, ?, ?, NULL)",
-                       (meta["update_id"], expert, meta.get("worker_id"), json.dumps(meta), blob, blob, size,
-                        time.time()))
+            db.execute("INSERT INTO updates (update_id, expert, worker_id, meta, blob, body_sha256, size, received_at) "
+                       "VALUES (?, ?, ?, ?, ?, ?, ?, ?)", (meta["update_id"], expert, meta.get("worker_id"),
+                                                           json.dumps(meta), blob, blob, size, time.time()))
+            if norm is not None:
+                insert_norm(db, expert, norm)
+            for event in events:
+                insert_event(db, event)
 
     def queued(self, expert: str) -> list[QueuedUpdate]:
         rows = self._all("SELECT * FROM updates WHERE expert = ? AND batch IS NULL ORDER BY received_at, update_id",
                          (expert,))
-        return [QueuedUpdate(r["update_id"], r["expert"], json.loads(r["meta"]), r["blob"], r["size"], r["body_sha256"])
-                for r in rows]
+        return [QueuedUpdate(r["update_id"], r["expert"], json.loads(r["meta"]), r["blob"], r["size"], r["body_sha256"],
+                             r["split_group"]) for r in rows]
+
+    def next_members(self, expert: str, limit: int) -> list[QueuedUpdate]:
+        """The members of the expert's next batch: the oldest group of a refused batch's halves while there is
+        one (bisection: the refusal is narrowed down before anything else joins), else the oldest ``limit``."""
+        queued = self.queued(expert)
+        groups = [u.split_group for u in queued if u.split_group is not None]
+        if groups:
+            return [u for u in queued if u.split_group == min(groups)]
+        return queued[:limit]
+
+    def has_split_groups(self, expert: str) -> bool:
+        """Whether halves of a refused batch of ``expert`` are still queued (``split_batch``)."""
+        return bool(self._all("SELECT 1 FROM updates WHERE expert = ? AND batch IS NULL AND split_group IS NOT NULL "
+                              "LIMIT 1", (expert,)))
+
+    def worker_of(self, update_id: str) -> str | None:
+        rows = self._all("SELECT worker_id FROM updates WHERE update_id = ?", (update_id,))
+        return rows[0][0] if rows else None
 
     def experts_with_work(self) -> list[str]:
         rows = self._all("SELECT DISTINCT expert FROM updates WHERE batch IS NULL UNION "
@@ -285,19 +293,25 @@ class RelayStore:
                 db.execute("INSERT INTO residuals VALUES (?, ?) ON CONFLICT(expert) DO UPDATE SET blob = excluded.blob",
                            (batch.expert, residual_blob))
 
-    def batch_done(self, batch: Batch, status: str) -> list[str]:
+    def batch_done(self, batch: Batch, status: str, events: tuple[Event, ...] = ()) -> list[str]:
         """The root answered for ``batch`` (forwarded, or refused for good): drop its payloads, prune old
-        rows. The blobs no longer named here (for the caller to delete if unreferenced)."""
+        rows, add ``events`` to the audit log. A refused batch gives back the residual it was encoded on (the root
+        applied none of it: ``retire_batch``); a forwarded one leaves its own. The blobs no longer named here (for
+        the caller to delete if unreferenced)."""
         with self.transaction() as db:
-            freed = [r[0] for r in db.execute(
-                "SELECT blob FROM updates WHERE expert = ? AND batch = ? AND blob IS NOT NULL UNION "
-                "SELECT blob FROM batches WHERE expert = ? AND seq = ? AND blob IS NOT NULL UNION "
-                "SELECT prev_residual FROM batches WHERE expert = ? AND seq = ? AND prev_residual IS NOT NULL",
-                (batch.expert, batch.seq) * 3).fetchall()]
-            db.execute("UPDATE batches SET status = ?, blob = NULL, prev_residual = NULL WHERE expert = ? AND seq = ?",
-                       (status, batch.expert, batch.seq))
+            for event in events:
+                insert_event(db, event)
+            freed = [r[0] for r in db.execute("SELECT blob FROM updates WHERE expert = ? AND batch = ? AND blob IS NOT "
+                                              "NULL", (batch.expert, batch.seq)).fetchall()]
+            if status == "forwarded":
+                freed += [b for b in db.execute("SELECT blob, prev_residual FROM batches WHERE expert = ? AND seq = ?",
+                                                (batch.expert, batch.seq)).fetchone() if b]
+                db.execute("UPDATE batches SET status = ?, blob = NULL, prev_residual = NULL WHERE expert = ? AND "
+                           "seq = ?", (status, batch.expert, batch.seq))
+            else:
+                freed += retire_batch(db, batch.expert, batch.seq, status)
             db.execute("UPDATE updates SET blob = NULL WHERE expert = ? AND batch = ?", (batch.expert, batch.seq))
-            _prune_forwarded(db, self.keep_forwarded)
+            prune_forwarded(db, self.keep_forwarded)
         return freed
 
     def supersede_batch(self, batch: Batch, elsewhere: set[str]) -> list[str]:
@@ -306,23 +320,28 @@ class RelayStore:
         encoded on. One transaction, so a crash leaves the batch pending (resent, refused again) or retired.
         The blobs no longer named here (for the caller to delete if unreferenced)."""
         with self.transaction() as db:
-            row = db.execute("SELECT blob, prev_residual FROM batches WHERE expert = ? AND seq = ?",
-                             (batch.expert, batch.seq)).fetchone()
-            current = db.execute("SELECT blob FROM residuals WHERE expert = ?", (batch.expert,)).fetchone()
             dropped = db.execute(f"SELECT update_id, blob FROM updates WHERE expert = ? AND batch = ? AND update_id IN "
                                  f"({', '.join('?' * len(elsewhere))})", (batch.expert, batch.seq, *elsewhere)).fetchall()
-            freed = [r["blob"] for r in dropped if r["blob"]] + [row["blob"]] + ([current[0]] if current else [])
-            db.execute("UPDATE batches SET status = 'superseded', blob = NULL, prev_residual = NULL "
-                       "WHERE expert = ? AND seq = ?", (batch.expert, batch.seq))
             db.executemany("UPDATE updates SET blob = NULL WHERE update_id = ?", [(r["update_id"],) for r in dropped])
+            freed = retire_batch(db, batch.expert, batch.seq, "superseded")
             db.execute("UPDATE updates SET batch = NULL WHERE expert = ? AND batch = ? AND blob IS NOT NULL",
                        (batch.expert, batch.seq))
-            if row["prev_residual"] is None:
-                db.execute("DELETE FROM residuals WHERE expert = ?", (batch.expert,))
-            else:
-                db.execute("INSERT INTO residuals VALUES (?, ?) ON CONFLICT(expert) DO UPDATE SET blob = excluded.blob",
-                           (batch.expert, row["prev_residual"]))
-        return [b for b in freed if b and b != row["prev_residual"]]
+        return [r["blob"] for r in dropped if r["blob"]] + freed
+
+    def split_batch(self, batch: Batch) -> list[str]:
+        """The root refused ``batch`` (more than one member) for its contents: retire it, restore the residual it
+        was encoded on, and queue its members again in two halves (``split_group``), each to go upstream as a
+        batch of its own under a new id, so that one bad member costs only its own half. Halves of a half split
+        again: bisection, until the member the root refuses is alone (``batch_done(..., "refused")``). One
+        transaction, as ``supersede_batch``. The blobs no longer named here."""
+        with self.transaction() as db:
+            members = [r[0] for r in db.execute("SELECT update_id FROM updates WHERE expert = ? AND batch = ? "
+                                                "ORDER BY received_at, update_id", (batch.expert, batch.seq))]
+            freed = retire_batch(db, batch.expert, batch.seq, "split")
+            half = (len(members) + 1) // 2
+            db.executemany("UPDATE updates SET batch = NULL, split_group = ? WHERE update_id = ?",
+                           [(2 * batch.seq + (i >= half), update_id) for i, update_id in enumerate(members)])
+        return freed
 
     def residual(self, expert: str) -> str | None:
         rows = self._all("SELECT blob FROM residuals WHERE expert = ?", (expert,))
@@ -396,32 +415,6 @@ class RelayStore:
 
     def workers(self) -> list[dict[str, Any]]:
         return worker_dicts(self._all(WORKERS_QUERY))
-
-
-def _prune_forwarded(db: sqlite3.Connection, keep: int) -> None:
-    """Forget forwarded worker-update rows past the newest ``keep``, then the answered batches no row names
-    (each expert's newest batch stays: its sequence number is the next batch id's). Sums go to ``counters``."""
-    old = ("SELECT rowid FROM updates WHERE blob IS NULL AND batch IS NOT NULL "
-           "ORDER BY received_at DESC, update_id DESC LIMIT -1 OFFSET ?")
-    (count, size), = db.execute(f"SELECT COUNT(*), COALESCE(SUM(size), 0) FROM updates WHERE rowid IN ({old})",
-                                (keep,)).fetchall()
-    if count:
-        _count(db, {"updates_received": count, "bytes_received": size})
-        db.execute(f"DELETE FROM updates WHERE rowid IN ({old})", (keep,))
-    gone = ("SELECT rowid FROM batches b WHERE status != 'pending' "
-            "AND seq < (SELECT MAX(seq) FROM batches WHERE expert = b.expert) "
-            "AND NOT EXISTS (SELECT 1 FROM updates u WHERE u.expert = b.expert AND u.batch = b.seq)")
-    (count, size, members), = db.execute(
-        f"SELECT COUNT(*), COALESCE(SUM(size), 0), COALESCE(SUM(members), 0) FROM batches "
-        f"WHERE status = 'forwarded' AND rowid IN ({gone})").fetchall()
-    if count:
-        _count(db, {"batches_forwarded": count, "bytes_forwarded": size, "updates_forwarded": members})
-    db.execute(f"DELETE FROM batches WHERE rowid IN ({gone})")
-
-
-def _count(db: sqlite3.Connection, amounts: dict[str, int]) -> None:
-    db.executemany("INSERT INTO counters VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = value + excluded.value",
-                   list(amounts.items()))
 
 
 def _batch(r: sqlite3.Row) -> Batch:

@@ -1,7 +1,7 @@
 """The relay's link to its upstream (the root, or another relay): joining, and the weights cache.
 
 ``UpstreamClient`` is the project's ``CoordinatorClient`` (timeouts, retries with backoff, errors
-mapped back to exceptions) plus the calls only a relay makes: registering itself with the join
+mapped back to exceptions) plus the calls only a relay makes: registering itself with the relay join
 token for a relay-scoped token (kept in ``<data dir>/relay_token`` so a restart renews it), and
 reporting its workers. ``WeightsCache`` serves workers' pulls from the relay's disk, revalidated
 upstream with ``If-None-Match`` at most once per ``revalidate_seconds`` per expert; an unreachable
@@ -41,9 +41,13 @@ class RelayStartError(Exception):
 
 class UpstreamClient(CoordinatorClient):
     def __init__(self, url: str, join_token: str | None, token_file: Path, *,
-                 retry: RetryPolicy = RetryPolicy(attempts=2, base_delay=0.5, max_delay=2.0)) -> None:
+                 retry: RetryPolicy = RetryPolicy(attempts=2, base_delay=0.5, max_delay=2.0),
+                 relay_join_token: str | None = None) -> None:
+        """``relay_join_token``: the root's relay join token, which registers the relay (the workers' join token
+        cannot, coordinator/tokens.py); without it the relay registers with ``join_token`` (an admin token does)."""
         super().__init__(url, retry=retry, token=join_token, timeout=(5.0, 120.0))
         self.join_token = join_token
+        self.registering_token = relay_join_token or join_token
         self.token_file = token_file
         self.relay_token: str | None = token_file.read_text().strip() if token_file.is_file() else None
         self._registration: dict[str, Any] | None = None
@@ -66,12 +70,12 @@ class UpstreamClient(CoordinatorClient):
                 raise RelayStartError(f"upstream {self.base_url} refused this relay: {exc}") from None
         if info is None:
             try:
-                info = self._attempts("POST", "/relays", self.join_token, json=body).json()
+                info = self._attempts("POST", "/relays", self.registering_token, json=body).json()
             except Conflict as exc:
                 raise RelayStartError(f"upstream {self.base_url} refused this relay: {exc}") from None
             except (Unauthorized, Forbidden) as exc:
-                raise RelayStartError(f"upstream {self.base_url} refused the join token ({exc}); pass the root's "
-                                      "join token with --join-token-file") from None
+                raise RelayStartError(f"upstream {self.base_url} refused to register this relay ({exc}); pass the "
+                                      "root's relay join token with --relay-join-token-file") from None
         token = info.pop("token", None)
         if token:
             self.relay_token = token

@@ -28,7 +28,8 @@ Its problem ids are committed too (validation.json), since the pairwise difflib 
   python data/ds1000/split.py --validation          # rewrite validation.json from train/
   python data/ds1000/split.py --validation --check  # exit 1 if it differs from the rule
 
-Records are copied unchanged (prompt, reference_code, library, problem_id), one JSON object per line.
+Records keep the fields of FIELDS with their text unchanged, one JSON object per line; held-out records
+also keep DS-1000's test harness (``code_context``), which pass@1 executes generated answers with.
 """
 from __future__ import annotations
 
@@ -47,6 +48,9 @@ NEAR_COPY = 0.6
 """A training prompt this close to a held-out prompt moves to the held-out side."""
 HELDOUT_FRACTION = 0.1
 """Share of each domain's problems held out (whole families, so slightly more)."""
+FIELDS = ("prompt", "reference_code", "library", "problem_id")
+HARNESS = "code_context"
+"""DS-1000's test harness of a problem (generate_test_case, exec_test, test_execution): kept on held-out records."""
 PREFIX = 800
 """Characters of each prompt compared (the problem statement; the long code tails add little)."""
 
@@ -113,8 +117,8 @@ def write_validation(check: bool) -> int:
     return 0
 
 
-def to_jsonl(records: list[dict]) -> str:
-    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+def to_jsonl(records: list[dict], fields: tuple[str, ...] = FIELDS) -> str:
+    return "".join(json.dumps({k: r[k] for k in fields if k in r}, ensure_ascii=False) + "\n" for r in records)
 
 
 def main() -> int:
@@ -139,12 +143,13 @@ def main() -> int:
         records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
         for side, part in zip(("train", "heldout"), split_domain(records)):
             target = HERE / side / f"{expert}.jsonl"
+            text = to_jsonl(part, FIELDS + ((HARNESS,) if side == "heldout" else ()))
             if args.check:
-                if not target.is_file() or target.read_text(encoding="utf-8") != to_jsonl(part):
+                if not target.is_file() or target.read_text(encoding="utf-8") != text:
                     differ.append(str(target))
             else:
                 target.parent.mkdir(exist_ok=True)
-                target.write_text(to_jsonl(part), encoding="utf-8")
+                target.write_text(text, encoding="utf-8")
             print(f"{side:>8} {expert:<15} {len(part):4d} problems")
     if differ:
         print(f"differs from the rule: {', '.join(differ)}", file=sys.stderr)

@@ -65,3 +65,23 @@ def test_quick_new_surface_against_a_root_and_a_relay(tmp_path):
         flood = part["probe_flood"]
         assert flood["ok"] == flood["probes"] == 256 and flood["status_5xx"] == 0
     assert "new_surface" in proc.stdout
+
+
+def test_quick_relay_poisoning_loses_and_doubles_nothing(tmp_path):
+    """bench/hostile_relay.py: a worker pushing 3e38 behind a real relay, plain and --site-model. Every honest
+    update that got a 202 is applied at the root once, no pull holds Inf, no request is a 5xx; the attacker's
+    pushes past the first are refused (before the 202, or alone once its batch was bisected)."""
+    out = tmp_path / "hostile.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.hostile", "--quick", "--only", "relay_poisoning", "--out",
+                           str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())["relay_poisoning"]
+    assert report["rounds"] == 3
+    for mode in ("plain", "site_model"):
+        part = report[mode]
+        assert part["status_5xx"] == part["no_answer"] == 0 and part["unexpected"] == [], (mode, part)
+        assert part["honest_acknowledged"] >= 9 and part["honest_lost"] == [] and part["samples_doubled"] == 0
+        assert part["non_finite_pulls"] == 0 and part["client_requests"] > 0
+        attacker = part["attacker"]
+        assert attacker["acknowledged"] + attacker["refused_before_202"] == 3 and attacker["applied"] <= 1
+    assert "relay_poisoning" in proc.stdout

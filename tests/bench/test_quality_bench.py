@@ -257,6 +257,19 @@ def test_gateway_quick_run(tmp_path):
     for label, figures in report["codec_true_delta"].items():
         assert 0 <= figures["relative_error"]["mean"] and figures["cosine"]["mean"] <= 1 + 1e-6, label
     assert "macro-F1" in stdout
+    for method in ("mixture (top-3)", "mixture (top-2)", "arrow", "arrow + GenKnowSub"):  # soft mixtures
+        assert all(v["n"] == 1 for v in methods[method]["loss"].values()), method
+    lodo, sizes = report["leave_one_out"], {d: v["heldout"] for d, v in report["domains"].items()}
+    assert set(lodo) >= {"base", "gateway", "routed", "mixture (top-3)", "arrow", "arrow + GenKnowSub"}
+    assert lodo["base"] == {d: methods["base"]["loss"][d] for d in sizes}  # the same problems, the same model
+    mistakes = report["soft"]["router_mistakes"]
+    for split in ("shipped", "leave_one_out"):  # every held-out prompt is right, wrong or a fallback
+        assert {d: sum(m.values()) for d, m in mistakes[split].items()} == sizes
+    assert all(m["right"] == 0 for m in mistakes["leave_one_out"].values())  # its own expert is missing
+    table = report["soft"]["pass_at_1"]
+    assert set(table["shipped"]) == {"base", "gateway", "routed", "mixture (top-3)"} and table["problems"] == \
+        dict.fromkeys(sizes, 1)
+    assert 0 < report["soft"]["wrong_expert"]["threshold"] <= 1 and "leave one domain out" in stdout
 
 
 def test_poisoning_quick_run(tmp_path):

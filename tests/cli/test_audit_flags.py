@@ -28,10 +28,11 @@ def test_results_under_a_file_fails_before_training(tmp_path):
 
 
 @pytest.mark.slow
-def test_dataset_that_is_a_directory_says_so(tmp_path):
+def test_dataset_that_is_an_empty_directory_says_so(tmp_path):
+    # a directory may hold a dataset (save_to_disk, or data files); an empty one is a mistake worth naming early
     line = one_error_line(run("run_worker.py", "--specialty", "python_expert", "--dataset", str(tmp_path),
                               in_process=True))
-    assert line.startswith(f"error: --dataset {str(tmp_path)!r} is a directory; pass a JSONL file")
+    assert line.startswith(f"error: --dataset {str(tmp_path)!r} is an empty directory; pass a dataset file")
 
 
 @pytest.mark.slow
@@ -44,6 +45,13 @@ def test_malformed_coordinator_url_names_the_flag(script, extra, url, reason):
     line = one_error_line(run(script, *extra, "--coordinator-url", url, in_process=True))
     assert line.startswith(f"error: --coordinator-url {url!r} is not a valid URL (")
     assert reason in line
+
+
+@pytest.mark.slow
+def test_max_steps_zero_fails_before_loading_the_model():
+    line = one_error_line(run("run_worker.py", "--specialty", "python_expert", "--base-model", "tiny-qwen2",
+                              "--max-steps", "0", in_process=True))
+    assert line == "error: --max-steps must be at least 1, got 0"
 
 
 @pytest.mark.slow

@@ -79,7 +79,7 @@ def test_coordinator_flag_defaults_are_the_config_defaults():
 def test_serve_flag_defaults_are_the_config_defaults():
     args = serve.parse_args([])
     assert from_flags(Limits, args) == Limits() and from_flags(EngineOptions, args) == EngineOptions()
-    assert serve.parse_args(["--no-mix-adapters"]).mix_adapters is False
+    assert serve.parse_args(["--max-batch", "4"]).max_batch == 4
     from serving.server import ServeOptions as ServingOptions
 
     assert {f.name: f.default for f in fields(serve.ServeFlags) if f.name in ("host", "port", "poll_interval")} == \
@@ -98,9 +98,12 @@ def test_worker_flag_defaults_are_the_worker_settings_defaults():
     assert config.pull == PullSettings() and config.parallel == ParallelSettings()
     assert config.train == TrainSettings(lr=config.train.lr)  # --lr: by preset (worker.presets)
     defaults = SyncSettings(specialty="sql_expert", worker_id="w")
-    for name in ("duration", "sync_interval", "speed_factor", "resume", "overlap"):
+    for name in ("duration", "max_steps", "sync_interval", "speed_factor", "resume", "overlap"):
         assert getattr(config.sync, name) == getattr(defaults, name), name
     assert config.device == "auto" and config.heldout_eval and config.profile is None
+    from worker.splits import DataSettings
+
+    assert config.data == DataSettings()
 
 
 def test_workers_push_int8_and_pull_int8_diffs_unless_told_otherwise():

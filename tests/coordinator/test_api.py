@@ -19,7 +19,7 @@ def error_code(response) -> str:
 
 
 def test_health(client):
-    assert client.get("/api/v1/health").get_json() == {"status": "ok", "experts": 0}
+    assert client.get("/api/v1/health").get_json() == {"status": "ok", "experts": 0, "store": "ok"}
 
 
 def test_create_expert_then_list_and_fetch_weights(client):
@@ -135,7 +135,7 @@ def test_workers_register_and_heartbeat(client):
 
 
 def test_workers_are_alive_stale_or_gone():
-    from coordinator.service import liveness
+    from coordinator.liveness import liveness
 
     assert [liveness(t, 10) for t in (5, 29, 31, 299, 301)] == ["alive", "alive", "stale", "stale", "gone"]
     assert [liveness(t, 60) for t in (179, 181, 1199, 1201)] == ["alive", "stale", "stale", "gone"]

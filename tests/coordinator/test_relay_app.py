@@ -17,7 +17,7 @@ from protocol.client import CoordinatorClient
 from protocol.integrity import DIGEST_HEADER, digest_header
 from protocol.schemas import UPDATE_HEADER
 from protocol.tensors import dumps, manifest_of
-from tests.helpers import FINGERPRINT, expert_spec, make_adapter, random_like
+from tests.helpers import FINGERPRINT, expert_spec, make_adapter, random_like, relay_join_token
 
 
 @pytest.fixture
@@ -38,6 +38,7 @@ def root(tmp_path):
 def relay(root, tmp_path):
     url, join = root
     app = create_relay_app(RelayConfig(upstream=url, join_token=join, relay_id="r1",
+                                       relay_join_token=relay_join_token(tmp_path / "root"),
                                        coordinator=CoordinatorConfig(data_dir=tmp_path / "relay"),
                                        forward=ForwardPolicy(interval=3600)))
     app.extensions["fedmoe"].join_upstream()
@@ -103,6 +104,7 @@ def test_a_relay_with_a_codec_forwards_a_compressed_batch(root, tmp_path):
     """Regression: the forwarder unpacked ErrorFeedback.compress's Compressed as a tuple (TypeError)."""
     url, join = root
     app = create_relay_app(RelayConfig(upstream=url, join_token=join, relay_id="r1",
+                                       relay_join_token=relay_join_token(tmp_path / "root"),
                                        coordinator=CoordinatorConfig(data_dir=tmp_path / "relay"),
                                        forward=ForwardPolicy(interval=3600, codec="int8")))
     relay = app.extensions["fedmoe"]

@@ -12,7 +12,7 @@ from compression.wire import decode_update
 from protocol.client import CoordinatorClient
 from protocol.errors import NotFound
 from protocol.tensors import dumps, loads, manifest_of
-from tests.helpers import new_root_version, relay_fetches, relay_sites
+from tests.helpers import make_adapter, new_root_version, random_like, relay_fetches, relay_sites
 from worker.adaptive import LinkEstimate
 from worker.encoding import CodecChoice, PullSettings
 from worker.pulling import ExpertPuller
@@ -208,3 +208,40 @@ def test_a_bad_version_is_the_roots_400_at_the_relay_with_nothing_sent_upstream(
     mine, roots = raw_get(at_relay, "w1", version=value), raw_get(at_root, "w-root", version=value)
     assert mine.status_code == roots.status_code == 400 and mine.json() == roots.json()
     assert upstream_calls == []
+
+
+def test_a_diff_pull_of_a_version_is_to_that_version_at_the_root_and_the_relay_alike(sites, upstream_calls):
+    """``?since=S&version=N`` is version N minus version S, byte for byte the root's answer; before, both the root
+    and the relay sent the current version's diff instead (under its own version header)."""
+    at_root, relay, at_relay, _ = sites
+    relay_holds_0_1_3(at_root, relay, at_relay)
+    upstream_calls.clear()
+    for since, version in ((0, 1), (1, 0), (0, 3)):
+        mine = raw_get(at_relay, "w1", since=since, version=version, codec="fp16")
+        roots = raw_get(at_root, "w-root", since=since, version=version, codec="fp16")
+        assert mine.status_code == roots.status_code == 200 and mine.content == roots.content
+        assert mine.headers["X-FedMoE-Version"] == roots.headers["X-FedMoE-Version"] == str(version)
+        old, new = (at_root.pull_weights("e1", version=v).tensors for v in (since, version))
+        delta = decode_update(mine.content, manifest_of(old), make_codec("fp16", {}))
+        assert all(torch.allclose(old[k] + delta[k], new[k], atol=1e-3) for k in new)
+    assert upstream_calls == []
+    same = raw_get(at_relay, "w1", since=1, version=1, codec="fp16")
+    assert same.status_code == 304 and same.headers["X-FedMoE-Version"] == "1"
+    missing = raw_get(at_relay, "w1", since=0, version=2, codec="fp16")  # v2 never reached the relay
+    assert missing.status_code == 404 and missing.json()["error"]["details"]["reason"] == "diff_unavailable"
+    assert raw_get(at_root, "w-root", since=0, version=99, codec="fp16").status_code == 404
+
+
+def test_a_full_pull_of_a_version_at_a_site_model_relay_is_the_roots_version_not_the_sites_weights(tmp_path):
+    with relay_sites(tmp_path, site_model=True) as (at_root, relay, at_relay, _):
+        assert at_relay.pull_weights("e1", worker_id="w1").version == 0
+        new_root_version(at_root, 1)
+        relay_fetches(relay)
+        at_relay.push_update("e1", dumps(random_like(make_adapter(), 5)), {
+            "update_id": "u1", "base_version": 1, "num_samples": 3, "worker_id": "w1"})
+        site = raw_get(at_relay, "w1")  # version 1 plus the site's update
+        for version in (0, 1):
+            mine, roots = raw_get(at_relay, "w1", version=version), raw_get(at_root, "w-root", version=version)
+            assert mine.status_code == 200 and mine.content == roots.content
+            assert mine.headers["X-FedMoE-Version"] == str(version) and mine.headers["ETag"] == roots.headers["ETag"]
+        assert site.headers["X-FedMoE-Version"] == "1" and site.content != raw_get(at_root, "w-root").content

@@ -25,7 +25,7 @@ from protocol.client import CoordinatorClient
 from protocol.integrity import DIGEST_HEADER, digest_header
 from protocol.schemas import MAX_BATCH_MEMBERS, UPDATE_HEADER
 from protocol.tensors import dumps, loads
-from tests.helpers import FINGERPRINT, expert_spec, make_adapter, random_like
+from tests.helpers import FINGERPRINT, expert_spec, make_adapter, random_like, relay_join_token
 
 BASE = {"id": "m", "fingerprint": FINGERPRINT}
 
@@ -59,6 +59,7 @@ def make_relay(root, tmp_path, relay_id, codec="safetensors", codec_config=None,
     more RelayConfig fields. The same relay_id again is a restart on the same data dir."""
     _, url, _, join = root
     app = create_relay_app(RelayConfig(upstream=url, join_token=join, relay_id=relay_id,
+                                       relay_join_token=relay_join_token(tmp_path / "root"),
                                        coordinator=CoordinatorConfig(data_dir=tmp_path / relay_id),
                                        forward=ForwardPolicy(interval=3600, codec=codec, codec_config=codec_config,
                                                              staleness_decay=0.0), **config))

@@ -39,7 +39,22 @@ def test_profiles_of_several_workers_are_combined(routed):
     assert routed.post("/api/v1/route", json={"prompt": SQL[0]}).get_json()["expert"] == "sql_expert"
 
 
-@pytest.mark.parametrize("body", [{}, {"prompt": ""}, {"prompt": 3}, {"prompt": "x", "threshold": 2}, []])
+def test_a_wrong_expert_is_told_apart_from_a_fallback_in_the_answer_and_the_metrics(routed):
+    sql = "Write a SQL query that selects the name column from the staff table"
+    right = routed.post("/api/v1/route", json={"prompt": sql, "expected": "sql_expert"}).get_json()
+    wrong = routed.post("/api/v1/route", json={"prompt": sql, "expected": "python_expert"}).get_json()
+    fallback = routed.post("/api/v1/route", json={"prompt": sql, "expected": "sql_expert", "threshold": 1.0}).get_json()
+    assert (right["outcome"], wrong["outcome"], fallback["outcome"]) == ("right", "wrong_expert", "fallback")
+    assert abs(sum(right["probabilities"].values()) - 1) < 1e-6 and right["probabilities"]["sql_expert"] > 0.7
+    routed.post("/api/v1/route", json={"prompt": sql})
+    metrics = routed.get("/metrics").get_data(as_text=True)
+    for expected, outcome in (("sql_expert", "right"), ("python_expert", "wrong_expert"), ("sql_expert", "fallback"),
+                              ("", "expert")):
+        assert f'fedmoe_routes_total{{expected="{expected}",outcome="{outcome}"}} 1.0' in metrics
+
+
+@pytest.mark.parametrize("body", [{}, {"prompt": ""}, {"prompt": 3}, {"prompt": "x", "threshold": 2}, [],
+                                  {"prompt": "x", "expected": 3}, {"prompt": "x", "expected": "no_such_expert"}])
 def test_bad_route_requests_are_400(routed, body):
     r = routed.post("/api/v1/route", json=body)
     assert r.status_code == 400 and r.get_json()["error"]["message"]

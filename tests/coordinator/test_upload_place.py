@@ -160,3 +160,31 @@ def test_a_request_waiting_for_an_upload_a_place_holds_gives_up_with_a_503(app, 
     place.release()
     r = client.put(PATH.format(upload_id), data=body, headers={"Content-Range": f"bytes 0-{len(body) - 1}/{len(body)}"})
     assert r.get_json()["offset"] == len(body)
+
+
+def test_a_relay_gets_no_place_in_a_workers_upload_and_a_slow_chunk_never_expires_its_own(app):
+    """Issue 30: a relay's token was placed into any upload (as the admin's); an upload receiving a chunk for longer
+    than the idle time expired under it (its request then found the upload gone)."""
+    from tests.coordinator.test_uploads import register_relay
+
+    body = body_of()
+    size = len(body)
+    worker = register(app, "w1")
+    workers = open_upload(app.test_client(token=worker), body).get_json()["upload_id"]
+    relay = register_relay(app, "site-a")
+    placer = UploadPlacer(app)
+    assert placer.place(head_environ(app, workers, size, 0, 999, relay)) is None
+    store, now = app.extensions["fedmoe_uploads"], [1000.0]
+    store.clock = lambda: now[0]
+    relays = open_upload(app.test_client(token=relay), body, update_meta(worker_id="w9")).get_json()["upload_id"]
+    place = placer.place(head_environ(app, relays, size, 0, 999, relay))
+    assert place is not None
+    now[0] += store.limits.idle_seconds + 60  # the chunk takes longer than the idle time to arrive
+    open_upload(app.test_client(token=worker), body_of(2))  # an open sweeps idle uploads: not this one
+    spooled = SpooledBody(place.path, 1000, fill(place, body[:1000]), place=place)
+    r = app.test_client(token=relay).put(PATH.format(relays), data=body[:1000], environ_overrides={SPOOLED_BODY: spooled},
+                                         headers={"Content-Range": f"bytes 0-999/{size}", "X-FedMoE-Digest": sha(body[:1000])})
+    place.release()
+    assert r.status_code == 200 and r.get_json()["offset"] == 1000, r.get_json()
+    now[0] += store.limits.idle_seconds - 1  # idle time counts from the chunk
+    assert app.test_client(token=relay).get(PATH.format(relays)).get_json()["offset"] == 1000

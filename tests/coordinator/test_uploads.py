@@ -13,7 +13,7 @@ from protocol.integrity import digest_header
 import torch
 
 from protocol.tensors import dumps, load_file
-from tests.helpers import FINGERPRINT, make_adapter, push, put_expert, random_like, update_meta
+from tests.helpers import FINGERPRINT, make_adapter, push, put_expert, random_like, relay_join_token, update_meta
 
 ADAPTER = make_adapter(layers=4, d_in=64, d_out=64)  # ~33 KiB body
 BASE = {"id": "tiny-test", "fingerprint": FINGERPRINT}
@@ -371,3 +371,104 @@ def test_a_chunk_checked_by_its_prefix_digest_is_refused_when_the_bytes_so_far_d
     r = put_chunk(client, upload_id, body, 1000, len(body) - 1, **{"X-FedMoE-Upload-Digest": sha(body)})
     assert r.get_json()["offset"] == len(body)
     assert complete(client, upload_id).status_code == 202
+
+
+# issue 30: bounded uploads that no set of principals can use to lock an honest pusher out ------------------------
+
+def register_relay(app, relay_id: str) -> str:
+    r = app.test_client(token=relay_join_token(app.extensions["fedmoe"].config.data_dir)).post(
+        "/api/v1/relays", json={"relay_id": relay_id})
+    assert r.status_code == 200, r.get_json()
+    return r.get_json()["token"]
+
+
+def test_uploads_belong_to_the_principal_that_opened_them_a_relay_included(app):
+    """Issue 30.5: a relay token read another worker's upload by id (200 where another worker got 404)."""
+    worker = app.test_client(token=register(app, "w1"))
+    relay, other_relay = (app.test_client(token=register_relay(app, r)) for r in ("site-a", "site-b"))
+    body = body_of()
+    workers = open_upload(worker, body).get_json()["upload_id"]
+    for r in (relay.get(f"/api/v1/experts/e/uploads/{workers}"), put_chunk(relay, workers, body, 0, 9),
+              complete(relay, workers), relay.delete(f"/api/v1/experts/e/uploads/{workers}")):
+        assert error(r) == (404, "not_found")
+    relays = open_upload(relay, body_of(2), update_meta(worker_id="w9")).get_json()["upload_id"]
+    for r in (worker.get(f"/api/v1/experts/e/uploads/{relays}"), other_relay.get(f"/api/v1/experts/e/uploads/{relays}")):
+        assert error(r) == (404, "not_found")
+    assert relay.get(f"/api/v1/experts/e/uploads/{relays}").get_json()["offset"] == 0
+    assert app.test_client().get(f"/api/v1/experts/e/uploads/{workers}").status_code == 200  # the admin: any
+    assert put_chunk(worker, workers, body, 0, len(body) - 1).get_json()["offset"] == len(body)  # untouched
+
+
+def test_a_relay_holds_a_bounded_number_of_uploads_like_a_worker(app):
+    """Issue 30.2: a relay token's uploads had no owner, so the limit of 2 open uploads did not apply to it."""
+    relay = app.test_client(token=register_relay(app, "site-a"))
+    store, now = app.extensions["fedmoe_uploads"], [1000.0]
+    store.clock = lambda: now[0]
+    ids = []
+    for i in range(5):
+        now[0] += 1
+        ids.append(open_upload(relay, body_of(i), update_meta(worker_id=f"w{i}")).get_json()["upload_id"])
+    assert [relay.get(f"/api/v1/experts/e/uploads/{i}").status_code for i in ids] == [404, 404, 404, 200, 200]
+    assert store.open_count() == 2
+
+
+def test_opens_reserve_no_disk_so_empty_uploads_cannot_refuse_an_honest_one(make_app, tmp_path):
+    """Issue 30.2: each open reserved its declared size against free disk though nothing was written; opens that
+    never sent a byte claimed the whole disk and every later open got 507. Each open here declares half the disk."""
+    st = os.statvfs(tmp_path)
+    half = st.f_bavail * st.f_frsize // 2
+    app = make_app(gateway_interval=3600, max_body_mb=2 * half / (1 << 20))
+    assert put_expert(app.test_client(), "e", ADAPTER).status_code == 201
+    for i in range(4):
+        attacker = app.test_client(token=register(app, f"attacker-{i}"))
+        for k in range(2):
+            r = open_upload(attacker, b"", update_meta(), size=half, digest=sha(bytes([i, k])))
+            assert r.status_code == 201, r.get_json()
+    uploads_dir = app.extensions["fedmoe_uploads"].root
+    assert sum(p.stat().st_size for p in uploads_dir.glob("*.part")) == 0
+    honest = app.test_client(token=register(app, "honest"))
+    body = body_of(7)
+    upload_id = open_upload(honest, body).get_json()["upload_id"]
+    assert put_chunk(honest, upload_id, body, 0, len(body) - 1).get_json()["offset"] == len(body)
+    assert complete(honest, upload_id).status_code == 202
+
+
+def test_at_the_limit_of_open_uploads_an_open_evicts_the_idlest_never_one_receiving_chunks(make_app):
+    app = make_app(gateway_interval=3600, extra={"MAX_OPEN_UPLOADS": 3, "UPLOAD_PROTECTED_SECONDS": 60})
+    assert put_expert(app.test_client(), "e", ADAPTER).status_code == 201
+    store, now = app.extensions["fedmoe_uploads"], [1000.0]
+    store.clock = lambda: now[0]
+    workers = {w: app.test_client(token=register(app, w)) for w in ("w1", "w2", "w3", "w4", "w5", "w6")}
+    ids = {}
+    for w, at in (("w1", 1000), ("w2", 1010), ("w3", 1020)):
+        now[0] = at
+        ids[w] = open_upload(workers[w], body_of(at)).get_json()["upload_id"]
+    now[0] = 1030  # each had a chunk (its open) within the last 60 s
+    r = open_upload(workers["w4"], body_of(4))
+    assert error(r) == (507, "insufficient_storage") and r.get_json()["error"]["details"]["reason"] == "too_many_uploads"
+    assert store.open_count() == 3
+    now[0] = 1075
+    assert put_chunk(workers["w2"], ids["w2"], body_of(1010), 0, 99).status_code == 200  # w2's is making progress
+    now[0] = 1085
+    ids["w4"] = open_upload(workers["w4"], body_of(4)).get_json()["upload_id"]  # w1's, idle 85 s, goes
+    now[0] = 1090
+    ids["w5"] = open_upload(workers["w5"], body_of(5)).get_json()["upload_id"]  # w3's (70 s) goes; not w2's (15 s)
+    alive = {w for w, i in ids.items() if workers[w].get(f"/api/v1/experts/e/uploads/{i}").status_code == 200}
+    assert alive == {"w2", "w4", "w5"}
+    assert error(open_upload(workers["w6"], body_of(6))) == (507, "insufficient_storage")
+
+
+def test_uploads_expire_after_minutes_and_reopening_does_not_keep_one_alive(make_app, tmp_path):
+    default = make_app(data_dir=tmp_path / "defaults")
+    assert default.extensions["fedmoe_uploads"].limits.idle_seconds == 300  # --upload-idle-seconds
+    app = make_app(gateway_interval=3600, upload_idle_seconds=120)
+    assert put_expert(app.test_client(), "e", ADAPTER).status_code == 201
+    worker = app.test_client(token=register(app, "w1"))
+    store, now = app.extensions["fedmoe_uploads"], [1000.0]
+    store.clock = lambda: now[0]
+    body, meta = body_of(), update_meta()
+    upload_id = open_upload(worker, body, meta).get_json()["upload_id"]
+    now[0] = 1100
+    assert open_upload(worker, body, meta).get_json()["upload_id"] == upload_id  # the same upload, not renewed
+    now[0] = 1121
+    assert error(worker.get(f"/api/v1/experts/e/uploads/{upload_id}")) == (404, "not_found")

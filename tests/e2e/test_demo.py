@@ -12,14 +12,14 @@ import pytest
 from tests.e2e.conftest import ROOT, env
 
 EXPERTS = ["numpy_expert", "pandas_expert", "sklearn_expert"]
-ROWS = ["base model", *EXPERTS, "gateway", "routed"]
+ROWS = ["base model", *EXPERTS, "gateway", "routed", "mixture"]
 
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo") / "run"
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "demo.py"), "--preset", "tiny", "--data", "ds1000",
-                             "--duration", "5", "--sync-interval", "2.5", "--eval-examples", "6", "--threads", "2",
+                             "--max-steps", "20", "--sync-interval", "2.5", "--eval-examples", "6", "--threads", "2",
                              "--out", str(out)], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout, json.loads((out / "losses.json").read_text()), out
@@ -58,13 +58,32 @@ def test_the_routed_row_is_made_of_the_routed_targets_losses(demo):
             assert min(mixed) - 1e-9 <= losses["loss"]["routed"][domain] <= max(mixed) + 1e-9
 
 
+def test_every_route_says_right_wrong_expert_or_fallback_and_the_mixture_row_is_scored(demo):
+    _, losses, _ = demo
+    for domain in EXPERTS:
+        outcomes = losses["route_outcomes"][domain]
+        assert len(outcomes) == 6 and set(outcomes) <= {"right", "wrong_expert", "fallback"}
+        assert outcomes.count("fallback") == losses["routes"][domain].count("gateway")
+        assert math.isfinite(losses["loss"]["mixture"][domain]) and losses["loss"]["mixture"][domain] > 0
+
+
+def test_pass_at_1_runs_every_answer_of_four_models_through_ds1000s_tests(demo):
+    stdout, losses, _ = demo
+    table = losses["pass_at_1"]
+    assert list(table) == ["base model", "gateway", "routed", "mixture"]
+    for row in table.values():
+        assert {d: r["scored"] for d, r in row.items()} == dict.fromkeys(EXPERTS, 6)
+        assert all(0 <= r["passed"] <= r["scored"] for r in row.values())
+    assert "pass@1: DS-1000's own test" in stdout
+
+
 def test_answers_are_shown_side_by_side_and_the_run_is_recorded(demo):
     stdout, losses, out = demo
     for domain in EXPERTS:
         assert set(losses["answers"][domain]) == {"base model", "routed"}
         assert f"=== {domain}: " in stdout
     assert stdout.count("base model" + " " * 10) >= 3 and "| routed to " in stdout
-    assert all(t["steps"] >= 1 for t in losses["trained"].values())
+    assert losses["max_steps"] == 20 and all(t["steps"] == 20 for t in losses["trained"].values())  # fixed steps
     assert set(losses["phases"]) == {"load base model", "start coordinator", "train", "save gateway",
                                      "evaluate and generate"}
     assert (out / "gateway_model.npz").is_file() and (out / "train_loss.png").is_file()
@@ -80,7 +99,7 @@ suite stays on tiny-qwen2 (make test) and this one runs on request: `make test-s
                                                     "with `make test-smollm2`")
 def test_the_smollm2_preset_runs_end_to_end(tmp_path):
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "demo.py"), "--preset", "smollm2",
-                             "--duration", "1", "--sync-interval", "10", "--eval-examples", "1",
+                             "--max-steps", "1", "--sync-interval", "10", "--eval-examples", "1",
                              "--out", str(tmp_path / "run")], cwd=ROOT, env=env(), capture_output=True, text=True,
                             timeout=1200)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

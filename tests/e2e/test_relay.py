@@ -38,6 +38,7 @@ def start_pair(tmp_path: Path, *relay_flags: str, root_flags: tuple[str, ...] = 
     root.start()
     (tmp_path / "join").write_text((tmp_path / "root" / "join_token").read_text())
     relay = CoordinatorProcess(tmp_path / "relay", "--upstream", root.url, "--join-token-file", str(tmp_path / "join"),
+                               "--relay-join-token-file", str(tmp_path / "root" / "relay_join_token"),
                                "--relay-id", "site-a", "--staleness-decay", "0", *relay_flags)
     try:
         relay.start()
@@ -147,6 +148,7 @@ def test_a_root_of_another_base_model_stops_the_relay_with_one_line(tmp_path):
         done = subprocess.run(
             [sys.executable, str(ROOT / "run_coordinator.py"), "--port", "0", "--host", "127.0.0.1", "--data-dir",
              str(tmp_path / "relay"), "--upstream", root.url, "--join-token-file", str(join),
+             "--relay-join-token-file", str(tmp_path / "root" / "relay_join_token"),
              "--base-model-fingerprint", "12" * 32], env=env(), capture_output=True, text=True, timeout=120)
     finally:
         root.stop()
@@ -243,7 +245,8 @@ def test_a_relay_inside_an_emulated_site_sends_less_over_the_wan(tmp_path):
             relay_proc = link.site.popen(
                 [sys.executable, str(ROOT / "run_coordinator.py"), "--host", "127.0.0.1", "--port", "0",
                  "--data-dir", str(tmp_path / "relay"), "--upstream", link.url, "--join-token-file",
-                 str(tmp_path / "join"), "--forward-interval", "3", "--relay-id", "site-a"],
+                 str(tmp_path / "join"), "--relay-join-token-file", str(tmp_path / "root" / "relay_join_token"),
+                 "--forward-interval", "3", "--relay-id", "site-a"],
                 cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             relay_url = next(line.split("listening on ", 1)[1].split()[0] for line in relay_proc.stdout
                              if "listening on " in line)
@@ -267,7 +270,9 @@ def test_one_update_id_pushed_to_two_relays_and_the_root_is_applied_once(tmp_pat
     and re-sends the rest, so the root's expert shows it once, in samples and in the weights."""
     root, relay_a = start_pair(tmp_path, "--forward-interval", "3600")
     relay_b = CoordinatorProcess(tmp_path / "relay-b", "--upstream", root.url, "--join-token-file",
-                                 str(tmp_path / "join"), "--relay-id", "site-b", "--staleness-decay", "0",
+                                 str(tmp_path / "join"), "--relay-join-token-file",
+                                 str(tmp_path / "root" / "relay_join_token"), "--relay-id", "site-b",
+                                 "--staleness-decay", "0",
                                  "--forward-interval", "3600")
     try:
         relay_b.start()

@@ -93,9 +93,9 @@ def ask(oai: openai.OpenAI, model: str, prompt: str, max_tokens: int = 12):
         model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0)
 
 
-def test_models_lists_every_expert_the_gateway_and_auto(oai):
+def test_models_lists_every_expert_the_gateway_and_the_routed_names(oai):
     models = {m.id: m for m in oai.models.list()}
-    assert set(models) == {*EXPERTS, "gateway", "auto"}
+    assert set(models) == {*EXPERTS, "gateway", "auto", "routed", "mixture"}
     assert models["python_expert"].model_extra["fedmoe"] == {"version": 0, "rank": 4, "kind": "expert"}
     assert models["gateway"].model_extra["fedmoe"]["rank"] == 12  # three rank-4 experts, ranks concatenated
 
@@ -140,15 +140,39 @@ def test_text_completions_endpoint(oai):
     assert reply.usage.completion_tokens <= 5 and isinstance(reply.choices[0].text, str)
 
 
-def test_auto_routes_by_the_profiles_and_falls_back_to_the_gateway(oai):
-    raw = ask(oai, "auto", SQL_PROMPT)
+def test_routed_picks_one_expert_by_the_profiles_and_falls_back_to_the_gateway(oai):
+    raw = ask(oai, "routed", SQL_PROMPT)
     reply = raw.parse()
     assert raw.headers["X-FedMoE-Expert"] == "sql_expert"
     route = reply.model_extra["fedmoe"]["route"]
-    assert route["confidence"] >= 0.7 and route["route_ms"] >= 0
-    assert reply.model_extra["fedmoe"]["requested"] == "auto"
-    vague = ask(oai, "auto", "ok")  # no n-gram in common with anything: nothing to be confident about
+    assert route["confidence"] >= 0.7 and route["route_ms"] >= 0 and route["method"] == "routed"
+    assert reply.model_extra["fedmoe"]["requested"] == "routed"
+    vague = ask(oai, "routed", "ok")  # no n-gram in common with anything: nothing to be confident about
     assert vague.headers["X-FedMoE-Expert"] == "gateway"
+    auto = ask(oai, "auto", SQL_PROMPT).parse()  # auto is the measured default: routed, for now
+    assert auto.model == "sql_expert" and auto.model_extra["fedmoe"]["route"]["method"] == "routed"
+
+
+def weighted_sum(adapters: dict[str, dict], weights: dict[str, float]) -> dict:
+    """One adapter equal to sum_i w_i * adapter_i: ranks concatenated, each B scaled by its weight."""
+    names = list(weights)
+    return {key: torch.cat([adapters[n][key] for n in names]) if "lora_A" in key
+            else torch.cat([weights[n] * adapters[n][key] for n in names], dim=1) for key in adapters[names[0]]}
+
+
+def test_a_mixture_of_the_experts_weighted_by_the_router_answers_as_their_weighted_sum(federation, oai):
+    prompt = "Write a SQL query that lists every customer and describe what the function returns"
+    reply = ask(oai, "mixture", prompt, 10).parse()
+    route = reply.model_extra["fedmoe"]["route"]
+    weights = route["mixture"]
+    assert route["method"] == "mixture" and set(weights) <= set(EXPERTS) and len(weights) >= 2
+    assert abs(sum(weights.values()) - 1) < 1e-3 and reply.model == max(weights, key=weights.get)
+    rank = 4 * len(weights)
+    mixed = reference_answer(federation["base"].model, federation["base"].tokenizer, prompt,
+                             weighted_sum(federation["adapters"], weights),
+                             {"rank": rank, "alpha": 2.0 * rank, "target_modules": ["q_proj", "v_proj"]},
+                             max_new_tokens=10)
+    assert reply.choices[0].message.content == mixed
 
 
 def test_requests_for_different_experts_run_together_and_answer_as_alone(federation, oai):

@@ -226,3 +226,62 @@ def test_a_nan_update_is_dropped_and_the_worker_resyncs(start_coordinator, codec
     assert client.expert("sql_expert")["version"] == 0  # nothing poisoned the expert
     worker.interval.add(trainer.train_steps(1))
     assert worker.sync()["delivered"] and client.expert("sql_expert")["version"] == 1  # and it goes on
+
+
+def test_max_steps_stops_after_exactly_that_many_optimiser_steps_and_pushes_them(start_coordinator):
+    _, url = start_coordinator()
+    train, _ = split_examples(load_examples(sample_dataset_path("sql_expert")))
+    tiny_base = load_base_model("tiny-qwen2")  # a trainer wraps its base model: not the module's clean one
+    trainer = LoraTrainer(tiny_base, LoraSettings(rank=2), TrainSettings(lr=1e-3, batch_size=2, max_seq_len=32), train)
+    client = CoordinatorClient(url)
+    spec = {"lora": trainer.lora_config, "base_model": {"id": tiny_base.model_id, "fingerprint": tiny_base.fingerprint}}
+    # two steps per clock check: the third check must take one step, not two; no sync falls due before the end
+    settings = SyncSettings(specialty="sql_expert", worker_id="w1", duration=600, sync_interval=600, max_steps=3,
+                            steps_per_check=2)
+    worker = FederatedWorker(settings, client, trainer, spec)
+    worker.join()
+    summary = worker.run()
+    assert summary.steps == trainer.global_step == 3
+    info = client.expert("sql_expert")  # the final push carried all three steps
+    assert (info["version"], info["updates_applied"], info["samples_seen"]) == (1, 1, 3 * 2)
+    pulled = client.pull_weights("sql_expert").tensors
+    local = trainer.adapter_state()
+    assert all(torch.allclose(pulled[k], local[k], atol=1e-6) for k in local)
+
+
+def test_early_stopping_scores_each_pulled_version_and_stops_when_patience_runs_out(start_coordinator, tiny_base,
+                                                                                     tmp_path):
+    from worker.early_stopping import BestVersion, EarlyStoppingSettings
+    from worker.runner import heldout_scorer
+
+    _, url = start_coordinator()
+    train, heldout = split_examples(load_examples(sample_dataset_path("sql_expert")))
+    trainer = LoraTrainer(load_base_model("tiny-qwen2"), LoraSettings(rank=2), TrainSettings(lr=1e-2, batch_size=2, max_seq_len=32), train)
+    client = CoordinatorClient(url)
+    spec = {"lora": trainer.lora_config, "base_model": {"id": tiny_base.model_id, "fingerprint": tiny_base.fingerprint}}
+    results = tmp_path / "results.jsonl"
+    settings = SyncSettings(specialty="sql_expert", worker_id="w1", duration=600, sync_interval=0.2, max_steps=500,
+                            results_path=results, overlap=False)
+    # a threshold no version can beat: the joined version stays the best, and patience 1 ends the run at the next
+    worker = FederatedWorker(settings, client, trainer, spec, early_stopping=BestVersion(EarlyStoppingSettings(1, 100.0)),
+                             heldout_score=heldout_scorer(trainer, heldout))
+    worker.join()
+    worker.run()
+    records = [json.loads(line) for line in results.read_text().splitlines()]
+    scored = [r for r in records if "heldout_loss" in r]
+    assert worker.early_stopped and trainer.global_step < 500
+    assert [(r["version"], r["best_version"], r["versions_since_best"]) for r in scored] == [(1, 0, 1)]
+    # it stopped right after that sync: the final sync ran, with nothing trained since to push
+    assert records[-1]["final"] and "update_id" not in records[-1] and client.expert("sql_expert")["version"] == 1
+    version_1 = client.pull_weights("sql_expert", version=1).tensors
+    expected = adapter_loss(tiny_base, heldout, version_1, trainer.lora_config, max_seq_len=32)
+    assert scored[0]["heldout_loss"] == pytest.approx(expected, rel=1e-4)
+
+
+def test_best_version_counts_versions_since_the_best_against_the_threshold():
+    from worker.early_stopping import BestVersion, EarlyStoppingSettings
+
+    best = BestVersion(EarlyStoppingSettings(patience=2, threshold=0.05))
+    assert [best.observe(v, loss) for v, loss in [(0, 2.0), (1, 1.9), (2, 1.87), (3, 1.5), (4, 1.6), (5, 1.46)]] == \
+        [False, False, False, False, False, True]  # 1.87 and 1.46 improve by less than 0.05: not improvements
+    assert (best.version, best.loss, best.since_best) == (3, 1.5, 2)

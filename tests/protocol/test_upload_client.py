@@ -5,6 +5,7 @@ import os
 import threading
 
 import pytest
+import requests
 from werkzeug.serving import make_server
 
 from bench.common import running_coordinator
@@ -17,7 +18,7 @@ from protocol.errors import NotFound
 from protocol.tensors import dumps
 from protocol.integrity import digest_header
 from protocol.uploads import PREFIX_DIGEST_HEADER, SNAPSHOT, ResumablePush, UploadPolicy
-from tests.helpers import expert_spec, make_adapter, random_like, update_meta
+from tests.helpers import expert_spec, make_adapter, random_like, serve_on_loopback, update_meta
 
 ADAPTER = make_adapter(rank=8, d_in=256, d_out=256, layers=4)  # 128 KiB
 CHUNK = 16 << 10
@@ -126,6 +127,68 @@ def test_a_coordinator_without_upload_routes_gets_a_one_shot_push(tmp_path):
         server.shutdown()
         server.server_close()
         app.extensions["fedmoe"].close()
+
+
+@pytest.fixture
+def crowded(tmp_path):
+    """(app, URL, join token) of a real coordinator served on loopback that holds at most 2 open uploads in all."""
+    app = create_app(CoordinatorConfig(data_dir=tmp_path / "data", gateway_interval=3600,
+                                       extra={"MAX_OPEN_UPLOADS": 2}))
+    server, url = serve_on_loopback(app)
+    try:
+        CoordinatorClient(url, token=app.extensions["fedmoe_auth"].admin_token).create_expert(
+            "e", ADAPTER, expert_spec(rank=8))
+        yield app, url, (tmp_path / "data" / "join_token").read_text().strip()
+    finally:
+        server.shutdown()
+        server.server_close()
+        app.extensions["fedmoe"].close()
+
+
+def _register(url: str, join: str, worker_id: str) -> str:
+    r = requests.post(f"{url}/api/v1/workers", headers={"Authorization": f"Bearer {join}"}, timeout=30,
+                      json={"worker_id": worker_id, "specialty": "e", "base_model": expert_spec(rank=8)["base_model"]})
+    assert r.status_code == 200, r.text
+    return r.json()["token"]
+
+
+def _open_empty(url: str, token: str, worker_id: str) -> str:
+    """An upload opened by ``worker_id`` that never receives a byte; its id."""
+    r = requests.post(f"{url}/api/v1/experts/e/uploads", headers={"Authorization": f"Bearer {token}"}, timeout=30,
+                      json={"update": update_meta(worker_id=worker_id), "size": 1 << 20, "digest": "sha256=" + "0" * 64})
+    assert r.status_code == 201, r.text
+    return r.json()["upload_id"]
+
+
+def test_an_open_refused_at_the_limit_of_open_uploads_falls_back_to_a_one_shot_push(crowded):
+    """Issue 30.2: a 507 to the open (no room for an upload) blocked every push of 8 MiB or more; the client now
+    pushes such an update in one request, and it is applied."""
+    app, url, join = crowded
+    worker = CoordinatorClient(url, token=_register(url, join, "w1"), upload=FIXED, retry=FAST_RETRY)
+    for other in ("w2", "w3"):  # the two open uploads the coordinator holds, both fresh: neither may be evicted
+        _open_empty(url, _register(url, join, other), other)
+    body = dumps(random_like(ADAPTER, 3, scale=0.01))
+    status = worker.push_update("e", body, update_meta(worker_id="w1"))
+    assert status["status"] == "applied" and worker.last_upload.chunks == 0  # no chunk: one request
+    assert CoordinatorClient(url, token=app.extensions["fedmoe_auth"].admin_token).expert("e")["updates_applied"] == 1
+
+
+def test_an_open_refused_for_the_workers_own_limit_falls_back_to_a_one_shot_push(crowded):
+    """The worker's two uploads are both receiving chunks (their locks held): the third open is a 409
+    too_many_uploads, which the client answers with a push in one request."""
+    app, url, join = crowded
+    token = _register(url, join, "w1")
+    worker = CoordinatorClient(url, token=token, upload=FIXED, retry=FAST_RETRY)
+    store = app.extensions["fedmoe_uploads"]
+    held = [store.get(_open_empty(url, token, "w1"), "e", "w1") for _ in range(2)]
+    for upload in held:
+        upload.lock.acquire()  # as a chunk arriving holds it (UploadStore.place_chunk)
+    try:
+        status = worker.push_update("e", dumps(random_like(ADAPTER, 4, scale=0.01)), update_meta(worker_id="w1"))
+    finally:
+        for upload in held:
+            upload.lock.release()
+    assert status["status"] == "applied" and worker.last_upload.chunks == 0
 
 
 class _FakeCoordinator:

@@ -19,6 +19,10 @@ def test_sample_files_regenerate_byte_identically(tmp_path):
     for name in NAMES:
         committed = (DATA / f"{name}.jsonl").read_bytes()
         assert (tmp_path / f"{name}.jsonl").read_bytes() == committed, f"{name}.jsonl is stale: run data/make_samples.py"
+    shipped = sorted(p.name for p in (DATA / "formats").iterdir())
+    assert sorted(p.name for p in (tmp_path / "formats").iterdir()) == shipped
+    for name in shipped:
+        assert (tmp_path / "formats" / name).read_bytes() == (DATA / "formats" / name).read_bytes(), name
 
 
 @pytest.mark.parametrize("name", NAMES)

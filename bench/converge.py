@@ -1,0 +1,323 @@
+#!/usr/bin/env python3
+"""Several workers on one expert: does the expert's held-out loss fall as Flower's FedAvg's does, at equal steps?
+
+One DS-1000 library's train/ split N ways (worker i gets problems i, i+N, ...); N real ``run_worker.py``
+processes train one expert against a real coordinator (in this process, on loopback), each for
+``--steps`` optimiser steps (``--max-steps``), pushing every ``--sync-interval`` seconds. Every arm gets the
+same model, LoRA, lr, batch, sequence length and data order; what differs is how updates are combined:
+
+- ``default``: the coordinator's defaults (fedasync, alpha = 1 / the workers alive on the expert);
+- ``original``: ``--async-alpha 1``, the original tool's rule (each update at full weight as it arrives);
+- ``fedbuff``: ``--aggregation fedbuff --buffer-size N``;
+- ``flower``: Flower's FedAvg (bench/flower_baseline.py, its own virtualenv, requirements-bench.txt) on the same
+  shards with the same trainer, ``--steps / --local-steps`` rounds of ``--local-steps`` steps per client.
+
+Every stored version (FedMoE) or round (Flower) is scored on the library's heldout/ problems (answer-token loss,
+never trained on) and placed at the optimiser steps all workers had taken when it was made (its samples /
+batch). The table says, per arm: the base model's loss, the highest and the final loss, whether any version
+rose above the base, and the final loss against FedAvg's at the same total steps.
+
+    python -m bench.converge                                  # smollm2-135m, 3 and 6 workers (needs make smollm2)
+    python -m bench.converge --quick                          # tiny-qwen2, 2 workers, a smoke run
+    python -m bench.converge --workers 3 --arms original default flower
+
+Memory: a smollm2 worker at batch 4 x 96 tokens peaks near 2 GB, so 6 run at once; Flower's simulation trains its
+clients one at a time in one Ray actor. Steps, not seconds, are the x axis: machine load changes the wall
+time of a run, not its curve (bar the order in which asynchronous updates arrive).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.common import (RESULTS_DIR, ROOT, SCRATCH_DIR, configure_logging, format_table, running_coordinator,
+                          write_json_atomic)
+from bench.realdata import REAL_MODEL, SMOKE_MODEL, Lab, loss_pair
+from protocol.client import CoordinatorClient
+from worker.data import Example, load_examples
+
+log = logging.getLogger("bench.converge")
+
+FLOWER_PYTHON = ROOT / ".venv-flower" / "bin" / "python"
+COORDINATOR_ARMS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "original": {"async_alpha": 1.0},
+    "fedbuff": {"aggregation": "fedbuff"},  # buffer_size = the number of workers, set per run
+}
+ARMS = (*COORDINATOR_ARMS, "flower")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What every arm of a run shares."""
+
+    base_model: str
+    domain: str
+    steps: int
+    """Optimiser steps per worker (--max-steps; Flower: rounds x local steps)."""
+    local_steps: int
+    """Flower: steps per client per round."""
+    lr: float
+    batch_size: int
+    max_seq_len: int
+    sync_interval: float
+    max_evals: int
+    """Versions scored per FedMoE arm at most, evenly spread, first and last always."""
+
+
+@dataclass
+class Curve:
+    arm: str
+    workers: int
+    points: list[dict[str, Any]]
+    """{"steps": all workers' optimiser steps so far, "version" or "round", "loss", "loss_without_end"}."""
+    wall_seconds: float
+    versions: int = 0
+
+    def summary(self, base: float, reference: float | None) -> dict[str, Any]:
+        losses = [p["loss"] for p in self.points]
+        final = losses[-1]
+        return {"arm": self.arm, "workers": self.workers, "base": base, "highest": max(losses), "final": final,
+                "final_steps": self.points[-1]["steps"], "rose_above_base": max(losses) > base,
+                "final_vs_fedavg": None if reference is None else final - reference,
+                "versions": self.versions, "scored": len(self.points), "wall_seconds": round(self.wall_seconds, 1)}
+
+
+def write_shards(domain: str, n: int, directory: Path) -> list[Path]:
+    """``shard-<i>.jsonl``: problem i, i+n, ... of the library's train/ file (the rows as shipped)."""
+    rows = (ROOT / "data" / "ds1000" / "train" / f"{domain}.jsonl").read_text(encoding="utf-8").splitlines()
+    rows = [r for r in rows if r.strip()]
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i in range(n):
+        path = directory / f"shard-{i}.jsonl"
+        path.write_text("\n".join(rows[i::n]) + "\n", encoding="utf-8")
+        paths.append(path)
+    return paths
+
+
+def worker_command(plan: Plan, url: str, shard: Path, index: int, work: Path) -> list[str]:
+    return [sys.executable, str(ROOT / "run_worker.py"), "--coordinator-url", url, "--specialty", plan.domain,
+            "--worker-id", f"w{index}", "--dataset", str(shard), "--base-model", plan.base_model,
+            "--max-steps", str(plan.steps), "--duration", "86400", "--sync-interval", str(plan.sync_interval),
+            "--lr", str(plan.lr), "--batch-size", str(plan.batch_size), "--max-seq-len", str(plan.max_seq_len),
+            "--seed", "0", "--threads", "1", "--no-heldout-eval", "--state-dir", str(work / f"state-{index}"),
+            "--results", str(work / f"results-{index}.jsonl"), "--log-format", "json"]
+
+
+def run_fedmoe(lab: Lab, plan: Plan, arm: str, shards: list[Path], heldout: list[Example], work: Path) -> Curve:
+    """N worker processes against a coordinator with the arm's settings; its versions scored."""
+    settings = dict(COORDINATOR_ARMS[arm], keep_versions=100_000, gateway_interval=3600.0)
+    if arm == "fedbuff":
+        settings["buffer_size"] = len(shards)
+    started = time.monotonic()
+    with running_coordinator(**settings) as url:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+               "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)}
+        procs = []
+        for i, shard in enumerate(shards):
+            logfile = open(work / f"{arm}-worker-{i}.log", "w")  # noqa: SIM115 - closed below
+            procs.append((subprocess.Popen(worker_command(plan, url, shard, i, work / arm), cwd=ROOT, env=env,
+                                           stdout=logfile, stderr=subprocess.STDOUT), logfile))
+        for i, (proc, logfile) in enumerate(procs):
+            code = proc.wait()
+            logfile.close()
+            if code != 0:
+                tail = (work / f"{arm}-worker-{i}.log").read_text()[-2000:]
+                raise RuntimeError(f"{arm}: worker {i} exited with {code}:\n{tail}")
+        wall = time.monotonic() - started
+        client = CoordinatorClient(url)
+        versions = client.expert(plan.domain)["versions"]
+        lora = client.expert(plan.domain)["lora"]
+        points = []
+        for entry in scored_versions(versions, plan.max_evals, plan.batch_size):
+            adapter = client.pull_weights(plan.domain, version=entry["version"]).tensors
+            points.append({"version": entry["version"], "steps": entry["steps"],
+                           **loss_pair(lab.losses(heldout, adapter, lora))})
+            log.info("%s x%d: version %d (%d steps) held-out %.4f", arm, len(shards), entry["version"],
+                     entry["steps"], points[-1]["loss"])
+    return Curve(arm, len(shards), points, wall, versions=len(versions) - 1)
+
+
+def scored_versions(versions: list[dict[str, Any]], limit: int, batch_size: int) -> list[dict[str, Any]]:
+    """The versions to score (each with ``steps``: all workers' optimiser steps so far), evenly spread."""
+    samples, out = 0, []
+    for entry in versions:
+        samples += entry.get("samples") or 0
+        out.append({"version": entry["version"], "steps": samples // batch_size})
+    if len(out) > limit:
+        picks = sorted({round(i * (len(out) - 1) / (limit - 1)) for i in range(limit)})
+        out = [out[i] for i in picks]
+    return out
+
+
+def run_flower(lab: Lab, plan: Plan, shards: list[Path], heldout: list[Example], work: Path,
+               flower_python: Path, parallel: int = 1) -> Curve:
+    """Flower's FedAvg (simulation engine) in its own virtualenv, on the same shards; every round scored."""
+    out = work / "flower"
+    rounds = plan.steps // plan.local_steps
+    command = [str(flower_python), "-m", "bench.flower_baseline", "--shards", str(shards[0].parent), "--out", str(out),
+               "--clients", str(len(shards)), "--rounds", str(rounds), "--local-steps", str(plan.local_steps),
+               "--base-model", plan.base_model, "--lr", str(plan.lr), "--batch-size", str(plan.batch_size),
+               "--max-seq-len", str(plan.max_seq_len), "--seed", "0", "--threads", "1", "--parallel", str(parallel)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+           "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT), "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"}
+    started = time.monotonic()
+    with open(work / "flower.log", "w") as logfile:
+        code = subprocess.run(command, cwd=ROOT, env=env, stdout=logfile, stderr=subprocess.STDOUT).returncode
+    wall = time.monotonic() - started
+    index = json.loads((out / "rounds.json").read_text()) if (out / "rounds.json").is_file() else []
+    if code != 0 or len(index) != rounds + 1 or any(r["replies"] != len(shards) for r in index):
+        raise RuntimeError(f"Flower's run failed (exit {code}, rounds {[r.get('replies') for r in index]}); "
+                           f"see {work / 'flower.log'}")
+    from safetensors.torch import load_file
+
+    points = []
+    for entry in index:
+        adapter = load_file(str(out / entry["file"]))
+        steps = entry["steps_per_client"] * len(shards)
+        points.append({"round": entry["round"], "steps": steps,
+                       **loss_pair(lab.losses(heldout, adapter, lab_lora(adapter)))})
+        log.info("flower x%d: round %d (%d steps) held-out %.4f", len(shards), entry["round"], steps,
+                 points[-1]["loss"])
+    return Curve("flower", len(shards), points, wall, versions=rounds)
+
+
+def lab_lora(adapter: dict[str, Any]) -> dict[str, Any]:
+    """The LoRA config of a worker's adapter (rank 8, alpha 16, every projection it has), as the expert's spec."""
+    modules = sorted({key.split(".")[-3] for key in adapter if key.endswith("lora_A.weight")})
+    rank = next(t.shape[0] for k, t in adapter.items() if k.endswith("lora_A.weight"))
+    return {"rank": rank, "alpha": 2.0 * rank, "target_modules": modules}
+
+
+def check_flower(python: Path) -> str | None:
+    """Why Flower cannot run (a line to print), or None."""
+    if not python.is_file():
+        return (f"{python} is missing: Flower lives in its own virtualenv (python -m venv .venv-flower && "
+                ".venv-flower/bin/pip install -r requirements.txt -r requirements-bench.txt), or pass --flower-python")
+    probe = subprocess.run([str(python), "-c", "import flwr, ray"], capture_output=True, text=True)
+    return None if probe.returncode == 0 else f"{python} cannot import flwr and ray: {probe.stderr.strip()[-300:]}"
+
+
+def render(rows: list[dict[str, Any]]) -> str:
+    headers = ["workers", "arm", "versions", "base", "highest", "final", "steps", "above base", "final - FedAvg"]
+    return format_table(headers, [[r["workers"], r["arm"], r["versions"], round(r["base"], 4), round(r["highest"], 4),
+                                   round(r["final"], 4), r["final_steps"], "yes" if r["rose_above_base"] else "no",
+                                   None if r["final_vs_fedavg"] is None else round(r["final_vs_fedavg"], 4)]
+                                  for r in rows])
+
+
+def git_commit() -> str:
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return done.stdout.strip() or "unknown"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workers", type=int, nargs="+", default=[3, 6], help="workers per expert, one run each")
+    p.add_argument("--arms", nargs="+", default=["original", "default", "flower"], choices=ARMS)
+    p.add_argument("--base-model", default=REAL_MODEL)
+    p.add_argument("--domain", default="numpy_expert", help="DS-1000 library (data/ds1000/{train,heldout}/)")
+    p.add_argument("--steps", type=int, default=8, help="optimiser steps per worker")
+    p.add_argument("--local-steps", type=int, default=2, help="Flower: steps per client per round")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--max-seq-len", type=int, default=96)
+    p.add_argument("--sync-interval", type=float, default=30.0, help="FedMoE workers' seconds between pushes")
+    p.add_argument("--max-evals", type=int, default=6, help="versions scored per FedMoE arm at most")
+    p.add_argument("--flower-python", type=Path, default=FLOWER_PYTHON)
+    p.add_argument("--flower-parallel", type=int, default=1,
+                   help="Flower clients trained at once (each a model copy in memory; FedAvg's result is the same)")
+    p.add_argument("--quick", action="store_true", help="tiny-qwen2, 2 workers, 4 steps: a smoke run")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR / "converge.json")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.base_model, args.workers, args.steps, args.lr, args.max_seq_len = SMOKE_MODEL, [2], 4, 1e-2, 64
+        args.sync_interval = 2.0
+    if args.steps % args.local_steps:
+        p.error(f"--steps {args.steps} must be a multiple of --local-steps {args.local_steps} (Flower's rounds)")
+    if min(args.workers) < 1 or args.max_evals < 2:
+        p.error("--workers must be >= 1 and --max-evals >= 2")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    configure_logging()
+    if "flower" in args.arms and (problem := check_flower(args.flower_python)):
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    # One thread: on a shared 2-core machine torch's OpenMP threads spin-wait for a busy core, and scoring one
+    # version took over 5 minutes at load 17 with two (under a minute with one).
+    import torch
+
+    torch.set_num_threads(1)
+    plan = Plan(args.base_model, args.domain, args.steps, args.local_steps, args.lr, args.batch_size,
+                args.max_seq_len, args.sync_interval, args.max_evals)
+    lab = Lab(plan.base_model, batch_size=plan.batch_size, max_seq_len=plan.max_seq_len)
+    heldout = load_examples(ROOT / "data" / "ds1000" / "heldout" / f"{plan.domain}.jsonl")
+    base = loss_pair(lab.losses(heldout))["loss"]
+    log.info("base model: held-out %.4f on %d %s problems", base, len(heldout), plan.domain)
+    curves: list[Curve] = []
+    failures: list[str] = []
+    started = time.monotonic()
+    for n in args.workers:
+        with tempfile.TemporaryDirectory(prefix=f"converge-{n}-", dir=SCRATCH_DIR) as tmp:
+            work = Path(tmp)
+            shards = write_shards(plan.domain, n, work / "shards")
+            for arm in args.arms:
+                (work / arm).mkdir()
+                try:
+                    curves.append(run_flower(lab, plan, shards, heldout, work, args.flower_python,
+                                             args.flower_parallel) if arm == "flower"
+                                  else run_fedmoe(lab, plan, arm, shards, heldout, work))
+                except RuntimeError as exc:  # one arm failing keeps the others' curves (and says why)
+                    log.error("%s x%d failed: %s", arm, n, exc)
+                    failures.append(f"{arm} x{n}: {str(exc)[:300]}")
+                    keep_log(work, arm, n, args.out)
+                write_result(args.out, plan, base, curves, failures, started, lab)  # after every arm
+    rows = summaries(curves, base)
+    print(f"\n{plan.domain} held-out answer-token loss ({len(heldout)} problems), {plan.base_model}, "
+          f"{plan.steps} steps per worker, batch {plan.batch_size} x {plan.max_seq_len}, lr {plan.lr:g}\n")
+    print(render(rows))
+    print(f"\nwrote {args.out}" + (f"; failed: {'; '.join(failures)}" if failures else ""))
+    return 1 if failures else 0
+
+
+def summaries(curves: list[Curve], base: float) -> list[dict[str, Any]]:
+    rows = []
+    for curve in curves:
+        reference = next((c.points[-1]["loss"] for c in curves if c.arm == "flower" and c.workers == curve.workers),
+                         None)
+        rows.append(curve.summary(base, reference))
+    return rows
+
+
+def write_result(out: Path, plan: Plan, base: float, curves: list[Curve], failures: list[str], started: float,
+                 lab: Lab) -> None:
+    write_json_atomic(out, {"plan": asdict(plan), "base_loss": base, "summary": summaries(curves, base),
+                            "curves": [asdict(c) for c in curves], "failures": failures, "commit": git_commit(),
+                            "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
+                            "wall_seconds": round(time.monotonic() - started, 1), "cost": lab.compute.as_dict()})
+
+
+def keep_log(work: Path, arm: str, n: int, out: Path) -> None:
+    """A failed arm's logs, kept in the temp dir (the run's own directory is removed at the end)."""
+    kept = Path(tempfile.gettempdir()) / f"{out.stem}-{arm}-x{n}-logs"
+    kept.mkdir(parents=True, exist_ok=True)
+    for path in work.glob("*.log"):
+        if path.name.startswith((arm, "flower")):
+            (kept / path.name).write_bytes(path.read_bytes()[-200_000:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
