@@ -8,8 +8,9 @@ STRATEGY_CHOICES = ("auto", "ddp", "fsdp", "fsdp-grad-op")
 
 DEFAULT_CODEC = "int8"
 """--compression's default: blockwise int8 (64 values share a float32 scale, ~3.8x smaller than float32) with
-error feedback; on smollm2-135m it changed the held-out loss by -0.00% (docs/benchmarks.md). The design card
-has workers push quantized updates; --compression safetensors is the lossless choice."""
+error feedback. On smollm2-135m the coarser int8 of the quality suite (256 values per float16 scale) changed
+the held-out loss by -0.00% (docs/benchmarks.md); smaller blocks round off less. The design card has workers
+push quantized updates; --compression safetensors is the lossless choice."""
 DEFAULT_PULL_CODEC = "int8"
 """--pull-compression's default: a worker holding a version the coordinator still keeps pulls the int8
 difference to the latest; every --full-pull-every-th pull, and a pull from a version no longer kept, is full."""
