@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Front benchmark: the coordinator's HTTP front alone (coordinator/front.py), receiving large pushes.
+"""Front benchmark: the coordinator's HTTP front alone (coordinator/http/front.py), receiving large pushes.
 
 A ``BufferingFront`` serves a trivial app (it answers with the spooled body's digest) in a process of its
 own, spool dir on disk, as the coordinator runs it; client threads in this process push the same body
@@ -35,7 +35,12 @@ from protocol.integrity import content_id, new_hasher
 SERVER = r"""
 import json, socket, sys
 from pathlib import Path
-from coordinator.front import SPOOLED_BODY, BufferingFront, FrontOptions
+try:  # in coordinator/http/ since issue 31; before, all in coordinator/front.py (an A/B against an older checkout)
+    from coordinator.http.front import BufferingFront
+    from coordinator.http.options import FrontOptions
+    from coordinator.http.wsgi import SPOOLED_BODY
+except ImportError:
+    from coordinator.front import SPOOLED_BODY, BufferingFront, FrontOptions
 
 def app(environ, start_response):
     spooled = environ.get(SPOOLED_BODY)
@@ -135,8 +140,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("-v", "--verbose", action="store_true")
     args, _ = p.parse_known_args(argv)  # run_all.py passes every benchmark the same flags
     require_positive(p, args, "connections", "requests", "size_mb", "runs")
-    if args.server_root is not None and not (args.server_root / "coordinator" / "front.py").is_file():
-        p.error(f"--server-root {args.server_root}: no coordinator/front.py there")
+    if args.server_root is not None and not any((args.server_root / "coordinator" / where).is_file()
+                                                for where in ("http/front.py", "front.py")):
+        p.error(f"--server-root {args.server_root}: no coordinator/http/front.py (or coordinator/front.py) there")
     return args
 
 

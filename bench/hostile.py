@@ -14,6 +14,9 @@ are open, plain and TLS, against the same client's figures with no attack (same 
   slow bodies and idle keep-alive (no token needed), plus ``--slow-readers`` that never read a pull.
 - ``compressed_pushes``: 8 concurrent maximum-size fp16 pushes to an expert of ``--model-mb``;
   target: peak RSS growth <= 2x the model size + 64 MiB (issue 13, defect 6).
+- ``serve_slow_clients``, ``serve_sampling``, ``header_bytes``, ``tls_relay`` (bench/hostile_front.py): serve.py
+  under slow clients (``--serve-baseline``: another checkout's serve.py too, A/B), its sampling edge values, CR/LF/NUL
+  in request heads, and a relay started with --tls-cert; an honest client's p99 during each.
 - ``backend_faults`` (only when named: it starts PostgreSQL and moto's S3 server): replicas started on a mistyped
   or empty store, the bucket lost while running, a table lock, with an honest worker pushing (bench/hostile_backends.py).
 - ``new_surface``: the routes added since (upload probe, resumable uploads, ``?since=``, Range, the relay's
@@ -52,6 +55,7 @@ import torch
 import urllib3
 
 import bench.common
+import bench.hostile_front
 from bench.common import RESULTS_DIR, SCRATCH_DIR, CoordinatorProcess, configure_logging, format_table, write_json_atomic
 from bench.slow_clients import KINDS, Attack
 from compression.registry import make_codec
@@ -67,7 +71,7 @@ log = logging.getLogger("bench.hostile")
 MiB = 1 << 20
 P99_TARGET_S = 1.0
 PARTS = ("bad_inputs", "hostile", "slow_clients", "compressed_pushes", "new_surface", "reservation_exhaustion",
-         "relay_poisoning", "backend_faults")
+         "relay_poisoning", *bench.hostile_front.PARTS, "backend_faults")
 DEFAULT_PARTS = PARTS[:-1]  # backend_faults starts PostgreSQL and moto's S3 server: asked for by name
 NESTING = 3000
 urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)  # our own self-signed loopback cert
@@ -402,6 +406,8 @@ def table(report: dict[str, Any]) -> str:
         from bench.hostile_backends import faults_table
 
         text += "\n\n" + faults_table(report["backend_faults"])
+    if front := bench.hostile_front.table(report):
+        text += "\n\n" + front
     return text
 
 
@@ -468,11 +474,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
             log.info("backend faults: replicas on PostgreSQL + S3; mistyped and empty store, bucket loss, table lock")
             report["backend_faults"] = backend_faults(root / "backends", lock_s=5.0 if args.quick else 15.0)
+        report |= bench.hostile_front.run_parts(root, args.only, args.connections, args.health, args.pushes,
+                                                args.serve_baseline)
     parts = [report.get("bad_inputs"), *report.get("hostile", {}).values(), report.get("compressed_pushes"),
              report.get("reservation_exhaustion"),
              *(p["under_attack"] for p in report.get("slow_clients", {}).values()),
              *(report.get("relay_poisoning", {}).get(mode) for mode in ("plain", "site_model"))]
-    parts = [p for p in parts if p is not None]
+    parts = [p for p in parts if p is not None] + bench.hostile_front.summaries(report)
     report |= {"requests_tried": sum(p["requests"] for p in parts), "status_5xx": sum(p["status_5xx"] for p in parts),
                "normal_client_p99_s": max(((p["under_attack"][k]["p99_s"] or float("inf"))
                                            for p in report.get("slow_clients", {}).values()
@@ -502,9 +510,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="the normal client's timeout per request, seconds (default: %(default)s)")
     p.add_argument("--server-root", type=Path, default=None,
                    help="run another checkout's run_coordinator.py (e.g. before this change, for comparison)")
+    p.add_argument("--serve-baseline", type=Path, default=None,
+                   help="another checkout whose serve.py also runs the serve_slow_clients attack (A/B, same run)")
     p.add_argument("-v", "--verbose", action="store_true", help="library logs too")
     args = p.parse_args(argv)
-    args.server = "buffering asyncio front (coordinator/front.py), 16 request threads"
+    args.server = "buffering asyncio front (coordinator/http/front.py), 16 request threads"
     if args.server_root is not None:  # CoordinatorProcess starts ROOT/run_coordinator.py
         bench.common.ROOT = args.server_root.resolve()
         args.server = f"run_coordinator.py of {bench.common.ROOT}"
