@@ -262,9 +262,11 @@ def test_early_stopping_scores_each_pulled_version_and_stops_when_patience_runs_
     results = tmp_path / "results.jsonl"
     settings = SyncSettings(specialty="sql_expert", worker_id="w1", duration=600, sync_interval=0.2, max_steps=500,
                             results_path=results, overlap=False)
-    # a threshold no version can beat: the joined version stays the best, and patience 1 ends the run at the next
+    # a threshold no version can beat: the joined version stays the best, and patience 1 ends the run at the next.
+    # Lossless both ways: the scored weights are version 1 exactly, and no int8 residual is left for a final flush
     worker = FederatedWorker(settings, client, trainer, spec, early_stopping=BestVersion(EarlyStoppingSettings(1, 100.0)),
-                             heldout_score=heldout_scorer(trainer, heldout))
+                             heldout_score=heldout_scorer(trainer, heldout),
+                             encoder=UpdateEncoder(CompressionSettings(RAW_CODEC)), pull=PullSettings(codec=None))
     worker.join()
     worker.run()
     records = [json.loads(line) for line in results.read_text().splitlines()]

@@ -156,8 +156,10 @@ def test_resuming_against_a_coordinator_that_lost_the_expert_counts_nothing_twic
         base = load_base_model("tiny-qwen2")
         trainer = LoraTrainer(base, LoraSettings(rank=2), TrainSettings(lr=1e-2, batch_size=2, max_seq_len=64), train)
         spec = {"lora": trainer.lora_config, "base_model": {"id": base.model_id, "fingerprint": base.fingerprint}}
+        # full pulls (not the int8 diff default): the checks below compare weights exactly
         return FederatedWorker(settings, CoordinatorClient(url), trainer, spec,
-                               encoder=UpdateEncoder(CompressionSettings(codec, {"ratio": 0.01} if "topk" in codec else {})))
+                               encoder=UpdateEncoder(CompressionSettings(codec, {"ratio": 0.01} if "topk" in codec else {})),
+                               pull=PullSettings(codec=None))
 
     _, old_url = start_coordinator(data_dir=tmp_path / "old")
     first = new_worker(old_url)
