@@ -29,7 +29,7 @@ from typing import Any
 import requests
 
 from bench.common import CoordinatorProcess, format_table
-from bench.load import PROJECTIONS, lora_manifest, random_tensors
+from bench.shapes import PROJECTIONS, lora_manifest, random_tensors
 from bench.servers import s3_env, start_postgres, start_s3
 from compression import make_codec
 from compression.wire import encode_update
