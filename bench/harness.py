@@ -174,7 +174,7 @@ def add_settings_flags(parser: argparse.ArgumentParser, cls: type, quick: Mappin
                 and not isinstance(default, (list, tuple)):
             kwargs["type"] = type(default)
         if "(default" not in help_text and kwargs.get("help") != argparse.SUPPRESS:
-            shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else default
+            shown = _shown(default, "," if f.metadata["parse"] is not None else " ")
             help_text += f" (default: {shown}" + (f"; --quick: {_shown(quick[f.name])}" if f.name in quick else "") + ")"
         parser.add_argument(flag_name(f), dest=f.name, default=None, help=help_text, **kwargs)
 
@@ -193,8 +193,8 @@ def given_settings(cls: type, args: argparse.Namespace) -> dict[str, Any]:
     return values
 
 
-def _shown(value: Any) -> str:
-    return " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+def _shown(value: Any, separator: str = " ") -> str:
+    return separator.join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
 
 
 def _quick_help(quick: Mapping[str, Any]) -> str:
@@ -227,6 +227,12 @@ def source_state(root: Path = ROOT) -> tuple[str, bool]:
     except (OSError, subprocess.SubprocessError):
         return "unknown", False
     return commit, bool(status.strip())
+
+
+def git_head(root: Path) -> str:
+    """Another checkout's commit for an A/B record, with "+changes" when its code differs from it."""
+    commit, dirty = source_state(root.resolve())
+    return commit + ("+changes" if dirty else "")
 
 
 def jsonable(value: Any) -> Any:

@@ -32,7 +32,7 @@ import requests
 import bench.common
 from bench.common import CoordinatorProcess
 from bench.hostile import Tally, percentiles
-from bench.transport_ab import git_head
+from bench.harness import git_head
 from protocol.client import CoordinatorClient
 from protocol.errors import FedMoEError
 from protocol.schemas import API_PREFIX, EXPERT_HEADER
