@@ -285,7 +285,7 @@ def run_bench(s: Settings, ctx: Run) -> int:
     return 1 if report["problems"] or report["server_errors"] else 0
 
 
-BENCH = Bench("crash", tags=("robustness",), settings=Settings, run=run_bench, quick={"kills": 5}, torch_threads=1)
+BENCH = Bench("crash", tags=("robustness", "durability"), settings=Settings, run=run_bench, quick={"kills": 5}, torch_threads=1)
 main = BENCH.main
 
 if __name__ == "__main__":

@@ -166,7 +166,7 @@ def run(s: Settings, ctx: Run) -> int:
     return 1 if wrong else 0
 
 
-BENCH = Bench("front", tags=("performance", "a-b"), settings=Settings, run=run,
+BENCH = Bench("front", tags=("http", "a-b"), settings=Settings, run=run,
               quick={"connections": 20, "requests": 2, "runs": 1}, torch_threads=None)
 main = BENCH.main
 

@@ -175,7 +175,7 @@ def run_bench(s: Settings, ctx: Run) -> int:
     return 0
 
 
-BENCH = Bench("gateway_growth", tags=("robustness",), settings=Settings, run=run_bench,
+BENCH = Bench("gateway_growth", tags=("durability",), settings=Settings, run=run_bench,
               quick={"minutes": 1.0, "sample_every": 10.0})
 main = BENCH.main
 

@@ -50,14 +50,29 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from bench.common import RESULTS_DIR, ROOT, configure_logging, write_json_atomic
-from protocol.cli import flag_fields, flag_name
+from protocol.cli import EXIT_USAGE, flag_fields, flag_name
 
 S = TypeVar("S")
 BENCH_DIR = Path(__file__).resolve().parent
-TAGS = ("performance", "quality", "robustness", "scale", "network", "serving", "a-b", "gpu")
-"""What a tag says of a bench: the group make runs it in (performance: `make bench`, quality: `make bench-quality`,
-robustness: `make bench-robustness`), or what it needs or compares (network: network namespaces; a-b: two
-checkouts; gpu: a CUDA device; scale: PostgreSQL and S3 servers or many processes; serving: the OpenAI server)."""
+QUICK_RESULTS_DIR = RESULTS_DIR / "quick"
+"""Where --quick writes by default: not a figure, so not bench/results/ (git ignores it)."""
+TAGS: dict[str, str] = {
+    "performance": "speed of the serving path (`make bench`, under 10 minutes)",
+    "quality": "learning quality on smollm2-135m (`make bench-quality`)",
+    "robustness": "tiny-qwen2 sweeps, poisoning, scaling, crashes, hostile clients (`make bench-robustness`)",
+    "learning": "convergence and tuning runs of the federated arms",
+    "training": "a worker's training and sync costs",
+    "durability": "kills, restarts and growth of what is kept on disk",
+    "http": "the coordinator's HTTP front",
+    "network": "emulated links (network namespaces or a delay proxy)",
+    "scale": "replicas on PostgreSQL and an S3 store",
+    "serving": "the OpenAI-compatible server",
+    "merging": "the gateway's merges",
+    "a-b": "this checkout against another one, in one run",
+    "gpu": "a CUDA device (exits 0 without one)",
+    "sweep": "a hyper-parameter sweep: its arms are given on the command line",
+}
+"""What a tag says of a bench; run_all selects benches by tag. The first three are make's groups."""
 REGISTRY: dict[str, Bench[Any]] = {}
 """Every bench imported so far, by name."""
 
@@ -122,7 +137,7 @@ class Bench(Generic[S]):
     def __post_init__(self) -> None:
         unknown = set(self.tags) - set(TAGS)
         if unknown:
-            raise ValueError(f"bench {self.name}: unknown tags {sorted(unknown)}; choose from {TAGS}")
+            raise ValueError(f"bench {self.name}: unknown tags {sorted(unknown)}; choose from {sorted(TAGS)}")
         names = {f.name for f in dataclasses.fields(self.settings)}  # type: ignore[arg-type]
         if set(self.quick) - names:
             raise ValueError(f"bench {self.name}: quick sets {sorted(set(self.quick) - names)}, not settings fields")
@@ -136,9 +151,10 @@ class Bench(Generic[S]):
         add_settings_flags(p, self.settings, self.quick)
         p.add_argument("--quick", action="store_true",
                        help="a smoke run of a few minutes at most" + _quick_help(self.quick))
-        p.add_argument("--out", type=Path, default=RESULTS_DIR / f"{self.name}.json",
-                       help="results JSON (default: bench/results/%(prog)s.json)".replace(
-                           "%(prog)s", self.name))
+        p.add_argument("--out", type=Path, default=None,
+                       help=f"results JSON (default: bench/results/{self.name}.json; with --quick "
+                            f"bench/results/quick/{self.name}.json, which git ignores: a smoke run never replaces "
+                            "the figures)")
         p.add_argument("-v", "--verbose", action="store_true", help="library logs too")
         return p
 
@@ -147,17 +163,26 @@ class Bench(Generic[S]):
         base = self.settings(**self.quick) if args.quick else self.settings()
         return dataclasses.replace(base, **given_settings(self.settings, args))  # type: ignore[type-var]
 
-    def main(self, argv: Sequence[str] | None = None) -> int:
-        """Parse, set up (logging, seeds, threads), run; the exit code."""
+    def parse(self, argv: Sequence[str] | None = None) -> tuple[S, argparse.Namespace]:
+        """(settings, the harness's flags); a bad value ends the program with one ``error:`` line and exit 2."""
         p = self.parser()
         args = p.parse_args(argv)
         try:
-            settings = self.settings_from(args)
-        except (ValueError, TypeError) as exc:
-            p.error(str(exc))
+            return self.settings_from(args), args
+        except (ValueError, TypeError) as exc:  # the settings' own checks: one line that names the flag
+            print(f"error: {exc}", file=sys.stderr)
+            raise SystemExit(EXIT_USAGE) from None
+
+    def main(self, argv: Sequence[str] | None = None) -> int:
+        """Parse, set up (logging, seeds, threads), run; the exit code (2 for a bad flag, as argparse's own)."""
+        try:
+            settings, args = self.parse(argv)
+        except SystemExit as exc:  # --help (0), argparse's usage errors and the settings' checks (2)
+            return exc.code if isinstance(exc.code, int) else EXIT_USAGE
         configure_logging(args.verbose)
         seed_everything(getattr(settings, "seed", 0), self.torch_threads)
-        return self.run(settings, Run(self.name, settings, args.out, args.quick, args.verbose))
+        out = args.out or (QUICK_RESULTS_DIR if args.quick else RESULTS_DIR) / f"{self.name}.json"
+        return self.run(settings, Run(self.name, settings, out, args.quick, args.verbose))
 
 
 def add_settings_flags(parser: argparse.ArgumentParser, cls: type, quick: Mapping[str, Any]) -> None:
@@ -167,13 +192,14 @@ def add_settings_flags(parser: argparse.ArgumentParser, cls: type, quick: Mappin
     for f in flag_fields(cls):
         kwargs = dict(f.metadata["argparse"])
         default = getattr(defaults, f.name)
-        help_text = f.metadata["help"]
+        help_text = argparse.SUPPRESS if kwargs.pop("hidden", False) else f.metadata["help"]
         if isinstance(default, bool):
             kwargs.setdefault("action", "store_false" if default else "store_true")
         elif f.metadata["parse"] is None and "type" not in kwargs and default is not None \
                 and not isinstance(default, (list, tuple)):
             kwargs["type"] = type(default)
-        if "(default" not in help_text and kwargs.get("help") != argparse.SUPPRESS:
+        if help_text != argparse.SUPPRESS and "(default" not in help_text and default not in (None, ()) \
+                and not kwargs.get("required"):
             shown = _shown(default, "," if f.metadata["parse"] is not None else " ")
             help_text += f" (default: {shown}" + (f"; --quick: {_shown(quick[f.name])}" if f.name in quick else "") + ")"
         parser.add_argument(flag_name(f), dest=f.name, default=None, help=help_text, **kwargs)
@@ -253,6 +279,8 @@ class Declared:
     """A bench as its module declares it, read from the source."""
 
     name: str
+    module: str
+    """What ``python -m`` runs, e.g. ``bench.wanemu.measure``."""
     tags: tuple[str, ...]
     cores: int
     summary: str
@@ -260,20 +288,21 @@ class Declared:
 
 
 def declared_benches(directory: Path = BENCH_DIR) -> list[Declared]:
-    """Every module of ``directory`` with a module-level ``BENCH = Bench(...)``, by name. Read, not imported:
+    """Every module under ``directory`` with a module-level ``BENCH = Bench(...)``, by module. Read, not imported:
     importing every bench takes tens of seconds (torch, transformers, numba) and run_all runs each in a process
     of its own anyway. tests/bench checks this reading against the imported registry."""
     found = []
-    for path in sorted(directory.glob("*.py")):
+    for path in sorted(directory.rglob("*.py")):
         tree = ast.parse(path.read_text(), str(path))
         for node in tree.body:
             if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["BENCH"] \
                     and isinstance(node.value, ast.Call):
-                found.append(_declared(path, tree, node.value))
+                module = ".".join(("bench", *path.relative_to(directory).with_suffix("").parts))
+                found.append(_declared(path, module, tree, node.value))
     return found
 
 
-def _declared(path: Path, tree: ast.Module, call: ast.Call) -> Declared:
+def _declared(path: Path, module: str, tree: ast.Module, call: ast.Call) -> Declared:
     keywords = {k.arg: k.value for k in call.keywords if k.arg}
     try:
         name = ast.literal_eval(call.args[0] if call.args else keywords["name"])
@@ -281,6 +310,5 @@ def _declared(path: Path, tree: ast.Module, call: ast.Call) -> Declared:
         cores = ast.literal_eval(keywords["cores"]) if "cores" in keywords else 2
     except (ValueError, KeyError, IndexError) as exc:
         raise ValueError(f"{path}: BENCH = Bench(...) needs a literal name, tags= and cores= ({exc})") from None
-    doc = ast.get_docstring(tree) or ""
-    return Declared(name, tags, cores, doc.strip().splitlines()[0] if doc.strip() else "")
-
+    doc = (ast.get_docstring(tree) or "").strip()
+    return Declared(name, module, tags, cores, doc.splitlines()[0] if doc else "")

@@ -116,7 +116,7 @@ def run(s: Settings, ctx: Run) -> int:
     return 0
 
 
-BENCH = Bench("learning", tags=("robustness",), settings=Settings, run=run,
+BENCH = Bench("learning", tags=("robustness", "training"), settings=Settings, run=run,
               quick={"steps": 2, "heldout": 4, "base_model": "tiny-qwen2"})
 main = BENCH.main
 

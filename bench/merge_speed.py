@@ -226,7 +226,7 @@ def run(s: Settings, ctx: Run) -> int:
     return 0
 
 
-BENCH = Bench("merge_speed", tags=("robustness",), settings=Settings, run=run, quick={"smollm2_layers": 4})
+BENCH = Bench("merge_speed", tags=("merging",), settings=Settings, run=run, quick={"smollm2_layers": 4})
 main = BENCH.main
 
 if __name__ == "__main__":

@@ -210,7 +210,7 @@ def run_bench(s: Settings, ctx: Run) -> int:
     return 0 if ok else 1
 
 
-BENCH = Bench("relay_crash", tags=("robustness",), settings=Settings, run=run_bench, quick={"kills": 3})
+BENCH = Bench("relay_crash", tags=("durability",), settings=Settings, run=run_bench, quick={"kills": 3})
 main = BENCH.main
 
 if __name__ == "__main__":

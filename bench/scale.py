@@ -269,7 +269,7 @@ def run(s: ScaleSettings, ctx: Run) -> int:
     return 1 if bad else 0
 
 
-BENCH = Bench("scale", tags=("scale",), settings=ScaleSettings, run=run,
+BENCH = Bench("scale", tags=("scale", "durability"), settings=ScaleSettings, run=run,
               quick={"workers": 16, "crash_rounds": 2, "model": "tiny-qwen2", "buffer_size": 2})
 main = BENCH.main
 

@@ -185,7 +185,7 @@ def optimizer_report(model: str, steps: int, names: list[str], ctx: Run) -> int:
     return 0
 
 
-BENCH = Bench("strategies", tags=("robustness",), settings=Settings, run=run, quick={"steps": 2},
+BENCH = Bench("strategies", tags=("training",), settings=Settings, run=run, quick={"steps": 2},
               torch_threads=2)  # one rank alone may use both cores; two ranks get one each
 main = BENCH.main
 

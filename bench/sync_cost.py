@@ -256,7 +256,7 @@ def run(s: Settings, ctx: Run) -> int:
     return 0
 
 
-BENCH = Bench("sync_cost", tags=("robustness",), settings=Settings, run=run,
+BENCH = Bench("sync_cost", tags=("training",), settings=Settings, run=run,
               quick={"base_model": "tiny-qwen2", "syncs": 2, "blocks": 1})
 main = BENCH.main
 
