@@ -16,7 +16,7 @@ round boundaries, where the three workers together have taken that many steps: e
 each horizon H two checkpoints count: the one at H (fixed horizon) and the one with the lowest validation
 loss at or before H (early stopping, chosen on validation only). ``--heldout`` then scores held-out at those
 checkpoints only and compares the federated arm with the central one per horizon, each arm kind's lr picked
-per horizon by its mean validation loss at the chosen checkpoint (bench/results/quality_fvc_horizon.json).
+per horizon by its mean validation loss at the chosen checkpoint (bench/results/history/quality_fvc_horizon.json).
 ``--cache DIR`` keeps every run's checkpoints and validation losses in DIR (safetensors + JSON), so a
 held-out run reuses the sweep's seed 0 instead of training it again (also when the sweep ran longer).
 
@@ -27,10 +27,10 @@ restarts each worker's AdamW moments every round, which the product does not do)
 the suite's defaults (lr: the preset's recommended one; 4 rounds x 2 steps; server lr 1; moments kept).
 
     python -m bench.fvc_sweep --arms central:lr=5e-4 central:lr=1e-3 fed:lr=1e-3 fed:lr=2e-3 \\
-        --out bench/results/quality_fvc_sweep_lr.json
+        --out bench/results/history/quality_fvc_sweep_lr.json
     python -m bench.fvc_sweep --arms ... --estimate   # planned steps and scored problems, no model
     python -m bench.fvc_sweep --horizons 24 48 72 --every 12 --cache /tmp/fvc --arms central:lr=1e-3 \
-        fed:lr=3e-3,steps=2 --seeds 3 --heldout --out bench/results/quality_fvc_horizon.json
+        fed:lr=3e-3,steps=2 --seeds 3 --heldout --out bench/results/history/quality_fvc_horizon.json
 """
 from __future__ import annotations
 

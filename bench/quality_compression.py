@@ -19,14 +19,14 @@ Figures, all on the 33 held-out pandas problems (with and without the end-of-ans
   server learning rate is ``--server-lr`` (the coordinator's flag; 1 applies the mean of the
   workers' deltas, so a round moves about as far as one worker's steps: bench/fedrounds.py). Each
   arm has its own AdamW lr, picked on the validation split by bench.fvc_sweep for 48 steps in all
-  (bench/results/quality_fvc_sweep_horizon.json): the federated workers ``--lr`` (default 3e-3), the
+  (bench/results/history/quality_fvc_sweep_horizon.json): the federated workers ``--lr`` (default 3e-3), the
   central worker ``--central-lr`` (default 5e-4; at 24 steps central wants the preset's 1e-3).
 The per-codec error against a whole expert's true delta comes from the gateway suite's experts
 (bench/quality_gateway.py, ``codec_true_delta``).
 
     python -m bench.quality_compression            # smollm2-135m (make smollm2)
     python -m bench.quality_compression --quick    # tiny-qwen2 smoke run, seconds
-    python -m bench.quality_compression --fvc-only --out bench/results/quality_fvc_tuned.json  # workers at lr 3e-3
+    python -m bench.quality_compression --fvc-only --out bench/results/history/quality_fvc_tuned.json  # workers at lr 3e-3
     python -m bench.quality_compression --estimate # planned optimiser steps and scored problems, no model
 """
 from __future__ import annotations

@@ -8,7 +8,7 @@ it, wall seconds, the coordinator's and the client's CPU seconds, and the load a
 
     python -m bench.transport_ab --baseline /work/main --pairs 3 --repeats 2
 
-Table on stdout, progress on stderr, results in bench/results/transport_push_ab.json.
+Table on stdout, progress on stderr, results in bench/results/transport_ab.json.
 """
 from __future__ import annotations
 

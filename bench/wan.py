@@ -43,7 +43,7 @@ is from the expert's creation (version 0) to the first version at or below it (N
     python -m bench.wan --base-model smollm2-135m   # link-bound, 150 s per mode (~30 min for 4 modes)
 
 Needs root (network namespaces). Table on stdout, progress on stderr, results in bench/results/wan.json
-(``--quick``: wan_quick.json).
+(``--quick``: bench/results/quick/wan.json).
 """
 from __future__ import annotations
 
