@@ -6,7 +6,7 @@ own, spool dir on disk, as the coordinator runs it; client threads in this proce
 over ``--connections`` keep-alive connections. Per request: the server's CPU (user + system, from
 /proc), the CPU of its event-loop thread (the process's main thread) and the context switches of all its
 threads. With ``--server-root`` the front of another checkout runs too, alternately, so the ratios come
-from one window (docs/scale.md, sixth round).
+from one window (docs/history/scale.md, sixth round).
 
     python -m bench.front                                  # 100 connections x 6 pushes of 4.7 MB, 3 runs
     python -m bench.front --server-root /work/main         # A/B against another checkout

@@ -99,7 +99,7 @@ class Settings(Estimate):
     lr: float | None = option(3e-3, "the federated workers' AdamW learning rate, in every federated run (tuned for "
                               "smollm2-135m on validation; --quick: the preset's, worker.presets.RECOMMENDED_LR)")
     """3e-3 = 3 workers x smollm2's single-worker 1e-3, the best of 1e-3..5e-3 on the validation split
-    (bench.fvc_sweep; docs/benchmarks.md). None: the preset's recommended one."""
+    (bench.fvc_sweep; docs/history/benchmarks.md). None: the preset's recommended one."""
     central_lr: float | None = option(5e-4, "the central worker's AdamW learning rate (validation's pick at 48 steps; "
                                       "--quick: the preset's)")
     """The preset's 1e-3 overfits from ~36 steps (bench.fvc_sweep's horizon sweep)."""

@@ -19,7 +19,7 @@ uplink. Modes (``MODES``; the defaults are per base model, ``DEFAULT_MODES``):
 - on smollm2-135m: ``flat randomk+terngrad`` (the best fixed codec measured on that model: random-k
   10% + TernGrad, unbiased, no error feedback, each worker its own selection seed), and
   ``relays+adaptive (int8 upstream)`` (the relays' long link in int8 with error feedback, +0.00% on
-  smollm2-135m in docs/benchmarks.md, where top-k + int8 kept ~10% of the gain);
+  smollm2-135m in docs/history/benchmarks.md, where top-k + int8 kept ~10% of the gain);
 - ``relays+adaptive (int8 both ways; site model)``: the relays also fetch root versions as int8 diffs and serve
   their site's model (``--site-model``: the root's version plus the site's updates not yet in it; a batch is the
   site's summed progress), and the root averages the two sites' batches (FedBuff K=2), hierarchical FL's
@@ -113,7 +113,7 @@ MODES: dict[str, Mode] = {
     # the relays compress the long link
     "relays+adaptive": Mode(AUTO, relays=TOPK_UPSTREAM, needs="--sync-budget"),
     # smollm2-135m: random-k 10% + TernGrad matched fp32 within 0.15% at 143x there, top-k + int8 kept ~10%
-    # of the gain (docs/benchmarks.md), so that is its best fixed codec, and the relays' lossy codec is int8
+    # of the gain (docs/history/benchmarks.md), so that is its best fixed codec, and the relays' lossy codec is int8
     "flat randomk+terngrad": Mode(RANDOMK_TERNGRAD, root=FLAT_FEDBUFF),
     "relays+adaptive (int8 upstream)": Mode(AUTO, relays=["--forward-compression", "int8"], needs="--sync-budget"),
     # the relays also fetch new root versions as int8 diffs (a full fetch every 10th): ~1 s of the site's downlink
