@@ -209,6 +209,7 @@ def relay_poisoning(data_dir: Path, rounds: int) -> dict[str, Any]:
             assert r.status_code == 201, r.text
             relay = CoordinatorProcess(directory / "relay", "--rate-limit", "0", "--upstream", root.url,
                                        "--join-token-file", str(directory / "root" / "join_token"),
+                                       "--relay-join-token-file", str(directory / "root" / "relay_join_token"),
                                        "--forward-interval", FORWARD_INTERVAL, *extra)
             relay.start()
             site = Site(root, relay, (directory / "root" / "join_token").read_text().strip())
