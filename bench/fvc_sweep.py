@@ -348,6 +348,7 @@ def render_horizons(report: dict[str, Any]) -> str:
 
 def run_horizons(s: Settings, ctx: Run, arms: Sequence[Arm], started: float) -> int:
     """--horizons: one run per arm and seed, scored on validation every --every steps; --heldout at the picks."""
+    assert s.horizons is not None and s.every is not None  # Settings fills --every whenever --horizons is given
     horizons, total, every = s.horizons, max(s.horizons), s.every
     scored = s.validation_problems
     checkpoints = total // every

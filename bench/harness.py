@@ -146,7 +146,7 @@ class Bench(Generic[S]):
     def parser(self) -> argparse.ArgumentParser:
         """The bench's command line: its settings' flags and the harness's three."""
         module = sys.modules.get(self.run.__module__)
-        p = argparse.ArgumentParser(prog=f"python -m bench.{self.name}", description=module and module.__doc__,
+        p = argparse.ArgumentParser(prog=f"python -m bench.{self.name}", description=module.__doc__ if module else None,
                                     formatter_class=argparse.RawDescriptionHelpFormatter)
         add_settings_flags(p, self.settings, self.quick)
         p.add_argument("--quick", action="store_true",

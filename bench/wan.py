@@ -513,7 +513,7 @@ class Options:
 
     def job(self) -> Settings:
         s = PRESETS[self.preset or self.base_model]
-        changes = {"duration": self.duration, "forward_interval": self.forward_interval, "worker_cpu": self.worker_cpu}
+        changes: dict[str, Any] = {"duration": self.duration, "forward_interval": self.forward_interval, "worker_cpu": self.worker_cpu}
         return replace(s, **{k: v for k, v in changes.items() if v is not None})
 
 

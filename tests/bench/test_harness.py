@@ -157,3 +157,15 @@ def test_bench_never_imports_tests():
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not any(n == "tests" or n.startswith("tests.") for n in names), path
+
+
+def test_every_current_result_has_a_headline_that_fits_it():
+    """docs/benchmarks.md's table (bench.figures) says "(no headline ...)" for a result it does not know and
+    "(the headline does not fit ...)" when a bench changed its result's shape: both are caught here, not on the page."""
+    from bench.figures import HEADLINES, headline
+
+    results = sorted((ROOT / "bench" / "results").glob("*.json"))
+    assert results and {p.stem for p in results} <= set(HEADLINES), {p.stem for p in results} - set(HEADLINES)
+    for path in results:
+        line = headline(path.stem, json.loads(path.read_text()))
+        assert line and not line.startswith("("), (path.name, line)
