@@ -26,6 +26,7 @@ from typing import Any
 from coordinator.config import CoordinatorConfig, ServeOptions
 from protocol.cli import add_common_flags, add_flags, comma_list, from_flags, json_object, option, report_error, \
     setup_logging
+from protocol.python_version import require_supported_python
 
 
 RELAY = 'relay (docs/wan.md, "Relays"): with --upstream this process is a relay'
@@ -97,10 +98,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    require_supported_python()  # before anything that would fail obscurely on an older one
     args = parse_args(argv)
     setup_logging(args, logging.DEBUG if args.debug else logging.INFO)
     from coordinator.relay.upstream import RelayStartError
-    from coordinator.server import ServerStartError, serve
+    from coordinator.http.serve import ServerStartError
+    from coordinator.server import serve
     from protocol.errors import Unavailable
 
     try:

@@ -19,6 +19,7 @@ from gateway.errors import GatewayError
 from protocol.cli import add_common_flags, add_flags, check_coordinator_url, from_flags, option, report_error, setup_logging
 from protocol.credentials import config_dir
 from protocol.errors import FedMoEError
+from protocol.python_version import require_supported_python
 from serving.config import EngineOptions, Limits, ServeOptions
 
 
@@ -64,6 +65,7 @@ def options_from(args: argparse.Namespace) -> ServeOptions:
 
 
 def main(argv: list[str] | None = None) -> int:
+    require_supported_python()  # before anything that would fail obscurely on an older one
     args = parse_args(argv)
     setup_logging(args)
     try:

@@ -47,6 +47,8 @@ class Settings:
     client_timeout: float = option(60.0, "the normal client's timeout per request, seconds")
     server_root: Path | None = option(None, "run another checkout's run_coordinator.py (e.g. before this change, for "
                                       "comparison)", type=Path)
+    serve_baseline: Path | None = option(None, "another checkout whose serve.py also runs the serve_slow_clients "
+                                         "attack (A/B, same run)", type=Path)
     honest_pushes: int = 10
     """reservation_exhaustion: the honest worker's 9 MiB pushes (--quick: 3)."""
     relay_rounds: int = 6

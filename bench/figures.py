@@ -90,6 +90,10 @@ HEADLINES: dict[str, Callable[[Report], str]] = {
         f"{k} {v:g}x" for k, v in r["ratios"].items()),
     "transport": lambda r: (f"1 GiB: pull {r['pull_vs_socket']:.2f} and push {r['push_vs_socket']:.2f} of a raw "
                             f"socket (target >= 0.5)"),
+    "front_ab": lambda r: f"change / baseline {r['commits']['baseline']}: " + ", ".join(
+        f"{k} {r[part]['change_over_baseline'][k]:g}" for part, k in (
+            ("hostile", "tls health p99 s"), ("hostile", "tls push p99 s"), ("hostile", "plain push p99 s"),
+            ("transport", "pull_vs_socket"), ("transport", "push_vs_socket"), ("front", "requests_per_s"))),
     "transport_ab": lambda r: "change / baseline: " + ", ".join(f"{k} {v:g}" for k, v in r["ratios"].items()),
     "wan": lambda r: "root ingress vs flat: " + ", ".join(
         f"{x['mode']} {x['ingress_vs_flat']:g}x" for x in r["results"]),
@@ -110,7 +114,8 @@ def measured_at(path: Path, report: Report) -> tuple[str, str, str]:
     log = subprocess.run(["git", "-C", str(ROOT), "log", "-1", "--format=%h %cs", "--", str(path)],
                          capture_output=True, text=True).stdout.split()
     commit, date = (log + ["?", "?"])[:2]
-    noted = report.get("load_average_at_end") or report.get("load_average") or report.get("load")
+    noted = (report.get("load_average_at_end") or report.get("load_average_end") or report.get("load_average")
+             or report.get("load"))
     if isinstance(noted, list) and noted and isinstance(noted[0], (int, float)):
         noted = noted[0]
     load = f"{noted:.1f}" if isinstance(noted, (int, float)) else str(noted) if noted else "-"

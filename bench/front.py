@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Front benchmark: the coordinator's HTTP front alone (coordinator/front.py), receiving large pushes.
+"""Front benchmark: the coordinator's HTTP front alone (coordinator/http/front.py), receiving large pushes.
 
 A ``BufferingFront`` serves a trivial app (it answers with the spooled body's digest) in a process of its
 own, spool dir on disk, as the coordinator runs it; client threads in this process push the same body
@@ -37,7 +37,12 @@ SERVER = r"""
 import json, socket, sys
 from dataclasses import dataclass
 from pathlib import Path
-from coordinator.front import SPOOLED_BODY, BufferingFront, FrontOptions
+try:  # in coordinator/http/ since issue 31; before, all in coordinator/front.py (an A/B against an older checkout)
+    from coordinator.http.front import BufferingFront
+    from coordinator.http.options import FrontOptions
+    from coordinator.http.wsgi import SPOOLED_BODY
+except ImportError:
+    from coordinator.front import SPOOLED_BODY, BufferingFront, FrontOptions
 
 def app(environ, start_response):
     spooled = environ.get(SPOOLED_BODY)
@@ -137,8 +142,10 @@ class Settings:
     def __post_init__(self) -> None:
         if min(self.connections, self.requests, self.runs) < 1 or not self.size_mb > 0:
             raise ValueError("--connections, --requests, --runs and --size-mb must be positive")
-        if self.server_root is not None and not (self.server_root / "run_coordinator.py").is_file():
-            raise ValueError(f"--server-root {self.server_root}: no run_coordinator.py there")
+        if self.server_root is not None and not any((self.server_root / "coordinator" / where).is_file()
+                                                    for where in ("http/front.py", "front.py")):
+            raise ValueError(f"--server-root {self.server_root}: no coordinator/http/front.py (or "
+                             "coordinator/front.py) there")
 
 
 def run(s: Settings, ctx: Run) -> int:

@@ -15,6 +15,9 @@ are open, plain and TLS, against the same client's figures with no attack (same 
   slow bodies and idle keep-alive (no token needed), plus ``--slow-readers`` that never read a pull.
 - ``compressed_pushes``: 8 concurrent maximum-size fp16 pushes to an expert of ``--model-mb``;
   target: peak RSS growth <= 2x the model size + 64 MiB (issue 13, defect 6).
+- ``serve_slow_clients``, ``serve_sampling``, ``header_bytes``, ``tls_relay`` (bench/hostile_front.py): serve.py
+  under slow clients (``--serve-baseline``: another checkout's serve.py too, A/B), its sampling edge values, CR/LF/NUL
+  in request heads, and a relay started with --tls-cert; an honest client's p99 during each.
 - ``backend_faults`` (only when named: it starts PostgreSQL and moto's S3 server): replicas started on a mistyped
   or empty store, the bucket lost while running, a table lock, with an honest worker pushing (bench/hostile_backends.py).
 - ``new_surface``: the routes added since (upload probe, resumable uploads, ``?since=``, Range, the relay's
@@ -26,7 +29,8 @@ are open, plain and TLS, against the same client's figures with no attack (same 
   honest acknowledged updates lost or doubled at the root, pulls holding Inf (bench/hostile_relay.py).
 
 Each attack class registers itself (bench/attacks.py) in the module that holds it: bench/hostile_requests.py (the
-first four), hostile_surface.py, hostile_reservations.py, hostile_relay.py, hostile_backends.py.
+first four), hostile_surface.py, hostile_reservations.py, hostile_relay.py, hostile_front.py,
+hostile_backends.py.
 
     python -m bench.hostile            # 1,000 slow connections, 240 MiB model; a few minutes
     python -m bench.hostile --quick    # 100 connections, 16 MiB model (tests/bench)
@@ -49,6 +53,7 @@ import bench.hostile_requests  # noqa: F401
 import bench.hostile_surface  # noqa: F401
 import bench.hostile_reservations  # noqa: F401
 import bench.hostile_relay  # noqa: F401
+import bench.hostile_front  # noqa: F401
 import bench.hostile_backends  # noqa: F401
 import bench.common
 from bench.attacks import P99_TARGET_S, Settings

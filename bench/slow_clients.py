@@ -41,6 +41,11 @@ class Attack:
     interval: float = 2.0
     chunk_path: str = "/api/v1/experts/e/uploads/none"
     """Where ``slow_chunk`` PUTs (an open upload's URL path)."""
+    health_path: str = "/api/v1/health"
+    """What ``drip_headers`` and ``idle_keepalive`` GET (a route that needs no token)."""
+    body_path: str = "/api/v1/experts/e/updates"
+    """Where ``slow_body`` POSTs, announcing ``body_size`` bytes."""
+    body_size: int = 5_000_000
     opened: dict[str, int] = field(default_factory=dict)
     closed_by_server: dict[str, int] = field(default_factory=dict)
     failed_to_open: int = 0
@@ -118,15 +123,16 @@ class Attack:
                 writer.close()
 
     async def _open_drip_headers(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        writer.write(b"GET /api/v1/health HTTP/1.1\r\nHost: bench\r\n")
+        writer.write(f"GET {self.health_path} HTTP/1.1\r\nHost: bench\r\n".encode())
         await writer.drain()
 
     async def _open_slow_body(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        writer.write(b"POST /api/v1/experts/e/updates HTTP/1.1\r\nHost: bench\r\nContent-Length: 5000000\r\n\r\nx")
+        writer.write(f"POST {self.body_path} HTTP/1.1\r\nHost: bench\r\nContent-Length: {self.body_size}\r\n\r\nx"
+                     .encode())
         await writer.drain()
 
     async def _open_idle_keepalive(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        writer.write(b"GET /api/v1/health HTTP/1.1\r\nHost: bench\r\n\r\n")
+        writer.write(f"GET {self.health_path} HTTP/1.1\r\nHost: bench\r\n\r\n".encode())
         await writer.drain()
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 60)
         length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")

@@ -445,7 +445,7 @@ def measure(size_mb: int, repeats: int, concurrency: int) -> dict[str, Any]:
         "speedup_vs_base64_json": push_gbps / base64_gbps,
         "rss_idle_bytes": idle, "rss_peak_bytes": max(peak, hwm), "rss_peak_sampled_bytes": peak,
         "rss_vmhwm_bytes": hwm, "rss_growth_per_model_size": (max(peak, hwm) - idle) / nbytes,
-        "server": "buffering asyncio front (coordinator/front.py), 16 request threads, sendfile", "data_dir": SCRATCH_DIR or "tmp",
+        "server": "buffering asyncio front (coordinator/http/front.py), 16 request threads, sendfile", "data_dir": SCRATCH_DIR or "tmp",
         "push_aggregation": "deferred (fedbuff, buffer 1000)", "targets": TARGETS,
     }
 

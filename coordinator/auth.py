@@ -57,6 +57,8 @@ RULES: dict[str, str] = {
     "relays.register_relay": JOIN_ONLY, "relays.list_relays": READ, "relays.relay_report": SELF,
 }
 ADMIN_PRINCIPAL = Principal(ADMIN)
+RATE_TAKEN = "fedmoe.rate_taken"
+"""WSGI environ key: this request's rate-limit token was taken from its head (``Authenticator.take_rate``)."""
 
 
 REFUSALS_LOGGED_PER_CALLER = 6.0
@@ -112,20 +114,40 @@ class Authenticator:
         if caller is None:
             return None
         g.principal = caller
-        if caller.role != ADMIN and self.limiter is not None:
-            # per worker; join-token calls (registrations, reads) per client address
-            key = caller.worker_id if caller.role == WORKER else \
-                f"relay:{caller.worker_id}" if caller.role == RELAY else f"{caller.role}@{request.remote_addr}"
-            wait = self.limiter.acquire(key or "")
-            if wait > 0:
-                response, exc = _too_many(key or "", wait)
-                self.record_refusal(exc)
-                return response
+        if request.environ.get(RATE_TAKEN):  # the front's admission check took this request's token from its head
+            return None
+        wait, key = self._take_rate(caller)
+        if wait > 0:
+            response, exc = _too_many(key, wait)
+            self.record_refusal(exc)
+            return response
         return None
+
+    def take_rate(self, caller: Principal | None) -> None:
+        """Take the current request's token from ``caller``'s bucket, from the head alone (coordinator/http/admission.py):
+        TooManyRequests (audited, with its Retry-After) when it is empty. Marks the request (RATE_TAKEN) so that
+        ``check_request`` does not take a second token for it."""
+        if caller is None:
+            return
+        wait, key = self._take_rate(caller)
+        if wait > 0:
+            exc = _too_many_error(key, wait)
+            self.record_refusal(exc)
+            raise exc
+        request.environ[RATE_TAKEN] = True
+
+    def _take_rate(self, caller: Principal) -> tuple[float, str]:
+        """(seconds until ``caller`` may send again, 0 when it may now, its bucket's key); no limit for the admin."""
+        if caller.role == ADMIN or self.limiter is None:
+            return 0.0, ""
+        # per worker; join-token calls (registrations, reads) per client address
+        key = caller.worker_id if caller.role == WORKER else \
+            f"relay:{caller.worker_id}" if caller.role == RELAY else f"{caller.role}@{request.remote_addr}"
+        return self.limiter.acquire(key or ""), key or ""
 
     def authorize_request(self) -> Principal | None:
         """The current request's caller under its route's rule (None: a public route); 401/403 as FedMoEError.
-        No rate limit: the front's admission check (coordinator/admission.py) asks this from a request's head too."""
+        No rate limit (``take_rate``, ``check_request``)."""
         rule = RULES.get(request.endpoint or "") or (READ if request.method in ("GET", "HEAD") else ADMIN_ONLY)
         if rule == PUBLIC:
             return None
@@ -194,10 +216,15 @@ def _authorize(p: Principal, rule: str, args: dict[str, Any]) -> None:
                         f"not {args.get('name')!r}")
 
 
-def _too_many(key: str, wait: float) -> tuple[Response, TooManyRequests]:
+def _too_many_error(key: str, wait: float) -> TooManyRequests:
     retry_after = max(1, math.ceil(wait))
-    error = TooManyRequests(f"{key!r} is over the coordinator's --rate-limit; retry in {retry_after} s",
-                            retry_after=retry_after)
+    return TooManyRequests(f"{key!r} is over the coordinator's --rate-limit; retry in {retry_after} s",
+                           retry_after=retry_after)
+
+
+def _too_many(key: str, wait: float) -> tuple[Response, TooManyRequests]:
+    error = _too_many_error(key, wait)
+    retry_after = error.details["retry_after"]
     response = jsonify(error.to_json())
     response.status_code = error.status
     response.headers["Retry-After"] = str(retry_after)

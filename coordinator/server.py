@@ -1,4 +1,4 @@
-"""Serving the app: the buffering asyncio front (coordinator/front.py) in production, werkzeug with --debug.
+"""Starting the root coordinator: its data dir, its app, then the one serve path (coordinator/http/serve.py).
 
 We bind the listening socket ourselves, so ``--port 0`` works (the chosen port
 is logged) and a port in use is one clear error. One process on purpose: the
@@ -12,44 +12,23 @@ import gc
 import logging
 import os
 import signal
-import socket
-import ssl
 import sys
 import threading
 
 import torch
-from flask import Flask
 
 from coordinator import int8_kernel
 from coordinator.app import create_app
 from coordinator.config import CoordinatorConfig, ServeOptions
 from coordinator.data_dir import ROOT, claim_data_dir
-from coordinator.admission import HeadAdmission
-from coordinator.front import BufferingFront, FrontOptions, raise_fd_limit
-from coordinator.upload_place import UploadPlacer
-from coordinator.hardening import announce, check_tls_files, set_socket_timeouts
+from coordinator.http.admission import HeadAdmission
+from coordinator.http.upload_placement import UploadPlacer
+from coordinator.http.listening import announce, check_tls_files
+from coordinator.http.options import FrontOptions
+from coordinator.http.serve import bind, serve as serve_http
 from protocol.credentials import credentials_path, publish_local_token, withdraw_local_token
 
 log = logging.getLogger(__name__)
-
-
-class ServerStartError(Exception):
-    """The server could not start (port in use, bad address)."""
-
-
-def bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        hint = " (is another coordinator running? pick another --port)" if port else ""
-        raise ServerStartError(f"cannot listen on {host}:{port}: {exc.strerror}{hint}") from None
-    sock.listen(1024)  # a burst of connections (1,000 workers syncing at once) is not refused
-    sock.set_inheritable(True)
-    return sock
 
 
 def _limit_malloc_arenas(arenas: int = 2) -> None:
@@ -76,7 +55,6 @@ def serve(config: CoordinatorConfig, options: ServeOptions) -> None:
     _limit_malloc_arenas()
     check_tls_files(options.tls_cert, options.tls_key)
     sock = bind(options.host, options.port)  # a port in use fails before anything is written
-    set_socket_timeouts(sock, options.socket_timeout)
     try:  # one process per data dir: held until this process exits (coordinator/data_dir.py)
         data_dir_lock = claim_data_dir(config.data_dir, ROOT)
     except ValueError:
@@ -100,39 +78,17 @@ def serve(config: CoordinatorConfig, options: ServeOptions) -> None:
              scheme, host, port, config.data_dir, config.aggregation)
     announce(config, f"{scheme}://{host}:{port}")
     owner = os.getpid()
+    front = FrontOptions(threads=options.threads, socket_timeout=options.socket_timeout,
+                         max_body=config.max_body_bytes, spool_dir=app.extensions["fedmoe"].spool_dir,
+                         placer=UploadPlacer(app) if "fedmoe_uploads" in app.extensions else None,
+                         admission=HeadAdmission(app), tls_cert=options.tls_cert, tls_key=options.tls_key)
     try:
-        if options.debug:
-            from werkzeug.serving import make_server
-
-            log.warning("--debug: serving with Flask's development server; not for production")
-            tls = (str(options.tls_cert), str(options.tls_key)) if options.tls_cert else None
-            make_server(host, port, app, threaded=True, fd=sock.fileno(),
-                        ssl_context=tls).serve_forever()
-        else:
-            _serve_front(app, config, options, sock)
+        serve_http(app, sock, front, debug=options.debug)
     finally:
+        app.extensions["fedmoe"].close()
         if published and os.getpid() == owner:
             withdraw_local_token(host, port)
         data_dir_lock.close()
-
-
-def _serve_front(app: Flask, config: CoordinatorConfig, options: ServeOptions, sock: socket.socket) -> None:
-    limit = raise_fd_limit()
-    if limit < 2048:
-        log.warning("the open-files limit is %d (ulimit -n); each client connection needs one", limit)
-    tls = None
-    if options.tls_cert:
-        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        tls.load_cert_chain(str(options.tls_cert), str(options.tls_key))
-    front_options = FrontOptions(threads=options.threads, socket_timeout=options.socket_timeout,
-                                 max_body=config.max_body_bytes, spool_dir=app.extensions["fedmoe"].spool_dir,
-                                 max_connections=max(64, limit - 256),
-                                 placer=UploadPlacer(app) if "fedmoe_uploads" in app.extensions else None,
-                                 admission=HeadAdmission(app))
-    try:
-        BufferingFront(app, sock, front_options, tls).run()
-    finally:
-        app.extensions["fedmoe"].close()
 
 
 def _publish(host: str, port: int, token: str, scheme: str) -> bool:

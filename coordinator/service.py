@@ -103,7 +103,7 @@ class Coordinator:
                      spooled: Any = None) -> Path:
         """A request body in a fsynced temp file: 413 past --max-body-mb, 400 if it does not match
         ``expected_digest`` (nothing is left behind). ``length`` (Content-Length): read exactly that.
-        ``spooled``: the front's coordinator.front_bodies.SpooledBody, taken over instead of copying ``stream``."""
+        ``spooled``: the front's coordinator.http.bodies.SpooledBody, taken over instead of copying ``stream``."""
         return receive_checked(self.store, stream, length, self.config.max_body_bytes, expected_digest, spooled)
 
     # experts ------------------------------------------------------------------

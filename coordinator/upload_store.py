@@ -10,7 +10,7 @@ The digest of the received prefix is kept in memory as the chunks arrive, so fin
 second read of the body; after a restart it is rebuilt once from the file.
 
 A chunk usually never touches a spool file: the front asks where it goes before reading it (``place_chunk``,
-through coordinator/upload_place.py), writes it into ``<id>.part`` at the offset as it arrives and feeds it to a
+through coordinator/http/upload_placement.py), writes it into ``<id>.part`` at the offset as it arrives and feeds it to a
 copy of the running digest; ``write`` then checks the chunk's digest, fsyncs and acknowledges. Until then the
 upload's lock is held and nothing past the acknowledged offset counts; a chunk that did not arrive whole or was
 refused is cut off again when the front releases the place.
@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from coordinator.blobs import storage_errors
-from coordinator.front_bodies import BodyPlace, SpooledBody
+from coordinator.http.bodies import BodyPlace, SpooledBody
 from coordinator.upload_limits import UploadLimits, global_evictions, is_expired, own_evictions
 from protocol.errors import BadRequest, Conflict, FedMoEError, InsufficientStorage, NotFound, Unavailable
 from protocol.files import private_dir, write_atomically

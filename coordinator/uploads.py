@@ -34,7 +34,7 @@ from coordinator.api import json_body
 from coordinator.audit import Event, rejection_event
 from coordinator.auth import acting_worker, principal
 from coordinator.config import CoordinatorConfig
-from coordinator.front import SPOOLED_BODY
+from coordinator.http.wsgi import SPOOLED_BODY
 from coordinator.relays import check_may_carry_members
 from coordinator.service import Coordinator
 from coordinator.tokens import RELAY, WORKER, Principal, relay_key

@@ -51,6 +51,7 @@ import requests
 import urllib3
 
 from protocol.credentials import resolve_token, store_worker_token, stored_worker_token
+from protocol.expect import EXPECT_FROM, send_expecting_continue
 from protocol.errors import (BadRequest, FedMoEError, Forbidden, TLSFailure, TooManyRequests, Unauthorized, Unavailable,
                              error_from_response)
 from protocol.integrity import DEFAULT_ALGORITHM, DIGEST_HEADER, digest_header, is_old_server_refusal
@@ -199,7 +200,7 @@ class CoordinatorClient:
                 time.sleep(self.retry.delay(attempt - 1) if wait is None else wait)
             wait, refusal = None, None
             try:
-                response = self.session.request(method, url, timeout=self.timeout, headers=headers, **kwargs)
+                response = self._send(method, url, headers, kwargs)
             except requests.exceptions.SSLError as exc:
                 raise TLSFailure(_tls_message(self.base_url, exc)) from None
             except requests.exceptions.ProxyError as exc:  # the proxy, not the coordinator, is the one to check
@@ -236,6 +237,20 @@ class CoordinatorClient:
         if refusal is not None:
             raise type(refusal)(last + f" (gave up after {attempts} tries)", **refusal.details)
         raise Unavailable(last + f" (gave up after {attempts} tries)")
+
+    def _send(self, method: str, url: str, headers: dict[str, str], kwargs: dict[str, Any]) -> requests.Response:
+        """One request. A body of EXPECT_FROM bytes or more first sends its head alone and waits for the server's
+        verdict (protocol/expect.py), so that a refusal (401, 413, 429) costs no upload; not through a proxy."""
+        body = kwargs.get("data")
+        if not (isinstance(body, Chunks) and len(body) >= EXPECT_FROM and set(kwargs) <= {"data", "params"}) \
+                or self._proxy_for(url):
+            return self.session.request(method, url, timeout=self.timeout, headers=headers, **kwargs)
+        prepared = self.session.prepare_request(requests.Request(method, url, headers=headers, **kwargs))
+        return send_expecting_continue(prepared, self.session.verify, self.timeout)
+
+    def _proxy_for(self, url: str) -> bool:
+        """Whether ``url`` goes through a proxy (--use-proxy and the environment names one for it)."""
+        return self.session.trust_env and bool(requests.utils.select_proxy(url, requests.utils.get_environ_proxies(url)))
 
     def _plain_http_to_tls(self) -> bool:
         """After a dropped http:// connection: does the port answer a TLS handshake? (Retrying would not help.)

@@ -62,6 +62,17 @@ def _authenticate() -> None:
         keys.check(request.headers.get("Authorization"))
 
 
+def check_head() -> None:
+    """What this app answers from a request's head alone, raised as its own error (the HTTP front asks this before
+    it reads a body over the limit, or one the client holds back with Expect: 100-continue): route, key, body size."""
+    if request.routing_exception is not None:
+        raise request.routing_exception
+    _authenticate()
+    length = request.content_length
+    if length is not None and length > service().limits.max_body_bytes:
+        raise _too_large()
+
+
 # views ----------------------------------------------------------------------------
 
 def health() -> Response:

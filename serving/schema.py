@@ -17,6 +17,12 @@ from serving.errors import InvalidRequest
 
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MAX_STOP_SEQUENCES = 4
+GREEDY_BELOW = 1e-5
+"""Temperatures below this decode greedily: the limit of sampling as the temperature goes to 0 (vLLM's
+``_SAMPLING_EPS`` draws the same line). Sampling divides the logits by the temperature; 1e-45, 5e-324 and 1e-300
+pass the [0, 2] check but are 0 or a denormal in float32, the logits overflowed and torch.multinomial failed on NaN
+probabilities: a 500 (issue 30, 4). Measured on tiny-qwen2: NaN at 1e-38 and below, the greedy tokens from 1e-30 up
+to 1e-2, so the line leaves a wide margin and changes no answer."""
 UNSUPPORTED = {"tools": "tool calls", "functions": "function calls", "logprobs": "logprobs",
                "top_logprobs": "logprobs", "suffix": "suffix", "best_of": "best_of"}
 
@@ -26,12 +32,12 @@ class Sampling:
     """How the next token is picked; requests batch together only with equal Sampling."""
 
     temperature: float = 1.0
-    """0 means greedy decoding."""
+    """0 means greedy decoding (so does anything below GREEDY_BELOW; the parser makes those 0)."""
     top_p: float = 1.0
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass(frozen=True)
@@ -176,6 +182,8 @@ def _sampling(body: dict[str, Any]) -> Sampling:
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
     if top_p == 0:
         raise InvalidRequest("top_p must be above 0 (use temperature 0 for greedy decoding)", param="top_p")
+    if temperature < GREEDY_BELOW:  # greedy: one Sampling for all of them, so that they batch together
+        return Sampling(temperature=0.0, top_p=1.0)
     return Sampling(temperature=temperature, top_p=top_p)
 
 

@@ -1,26 +1,29 @@
 """Start serving: load the base model once, every adapter, then answer HTTP in one process.
 
-Server choice (docs/serving.md): werkzeug's threaded WSGI server in this one process, not
-gunicorn. The model, the generation thread and the federation poller must live in the process
-that answers, loaded once: gunicorn forks its workers (a worker loading a model for minutes is
-killed by the arbiter's timeout; a model loaded before the fork runs torch in a forked child) and
-would load one copy per worker. Threads only wait here (generation is serialised on the engine
-thread), and werkzeug writes and flushes each server-sent event as it is yielded. Connections
-that stall get dropped by a socket timeout.
+Server choice (docs/serving.md): the coordinator's buffering front (coordinator/http/serve.py), in this one process.
+The model, the generation thread and the federation poller must live in the process that answers, loaded once:
+gunicorn forks its workers (a worker loading a model for minutes is killed by the arbiter's timeout; a model loaded
+before the fork runs torch in a forked child) and would load one copy per worker. werkzeug's threaded server, used
+until issue 30, reads each request on a thread of its own: 16 clients dripping their heads held 16 threads. The front
+reads heads and bodies on its event loop and gives a request thread only a complete request; a server-sent event
+stream is written chunk by chunk as the application yields it, a thread pulling the next token while the loop writes.
 """
 from __future__ import annotations
 
 import logging
 import signal
-import socket
 import sys
 from dataclasses import dataclass
 
-from werkzeug.serving import WSGIRequestHandler, make_server
+from flask import Flask
 
+from coordinator.http.flask_admission import FlaskAdmission
+from coordinator.http.options import FrontOptions
+from coordinator.http.serve import ServerStartError, bind
+from coordinator.http.serve import serve as serve_http
 from protocol.client import CoordinatorClient
 from serving.adapters import AdapterRegistry
-from serving.app import create_app
+from serving.app import check_head, create_app
 from serving.auth import ApiKeys
 from serving.config import ServeOptions
 from serving.engine import GenerationEngine
@@ -74,32 +77,29 @@ def _experts_base_model(client: CoordinatorClient) -> str:
                      "pass --base-model (e.g. tiny-qwen2) or start a worker first")
 
 
-def bind(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror}; pick another --port") from None
-    sock.listen(128)
-    return sock
+def front_options(app: Flask, options: ServeOptions) -> FrontOptions:
+    """The front's settings for serve.py: a request thread for every request that may wait for the model at once
+    (the queue, the batch being generated) and a few for /health and /v1/models besides; a body over the limit, or
+    without a valid key, refused from its head in the app's own (OpenAI) words."""
+    return FrontOptions(threads=options.limits.max_queue + options.engine.max_batch + 4,
+                        socket_timeout=options.socket_timeout, max_body=options.limits.max_body_bytes,
+                        max_body_flag="serve.py flag --max-body-bytes", admission=FlaskAdmission(app, check_head))
 
 
 def serve(client: CoordinatorClient, options: ServeOptions) -> None:
     """Bind first (a port in use fails before minutes of loading), load, then answer until SIGTERM/Ctrl-C."""
-    sock = bind(options.host, options.port)
+    try:
+        sock = bind(options.host, options.port, backlog=128)
+    except ServerStartError as exc:
+        raise ValueError(str(exc)) from None
     server = build(client, options)
-    handler = type("Handler", (WSGIRequestHandler,), {"timeout": options.socket_timeout,
-                                                      "log_request": lambda *a, **k: None})
-    http = make_server(options.host, sock.getsockname()[1], create_app(server.service, server.keys),
-                       threaded=True, fd=sock.fileno(), request_handler=handler)
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     host, port = sock.getsockname()[:2]
     log.info("FedMoE serving listening on http://%s:%d (base model %s, %s)", host, port,
              server.service.base_model_id, "API keys from " + str(options.api_key_file)
              if options.api_key_file else "no authentication")
+    app = create_app(server.service, server.keys)
     try:
-        http.serve_forever()
+        serve_http(app, sock, front_options(app, options))
     finally:
         server.close()

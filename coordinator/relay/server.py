@@ -1,4 +1,4 @@
-"""Serving a relay: the same buffering front as the root, after joining the upstream."""
+"""Serving a relay: the same one serve path as the root (coordinator/http/serve.py), after joining the upstream."""
 from __future__ import annotations
 
 import logging
@@ -7,13 +7,14 @@ import sys
 
 import torch
 
+from coordinator.http.admission import HeadAdmission
+from coordinator.config import ServeOptions
 from coordinator.data_dir import RELAY, claim_data_dir
-from coordinator.admission import HeadAdmission
-from coordinator.front import BufferingFront, FrontOptions, raise_fd_limit
-from coordinator.hardening import set_socket_timeouts
+from coordinator.http.listening import check_tls_files
+from coordinator.http.options import FrontOptions
+from coordinator.http.serve import bind, scheme, serve
 from coordinator.relay.api import create_relay_app
 from coordinator.relay.service import RelayConfig
-from coordinator.server import ServeOptions, bind
 
 log = logging.getLogger(__name__)
 
@@ -21,8 +22,8 @@ log = logging.getLogger(__name__)
 def serve_relay(config: RelayConfig, options: ServeOptions) -> None:
     """Run a relay until interrupted; RelayStartError (one line) if the upstream refuses it."""
     torch.set_num_threads(1)
+    check_tls_files(options.tls_cert, options.tls_key)  # a bad file fails before the port is taken
     sock = bind(options.host, options.port)
-    set_socket_timeouts(sock, options.socket_timeout)
     try:  # one process per data dir, and never a root's (coordinator/data_dir.py)
         data_dir_lock = claim_data_dir(config.coordinator.data_dir, RELAY)
     except ValueError:
@@ -31,23 +32,16 @@ def serve_relay(config: RelayConfig, options: ServeOptions) -> None:
     host, port = sock.getsockname()[:2]
     app = create_relay_app(config, port)
     relay = app.extensions["fedmoe"]
+    front = FrontOptions(threads=options.threads, socket_timeout=options.socket_timeout,
+                         max_body=config.coordinator.max_body_bytes, spool_dir=relay.blobs.tmp_dir,
+                         admission=HeadAdmission(app), tls_cert=options.tls_cert, tls_key=options.tls_key)
     try:
         relay.join_upstream()
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
-        log.info("FedMoE relay %s listening on http://%s:%d (upstream %s, data dir %s, forward every %g s, %s)",
-                 relay.relay_id, host, port, config.upstream, config.coordinator.data_dir, config.forward.interval,
-                 config.forward.codec)
-        if options.debug:
-            from werkzeug.serving import make_server
-
-            make_server(host, port, app, threaded=True, fd=sock.fileno()).serve_forever()
-        else:
-            limit = raise_fd_limit()
-            BufferingFront(app, sock, FrontOptions(threads=options.threads, socket_timeout=options.socket_timeout,
-                                                   max_body=config.coordinator.max_body_bytes,
-                                                   spool_dir=relay.blobs.tmp_dir,
-                                                   max_connections=max(64, limit - 256),
-                                                   admission=HeadAdmission(app))).run()
+        log.info("FedMoE relay %s listening on %s://%s:%d (upstream %s, data dir %s, forward every %g s, %s)",
+                 relay.relay_id, scheme(front), host, port, config.upstream, config.coordinator.data_dir,
+                 config.forward.interval, config.forward.codec)
+        serve(app, sock, front, debug=options.debug)
     finally:
         relay.close()
         data_dir_lock.close()

@@ -20,8 +20,9 @@ from protocol.cli import comma_list, option
 from tests.helpers import run_main
 
 ROOT = Path(__file__).resolve().parents[2]
-NOT_BENCHES = {"bench.run_all", "bench.flower_baseline", "bench.wanemu.probe"}
-"""Modules with a __main__ that are no benchmark: the runner, and children that other benches start."""
+NOT_BENCHES = {"bench.run_all", "bench.figures", "bench.flower_baseline", "bench.wanemu.probe"}
+"""Modules with a __main__ that are no benchmark: the runner, docs/benchmarks.md's table, and children that other
+benches start."""
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,28 @@ def test_quick_new_surface_against_a_root_and_a_relay(tmp_path):
     assert "new_surface" in proc.stdout
 
 
+def test_quick_front_classes_header_bytes_tls_relay_and_serve_sampling(tmp_path):
+    """bench/hostile_front.py: header bytes refused as RFC 9110 5.5 says (and legal ones answered), a TLS relay that
+    answers no plain HTTP and every https request, serve.py's sampling edge values answered 200 or 400; never a 5xx,
+    and the honest client answered throughout."""
+    out = tmp_path / "hostile.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.hostile", "--quick", "--only", "header_bytes", "tls_relay",
+                           "serve_sampling", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    header = report["header_bytes"]
+    assert header["unexpected"] == [] and header["requests"] == 27 and header["status_5xx"] == 0
+    assert header["statuses"]["bare LF in a value #1"] == 400 and header["statuses"]["tab in a value #1"] == 200
+    relay = report["tls_relay"]
+    assert relay["relay_scheme"] == "https" and relay["plain_http_answered"] == 0 and relay["https_ok"] == 20
+    assert relay["held_during"] == relay["slow_tls_connections"] == 100 and relay["honest_failed"] == 0
+    sampling = report["serve_sampling"]
+    assert sampling["status_5xx"] == sampling["no_answer"] == 0 and sampling["honest_failed"] == 0
+    assert {s for n, s in sampling["statuses"].items() if n.startswith("temperature 1e-")} == {200}
+    assert sampling["statuses"]["temperature 1e309 (inf) #1"] == 400
+    assert report["status_5xx"] == 0 and "tls_relay" in proc.stdout
+
+
 def test_quick_relay_poisoning_loses_and_doubles_nothing(tmp_path):
     """bench/hostile_relay.py: a worker pushing 3e38 behind a real relay, plain and --site-model. Every honest
     update that got a 202 is applied at the root once, no pull holds Inf, no request is a 5xx; the attacker's

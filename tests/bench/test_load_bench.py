@@ -34,7 +34,7 @@ def test_quick_run_pushes_everything_once(tmp_path):
     assert 3.5 < 4 * report["parameters_per_update"] / report["body_bytes_per_update"] < 4  # int8 + scales
     lat = report["latency_s"]
     assert 0 < lat["p50"] <= lat["p95"] <= lat["p99"] <= lat["max"]
-    assert report["coordinator_peak_rss_mb"]["processes"] == 1  # one process serves everything (coordinator/front.py)
+    assert report["coordinator_peak_rss_mb"]["processes"] == 1  # one process serves everything (coordinator/http/front.py)
     assert report["coordinator_peak_rss_mb"]["max_process"] > 50
     assert report["front_loop_cpu_s_per_push"] >= 0 and report["front_loop_core_share"] >= 0
     assert report["front_bodies"] == {"thread": 0, "loop": 0}  # tiny bodies stay in memory, read with their head

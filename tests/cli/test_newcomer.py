@@ -14,7 +14,7 @@ import pytest
 
 from coordinator.choices import AGGREGATION_NAMES, ROBUST_NAMES
 from coordinator.config import CoordinatorConfig
-from coordinator.hardening import announce, reachable_urls
+from coordinator.http.listening import announce, reachable_urls
 from gateway.choices import DEFAULT_ROUTE_THRESHOLD, MERGE_NAMES
 from protocol.client import CoordinatorClient
 from tests.e2e.conftest import ROOT, env, start_coordinator  # noqa: F401 - a fixture
@@ -78,7 +78,7 @@ def test_the_start_hint_gives_addresses_a_worker_can_connect_to(caplog, tmp_path
     assert "0.0.0.0" not in remote and "127.0.0.1" not in remote
     assert reachable_urls("https://127.0.0.1:8443") == ("https://127.0.0.1:8443", None)
     assert reachable_urls("http://10.1.2.3:5000") == ("http://10.1.2.3:5000", "http://10.1.2.3:5000")
-    with caplog.at_level(logging.INFO, logger="coordinator.hardening"):
+    with caplog.at_level(logging.INFO, logger="coordinator.http.listening"):
         announce(CoordinatorConfig(data_dir=tmp_path), "http://0.0.0.0:5000")
     text = "\n".join(r.getMessage() for r in caplog.records)
     assert "0.0.0.0" not in text

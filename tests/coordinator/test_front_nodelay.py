@@ -1,4 +1,4 @@
-"""The front turns Nagle off on every TCP connection it accepts (coordinator/front.py ``no_delay``).
+"""The front turns Nagle off on every TCP connection it accepts (coordinator/http/front.py ``open``, ``no_delay``).
 
 asyncio sets TCP_NODELAY only on sockets whose ``proto`` is IPPROTO_TCP; the coordinator's listening socket is made
 with proto 0, so its connections kept Nagle on and every answer's body (a write after the head's) waited for the
@@ -10,42 +10,34 @@ import asyncio
 import socket
 from pathlib import Path
 
-from coordinator.front import BufferingFront, FrontOptions
-
-
-class _Writer:
-    """What ``BufferingFront._accept`` asks of a stream writer, around a real accepted socket."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock, self.closed = sock, False
-
-    def get_extra_info(self, name: str):
-        return {"socket": self.sock, "peername": self.sock.getpeername(), "sockname": self.sock.getsockname()}.get(name)
-
-    def close(self) -> None:
-        self.closed = True
-
-
-def _accepted_pair() -> tuple[socket.socket, socket.socket, socket.socket]:
-    listener = socket.create_server(("127.0.0.1", 0))  # proto 0, as the coordinator's
-    client = socket.create_connection(listener.getsockname())
-    accepted, _ = listener.accept()
-    return listener, client, accepted
+from coordinator.http.front import BufferingFront
+from coordinator.http.options import FrontOptions
+from coordinator.http.wire import Wire
 
 
 def test_a_socket_made_like_the_coordinators_has_nagle_on_until_the_front_turns_it_off(tmp_path: Path):
-    listener, client, accepted = _accepted_pair()
-    try:
-        assert accepted.proto == 0 and accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 0
-        front = BufferingFront(lambda environ, start: [], listener, FrontOptions(spool_dir=tmp_path))
+    listener = socket.create_server(("127.0.0.1", 0))  # proto 0, as the coordinator's
+    front = BufferingFront(lambda environ, start: [], listener, FrontOptions(spool_dir=tmp_path))
+    seen: list[tuple[int, int]] = []
 
-        async def accept_one() -> None:
-            front.stopping = asyncio.Event()
-            front.stopping.set()  # the connection is served not at all: only what _accept does first is checked
-            await front._accept(asyncio.StreamReader(), _Writer(accepted))  # type: ignore[arg-type]
+    def accepted(wire: Wire) -> None:  # the accepted socket before and after the front's own ``open``
+        sock = wire.transport.get_extra_info("socket")
+        before = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+        front.open(wire)
+        seen.append((sock.proto, before, sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)))
 
-        asyncio.run(accept_one())
-        assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
-    finally:
-        for s in (client, accepted, listener):
-            s.close()
+    async def accept_one() -> None:
+        front.stopping = asyncio.Event()
+        front.stopping.set()  # the connection is served not at all: only what ``open`` does first is checked
+        listener.setblocking(False)
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(lambda: Wire(accepted, front.shared), sock=listener)
+        client = socket.create_connection(listener.getsockname())
+        while not seen:
+            await asyncio.sleep(0.01)
+        client.close()
+        server.close()
+        await asyncio.gather(*front.connections, return_exceptions=True)
+
+    asyncio.run(accept_one())
+    assert seen == [(0, 0, 1)]

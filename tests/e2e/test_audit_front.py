@@ -1,4 +1,4 @@
-"""Audit findings in the buffering front (coordinator/front.py, coordinator/front_bodies.py; engineer gib's files).
+"""Audit findings in the buffering front (coordinator/http/front.py, coordinator/http/bodies.py; engineer gib's files).
 
 1. Bodies are read before anyone checks who sends them or where: a client with no token can make the coordinator
    (root or relay) spool up to --max-body-mb (1 GiB) per connection into the data dir, and hold it there by sending
@@ -16,7 +16,7 @@ SPOOL_IN_MEMORY (authentication, the route's own limit: the probe's 4 MiB, JSON 
 413 at once; cap the receive buffers held by bodies in flight (a budget shared by all connections: past it, read
 with the stream's bounded buffer or wait), and release DirectBody's buffers in ``_receive_direct``'s ``finally``.
 
-Fixed (branch front2): coordinator/admission.py answers from the head (root and relay); front_bodies.BufferBudget
+Fixed (branch front2): coordinator/http/admission.py answers from the head (root and relay); front_bodies.BufferBudget
 bounds DirectBody's buffers (12 MiB in all; past it the stream, with 64 KiB reads, reads the body) and drops a failed
 body's; the chunk-size fixes and the stall timer are in front.py. The tests below ran as strict xfails until then.
 """
@@ -107,7 +107,7 @@ def test_stalled_bodies_hold_bounded_memory(start_coordinator):
 #    ``reader.read(-1)``, which keeps everything until the client closes, in memory, without a token, and the
 #    --max-body-mb check never trips (the running size goes down). Sent: ``Transfer-Encoding: chunked`` to
 #    /api/v1/probe with no token, chunk size ``-1``, then 400 MiB in 1.8 s. Came back: coordinator RSS +390 MiB
-#    (unbounded until --socket-timeout, 60 s by default), then 408. Fix (coordinator/front.py, _receive_chunked):
+#    (unbounded until --socket-timeout, 60 s by default), then 408. Fix (coordinator/http/front.py, _receive_chunked):
 #    accept only ``[0-9A-Fa-f]{1,16}`` before any ``;`` and answer 400 otherwise.
 # 4. A chunk-size line (or trailer) longer than the stream's limit (a 200 KB chunk extension) raised
 #    LimitOverrunError out of _receive_chunked: 500 "internal". Fix: catch it there, 400 (or 431 for trailers).
@@ -137,7 +137,7 @@ def test_an_overlong_chunk_size_line_is_a_400(default_flags):
 #    client that never stalls but sends under 1 MiB per --socket-timeout (17 KiB/s, 140 kbit/s at the default
 #    60 s) gets 408 on every push over 1 MiB, and on every resumable chunk of 1 MiB or more: it can never finish.
 #    Sent: a 1.5 MiB probe body at 64 KiB every 0.25 s with --socket-timeout 2. Came back: 408 after ~4 s.
-#    Fix (coordinator/front.py, _receive_direct): restart the stall timer whenever buffer_updated reports bytes
+#    Fix (coordinator/http/front.py, _receive_direct): restart the stall timer whenever buffer_updated reports bytes
 #    (wait for progress, not for a full buffer), as the StreamReader path already does per read.
 
 def test_a_slow_body_that_never_stalls_is_received(start_coordinator):
@@ -186,3 +186,57 @@ def test_a_relay_refuses_a_large_body_from_its_head_too(tmp_path):
     finally:
         relay.stop()
         root.stop()
+
+
+def test_a_bare_lf_or_a_nul_in_a_header_value_is_a_json_400_and_never_reaches_the_app(default_flags):
+    """Issue 30, 6: ``X-A: one<LF>Transfer-Encoding: chunked`` reached the application as one header (a proxy that
+    splits on LF sees two); a NUL went through too. Both are the front's 400, JSON, and the connection closes."""
+    import json
+
+    for line in (b"X-A: one\nTransfer-Encoding: chunked", b"X-A: one\x00two"):
+        with socket.create_connection(("127.0.0.1", _port(default_flags)), timeout=30) as sock:
+            sock.sendall(b"GET /api/v1/health HTTP/1.1\r\nHost: h\r\n" + line + b"\r\n\r\n")
+            answer = b""
+            while piece := sock.recv(65536):  # the front closes after its own errors
+                answer += piece
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400 ") and b"Connection: close" in head, answer  # was 200 (health)
+        assert json.loads(body)["error"]["code"] == "bad_request"
+
+
+def test_a_request_over_the_rate_limit_gets_its_429_from_the_head_and_an_admitted_one_costs_one_token(
+        start_coordinator, tmp_path):
+    """Issue 30, 8: the rate limiter was left to the request itself, so a client over its limit still had its body
+    read first (up to --max-body-mb). Admission now takes the request's token from its head; the application then
+    takes none (one token per request, not two)."""
+    import json
+
+    import requests
+
+    from protocol.client import CoordinatorClient
+    from protocol.integrity import DIGEST_HEADER, digest_header
+    from protocol.schemas import UPDATE_HEADER
+    from protocol.tensors import dumps
+    from tests.helpers import expert_spec, make_adapter, update_meta
+
+    _, url = start_coordinator("--rate-limit", "2")  # 2 requests a minute per worker, 2 at most at once
+    join = (tmp_path / "coordinator" / "join_token").read_text().strip()
+    admin = CoordinatorClient(url)
+    admin.create_expert("e", make_adapter(layers=8, d_in=4096, d_out=64), expert_spec())  # ~2.3 MiB bodies
+    registered = requests.post(f"{url}/api/v1/workers", headers={"Authorization": f"Bearer {join}"}, timeout=60,
+                               json={"worker_id": "w", "specialty": "e", "base_model": expert_spec()["base_model"]})
+    token = registered.json()["token"]  # the join token's bucket is its address's, not the worker's
+    auth = {"Authorization": f"Bearer {token}"}
+    body = dumps(make_adapter(layers=8, d_in=4096, d_out=64, seed=1))
+    pushed = requests.post(f"{url}/api/v1/experts/e/updates", data=body, timeout=60,
+                           headers=auth | {UPDATE_HEADER: json.dumps(update_meta()), DIGEST_HEADER: digest_header(body)})
+    assert pushed.status_code == 202, pushed.text  # judged from its head: one token
+    assert requests.get(f"{url}/api/v1/experts/e", headers=auth, timeout=60).status_code == 200  # the second
+
+    sock = _head(_port(url), "/api/v1/experts/e/updates", 64 * MiB, token)  # no body: the answer cannot wait for it
+    answer = b""
+    while b"\r\n\r\n" not in answer and (piece := sock.recv(65536)):
+        answer += piece
+    head = answer.split(b"\r\n\r\n", 1)[0]
+    assert head.startswith(b"HTTP/1.1 429 "), head  # was 408 after --socket-timeout: the body was awaited
+    assert b"Retry-After: " in head and b"Connection: close" in head

@@ -138,6 +138,28 @@ def test_an_unknown_transfer_encoding_is_a_400_then_close_at_the_root_and_at_the
         root.stop()
 
 
+def test_a_relay_with_tls_answers_https_and_tells_a_plain_http_client_to_use_it(tmp_path):
+    """--tls-cert/--tls-key on a relay (issue 30, 3): it served plain HTTP, silently, since only the root's serve
+    function wired TLS. A worker reaches it over https (its body spooled and forwarded to the plain root)."""
+    from protocol.errors import TLSFailure
+    from tests.e2e.test_security import self_signed
+
+    cert, key = self_signed(tmp_path)
+    root, relay = start_pair(tmp_path, "--forward-interval", "3600", "--tls-cert", str(cert), "--tls-key", str(key))
+    try:
+        assert relay.url.startswith("https://")  # the relay says what it serves
+        worker = CoordinatorClient(relay.url, ca_cert=cert, token=(tmp_path / "join").read_text().strip())
+        worker.register_worker("w0", "e1", BASE)
+        assert worker.health()["role"] == "relay"
+        assert worker.create_expert("e1", make_adapter(), expert_spec())["version"] == 0
+        with pytest.raises(TLSFailure, match=f"speaks TLS.*use {relay.url}"):
+            CoordinatorClient(relay.url.replace("https://", "http://"),
+                              retry=RetryPolicy(attempts=3, base_delay=5.0)).health()
+    finally:
+        relay.stop()
+        root.stop()
+
+
 def test_a_root_of_another_base_model_stops_the_relay_with_one_line(tmp_path):
     root = CoordinatorProcess(tmp_path / "root")
     root.start()

@@ -130,8 +130,39 @@ def test_streaming_sends_the_same_text_in_chunks_then_done(federation, oai):
                         json={"model": "sql_expert", "prompt": "SELECT", "max_tokens": 4, "stream": True})
     lines = [line for line in raw.iter_lines() if line]
     assert raw.headers["Content-Type"].startswith("text/event-stream")
+    assert raw.headers["Transfer-Encoding"] == "chunked" and "Content-Length" not in raw.headers  # sent as it comes
     assert raw.headers["X-FedMoE-Expert"] == "sql_expert"
     assert all(line.startswith(b"data: ") for line in lines) and lines[-1] == b"data: [DONE]"
+
+
+def test_a_tiny_temperature_answers_as_greedy_decoding_not_500(oai):
+    """Issue 30, 4: 1e-300, 5e-324 and 1e-45 passed the [0, 2] check and sampling failed on NaN probabilities."""
+    prompt = "Write a function that adds two numbers"
+    greedy = ask(oai, "python_expert", prompt, 8).parse().choices[0].message.content
+    for temperature in (1e-300, 5e-324, 1e-45):
+        reply = oai.chat.completions.create(model="python_expert", messages=[{"role": "user", "content": prompt}],
+                                            max_tokens=8, temperature=temperature)
+        assert reply.choices[0].message.content == greedy
+
+
+def test_answers_while_slow_clients_hold_connections(federation, oai):
+    """serve.py on the buffering front (issue 30, 4): heads and bodies that drip in hold a socket, not a request
+    thread; a completion is answered while every slow connection is still open (no timing: the counts)."""
+    from tests.e2e.test_slow_clients import open_slow, still_open
+
+    host, port = federation["url"].split("://")[1].split(":")
+    slow = [open_slow((host, int(port)), False, b"GET /health HTTP/1.1\r\nHost: x\r\n") for _ in range(60)]
+    slow += [open_slow((host, int(port)), False, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                                               b"Content-Length: 5000\r\n\r\n{") for _ in range(20)]
+    try:
+        for sock in slow[:60:10]:
+            sock.sendall(b"X-Drip: 1\r\n")
+        assert ask(oai, "python_expert", "Write a function that adds two numbers", 4).parse().choices
+        assert requests.get(federation["url"] + "/health", timeout=60).json()["status"] == "ok"
+        assert sum(still_open(sock) for sock in slow) == len(slow)
+    finally:
+        for sock in slow:
+            sock.close()
 
 
 def test_text_completions_endpoint(oai):

@@ -59,9 +59,10 @@ def new_engine(adapters, max_batch: int = 8) -> tuple[GenerationEngine, AdapterR
     return engine, registry, prompt_ids
 
 
-def job_for(model: str, registry: AdapterRegistry, prompt_ids: list[int], max_tokens: int = TOKENS) -> Job:
+def job_for(model: str, registry: AdapterRegistry, prompt_ids: list[int], max_tokens: int = TOKENS,
+            sampling: Sampling = Sampling(temperature=0)) -> Job:
     request = CompletionRequest("chat", model, ({"role": "user", "content": PROMPT},), None, max_tokens,
-                                Sampling(temperature=0), (), False, False)
+                                sampling, (), False, False)
     if model == "base":
         return Job(request, prompt_ids, LoadedAdapter("base", BASE_SLOT, 0, 0), time.monotonic() + 60)
     if model == "mix":
@@ -109,6 +110,17 @@ def test_a_request_joins_a_running_batch_and_answers_as_alone(reference):
     engine.stop()
     assert second.first_token_at is not None and first.finished
     assert engine.batches[2] >= 1  # the two shared decode steps
+
+
+def test_a_tiny_temperature_answers_as_greedy_decoding(reference):
+    """Issue 30, 4: a temperature of 1e-45 reached sampling, whose probabilities were NaN: the batch failed (500)."""
+    answers, adapters = reference
+    engine, registry, prompt_ids = new_engine(adapters)
+    job = job_for("a", registry, prompt_ids, sampling=Sampling(temperature=1e-45, top_p=0.9))
+    engine.submit(job)
+    engine.start()
+    assert text_of(job) == answers["a"]  # the greedy answer (was: FAILED, no END)
+    engine.stop()
 
 
 def test_a_new_version_is_published_and_the_old_slot_dropped_after_its_last_request(reference):

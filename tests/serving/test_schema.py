@@ -3,7 +3,7 @@ import pytest
 
 from serving.config import Limits
 from serving.errors import InvalidRequest
-from serving.schema import parse_chat, parse_json_body, parse_text
+from serving.schema import GREEDY_BELOW, Sampling, parse_chat, parse_json_body, parse_text
 
 LIMITS = Limits(max_tokens=100)
 
@@ -84,3 +84,12 @@ def test_too_large_max_tokens_has_its_own_code():
     with pytest.raises(InvalidRequest) as caught:
         parse_chat(chat(max_tokens=1000), LIMITS)
     assert caught.value.code == "max_tokens_exceeded" and "100" in caught.value.message
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324, 1e-45, 1e-38, GREEDY_BELOW / 2])
+def test_a_tiny_temperature_is_greedy_decoding(temperature):
+    """Issue 30, 4: these passed the [0, 2] check and sampling divided the logits by them: NaN, a 500."""
+    sampling = parse_chat(chat(temperature=temperature, top_p=0.5), LIMITS).sampling
+    assert sampling == Sampling(temperature=0.0, top_p=1.0) == parse_chat(chat(temperature=0), LIMITS).sampling
+    assert sampling.greedy and Sampling(temperature=temperature).greedy  # built directly, too
+    assert not parse_chat(chat(temperature=GREEDY_BELOW), LIMITS).sampling.greedy

@@ -1,6 +1,7 @@
-"""Large request bodies on their way in, for the buffering front (coordinator/front.py).
+"""Large request bodies on their way in, for the buffering front (coordinator/http/front.py).
 
-``DirectBody`` reads the rest of a body straight from the socket into two buffers in turn;
+The request cycle (coordinator/http/connection.py) reads the rest of a body straight from the socket into two
+buffers of a ``BufferBudget`` in turn (``Wire.fill``), or has a body thread read it (``read_on_thread``);
 ``Spool`` writes a body's chunks to a named file in the blob store's temp dir and hashes them, on a
 thread, one chunk behind the socket; the application finds the result as a ``SpooledBody`` and may
 take the file over instead of copying it (issue 18, docs/scale.md). When the application says where a
@@ -23,11 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from coordinator.http1 import HttpError
+from coordinator.http.heads import HttpError
 from protocol.integrity import content_id, new_hasher
 
-DIRECT_CHUNK = 1 << 20  # each of DirectBody's two buffers; also one piece of a body read on a thread
-BUFFER_BUDGET = 12  # DIRECT_CHUNK buffers DirectBody's bodies hold at once, plus the free ones kept for the next
+DIRECT_CHUNK = 1 << 20  # each of a large body's two receive buffers; also one piece of a body read on a thread
+BUFFER_BUDGET = 12  # DIRECT_CHUNK buffers large bodies hold at once, plus the free ones kept for the next
 Buffer = bytearray | mmap.mmap
 
 
@@ -40,8 +41,8 @@ def new_buffer(size: int) -> Buffer:
 
 class BufferBudget:
     """The receive buffers of large bodies in flight, and the free ones kept for the next: at most ``budget`` of
-    them, held by DirectBody (which keeps its two for as long as a client stalls, up to --socket-timeout) and the
-    free list together; past it a body is read through the stream's own bounded buffer instead (slower, no larger).
+    them, held by large bodies (each keeps its two for as long as a client stalls, up to --socket-timeout) and the
+    free list together; past it a body is read through the connection's bounded pending bytes (slower, no larger).
     Before (audit F10), every stalled large body held two written 1 MiB buffers: 100 of them, 200 MiB. A body
     thread's buffer is outside the budget (``bounded=False``): BODY_THREADS bound those, and a thread gives its
     buffer back after THREAD_STALL without progress. Used on the event loop only."""
@@ -102,112 +103,6 @@ class SpooledBody:
     """Set by the application when it moved the file away; otherwise the front deletes it."""
     place: BodyPlace | None = field(default=None, repr=False)
     """Set when the body was written into the application's ``BodyPlace`` (at ``place.offset`` of ``path``)."""
-
-
-class DirectBody(asyncio.BufferedProtocol):
-    """Holds a connection's transport while the rest of a large body arrives: the socket is read straight into
-    two preallocated buffers in turn (``recv_into``), so a 4.7 MB push costs no bytes object per read, no
-    copy through the stream's buffer and no pause/resume of the socket every 128 KiB (the StreamReader's
-    limit is the head limit). Never reads past the body (a pipelined request stays in the socket).
-    Connection loss, EOF and write flow control are passed on to the stream protocol it stands in for.
-    """
-
-    def __init__(self, transport: asyncio.BaseTransport, stream: asyncio.BaseProtocol, left: int,
-                 buffers: list[Buffer]) -> None:
-        """``buffers``: two of the same size (``buffers_for``), or one when the body fits in it."""
-        self.transport, self.stream, self.left = transport, stream, left
-        self.taken = list(buffers)  # what ``release`` gives back
-        self.buffers = self.taken if len(buffers) == 2 else [*buffers, bytearray(0)]  # the second: never read into
-        self.current = 0
-        self.view = memoryview(self.buffers[0])[:min(left, len(self.buffers[0]))]  # where the socket reads to now
-        self.filled = 0
-        self.waiter: asyncio.Future | None = None
-        self.problem: BaseException | None = None
-        self.arrived_at = 0.0  # loop time of the last bytes received (next_chunk's stall timer)
-
-    # the consumer (Connection._receive_direct)
-
-    async def next_chunk(self, stall: float) -> memoryview:
-        """The next full buffer (the last one holds the body's end); reading stays paused until ``resume``.
-        The chunk stays valid until the next-but-one call (its buffer is read into again after that).
-        TimeoutError once no byte has arrived for ``stall`` s: a client that keeps sending, however slowly, is
-        waited for (a timeout for the whole buffer gave a steady 256 KiB/s sender 408 at a 2 s --socket-timeout)."""
-        loop = asyncio.get_running_loop()
-        self.arrived_at = loop.time()
-        timer: asyncio.TimerHandle | None = None
-
-        def check() -> None:  # one timer per buffer, moved on when bytes came meanwhile: no wake-up per read
-            nonlocal timer
-            if loop.time() < self.arrived_at + stall:
-                timer = loop.call_at(self.arrived_at + stall, check)
-            elif self.waiter is not None and not self.waiter.done():
-                self.waiter.set_exception(TimeoutError())
-
-        while self.filled < len(self.view) and self.problem is None:
-            self.waiter = loop.create_future()
-            timer = loop.call_at(self.arrived_at + stall, check)
-            try:
-                await self.waiter
-            finally:
-                self.waiter = None
-                timer.cancel()
-        if self.problem is not None:
-            raise self.problem
-        chunk, self.left = self.view, self.left - self.filled
-        self.current ^= 1
-        self.view, self.filled = memoryview(self.buffers[self.current])[:min(self.left, len(self.buffers[self.current]))], 0
-        return chunk
-
-    @staticmethod
-    def buffers_for(left: int, chunk: int = DIRECT_CHUNK) -> int:
-        return 2 if left > chunk else 1
-
-    def release(self, budget: BufferBudget, reuse: bool) -> None:
-        """Give the buffers back (for the next bodies if ``reuse``: only once nothing reads them), and drop what
-        would keep them mapped: a failed body's ``problem`` (its traceback holds this object: a cycle that only a
-        full garbage collection broke, with the buffers mapped until then)."""
-        if self.taken:
-            self.view.release()
-            self.view = memoryview(b"")
-            budget.give_back(self.taken, reuse)
-            self.taken, self.buffers = [], []
-        self.problem = None
-
-    def resume(self) -> None:
-        if self.left:
-            self.transport.resume_reading()  # type: ignore[attr-defined]  # a ReadTransport
-
-    # the transport
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return self.view[self.filled:]
-
-    def buffer_updated(self, nbytes: int) -> None:
-        self.filled += nbytes
-        self.arrived_at = asyncio.get_running_loop().time()  # progress: the stall timer starts again
-        if self.filled == len(self.view):
-            self.transport.pause_reading()  # type: ignore[attr-defined]  # until the consumer frees the other buffer
-            self._wake()
-
-    def eof_received(self) -> bool | None:
-        self.problem = asyncio.IncompleteReadError(b"", self.left - self.filled)
-        self._wake()
-        return self.stream.eof_received()  # type: ignore[attr-defined]  # a StreamReaderProtocol
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.problem = exc or ConnectionResetError("connection lost while the body arrived")
-        self._wake()
-        self.stream.connection_lost(exc)
-
-    def pause_writing(self) -> None:
-        self.stream.pause_writing()
-
-    def resume_writing(self) -> None:
-        self.stream.resume_writing()
-
-    def _wake(self) -> None:
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(None)
 
 
 class Spool:

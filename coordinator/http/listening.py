@@ -1,6 +1,6 @@
 """What serve() adds around the listening socket: TLS files, socket timeouts, the local token entry.
 
-Socket timeouts: the production front (coordinator/front.py) times out stalled connections itself;
+Socket timeouts: the production front (coordinator/http/front.py) times out stalled connections itself;
 for --debug's werkzeug server, which reads requests with blocking sockets in its threads, we set
 SO_RCVTIMEO/SO_SNDTIMEO on the listening socket; Linux copies them to every accepted connection,
 and a read or write that makes no progress for that long fails, ending the request.

@@ -3,8 +3,9 @@
 Before, a 64 MiB chunk was spooled by the front to a file of its own (written and hashed), then copied into the
 upload's file (``copy_file_range``) while a thread hashed it again into the upload's running digest: per GiB,
 0.54 s of writing plus 0.6-1.1 s of copying (docs/scale.md, fifth and seventh rounds). Here the front asks,
-once the head is in and before any of the body is read, where the body goes (coordinator/front.py,
-``BodyPlacer``): for ``PUT /api/v1/experts/<name>/uploads/<id>`` from the upload's owner (a worker or a relay, or the admin), at the
+once the head is in and before any of the body is read, where the body goes (coordinator/http/front.py,
+``BodyPlacer``): for ``PUT /api/v1/experts/<name>/uploads/<id>`` from the upload's owner (a worker or a relay, or the
+admin), at the
 upload's offset, the answer is the upload's own file (``UploadStore.place_chunk``), with the upload's lock held
 until the request is over. The route's handler then only checks the chunk's digest and makes it durable.
 
@@ -21,7 +22,7 @@ from typing import Any
 from flask import Flask
 
 from coordinator.auth import bearer_token
-from coordinator.front_bodies import BodyPlace
+from coordinator.http.bodies import BodyPlace
 from coordinator.tokens import ADMIN, RELAY, WORKER
 from coordinator.upload_store import UploadStore
 from coordinator.uploads import chunk_range, owner_of
