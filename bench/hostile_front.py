@@ -71,6 +71,7 @@ def tls_relay(directory: Path, connections: int, rounds: int = 20) -> dict[str, 
     root = CoordinatorProcess(directory / "root", "--rate-limit", "0")
     root.start()
     relay = CoordinatorProcess(directory / "relay", "--upstream", root.url, "--join-token-file", str(directory / "join"),
+                               "--relay-join-token-file", str(directory / "root" / "relay_join_token"),
                                "--forward-interval", "3600", "--rate-limit", "0", "--tls-cert", str(cert),
                                "--tls-key", str(key))
     try:
