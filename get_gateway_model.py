@@ -104,11 +104,28 @@ def when(timestamp: float) -> str:
 def experts_table(experts: list[dict[str, Any]]) -> str:
     if not experts:
         return "no experts yet"
-    return table(("name", "version", "updates", "samples", "rank", "last loss", "last update"),
+    return table(("name", "version", "updates", "samples", "rank", "last loss", "last update", "privacy (eps, delta)"),
                  [(e["name"], str(e["version"]), str(e["updates_applied"]), str(e["samples_seen"]),
                    "full" if e.get("kind") == "full" else str(e["lora"]["rank"]),
-                   "-" if e.get("last_train_loss") is None else f"{e['last_train_loss']:.4f}", when(e["updated_at"]))
+                   "-" if e.get("last_train_loss") is None else f"{e['last_train_loss']:.4f}", when(e["updated_at"]),
+                   privacy_cell(e.get("privacy")))
                   for e in experts])
+
+
+def privacy_cell(privacy: dict[str, Any] | None) -> str:
+    """The expert's privacy spent: worker-level DP-FedAvg (its budget) and the largest DP-SGD claim of its workers."""
+    if not privacy:
+        return "-"
+    parts = []
+    fedavg = privacy.get("dp_fedavg")
+    if fedavg:
+        budget = f" of {fedavg['budget']:g}" if fedavg.get("budget") is not None else ""
+        parts.append(f"worker-level ({fedavg['epsilon']:.3g}{budget}, {fedavg['delta']:g})")
+    claims = privacy.get("dp_sgd") or {}
+    if claims:
+        worst = max(claims.values(), key=lambda c: c["epsilon"])
+        parts.append(f"DP-SGD up to ({worst['epsilon']:.3g}, {worst['delta']:g}) over {len(claims)} worker(s)")
+    return "; ".join(parts)
 
 
 def workers_table(workers: list[dict[str, Any]]) -> str:

@@ -18,12 +18,13 @@ import logging
 import os
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 # Light imports only: --help and flag errors must not wait for torch, Flask or gunicorn (main imports them).
 from coordinator.config import CoordinatorConfig, ServeOptions
+from privacy.secagg.settings import SecAggSettings
 from protocol.cli import add_common_flags, add_flags, comma_list, from_flags, json_object, option, report_error, \
     setup_logging
 from protocol.python_version import require_supported_python
@@ -91,6 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_flags(p, ServeOptions)
     add_flags(p, CoordinatorConfig)
+    add_flags(p, SecAggSettings)
     add_flags(p, RelayFlags)
     add_flags(p, AdminFlags)
     add_common_flags(p)
@@ -108,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         config = from_flags(CoordinatorConfig, args)
+        if config.secure_aggregation:
+            config = replace(config, secagg=from_flags(SecAggSettings, args, cohort_size=config.buffer_size))
         options = from_flags(ServeOptions, args)
         relay = from_flags(RelayFlags, args)
         admin = from_flags(AdminFlags, args)

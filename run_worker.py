@@ -40,6 +40,7 @@ DEFAULT_BASE_MODEL = "qwen/Qwen2-0.5B-Instruct"
 
 
 CHECKPOINT, COMPRESSION, TRAINING = "checkpoint and sync", "compression", "training"
+PRIVACY = "privacy (docs/privacy.md)"
 PARALLEL = "inside a worker (torchrun ranks; docs/bigger-workers.md)"
 
 
@@ -84,6 +85,10 @@ class WorkerFlags:
     fresh: bool = option(False, "discard the checkpoint in --state-dir and start over", group=CHECKPOINT)
     no_overlap: bool = option(False, "pause training during each push and pull (default: sync in the background)",
                               group=CHECKPOINT)
+    secure_aggregation: bool = option(False, "push only masked, through secure-aggregation cohorts: the coordinator "
+                                             "(started with --secure-aggregation) learns only each cohort's sum "
+                                             "(docs/secure-aggregation.md); composes with dense codecs only",
+                                      group=COMPRESSION)
     compression: str = option("safetensors", "update codec: safetensors (uncompressed), a compression spec such "
                                              "as int8, topk+int8, or auto (picked at each sync to fit --sync-budget)",
                               group=COMPRESSION)
@@ -136,6 +141,13 @@ class WorkerFlags:
     early_stopping_threshold: float = option(0.0, "with --early-stopping-patience: the least drop in held-out loss "
                                                   "that counts as an improvement", group=TRAINING)
     results: Path | None = option(None, "append one JSON line per sync to this file", type=Path, group=TRAINING)
+    dp_sgd: str | None = option(None, "train with example-level DP-SGD (Opacus, LoRA parameters only): Poisson "
+                                      "batches of expected --batch-size, each example's gradient clipped to "
+                                      "MAX_GRAD_NORM, Gaussian noise of NOISE_MULTIPLIER x MAX_GRAD_NORM; the "
+                                      "epsilon spent goes into --results and with every pushed update",
+                                metavar="NOISE_MULTIPLIER,MAX_GRAD_NORM", group=PRIVACY)
+    dp_delta: float = option(1e-5, "delta of the (epsilon, delta) --dp-sgd reports; keep it well below 1 / "
+                                   "training examples", group=PRIVACY)
     strategy: str = option("auto", "ddp replicates the model; fsdp shards parameters, gradients and optimiser state "
                                    "(ZeRO-3-like); fsdp-grad-op shards gradients and optimiser state (ZeRO-2-like); "
                                    "auto picks by parameter count", choices=STRATEGY_CHOICES, group=PARALLEL)
@@ -239,6 +251,21 @@ def early_stopping(args: argparse.Namespace):
     return EarlyStoppingSettings(args.early_stopping_patience, args.early_stopping_threshold)
 
 
+def _check_secure_codec(codec: str) -> None:
+    """--secure-aggregation masks every coordinate: a sparsifying codec (or auto, which picks one) is refused."""
+    from privacy.secagg.compat import check_codec
+    from privacy.secagg.errors import BadSecAggMessage
+
+    if codec == "auto":
+        raise ValueError("--secure-aggregation composes with dense codecs only, not --compression auto "
+                         "(it picks sparsifiers); pick safetensors, fp16 or int8")
+    if codec != "safetensors":
+        try:
+            check_codec(codec)
+        except BadSecAggMessage as exc:
+            raise ValueError(exc.message) from None
+
+
 def default_worker_id(specialty: str) -> str:
     host = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname()) or "worker"
     return f"{host}-{specialty}"[:64]
@@ -278,18 +305,21 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
     compression = CompressionSettings(codec=args.compression, config=parse_json_flag(args.compression_config,
                                                                                 "--compression-config"),
                                       error_feedback=not args.no_error_feedback, sync_budget=args.sync_budget)
+    if args.secure_aggregation:
+        _check_secure_codec(args.compression)
     pull = PullSettings(codec=args.pull_compression, full_every=args.full_pull_every,
                         config=parse_json_flag(args.pull_compression_config, "--pull-compression-config"))
     worker_id = args.worker_id or default_worker_id(args.specialty)
+    lora = LoraSettings(rank=args.lora_rank, alpha=args.lora_alpha, target_modules=modules)
+    train = TrainSettings(**train_kwargs)
     return WorkerConfig(
         coordinator_url=args.coordinator_url, dataset=Path(dataset), base_model=args.base_model,
         sync=SyncSettings(specialty=args.specialty, worker_id=worker_id,
                           duration=args.duration, max_steps=args.max_steps, sync_interval=args.sync_interval,
                           speed_factor=args.speed_factor, results_path=args.results,
                           state_dir=args.state_dir or default_state_dir(worker_id), resume=not args.fresh,
-                          overlap=not args.no_overlap),
-        lora=LoraSettings(rank=args.lora_rank, alpha=args.lora_alpha, target_modules=modules),
-        train=TrainSettings(**train_kwargs), use_huggingface=args.use_huggingface,
+                          overlap=not args.no_overlap, secure_aggregation=args.secure_aggregation),
+        lora=lora, train=train, dp_sgd=dp_sgd_settings(args, lora, train), use_huggingface=args.use_huggingface,
         use_proxy=args.use_proxy, device=args.device, compression=compression, pull=pull, token=args.token,
         ca_cert=args.ca_cert, progress=False if args.log_format == "json" else None, threads=args.threads,
         heldout_eval=not args.no_heldout_eval, early_stopping=early_stopping(args),
@@ -297,6 +327,18 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         data=DataSettings(dataset_format=args.dataset_format, split_key=args.split_key,
                           eval_dataset=args.eval_dataset),
         profile=profile_settings(args), tensorboard=tensorboard_dir(args))
+
+
+def dp_sgd_settings(args: argparse.Namespace, lora, train):
+    """--dp-sgd's settings, or None; ValueError (naming the flag) for a value or a combination it cannot take."""
+    if args.dp_sgd is None:
+        if args.dp_delta != WorkerFlags.__dataclass_fields__["dp_delta"].default:
+            raise ValueError("--dp-delta applies to --dp-sgd only; pass --dp-sgd NOISE_MULTIPLIER,MAX_GRAD_NORM")
+        return None
+    from worker.dp_sgd import DPSGDSettings, check_dp_sgd_settings  # imports Opacus
+
+    check_dp_sgd_settings(lora, train, int(os.environ.get("WORLD_SIZE", "1")))
+    return DPSGDSettings.parse(args.dp_sgd, args.dp_delta)
 
 
 def _check_address_and_files(args: argparse.Namespace) -> None:

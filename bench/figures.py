@@ -94,6 +94,13 @@ HEADLINES: dict[str, Callable[[Report], str]] = {
         f"{k} {r[part]['change_over_baseline'][k]:g}" for part, k in (
             ("hostile", "tls health p99 s"), ("hostile", "tls push p99 s"), ("hostile", "plain push p99 s"),
             ("transport", "pull_vs_socket"), ("transport", "push_vs_socket"), ("front", "requests_per_s"))),
+    "privacy_tiny_qwen2": lambda r: "membership-inference AUC (loss attack): " + ", ".join(
+        f"{arm} {a['attack']['loss']['auc']:.2f}" for arm, a in r["arms"].items() if "attack" in a),
+    "secagg": lambda r: "; ".join(
+        f"{x['model']}: masked upload x{x['arms']['masked']['bytes_up_per_worker'] / x['arms']['plain']['bytes_up_per_worker']:.4f}"
+        f" of plain, sum error {x['arms']['masked']['max_error']:.1e}" for x in r["results"]),
+    "secagg_quality": lambda r: (f"held-out loss plain {r['arms']['plain']['heldout']['loss']:.4f}, secagg "
+                                 f"{r['arms']['secagg']['heldout']['loss']:.4f} ({r['model']})"),
     "transport_ab": lambda r: "change / baseline: " + ", ".join(f"{k} {v:g}" for k, v in r["ratios"].items()),
     "wan": lambda r: "root ingress vs flat: " + ", ".join(
         f"{x['mode']} {x['ingress_vs_flat']:g}x" for x in r["results"]),
@@ -102,7 +109,8 @@ HEADLINES: dict[str, Callable[[Report], str]] = {
         f"{p['configured_rtt_ms']:g} ms" for name, p in r.items() if isinstance(p, dict)),
 }
 """Headline figures per result file (by stem): what the row of docs/benchmarks.md says."""
-BENCH_OF = {"router_calibration": "quality_gateway --router-only", "wan_link": "wanemu.measure"}
+BENCH_OF = {"router_calibration": "quality_gateway --router-only", "wan_link": "wanemu.measure",
+            "privacy_tiny_qwen2": "privacy --model tiny-qwen2"}
 
 
 def measured_at(path: Path, report: Report) -> tuple[str, str, str]:
@@ -116,6 +124,8 @@ def measured_at(path: Path, report: Report) -> tuple[str, str, str]:
     commit, date = (log + ["?", "?"])[:2]
     noted = (report.get("load_average_at_end") or report.get("load_average_end") or report.get("load_average")
              or report.get("load"))
+    if isinstance(noted, dict):  # {"start": [...], "end": [...]}
+        noted = noted.get("end")
     if isinstance(noted, list) and noted and isinstance(noted[0], (int, float)):
         noted = noted[0]
     load = f"{noted:.1f}" if isinstance(noted, (int, float)) else str(noted) if noted else "-"

@@ -68,6 +68,7 @@ TAGS: dict[str, str] = {
     "scale": "replicas on PostgreSQL and an S3 store",
     "serving": "the OpenAI-compatible server",
     "merging": "the gateway's merges",
+    "privacy": "secure aggregation and differential privacy: costs, learning, membership inference",
     "a-b": "this checkout against another one, in one run",
     "gpu": "a CUDA device (exits 0 without one)",
     "sweep": "a hyper-parameter sweep: its arms are given on the command line",

@@ -16,6 +16,7 @@ from werkzeug.exceptions import ClientDisconnected, HTTPException
 from werkzeug.exceptions import NotFound as NoRoute
 
 from coordinator.audit import rejection_event
+from coordinator.cohorts import refuse_clear_push
 from coordinator.auth import acting_worker, authenticator, check_may_register, issue_token, principal
 from coordinator.errors import REFUSALS, as_http_error
 from coordinator.expert_store import WeightsRef
@@ -214,6 +215,7 @@ def push_update(name: str) -> tuple[Response, int]:
         meta = UpdateMeta.from_json(parse_header_json(request.headers.get(UPDATE_HEADER), UPDATE_HEADER))
         meta = replace(meta, worker_id=acting_worker(meta.worker_id, f"worker_id in {UPDATE_HEADER}"))
         check_may_carry_members(meta)
+        refuse_clear_push(meta)  # --secure-aggregation: a worker's update comes only masked, through its cohort
         c.require_expert(name)  # 404 before reading a body we would throw away
         status, is_new = c.submit_update(name, meta, receive_body())
     except REFUSALS + (HTTPException,) as exc:  # every refused push goes to the audit log

@@ -55,6 +55,10 @@ RULES: dict[str, str] = {
     "relays.probe": PUBLIC, "api.probe": PUBLIC,  # protocol/probe.py: throughput, before a worker has a token
     "relays.probe_upload": READ, "api.probe_upload": READ,  # bytes in: only for callers with a token
     "relays.register_relay": JOIN_ONLY, "relays.list_relays": READ, "relays.relay_report": SELF,
+    # secure aggregation (coordinator.cohorts): joining names the expert; a cohort's rounds need the worker's own
+    # token (the view takes the worker id from it), never the join token
+    "cohorts.join": EXPERT, "cohorts.status": SELF, "cohorts.post_keys": SELF, "cohorts.post_shares": SELF,
+    "cohorts.shares": SELF, "cohorts.post_input": SELF, "cohorts.post_answer": SELF, "cohorts.cohorts": READ,
 }
 ADMIN_PRINCIPAL = Principal(ADMIN)
 RATE_TAKEN = "fedmoe.rate_taken"

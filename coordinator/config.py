@@ -16,10 +16,12 @@ from typing import Any
 from coordinator.choices import AGGREGATION_NAMES, ROBUST_NAMES
 from coordinator.norm_check import NORM_CHECK_MODES, NormPolicy
 from gateway.choices import DEFAULT_ROUTE_THRESHOLD, MERGE_NAMES
+from privacy.secagg.settings import GROUP as SECAGG, SecAggSettings
 from protocol.cli import json_object, option
 
 REPLICAS = "replicas (docs/scale.md)"
 SECURITY = 'security (README, "Security")'
+PRIVACY = "privacy (docs/privacy.md)"
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,23 @@ class CoordinatorConfig:
     robust: str = option("none", "robust combination of each fedbuff buffer (none = weighted mean)",
                          choices=("none", *ROBUST_NAMES))
     trim_fraction: float = option(0.2, "share of values trimmed at each end by --robust trimmed_mean")
+    dp_noise: float | None = option(None, "worker-level differential privacy (DP-FedAvg): each aggregation step "
+                                          "clips every worker's update to --dp-clip and adds Gaussian noise of this "
+                                          "multiple of --dp-clip; the (epsilon, delta) spent is shown per expert",
+                                    type=float, metavar="SIGMA", group=PRIVACY)
+    dp_clip: float | None = option(None, "with --dp-noise: the L2 norm every worker's contribution to a step is "
+                                         "clipped to", type=float, metavar="C", group=PRIVACY)
+    dp_delta: float = option(1e-5, "with --dp-noise: the delta of the (epsilon, delta) reported; keep it well "
+                                   "below 1 / number of workers", group=PRIVACY)
+    dp_budget: float | None = option(None, "with --dp-noise: the epsilon an expert may spend; pushes that would "
+                                           "need another step are then refused (409 privacy_budget_spent)",
+                                     type=float, metavar="EPS", group=PRIVACY)
+    secure_aggregation: bool = option(False, "learn only the sum of each cohort of --buffer-size workers' updates "
+                                             "(pairwise masking, Bonawitz et al. 2017; needs --aggregation fedbuff); "
+                                             "workers run with --secure-aggregation and a push in the clear is "
+                                             "refused (docs/secure-aggregation.md)", group=SECAGG)
+    secagg: SecAggSettings | None = None
+    """The --secagg-* flags (run_coordinator.py builds them); None: their defaults, sized to --buffer-size."""
     extra: Mapping[str, object] = field(default_factory=dict)
     """Flask config overrides (tests)."""
 
@@ -131,9 +150,42 @@ class CoordinatorConfig:
         if not self.rate_limit >= 0:
             raise ValueError(f"--rate-limit must be >= 0 requests per minute (0 = no limit), got {self.rate_limit}")
         self._check_robustness()
+        self._check_privacy()
+        self._check_secure_aggregation()
         for name, weight in (self.gateway_weights or {}).items():
             if not weight >= 0:
                 raise ValueError(f"--gateway-weights: weight of {name!r} must be >= 0, got {weight}")
+
+    def _check_privacy(self) -> None:
+        """--dp-* flags: all or nothing, and not with what would change a worker's influence on a step."""
+        if self.dp_noise is None:
+            given = [flag for flag, value in (("--dp-clip", self.dp_clip), ("--dp-budget", self.dp_budget))
+                     if value is not None] + (["--dp-delta"] if self.dp_delta != 1e-5 else [])
+            if given:
+                raise ValueError(f"{', '.join(given)} need(s) --dp-noise SIGMA (worker-level differential privacy)")
+            return
+        if self.dp_clip is None:
+            raise ValueError("--dp-noise needs --dp-clip C: the L2 norm each worker's update is clipped to")
+        if self.robust != "none":
+            raise ValueError(f"--dp-noise cannot be combined with --robust {self.robust}: its guarantee needs each "
+                             "step to be the clipped mean plus noise")
+        if self.manifest is not None:
+            raise ValueError("--dp-noise keeps each expert's privacy ledger in --data-dir, which replicas sharing "
+                             "--manifest do not share; run one coordinator for private experts")
+        if self.secure_aggregation:  # the workers would have to clip and add the noise (privacy.dp.privatize_for_cohort)
+            raise ValueError("--dp-noise cannot be combined with --secure-aggregation yet: the coordinator would have "
+                             "to clip updates it never sees; the workers' distributed noise is not wired in")
+        self.dp  # noqa: B018 - builds the settings, which check each value
+
+    @property
+    def dp(self) -> Any:
+        """The DP-FedAvg settings (privacy.dp.DPFedAvgSettings), or None without --dp-noise."""
+        if self.dp_noise is None or self.dp_clip is None:
+            return None
+        from privacy.dp import DPFedAvgSettings  # torch: not for --help
+
+        return DPFedAvgSettings(clip_norm=self.dp_clip, noise_multiplier=self.dp_noise, delta=self.dp_delta,
+                                budget=self.dp_budget)
 
     def _check_robustness(self) -> None:
         from coordinator.aggregation.robust import trim_count
@@ -161,6 +213,18 @@ class CoordinatorConfig:
             raise ValueError(f"--trim-fraction {self.trim_fraction} trims nothing from a buffer of "
                              f"{self.buffer_size} updates; use at least {math.ceil(1000 / self.buffer_size) / 1000:g}")
 
+    def _check_secure_aggregation(self) -> None:
+        if not self.secure_aggregation:
+            return
+        if self.aggregation != "fedbuff" or self.robust != "none" or self.buffer_size < 2:
+            raise ValueError("--secure-aggregation makes each cohort of --buffer-size workers one step of their summed "
+                             "updates: it needs --aggregation fedbuff, --buffer-size >= 2 and no --robust, got "
+                             f"--aggregation {self.aggregation} --buffer-size {self.buffer_size} --robust {self.robust}")
+        if self.secagg is None or self.secagg.cohort_size != self.buffer_size:
+            base = self.secagg or SecAggSettings(cohort_size=self.buffer_size)
+            object.__setattr__(self, "secagg", SecAggSettings(self.buffer_size, base.threshold, base.clip,
+                                                              base.max_weight, base.round_timeout, base.input_timeout))
+
     @property
     def norm_policy(self) -> NormPolicy:
         return NormPolicy(self.norm_check, self.norm_factor, self.norm_history, self.norm_warmup)
@@ -171,7 +235,8 @@ class CoordinatorConfig:
 
     @property
     def updates_per_step(self) -> int:
-        return self.buffer_size if self.aggregation == "fedbuff" else 1
+        """FedBuff's K; 1 under --secure-aggregation, where each update is already a cohort's sum of K."""
+        return self.buffer_size if self.aggregation == "fedbuff" and not self.secure_aggregation else 1
 
 
 def _async_alpha(text: str) -> float | None:

@@ -37,6 +37,7 @@ from coordinator.gateway_builder import GatewayBuilder
 from coordinator.health import StoreHealth
 from coordinator.liveness import liveness
 from coordinator.norm_check import judge_norm
+from coordinator.privacy_ledger import PrivacyLedgers
 from coordinator.recovery import recover
 from coordinator.steps import AggregationSteps
 from coordinator.store import RELAYED, ExpertRow, ManifestStore, UpdateRow, members_applied, parsed_manifest
@@ -70,9 +71,13 @@ class Coordinator:
         self.store = open_store(config)
         self.diffs = DiffCache(self.store)
         self.gateway = GatewayBuilder(self.store, config)
-        self.steps = AggregationSteps(self.store, config, self._stepped)
+        self.privacy = PrivacyLedgers(config.data_dir, config.dp)
+        """Each expert's DP-FedAvg ledger (--dp-noise) and its workers' DP-SGD claims."""
+        self.steps = AggregationSteps(self.store, config, self._stepped, ledgers=self.privacy)
         self.on_aggregated: Callable[[float], None] = lambda seconds: None
         """Called with the seconds each aggregation step took (metrics hook)."""
+        self.on_close: list[Callable[[], None]] = []
+        """Stopped before the store closes (e.g. the secure-aggregation applier, coordinator.cohorts)."""
         self.health = StoreHealth(self.expert_count)
         """What /health answers, without waiting on a database that is held up (coordinator/health.py)."""
         # finish what a crash interrupted; refuse to start on what this process cannot see (coordinator/recovery.py)
@@ -80,6 +85,8 @@ class Coordinator:
         self.gateway.start()
 
     def close(self) -> None:
+        for stop in self.on_close:
+            stop()
         self.gateway.close()
         self.store.close()
 
@@ -161,10 +168,12 @@ class Coordinator:
         return [self._info(e) for e in self.store.experts()]
 
     def _info(self, e: ExpertRow) -> dict[str, Any]:
-        return {"name": e.name, "version": e.version, **e.spec, "updates_applied": e.updates_applied,
+        info = {"name": e.name, "version": e.version, **e.spec, "updates_applied": e.updates_applied,
                 "samples_seen": e.samples_seen, "last_train_loss": e.last_train_loss,
                 "pending_updates": self.store.pending_count(e.name),
                 "created_at": e.created_at, "updated_at": e.updated_at}
+        privacy = self.privacy.report(e.name)
+        return info if privacy is None else {**info, "privacy": privacy}
 
     def versions(self, name: str) -> list[dict[str, Any]]:
         self.require_expert(name)
@@ -213,6 +222,7 @@ class Coordinator:
                 raise Conflict(f"base_version {meta.base_version} is ahead of expert {name!r}, "
                                f"which is at version {expert.version}")
             self._refuse_recorded_members(meta)  # before the body is decoded: a refused relay batch costs nothing
+            self._check_private(name, meta)
             manifest = list(parsed_manifest(expert.manifest))
             # int8 bodies are checked and measured from their codes (coordinator/fused_check.py); others are
             # decoded tensor by tensor. Either way nothing decoded is kept while we wait for the expert's
@@ -242,6 +252,8 @@ class Coordinator:
         finally:
             self.store.forget(body)
         self.store.sync()  # group commit: durable (blob and row) before the 202
+        if meta.privacy is not None:  # a --dp-sgd worker's own account of what its data has spent
+            self.privacy.record_claim(name, meta.worker_id or meta.update_id, meta.privacy)
         if not step_failed and not self.store.held_up():
             with contextlib.suppress(BackendUnavailable):
                 return self.update_status(meta.update_id), True
@@ -249,6 +261,17 @@ class Coordinator:
         # the row as recorded, pending. Exact when its step failed (the newest update is in the last step); when the
         # database is held up and its status is not read back, a step may have applied it meanwhile.
         return _status(recorded, expert.version), True
+
+    def _check_private(self, name: str, meta: UpdateMeta) -> None:
+        """With --dp-noise: 409 once the expert's --dp-budget is spent; a relay's combined update is refused,
+        since clipping it as one contribution would let each of its workers move the step by up to 2C."""
+        if self.config.dp is None:
+            return
+        if meta.members:
+            raise Conflict(f"expert {name!r} is trained with worker-level differential privacy (--dp-noise): a "
+                           "relay's combined update cannot be clipped per worker; connect these workers to this "
+                           "coordinator directly", reason="dp_relay_batch")
+        self.privacy.check_budget(name)
 
     def _refuse_recorded_members(self, meta: UpdateMeta) -> None:
         """A relay batch naming an update recorded here is refused whole (409 members_applied) before its step is

@@ -26,6 +26,7 @@ from coordinator.aggregation import AGGREGATORS, AggregationParams, StateDict, U
 from coordinator.config import CoordinatorConfig
 from coordinator.expert_store import ExpertStore, StaleAggregation
 from coordinator.flat_weights import load_flat, save_flat
+from coordinator.privacy_ledger import PrivacyLedgers
 from coordinator.liveness import active_workers
 from coordinator.recovery import quarantine_updates
 from coordinator.store import ExpertRow, UpdateRow, parsed_manifest
@@ -56,8 +57,10 @@ class AggregationSteps:
     after letting go of it (a step's rows are made durable, and the payloads it applied deleted, there).
     """
 
-    def __init__(self, store: ExpertStore, config: CoordinatorConfig, on_step: Callable[[float], None]) -> None:
-        """``on_step(seconds)`` is called after each committed step (metrics, gateway rebuild)."""
+    def __init__(self, store: ExpertStore, config: CoordinatorConfig, on_step: Callable[[float], None],
+                 ledgers: PrivacyLedgers | None = None) -> None:
+        """``on_step(seconds)`` is called after each committed step (metrics, gateway rebuild); with --dp-noise,
+        ``ledgers`` books every step before it is committed."""
         self.store = store
         self.updates_per_step = config.updates_per_step
         self.params = AggregationParams(config.server_lr, config.staleness_decay)
@@ -66,6 +69,11 @@ class AggregationSteps:
         self._aggregate_fn = AGGREGATORS[config.aggregation]
         if config.robust != "none":  # a robust combination of fedbuff's buffer (coordinator.aggregation.robust)
             self._aggregate_fn = robust_aggregator(config.robust, config.trim_fraction)
+        self.ledgers = ledgers if config.dp is not None else None
+        if config.dp is not None:  # the clipped, noised mean over a step's fixed size K (privacy/dp.py)
+            from coordinator.aggregation.dp_fedavg import dp_fedavg_aggregator
+
+            self._aggregate_fn = dp_fedavg_aggregator(config.dp, self.updates_per_step)
         self._on_step = on_step
 
     def prepare(self, name: str, stored: dict[str, Any], body: Path) -> PreparedStep | None:
@@ -96,7 +104,8 @@ class AggregationSteps:
             entries = [(u.meta, files.enter_context(self.store.local_file(_payload(u)))) for u in recorded]
             entries += [incoming] if incoming is not None else []
             updates = [Update(delta=self._deltas(meta, path, manifest), num_samples=meta["num_samples"],
-                              staleness=max(0, expert.version - meta["base_version"])) for meta, path in entries]
+                              staleness=max(0, expert.version - meta["base_version"]),
+                              contributor=meta.get("worker_id") or meta["update_id"]) for meta, path in entries]
             return self._aggregate_fn(current, updates, self.params_for(expert.name)), updates
 
     def params_for(self, name: str) -> AggregationParams:
@@ -143,6 +152,8 @@ class AggregationSteps:
                 quarantine_updates(self.store, name, batch, f"applying it makes tensor {bad!r} overflow to Inf/NaN")
                 return False
         written = self.store.write_temp(lambda p: _save(new, p), f"write version {expert.version + 1} of {name!r}")
+        if self.ledgers is not None:  # booked before the commit: a crash in between over-counts, never under-counts
+            self.ledgers.book_step(name)
         loss = _mean_loss(batch)
         try:
             self.store.commit_version(name, expert.version + 1, written, batch, loss, events=(audit.version_applied(

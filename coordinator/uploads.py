@@ -34,6 +34,7 @@ from coordinator.api import json_body
 from coordinator.audit import Event, rejection_event
 from coordinator.auth import acting_worker, principal
 from coordinator.config import CoordinatorConfig
+from coordinator.cohorts import refuse_clear_push
 from coordinator.http.wsgi import SPOOLED_BODY
 from coordinator.relays import check_may_carry_members
 from coordinator.service import Coordinator
@@ -158,6 +159,7 @@ def open_upload(name: str) -> tuple[Response, int]:
     meta = UpdateMeta.from_json(update)
     meta = replace(meta, worker_id=acting_worker(meta.worker_id, "worker_id in 'update'"))
     check_may_carry_members(meta)
+    refuse_clear_push(meta)  # --secure-aggregation: updates come only masked, through cohorts
     size, digest = body.get("size"), body.get("digest")
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise BadRequest(f"'size' must be the body's length in bytes (an integer >= 1), got {size!r}")

@@ -58,6 +58,12 @@ class Conflict(FedMoEError):
     code, status = "conflict", 409
 
 
+class PrivacyBudgetSpent(Conflict):
+    """The expert has spent its --dp-budget: no further aggregation step (and so no push) is taken."""
+
+    code = "privacy_budget_spent"
+
+
 class RequestTimeout(FedMoEError):
     """The client stopped sending mid-request for longer than the coordinator's socket timeout."""
 
@@ -101,7 +107,8 @@ class InsufficientStorage(Unavailable):
 _BY_CODE: dict[str, type[FedMoEError]] = {
     cls.code: cls
     for cls in (BadRequest, InvalidPayload, Unauthorized, Forbidden, NotFound, RequestTimeout,
-                Conflict, PayloadTooLarge, InvalidUpdate, InsufficientStorage, TooManyRequests, Unavailable)
+                Conflict, PrivacyBudgetSpent, PayloadTooLarge, InvalidUpdate, InsufficientStorage, TooManyRequests,
+                Unavailable)
 }
 _BY_STATUS: dict[int, type[FedMoEError]] = {
     400: BadRequest, 401: Unauthorized, 403: Forbidden, 404: NotFound,

@@ -241,6 +241,8 @@ class UpdateMeta:
     members: dict[str, str] | None = None
     """A relay's combined update only: the worker update ids it carries, each with the content id of the body
     the relay received. The root records them with the batch and refuses (409) a batch naming one it has seen."""
+    privacy: dict[str, Any] | None = None
+    """A worker training with --dp-sgd: the (epsilon, delta) its training data has spent so far (PRIVACY_FIELDS)."""
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> "UpdateMeta":
@@ -270,15 +272,50 @@ class UpdateMeta:
         members = obj.get("members")
         if members is not None:
             _check_members(members, update_id, where)
+        privacy = obj.get("privacy")
         return cls(update_id=update_id, base_version=base_version, num_samples=num_samples,
                    train_loss=None if loss is None else float(loss), codec=codec,
-                   codec_config=config, worker_id=worker_id, members=members)
+                   codec_config=config, worker_id=worker_id, members=members,
+                   privacy=None if privacy is None else parse_privacy_claim(privacy, where))
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
-        if out["members"] is None:  # a worker's own update: its stored metadata stays as it was
-            del out["members"]
+        for optional in ("members", "privacy"):  # absent unless used: stored metadata stays as it was
+            if out[optional] is None:
+                del out[optional]
         return out
+
+
+PRIVACY_FIELDS = {"epsilon": "a number >= 0", "delta": "a number in (0, 1)", "steps": "an integer >= 0",
+                  "noise_multiplier": "a number > 0", "max_grad_norm": "a number > 0",
+                  "sample_rate": "a number in (0, 1]", "mechanism": "dp-sgd", "accountant": "rdp or prv",
+                  "budget": "null"}
+"""What a worker's DP-SGD claim may carry (worker.dp_sgd.DPSGDTrainer.privacy_spent); other keys are refused."""
+_PRIVACY_CHECKS: dict[str, Any] = {
+    "epsilon": lambda v: is_finite_number(v) and v >= 0, "delta": lambda v: is_finite_number(v) and 0 < v < 1,
+    "steps": lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_COUNT,
+    "noise_multiplier": lambda v: is_finite_number(v) and v > 0, "max_grad_norm": lambda v: is_finite_number(v) and v > 0,
+    "sample_rate": lambda v: is_finite_number(v) and 0 < v <= 1, "mechanism": lambda v: v == "dp-sgd",
+    "accountant": lambda v: v in ("rdp", "prv"), "budget": lambda v: v is None}
+
+
+def parse_privacy_claim(obj: object, where: str) -> dict[str, Any]:
+    """A worker's DP-SGD claim, checked field by field; BadRequest naming the field otherwise.
+
+    It is the worker's own statement about its training: the coordinator records and shows it, it cannot verify it.
+    """
+    if not isinstance(obj, dict):
+        raise BadRequest(f"{where}: privacy must be an object, got {str(obj)[:80]!r}")
+    for key in ("mechanism", "epsilon", "delta"):
+        if key not in obj:
+            raise BadRequest(f"{where}: privacy: missing field {key!r}")
+    for key, value in obj.items():
+        check = _PRIVACY_CHECKS.get(key)
+        if check is None:
+            raise BadRequest(f"{where}: privacy: unknown field {str(key)[:40]!r}; known: {', '.join(PRIVACY_FIELDS)}")
+        if not check(value):
+            raise BadRequest(f"{where}: privacy: {key} must be {PRIVACY_FIELDS[key]}, got {str(value)[:40]!r}")
+    return dict(obj)
 
 
 def _check_members(members: object, update_id: str, where: str) -> None:

@@ -73,6 +73,7 @@ from worker.distributed import SingleProcess
 from worker.early_stopping import BestVersion
 from worker.encoding import CompressionSettings, PullSettings, UpdateEncoder
 from worker.pulling import ExpertPuller
+from worker.secure_push import SecurePush
 from worker.stopping import STOP
 from worker.sync_state import ExpertState, Fetched, IntervalStats, Outgoing, RunSummary, SyncJob
 
@@ -93,6 +94,12 @@ class Trainer(Protocol):
     def seek(self, position: StreamPosition) -> None: ...
     def optimizer_state(self) -> dict: ...
     def load_optimizer_state(self, state: dict) -> None: ...
+
+
+def privacy_claim(trainer: Trainer) -> dict[str, Any] | None:
+    """A DP-SGD trainer's (epsilon, delta) spent so far (worker.dp_sgd), or None for a plain one."""
+    spent = getattr(trainer, "privacy_spent", None)
+    return spent() if spent is not None else None
 
 
 @dataclass(frozen=True)
@@ -120,6 +127,8 @@ class SyncSettings:
     """Resume from the checkpoint in state_dir if there is one; False discards it (--fresh)."""
     overlap: bool = True
     """Push and pull on a background thread while training goes on (False: training waits)."""
+    secure_aggregation: bool = False
+    """Push through secure-aggregation cohorts, masked (worker.secure_push); the coordinator sees only sums."""
 
     def __post_init__(self) -> None:
         if not self.duration > 0:
@@ -178,9 +187,13 @@ class FederatedWorker:
     heldout_score: Callable[[StateDict], float] | None = None
     """Held-out loss of given expert weights on this worker's held-out split (needed with ``early_stopping``)."""
     early_stopped: bool = False
+    secure: SecurePush | None = field(default=None, repr=False)
+    """With --secure-aggregation: this worker's cohorts (pushes go through them, masked)."""
 
     def __post_init__(self) -> None:
         self._upload_base = self.client.upload  # what upload_policy raises the resumable threshold from
+        if self.settings.secure_aggregation and self.secure is None:
+            self.secure = SecurePush(self.client, self.settings.specialty, self.settings.worker_id)
         self.puller = ExpertPuller(self.client, self.settings.specialty, self.settings.worker_id, self.pull,
                                    self.encoder.settings.sync_budget)
 
@@ -222,7 +235,9 @@ class FederatedWorker:
             self._forget_history(info["version"])
         if self.profile is not None:
             self.client.put_profile(s.specialty, s.worker_id, self.profile)
-        if self.state.outbox and not self._push():
+        if self.secure is not None:
+            self.secure.start()  # joins a cohort now: keys and shares are exchanged while we train
+        elif self.state.outbox and not self._push():
             raise Unavailable("cannot deliver the updates saved in the checkpoint; is the coordinator up?")
         if self.encoder.settings.adaptive and not self.links.up.observed:
             self._probe_upload()
@@ -350,6 +365,9 @@ class FederatedWorker:
                 if not at_once:
                     self.wait_sync()
                     self.sync(final=True)
+                    if self.secure is not None:  # stay for the cohort: leaving after masking costs it a recovery
+                        self.secure.finish(self.state.outbox, self._manifest())
+                        self.secure.close()
                     self._report_undelivered()
             finally:
                 STOP.disarm()
@@ -512,6 +530,9 @@ class FederatedWorker:
         meta = {"update_id": f"{self.settings.worker_id}-{uuid.uuid4().hex[:16]}",
                 "base_version": job.record["base_version"], "num_samples": stats.samples,
                 "train_loss": stats.loss, "worker_id": self.settings.worker_id, **encoded.codec_meta}
+        privacy = privacy_claim(self.trainer)
+        if privacy is not None:  # --dp-sgd: the epsilon spent so far travels with the update and into --results
+            meta["privacy"] = privacy
         adaptive = {}
         if decision is not None:
             adaptive = {"push_choice": decision.record()}
@@ -531,7 +552,7 @@ class FederatedWorker:
                 "tokens_per_second": round(stats.tokens_per_second, 2),
                 "compute_tokens_per_second": round(stats.tokens / max(stats.seconds, 1e-9), 2),
                 "update_id": meta["update_id"], "codec": meta["codec"], "codec_config": meta["codec_config"],
-                **adaptive, **m}
+                **({"privacy": privacy} if privacy is not None else {}), **adaptive, **m}
 
     def _choose_push(self, delta: StateDict) -> Decision:
         numel = sum(t.numel() for t in delta.values())
@@ -544,6 +565,8 @@ class FederatedWorker:
     def _push(self) -> bool:
         """Step 3: push queued updates in order; False if the coordinator is unreachable (kept for later)."""
         outbox = self.state.outbox
+        if self.secure is not None:  # all of them as one masked input, when our cohort takes inputs
+            return self.secure.push(outbox, self._manifest())
         while outbox:
             update = outbox[0]
             if self._upload_base is not None:  # one request where the measured link carries it within ~2 s
@@ -560,6 +583,9 @@ class FederatedWorker:
                 self.links.up.observe(len(update.body), time.perf_counter() - started)
             outbox.popleft()
         return True
+
+    def _manifest(self) -> list[tuple[str, tuple[int, ...]]]:
+        return manifest_of(self.state.reference or self.trainer.adapter_state())
 
     # pulling and applying -----------------------------------------------------
 

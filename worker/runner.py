@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from gateway.router import profile_to_json, text_profile
 from protocol.client import CoordinatorClient
@@ -21,6 +21,9 @@ from worker.step_metrics import StepLog
 from worker.strategies import ParallelSettings
 from worker.threads import apply_thread_budget
 from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
+
+if TYPE_CHECKING:
+    from worker.dp_sgd import DPSGDSettings
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +62,8 @@ class WorkerConfig:
     """--dataset-format, --split-key, --eval-dataset: how --dataset is read and what is held out."""
     early_stopping: EarlyStoppingSettings | None = None
     """Score every pulled expert version on the held-out split; stop when it stops improving (None: off)."""
+    dp_sgd: DPSGDSettings | None = None
+    """--dp-sgd: train with example-level DP-SGD (worker.dp_sgd) instead of plain AdamW steps."""
 
 
 def build_worker(config: WorkerConfig, collective: SingleProcess | None = None,
@@ -70,8 +75,7 @@ def build_worker(config: WorkerConfig, collective: SingleProcess | None = None,
                            device=device, use_proxy=config.use_proxy)
     collective.check_same("the base model fingerprint", base.fingerprint)
     board = _tensorboard(config, collective)
-    trainer = LoraTrainer(base, config.lora, config.train, train_examples, device=device, collective=collective,
-                          parallel=config.parallel, step_log=_step_sinks(config, collective, board))
+    trainer = _trainer(config, base, train_examples, collective, device, board)
     if config.profile is not None:
         trainer.profiler = StepProfiler(config.profile, collective.rank)
     spec = {**trainer.expert_config, "base_model": {"id": base.model_id, "fingerprint": base.fingerprint}}
@@ -101,6 +105,19 @@ def build_worker(config: WorkerConfig, collective: SingleProcess | None = None,
         worker.early_stopping = BestVersion(config.early_stopping)
         worker.heldout_score = heldout_scorer(trainer, heldout)
     return worker, trainer, heldout
+
+
+def _trainer(config: WorkerConfig, base, train_examples: list, collective: SingleProcess, device: str,
+             board) -> LoraTrainer:
+    if config.dp_sgd is None:
+        return LoraTrainer(base, config.lora, config.train, train_examples, device=device, collective=collective,
+                           parallel=config.parallel, step_log=_step_sinks(config, collective, board))
+    from worker.dp_sgd import DPSGDTrainer, check_dp_sgd_settings  # imports Opacus: only when asked for
+
+    check_dp_sgd_settings(config.lora, config.train, collective.world_size)
+    log.info("DP-SGD: noise multiplier %g, per-example clip %g, delta %g", config.dp_sgd.noise_multiplier,
+             config.dp_sgd.max_grad_norm, config.dp_sgd.delta)
+    return DPSGDTrainer(base, config.lora, config.train, train_examples, config.dp_sgd, device=device)
 
 
 def _fingerprint(config: WorkerConfig, train_examples: list) -> str:

@@ -25,6 +25,8 @@ class Update:
     num_samples: int
     staleness: int
     """Expert versions made since the worker pulled the weights it trained from."""
+    contributor: str | None = None
+    """Who sent it (the worker id): DP-FedAvg clips each contributor's updates of a step together."""
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,9 @@ BODY_LIMITS: dict[str, int] = {
     # the views that read their body with json_body() and its default limit
     "api.register_worker": JSON_BODY_LIMIT, "api.put_profile": JSON_BODY_LIMIT, "uploads.open_upload": JSON_BODY_LIMIT,
     "relays.register_relay": JSON_BODY_LIMIT, "relays.relay_report": JSON_BODY_LIMIT,
+    # secure aggregation's JSON rounds (coordinator/cohorts.py): keys, sealed shares, unmasking answers
+    "cohorts.join": JSON_BODY_LIMIT, "cohorts.post_keys": JSON_BODY_LIMIT, "cohorts.post_shares": JSON_BODY_LIMIT,
+    "cohorts.post_answer": JSON_BODY_LIMIT,
 }
 """Endpoints (named as in coordinator/auth.py's RULES, the same in a relay) whose views take less than --max-body-mb."""
 

@@ -18,12 +18,13 @@ from flask import Blueprint, Flask, Response, current_app, jsonify, request, sen
 from werkzeug.exceptions import HTTPException
 
 from coordinator import api as root_api
-from coordinator import auth, uploads
+from coordinator import auth, cohorts, uploads
 from coordinator.api import json_body, receive_body
 from coordinator.app import StrictJSONProvider, _log_requests_at_debug, _register_error_handlers
 from coordinator.auth import acting_worker
 from coordinator.errors import REFUSALS, as_http_error
 from coordinator.relay.service import RelayConfig, RelayService
+from coordinator.cohorts import refuse_clear_push
 from coordinator.relays import check_may_carry_members, probe_body, probe_upload
 from coordinator.service import Coordinator
 from protocol.errors import Conflict
@@ -134,6 +135,7 @@ def push_update(name: str) -> tuple[Response, int]:
         meta = UpdateMeta.from_json(parse_header_json(request.headers.get(UPDATE_HEADER), UPDATE_HEADER))
         meta = replace(meta, worker_id=acting_worker(meta.worker_id, f"worker_id in {UPDATE_HEADER}"))
         check_may_carry_members(meta)
+        refuse_clear_push(meta)  # --secure-aggregation: updates come only masked, through cohorts
         if request.content_length is not None:
             r.room_for(request.content_length)  # 507 before reading a body we could not keep
         status, is_new = r.submit_update(name, meta, receive_body())
@@ -182,6 +184,9 @@ def create_relay_app(config: RelayConfig, port: int | None = None) -> Flask:
     app.extensions["fedmoe"] = RelayService(config, port)
     app.register_blueprint(bp)
     uploads.install(app, app.extensions["fedmoe"])  # the root's resumable upload routes, finishing into the relay
+    if config.coordinator.secagg is not None:  # the site's cohorts, unmasked here; only their sums go upstream
+        service = app.extensions["fedmoe"]
+        service.on_close.append(cohorts.install(app, service, config.coordinator.secagg, config.coordinator.data_dir).close)
     _log_requests_at_debug(app)
     auth.install(app, config.coordinator, app.extensions["fedmoe"].record_event)
     _register_error_handlers(app)

@@ -16,6 +16,7 @@ import time
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from coordinator import audit
@@ -128,6 +129,8 @@ class RelayService:
         self.diff_bytes_served = 0
         self.diffs_unavailable = 0
         """Diff pulls answered 404 (a ``since`` not held here): the worker pulls full weights from the cache."""
+        self.on_close: list[Callable[[], None]] = []
+        """Stopped before the rest (e.g. the secure-aggregation applier, coordinator.cohorts)."""
         self._remove_orphan_blobs()
 
     def join_upstream(self) -> dict[str, Any]:
@@ -147,6 +150,8 @@ class RelayService:
         return info
 
     def close(self) -> None:
+        for stop in self.on_close:
+            stop()
         self.forwarder.close()
         self.cache.close()
         self.upstream.close()
@@ -226,6 +231,11 @@ class RelayService:
         self.upstream.report(self.relay_id, workers, stats)
 
     # experts ------------------------------------------------------------------
+
+    def manifest(self, name: str) -> list[tuple[str, tuple[int, ...]]]:
+        """The expert's tensor names and shapes, from the cached weights' header (fetched upstream if needed)."""
+        cached = self.cache.known(name) or self.cache.get(name)
+        return list(manifest_from_json(self.versions.manifest_json(cached.blob)))
 
     def expert_info_or_none(self, name: str) -> dict[str, Any] | None:
         try:

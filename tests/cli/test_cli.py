@@ -136,3 +136,15 @@ def test_list_experts_table_is_aligned():
         end = header.index(column) + len(column)
         assert first[end - 1] != " " and second[end - 1] != " " and first[end] == second[end] == " ", column
     assert second.split()[:6] == ["sql", "3", "140", "24", "16", "-"]
+
+
+def test_list_experts_shows_the_privacy_spent():
+    private = {"name": "p", "version": 2, "updates_applied": 2, "samples_seen": 8, "lora": {"rank": 8},
+               "last_train_loss": None, "updated_at": 0.0,
+               "privacy": {"dp_fedavg": {"epsilon": 3.14159, "delta": 1e-05, "budget": 8.0, "steps": 2},
+                           "dp_sgd": {"w1": {"epsilon": 2.5, "delta": 1e-06, "steps": 9},
+                                      "w2": {"epsilon": 7.25, "delta": 1e-06, "steps": 30}}}}
+    table = get_gateway_model.experts_table([private])
+    assert table.splitlines()[0].endswith("privacy (eps, delta)")
+    assert table.splitlines()[1].endswith("worker-level (3.14 of 8, 1e-05); DP-SGD up to (7.25, 1e-06) over 2 worker(s)")
+    assert get_gateway_model.privacy_cell(None) == "-"

@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 COMMANDS = {"fedmoe-coordinator": "run_coordinator", "fedmoe-worker": "run_worker",
             "fedmoe-gateway": "get_gateway_model", "fedmoe-serve": "serve"}
-PACKAGES = ("coordinator", "worker", "gateway", "serving", "compression", "protocol")
+PACKAGES = ("coordinator", "worker", "gateway", "serving", "compression", "protocol", "privacy")
 NOT_INSTALLED = ("tests", "bench", "scripts")  # checkout-only: the suite, the benchmarks, the docs generator
 SOURCES = ("pyproject.toml", "README.md", "requirements", "data", *(f"{m}.py" for m in COMMANDS.values()), *PACKAGES)
 

@@ -1,0 +1,91 @@
+"""Each expert's privacy spending at this coordinator: the worker-level DP-FedAvg ledger (--dp-noise) and the
+example-level DP-SGD claims its workers pushed (--dp-sgd).
+
+Kept in ``<data dir>/privacy.json``, rewritten atomically (fsync, rename) whenever it changes. A DP step is
+booked *before* its version is committed: a crash in between leaves epsilon counted one step too high, never
+too low. The (epsilon, delta) figures come from ``privacy.accountant`` (Opacus's RDP accountant); a worker's
+DP-SGD claim is its own statement, recorded and shown, not verified.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+from privacy.accountant import PrivacyLedger
+from privacy.dp import DPFedAvgSettings
+from protocol.errors import PrivacyBudgetSpent
+from protocol.files import write_atomically
+
+LEDGER_FILE = "privacy.json"
+
+
+class PrivacyLedgers:
+    """Per-expert DP-FedAvg ledgers and DP-SGD claims, durable in one JSON file of the data dir."""
+
+    def __init__(self, data_dir: Path, dp: DPFedAvgSettings | None) -> None:
+        self.path = Path(data_dir) / LEDGER_FILE
+        self.dp = dp
+        self._lock = threading.Lock()
+        saved = json.loads(self.path.read_text(encoding="utf-8")) if self.path.is_file() else {}
+        self._ledgers = {name: PrivacyLedger.from_json(entry["dp_fedavg"])
+                         for name, entry in saved.items() if entry.get("dp_fedavg")}
+        self._claims: dict[str, dict[str, Any]] = {name: dict(entry.get("dp_sgd") or {})
+                                                   for name, entry in saved.items()}
+
+    def _ledger(self, name: str) -> PrivacyLedger:
+        """The expert's ledger (created on first use), its budget and delta as configured now."""
+        assert self.dp is not None  # only with --dp-noise
+        ledger = self._ledgers.get(name)
+        if ledger is None:
+            ledger = self._ledgers[name] = PrivacyLedger(delta=self.dp.delta, accountant=self.dp.accountant)
+        ledger.budget, ledger.delta = self.dp.budget, self.dp.delta  # epsilon is always stated at today's delta
+        return ledger
+
+    def check_budget(self, name: str) -> None:
+        """PrivacyBudgetSpent (409) if one more DP step of ``name`` would spend more than --dp-budget."""
+        if self.dp is None or self.dp.budget is None:
+            return
+        with self._lock:
+            ledger = self._ledger(name)
+            if not ledger.allows(self.dp.noise_multiplier):
+                raise PrivacyBudgetSpent(
+                    f"expert {name!r} has spent epsilon {ledger.epsilon():.3g} of its --dp-budget {self.dp.budget:g} "
+                    f"(delta {self.dp.delta:g}, {ledger.steps} DP step(s)); another step would exceed it, so no "
+                    "update is taken. Start a new expert, or raise --dp-budget knowingly",
+                    epsilon=ledger.epsilon(), budget=self.dp.budget, delta=self.dp.delta, steps=ledger.steps)
+
+    def book_step(self, name: str) -> None:
+        """Record one DP step of ``name`` durably, before it is applied (PrivacyBudgetSpent if it would overspend)."""
+        assert self.dp is not None
+        self.check_budget(name)
+        with self._lock:
+            self._ledger(name).record(self.dp.noise_multiplier)
+            self._save()
+
+    def record_claim(self, name: str, worker_id: str, claim: dict[str, Any]) -> None:
+        """Keep a worker's latest DP-SGD claim for ``name`` (its epsilon only grows over a run)."""
+        with self._lock:
+            self._claims.setdefault(name, {})[worker_id] = claim
+            self._save()
+
+    def report(self, name: str) -> dict[str, Any] | None:
+        """What GET /api/v1/experts/<name> shows under "privacy"; None when nothing private happened to it."""
+        with self._lock:
+            out: dict[str, Any] = {}
+            if self.dp is not None:
+                out["dp_fedavg"] = {**self._ledger(name).report(), "noise_multiplier": self.dp.noise_multiplier,
+                                    "clip_norm": self.dp.clip_norm, "sample_rate": 1.0}
+            elif name in self._ledgers:  # DP was on earlier: what was spent stays spent
+                out["dp_fedavg"] = {**self._ledgers[name].report(), "active": False}
+            if self._claims.get(name):
+                out["dp_sgd"] = {worker: {k: claim[k] for k in ("epsilon", "delta", "steps") if k in claim}
+                                 for worker, claim in sorted(self._claims[name].items())}
+            return out or None
+
+    def _save(self) -> None:
+        names = sorted(set(self._ledgers) | set(self._claims))
+        data = {name: {"dp_fedavg": self._ledgers[name].to_json() if name in self._ledgers else None,
+                       "dp_sgd": self._claims.get(name) or {}} for name in names}
+        write_atomically(self.path, (json.dumps(data, indent=1) + "\n").encode())
