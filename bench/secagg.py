@@ -216,7 +216,7 @@ def run(s: Settings, ctx: Run) -> int:
     return 0
 
 
-BENCH = Bench("secagg", tags=("performance", "training"), settings=Settings, run=run, cores=1,
+BENCH = Bench("secagg", tags=("privacy", "training"), settings=Settings, run=run, cores=1,
               quick={"repeats": 1, "models": tuple(MODELS)[:1]})
 main = BENCH.main
 
