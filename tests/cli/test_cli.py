@@ -80,7 +80,7 @@ def test_port_in_use_names_the_flag(tmp_path):
         line = one_error_line(run("run_coordinator.py", "--host", "127.0.0.1", "--port", str(port),
                                   "--data-dir", str(tmp_path / "data")))
     assert line == (f"error: cannot listen on 127.0.0.1:{port}: Address already in use "
-                    "(is another coordinator running? pick another --port)")
+                    "(is another server running there? pick another --port)")
 
 
 @pytest.mark.slow  # imports torch
