@@ -8,6 +8,7 @@ Examples:
   python run_worker.py --specialty sql_expert --compression randomk+terngrad --no-error-feedback \
       --compression-config '{"ratio": 0.1, "rescale": true}'   # ~143x; +0.15% loss on smollm2 (docs/benchmarks.md)
   python run_worker.py --specialty sql_expert --compression auto --sync-budget 2   # fit each push in ~2 s
+  python run_worker.py --specialty sql_expert --compression safetensors --pull-compression full   # lossless both ways
   python run_worker.py --specialty python_expert --results runs/python.results.jsonl --log-format json
   torchrun --nproc_per_node 2 run_worker.py --specialty sql_expert --base-model tiny-qwen2   # data parallel
 """
@@ -28,7 +29,8 @@ from protocol.errors import FedMoEError
 
 # torch, transformers and peft take seconds to import: the worker modules that need them are imported
 # once the flags are parsed, so --help and a mistyped flag answer at once (tests/cli/test_cli.py).
-from worker.choices import DATASET_FORMATS, OPTIMIZERS, STRATEGY_CHOICES, check_sync_budget
+from worker.choices import (DATASET_FORMATS, DEFAULT_CODEC, DEFAULT_PULL_CODEC, FULL_PULL, OPTIMIZERS,
+                            STRATEGY_CHOICES, check_sync_budget, default_pull_codec)
 from worker.stopping import Handler, restore, stop_on_signals
 
 if TYPE_CHECKING:
@@ -40,6 +42,8 @@ DEFAULT_BASE_MODEL = "qwen/Qwen2-0.5B-Instruct"
 
 
 CHECKPOINT, COMPRESSION, TRAINING = "checkpoint and sync", "compression", "training"
+CHECKPOINTING_CHOICES = {"auto": None, "on": True, "off": False}
+"""--gradient-checkpointing -> TrainSettings.gradient_checkpointing (None: decided from the model and batch size)."""
 PRIVACY = "privacy (docs/privacy.md)"
 PARALLEL = "inside a worker (torchrun ranks; docs/bigger-workers.md)"
 
@@ -89,9 +93,10 @@ class WorkerFlags:
                                              "(started with --secure-aggregation) learns only each cohort's sum "
                                              "(docs/secure-aggregation.md); composes with dense codecs only",
                                       group=COMPRESSION)
-    compression: str = option("safetensors", "update codec: safetensors (uncompressed), a compression spec such "
-                                             "as int8, topk+int8, or auto (picked at each sync to fit --sync-budget)",
-                              group=COMPRESSION)
+    compression: str = option(DEFAULT_CODEC, "update codec: int8 (blockwise, ~3.8x smaller, with error feedback), "
+                                              "safetensors (lossless, uncompressed), another compression spec "
+                                              "such as topk+int8, or auto (picked at each sync to fit "
+                                              "--sync-budget)", group=COMPRESSION)
     sync_budget: float | None = option(None, "with --compression auto: seconds a push (and a pull) may take; the "
                                              "codec and ratio are picked from the measured throughput, and pulls "
                                              "become compressed diffs when full weights would take longer",
@@ -99,10 +104,13 @@ class WorkerFlags:
     compression_config: str = option("{}", 'codec options, e.g. \'{"ratio": 0.01}\'', metavar="JSON",
                                       group=COMPRESSION)
     no_error_feedback: bool = option(False, "drop what a lossy codec loses", group=COMPRESSION)
-    pull_compression: str | None = option(None, "pull only the compressed difference since our version, e.g. fp16 "
-                                                "(default: full weights)", metavar="CODEC", group=COMPRESSION)
+    pull_compression: str | None = option(None, f"pull only the compressed difference since our version with this "
+                                                f"codec, or {FULL_PULL} for the full weights every time (default: "
+                                                f"{DEFAULT_PULL_CODEC}; with --compression auto, full weights or a "
+                                                "diff picked at each sync)", metavar="CODEC", group=COMPRESSION)
     pull_compression_config: str = option("{}", "options of --pull-compression", metavar="JSON", group=COMPRESSION)
-    full_pull_every: int = option(10, "with --pull-compression, every N-th pull is a full one", group=COMPRESSION)
+    full_pull_every: int = option(10, "with diff pulls (the default), every N-th pull is a full one, so lossy diffs "
+                                      "cannot drift far", group=COMPRESSION)
     lora_rank: int = option(8, "LoRA rank; 0 trains every weight (a full-parameter expert)", group=TRAINING)
     lora_alpha: float = option(16.0, "LoRA alpha", group=TRAINING)
     target_modules: str | None = option(None, "comma-separated module names (default: all attention and MLP "
@@ -126,8 +134,11 @@ class WorkerFlags:
                             choices=("fp32", "bf16", "fp16"), group=TRAINING)
     grad_accum: int = option(1, "split each step's --batch-size examples into N micro-batches", metavar="N",
                              group=TRAINING)
-    gradient_checkpointing: bool = option(False, "recompute activations in the backward pass to save memory",
-                                          group=TRAINING)
+    gradient_checkpointing: str = option("auto", "recompute each layer's activations in the backward pass: less "
+                                                 "memory, ~25%% more compute; auto turns it on when a batch's "
+                                                 "activations would pass 512 MiB (smollm2-135m at the default "
+                                                 "batch); the bare flag means on", choices=CHECKPOINTING_CHOICES,
+                                          nargs="?", const="on", group=TRAINING)
     threads: int | None = option(None, "CPU threads torch may use; give each of several workers on one machine its "
                                        "share of the cores (default: all cores)", type=int, metavar="N",
                                  group=TRAINING)
@@ -296,7 +307,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
     deepspeed = deepspeed_plan(args)
     train_kwargs = {"batch_size": args.batch_size, "max_seq_len": args.max_seq_len, "seed": args.seed,
                     "grad_accum": args.grad_accum, "precision": args.precision,
-                    "gradient_checkpointing": args.gradient_checkpointing}
+                    "gradient_checkpointing": CHECKPOINTING_CHOICES[args.gradient_checkpointing]}
     train_kwargs["optimizer"] = optimizer_settings(args)
     train_kwargs.update(deepspeed.train if deepspeed is not None else {})
     lr = args.lr if args.lr is not None else RECOMMENDED_LR.get(args.base_model)
@@ -307,7 +318,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
                                       error_feedback=not args.no_error_feedback, sync_budget=args.sync_budget)
     if args.secure_aggregation:
         _check_secure_codec(args.compression)
-    pull = PullSettings(codec=args.pull_compression, full_every=args.full_pull_every,
+    pull = PullSettings(codec=pull_codec(args), full_every=args.full_pull_every,
                         config=parse_json_flag(args.pull_compression_config, "--pull-compression-config"))
     worker_id = args.worker_id or default_worker_id(args.specialty)
     lora = LoraSettings(rank=args.lora_rank, alpha=args.lora_alpha, target_modules=modules)
@@ -327,6 +338,14 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         data=DataSettings(dataset_format=args.dataset_format, split_key=args.split_key,
                           eval_dataset=args.eval_dataset),
         profile=profile_settings(args), tensorboard=tensorboard_dir(args))
+
+
+def pull_codec(args: argparse.Namespace) -> str | None:
+    """PullSettings.codec of --pull-compression: None (full weights) for full, and by default under
+    --compression auto (which then picks full weights or a diff at each sync); else the codec, int8 by default."""
+    if args.pull_compression == FULL_PULL:
+        return None
+    return args.pull_compression or default_pull_codec(args.compression)
 
 
 def dp_sgd_settings(args: argparse.Namespace, lora, train):

@@ -115,7 +115,7 @@ def drive(spec_path: Path) -> None:
 
     from protocol.client import CoordinatorClient
     from worker.data import load_examples, split_examples
-    from worker.encoding import CompressionSettings, UpdateEncoder
+    from worker.encoding import CompressionSettings, PullSettings, UpdateEncoder
     from worker.federation import FederatedWorker, SyncSettings
     from worker.models import load_base_model
     from worker.presets import RECOMMENDED_LR
@@ -140,7 +140,8 @@ def drive(spec_path: Path) -> None:
         encoder = UpdateEncoder(CompressionSettings(c.codec, config, error_feedback=c.error_feedback,
                                                     sync_budget=c.budget))
         worker = FederatedWorker(SyncSettings(specialty=SPECIALTY, worker_id=worker_id),
-                                 CoordinatorClient(spec["url"]), trainer, spec_json, encoder=encoder)
+                                 CoordinatorClient(spec["url"]), trainer, spec_json, encoder=encoder,
+                                 pull=PullSettings(codec=None))  # full pulls, or auto's pick: as measured
         worker.join()
         team.append(worker)
     records = []

@@ -46,7 +46,7 @@ from protocol.cli import option
 from protocol.client import CoordinatorClient
 from protocol.errors import FedMoEError
 from protocol.schemas import RAW_CODEC
-from worker.encoding import CompressionSettings, UpdateEncoder
+from worker.encoding import CompressionSettings, PullSettings, UpdateEncoder
 from worker.evaluation import adapter_loss
 from worker.federation import FederatedWorker, SyncSettings
 from worker.models import load_base_model
@@ -64,6 +64,9 @@ TARGETS = (  # (name, codec family or None for any, min ratio, max eval-loss inc
     (">= 32x within 0.5%", None, 32.0, 0.5),
     (">= 100x within 1%", None, 100.0, 1.0),
 )
+
+FULL_PULLS = PullSettings(codec=None)
+"""Full-weight pulls (the workers' default until 2026-11-29, when int8 diffs became it)."""
 
 
 @dataclass(frozen=True)
@@ -238,7 +241,8 @@ def join_worker(client: CoordinatorClient, domain: Domain, compression: Compress
                           list(domain.train))
     spec = {"lora": trainer.lora_config, "base_model": {"id": base.model_id, "fingerprint": base.fingerprint}}
     worker = FederatedWorker(SyncSettings(specialty=domain.name, worker_id=f"bench-{domain.name}"), client,
-                             trainer, spec, encoder=UpdateEncoder(compression))
+                             trainer, spec, encoder=UpdateEncoder(compression),
+                             pull=FULL_PULLS)  # the push codecs compared over exact pulls, as measured
     worker.join()
     return worker
 

@@ -90,6 +90,13 @@ HEADLINES: dict[str, Callable[[Report], str]] = {
         f"{k} {v:g}x" for k, v in r["ratios"].items()),
     "transport": lambda r: (f"1 GiB: pull {r['pull_vs_socket']:.2f} and push {r['push_vs_socket']:.2f} of a raw "
                             f"socket (target >= 0.5)"),
+    "default_compression_quick": lambda r: f"{r['base_model']}: " + ", ".join(
+        f"{a['arm']} {a['bytes_per_sync_ratio']:.2f}x fewer bytes per sync, loss {_pct(a['loss_change_pct'])}"
+        for a in r["arms"][1:]),
+    "worker_memory_smollm2": lambda r: "peak RSS MB: " + ", ".join(
+        f"{x['model']} {x['config']} {x['peak_rss_mb']:.0f}" for x in r["rows"]),
+    "worker_memory_tiny": lambda r: "peak RSS MB: " + ", ".join(
+        f"{x['config']} {x['peak_rss_mb']:.0f}" for x in r["rows"] if x["config"] in ("before", "after")),
     "front_ab": lambda r: f"change / baseline {r['commits']['baseline']}: " + ", ".join(
         f"{k} {r[part]['change_over_baseline'][k]:g}" for part, k in (
             ("hostile", "tls health p99 s"), ("hostile", "tls push p99 s"), ("hostile", "plain push p99 s"),
@@ -110,7 +117,9 @@ HEADLINES: dict[str, Callable[[Report], str]] = {
 }
 """Headline figures per result file (by stem): what the row of docs/benchmarks.md says."""
 BENCH_OF = {"router_calibration": "quality_gateway --router-only", "wan_link": "wanemu.measure",
-            "privacy_tiny_qwen2": "privacy --model tiny-qwen2"}
+            "privacy_tiny_qwen2": "privacy --model tiny-qwen2", "default_compression_quick": "default_compression --quick",
+            "worker_memory_smollm2": "worker_memory --models smollm2-135m",
+            "worker_memory_tiny": "worker_memory --models tiny-qwen2"}
 
 
 def measured_at(path: Path, report: Report) -> tuple[str, str, str]:

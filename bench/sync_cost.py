@@ -54,7 +54,7 @@ from protocol.tensors import dumps
 from worker import resume
 from worker.checkpoint import MANIFEST, CheckpointWriter, WorkerCheckpoint, _write_durably, flatten_optimizer
 from worker.data import load_examples, split_examples
-from worker.encoding import CompressionSettings, UpdateEncoder
+from worker.encoding import CompressionSettings, PullSettings, UpdateEncoder
 from worker.federation import FederatedWorker, SyncSettings
 from worker.models import load_base_model
 from worker.sync_state import ExpertState
@@ -172,8 +172,10 @@ def measure(s: Settings) -> dict[str, Any]:
             coordinator_process(Path(scratch) / "coordinator") as coordinator:
         settings = SyncSettings(specialty=SPECIALTY, worker_id="sync-cost", sync_interval=1.0, overlap=False,
                                 state_dir=Path(scratch) / "state-warmup")
+        # full-weight pulls (or auto's pick), as the figures in docs/wan.md were measured before int8 diffs became
+        # the default
         worker = FederatedWorker(settings, CoordinatorClient(coordinator.url), trainer, spec,
-                                 encoder=UpdateEncoder(codec))
+                                 encoder=UpdateEncoder(codec), pull=PullSettings(codec=None))
         worker.join()
         worker.train_step()
         worker.sync()  # warm-up: first allocations, the codec climb of auto

@@ -74,11 +74,16 @@ from protocol.credentials import TOKEN_ENV
 log = logging.getLogger("bench.wan")
 ROOT = Path(__file__).resolve().parents[1]
 SPECIALTY = "sql_expert"
-TOPK_INT8 = ["--compression", "topk+int8", "--compression-config", '{"ratio": 0.05}']
+FULL_PULLS = ["--pull-compression", "full"]
+"""Full-weight pulls, as every fixed-codec mode measured them (int8 diff pulls became the default on 2026-11-29)."""
+TOPK_INT8 = ["--compression", "topk+int8", "--compression-config", '{"ratio": 0.05}', *FULL_PULLS]
 SEED = "@SEED@"
 """Replaced in a mode's worker flags by a seed of the worker's own (a hash of its id)."""
 RANDOMK_TERNGRAD = ["--compression", "randomk+terngrad", "--no-error-feedback", "--compression-config",
-                    '{"randomk": {"ratio": 0.1, "rescale": true, "seed": @SEED@}, "terngrad": {"seed": @SEED@}}']
+                    '{"randomk": {"ratio": 0.1, "rescale": true, "seed": @SEED@}, "terngrad": {"seed": @SEED@}}',
+                    *FULL_PULLS]
+LOSSLESS = ["--compression", "safetensors", *FULL_PULLS]
+"""fp32 both ways (the workers' defaults until 2026-11-29)."""
 
 
 @dataclass(frozen=True)
@@ -103,12 +108,12 @@ INT8_BOTH_WAYS = ["--forward-compression", "int8", "--upstream-pull-compression"
 """Relay flags: int8 with error feedback on the long link, and new root versions fetched as int8 diffs."""
 
 MODES: dict[str, Mode] = {
-    "flat": Mode(["--compression", "safetensors"], root=FLAT_FEDBUFF),
+    "flat": Mode(LOSSLESS, root=FLAT_FEDBUFF),
     "flat topk+int8": Mode(TOPK_INT8, root=FLAT_FEDBUFF),
-    "flat fedasync": Mode(["--compression", "safetensors"]),
-    "relays": Mode(["--compression", "safetensors"], relays=["--forward-compression", "safetensors"]),
+    "flat fedasync": Mode(LOSSLESS),
+    "relays": Mode(LOSSLESS, relays=["--forward-compression", "safetensors"]),
     # lossless inside the site (a fast LAN), compressed with error feedback on the long link only
-    "relays + topk+int8 upstream": Mode(["--compression", "safetensors"], relays=TOPK_UPSTREAM),
+    "relays + topk+int8 upstream": Mode(LOSSLESS, relays=TOPK_UPSTREAM),
     # workers pick their codec per sync for --sync-budget (lossless on the site LAN, as it measures it);
     # the relays compress the long link
     "relays+adaptive": Mode(AUTO, relays=TOPK_UPSTREAM, needs="--sync-budget"),

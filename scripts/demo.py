@@ -43,6 +43,7 @@ import torch  # noqa: E402
 from bench.plots import plot_expert_losses, read_results  # noqa: E402
 from demo_report import HeldOut, evaluate, own_domain_gains, print_answers, print_tables, shortest_prompt  # noqa: E402
 from protocol.client import CoordinatorClient  # noqa: E402
+from worker.choices import DEFAULT_CODEC  # noqa: E402
 from worker.data import load_examples, sample_dataset_path, split_examples  # noqa: E402
 from worker.models import ModelLoadError, load_base_model  # noqa: E402
 
@@ -129,7 +130,8 @@ def parse_args() -> argparse.Namespace:
                    help="held-out examples per domain in the table, 0 = all (default: the preset's)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="CPU threads to share among the workers, then to evaluate with (default: all cores, %(default)s)")
-    p.add_argument("--compression", default="safetensors", help="update codec for the workers (default: %(default)s)")
+    p.add_argument("--compression", default=DEFAULT_CODEC, help="update codec for the workers (default: %(default)s, "
+                   "as run_worker.py's; safetensors is lossless)")
     p.add_argument("--compression-config", default="{}", help="codec options as JSON (default: %(default)s)")
     p.add_argument("--out", type=Path, default=None, help="run directory (default: demo-runs/<timestamp>)")
     args = p.parse_args()

@@ -22,7 +22,7 @@ from compression.error_feedback import Compressed
 from compression.wire import decode_update, encode_update
 from protocol.schemas import RAW_CODEC
 from protocol.tensors import Manifest, StateDict, dumps, loads
-from worker.choices import AUTO_CODEC, check_sync_budget
+from worker.choices import AUTO_CODEC, DEFAULT_CODEC, DEFAULT_PULL_CODEC, check_sync_budget, default_pull_codec
 
 
 @dataclass(frozen=True)
@@ -46,8 +46,8 @@ RAW = CodecChoice(RAW_CODEC)
 
 @dataclass(frozen=True)
 class CompressionSettings:
-    codec: str = RAW_CODEC
-    """'safetensors' (uncompressed), a compression spec such as 'int8' or 'topk+int8', or 'auto'."""
+    codec: str = DEFAULT_CODEC
+    """A compression spec such as 'int8' (the default) or 'topk+int8', 'safetensors' (lossless), or 'auto'."""
     config: dict[str, Any] = field(default_factory=dict)
     """Codec options, e.g. {"ratio": 0.01}; sent to the coordinator with each update."""
     error_feedback: bool = True
@@ -72,8 +72,9 @@ class CompressionSettings:
 
 @dataclass(frozen=True)
 class PullSettings:
-    codec: str | None = None
-    """Codec for pulling only the difference since our version (e.g. 'fp16', 'int8'); None = full weights."""
+    codec: str | None = DEFAULT_PULL_CODEC
+    """Codec for pulling only the difference since our version (e.g. 'int8', 'fp16'); None = full weights
+    (and with --compression auto: full weights or a diff, picked at each sync)."""
     config: dict[str, Any] = field(default_factory=dict)
     full_every: int = 10
     """Every N-th pull fetches the full weights, so lossy diff pulls cannot drift far."""
@@ -83,6 +84,11 @@ class PullSettings:
             make_codec(self.codec, self.config)
         if self.full_every < 1:
             raise ValueError(f"--full-pull-every must be >= 1, got {self.full_every}")
+
+
+def default_pull(push: CompressionSettings) -> PullSettings:
+    """The pulls that go with ``push`` when none are asked for (worker.choices.default_pull_codec)."""
+    return PullSettings(codec=default_pull_codec(push.codec))
 
 
 @dataclass(frozen=True)

@@ -7,12 +7,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from transformers import PreTrainedTokenizerBase
 
 from gateway.export import attach_adapter
 from protocol.tensors import StateDict
 from worker.data import IGNORE_INDEX, Example, collate, encode_example, pad_token_id
+from worker.losses import answer_cross_entropy
 from worker.models import BaseModel
 from worker.trainer import evaluate_loss
 
@@ -79,20 +79,14 @@ def answer_losses(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, ex
     """
     encoded = [encode_example(tokenizer, ex, max_seq_len) for ex in examples]
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i][0]))
+    loss = answer_cross_entropy(model)  # the head only at answer positions, a chunk of the vocabulary at a time
     end_id = tokenizer.eos_token_id
     results: dict[int, AnswerLoss] = {}
     for start in range(0, len(order), batch_size):
         rows = order[start:start + batch_size]
         batch = collate([encoded[i] for i in rows], pad_token_id(tokenizer))
+        nll = loss(batch.input_ids, batch.attention_mask, batch.labels, per_token=True)
         targets = batch.labels[:, 1:]
-        # Logits only from the first position that predicts an answer token: the vocabulary projection
-        # of long prompts would cost more than the rest of the model (as in worker.trainer.batch_loss_sum).
-        first = int((targets != IGNORE_INDEX).any(dim=0).nonzero()[0])
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False,
-                       logits_to_keep=batch.input_ids.shape[1] - first).logits
-        targets = targets[:, first:]
-        nll = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), targets, ignore_index=IGNORE_INDEX,
-                              reduction="none")
         answer = targets != IGNORE_INDEX
         body = answer & (targets != end_id) if end_id is not None else answer
         for row, index in enumerate(rows):

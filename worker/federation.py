@@ -71,7 +71,7 @@ from worker.console import SyncConsole
 from worker.data import StreamPosition
 from worker.distributed import SingleProcess
 from worker.early_stopping import BestVersion
-from worker.encoding import CompressionSettings, PullSettings, UpdateEncoder
+from worker.encoding import CompressionSettings, PullSettings, UpdateEncoder, default_pull
 from worker.pulling import ExpertPuller
 from worker.secure_push import SecurePush
 from worker.stopping import STOP
@@ -157,7 +157,9 @@ class FederatedWorker:
     expert_spec: dict[str, Any]
     """{"lora": ..., "base_model": {"id", "fingerprint"}} sent when creating the expert."""
     encoder: UpdateEncoder = field(default_factory=lambda: UpdateEncoder(CompressionSettings()))
-    pull: PullSettings = field(default_factory=PullSettings)
+    pull: PullSettings | None = None
+    """How to pull (full weights or compressed diffs); None: what goes with the encoder's codec
+    (worker.encoding.default_pull: int8 diffs, or picked at each sync under --compression auto)."""
     state: ExpertState = field(default_factory=ExpertState)
     """Where we stand with the expert: version, pulled weights, reference, outbox (changed by the sync steps)."""
     profile: dict[str, Any] | None = None
@@ -194,7 +196,8 @@ class FederatedWorker:
         self._upload_base = self.client.upload  # what upload_policy raises the resumable threshold from
         if self.settings.secure_aggregation and self.secure is None:
             self.secure = SecurePush(self.client, self.settings.specialty, self.settings.worker_id)
-        self.puller = ExpertPuller(self.client, self.settings.specialty, self.settings.worker_id, self.pull,
+        pull = self.pull if self.pull is not None else default_pull(self.encoder.settings)
+        self.puller = ExpertPuller(self.client, self.settings.specialty, self.settings.worker_id, pull,
                                    self.encoder.settings.sync_budget)
 
     @property

@@ -14,6 +14,7 @@ from worker.distributed import SingleProcess, process_group
 from worker.early_stopping import BestVersion, EarlyStoppingSettings
 from worker.encoding import CompressionSettings, PullSettings, UpdateEncoder
 from worker.federation import FederatedWorker, SyncSettings
+from worker.memory import release_freed_memory
 from worker.models import load_base_model
 from worker.profiling import ProfileSettings, StepProfiler
 from worker.splits import DataSettings, data_fingerprint, training_data
@@ -41,7 +42,8 @@ class WorkerConfig:
     device: str = "auto"
     """auto (cuda > mps > cpu), cpu, cuda[:N] or mps; under torchrun each rank takes cuda:<local rank>."""
     compression: CompressionSettings = CompressionSettings()
-    pull: PullSettings = PullSettings()
+    pull: PullSettings | None = None
+    """None: the pulls that go with --compression (worker.encoding.default_pull)."""
     token: str | None = None
     """Join (or admin) token; None = FEDMOE_TOKEN or the local coordinator's (protocol.credentials)."""
     ca_cert: Path | None = None
@@ -169,6 +171,7 @@ def _step_sinks(config: WorkerConfig, collective: SingleProcess, board) -> Calla
 def run_worker(config: WorkerConfig) -> None:
     """Train and sync until done; under torchrun, every rank runs this and rank 0 does the talking."""
     apply_thread_budget(config.threads)
+    release_freed_memory()  # before the first step: freed activations go back to the OS (worker.memory)
     with process_group(config.device) as (collective, device):
         if not collective.is_primary:  # the other ranks log warnings and errors only
             logging.getLogger("worker").setLevel(logging.WARNING)

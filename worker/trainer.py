@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
-import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -17,6 +16,8 @@ from worker.data import (IGNORE_INDEX, Batch, BatchStream, Example, StreamPositi
                          pad_token_id)
 from worker.distributed import PRECISIONS, SingleProcess, autocast, check_precision, grad_scaler
 from worker.full_params import full_expert_config, trainable_weights
+from worker.losses import ANSWER_LOSSES, answer_cross_entropy
+from worker.memory import want_checkpointing
 from worker.models import BaseModel, default_target_modules
 from worker.optimizers import OptimizerSettings, build_optimizer
 from worker.sharded_state import broadcast_into, gather_full, load_full
@@ -65,8 +66,12 @@ class TrainSettings:
     """Micro-batches per optimiser step: each step's batch is split in this many forward/backward passes."""
     precision: str = "fp32"
     """fp32, or bf16/fp16 autocast for the forward pass (weights and optimiser stay float32)."""
-    gradient_checkpointing: bool = False
-    """Recompute each decoder layer's activations in the backward pass: less memory, ~30% more compute."""
+    gradient_checkpointing: bool | None = None
+    """Recompute each decoder layer's activations in the backward pass (less memory, more compute); None:
+    only when the activations of a micro-batch would be large (worker.memory.want_checkpointing)."""
+    loss_path: str = "chunked"
+    """How the answer-token loss is computed (worker.losses): chunked (the head only at answer positions, a
+    chunk of the vocabulary at a time) or logits (the model's own logits of every position after the prompt)."""
     optimizer: OptimizerSettings = OptimizerSettings()
     """--optimizer adamw, or galore (low-rank projected Adam for full-parameter experts) and its settings."""
 
@@ -83,6 +88,8 @@ class TrainSettings:
             raise ValueError(f"weight_decay must be non-negative, got {self.weight_decay!r}")
         if self.grad_accum < 1:
             raise ValueError(f"--grad-accum must be at least 1, got {self.grad_accum!r}")
+        if self.loss_path not in ANSWER_LOSSES:
+            raise ValueError(f"loss_path must be one of {', '.join(ANSWER_LOSSES)}, got {self.loss_path!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
 
@@ -105,29 +112,8 @@ class StepStats:
         return self.steps / self.seconds if self.seconds > 0 else math.inf
 
 
-def batch_loss_sum(model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, int]:
-    """(sum of next-token cross-entropy over labelled positions, number of labelled positions).
-
-    Logits are computed only from the first position that predicts a label onwards: prompts are
-    often long and the vocabulary projection is a large share of the cost.
-    """
-    targets = batch.labels[:, 1:]
-    labelled = (targets != IGNORE_INDEX).any(dim=0).nonzero()
-    if labelled.numel() == 0:
-        return batch.labels.new_zeros((), dtype=torch.float32), 0
-    start = int(labelled[0])  # logits at position start predict labels at start + 1
-    keep = batch.input_ids.shape[1] - start
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=keep,
-                   use_cache=False).logits
-    logits = logits[:, :-1, :].float()
-    targets = targets[:, start:]
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
-    return loss, int((targets != IGNORE_INDEX).sum())
-
-
 def labelled_positions(batch: Batch | None) -> int:
-    """How many positions of the batch have a next-token label (what batch_loss_sum averages over)."""
+    """How many positions of the batch have a next-token label (what the answer-token loss averages over)."""
     return 0 if batch is None else int((batch.labels[:, 1:] != IGNORE_INDEX).sum())
 
 
@@ -156,18 +142,22 @@ def micro_batches(batch: Batch, rank: int, world_size: int, grad_accum: int) -> 
 def evaluate_loss(model: PreTrainedModel | torch.nn.Module, tokenizer: PreTrainedTokenizerBase,
                   examples: Sequence[Example], *, max_seq_len: int = 256, batch_size: int = 8,
                   device: str | torch.device = "cpu") -> float:
-    """Mean cross-entropy per answer token over the examples (in order, no grad, eval mode; plain text packed)."""
+    """Mean cross-entropy per answer token over the examples (in order, no grad, eval mode; plain text packed).
+
+    ``model`` is a causal LM (a PEFT model too) or the AnswerCrossEntropy a trainer wraps one in.
+    """
     if not examples:
         raise ValueError("evaluate_loss needs at least one example")
+    loss = answer_cross_entropy(model)
     was_training = model.training
     model.eval()
     encoded = encode_examples(tokenizer, examples, max_seq_len)
     total, count = 0.0, 0
     try:
         for i in range(0, len(encoded), batch_size):
-            loss, n = batch_loss_sum(model, collate(encoded[i:i + batch_size], pad_token_id(tokenizer)).to(device))
-            total += float(loss)
-            count += n
+            batch = collate(encoded[i:i + batch_size], pad_token_id(tokenizer)).to(device)
+            total += float(loss(batch.input_ids, batch.attention_mask, batch.labels))
+            count += labelled_positions(batch)
     finally:
         model.train(was_training)
     return total / count if count else math.nan
@@ -213,8 +203,11 @@ class LoraTrainer:
 
     def _setup_model(self, parallel: ParallelSettings) -> None:
         """Attach the LoRA adapter (or unfreeze every weight for rank 0) and wrap the model for the ranks."""
-        base, lora = self.base, self.lora
-        if self.settings.gradient_checkpointing:
+        base, lora, train = self.base, self.lora, self.settings
+        micro_batch = math.ceil(train.batch_size / (self.collective.world_size * train.grad_accum))
+        self.checkpointing = want_checkpointing(train.gradient_checkpointing, base.model.config, micro_batch,
+                                                train.max_seq_len)
+        if self.checkpointing:
             # Non-reentrant checkpointing works with frozen inputs and with DDP; reentrant does neither well.
             base.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         if lora.rank == 0:  # a full-parameter expert: every weight trains, no adapter (worker/full_params.py)
@@ -231,6 +224,7 @@ class LoraTrainer:
                 self.model = get_peft_model(base.model, config)
             self.model.to(self.device)
             self._adapter = get_peft_model_state_dict(self.model)  # live views of the LoRA parameters
+        self._answer_loss = answer_cross_entropy(self.model, self.settings.loss_path)
         self._wrap(parallel)
 
     def _setup_optimizer(self) -> None:
@@ -261,7 +255,8 @@ class LoraTrainer:
         # The adapter's live views share storage with the parameters they show: that names their parameter.
         fqns = {p.data_ptr(): name for name, p in self.model.named_parameters()}
         keys = {key: fqns[p.data_ptr()] for key, p in self._adapter.items()}
-        self._train_model = self._strategy.wrap(self.model, self.collective, self.device)
+        # The strategy wraps the loss around the model: DDP's and FSDP's forward then covers the whole loss.
+        self._train_model = self._strategy.wrap(self._answer_loss, self.collective, self.device)
         self._gathered: dict[str, torch.Tensor] | None = None
         if self._strategy.shards:  # fully_shard swapped every parameter for a DTensor one, under the same name
             params = dict(self.model.named_parameters())
@@ -367,7 +362,7 @@ class LoraTrainer:
             if not count:
                 return self._zero_loss(batch)
             assert part is not None  # labelled_positions counts 0 for an empty (None) micro-batch
-            return batch_loss_sum(self._train_model, part)[0]
+            return self._train_model(part.input_ids, part.attention_mask, part.labels)
 
     def _optimizer_step(self) -> None:
         """Clip the global gradient norm and step (skipped, and the scale lowered, if fp16 gradients overflowed)."""
@@ -391,13 +386,12 @@ class LoraTrainer:
 
     def _zero_loss(self, batch: Batch) -> torch.Tensor:
         """A loss of exactly zero that still touches every LoRA parameter (for DDP's gradient all-reduce)."""
-        logits = self._train_model(input_ids=batch.input_ids[:1, :1], attention_mask=batch.attention_mask[:1, :1],
-                                   logits_to_keep=1, use_cache=False).logits
-        return logits.float().sum() * 0.0
+        one = (slice(0, 1), slice(0, 1))  # one position, so there is no label to predict (AnswerCrossEntropy.zero_loss)
+        return self._train_model(batch.input_ids[one], batch.attention_mask[one], batch.labels[one])
 
     def eval_loss(self, examples: Sequence[Example], batch_size: int = 8) -> float:
         """Mean answer-token loss of the current adapter on examples (deterministic, no grad)."""
-        return evaluate_loss(self.model, self.base.tokenizer, examples, max_seq_len=self.settings.max_seq_len,
+        return evaluate_loss(self._answer_loss, self.base.tokenizer, examples, max_seq_len=self.settings.max_seq_len,
                              batch_size=batch_size, device=self.device)
 
     def adapter_state(self) -> dict[str, torch.Tensor]:

@@ -106,6 +106,19 @@ def test_worker_flag_defaults_are_the_worker_settings_defaults():
     assert config.data == DataSettings()
 
 
+def test_workers_push_int8_and_pull_int8_diffs_unless_told_otherwise():
+    def codecs(*flags: str) -> tuple[str, str | None]:
+        args = run_worker.parse_args(["--specialty", "sql_expert", *flags])
+        return args.compression, run_worker.pull_codec(args)
+
+    assert codecs() == ("int8", "int8")
+    assert codecs("--compression", "safetensors", "--pull-compression", "full") == ("safetensors", None)
+    assert codecs("--pull-compression", "fp16") == ("int8", "fp16")
+    # auto picks full weights or a diff at each sync, unless a pull codec is named
+    assert codecs("--compression", "auto", "--sync-budget", "2") == ("auto", None)
+    assert codecs("--compression", "auto", "--sync-budget", "2", "--pull-compression", "int4") == ("auto", "int4")
+
+
 def test_gateway_tool_formats_are_the_library_formats():
     from gateway.local import FORMATS
 

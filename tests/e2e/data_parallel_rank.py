@@ -12,8 +12,10 @@ import torch
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
+from protocol.schemas import RAW_CODEC
 from worker.data import sample_dataset_path
 from worker.distributed import process_group
+from worker.encoding import CompressionSettings
 from worker.federation import SyncSettings
 from worker.runner import WorkerConfig, build_worker
 from worker.strategies import ParallelSettings
@@ -28,7 +30,9 @@ def main(url: str, out: Path, strategy: str = "ddp") -> None:
     torch.set_num_threads(1)
     config = WorkerConfig(coordinator_url=url, dataset=sample_dataset_path(SPECIALTY), base_model="tiny-qwen2",
                           sync=SyncSettings(specialty=SPECIALTY, worker_id="dp-worker"), lora=LoraSettings(),
-                          train=TRAIN, device="cpu", parallel=ParallelSettings(strategy=strategy))
+                          train=TRAIN, device="cpu", parallel=ParallelSettings(strategy=strategy),
+                          # lossless pushes: the test compares the pushed update with one process's step
+                          compression=CompressionSettings(RAW_CODEC))
     with process_group("cpu") as (collective, device):
         worker, trainer, _ = build_worker(config, collective, device)
         rank = collective.rank

@@ -28,7 +28,8 @@ from worker.presets import RECOMMENDED_LR
 from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
 
 FLAGS = ["--specialty", "sql_expert", "--base-model", "tiny-qwen2", "--lora-rank", "4", "--batch-size", "2",
-         "--max-seq-len", "64", "--compression", "topk+int8", "--compression-config", '{"ratio": 0.01}']
+         "--max-seq-len", "64", "--compression", "topk+int8", "--compression-config", '{"ratio": 0.01}',
+         "--pull-compression", "full"]  # exact pulls (not int8 diffs): the checks compare weights to 1e-5
 
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -90,7 +91,7 @@ def test_the_coordinator_ends_with_the_weights_the_worker_trained(start_coordina
 
 
 def test_one_worker_ends_where_local_training_of_the_same_steps_ends(start_coordinator):
-    from worker.encoding import CompressionSettings, UpdateEncoder
+    from worker.encoding import CompressionSettings, PullSettings, UpdateEncoder
     from worker.federation import FederatedWorker, SyncSettings
 
     _, url = start_coordinator()
@@ -102,7 +103,8 @@ def test_one_worker_ends_where_local_training_of_the_same_steps_ends(start_coord
     spec = {"lora": trainer.lora_config, "base_model": {"id": base.model_id, "fingerprint": base.fingerprint}}
     client = CoordinatorClient(url)
     worker = FederatedWorker(SyncSettings(specialty="sql_expert", worker_id="w1"), client, trainer, spec,
-                             encoder=UpdateEncoder(CompressionSettings("topk+int8", {"ratio": 0.01})))
+                             encoder=UpdateEncoder(CompressionSettings("topk+int8", {"ratio": 0.01})),
+                             pull=PullSettings(codec=None))  # exact pulls: the check is local == coordinator
     worker.join()
     for _ in range(8):  # overlapped syncs: steps trained while the exchange runs are carried over
         for _ in range(3):

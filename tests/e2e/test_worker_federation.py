@@ -12,10 +12,12 @@ import torch
 
 import get_gateway_model
 from protocol.client import CoordinatorClient, RetryPolicy
+from protocol.schemas import RAW_CODEC
 from protocol.tensors import loads
 from tests.e2e.conftest import ROOT, env
 from tests.helpers import run_main
 from worker.data import load_examples, sample_dataset_path, split_examples
+from worker.encoding import CompressionSettings, PullSettings, UpdateEncoder
 from worker.evaluation import adapter_loss
 from worker.federation import FederatedWorker, SyncSettings
 from worker.models import load_base_model
@@ -96,7 +98,9 @@ def test_worker_keeps_training_while_the_coordinator_is_down_and_delivers_once(s
     trainer = LoraTrainer(base, LoraSettings(rank=2), TrainSettings(lr=1e-3, batch_size=2, max_seq_len=64), train)
     client = CoordinatorClient(url, retry=RetryPolicy(attempts=2, base_delay=0.05))
     spec = {"lora": trainer.lora_config, "base_model": {"id": base.model_id, "fingerprint": base.fingerprint}}
-    worker = FederatedWorker(SyncSettings(specialty="sql_expert", worker_id="w1"), client, trainer, spec)
+    # lossless both ways (not the int8 defaults): the check below is that nothing is lost or doubled, exactly
+    worker = FederatedWorker(SyncSettings(specialty="sql_expert", worker_id="w1"), client, trainer, spec,
+                             encoder=UpdateEncoder(CompressionSettings(RAW_CODEC)), pull=PullSettings(codec=None))
     worker.join()
 
     worker.interval.add(trainer.train_steps(2))
@@ -119,8 +123,6 @@ def test_worker_keeps_training_while_the_coordinator_is_down_and_delivers_once(s
 
 
 def test_compressed_pushes_and_diff_pulls_stay_close_to_the_experts_weights(start_coordinator):
-    from worker.encoding import CompressionSettings, PullSettings, UpdateEncoder
-
     _, url = start_coordinator()
     train, _ = split_examples(load_examples(sample_dataset_path("docs_expert")))
     base = load_base_model("tiny-qwen2")
@@ -208,7 +210,6 @@ def client_gateway_tensors(url: str):
 
 @pytest.mark.parametrize("codec", ["int8", "safetensors"])
 def test_a_nan_update_is_dropped_and_the_worker_resyncs(start_coordinator, codec):
-    from worker.encoding import CompressionSettings, UpdateEncoder
 
     _, url = start_coordinator()
     train, _ = split_examples(load_examples(sample_dataset_path("sql_expert")))
@@ -261,9 +262,11 @@ def test_early_stopping_scores_each_pulled_version_and_stops_when_patience_runs_
     results = tmp_path / "results.jsonl"
     settings = SyncSettings(specialty="sql_expert", worker_id="w1", duration=600, sync_interval=0.2, max_steps=500,
                             results_path=results, overlap=False)
-    # a threshold no version can beat: the joined version stays the best, and patience 1 ends the run at the next
+    # a threshold no version can beat: the joined version stays the best, and patience 1 ends the run at the next.
+    # Lossless both ways: the scored weights are version 1 exactly, and no int8 residual is left for a final flush
     worker = FederatedWorker(settings, client, trainer, spec, early_stopping=BestVersion(EarlyStoppingSettings(1, 100.0)),
-                             heldout_score=heldout_scorer(trainer, heldout))
+                             heldout_score=heldout_scorer(trainer, heldout),
+                             encoder=UpdateEncoder(CompressionSettings(RAW_CODEC)), pull=PullSettings(codec=None))
     worker.join()
     worker.run()
     records = [json.loads(line) for line in results.read_text().splitlines()]

@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from protocol.client import CoordinatorClient
+from protocol.schemas import RAW_CODEC
 from protocol.tensors import load_file
 from tests.e2e.conftest import ROOT, Process, env
 from worker.checkpoint import MANIFEST, load_checkpoint
 from worker.data import load_examples, sample_dataset_path, split_examples
-from worker.encoding import PullSettings
+from worker.encoding import CompressionSettings, PullSettings, UpdateEncoder
 from worker.federation import FederatedWorker, SyncSettings
 from worker.models import load_base_model
 from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
@@ -44,7 +45,9 @@ def test_overlapped_syncs_keep_training_made_meanwhile_exactly_once(start_coordi
     client = CoordinatorClient(url)
     spec = {"lora": trainer.lora_config, "base_model": {"id": base.model_id, "fingerprint": base.fingerprint}}
     settings = SyncSettings(specialty="sql_expert", worker_id="w1", state_dir=tmp_path / "state")
-    worker = FederatedWorker(settings, client, trainer, spec)
+    # lossless both ways (not the int8 defaults): the checks below are exact sums
+    worker = FederatedWorker(settings, client, trainer, spec, encoder=UpdateEncoder(CompressionSettings(RAW_CODEC)),
+                             pull=PullSettings(codec=None))
     worker.join()
     start = trainer.adapter_state()
     trained = {k: torch.zeros_like(v) for k, v in start.items()}  # what the optimiser steps changed, summed
@@ -146,8 +149,6 @@ def test_a_checkpoint_of_another_setup_is_one_clear_error_until_fresh(tmp_path, 
 
 @pytest.mark.parametrize("codec", ["safetensors", "topk+int8"])  # topk: a residual is carried, and dropped too
 def test_resuming_against_a_coordinator_that_lost_the_expert_counts_nothing_twice(start_coordinator, tmp_path, codec):
-    from worker.encoding import CompressionSettings, UpdateEncoder
-
     train, _ = split_examples(load_examples(sample_dataset_path("sql_expert")))
     settings = SyncSettings(specialty="sql_expert", worker_id="w1", state_dir=tmp_path / "state")
 
@@ -155,8 +156,10 @@ def test_resuming_against_a_coordinator_that_lost_the_expert_counts_nothing_twic
         base = load_base_model("tiny-qwen2")
         trainer = LoraTrainer(base, LoraSettings(rank=2), TrainSettings(lr=1e-2, batch_size=2, max_seq_len=64), train)
         spec = {"lora": trainer.lora_config, "base_model": {"id": base.model_id, "fingerprint": base.fingerprint}}
+        # full pulls (not the int8 diff default): the checks below compare weights exactly
         return FederatedWorker(settings, CoordinatorClient(url), trainer, spec,
-                               encoder=UpdateEncoder(CompressionSettings(codec, {"ratio": 0.01} if "topk" in codec else {})))
+                               encoder=UpdateEncoder(CompressionSettings(codec, {"ratio": 0.01} if "topk" in codec else {})),
+                               pull=PullSettings(codec=None))
 
     _, old_url = start_coordinator(data_dir=tmp_path / "old")
     first = new_worker(old_url)
@@ -189,7 +192,9 @@ def test_a_checkpoint_writes_only_what_a_resume_needs_and_resumes_from_it(start_
         trainer = LoraTrainer(base, LoraSettings(rank=2), TrainSettings(lr=1e-2, batch_size=2, max_seq_len=64), train)
         spec = {"lora": trainer.lora_config, "base_model": {"id": base.model_id, "fingerprint": base.fingerprint}}
         settings = SyncSettings(specialty="sql_expert", worker_id="w1", state_dir=tmp_path / "state", overlap=False)
-        return FederatedWorker(settings, client, trainer, spec, pull=PullSettings(codec=pull_codec)), trainer
+        # lossless pushes: no error-feedback residual to checkpoint (an int8 worker's is one more file)
+        return FederatedWorker(settings, client, trainer, spec, encoder=UpdateEncoder(CompressionSettings(RAW_CODEC)),
+                               pull=PullSettings(codec=pull_codec)), trainer
 
     worker, trainer = new_worker()
     worker.join()

@@ -84,6 +84,6 @@ def test_the_same_data_elsewhere_resumes_and_another_codec_is_said(checkpoint, t
     err = capsys.readouterr().err
     (resumed,) = [line for line in err.splitlines() if "resuming the checkpoint in" in line]
     assert f"resuming the checkpoint in {state} (sync 1, step 1, expert version 0, 1 queued update(s), trained " \
-           'with --compression topk+int8 {"ratio": 0.01}, now safetensors {}; its residual (norm ' in resumed
+           'with --compression topk+int8 {"ratio": 0.01}, now int8 {}; its residual (norm ' in resumed
     assert resumed.endswith(") goes into the next update); pass --fresh to start over")
     assert "cannot reach the coordinator" in error_lines(err)[0]  # resumed, then on to the network

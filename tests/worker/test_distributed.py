@@ -216,4 +216,8 @@ def test_run_worker_passes_the_new_flags_to_the_trainer():
     assert config.device == "auto"
     defaults = run_worker.build_config(run_worker.parse_args(["--specialty", "sql_expert"]))
     assert (defaults.train.precision, defaults.train.grad_accum, defaults.train.gradient_checkpointing) == \
-        ("fp32", 1, False)
+        ("fp32", 1, None)  # None: the trainer decides from the model and batch (worker.memory.want_checkpointing)
+    for value, expected in (("auto", None), ("on", True), ("off", False)):
+        config = run_worker.build_config(run_worker.parse_args(
+            ["--specialty", "sql_expert", "--gradient-checkpointing", value]))
+        assert config.train.gradient_checkpointing is expected

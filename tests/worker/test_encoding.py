@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from compression import decode_update, make_codec
+from protocol.schemas import RAW_CODEC
 from protocol.tensors import loads, manifest_of
 from worker.encoding import CompressionSettings, PullSettings, UpdateEncoder
 
@@ -12,9 +13,23 @@ def delta(seed: int) -> dict[str, torch.Tensor]:
     return {"m.lora_A.weight": torch.randn(4, 64, generator=g), "m.lora_B.weight": torch.randn(32, 4, generator=g)}
 
 
+LOSSLESS = CompressionSettings(RAW_CODEC)
+
+
+def test_the_default_push_is_int8_with_error_feedback_and_the_default_pull_an_int8_diff():
+    assert CompressionSettings() == CompressionSettings("int8", {}, error_feedback=True)
+    assert PullSettings().codec == "int8" and PullSettings().full_every == 10
+    encoder = UpdateEncoder(CompressionSettings())
+    d = delta(2)
+    out = encoder.encode(d, manifest_of(d), seed=0)
+    # block 64 with a float32 scale: 8 + 32/64 bits a value, plus the payload's framing
+    assert out.codec_meta == {"codec": "int8", "codec_config": {}} and 3.5 < out.metrics["ratio"] < 3.8
+    assert 0 < out.metrics["relative_error"] < 0.01 and encoder.residual_norm() > 0  # what int8 rounded off waits
+
+
 def test_raw_safetensors_is_exact_and_counts_bytes():
     d = delta(0)
-    out = UpdateEncoder(CompressionSettings()).encode(d, manifest_of(d), seed=0)
+    out = UpdateEncoder(LOSSLESS).encode(d, manifest_of(d), seed=0)
     assert all(torch.equal(loads(out.body)[k], d[k]) for k in d)
     m = out.metrics
     assert m["bytes_raw"] == 4 * (4 * 64 + 32 * 4) and m["bytes_sent"] == len(out.body)
@@ -26,7 +41,7 @@ def test_a_raw_updates_metrics_are_what_measure_finds_without_its_float64_pass()
 
     d = delta(3)
     d["m.lora_B.weight"][:8] = 0  # density counts the zeros
-    out = UpdateEncoder(CompressionSettings()).encode(d, manifest_of(d), seed=0)
+    out = UpdateEncoder(LOSSLESS).encode(d, manifest_of(d), seed=0)
     full = measure(d, loads(out.body), out.body, out.metrics["encode_ms"], out.metrics["decode_ms"])
     fast = {k: v for k, v in out.metrics.items() if k != "residual_norm"}
     assert fast.keys() == full.keys()
@@ -101,7 +116,7 @@ def test_an_ordinary_update_keeps_its_codec_in_the_metadata():
 
 def test_a_residual_from_a_checkpoint_of_another_codec_goes_into_the_next_update():
     residual = {k: torch.full_like(v, 0.5) for k, v in delta(0).items()}
-    encoder = UpdateEncoder(CompressionSettings())  # resumed without a lossy codec: nothing to carry it in
+    encoder = UpdateEncoder(LOSSLESS)  # resumed without a lossy codec: nothing to carry it in
     encoder.load_state_dict(residual)
     assert encoder.residual_norm() > 0
     d = delta(1)
