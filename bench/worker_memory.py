@@ -217,8 +217,8 @@ class Settings:
 
 def run(s: Settings, ctx: Run) -> int:
     if s.child:
-        model, config, steps, batch = s.child
-        print(json.dumps(run_child(model, CONFIGS[config], int(steps), int(batch))))
+        name, config, child_steps, child_batch = s.child
+        print(json.dumps(run_child(name, CONFIGS[config], int(child_steps), int(child_batch))))
         return 0
     rows = []
     for model in s.models:
