@@ -19,7 +19,7 @@ uplink. Modes (``MODES``; the defaults are per base model, ``DEFAULT_MODES``):
 - on smollm2-135m: ``flat randomk+terngrad`` (the best fixed codec measured on that model: random-k
   10% + TernGrad, unbiased, no error feedback, each worker its own selection seed), and
   ``relays+adaptive (int8 upstream)`` (the relays' long link in int8 with error feedback, +0.00% on
-  smollm2-135m in docs/benchmarks.md, where top-k + int8 kept ~10% of the gain);
+  smollm2-135m in docs/history/benchmarks.md, where top-k + int8 kept ~10% of the gain);
 - ``relays+adaptive (int8 both ways; site model)``: the relays also fetch root versions as int8 diffs and serve
   their site's model (``--site-model``: the root's version plus the site's updates not yet in it; a batch is the
   site's summed progress), and the root averages the two sites' batches (FedBuff K=2), hierarchical FL's
@@ -43,11 +43,10 @@ is from the expert's creation (version 0) to the first version at or below it (N
     python -m bench.wan --base-model smollm2-135m   # link-bound, 150 s per mode (~30 min for 4 modes)
 
 Needs root (network namespaces). Table on stdout, progress on stderr, results in bench/results/wan.json
-(``--quick``: wan_quick.json).
+(``--quick``: bench/results/quick/wan.json).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
@@ -65,9 +64,10 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from bench.common import (RESULTS_DIR, SCRATCH_DIR, configure_logging, format_table, pulled_tensors, recorded_token,
-                          running_coordinator, sample_suite, write_json_atomic)
+from bench.common import SCRATCH_DIR, format_table, pulled_tensors, recorded_token, running_coordinator, sample_suite
+from bench.harness import Bench, Run
 from bench.wanemu import NamespaceUnavailable, WanLink, check_available
+from protocol.cli import comma_list, option
 from protocol.client import CoordinatorClient
 from protocol.credentials import TOKEN_ENV
 
@@ -118,7 +118,7 @@ MODES: dict[str, Mode] = {
     # the relays compress the long link
     "relays+adaptive": Mode(AUTO, relays=TOPK_UPSTREAM, needs="--sync-budget"),
     # smollm2-135m: random-k 10% + TernGrad matched fp32 within 0.15% at 143x there, top-k + int8 kept ~10%
-    # of the gain (docs/benchmarks.md), so that is its best fixed codec, and the relays' lossy codec is int8
+    # of the gain (docs/history/benchmarks.md), so that is its best fixed codec, and the relays' lossy codec is int8
     "flat randomk+terngrad": Mode(RANDOMK_TERNGRAD, root=FLAT_FEDBUFF),
     "relays+adaptive (int8 upstream)": Mode(AUTO, relays=["--forward-compression", "int8"], needs="--sync-budget"),
     # the relays also fetch new root versions as int8 diffs (a full fetch every 10th): ~1 s of the site's downlink
@@ -181,7 +181,9 @@ class Settings:
 
 
 @dataclass
-class Run:
+class Processes:
+    """What one mode started: the workers and the relays."""
+
     procs: list[subprocess.Popen] = field(default_factory=list)
     relays: list[subprocess.Popen] = field(default_factory=list)
 
@@ -283,7 +285,7 @@ def run_mode(name: str, s: Settings, scratch: Path) -> dict[str, Any]:
                "HF_HUB_OFFLINE": "1", TOKEN_ENV: recorded_token(url),  # the site cannot see this host's token file
                "FEDMOE_JOIN_TOKEN": recorded_token(url)}  # relays join with it (the admin may register relays)
         links = [stack.enter_context(WanLink(("127.0.0.1", port), s.rate_mbit, s.rtt_ms)) for _ in range(s.sites)]
-        run = Run()
+        run = Processes()
         started = time.monotonic()
         try:
             for site, link in enumerate(links):
@@ -481,55 +483,47 @@ def available(mode: Mode) -> bool:
     return mode.needs in help_text
 
 
-def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Settings] | str:
-    """The flags and the settings they make, or an error line."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="tiny-qwen2, 40 s of training per mode")
-    parser.add_argument("--base-model", choices=["tiny-qwen2", "smollm2-135m"], default="tiny-qwen2",
-                        help="the workers' model and its preset (smollm2-135m: the link-bound regime)")
-    parser.add_argument("--modes", default=None,
-                        help=f"comma list of modes of {list(MODES)} (default: the model's, {DEFAULT_MODES})")
-    parser.add_argument("--duration", type=float, default=None, help="seconds each worker trains (default: preset's)")
-    parser.add_argument("--worker-cpu", type=float, default=None, metavar="CORES",
-                        help="cap each worker at this fraction of one core in every mode (a cgroup cpu quota), "
-                             "as if each ran on a machine of its own; e.g. 0.25 (default: no cap)")
-    parser.add_argument("--forward-interval", type=float, default=None, metavar="SECONDS",
-                        help="seconds between a relay's forwards upstream (default: the preset's)")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="results JSON (default: bench/results/wan.json, wan_quick.json with --quick)")
-    parser.add_argument("--verbose", action="store_true")
-    args = parser.parse_args(argv)
-    if args.quick and args.base_model != "tiny-qwen2":
-        return "--quick is the tiny-qwen2 preset; drop --quick or --base-model"
-    s = PRESETS["quick" if args.quick else args.base_model]
-    if args.duration is not None:
-        if not args.duration > 0:
-            return f"--duration must be positive, got {args.duration}"
-        s = replace(s, duration=args.duration)
-    if args.forward_interval is not None:
-        if not 0.05 <= args.forward_interval <= 3600:
-            return f"--forward-interval must be 0.05-3600 seconds, got {args.forward_interval}"
-        s = replace(s, forward_interval=args.forward_interval)
-    if args.worker_cpu is not None:
-        if not 0.01 <= args.worker_cpu <= os.cpu_count():
-            return f"--worker-cpu must be between 0.01 and {os.cpu_count()} cores, got {args.worker_cpu}"
-        s = replace(s, worker_cpu=args.worker_cpu)
-    names = [m.strip() for m in (args.modes or ",".join(DEFAULT_MODES[s.base_model])).split(",") if m.strip()]
-    unknown = [m for m in names if m not in MODES]
-    if unknown or "flat" not in names:
-        return f"--modes must include flat and name only {list(MODES)}, got {names}"
-    args.modes = names
-    args.out = args.out or RESULTS_DIR / ("wan_quick.json" if args.quick else "wan.json")
-    return args, s
+@dataclass(frozen=True)
+class Options:
+    """The command line: a preset (--quick, or --base-model's) and what is changed of it."""
+
+    base_model: str = option("tiny-qwen2", "the workers' model and its preset (smollm2-135m: the link-bound regime)",
+                             choices=["tiny-qwen2", "smollm2-135m"])
+    modes: tuple[str, ...] | None = option(None, f"comma list of modes of {list(MODES)} (default: the model's, "
+                                           f"{DEFAULT_MODES})", parse=comma_list)
+    duration: float | None = option(None, "seconds each worker trains (default: the preset's)", type=float)
+    worker_cpu: float | None = option(None, "cap each worker at this fraction of one core in every mode (a cgroup cpu "
+                                      "quota), as if each ran on a machine of its own; e.g. 0.25 (default: no cap)",
+                                      type=float, metavar="CORES")
+    forward_interval: float | None = option(None, "seconds between a relay's forwards upstream (default: the "
+                                            "preset's)", type=float, metavar="SECONDS")
+    preset: str | None = None
+    """The preset's name (None: --base-model's; --quick: "quick", tiny-qwen2 with 40 s of training per mode)."""
+
+    def __post_init__(self) -> None:
+        if self.preset == "quick" and self.base_model != "tiny-qwen2":
+            raise ValueError("--quick is the tiny-qwen2 preset; drop --quick or --base-model")
+        if self.duration is not None and not self.duration > 0:
+            raise ValueError(f"--duration must be positive, got {self.duration}")
+        if self.forward_interval is not None and not 0.05 <= self.forward_interval <= 3600:
+            raise ValueError(f"--forward-interval must be 0.05-3600 seconds, got {self.forward_interval}")
+        if self.worker_cpu is not None and not 0.01 <= self.worker_cpu <= (os.cpu_count() or 1):
+            raise ValueError(f"--worker-cpu must be between 0.01 and {os.cpu_count()} cores, got {self.worker_cpu}")
+        names = list(self.mode_names())
+        if [m for m in names if m not in MODES] or "flat" not in names:
+            raise ValueError(f"--modes must include flat and name only {list(MODES)}, got {names}")
+
+    def mode_names(self) -> tuple[str, ...]:
+        return self.modes or tuple(DEFAULT_MODES[self.base_model])
+
+    def job(self) -> Settings:
+        s = PRESETS[self.preset or self.base_model]
+        changes: dict[str, Any] = {"duration": self.duration, "forward_interval": self.forward_interval, "worker_cpu": self.worker_cpu}
+        return replace(s, **{k: v for k, v in changes.items() if v is not None})
 
 
-def main(argv: list[str] | None = None) -> int:
-    parsed = parse_args(argv)
-    if isinstance(parsed, str):
-        print(f"error: {parsed}", file=sys.stderr)
-        return 2
-    args, s = parsed
-    configure_logging(args.verbose)
+def run(o: Options, ctx: Run) -> int:
+    s = o.job()
     try:
         check_available()
         if s.worker_cpu is not None:
@@ -538,9 +532,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     rows, skipped = [], {}
-    started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="fedmoe-wan-", dir=SCRATCH_DIR) as scratch:
-        for name in args.modes:
+        for name in o.mode_names():
             if not available(MODES[name]):
                 skipped[name] = f"run_worker.py has no --compression {MODES[name].needs} on this branch"
                 log.warning("%s: skipped (%s)", name, skipped[name])
@@ -570,12 +563,13 @@ def main(argv: list[str] | None = None) -> int:
             "time_to_target90_s", "speedup_target90_s", "sync_seconds_median", "push_seconds_median",
             "pull_seconds_median", "checkpoint_seconds_median", "train_seconds_median"]
     print(format_table(keys, [[r[k] for k in keys] for r in rows]))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(args.out, {"settings": asdict(s), "quick": args.quick, "results": rows, "skipped": skipped,
-                                 "seconds": round(time.monotonic() - started, 1),
-                                 "note": "measured on a shared 2-core machine under load"})
+    ctx.write({"settings": asdict(s), "quick": ctx.quick, "results": rows, "skipped": skipped,
+               "seconds": ctx.seconds(), "note": "measured on a shared 2-core machine under load"})
     return 0
 
+
+BENCH = Bench("wan", tags=("network",), settings=Options, run=run, quick={"preset": "quick"})
+main = BENCH.main
 
 if __name__ == "__main__":
     sys.exit(main())
