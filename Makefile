@@ -1,8 +1,10 @@
-# Everything runs inside .venv, created and filled from requirements.txt on first use.
+# Everything runs inside .venv, created and filled from requirements.txt on first use (runtime + dev:
+# requirements/runtime.txt is also what `pip install .` installs, pyproject.toml).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-$(shell cksum < requirements.txt | cut -d' ' -f1)
+REQUIREMENTS := requirements.txt requirements/runtime.txt requirements/dev.txt
+STAMP := $(VENV)/.installed-$(shell cat $(REQUIREMENTS) | cksum | cut -d' ' -f1)
 export HF_HUB_DISABLE_PROGRESS_BARS := 1
 export TOKENIZERS_PARALLELISM := false
 
@@ -12,7 +14,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: install browser smollm2 lint typecheck test test-fast test-smollm2 demo demo-tiny bench bench-quality bench-robustness gpu-check clean
 
-$(STAMP): requirements.txt
+$(STAMP): $(REQUIREMENTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --disable-pip-version-check -q -r requirements.txt
 	rm -f $(VENV)/.installed-* && touch $(STAMP)

@@ -15,7 +15,6 @@ Examples:
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import re
 import shlex
@@ -32,7 +31,7 @@ from protocol.errors import FedMoEError
 # torch, transformers and peft take seconds to import: the worker modules that need them are imported
 # once the flags are parsed, so --help and a mistyped flag answer at once (tests/cli/test_cli.py).
 from worker.choices import (DATASET_FORMATS, DEFAULT_CODEC, DEFAULT_PULL_CODEC, FULL_PULL, OPTIMIZERS,
-                            STRATEGY_CHOICES, default_pull_codec)
+                            STRATEGY_CHOICES, check_sync_budget, default_pull_codec)
 from worker.stopping import Handler, restore, stop_on_signals
 
 if TYPE_CHECKING:
@@ -324,8 +323,6 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
     if dataset is None:
         raise ValueError(f"no --dataset given and the project ships no sample data for {args.specialty!r}; "
                          "pass --dataset PATH.jsonl")
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be at least 1, got {args.threads}")
     modules = tuple(m.strip() for m in args.target_modules.split(",") if m.strip()) if args.target_modules else ()
     deepspeed = deepspeed_plan(args)
     train_kwargs = {"batch_size": args.batch_size, "max_seq_len": args.max_seq_len, "seed": args.seed,
@@ -419,15 +416,9 @@ def _check_address_and_files(args: argparse.Namespace) -> None:
         _check_results_path(args.results)
     if args.ca_cert is not None and not args.ca_cert.is_file():
         raise ValueError(f"--ca-cert {str(args.ca_cert)!r} does not exist")
-    if args.sync_budget is not None and args.compression != "auto":
-        raise ValueError(f"--sync-budget applies to --compression auto only, got --compression {args.compression}; "
-                         "pass --compression auto or drop --sync-budget")
-    if args.sync_budget is not None and not (args.sync_budget > 0 and math.isfinite(args.sync_budget)):
-        raise ValueError(f"--sync-budget must be a positive number of seconds, got {args.sync_budget}")
+    check_sync_budget(args.compression, args.sync_budget)  # worker.encoding checks the same rules
     if args.comm_share is not None and not 0 < args.comm_share < 1:
         raise ValueError(f"--comm-share must be a share of the worker's time in (0, 1), got {args.comm_share}")
-    if args.compression == "auto" and args.sync_budget is None:
-        raise ValueError("--compression auto needs --sync-budget SECONDS (how long a push may take)")
 
 
 def _check_results_path(path: Path) -> None:

@@ -40,7 +40,6 @@ bench/results/adaptive.json.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -58,9 +57,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import (RESULTS_DIR, SCRATCH_DIR, configure_logging, format_table, recorded_token, running_coordinator,
-                          sample_path, write_json_atomic)
+from bench.common import SCRATCH_DIR, format_table, recorded_token, running_coordinator, sample_path
+from bench.harness import Bench, Run
 from bench.wanemu import NamespaceUnavailable, WanLink, check_available
+from protocol.cli import option
 from protocol.credentials import TOKEN_ENV
 from worker.adaptive import LOSSY, RAW_BYTES, TOPK_INT8, SparseRung, ratio_of
 
@@ -329,33 +329,6 @@ def print_report(report: dict[str, Any]) -> None:
 # -- main -------------------------------------------------------------------------------------
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="tiny-qwen2, 2 workers x 4 rounds (the default settings)")
-    p.add_argument("--base-model", default=Settings.base_model, help="tiny-qwen2 or smollm2-135m (default: %(default)s)")
-    p.add_argument("--workers", type=int, default=Settings.workers)
-    p.add_argument("--rounds", type=int, default=Settings.rounds)
-    p.add_argument("--steps", type=int, default=Settings.steps, help="training steps per worker between syncs")
-    p.add_argument("--rate-mbit", type=float, default=Settings.rate_mbit, help="link bandwidth each way")
-    p.add_argument("--rtt-ms", type=float, default=Settings.rtt_ms)
-    p.add_argument("--budget", type=float, default=Settings.budget, help="--sync-budget of auto, seconds")
-    p.add_argument("--lora-rank", type=int, default=Settings.lora_rank)
-    p.add_argument("--seeds", type=int, default=1,
-                   help="run seeds 0..N-1 of every configuration (LoRA init, data order, random-k selections); "
-                        "table shows mean +/- std (default: %(default)s)")
-    p.add_argument("--fixed-from", type=Path, default=None, metavar="RESULTS_JSON",
-                   help="run auto only and take the fixed codecs' rows (and same-bytes ratios) from this earlier "
-                        "results file of the same settings and seeds: they do not depend on auto's ladder")
-    p.add_argument("--topk-ratios", type=float, nargs="+", default=[], metavar="RATIO",
-                   help="also run top-k + int8 (error feedback) at each of these fixed ratios, every seed")
-    p.add_argument("--extra-only", action="store_true",
-                   help="with --fixed-from: take auto's rows from that file too and run only the --topk-ratios ones")
-    p.add_argument("--out", type=Path, default=RESULTS_DIR / "adaptive.json")
-    p.add_argument("--drive", type=Path, default=None, help=argparse.SUPPRESS)  # the driver inside the site
-    p.add_argument("-v", "--verbose", action="store_true")
-    return p.parse_args(argv)
-
-
 def load_fixed(path: Path, s: Settings, seeds: int) -> tuple[list[dict[str, Any]], dict[str, float]] | str:
     """The fixed rows and same-bytes ratios of an earlier run, or why they cannot be used."""
     try:
@@ -375,55 +348,76 @@ def load_fixed(path: Path, s: Settings, seeds: int) -> tuple[list[dict[str, Any]
     return [r for r in rows if r.get("seed", 0) < seeds], ratios
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.drive is not None:
-        configure_logging(args.verbose)
-        drive(args.drive)
+@dataclass(frozen=True)
+class Options:
+    """The command line: one job's settings, and which configurations and seeds run."""
+
+    base_model: str = option(Settings.base_model, "tiny-qwen2 or smollm2-135m")
+    workers: int = option(Settings.workers, "in-process workers of the one expert")
+    rounds: int = option(Settings.rounds, "syncs per worker")
+    steps: int = option(Settings.steps, "training steps per worker between syncs")
+    rate_mbit: float = option(Settings.rate_mbit, "link bandwidth each way")
+    rtt_ms: float = option(Settings.rtt_ms, "round-trip time of the link")
+    budget: float = option(Settings.budget, "--sync-budget of auto, seconds")
+    lora_rank: int = option(Settings.lora_rank, "LoRA rank")
+    seeds: int = option(1, "run seeds 0..N-1 of every configuration (LoRA init, data order, random-k selections); "
+                        "table shows mean +/- std")
+    fixed_from: Path | None = option(None, "run auto only and take the fixed codecs' rows (and same-bytes ratios) "
+                                     "from this earlier results file of the same settings and seeds: they do not "
+                                     "depend on auto's ladder", type=Path, metavar="RESULTS_JSON")
+    topk_ratios: tuple[float, ...] = option((), "also run top-k + int8 (error feedback) at each of these fixed "
+                                            "ratios, every seed", nargs="+", type=float, metavar="RATIO")
+    extra_only: bool = option(False, "with --fixed-from: take auto's rows from that file too and run only the "
+                              "--topk-ratios ones")
+    drive: Path | None = option(None, "the driver inside the site: run the job this spec file describes",
+                                type=Path, hidden=True)
+
+    def __post_init__(self) -> None:
+        for name in ("workers", "rounds", "steps", "lora_rank", "seeds"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        for name in ("rate_mbit", "rtt_ms", "budget"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.extra_only and self.fixed_from is None:
+            raise ValueError("--extra-only needs --fixed-from (the run whose rows it keeps)")
+        if self.extra_only and not self.topk_ratios:
+            raise ValueError("--extra-only runs only the --topk-ratios configurations; give at least one")
+        bad = [r for r in self.topk_ratios if not TOPK_INT8.min_ratio <= r <= 1]
+        if bad:
+            raise ValueError(f"--topk-ratios must be within [{TOPK_INT8.min_ratio}, 1], got {bad[0]}")
+
+    def job(self) -> Settings:
+        return Settings(base_model=self.base_model, workers=self.workers, rounds=self.rounds, steps=self.steps,
+                        rate_mbit=self.rate_mbit, rtt_ms=self.rtt_ms, budget=self.budget, lora_rank=self.lora_rank)
+
+
+def run(o: Options, ctx: Run) -> int:
+    if o.drive is not None:
+        drive(o.drive)
         return 0
-    configure_logging(args.verbose)
-    for name in ("workers", "rounds", "steps", "lora_rank", "seeds"):
-        if getattr(args, name) < 1:
-            print(f"error: --{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}", file=sys.stderr)
-            return 2
-    for name in ("rate_mbit", "rtt_ms", "budget"):
-        if not getattr(args, name) > 0:
-            print(f"error: --{name.replace('_', '-')} must be positive, got {getattr(args, name)}", file=sys.stderr)
-            return 2
-    s = Settings(base_model=args.base_model, workers=args.workers, rounds=args.rounds, steps=args.steps,
-                 rate_mbit=args.rate_mbit, rtt_ms=args.rtt_ms, budget=args.budget, lora_rank=args.lora_rank)
+    s = o.job()
     fixed: list[dict[str, Any]] = []
     ratios: dict[str, float] | None = None
-    if args.fixed_from is not None:
-        loaded = load_fixed(args.fixed_from, s, args.seeds)
+    if o.fixed_from is not None:
+        loaded = load_fixed(o.fixed_from, s, o.seeds)
         if isinstance(loaded, str):
             print(f"error: {loaded}", file=sys.stderr)
             return 2
         fixed, ratios = loaded
-        if not args.extra_only:
+        if not o.extra_only:
             fixed = [r for r in fixed if r["name"] != "auto"]
-    elif args.extra_only:
-        print("error: --extra-only needs --fixed-from (the run whose rows it keeps)", file=sys.stderr)
-        return 2
-    if args.extra_only and not args.topk_ratios:
-        print("error: --extra-only runs only the --topk-ratios configurations; give at least one", file=sys.stderr)
-        return 2
-    bad = [r for r in args.topk_ratios if not TOPK_INT8.min_ratio <= r <= 1]
-    if bad:
-        print(f"error: --topk-ratios must be within [{TOPK_INT8.min_ratio}, 1], got {bad[0]}", file=sys.stderr)
-        return 2
     try:
         check_available()
     except NamespaceUnavailable as exc:
         print(f"error: bench.adaptive needs network namespaces to throttle the link: {exc}", file=sys.stderr)
         return 2
-    started = time.monotonic()
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="fedmoe-adaptive-", dir=SCRATCH_DIR) as scratch:
-        for seed in range(args.seeds):
+        for seed in range(o.seeds):
             ss = dataclasses.replace(s, seed=seed)
-            extras = [Config(f"topk+int8 ratio {r:g}", TOPK_INT8.codec, {"ratio": r}) for r in args.topk_ratios]
-            if args.extra_only:
+            extras = [Config(f"topk+int8 ratio {r:g}", TOPK_INT8.codec, {"ratio": r}) for r in o.topk_ratios]
+            if o.extra_only:
                 rows += [r for r in fixed if r.get("seed", 0) == seed]
                 for c in extras:
                     log.info("seed %d: %s", seed, c.name)
@@ -436,22 +430,24 @@ def main(argv: list[str] | None = None) -> int:
             if ratios is None:  # the same fixed codecs on every seed: sized from seed 0's auto
                 auto_records = json.loads((Path(scratch) / "auto.records.json").read_text())
                 ratios = {rung.codec: same_bytes_ratio(auto, auto_records, rung) for rung in (LOSSY, TOPK_INT8)}
-            if args.fixed_from is not None:
+            if o.fixed_from is not None:
                 rows += [r for r in fixed if r.get("seed", 0) == seed]
-            for c in ([] if args.fixed_from is not None else fixed_configs(ratios)) + extras:
+            for c in ([] if o.fixed_from is not None else fixed_configs(ratios)) + extras:
                 log.info("seed %d: %s", seed, c.name)
                 rows.append(run_config(c, ss, Path(scratch)))
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    report = {"benchmark": "adaptive", "settings": asdict(s), "seeds": args.seeds, "same_bytes_ratio": ratios,
-              "fixed_from": str(args.fixed_from) if args.fixed_from else None, "records": rows,
-              "summary": summarize(rows), "seconds": round(time.monotonic() - started, 1),
+    report = {"benchmark": "adaptive", "settings": asdict(s), "seeds": o.seeds, "same_bytes_ratio": ratios,
+              "fixed_from": str(o.fixed_from) if o.fixed_from else None, "records": rows,
+              "summary": summarize(rows), "seconds": ctx.seconds(),
               "cpu_seconds": round(own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime, 1),
-              "out": str(args.out)}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(args.out, report)
+              "out": str(ctx.out)}
+    ctx.write(report)
     print_report(report)
     return 0
 
+
+BENCH = Bench("adaptive", tags=("network",), settings=Options, run=run)  # the defaults are a run of minutes
+main = BENCH.main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -21,22 +21,23 @@ Table on stdout, results in bench/results/aggregation.json.
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypedDict
 
 import torch
 
-from bench.common import RESULTS_DIR, SCRATCH_DIR, configure_logging, format_table, write_json_atomic
+from bench.common import SCRATCH_DIR, format_table
+from bench.harness import Bench, Run
 from coordinator.aggregation import AGGREGATORS, AggregationParams, Update
 from coordinator.config import CoordinatorConfig
 from coordinator.service import Coordinator
+from protocol.cli import option
 from protocol.schemas import ExpertSpec, UpdateMeta
 from protocol.tensors import save_file
 
@@ -127,32 +128,26 @@ def render(report: dict[str, Any]) -> str:
             f"slowest rule {report['gbps']:.2f} GB/s (target >= {report['target_gbps']}: {met})")
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size-mb", type=int, default=256, help="model size in MiB (default: %(default)s)")
-    p.add_argument("--repeats", type=int, default=3, help="timed steps per rule, best of (default: %(default)s)")
-    p.add_argument("--out", type=Path, default=RESULTS_DIR / "aggregation.json", help="results JSON")
-    p.add_argument("--quick", action="store_true", help="--size-mb 16 --repeats 1 (bench/run_all.py --quick)")
-    p.add_argument("-v", "--verbose", action="store_true", help="library logs too")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.size_mb, args.repeats = 16, 1
-    if args.size_mb < 1 or args.repeats < 1:
-        p.error("--size-mb and --repeats must be at least 1")
-    return args
+@dataclass(frozen=True)
+class Settings:
+    size_mb: int = option(256, "model size in MiB")
+    repeats: int = option(3, "timed steps per rule, best of")
+
+    def __post_init__(self) -> None:
+        if self.size_mb < 1 or self.repeats < 1:
+            raise ValueError(f"--size-mb and --repeats must be at least 1, got {self.size_mb} and {self.repeats}")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    configure_logging(args.verbose)
-    torch.set_num_threads(1)
-    started = time.perf_counter()
-    report = measure(args.size_mb, args.repeats)
-    report["seconds"] = round(time.perf_counter() - started, 1)
-    write_json_atomic(args.out, report)
+def run(s: Settings, ctx: Run) -> int:
+    report = measure(s.size_mb, s.repeats)
+    report["seconds"] = ctx.seconds()
+    ctx.write(report)
     print(render(report))
     return 0
 
+
+BENCH = Bench("aggregation", tags=("performance",), settings=Settings, run=run, quick={"size_mb": 16, "repeats": 1})
+main = BENCH.main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -22,22 +22,21 @@ Table on stdout, progress on stderr, results in bench/results/byzantine.json.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 import sys
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 
-from bench.common import (RESULTS_DIR, Domain, configure_logging, format_table, load_suites, pulled_tensors,
-                          running_coordinator, write_json_atomic)
+from bench.common import Domain, format_table, load_suites, pulled_tensors, running_coordinator
+from bench.harness import Bench, Run
+from protocol.cli import option
 from protocol.client import CoordinatorClient
 from protocol.errors import InvalidUpdate
 from protocol.tensors import StateDict, dumps
@@ -61,7 +60,7 @@ ATTACKS: dict[str, Callable[[StateDict], StateDict]] = {
 
 
 @dataclass(frozen=True)
-class Run:
+class Job:
     attack: str | None
     """Key of ATTACKS, or None for the honest-only reference (attacker left out)."""
     robust: str = "none"
@@ -75,30 +74,30 @@ class Run:
         return f"{self.attack or 'honest only'} / {rule}"
 
 
-RUNS = (Run(None),) + tuple(Run(attack, robust) for attack in ATTACKS
+RUNS = (Job(None),) + tuple(Job(attack, robust) for attack in ATTACKS
                             for robust in ("none", "clip", "median", "trimmed_mean")) + tuple(
-    Run(attack, "none", "reject") for attack in ATTACKS)
-QUICK_RUNS = (Run(None), Run("scale"), Run("scale", "median"))
+    Job(attack, "none", "reject") for attack in ATTACKS)
+QUICK_RUNS = (Job(None), Job("scale"), Job("scale", "median"))
 
 
 @dataclass(frozen=True)
 class Settings:
     workers: int = 5
     """Workers in an attacked run, one of them the attacker (honest-only runs without it)."""
-    rounds: int = 24
-    """Rounds; every worker pushes once per round."""
-    steps: int = 2
-    """AdamW steps per worker per round."""
+    rounds: int = option(24, "rounds; every worker pushes once per round")
+    steps: int = option(2, "AdamW steps per worker per round")
     batch_size: int = 4
     max_seq_len: int = 128
-    lr: float = 1e-2
-    """AdamW learning rate; near the best for the random-init tiny-qwen2, so a larger step is not a free gain."""
+    lr: float = option(1e-2, "AdamW learning rate; near the best for the random-init tiny-qwen2, so a larger step is "
+                       "not a free gain")
     lora_rank: int = 8
     norm_factor: float = 3.0
     """--norm-factor of the norm-check runs."""
     trim_fraction: float = 0.2
     """--trim-fraction: trims one value of five at each end."""
     seed: int = 0
+    jobs: tuple[Job, ...] = RUNS
+    """The attack and defence runs, one job each."""
 
     def __post_init__(self) -> None:
         for name in ("workers", "rounds", "steps"):
@@ -110,7 +109,7 @@ class Settings:
             raise ValueError(f"--workers must be at least 3 (one attacker, robust rules need 3), got {self.workers}")
 
 
-QUICK_SETTINGS = Settings(rounds=3, steps=1, max_seq_len=64)
+QUICK = {"rounds": 3, "steps": 1, "max_seq_len": 64, "jobs": QUICK_RUNS}
 
 
 @dataclass
@@ -122,7 +121,7 @@ class Member:
     attack: Callable[[StateDict], StateDict] | None = None
 
 
-def run_job(domain: Domain, run: Run, s: Settings) -> dict[str, Any]:
+def run_job(domain: Domain, run: Job, s: Settings) -> dict[str, Any]:
     """One federated job; returns its record (held-out loss, updates pushed and rejected)."""
     started = time.perf_counter()
     honest = s.workers - 1
@@ -208,43 +207,23 @@ def render(report: dict[str, Any]) -> str:
             f"{report['honest_eval_loss']:.4f}; {report['settings']['workers']} workers, 1 attacker")
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="smoke run: 3 jobs of 3 short rounds")
-    p.add_argument("--out", type=Path, default=RESULTS_DIR / "byzantine.json", help="results JSON (default: %(default)s)")
-    p.add_argument("--rounds", type=int, default=None, help=f"rounds per job (default: {Settings.rounds})")
-    p.add_argument("--steps", type=int, default=None, help=f"steps per worker per round (default: {Settings.steps})")
-    p.add_argument("--lr", type=float, default=None, help=f"AdamW learning rate (default: {Settings.lr})")
-    p.add_argument("-v", "--verbose", action="store_true", help="library logs too")
-    return p.parse_args(argv)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    configure_logging(args.verbose)
-    torch.set_num_threads(1)
-    base = QUICK_SETTINGS if args.quick else Settings()
-    try:
-        overrides = {"rounds": args.rounds, "steps": args.steps, "lr": args.lr}
-        settings = dataclasses.replace(base, **{k: v for k, v in overrides.items() if v is not None})
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+def run(s: Settings, ctx: Run) -> int:
     domain = next(d for d in load_suites(["sample"])[0].domains if d.name == DOMAIN)
-    runs = QUICK_RUNS if args.quick else RUNS
-    started = time.perf_counter()
     records = []
-    for i, run in enumerate(runs, start=1):
-        records.append(run_job(domain, run, settings))
-        log.info("[%d/%d] %s: loss %.4f, %d rejected, %.1f s", i, len(runs), run.label, records[-1]["eval_loss"],
+    for i, job in enumerate(s.jobs, start=1):
+        records.append(run_job(domain, job, s))
+        log.info("[%d/%d] %s: loss %.4f, %d rejected, %.1f s", i, len(s.jobs), job.label, records[-1]["eval_loss"],
                  records[-1]["rejected"], records[-1]["seconds"])
-    untrained = adapter_loss(load_base_model(BASE_MODEL), domain.heldout, max_seq_len=settings.max_seq_len)
-    report = summarize(records, untrained, settings, time.perf_counter() - started)
-    write_json_atomic(args.out, report)
+    untrained = adapter_loss(load_base_model(BASE_MODEL), domain.heldout, max_seq_len=s.max_seq_len)
+    report = summarize(records, untrained, s, ctx.seconds())
+    ctx.write(report)
     print(render(report))
-    log.info("wrote %s in %.0f s", args.out, report["seconds"])
+    log.info("wrote %s in %.0f s", ctx.out, report["seconds"])
     return 0
 
+
+BENCH = Bench("byzantine", tags=("robustness",), settings=Settings, run=run, quick=QUICK)
+main = BENCH.main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -195,7 +195,7 @@ class CoordinatorProcess:
     def start(self, timeout: float = 180.0) -> float:
         """Spawn, wait until /health answers and return the seconds that took; stopped again if it fails."""
         started = time.monotonic()
-        # FEDMOE_BENCH_SERVER_ROOT: another checkout's coordinator, for an A/B ratio in one run (docs/scale.md)
+        # FEDMOE_BENCH_SERVER_ROOT: another checkout's coordinator, for an A/B ratio in one run (docs/history/scale.md)
         root = Path(os.environ.get("FEDMOE_BENCH_SERVER_ROOT") or ROOT)
         env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(

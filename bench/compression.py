@@ -22,7 +22,6 @@ Table on stdout, progress on stderr, results in bench/results/compression.json.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 import math
@@ -38,21 +37,12 @@ from typing import Any
 
 import torch
 
-from bench.common import (
-    RESULTS_DIR,
-    Domain,
-    Suite,
-    Task,
-    configure_logging,
-    format_table,
-    load_suites,
-    pulled_tensors,
-    run_parallel,
-    running_coordinator,
-    write_json_atomic,
-)
+from bench.common import (Domain, Suite, Task, configure_logging, format_table, load_suites, pulled_tensors,
+                          run_parallel, running_coordinator)
+from bench.harness import Bench, Run
 from bench.plots import plot_codec_bytes
 from compression import CODECS, CompressionError, Pipeline, make_codec
+from protocol.cli import option
 from protocol.client import CoordinatorClient
 from protocol.errors import FedMoEError
 from protocol.schemas import RAW_CODEC
@@ -183,9 +173,6 @@ class JobSettings:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if self.max_seq_len < 16:
             raise ValueError(f"max_seq_len must be at least 16, got {self.max_seq_len}")
-
-
-QUICK_SETTINGS = JobSettings(rounds=2, steps_per_round=2, max_seq_len=64)
 
 
 @dataclass(frozen=True)
@@ -423,68 +410,60 @@ def _spread(r: Mapping[str, Any]) -> str:
 # -- command line --------------------------------------------------------------------------------
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    defaults = JobSettings()
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true",
-                   help="smoke run: 3 codecs, 2 rounds of 2 short steps, sample data only, in this process")
-    p.add_argument("--out", type=Path, default=RESULTS_DIR / "compression.json", help="results JSON (default: %(default)s)")
-    p.add_argument("--suites", nargs="+", default=["sample", "ds1000"],
-                   help="data suites: sample (data/*.jsonl) and ds1000 (data/ds1000/) (default: %(default)s)")
-    p.add_argument("--only", nargs="+", default=None, metavar="CODEC",
-                   help="run only these codec specs (plus the safetensors reference), e.g. --only int8 topk+int4")
-    p.add_argument("--rounds", type=int, default=None, help=f"sync rounds (default: {defaults.rounds})")
-    p.add_argument("--steps", type=int, default=None, help=f"steps per round (default: {defaults.steps_per_round})")
-    p.add_argument("--seeds", type=int, default=None,
-                   help=f"codec seeds per configuration with a random stage (default: {defaults.codec_seeds})")
-    p.add_argument("--jobs", type=int, default=None,
-                   help="jobs in parallel, one process each (default: 1 with --quick, else min(2, CPUs))")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per job (default: %(default)s)")
-    p.add_argument("-v", "--verbose", action="store_true", help="library logs too")
-    args = p.parse_args(argv)
-    if args.jobs is None:
-        args.jobs = 1 if args.quick else min(2, os.cpu_count() or 1)
-    if args.jobs < 1:
-        p.error(f"--jobs must be at least 1, got {args.jobs}")
-    return args
+@dataclass(frozen=True)
+class Settings:
+    suites: tuple[str, ...] = option(("sample", "ds1000"), "data suites: sample (data/*.jsonl) and ds1000 "
+                                     "(data/ds1000/)", nargs="+")
+    only: tuple[str, ...] | None = option(None, "run only these codec specs (plus the safetensors reference), e.g. "
+                                          "--only int8 topk+int4", nargs="+", metavar="CODEC")
+    rounds: int = option(JobSettings.rounds, "sync rounds")
+    steps: int = option(JobSettings.steps_per_round, "steps per round")
+    seeds: int = option(JobSettings.codec_seeds, "codec seeds per configuration with a random stage")
+    jobs: int = option(min(2, os.cpu_count() or 1), "jobs in parallel, one process each (--quick: 1, in this process)")
+    threads: int = option(1, "torch threads per job")
+    max_seq_len: int = JobSettings.max_seq_len
+    sweep: tuple[CodecRun, ...] = SWEEP
+    """The configurations run (--quick: three codecs)."""
 
-
-def build_plan(args: argparse.Namespace) -> tuple[JobSettings, tuple[CodecRun, ...], list[str]]:
-    settings = QUICK_SETTINGS if args.quick else JobSettings()
-    overrides = {"rounds": args.rounds, "steps_per_round": args.steps, "codec_seeds": args.seeds,
-                 "threads": args.threads}
-    try:
-        settings = dataclasses.replace(settings, **{k: v for k, v in overrides.items() if v is not None})
-    except ValueError as exc:
-        raise SystemExit(str(exc)) from None
-    sweep = QUICK_SWEEP if args.quick else SWEEP
-    if args.only:
+    def __post_init__(self) -> None:
+        if self.jobs < 1:
+            raise ValueError(f"--jobs must be at least 1, got {self.jobs}")
         known = {run.codec for run in SWEEP + QUICK_SWEEP}
-        if set(args.only) - known:
-            raise SystemExit(f"--only: {sorted(set(args.only) - known)} not in the sweep; choose from {sorted(known)}")
-        sweep = tuple(run for run in SWEEP if run.codec == RAW_CODEC or run.codec in args.only)
-    return settings, sweep, ["sample"] if args.quick else args.suites
+        if self.only and set(self.only) - known:
+            raise ValueError(f"--only: {sorted(set(self.only) - known)} not in the sweep; choose from {sorted(known)}")
+        self.job_settings()  # its checks name the flags
+
+    def job_settings(self) -> JobSettings:
+        return JobSettings(rounds=self.rounds, steps_per_round=self.steps, codec_seeds=self.seeds,
+                           threads=self.threads, max_seq_len=self.max_seq_len)
+
+    def runs(self) -> tuple[CodecRun, ...]:
+        if not self.only:
+            return self.sweep
+        return tuple(run for run in SWEEP if run.codec == RAW_CODEC or run.codec in self.only)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    configure_logging(args.verbose)
-    settings, sweep, suite_names = build_plan(args)
-    suites = load_suites(suite_names)
-    started = time.perf_counter()
+def run(s: Settings, ctx: Run) -> int:
+    settings, sweep = s.job_settings(), s.runs()
+    suites = load_suites(s.suites)
     tasks = plan_tasks(suites, sweep, settings)
     log.info("%d suite(s) x %d configurations: %d jobs of %d rounds x %d step(s) x 3 workers, %d at a time",
-             len(suites), len(sweep), len(tasks) - len(suites), settings.rounds, settings.steps_per_round, args.jobs)
-    outputs = run_parallel(tasks, args.jobs, log_progress(len(tasks)), configure_logging, (args.verbose,))
+             len(suites), len(sweep), len(tasks) - len(suites), settings.rounds, settings.steps_per_round, s.jobs)
+    outputs = run_parallel(tasks, s.jobs, log_progress(len(tasks)), configure_logging, (ctx.verbose,))
     results = [o for o in outputs if isinstance(o, JobResult)]
     untrained = {suite.name: o for suite, o in zip(suites, outputs[len(results):])}
-    report = summarize(results, untrained, settings, time.perf_counter() - started)
-    write_json_atomic(args.out, report)
-    plot = plot_codec_bytes(report["records"], args.out.with_suffix(".png"))
+    report = summarize(results, untrained, settings, ctx.seconds())
+    ctx.write(report)
+    plot = plot_codec_bytes(report["records"], ctx.out.with_suffix(".png"))
     print(render(report))
-    log.info("wrote %s and %s in %.0f s", args.out, plot, report["seconds"])
+    log.info("wrote %s and %s in %.0f s", ctx.out, plot, report["seconds"])
     return 0
 
+
+BENCH = Bench("compression", tags=("robustness",), settings=Settings, run=run,
+              quick={"rounds": 2, "steps": 2, "max_seq_len": 64, "suites": ("sample",), "jobs": 1,
+                     "sweep": QUICK_SWEEP})
+main = BENCH.main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -27,7 +27,6 @@ time of a run, not its curve (bar the order in which asynchronous updates arrive
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -39,9 +38,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import (RESULTS_DIR, ROOT, SCRATCH_DIR, configure_logging, format_table, running_coordinator,
-                          write_json_atomic)
+from bench.common import ROOT, SCRATCH_DIR, format_table, running_coordinator
+from bench.harness import Bench, Run
 from bench.realdata import REAL_MODEL, SMOKE_MODEL, Lab, loss_pair
+from protocol.cli import option
 from protocol.client import CoordinatorClient
 from worker.data import Example, load_examples
 
@@ -216,80 +216,65 @@ def render(rows: list[dict[str, Any]]) -> str:
                                   for r in rows])
 
 
-def git_commit() -> str:
-    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return done.stdout.strip() or "unknown"
+@dataclass(frozen=True)
+class Settings:
+    workers: tuple[int, ...] = option((3, 6), "workers per expert, one run each", nargs="+", type=int)
+    arms: tuple[str, ...] = option(("original", "default", "flower"), "arms compared", nargs="+", choices=ARMS)
+    base_model: str = option(REAL_MODEL, "the workers' model")
+    domain: str = option("numpy_expert", "DS-1000 library (data/ds1000/{train,heldout}/)")
+    steps: int = option(8, "optimiser steps per worker")
+    local_steps: int = option(2, "Flower: steps per client per round")
+    lr: float = option(1e-3, "AdamW learning rate")
+    batch_size: int = option(4, "examples per step")
+    max_seq_len: int = option(96, "tokens per example")
+    sync_interval: float = option(30.0, "FedMoE workers' seconds between pushes")
+    max_evals: int = option(6, "versions scored per FedMoE arm at most")
+    flower_python: Path = option(FLOWER_PYTHON, "the interpreter of Flower's own virtualenv", type=Path)
+    flower_parallel: int = option(1, "Flower clients trained at once (each a model copy in memory; FedAvg's result is "
+                                  "the same)")
+
+    def __post_init__(self) -> None:
+        if self.steps % self.local_steps:
+            raise ValueError(f"--steps {self.steps} must be a multiple of --local-steps {self.local_steps} "
+                             "(Flower's rounds)")
+        if min(self.workers) < 1 or self.max_evals < 2:
+            raise ValueError("--workers must be >= 1 and --max-evals >= 2")
+
+    def plan(self) -> Plan:
+        return Plan(self.base_model, self.domain, self.steps, self.local_steps, self.lr, self.batch_size,
+                    self.max_seq_len, self.sync_interval, self.max_evals)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workers", type=int, nargs="+", default=[3, 6], help="workers per expert, one run each")
-    p.add_argument("--arms", nargs="+", default=["original", "default", "flower"], choices=ARMS)
-    p.add_argument("--base-model", default=REAL_MODEL)
-    p.add_argument("--domain", default="numpy_expert", help="DS-1000 library (data/ds1000/{train,heldout}/)")
-    p.add_argument("--steps", type=int, default=8, help="optimiser steps per worker")
-    p.add_argument("--local-steps", type=int, default=2, help="Flower: steps per client per round")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--max-seq-len", type=int, default=96)
-    p.add_argument("--sync-interval", type=float, default=30.0, help="FedMoE workers' seconds between pushes")
-    p.add_argument("--max-evals", type=int, default=6, help="versions scored per FedMoE arm at most")
-    p.add_argument("--flower-python", type=Path, default=FLOWER_PYTHON)
-    p.add_argument("--flower-parallel", type=int, default=1,
-                   help="Flower clients trained at once (each a model copy in memory; FedAvg's result is the same)")
-    p.add_argument("--quick", action="store_true", help="tiny-qwen2, 2 workers, 4 steps: a smoke run")
-    p.add_argument("--out", type=Path, default=RESULTS_DIR / "converge.json")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.base_model, args.workers, args.steps, args.lr, args.max_seq_len = SMOKE_MODEL, [2], 4, 1e-2, 64
-        args.sync_interval = 2.0
-    if args.steps % args.local_steps:
-        p.error(f"--steps {args.steps} must be a multiple of --local-steps {args.local_steps} (Flower's rounds)")
-    if min(args.workers) < 1 or args.max_evals < 2:
-        p.error("--workers must be >= 1 and --max-evals >= 2")
-    return args
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    configure_logging()
-    if "flower" in args.arms and (problem := check_flower(args.flower_python)):
+def run(s: Settings, ctx: Run) -> int:
+    if "flower" in s.arms and (problem := check_flower(s.flower_python)):
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    # One thread: on a shared 2-core machine torch's OpenMP threads spin-wait for a busy core, and scoring one
-    # version took over 5 minutes at load 17 with two (under a minute with one).
-    import torch
-
-    torch.set_num_threads(1)
-    plan = Plan(args.base_model, args.domain, args.steps, args.local_steps, args.lr, args.batch_size,
-                args.max_seq_len, args.sync_interval, args.max_evals)
+    plan = s.plan()
     lab = Lab(plan.base_model, batch_size=plan.batch_size, max_seq_len=plan.max_seq_len)
     heldout = load_examples(ROOT / "data" / "ds1000" / "heldout" / f"{plan.domain}.jsonl")
     base = loss_pair(lab.losses(heldout))["loss"]
     log.info("base model: held-out %.4f on %d %s problems", base, len(heldout), plan.domain)
     curves: list[Curve] = []
     failures: list[str] = []
-    started = time.monotonic()
-    for n in args.workers:
+    for n in s.workers:
         with tempfile.TemporaryDirectory(prefix=f"converge-{n}-", dir=SCRATCH_DIR) as tmp:
             work = Path(tmp)
             shards = write_shards(plan.domain, n, work / "shards")
-            for arm in args.arms:
+            for arm in s.arms:
                 (work / arm).mkdir()
                 try:
-                    curves.append(run_flower(lab, plan, shards, heldout, work, args.flower_python,
-                                             args.flower_parallel) if arm == "flower"
-                                  else run_fedmoe(lab, plan, arm, shards, heldout, work))
+                    curves.append(run_flower(lab, plan, shards, heldout, work, s.flower_python, s.flower_parallel)
+                                  if arm == "flower" else run_fedmoe(lab, plan, arm, shards, heldout, work))
                 except RuntimeError as exc:  # one arm failing keeps the others' curves (and says why)
                     log.error("%s x%d failed: %s", arm, n, exc)
                     failures.append(f"{arm} x{n}: {str(exc)[:300]}")
-                    keep_log(work, arm, n, args.out)
-                write_result(args.out, plan, base, curves, failures, started, lab)  # after every arm
+                    keep_log(work, arm, n, ctx.out)
+                write_result(ctx, plan, base, curves, failures, lab)  # after every arm
     rows = summaries(curves, base)
     print(f"\n{plan.domain} held-out answer-token loss ({len(heldout)} problems), {plan.base_model}, "
           f"{plan.steps} steps per worker, batch {plan.batch_size} x {plan.max_seq_len}, lr {plan.lr:g}\n")
     print(render(rows))
-    print(f"\nwrote {args.out}" + (f"; failed: {'; '.join(failures)}" if failures else ""))
+    print(f"\nwrote {ctx.out}" + (f"; failed: {'; '.join(failures)}" if failures else ""))
     return 1 if failures else 0
 
 
@@ -302,12 +287,10 @@ def summaries(curves: list[Curve], base: float) -> list[dict[str, Any]]:
     return rows
 
 
-def write_result(out: Path, plan: Plan, base: float, curves: list[Curve], failures: list[str], started: float,
-                 lab: Lab) -> None:
-    write_json_atomic(out, {"plan": asdict(plan), "base_loss": base, "summary": summaries(curves, base),
-                            "curves": [asdict(c) for c in curves], "failures": failures, "commit": git_commit(),
-                            "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
-                            "wall_seconds": round(time.monotonic() - started, 1), "cost": lab.compute.as_dict()})
+def write_result(ctx: Run, plan: Plan, base: float, curves: list[Curve], failures: list[str], lab: Lab) -> None:
+    ctx.write({"plan": asdict(plan), "base_loss": base, "summary": summaries(curves, base),
+               "curves": [asdict(c) for c in curves], "failures": failures, "wall_seconds": ctx.seconds(),
+               "cost": lab.compute.as_dict()})
 
 
 def keep_log(work: Path, arm: str, n: int, out: Path) -> None:
@@ -318,6 +301,11 @@ def keep_log(work: Path, arm: str, n: int, out: Path) -> None:
         if path.name.startswith((arm, "flower")):
             (kept / path.name).write_bytes(path.read_bytes()[-200_000:])
 
+
+BENCH = Bench("converge", tags=("learning",), settings=Settings, run=run, cores=1,
+              quick={"base_model": SMOKE_MODEL, "workers": (2,), "steps": 4, "lr": 1e-2, "max_seq_len": 64,
+                     "sync_interval": 2.0})
+main = BENCH.main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -23,7 +23,6 @@ Table on stdout, progress on stderr, results in bench/results/crash.json.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import random
@@ -40,7 +39,9 @@ from typing import Any
 import requests
 import torch
 
-from bench.common import RESULTS_DIR, CoordinatorProcess, configure_logging, format_table, write_json_atomic
+from bench.common import CoordinatorProcess, format_table
+from bench.harness import Bench, Run
+from protocol.cli import option
 from protocol.integrity import algorithm_of, hash_file
 from protocol.schemas import EXPERT_HEADER, UPDATE_HEADER
 from protocol.tensors import dumps, loads
@@ -48,7 +49,6 @@ from protocol.tensors import dumps, loads
 ROOT = Path(__file__).resolve().parents[1]
 
 log = logging.getLogger("bench.crash")
-RESULTS = RESULTS_DIR / "crash.json"
 EXPERT = "crash_expert"
 FINGERPRINT = "cd" * 32
 
@@ -260,27 +260,21 @@ def run(kills: int, clients: int = 4, seed: int = 0, max_uptime: float = 0.4,
     }
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kills", type=int, default=50, help="kill -9 / restart cycles (default: %(default)s)")
-    p.add_argument("--clients", type=int, default=4, help="pushing client threads (default: %(default)s)")
-    p.add_argument("--max-uptime", type=float, default=0.4,
-                   help="the kill comes 0..this many seconds after the server is up (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="5 kills (what bench/run_all.py --quick runs)")
-    p.add_argument("--out", type=Path, default=RESULTS, help="results JSON (default: %(default)s)")
-    p.add_argument("-v", "--verbose", action="store_true")
-    args, _ = p.parse_known_args(argv)  # run_all.py passes every benchmark the same flags
-    return args
+@dataclass(frozen=True)
+class Settings:
+    kills: int = option(50, "kill -9 / restart cycles")
+    clients: int = option(4, "pushing client threads")
+    max_uptime: float = option(0.4, "the kill comes 0..this many seconds after the server is up")
+    seed: int = option(0, "seed of the kill moments and the updates")
+
+    def __post_init__(self) -> None:
+        if self.kills < 1 or self.clients < 1 or not self.max_uptime > 0:
+            raise ValueError("--kills and --clients must be at least 1 and --max-uptime positive")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    configure_logging(args.verbose)
-    log.setLevel(logging.INFO)
-    torch.set_num_threads(1)
-    report = run(5 if args.quick else args.kills, args.clients, args.seed, args.max_uptime)
-    write_json_atomic(args.out, report)
+def run_bench(s: Settings, ctx: Run) -> int:
+    report = run(s.kills, s.clients, s.seed, s.max_uptime)
+    ctx.write(report)
     rows = [[report["kills"], report["clients"], report["pushes_acknowledged"], report["updates_applied"],
              report["restart_s"]["p50"], report["restart_s"]["max"], len(report["problems"]),
              len(report["server_errors"]), report["seconds"]]]
@@ -290,6 +284,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("PROBLEM:", problem)
     return 1 if report["problems"] or report["server_errors"] else 0
 
+
+BENCH = Bench("crash", tags=("robustness", "durability"), settings=Settings, run=run_bench, quick={"kills": 5}, torch_threads=1)
+main = BENCH.main
 
 if __name__ == "__main__":
     sys.exit(main())

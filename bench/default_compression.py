@@ -22,18 +22,16 @@ Table on stdout, results in bench/results/default_compression.json (stamped with
 """
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
 import sys
 import time
+from bench.harness import Bench, Run
+from protocol.cli import option
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from bench.common import RESULTS_DIR, format_table, running_coordinator, write_json_atomic
+from bench.common import format_table, running_coordinator
 from bench.realdata import REAL_MODEL, SMOKE_MODEL, Lab, ds1000_domains, loss_pair, shards
-from bench.worker_memory import git_head
 from protocol.client import CoordinatorClient
 from protocol.schemas import RAW_CODEC
 from worker.encoding import CompressionSettings, PullSettings, UpdateEncoder
@@ -94,32 +92,27 @@ def sync_bytes(records: list[dict[str, Any]]) -> dict[str, Any]:
             "bytes_per_sync": (sum(pushes) + sum(pulls)) / len(records) if records else 0.0}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="tiny-qwen2, 2 rounds: a smoke run")
-    p.add_argument("--workers", type=int, default=3, help="workers of the expert (default: %(default)s)")
-    p.add_argument("--rounds", type=int, default=6, help="syncs per worker (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=2, help="optimiser steps per worker per round (default: %(default)s)")
-    p.add_argument("--out", type=Path, default=RESULTS_DIR / "default_compression.json",
-                   help="results JSON (default: %(default)s)")
-    args = p.parse_args(argv)
-    if min(args.workers, args.rounds, args.steps) < 1:
-        p.error("--workers, --rounds and --steps must be at least 1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import torch
+@dataclass(frozen=True)
+class Settings:
+    model: str = option(REAL_MODEL, "base model")
+    workers: int = option(3, "workers of the expert")
+    rounds: int = option(6, "syncs per worker")
+    steps: int = option(2, "optimiser steps per worker per round")
 
-    torch.set_num_threads(1)
-    rounds = 2 if args.quick else args.rounds
-    commit, lab = git_head(), Lab(SMOKE_MODEL if args.quick else REAL_MODEL, batch_size=4, max_seq_len=128)
-    rows = [run_arm(lab, arm, args.workers, rounds, args.steps) for arm in ARMS]
+    def __post_init__(self) -> None:
+        if min(self.workers, self.rounds, self.steps) < 1:
+            raise ValueError("--workers, --rounds and --steps must be at least 1")
+
+
+def run(s: Settings, ctx: Run) -> int:
+    lab = Lab(s.model, batch_size=4, max_seq_len=128)
+    rows = [run_arm(lab, arm, s.workers, s.rounds, s.steps) for arm in ARMS]
     before = rows[0]
     for row in rows:
         row["loss_change_pct"] = 100 * (row["loss"] - before["loss"]) / before["loss"]
         row["bytes_per_sync_ratio"] = before["bytes_per_sync"] / row["bytes_per_sync"]
-    write_json_atomic(args.out, {"benchmark": "default_compression", "commit": commit, "base_model": lab.model_id,
-                                 "domain": DOMAIN, "workers": args.workers, "rounds": rounds, "steps": args.steps,
-                                 "lr": lab.lr, "load_average_at_end": [round(x, 1) for x in os.getloadavg()],
-                                 "arms": rows})
+    ctx.write({"benchmark": "default_compression", "base_model": lab.model_id, "domain": DOMAIN,
+               "workers": s.workers, "rounds": s.rounds, "steps": s.steps, "lr": lab.lr, "arms": rows})
     print(format_table(["arm", "push", "pull", "push kB/sync", "pull kB/sync", "diff pull kB", "kB/sync",
                         "held-out loss", "w/o end", "loss vs before"],
                        [[r["arm"], r["push_codec"], r["pull_codec"] or "full", round(r["push_bytes_mean"] / 1e3, 1),
@@ -127,9 +120,13 @@ def main(argv: list[str] | None = None) -> int:
                          None if r["diff_pull_bytes_mean"] is None else round(r["diff_pull_bytes_mean"] / 1e3, 1),
                          round(r["bytes_per_sync"] / 1e3, 1), round(r["loss"], 4), round(r["loss_without_end"], 4),
                          f"{r['loss_change_pct']:+.2f}%"] for r in rows]))
-    print(f"{lab.model_id}, {args.workers} workers x {rounds} rounds x {args.steps} steps; results in {args.out}")
+    print(f"{lab.model_id}, {s.workers} workers x {s.rounds} rounds x {s.steps} steps; results in {ctx.out}")
     return 0
 
+
+BENCH = Bench("default_compression", tags=("training", "learning"), settings=Settings, run=run, cores=1,
+              quick={"model": SMOKE_MODEL, "rounds": 2})
+main = BENCH.main
 
 if __name__ == "__main__":
     sys.exit(main())

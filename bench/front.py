@@ -6,7 +6,7 @@ own, spool dir on disk, as the coordinator runs it; client threads in this proce
 over ``--connections`` keep-alive connections. Per request: the server's CPU (user + system, from
 /proc), the CPU of its event-loop thread (the process's main thread) and the context switches of all its
 threads. With ``--server-root`` the front of another checkout runs too, alternately, so the ratios come
-from one window (docs/scale.md, sixth round).
+from one window (docs/history/scale.md, sixth round).
 
     python -m bench.front                                  # 100 connections x 6 pushes of 4.7 MB, 3 runs
     python -m bench.front --server-root /work/main         # A/B against another checkout
@@ -16,7 +16,6 @@ Table on stdout, results in bench/results/front.json.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import socket
 import statistics
@@ -25,15 +24,18 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import RESULTS_DIR, ROOT, configure_logging, format_table, require_positive, write_json_atomic
+from bench.common import ROOT, format_table
+from bench.harness import Bench, Run
+from protocol.cli import option
 from protocol.integrity import content_id, new_hasher
 
 SERVER = r"""
 import json, socket, sys
+from dataclasses import dataclass
 from pathlib import Path
 try:  # in coordinator/http/ since issue 31; before, all in coordinator/front.py (an A/B against an older checkout)
     from coordinator.http.front import BufferingFront
@@ -129,43 +131,40 @@ def measure(root: Path, body: bytes, digest: str, connections: int, requests: in
             "load_average": os.getloadavg()[0]}
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--connections", type=int, default=100, help="keep-alive client connections (default: %(default)s)")
-    p.add_argument("--requests", type=int, default=6, help="pushes per connection per run (default: %(default)s)")
-    p.add_argument("--size-mb", type=float, default=4.675401, help="body size in MB (default: a Qwen2-0.5B int8 update)")
-    p.add_argument("--runs", type=int, default=3, help="runs per front, alternated (default: %(default)s)")
-    p.add_argument("--server-root", type=Path, default=None, help="another checkout whose front runs too (A/B)")
-    p.add_argument("--out", type=Path, default=RESULTS_DIR / "front.json", help="results JSON")
-    p.add_argument("-v", "--verbose", action="store_true")
-    args, _ = p.parse_known_args(argv)  # run_all.py passes every benchmark the same flags
-    require_positive(p, args, "connections", "requests", "size_mb", "runs")
-    if args.server_root is not None and not any((args.server_root / "coordinator" / where).is_file()
-                                                for where in ("http/front.py", "front.py")):
-        p.error(f"--server-root {args.server_root}: no coordinator/http/front.py (or coordinator/front.py) there")
-    return args
+@dataclass(frozen=True)
+class Settings:
+    connections: int = option(100, "keep-alive client connections")
+    requests: int = option(6, "pushes per connection per run")
+    size_mb: float = option(4.675401, "body size in MB (default: a Qwen2-0.5B int8 update)")
+    runs: int = option(3, "runs per front, alternated")
+    server_root: Path | None = option(None, "another checkout whose front runs too (A/B)", type=Path)
+
+    def __post_init__(self) -> None:
+        if min(self.connections, self.requests, self.runs) < 1 or not self.size_mb > 0:
+            raise ValueError("--connections, --requests, --runs and --size-mb must be positive")
+        if self.server_root is not None and not any((self.server_root / "coordinator" / where).is_file()
+                                                    for where in ("http/front.py", "front.py")):
+            raise ValueError(f"--server-root {self.server_root}: no coordinator/http/front.py (or "
+                             "coordinator/front.py) there")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    configure_logging(args.verbose)
-    body = os.urandom(int(args.size_mb * 1e6))
+def run(s: Settings, ctx: Run) -> int:
+    body = os.urandom(int(s.size_mb * 1e6))
     hasher = new_hasher("blake3", len(body))
     hasher.update(body)
     digest = content_id("blake3", hasher.hexdigest())
-    roots = [ROOT] + ([args.server_root.resolve()] if args.server_root else [])
-    runs = [measure(root, body, digest, args.connections, args.requests) for _ in range(args.runs) for root in roots]
+    roots = [ROOT] + ([s.server_root.resolve()] if s.server_root else [])
+    runs = [measure(root, body, digest, s.connections, s.requests) for _ in range(s.runs) for root in roots]
     means = {str(root): {k: round(statistics.mean(r[k] for r in runs if r["root"] == str(root)), 2)
                          for k in ("requests_per_s", "cpu_ms_per_request", "loop_cpu_ms_per_request",
                                    "context_switches_per_request")} for root in roots}
-    report: dict[str, Any] = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-                              "body_bytes": len(body), "runs": runs, "means": means}
-    if args.server_root:
+    report: dict[str, Any] = {"body_bytes": len(body), "runs": runs, "means": means}
+    if s.server_root:
         this, other = means[str(roots[0])], means[str(roots[1])]
         report["ratios_this_over_other"] = {k: round(this[k] / other[k], 3) for k in this if other[k]}
-    write_json_atomic(args.out, report)
+    ctx.write(report)
     print(format_table(["front", "runs", "requests", "req/s", "CPU ms/req", "loop CPU ms/req", "switches/req"],
-                       [[root, args.runs, args.runs * args.connections * args.requests, m["requests_per_s"],
+                       [[root, s.runs, s.runs * s.connections * s.requests, m["requests_per_s"],
                          m["cpu_ms_per_request"], m["loop_cpu_ms_per_request"], m["context_switches_per_request"]]
                         for root, m in means.items()]))
     wrong = [a for r in runs for a in r["wrong_answers"]]
@@ -173,6 +172,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("ERROR: answer without the body's digest:", answer[:200])
     return 1 if wrong else 0
 
+
+BENCH = Bench("front", tags=("http", "a-b"), settings=Settings, run=run,
+              quick={"connections": 20, "requests": 2, "runs": 1}, torch_threads=None)
+main = BENCH.main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -14,11 +14,10 @@ slow-client, smuggling and transport figures must stay at least as good):
     python -m bench.front_ab --baseline /tmp/main-checkout              # a few tens of minutes on 2 busy cores
     python -m bench.front_ab --baseline /tmp/main-checkout --quick      # smoke test
 
-Table on stdout, results (with both commits and the load average) in bench/results/front_ab.json.
+Table on stdout, results (with both commits, stamped with the load average) in bench/results/front_ab.json.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -26,13 +25,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import RESULTS_DIR, ROOT, configure_logging, format_table, write_json_atomic
-from bench.transport_ab import git_head
+from bench.common import ROOT, format_table
+from bench.harness import Bench, Run, git_head
+from protocol.cli import option
 
 log = logging.getLogger("bench.front_ab")
 SIDES = ("baseline", "change")
@@ -97,40 +97,44 @@ def ratios(change: dict[str, float], baseline: dict[str, float]) -> dict[str, fl
     return {k: (round(change[k] / baseline[k], 3) if baseline.get(k) else None) for k in change if k in baseline}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--baseline", type=Path, required=True, help="the other checkout (its run_coordinator.py runs)")
-    p.add_argument("--baseline-commit", default=None,
-                   help="the baseline's commit, for a checkout that is no git work tree (e.g. a `git archive` copy)")
-    p.add_argument("--change-commit", default=None, help="the same for this checkout")
-    p.add_argument("--pairs", type=int, default=1, help="baseline/change pairs of the hostile and transport runs")
-    p.add_argument("--quick", action="store_true", help="each benchmark's smallest setting (a smoke test)")
-    p.add_argument("--out", type=Path, default=RESULTS_DIR / "front_ab.json", help="results JSON")
-    p.add_argument("-v", "--verbose", action="store_true")
-    args = p.parse_args(argv)
-    if not (args.baseline / "run_coordinator.py").is_file():
-        p.error(f"--baseline {args.baseline}: no run_coordinator.py there")
-    configure_logging(args.verbose)
-    baseline, started = args.baseline.resolve(), time.perf_counter()
+@dataclass(frozen=True)
+class Settings:
+    baseline: Path | None = option(None, "the other checkout (its run_coordinator.py runs; required)", type=Path)
+    baseline_commit: str | None = option(None, "the baseline's commit, for a checkout that is no git work tree (e.g. "
+                                               "a `git archive` copy)")
+    change_commit: str | None = option(None, "the same for this checkout")
+    pairs: int = option(1, "baseline/change pairs of the hostile and transport runs")
+
+    def __post_init__(self) -> None:
+        if self.pairs < 1:
+            raise ValueError(f"--pairs must be at least 1, got {self.pairs}")
+        if self.baseline is not None and not (self.baseline / "run_coordinator.py").is_file():
+            raise ValueError(f"--baseline {self.baseline}: no run_coordinator.py there")
+
+
+def run(s: Settings, ctx: Run) -> int:
+    if s.baseline is None:
+        print("error: --baseline is required: the checkout to compare this one with", file=sys.stderr)
+        return 2
+    baseline = s.baseline.resolve()
 
     def hostile(root: Path) -> dict[str, float]:
-        return hostile_figures(root, args.quick)
+        return hostile_figures(root, ctx.quick)
 
     def transport(root: Path) -> dict[str, float]:
-        return transport_figures(root, args.quick)
+        return transport_figures(root, ctx.quick)
 
-    report: dict[str, Any] = {"commits": {"baseline": args.baseline_commit or git_head(baseline), "change": args.change_commit or git_head(ROOT)},
-                              "roots": {"baseline": str(baseline), "change": str(ROOT)}, "quick": args.quick,
-                              "load_average_start": os.getloadavg()}
+    report: dict[str, Any] = {"commits": {"baseline": s.baseline_commit or git_head(baseline),
+                                          "change": s.change_commit or git_head(ROOT)},
+                              "roots": {"baseline": str(baseline), "change": str(ROOT)}}
     for name, measure in (("hostile", hostile), ("transport", transport)):
-        runs = alternate(baseline, args.pairs, measure)
+        runs = alternate(baseline, s.pairs, measure)
         report[name] = {"runs": runs, "figures": {side: medians(runs[side]) for side in SIDES}}
-    report["front"] = {"figures": front_figures(baseline, args.quick)}
+    report["front"] = {"figures": front_figures(baseline, ctx.quick)}
     for name in ("hostile", "transport", "front"):
         figures = report[name]["figures"]
         report[name]["change_over_baseline"] = ratios(figures["change"], figures["baseline"])
-    report |= {"load_average_end": os.getloadavg(), "seconds": round(time.perf_counter() - started, 1)}
-    write_json_atomic(args.out, report)
+    ctx.write(report)
     print(format_table(["figure", f"baseline {report['commits']['baseline']}", f"change {report['commits']['change']}",
                         "change / baseline"], table_rows(report)))
     return 0
@@ -144,6 +148,9 @@ def table_rows(report: dict[str, Any]) -> list[list[Any]]:
                  for k, ratio in report[name]["change_over_baseline"].items()]
     return rows
 
+
+BENCH = Bench("front_ab", tags=("a-b", "http"), settings=Settings, run=run, torch_threads=None)
+main = BENCH.main
 
 if __name__ == "__main__":
     sys.exit(main())

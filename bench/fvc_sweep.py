@@ -16,7 +16,7 @@ round boundaries, where the three workers together have taken that many steps: e
 each horizon H two checkpoints count: the one at H (fixed horizon) and the one with the lowest validation
 loss at or before H (early stopping, chosen on validation only). ``--heldout`` then scores held-out at those
 checkpoints only and compares the federated arm with the central one per horizon, each arm kind's lr picked
-per horizon by its mean validation loss at the chosen checkpoint (bench/results/quality_fvc_horizon.json).
+per horizon by its mean validation loss at the chosen checkpoint (bench/results/history/quality_fvc_horizon.json).
 ``--cache DIR`` keeps every run's checkpoints and validation losses in DIR (safetensors + JSON), so a
 held-out run reuses the sweep's seed 0 instead of training it again (also when the sweep ran longer).
 
@@ -27,14 +27,13 @@ restarts each worker's AdamW moments every round, which the product does not do)
 the suite's defaults (lr: the preset's recommended one; 4 rounds x 2 steps; server lr 1; moments kept).
 
     python -m bench.fvc_sweep --arms central:lr=5e-4 central:lr=1e-3 fed:lr=1e-3 fed:lr=2e-3 \\
-        --out bench/results/quality_fvc_sweep_lr.json
+        --out bench/results/history/quality_fvc_sweep_lr.json
     python -m bench.fvc_sweep --arms ... --estimate   # planned steps and scored problems, no model
     python -m bench.fvc_sweep --horizons 24 48 72 --every 12 --cache /tmp/fvc --arms central:lr=1e-3 \
-        fed:lr=3e-3,steps=2 --seeds 3 --heldout --out bench/results/quality_fvc_horizon.json
+        fed:lr=3e-3,steps=2 --seeds 3 --heldout --out bench/results/history/quality_fvc_horizon.json
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
@@ -49,12 +48,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 
-from bench.common import RESULTS_DIR, configure_logging, format_table, require_positive, write_json_atomic
+from bench.common import format_table
+from bench.harness import Bench, Run
 from bench.fedrounds import FedJob, FedResult, run_central, run_fed
-from bench.realdata import (REAL_MODEL, SMOKE_MODEL, Lab, add_estimate_flags, ds1000_domains, heldout_size, loss_pair,
+from bench.realdata import (REAL_MODEL, SMOKE_MODEL, Estimate, Lab, ds1000_domains, heldout_size, loss_pair,
                             pct, planned_cost, quiet_estimate, render_plan, shards, spread)
+from protocol.cli import option
 from protocol.files import write_atomically
 from protocol.tensors import StateDict, dumps, loads
 
@@ -346,31 +346,32 @@ def render_horizons(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run_horizons(args: argparse.Namespace, arms: Sequence[Arm], started: float) -> int:
+def run_horizons(s: Settings, ctx: Run, arms: Sequence[Arm], started: float) -> int:
     """--horizons: one run per arm and seed, scored on validation every --every steps; --heldout at the picks."""
-    horizons, total, every = args.horizons, max(args.horizons), args.every
-    scored = 8 if args.quick else VALIDATION_PROBLEMS
+    assert s.horizons is not None and s.every is not None  # Settings fills --every whenever --horizons is given
+    horizons, total, every = s.horizons, max(s.horizons), s.every
+    scored = s.validation_problems
     checkpoints = total // every
-    if args.estimate:
-        n = len(arms) * args.seeds
-        problems = 8 if args.quick else heldout_size(DOMAIN)
-        at_most = problems * (1 + n * min(2 * len(horizons), checkpoints)) if args.heldout else 0
-        plan = planned_cost(n * total, scored * (1 + n * checkpoints) + at_most, args.priced_from or args.out)
-        print(render_plan("bench.fvc_sweep", plan) + (" (held-out: at most)" if args.heldout else "")
-              + ("; cached runs are not trained again" if args.cache else ""))
+    if s.estimate:
+        n = len(arms) * s.seeds
+        problems = s.heldout_limit or heldout_size(DOMAIN)
+        at_most = problems * (1 + n * min(2 * len(horizons), checkpoints)) if s.heldout else 0
+        plan = planned_cost(n * total, scored * (1 + n * checkpoints) + at_most, s.priced_from or ctx.out)
+        print(render_plan("bench.fvc_sweep", plan) + (" (held-out: at most)" if s.heldout else "")
+              + ("; cached runs are not trained again" if s.cache else ""))
         return 0
     domain = next(d for d in ds1000_domains() if d.name == DOMAIN)
     validation = domain.validation[:scored]
-    heldout = (domain.heldout[:8] if args.quick else domain.heldout) if args.heldout else None
-    lab = Lab(SMOKE_MODEL if args.quick else REAL_MODEL)
+    heldout = domain.heldout[:s.heldout_limit] if s.heldout else None
+    lab = Lab(s.model)
     base: dict[str, Any] = {"validation": loss_pair(lab.losses(validation))}
     if heldout is not None:
         base["heldout"] = loss_pair(lab.losses(heldout))
     records = []
-    runs = [(a, s) for a in arms for s in range(args.seeds)]
+    runs = [(a, seed) for a in arms for seed in range(s.seeds)]
     for i, (arm, seed) in enumerate(runs, start=1):
-        path = _cache_path(args.cache, lab.model_id, arm, seed, total, every) if args.cache else None
-        run = find_cached(args.cache, lab.model_id, arm, seed, total, every, WORKERS) if args.cache else None
+        path = _cache_path(s.cache, lab.model_id, arm, seed, total, every) if s.cache else None
+        run = find_cached(s.cache, lab.model_id, arm, seed, total, every, WORKERS) if s.cache else None
         cached = run is not None
         if run is None:
             run = train_checkpoints(lab, arm, domain.train, validation, seed, total, every, WORKERS)
@@ -385,9 +386,9 @@ def run_horizons(args: argparse.Namespace, arms: Sequence[Arm], started: float) 
               "workers": WORKERS, "horizons": list(horizons), "every": every, "records": records,
               "summary": summarize_horizons(records, horizons, base),
               "cost": quiet_estimate(lab.compute, time.perf_counter() - started)}
-    write_json_atomic(args.out, report)
+    ctx.write(report)
     print(render_horizons(report))
-    log.info("wrote %s", args.out)
+    log.info("wrote %s", ctx.out)
     return 0
 
 
@@ -403,88 +404,93 @@ def render(report: dict[str, Any]) -> str:
         f"best central: {summary['best_central']}; best federated: {summary['best_fed']}"])
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arms", nargs="+", required=True, metavar="ARM",
-                   help="central:lr=X or fed:lr=X,rounds=R,steps=S,server_lr=L (omitted keys: the defaults)")
-    p.add_argument("--seeds", type=int, default=1, help="training seeds per arm, 0..N-1 (default: %(default)s)")
-    p.add_argument("--total-steps", type=int, default=TOTAL_STEPS,
-                   help="optimiser steps of every arm (default: %(default)s)")
-    p.add_argument("--horizons", type=int, nargs="+", default=None, metavar="STEPS",
-                   help="budgets of optimiser steps in all to report, e.g. 24 48 72: one run per arm and seed for "
-                        "the longest, checkpoints every --every steps (replaces --total-steps)")
-    p.add_argument("--every", type=int, default=None,
-                   help="with --horizons: score validation every this many optimiser steps in all, a whole number of "
-                        "federated rounds (default: the smallest horizon)")
-    p.add_argument("--heldout", action="store_true",
-                   help="with --horizons: also score held-out, only at each horizon's fixed and validation-chosen "
-                        "checkpoints, and compare federated with central per horizon")
-    p.add_argument("--cache", type=Path, default=None, metavar="DIR",
-                   help="with --horizons: keep each run's checkpoints in DIR and reuse them when run again")
-    p.add_argument("--quick", action="store_true", help="tiny-qwen2 smoke run on 8 validation problems")
-    add_estimate_flags(p)
-    p.add_argument("--out", type=Path, default=RESULTS_DIR / "quality_fvc_sweep.json",
-                   help="results JSON (default: %(default)s)")
-    p.add_argument("-v", "--verbose", action="store_true", help="library logs too")
-    args = p.parse_args(argv)
-    require_positive(p, args, "seeds", "total_steps", "every")
-    if args.horizons is None:
-        for flag in ("every", "heldout", "cache"):
-            if getattr(args, flag) not in (None, False):
-                p.error(f"--{flag} needs --horizons")
-    else:
-        if min(args.horizons) < 1:
-            p.error(f"--horizons must be at least 1, got {min(args.horizons)}")
-        args.horizons = sorted(set(args.horizons))
-        args.every = args.every or args.horizons[0]
-        off = [h for h in args.horizons if h % args.every]
-        if off:
-            p.error(f"--horizons {off} are not multiples of --every {args.every}")
-        args.total_steps = args.horizons[-1]
-        if args.cache is not None and args.cache.exists() and not args.cache.is_dir():
-            p.error(f"--cache {args.cache} is not a directory")
-    try:
-        args.parsed_arms = [parse_arm(spec, args.total_steps, WORKERS) for spec in args.arms]
-        if args.horizons is not None:
-            for arm in args.parsed_arms:
-                checkpoint_steps(arm, args.total_steps, args.every, WORKERS)
-    except ValueError as exc:
-        p.error(str(exc).replace("--total-steps", "the longest of --horizons" if args.horizons else "--total-steps"))
-    return args
+@dataclass(frozen=True)
+class Settings(Estimate):
+    arms: tuple[str, ...] = option((), "central:lr=X or fed:lr=X,rounds=R,steps=S,server_lr=L (omitted keys: the "
+                                   "defaults)", nargs="+", metavar="ARM", required=True)
+    seeds: int = option(1, "training seeds per arm, 0..N-1")
+    total_steps: int = option(TOTAL_STEPS, "optimiser steps of every arm")
+    horizons: tuple[int, ...] | None = option(None, "budgets of optimiser steps in all to report, e.g. 24 48 72: one "
+                                              "run per arm and seed for the longest, checkpoints every --every steps "
+                                              "(replaces --total-steps)", nargs="+", type=int, metavar="STEPS")
+    every: int | None = option(None, "with --horizons: score validation every this many optimiser steps in all, a "
+                               "whole number of federated rounds (default: the smallest horizon)", type=int)
+    heldout: bool = option(False, "with --horizons: also score held-out, only at each horizon's fixed and "
+                           "validation-chosen checkpoints, and compare federated with central per horizon")
+    cache: Path | None = option(None, "with --horizons: keep each run's checkpoints in DIR and reuse them when run "
+                                "again", type=Path, metavar="DIR")
+    model: str = REAL_MODEL
+    validation_problems: int = VALIDATION_PROBLEMS
+    """Validation problems scored (--quick: 8)."""
+    heldout_limit: int | None = None
+    """Held-out problems scored with --heldout (None: all; --quick: 8)."""
+
+    def __post_init__(self) -> None:
+        for name in ("seeds", "total_steps", "every"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        if self.horizons is None:
+            for name in ("every", "heldout", "cache"):
+                if getattr(self, name) not in (None, False):
+                    raise ValueError(f"--{name} needs --horizons")
+        else:
+            if min(self.horizons) < 1:
+                raise ValueError(f"--horizons must be at least 1, got {min(self.horizons)}")
+            horizons = tuple(sorted(set(self.horizons)))
+            every = self.every or horizons[0]
+            off = [h for h in horizons if h % every]
+            if off:
+                raise ValueError(f"--horizons {off} are not multiples of --every {every}")
+            if self.cache is not None and self.cache.exists() and not self.cache.is_dir():
+                raise ValueError(f"--cache {self.cache} is not a directory")
+            for name, value in (("horizons", horizons), ("every", every), ("total_steps", horizons[-1])):
+                object.__setattr__(self, name, value)  # the longest horizon is every arm's run
+        try:
+            for arm in self.parsed_arms():
+                if self.horizons is not None:
+                    checkpoint_steps(arm, self.total_steps, self.every or 1, WORKERS)
+        except ValueError as exc:
+            raise ValueError(str(exc).replace("--total-steps", "the longest of --horizons" if self.horizons
+                                              else "--total-steps")) from None
+
+    def parsed_arms(self) -> list[Arm]:
+        return [parse_arm(spec, self.total_steps, WORKERS) for spec in self.arms]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    configure_logging(args.verbose)
-    torch.set_num_threads(1)
+def run(s: Settings, ctx: Run) -> int:
     started = time.perf_counter()
-    arms: list[Arm] = args.parsed_arms
-    if args.horizons is not None:
-        return run_horizons(args, arms, started)
-    scored = 8 if args.quick else VALIDATION_PROBLEMS
-    if args.estimate:
-        plan = planned_cost(len(arms) * args.seeds * args.total_steps, scored * (1 + len(arms) * args.seeds),
-                            args.priced_from or args.out)
+    arms = s.parsed_arms()
+    if s.horizons is not None:
+        return run_horizons(s, ctx, arms, started)
+    scored = s.validation_problems
+    if s.estimate:
+        plan = planned_cost(len(arms) * s.seeds * s.total_steps, scored * (1 + len(arms) * s.seeds),
+                            s.priced_from or ctx.out)
         print(render_plan("bench.fvc_sweep", plan))
         return 0
     domain = next(d for d in ds1000_domains() if d.name == DOMAIN)
     validation = domain.validation[:scored]
-    lab = Lab(SMOKE_MODEL if args.quick else REAL_MODEL)
+    lab = Lab(s.model)
     base = loss_pair(lab.losses(validation))
     records = []
-    for i, (arm, seed) in enumerate([(a, s) for a in arms for s in range(args.seeds)], start=1):
-        records.append(run_arm(lab, arm, domain.train, validation, seed, args.total_steps, WORKERS))
-        log.info("[%d/%d] %s seed %d: validation %.4f", i, len(arms) * args.seeds, arm.label, seed,
+    for i, (arm, seed) in enumerate([(a, seed) for a in arms for seed in range(s.seeds)], start=1):
+        records.append(run_arm(lab, arm, domain.train, validation, seed, s.total_steps, WORKERS))
+        log.info("[%d/%d] %s seed %d: validation %.4f", i, len(arms) * s.seeds, arm.label, seed,
                  records[-1]["loss"])
     report = {"benchmark": "fvc_sweep", "base_model": lab.model_id, "domain": DOMAIN, "split": "validation",
-              "validation_problems": len(validation), "workers": WORKERS, "total_steps": args.total_steps,
+              "validation_problems": len(validation), "workers": WORKERS, "total_steps": s.total_steps,
               "records": records, "summary": summarize(records, base),
               "cost": quiet_estimate(lab.compute, time.perf_counter() - started)}
-    write_json_atomic(args.out, report)
+    ctx.write(report)
     print(render(report))
-    log.info("wrote %s", args.out)
+    log.info("wrote %s", ctx.out)
     return 0
 
+
+BENCH = Bench("fvc_sweep", tags=("learning", "sweep"), settings=Settings, run=run, cores=1,
+              quick={"model": SMOKE_MODEL, "validation_problems": 8, "heldout_limit": 8})
+main = BENCH.main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -29,7 +29,6 @@ Table on stdout, progress on stderr, results in bench/results/gateway.json.
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import math
 import os
@@ -45,7 +44,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.common import sample_path, write_json_atomic
+from bench.common import sample_path
+from bench.harness import Bench, Run
+from protocol.cli import option
 from bench.realdata import ds1000_domains
 from gateway.lora import split_modules
 from gateway.merges import MERGES, merge
@@ -60,7 +61,6 @@ ROOT = Path(__file__).resolve().parents[1]
 log = logging.getLogger("bench.gateway")
 
 BASE_MODEL = "tiny-qwen2"
-RESULTS = ROOT / "bench" / "results" / "gateway.json"
 SAMPLE_DOMAINS = ("python_expert", "sql_expert", "docs_expert")
 GATEWAY = "exact_average"
 """The method a router falls back to: the coordinator's default gateway."""
@@ -84,10 +84,11 @@ LAM_GRID = (0.15, 0.25, 1 / 3, 0.5, 0.75, 1.0)
 class Settings:
     """What one run does."""
 
-    seconds_per_expert: float
-    """Training budget of the first expert; the others take as many steps as it managed."""
-    steps: int | None
-    """Fixed steps per expert instead of the time budget."""
+    seconds_per_expert: float = option(60.0, "training budget of the first expert; the others take as many steps as "
+                                       "it managed")
+    steps: int | None = option(None, "fixed steps per expert instead of a time budget", type=int)
+    suite: str = option("auto", "data: DS-1000 from data/ds1000/ (auto, ds1000), or the project's sample data",
+                        choices=("auto", "ds1000", "sample"))
     rank: int = 8
     """LoRA rank of each expert."""
     lr: float = 1e-2
@@ -98,10 +99,15 @@ class Settings:
     """Tokens per example, in training and evaluation."""
     seed: int = 0
     """Seed of every trainer."""
-    threshold: float = DEFAULT_THRESHOLD
-    """Router confidence below which a prompt goes to the gateway."""
+    threshold: float = option(DEFAULT_THRESHOLD, "router confidence below which a prompt goes to the gateway")
     latency_passes: int = 20
     """How many times every held-out prompt is routed to time the router."""
+    tune_lam: bool = True
+    """Tune each merge's lam on validation (--quick: the defaults)."""
+
+    def __post_init__(self) -> None:
+        if not self.seconds_per_expert > 0 or (self.steps is not None and self.steps < 1):
+            raise ValueError("--seconds-per-expert must be positive and --steps at least 1")
 
 
 @dataclass(frozen=True)
@@ -385,45 +391,21 @@ def format_table(losses: Mapping[str, Mapping[str, float]], gains: Mapping[str, 
     return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, rows)])
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="~5 s of training per expert, no lam tuning (~30 s)")
-    p.add_argument("--seconds-per-expert", type=float, default=None,
-                   help="training budget per expert (default: 60, or 5 with --quick)")
-    p.add_argument("--steps", type=int, default=None, help="fixed steps per expert instead of a time budget")
-    p.add_argument("--suite", choices=("auto", "ds1000", "sample"), default="auto",
-                   help="data: DS-1000 from data/ds1000/ (auto, ds1000), or the project's sample data")
-    p.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD, help="router confidence threshold")
-    p.add_argument("--out", type=Path, default=RESULTS, help="results JSON (default: %(default)s)")
-    p.add_argument("-v", "--verbose", action="store_true", help="library logs too")
-    return p.parse_args(argv)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    if not args.verbose:
-        logging.getLogger("worker").setLevel(logging.WARNING)
+def run(s: Settings, ctx: Run) -> int:
+    if not ctx.verbose:
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
-    torch.set_num_threads(1)  # the machine is shared; two threads collapse under load
-    started = time.perf_counter()
-    budget = args.seconds_per_expert if args.seconds_per_expert is not None else (5.0 if args.quick else 60.0)
-    settings = Settings(seconds_per_expert=budget, steps=args.steps, threshold=args.threshold,
-                        latency_passes=5 if args.quick else 20)
-    suite, domains = load_domains(args.suite)
+    suite, domains = load_domains(s.suite)
     log.info("suite %s (train+validation+held-out): %s", suite,
              ", ".join(f"{d.name} {len(d.train)}+{len(d.validation)}+{len(d.heldout)}" for d in domains))
 
-    experts, training = train_experts(domains, settings)
+    experts, training = train_experts(domains, s)
     base = load_base_model(BASE_MODEL)
-    tuned = {} if args.quick else tune_lam(base, domains, experts, settings.max_seq_len)
+    tuned = tune_lam(base, domains, experts, s.max_seq_len) if s.tune_lam else {}
     merged = merged_adapters(experts, tuned)
-    router_choices, router = run_router(domains, settings)
-    losses = evaluate(base, domains, experts, merged, router_choices, settings.max_seq_len)
+    router_choices, router = run_router(domains, s)
+    losses = evaluate(base, domains, experts, merged, router_choices, s.max_seq_len)
     gains = retained_gains(losses)
     targets = check_targets(gains, router)
-    seconds = time.perf_counter() - started
 
     print(f"\nheld-out loss and retained gain R per domain ({suite}, {training['steps']} steps per expert)\n")
     print(format_table(losses, gains))
@@ -432,16 +414,16 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{router['latency_ms']['p99']:.3f} ms p99 wall-clock ({router['cpu_ms']['p99']:.3f} ms p99 CPU time)")
     for t in targets:
         print(f"[{'met' if t['met'] else 'NOT met'}] {t['target']}: {t['detail']}")
-    print(f"\n{seconds:.0f} s in all")
+    print(f"\n{ctx.seconds():.0f} s in all")
 
-    write_json_atomic(args.out, {
-        "benchmark": "gateway", "suite": suite, "base_model": BASE_MODEL, "quick": args.quick,
-        "settings": asdict(settings),
+    ctx.write({
+        "benchmark": "gateway", "suite": suite, "base_model": BASE_MODEL, "quick": ctx.quick,
+        "settings": asdict(s),
         "domains": {d.name: {"train": len(d.train), "validation": len(d.validation), "heldout": len(d.heldout)}
                     for d in domains},
         "training": training,
-        "merges": {label: {"strategy": s, "config": c, "weights": "1 per expert"}
-                   for label, (s, c) in MERGE_PLAN.items()},
+        "merges": {label: {"strategy": k, "config": c, "weights": "1 per expert"}
+                   for label, (k, c) in MERGE_PLAN.items()},
         "lam_tuned_on_validation": tuned,
         "gateway_fallback": GATEWAY,
         "losses": losses,
@@ -449,12 +431,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "mean_retained_gain": {m: statistics.fmean(g.values()) for m, g in gains.items()},
         "router": router,
         "targets": targets,
-        "seconds": seconds,
+        "seconds": ctx.seconds(),
         "torch_threads": torch.get_num_threads(),
     })
-    log.info("wrote %s", args.out)
+    log.info("wrote %s", ctx.out)
     return 0
 
+
+BENCH = Bench("gateway", tags=("robustness",), settings=Settings, run=run,
+              quick={"seconds_per_expert": 5.0, "latency_passes": 5, "tune_lam": False})
+main = BENCH.main
 
 if __name__ == "__main__":
     sys.exit(main())

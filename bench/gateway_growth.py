@@ -21,7 +21,6 @@ Table on stdout, progress on stderr, results in bench/results/gateway_growth.jso
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -30,14 +29,17 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import requests
 import torch
 
-from bench.common import RESULTS_DIR, CoordinatorProcess, configure_logging, format_table, write_json_atomic
+from bench.common import CoordinatorProcess, format_table
 from bench.crash import FINGERPRINT
+from bench.harness import Bench, Run
+from protocol.cli import option
 from protocol.schemas import EXPERT_HEADER, UPDATE_HEADER
 from protocol.tensors import dumps
 
@@ -150,38 +152,32 @@ def run(minutes: float, push_every: float, poll_every: float, sample_every: floa
     }
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--minutes", type=float, default=10.0, help="how long to push and poll (default: %(default)s)")
-    p.add_argument("--push-every", type=float, default=2.0, help="seconds between pushes (default: %(default)s)")
-    p.add_argument("--poll-every", type=float, default=5.0,
-                   help="seconds between gateway polls, the dashboard's rate (default: %(default)s)")
-    p.add_argument("--sample-every", type=float, default=30.0, help="seconds between size samples (default: %(default)s)")
-    p.add_argument("--quick", action="store_true", help="one minute, samples every 10 s")
-    p.add_argument("--out", type=Path, default=RESULTS_DIR / "gateway_growth.json",
-                   help="results JSON (default: %(default)s)")
-    p.add_argument("-v", "--verbose", action="store_true")
-    args, _ = p.parse_known_args(argv)  # run_all.py passes every benchmark the same flags
-    if args.quick:
-        args.minutes, args.sample_every = 1.0, 10.0
-    for name in ("minutes", "push_every", "poll_every", "sample_every"):
-        if not getattr(args, name) > 0:
-            p.error(f"--{name.replace('_', '-')} must be positive")
-    return args
+@dataclass(frozen=True)
+class Settings:
+    minutes: float = option(10.0, "how long to push and poll")
+    push_every: float = option(2.0, "seconds between pushes")
+    poll_every: float = option(5.0, "seconds between gateway polls, the dashboard's rate")
+    sample_every: float = option(30.0, "seconds between size samples")
+
+    def __post_init__(self) -> None:
+        for name in ("minutes", "push_every", "poll_every", "sample_every"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    configure_logging(args.verbose)
-    log.setLevel(logging.INFO)
-    report = run(args.minutes, args.push_every, args.poll_every, args.sample_every)
-    write_json_atomic(args.out, report)
+def run_bench(s: Settings, ctx: Run) -> int:
+    report = run(s.minutes, s.push_every, s.poll_every, s.sample_every)
+    ctx.write(report)
     print(format_table(["server", "minutes", "pushes", "polls", "growth MB", "steady MB/min", "files at end"],
                        [[report["server_root"], report["minutes"], sum(report["pushes"].values()),
                          sum(report["polls"].values()), round(report["growth_bytes"] / 1e6, 3),
                          round(report["steady_growth_bytes_per_min"] / 1e6, 3), report["end_files"]]]))
     return 0
 
+
+BENCH = Bench("gateway_growth", tags=("durability",), settings=Settings, run=run_bench,
+              quick={"minutes": 1.0, "sample_every": 10.0})
+main = BENCH.main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -21,18 +21,19 @@ GPU run meets no trivial error.
 """
 from __future__ import annotations
 
-import argparse
 import os
-import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from bench.harness import Bench, Run
+from protocol.cli import option
+
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results" / "gpu_check.json"
 CODEC_VALUES = 1 << 22
 
 
@@ -186,7 +187,21 @@ def _comm_rank(rank: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-SECTIONS: dict[str, Callable[[argparse.Namespace, str], dict[str, Any]]] = {
+@dataclass(frozen=True)
+class Settings:
+    model: str = option("smollm2-135m", "base model of the worker and generation sections")
+    steps: int = option(20, "measured training steps per precision")
+    batch_size: int = option(8, "examples per training step")
+    max_seq_len: int = option(256, "tokens per training example")
+    codec_values: int = option(CODEC_VALUES, "values of the codec test tensor")
+    device: str = option("cuda", "cuda, cuda:N (cpu only for the tests)")
+
+    def __post_init__(self) -> None:
+        if min(self.steps, self.batch_size, self.max_seq_len, self.codec_values) < 1:
+            raise ValueError("--steps, --batch-size, --max-seq-len and --codec-values must be at least 1")
+
+
+SECTIONS: dict[str, Callable[[Settings, str], dict[str, Any]]] = {
     "worker": lambda args, device: worker_section(device, args.model, args.steps, args.batch_size, args.max_seq_len),
     "codecs": lambda args, device: codec_section(device, args.codec_values),
     "comm_hooks": lambda args, device: comm_hook_section(device),
@@ -195,7 +210,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace, str], dict[str, Any]]] = {
 }
 
 
-def run_sections(args: argparse.Namespace, device: str) -> dict[str, Any]:
+def run_sections(args: Settings, device: str) -> dict[str, Any]:
     """Every section's numbers, or {"error": ...}: one failure must not hide the others on a first GPU run."""
     report: dict[str, Any] = {}
     for name, section in SECTIONS.items():
@@ -208,38 +223,24 @@ def run_sections(args: argparse.Namespace, device: str) -> dict[str, Any]:
     return report
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m", help="base model of the worker and generation sections")
-    p.add_argument("--steps", type=int, default=20, help="measured training steps per precision")
-    p.add_argument("--batch-size", type=int, default=8, help="examples per training step")
-    p.add_argument("--max-seq-len", type=int, default=256, help="tokens per training example")
-    p.add_argument("--codec-values", type=int, default=CODEC_VALUES, help="values of the codec test tensor")
-    p.add_argument("--device", default="cuda", help="cuda, cuda:N (cpu only for the tests)")
-    p.add_argument("--out", type=Path, default=RESULTS, help="result JSON (default: %(default)s)")
-    args = p.parse_args(argv)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
+def run(s: Settings, ctx: Run) -> int:
+    if s.device.startswith("cuda") and not torch.cuda.is_available():
         print(f"gpu-check: no CUDA device is visible to torch {torch.__version__}; nothing to check")
         return 0
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    report = {"device": torch.cuda.get_device_name(torch.device(args.device)) if args.device.startswith("cuda")
-              else "cpu", "devices": torch.cuda.device_count(), "torch": torch.__version__, "commit": _commit(),
-              "model": args.model, "steps": args.steps, **run_sections(args, args.device),
-              "load_average_at_end": os.getloadavg()}
-    from bench.common import write_json_atomic
-
-    write_json_atomic(args.out, report)
+    report = {"device": torch.cuda.get_device_name(torch.device(s.device)) if s.device.startswith("cuda")
+              else "cpu", "devices": torch.cuda.device_count(), "torch": torch.__version__,
+              "model": s.model, "steps": s.steps, **run_sections(s, s.device)}
+    ctx.write(report)
     failed = [name for name in SECTIONS if "error" in report[name]]
     for name in SECTIONS:
         print(f"{name:11s} {report[name]}")
-    print(f"results in {args.out}" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    print(f"results in {ctx.out}" + (f"; failed: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
 
 
-def _commit() -> str:
-    return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True).stdout.strip()
-
+BENCH = Bench("gpu_check", tags=("gpu",), settings=Settings, run=run,
+              quick={"model": "tiny-qwen2", "steps": 4, "batch_size": 2, "max_seq_len": 64}, torch_threads=None)
+main = BENCH.main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -18,6 +18,7 @@ pushes and /health; at the end, acknowledged updates lost (no longer answered) a
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -28,13 +29,18 @@ from typing import Any
 
 import requests
 
+from bench import attacks
+import bench.common
 from bench.common import CoordinatorProcess, format_table
-from bench.load import PROJECTIONS, lora_manifest, random_tensors
+from bench.harness import git_head
+from bench.shapes import PROJECTIONS, lora_manifest, random_tensors
 from bench.servers import s3_env, start_postgres, start_s3
 from compression import make_codec
 from compression.wire import encode_update
 from protocol.integrity import DIGEST_HEADER, digest_header
 from protocol.schemas import API_PREFIX, UPDATE_HEADER
+
+log = logging.getLogger("bench.hostile")
 
 MANIFEST = lora_manifest("tiny-qwen2", 4)
 SPEC: dict[str, Any] = {"lora": {"rank": 4, "alpha": 8.0, "target_modules": list(PROJECTIONS)},
@@ -214,11 +220,7 @@ def _tally(server: CoordinatorProcess, headers: dict[str, str], worker: HonestWo
 
 def _stamp() -> dict[str, Any]:
     """The commit measured and the machine's load (1, 5, 15 min) at the end of the run."""
-    import subprocess
-
-    head = subprocess.run(["git", "-C", str(Path(__file__).resolve().parents[1]), "rev-parse", "--short", "HEAD"],
-                          capture_output=True, text=True).stdout.strip()
-    return {"commit": head or None, "load_average": [round(x, 1) for x in os.getloadavg()]}
+    return {"commit": git_head(bench.common.ROOT), "load_average": [round(x, 1) for x in os.getloadavg()]}
 
 
 def faults_table(report: dict[str, Any]) -> str:
@@ -231,3 +233,10 @@ def faults_table(report: dict[str, Any]) -> str:
                           "refused / restarted", "push p99 s", "health p99 s"], rows)
     return table + (f"\nacknowledged {report['acknowledged']}, lost {report['acknowledged_lost']}, "
                     f"doubled {report['doubled']}")
+
+
+@attacks.attack("backend_faults", table=faults_table, by_default=False)  # starts PostgreSQL and moto's S3 server
+def backend_faults_attack(directory: Path, s: attacks.Settings) -> dict[str, Any]:
+    """Replicas on PostgreSQL + S3: a mistyped and an empty store, the bucket lost, a table lock."""
+    log.info("backend faults: replicas on PostgreSQL + S3; mistyped and empty store, bucket loss, table lock")
+    return backend_faults(directory, lock_s=s.lock_seconds)

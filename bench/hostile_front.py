@@ -12,18 +12,19 @@ import logging
 import os
 import ssl
 import time
-from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import requests
 
+from bench.attacks import Settings, attack
 from bench.common import ROOT, CoordinatorProcess, format_table
 from bench.hostile_clients import Honest, Tally, raw_status, self_signed, status_of
 from bench.hostile_serving import EXPERT, sampling_edges, serve_slow_clients
 from bench.slow_clients import KINDS, Attack
-from bench.transport_ab import git_head
+from bench.harness import git_head
 
 log = logging.getLogger("bench.hostile_front")
 HEADER_BYTES: dict[str, bytes] = {
@@ -38,8 +39,6 @@ HEADER_BYTES: dict[str, bytes] = {
     "tab in a value": b"X-A: one\ttwo",
 }
 """Request heads with unusual bytes in a header: the first five and obs-fold are refused (400), the rest are legal."""
-PARTS = ("serve_slow_clients", "serve_sampling", "header_bytes", "tls_relay")
-"""This module's attack classes, as bench/hostile.py's --only names them."""
 
 
 def header_bytes(directory: Path, rounds: int = 3) -> dict[str, Any]:
@@ -72,6 +71,7 @@ def tls_relay(directory: Path, connections: int, rounds: int = 20) -> dict[str, 
     root = CoordinatorProcess(directory / "root", "--rate-limit", "0")
     root.start()
     relay = CoordinatorProcess(directory / "relay", "--upstream", root.url, "--join-token-file", str(directory / "join"),
+                               "--relay-join-token-file", str(directory / "root" / "relay_join_token"),
                                "--forward-interval", "3600", "--rate-limit", "0", "--tls-cert", str(cert),
                                "--tls-key", str(key))
     try:
@@ -155,52 +155,62 @@ def _relay_worker(url: str, directory: Path, cert: Path) -> _RelayWorker:
     return _RelayWorker(client, dumps({k: v * 1e-3 for k, v in adapter.items()}))
 
 
-# bench/hostile.py's entry points --------------------------------------------------------------------------
+# the attack classes (bench/attacks.py's registry) ------------------------------------------------------------------
 
-def run_parts(scratch: Path, only: Sequence[str], connections: int, health: int, completions: int,
-              serve_baseline: Path | None) -> dict[str, Any]:
-    """The classes of this module that ``only`` names, each in a directory of its own under ``scratch``."""
-    report: dict[str, Any] = {}
-    if "serve_slow_clients" in only:
-        roots = [ROOT] + ([serve_baseline.resolve()] if serve_baseline else [])
-        log.info("serve.py under %d slow connections (%s)", connections, ", ".join(map(str, roots)))
-        report["serve_slow_clients"] = {"sides": serve_slow_clients(scratch / "serve-slow", roots, connections,
-                                                                    health, completions)}
-    if "serve_sampling" in only:
-        log.info("serve.py: sampling edge values")
-        report["serve_sampling"] = sampling_edges(scratch / "serve-sampling")
-    if "header_bytes" in only:
-        log.info("header bytes: CR, LF, NUL and friends in request heads")
-        report["header_bytes"] = header_bytes(scratch / "header-bytes")
-    if "tls_relay" in only:
-        log.info("a TLS relay: plain HTTP refused, https answered, %d slow TLS clients", connections)
-        report["tls_relay"] = tls_relay(scratch / "tls-relay", connections)
-    for part in report.values():  # which code ran, on how busy a machine
-        part["stamp"] = {"commit": git_head(ROOT), "load_average": [round(x, 2) for x in os.getloadavg()]}
-    return report
+def _stamped(part: dict[str, Any]) -> dict[str, Any]:
+    """Which code ran, on how busy a machine (a class of this module can run alone, e.g. in bench.front_ab)."""
+    return part | {"stamp": {"commit": git_head(ROOT), "load_average": [round(x, 2) for x in os.getloadavg()]}}
 
 
-def summaries(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each class's summary (requests, status_5xx), for the benchmark's totals."""
-    parts = [report[name] for name in ("serve_sampling", "header_bytes", "tls_relay") if name in report]
-    parts += [side["under_attack"] for side in report.get("serve_slow_clients", {}).get("sides", {}).values()]
-    return parts
-
-
-def table(report: dict[str, Any]) -> str:
+def _serve_table(part: dict[str, Any]) -> str:
     rows = []
-    for side in report.get("serve_slow_clients", {}).get("sides", {}).values():
+    for side in part["sides"].values():
         quiet, loaded = side["quiet"], side["under_attack"]
         rows.append([f"serve.py slow clients, {side['server']} ({side['connections']} conns)", loaded["requests"],
                      loaded["status_5xx"], loaded["no_answer"], side["peak_rss_growth_mb"],
                      f"{quiet['health']['p99_s']} -> {loaded['health']['p99_s']}",
                      f"{quiet['completion']['p99_s']} -> {loaded['completion']['p99_s']}"])
-    for name in ("serve_sampling", "header_bytes", "tls_relay"):
-        if name in report:
-            part = report[name]
-            rows.append([name, part["requests"], part["status_5xx"], part["no_answer"], "",
-                         part["honest"]["p99_s"], ""])
-    if not rows:
-        return ""
     return format_table(["attack", "requests", "5xx", "no answer", "peak RSS +MiB", "honest health p99 s",
                          "honest completion p99 s"], rows)
+
+
+def _honest_row(name: str) -> Callable[[dict[str, Any]], list[list[Any]]]:
+    """A row of bench.hostile's common table: the honest client's p99 (a /health GET, or serve.py's) in its
+    health column."""
+    def rows(part: dict[str, Any]) -> list[list[Any]]:
+        return [[name, part["requests"], part["status_5xx"], part["no_answer"], "", part["honest"]["p99_s"], ""]]
+    return rows
+
+
+def _whole(part: dict[str, Any]) -> list[dict[str, Any]]:
+    return [part]
+
+
+def _serve_sides(part: dict[str, Any]) -> list[dict[str, Any]]:
+    return [side["under_attack"] for side in part["sides"].values()]
+
+
+@attack("serve_slow_clients", table=_serve_table, tallies=_serve_sides)
+def serve_slow_clients_attack(directory: Path, s: Settings) -> dict[str, Any]:
+    """serve.py under --connections slow connections; with --serve-baseline another checkout's serve.py too."""
+    roots = [ROOT] + ([s.serve_baseline.resolve()] if s.serve_baseline else [])
+    log.info("serve.py under %d slow connections (%s)", s.connections, ", ".join(map(str, roots)))
+    return _stamped({"sides": serve_slow_clients(directory, roots, s.connections, s.health, s.pushes)})
+
+
+@attack("serve_sampling", rows=_honest_row("serve_sampling"), tallies=_whole)
+def serve_sampling_attack(directory: Path, s: Settings) -> dict[str, Any]:
+    log.info("serve.py: sampling edge values")
+    return _stamped(sampling_edges(directory))
+
+
+@attack("header_bytes", rows=_honest_row("header_bytes"), tallies=_whole)
+def header_bytes_attack(directory: Path, s: Settings) -> dict[str, Any]:
+    log.info("header bytes: CR, LF, NUL and friends in request heads")
+    return _stamped(header_bytes(directory))
+
+
+@attack("tls_relay", rows=_honest_row("tls_relay"), tallies=_whole)
+def tls_relay_attack(directory: Path, s: Settings) -> dict[str, Any]:
+    log.info("a TLS relay: plain HTTP refused, https answered, %d slow TLS clients", s.connections)
+    return _stamped(tls_relay(directory, s.connections))

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
 import threading
 import time
 import uuid
@@ -35,11 +34,13 @@ import torch
 
 import bench.common
 from bench.common import CoordinatorProcess, format_table
-from bench.hostile import Tally, percentiles
+from bench.harness import git_head
+from bench import attacks
+from bench.attacks import Tally, percentiles
 from protocol.integrity import DIGEST_HEADER, digest_header
 from protocol.schemas import EXPERT_HEADER, UPDATE_HEADER
 from protocol.tensors import dumps, loads
-from tests.helpers import FINGERPRINT, expert_spec, make_adapter, random_like
+from bench.updates import FINGERPRINT, expert_spec, make_adapter, random_like
 
 log = logging.getLogger("bench.hostile")
 EXPERT = "python_expert"
@@ -218,7 +219,7 @@ def relay_poisoning(data_dir: Path, rounds: int) -> dict[str, Any]:
             if relay is not None:
                 relay.stop()
             root.stop()
-    return report | {"rounds": rounds, "commit": _commit(), "load_average": [round(x, 2) for x in os.getloadavg()]}
+    return report | {"rounds": rounds, "commit": git_head(bench.common.ROOT), "load_average": [round(x, 2) for x in os.getloadavg()]}
 
 
 def poisoning_table(part: dict[str, Any]) -> str:
@@ -230,7 +231,9 @@ def poisoning_table(part: dict[str, Any]) -> str:
                          "attacker acked/refused/applied", "Inf pulls", "push p99 s", "pull p99 s"], rows)
 
 
-def _commit() -> str | None:
-    done = subprocess.run(["git", "-C", str(bench.common.ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                          timeout=10)
-    return done.stdout.strip() or None
+@attacks.attack("relay_poisoning", table=poisoning_table,
+                tallies=lambda part: [part[mode] for mode in ("plain", "site_model") if mode in part])
+def relay_poisoning_attack(directory: Path, s: attacks.Settings) -> dict[str, Any]:
+    """3e38 pushes behind a relay, plain and --site-model."""
+    log.info("relay poisoning: 3e38 pushes behind a relay, plain and --site-model")
+    return relay_poisoning(directory, rounds=s.relay_rounds)

@@ -18,6 +18,7 @@ attack's start to the first honest push applied.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
@@ -30,19 +31,22 @@ from typing import Any
 import requests
 
 import bench.common
-from bench.common import CoordinatorProcess
-from bench.hostile import Tally, percentiles
-from bench.transport_ab import git_head
+from bench.common import CoordinatorProcess, format_table
+from bench import attacks
+from bench.attacks import Tally, percentiles
+from bench.harness import git_head
 from protocol.client import CoordinatorClient
 from protocol.errors import FedMoEError
 from protocol.schemas import API_PREFIX, EXPERT_HEADER
 from protocol.tensors import dumps
-from tests.helpers import expert_spec, make_adapter, random_like, update_meta
+from bench.updates import expert_spec, make_adapter, random_like, update_meta
 
 MiB = 1 << 20
 EXPERT = "e"
 OVERCLAIM = 1.25
 """The opens declare this many times the data dir's free disk."""
+
+log = logging.getLogger("bench.hostile")
 
 
 def reservation_exhaustion(data_dir: Path, identities: int = 45, opens_each: int = 2, relay_opens: int = 89,
@@ -169,3 +173,11 @@ def table_rows(part: dict[str, Any]) -> list[list[Any]]:
 
 TABLE_HEADERS = ["attack", "requests", "5xx", "507", "relay via join token", "disk bytes", "honest 9 MiB pushes",
                  "honest p99 s", "s to first applied"]
+
+
+@attacks.attack("reservation_exhaustion", table=lambda part: format_table(TABLE_HEADERS, table_rows(part)),
+                tallies=lambda part: [part])
+def reservation_attack(directory: Path, s: attacks.Settings) -> dict[str, Any]:
+    """Uploads opened by every identity and never sent, then an honest worker's pushes."""
+    log.info("reservation exhaustion: uploads opened and never sent, then an honest worker's 9 MiB pushes")
+    return reservation_exhaustion(directory, honest_pushes=s.honest_pushes)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import socket
 import threading
@@ -25,12 +26,13 @@ from typing import Any
 
 import requests
 
-from bench.common import CoordinatorProcess
-from bench.hostile import is_json_error
+from bench.common import CoordinatorProcess, format_table
+from bench import attacks
+from bench.attacks import is_json_error
 from bench.slow_clients import Attack
 from protocol.schemas import EXPERT_HEADER
 from protocol.tensors import dumps
-from tests.helpers import FINGERPRINT, expert_spec, make_adapter, random_like, update_meta
+from bench.updates import FINGERPRINT, expert_spec, make_adapter, random_like, update_meta
 
 MiB = 1 << 20
 EXPERT = "python_expert"
@@ -41,6 +43,8 @@ EXPECTED = {"chunked size -1": (400,), "chunk-size line over the head limit": (4
             "Transfer-Encoding gzip": (400,), "Transfer-Encoding chunked, gzip": (400,),
             "expert name 'python_expert?x=1' weights": (400, 404)}
 """Statuses that must be one of these (any other 4xx is a wrong answer too)."""
+
+log = logging.getLogger("bench.hostile")
 
 
 def raw_request(port: int, data: bytes, timeout: float = 20.0) -> tuple[int | None, bytes]:
@@ -307,3 +311,22 @@ def new_surface(data_dir: Path, connections: int) -> dict[str, Any]:
         if relay is not None:
             relay.stop()
         root.stop()
+
+
+def surface_table(surface: dict[str, Any]) -> str:
+    rows = []
+    for tag, part in surface.items():
+        matrix, slow, flood = part["matrix"], part["slow_clients"], part["probe_flood"]
+        rows.append([tag, matrix["requests"], matrix["status_5xx"], len(matrix["unexpected"]),
+                     len(matrix["known_open"]), sum(slow["connections"].values()),
+                     slow["worker_under_attack"]["ok"] and part["worker_after"]["ok"], slow["memory_mib"],
+                     f"{flood['ok']}/{flood['probes']}", flood["memory_mib"], flood["data_dir_mib"]])
+    return format_table(["new_surface", "requests", "5xx", "unexpected", "known open", "slow conns",
+                         "worker syncs ok", "slow +MiB", "probes ok", "flood +MiB", "flood disk +MiB"], rows)
+
+
+@attacks.attack("new_surface", table=surface_table)
+def new_surface_attack(directory: Path, s: attacks.Settings) -> dict[str, Any]:
+    """The routes added since the first hostile run, against a root and a relay."""
+    log.info("new surface: probe, uploads, since, Range, relay API, framing; root and relay")
+    return new_surface(directory, min(s.connections, 200))

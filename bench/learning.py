@@ -17,30 +17,19 @@ Table on stdout, progress on stderr, results in bench/results/learning.json.
 """
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import logging
 import os
 import sys
-import time
 import warnings
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 
-from bench.common import (
-    DS1000_DIR,
-    RESULTS_DIR,
-    Domain,
-    configure_logging,
-    ds1000_suite,
-    format_table,
-    sample_suite,
-    write_json_atomic,
-)
+from bench.common import DS1000_DIR, Domain, ds1000_suite, format_table, sample_suite
+from bench.harness import Bench, Run
+from protocol.cli import option
 from worker.models import load_base_model
 from worker.presets import RECOMMENDED_LR
 from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
@@ -59,17 +48,18 @@ OPTIONS: dict[str, dict[str, Any]] = {
 
 @dataclass(frozen=True)
 class Settings:
-    steps: int = 10
-    """Optimiser steps per option."""
+    steps: int = option(10, "optimiser steps per option")
     batch_size: int = 4
     """Examples per step."""
     max_seq_len: int = 128
     """Tokens per example."""
     heldout: int = 16
     """Held-out examples the loss is measured on."""
+    base_model: str | None = option(None, "preset or model directory (default: smollm2-135m if installed)")
 
-
-QUICK_SETTINGS = Settings(steps=2, heldout=4)
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"--steps must be at least 1, got {self.steps}")
 
 
 def learning_model() -> str:
@@ -109,40 +99,26 @@ def render(report: dict[str, Any]) -> str:
             f"{report['settings']['batch_size']} examples, lr {report['lr']}\n" + format_table(headers, rows))
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="smoke run: tiny-qwen2, 2 steps per option")
-    p.add_argument("--out", type=Path, default=RESULTS_DIR / "learning.json",
-                   help="results JSON (default: %(default)s)")
-    p.add_argument("--base-model", default=None, help="preset or model directory (default: smollm2-135m if installed)")
-    p.add_argument("--steps", type=int, default=None, help="optimiser steps per option")
-    p.add_argument("-v", "--verbose", action="store_true", help="library logs too")
-    return p.parse_args(argv)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    configure_logging(args.verbose)
+def run(s: Settings, ctx: Run) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning)
-    torch.set_num_threads(1)
-    settings = QUICK_SETTINGS if args.quick else Settings()
-    if args.steps is not None:
-        settings = replace(settings, steps=args.steps)
-    model_id = args.base_model or ("tiny-qwen2" if args.quick else learning_model())
+    model_id = s.base_model or learning_model()
     domain = pick_domain()
-    started = time.perf_counter()
-    records = [run_option(model_id, domain, name, settings) for name in OPTIONS]
+    records = [run_option(model_id, domain, name, s) for name in OPTIONS]
     for r in records:
         r["after_minus_fp32"] = round(r["heldout_after"] - records[0]["heldout_after"], 4)
         r["speed_vs_fp32"] = round(r["tokens_per_second"] / records[0]["tokens_per_second"], 3)
     report = {"base_model": model_id, "domain": domain.name, "lr": RECOMMENDED_LR.get(model_id, 2e-4),
               "machine": {"cpu_cores": os.cpu_count(), "torch_threads": 1},
-              "settings": asdict(settings), "records": records, "seconds": round(time.perf_counter() - started, 1)}
-    write_json_atomic(args.out, report)
+              "settings": asdict(s), "records": records, "seconds": ctx.seconds()}
+    ctx.write(report)
     print(render(report))
-    log.info("wrote %s in %.0f s", args.out, report["seconds"])
+    log.info("wrote %s in %.0f s", ctx.out, report["seconds"])
     return 0
 
+
+BENCH = Bench("learning", tags=("robustness", "training"), settings=Settings, run=run,
+              quick={"steps": 2, "heldout": 4, "base_model": "tiny-qwen2"})
+main = BENCH.main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -27,10 +27,9 @@ Table on stdout, progress on stderr, results in bench/results/load.json.
 """
 from __future__ import annotations
 
-import argparse
-import os
 import logging
 import math
+import os
 import re
 import sys
 import tempfile
@@ -41,48 +40,18 @@ from typing import Any
 
 import torch
 
+from bench.common import coordinator_process, format_table
+from bench.harness import Bench, Run
 from bench.loadgen import LoadPlan, run_in_process
-from bench.common import RESULTS_DIR, configure_logging, coordinator_process, format_table, write_json_atomic
+from bench.shapes import MODELS, PROJECTIONS, lora_manifest, random_tensors
+from protocol.cli import option
 from protocol.client import CoordinatorClient
 from protocol.errors import FedMoEError
-from protocol.tensors import Manifest
 
 ROOT = Path(__file__).resolve().parents[1]
 
 log = logging.getLogger("bench.load")
-RESULTS = RESULTS_DIR / "load.json"
 FINGERPRINT = "10ad" * 16
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# Shapes only: Qwen2-0.5B's config.json (hidden 896, MLP 4864, 24 layers, 14 heads, 2 KV heads of 64)
-# and the offline tiny-qwen2 preset (worker/models.py).
-MODELS: dict[str, dict[str, int]] = {
-    "qwen2-0.5b": {"hidden": 896, "intermediate": 4864, "layers": 24, "heads": 14, "kv_heads": 2},
-    "tiny-qwen2": {"hidden": 128, "intermediate": 344, "layers": 2, "heads": 4, "kv_heads": 2},
-}
-
-
-def lora_manifest(model: str, rank: int) -> Manifest:
-    """PEFT's tensor names and shapes for LoRA on all seven projections of a Qwen2 model."""
-    c = MODELS[model]
-    hidden, kv = c["hidden"], c["kv_heads"] * (c["hidden"] // c["heads"])
-    dims = {"q_proj": (hidden, hidden), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (hidden, hidden),
-            "gate_proj": (hidden, c["intermediate"]), "up_proj": (hidden, c["intermediate"]),
-            "down_proj": (c["intermediate"], hidden)}
-    manifest = []
-    for layer in range(c["layers"]):
-        for proj in PROJECTIONS:
-            part = "self_attn" if proj in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-            key = f"base_model.model.model.layers.{layer}.{part}.{proj}"
-            d_in, d_out = dims[proj]
-            manifest += [(f"{key}.lora_A.weight", (rank, d_in)), (f"{key}.lora_B.weight", (d_out, rank))]
-    return sorted(manifest)
-
-
-def random_tensors(manifest: Manifest, seed: int, scale: float) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {name: torch.randn(shape, generator=g) * scale for name, shape in manifest}
-
-
 def percentile(values: Sequence[float], q: float) -> float:
     """Nearest-rank percentile (q in 0..100)."""
     ordered = sorted(values)
@@ -109,20 +78,34 @@ def peak_rss_bytes(pid: int) -> dict[int, int]:
 
 @dataclass(frozen=True)
 class Settings:
-    workers: int = 100
-    rounds: int = 2
-    experts: int = 4
-    model: str = "qwen2-0.5b"
+    workers: int = option(100, "simulated workers")
+    rounds: int = option(2, "pushes per worker")
+    experts: int = option(4, "experts the workers share")
+    model: str = option("qwen2-0.5b", "shapes of the LoRA update", choices=sorted(MODELS))
     rank: int = 8
-    codec: str = "int8"
-    aggregation: str = "fedbuff"
-    buffer_size: int = 10
+    codec: str = option("int8", "compression codec of the updates")
+    aggregation: str = option("fedbuff", "the coordinator's --aggregation", choices=("fedasync", "fedbuff"))
+    buffer_size: int = option(10, "fedbuff K")
     seed: int = 0
-    mode: str = "closed"
-    interval: float = 30.0
-    pushes: int = 1000
-    threads: int = 16
-    digest: str = "blake3"
+    mode: str = option("closed", "closed: each worker pushes --rounds times back to back (throughput); open: each of "
+                       "--workers pushes every --interval s from a random phase until --pushes were sent",
+                       choices=("closed", "open"))
+    interval: float = option(30.0, "open mode: sync interval s")
+    pushes: int = option(1000, "open mode: pushes in all")
+    threads: int = option(16, "coordinator --threads")
+    digest: str = option("blake3", "body digest the load sends (sha256 for a coordinator before 0.7)",
+                         choices=("blake3", "sha256"))
+
+    def __post_init__(self) -> None:
+        for name in ("workers", "rounds", "experts", "buffer_size", "pushes", "threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if not self.interval > 0:
+            raise ValueError(f"--interval must be positive, got {self.interval}")
+
+
+QUICK = {"workers": 8, "model": "tiny-qwen2", "buffer_size": 2, "interval": 1.0, "pushes": 16}
+"""The smoke run (tests/bench): 8 workers on tiny-qwen2 shapes, fedbuff K=2."""
 
 
 @dataclass
@@ -252,48 +235,14 @@ def process_cpu_seconds(pid: int, thread: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    d = Settings()
-    p.add_argument("--workers", type=int, default=d.workers, help="simulated workers (default: %(default)s)")
-    p.add_argument("--rounds", type=int, default=d.rounds, help="pushes per worker (default: %(default)s)")
-    p.add_argument("--experts", type=int, default=d.experts, help="experts the workers share (default: %(default)s)")
-    p.add_argument("--model", choices=sorted(MODELS), default=d.model, help="shapes of the LoRA update")
-    p.add_argument("--codec", default=d.codec, help="compression codec of the updates (default: %(default)s)")
-    p.add_argument("--aggregation", choices=("fedasync", "fedbuff"), default=d.aggregation)
-    p.add_argument("--buffer-size", type=int, default=d.buffer_size, help="fedbuff K (default: %(default)s)")
-    p.add_argument("--mode", choices=("closed", "open"), default=d.mode,
-                   help="closed: each worker pushes --rounds times back to back (throughput); open: each of "
-                        "--workers pushes every --interval s from a random phase until --pushes were sent")
-    p.add_argument("--interval", type=float, default=d.interval, help="open mode: sync interval s (default: %(default)s)")
-    p.add_argument("--pushes", type=int, default=d.pushes, help="open mode: pushes in all (default: %(default)s)")
-    p.add_argument("--threads", type=int, default=d.threads, help="coordinator --threads (default: %(default)s)")
-    p.add_argument("--digest", choices=("blake3", "sha256"), default=d.digest,
-                   help="body digest the load sends (sha256 for a coordinator before 0.7)")
-    p.add_argument("--quick", action="store_true", help="8 workers on tiny-qwen2 shapes, fedbuff K=2 (the smoke test)")
-    p.add_argument("--out", type=Path, default=RESULTS, help="results JSON (default: %(default)s)")
-    p.add_argument("-v", "--verbose", action="store_true")
-    args, _ = p.parse_known_args(argv)  # run_all.py passes every benchmark the same flags
-    return args
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    configure_logging(args.verbose)
-    log.setLevel(logging.INFO)
-    settings = Settings(workers=8 if args.quick else args.workers, rounds=args.rounds, experts=args.experts,
-                        model="tiny-qwen2" if args.quick else args.model, codec=args.codec,
-                        aggregation=args.aggregation, buffer_size=2 if args.quick else args.buffer_size,
-                        mode=args.mode, interval=1.0 if args.quick else args.interval,
-                        pushes=16 if args.quick else args.pushes, threads=args.threads,
-                        digest=args.digest)
-    report = run(settings)
-    write_json_atomic(args.out, report)
+def run_bench(s: Settings, ctx: Run) -> int:
+    report = run(s)
+    ctx.write(report)
     lat = report["latency_s"]
     print(format_table(
         ["mode", "workers", "pushes", "MB/push", "lost", "dup", "retried", "p50 s", "p95 s", "p99 s", "pushes/s",
          "MB/s", "CPU s/push", "loop CPU s/push", "peak RSS MB"],
-        [[settings.mode, settings.workers, report["pushes"], round(report["body_bytes_per_update"] / 1e6, 2),
+        [[s.mode, s.workers, report["pushes"], round(report["body_bytes_per_update"] / 1e6, 2),
           report["lost"], report["duplicated"], report["retried"], lat["p50"], lat["p95"], lat["p99"],
           report["pushes_per_s"], report["mb_per_s"], report["coordinator_cpu_s_per_push"],
           report["front_loop_cpu_s_per_push"],
@@ -303,6 +252,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("ERROR:", line)
     return 1 if bad else 0
 
+
+BENCH = Bench("load", tags=("performance",), settings=Settings, run=run_bench, quick=QUICK)
+main = BENCH.main
 
 if __name__ == "__main__":
     sys.exit(main())

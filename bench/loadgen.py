@@ -84,7 +84,7 @@ class LoadReport:
 def encode_pool(plan: LoadPlan) -> list[bytes]:
     import torch
 
-    from bench.load import lora_manifest, random_tensors
+    from bench.shapes import lora_manifest, random_tensors
     from compression import make_codec
     from compression.wire import encode_update
 

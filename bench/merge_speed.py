@@ -33,28 +33,27 @@ Table on stdout, results in bench/results/merge_speed.json.
 """
 from __future__ import annotations
 
-import argparse
-import os
 import tempfile
 import time
 from collections.abc import Callable
 from functools import partial
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench.common import RESULTS_DIR, write_json_atomic
+from bench.harness import Bench, Run
 from gateway.build import Source, build_gateway
 from gateway import lowrank
 from gateway.lora import LoraModule, join_modules, split_modules
 from gateway.lowrank import factorise
 from gateway.merges import MERGES, merge
 from gateway.merges.base import MergeResult, Scratch, check_weights, merge_densely
+from protocol.cli import option
 from protocol.schemas import BaseModelSpec, ExpertSpec, LoraSpec
 from protocol.tensors import load_file, save_file
 
-RESULTS = RESULTS_DIR / "merge_speed.json"
 RANK, ALPHA, EXPERTS = 8, 16.0, 3
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 TARGET_RATIO = 3.0
@@ -197,33 +196,38 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="4 SmolLM2 layers instead of 30")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (default: 1, as the gateway builder)")
-    args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    started = time.perf_counter()
-    load_before = os.getloadavg()[0]
+@dataclass(frozen=True)
+class Settings:
+    smollm2_layers: int = option(30, "SmolLM2-135M layers merged (all 30 of the real model)")
+    threads: int = option(1, "torch threads (as the gateway builder)")
+
+    def __post_init__(self) -> None:
+        if self.smollm2_layers < 1 or self.threads < 1:
+            raise ValueError("--smollm2-layers and --threads must be at least 1")
+
+
+def run(s: Settings, ctx: Run) -> int:
+    torch.set_num_threads(s.threads)
     models = {}
     for name, (layers, shapes) in MODELS.items():
-        layers = 4 if args.quick and name == "smollm2-135m" else layers
+        layers = s.smollm2_layers if name == "smollm2-135m" else layers
         models[name] = measure_model(name, layers, shapes, repeats=3 if name == "tiny-qwen2" else 1)
-    rows = [m["strategies"][s] for m in models.values() for s in DENSE]
+    rows = [m["strategies"][k] for m in models.values() for k in DENSE]
     worst = max(r["merge_floor_ratio"] for r in rows)
-    results = {"benchmark": "merge_speed", "quick": args.quick, "models": models,
+    results = {"benchmark": "merge_speed", "models": models,
                "target": TARGET, "target_baseline": FLOOR, "worst_merge_floor_ratio": worst,
                "worst_build_ratio": max(r["build_ratio"] for r in rows),
                "target_met": worst <= TARGET_RATIO, "torch_threads": torch.get_num_threads(),
-               "load_average_at_start": load_before, "load_average_at_end": os.getloadavg()[0],
-               "seconds": time.perf_counter() - started}
+               "seconds": ctx.seconds()}
     print(table(results))
     print(f"worst merge ratio to the dense floor {worst:.2f} (target <= {TARGET_RATIO}); worst build ratio to the "
-          f"exact average {results['worst_build_ratio']:.1f}; load average "
-          f"{load_before:.1f} -> {results['load_average_at_end']:.1f}")
-    write_json_atomic(RESULTS, results)
+          f"exact average {results['worst_build_ratio']:.1f}")
+    ctx.write(results)
     return 0
 
+
+BENCH = Bench("merge_speed", tags=("merging",), settings=Settings, run=run, quick={"smollm2_layers": 4})
+main = BENCH.main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -29,7 +29,6 @@ Table on stdout, progress on stderr, results in bench/results/overhead.json.
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 import tempfile
@@ -42,8 +41,9 @@ from typing import Any
 
 import torch
 
-from bench.common import (RESULTS_DIR, SCRATCH_DIR, configure_logging, coordinator_process, format_table, sample_path,
-                          write_json_atomic)
+from bench.common import SCRATCH_DIR, coordinator_process, format_table, sample_path
+from bench.harness import Bench, Run
+from protocol.cli import option
 from protocol.client import CoordinatorClient
 from worker.data import load_examples, split_examples
 from worker.federation import FederatedWorker, SyncSettings
@@ -100,39 +100,57 @@ def federated_phase(worker: FederatedWorker, mode: str, seconds: float, round_: 
                  summary.syncs - syncs_before, summary.blocked_seconds)
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Settings:
+    phase_seconds: float = option(12.0, "length of each timed phase")
+    rounds: int = option(4, "rounds of one phase per mode")
+    sync_interval: float = option(10.0, "seconds between syncs")
+    modes: tuple[str, ...] = option(("local", "overlap"), "modes to compare; local and overlap are required",
+                                    nargs="+", choices=MODES)
+    lora_rank: int = option(8, "LoRA rank")
+    batch_size: int = option(8, "examples per step")
+    max_seq_len: int = option(128, "tokens per example")
+
+    def __post_init__(self) -> None:
+        if not {"local", "overlap"} <= set(self.modes):
+            raise ValueError("--modes must include local and overlap")
+        if self.rounds < 1 or not self.phase_seconds > 0 or not self.sync_interval > 0:
+            raise ValueError("--rounds must be >= 1, --phase-seconds and --sync-interval > 0")
+
+
+def measure(s: Settings) -> dict[str, Any]:
     torch.set_num_threads(1)
     started = time.perf_counter()
     train, _ = split_examples(load_examples(sample_path(SPECIALTY)))
     base = load_base_model(BASE_MODEL)
-    trainer = LoraTrainer(base, LoraSettings(rank=args.lora_rank),
-                          TrainSettings(lr=1e-2, batch_size=args.batch_size, max_seq_len=args.max_seq_len), train)
+    trainer = LoraTrainer(base, LoraSettings(rank=s.lora_rank),
+                          TrainSettings(lr=1e-2, batch_size=s.batch_size, max_seq_len=s.max_seq_len), train)
     spec = {"lora": trainer.lora_config, "base_model": {"id": base.model_id, "fingerprint": base.fingerprint}}
     phases: list[Phase] = []
     with tempfile.TemporaryDirectory(prefix="fedmoe-overhead-", dir=SCRATCH_DIR) as scratch, \
             coordinator_process(Path(scratch) / "coordinator") as coordinator:
         url = coordinator.url
-        settings = SyncSettings(specialty=SPECIALTY, worker_id="overhead-bench", sync_interval=args.sync_interval,
-                                duration=args.phase_seconds, state_dir=Path(scratch) / "worker-state")
+        settings = SyncSettings(specialty=SPECIALTY, worker_id="overhead-bench", sync_interval=s.sync_interval,
+                                duration=s.phase_seconds, state_dir=Path(scratch) / "worker-state")
         worker = FederatedWorker(settings, CoordinatorClient(url), trainer, spec)
         worker.join()
         trainer.train_steps(2)  # warm-up: first steps allocate
-        for r in range(args.rounds):
-            order = list(args.modes) if r % 2 == 0 else list(reversed(args.modes))
+        for r in range(s.rounds):
+            order = list(s.modes) if r % 2 == 0 else list(reversed(s.modes))
             for mode in order:
-                phase = (local_phase(trainer, args.phase_seconds, r) if mode == "local"
-                         else federated_phase(worker, mode, args.phase_seconds, r))
+                phase = (local_phase(trainer, s.phase_seconds, r) if mode == "local"
+                         else federated_phase(worker, mode, s.phase_seconds, r))
                 phases.append(phase)
                 log.info("round %d %-8s %6.0f tokens/s, %d sync(s), %.3f s blocked", r, mode, phase.tokens_per_s,
                          phase.syncs, phase.blocked_seconds)
         expert = CoordinatorClient(url).expert(SPECIALTY)
-    return summarize(phases, args, expert, time.perf_counter() - started)
+    return summarize(phases, s, expert, time.perf_counter() - started)
 
 
-def summarize(phases: Sequence[Phase], args: argparse.Namespace, expert: dict[str, Any],
+def summarize(phases: Sequence[Phase], s: Settings, expert: dict[str, Any],
               seconds: float) -> dict[str, Any]:
     modes: dict[str, dict[str, Any]] = {}
-    for mode in args.modes:
+    for mode in s.modes:
         mine = [p for p in phases if p.mode == mode]
         total, cpu = sum(p.seconds for p in mine), sum(p.cpu_seconds for p in mine)
         tokens = sum(p.tokens for p in mine)
@@ -145,12 +163,12 @@ def summarize(phases: Sequence[Phase], args: argparse.Namespace, expert: dict[st
         m["cpu_overhead_pct"] = 100 * (1 - m["tokens_per_cpu_s"] / modes["local"]["tokens_per_cpu_s"])
     overhead, cpu_overhead = modes["overlap"]["overhead_pct"], modes["overlap"]["cpu_overhead_pct"]
     per_round = []
-    for r in range(args.rounds):
+    for r in range(s.rounds):
         by_mode = {p.mode: p.tokens_per_s for p in phases if p.round == r}
         per_round.append(round(100 * (1 - by_mode["overlap"] / by_mode["local"]), 3))
-    return {"config": {"base_model": BASE_MODEL, "lora_rank": args.lora_rank, "batch_size": args.batch_size,
-                       "max_seq_len": args.max_seq_len, "sync_interval": args.sync_interval,
-                       "phase_seconds": args.phase_seconds, "rounds": args.rounds, "torch_threads": 1},
+    return {"config": {"base_model": BASE_MODEL, "lora_rank": s.lora_rank, "batch_size": s.batch_size,
+                       "max_seq_len": s.max_seq_len, "sync_interval": s.sync_interval,
+                       "phase_seconds": s.phase_seconds, "rounds": s.rounds, "torch_threads": 1},
             "phases": [asdict(p) | {"tokens_per_s": p.tokens_per_s} for p in phases],
             "modes": modes, "sync_overhead_pct": overhead, "overhead_pct_per_round": per_round,
             "cpu_overhead_pct": cpu_overhead,
@@ -174,37 +192,17 @@ def render(report: dict[str, Any]) -> str:
             f"(target <= {TARGET_PCT:g}%: {verdict}); per CPU-second {report['cpu_overhead_pct']:.2f}%")
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--phase-seconds", type=float, default=12.0,
-                   help="length of each timed phase (default: %(default)s)")
-    p.add_argument("--rounds", type=int, default=4, help="rounds of one phase per mode (default: %(default)s)")
-    p.add_argument("--sync-interval", type=float, default=10.0, help="seconds between syncs (default: %(default)s)")
-    p.add_argument("--modes", nargs="+", default=["local", "overlap"], choices=MODES,
-                   help="modes to compare; local and overlap are required (default: %(default)s)")
-    p.add_argument("--lora-rank", type=int, default=8)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--max-seq-len", type=int, default=128)
-    p.add_argument("--out", type=Path, default=RESULTS_DIR / "overhead.json")
-    p.add_argument("--verbose", action="store_true")
-    args = p.parse_args(argv)
-    if not {"local", "overlap"} <= set(args.modes):
-        p.error("--modes must include local and overlap")
-    if args.rounds < 1 or not args.phase_seconds > 0 or not args.sync_interval > 0:
-        p.error("--rounds must be >= 1, --phase-seconds and --sync-interval > 0")
-    return args
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    configure_logging(args.verbose)
-    logging.getLogger("bench").setLevel(logging.INFO)
-    report = run(args)
-    write_json_atomic(args.out, report)
+def run(s: Settings, ctx: Run) -> int:
+    report = measure(s)
+    ctx.write(report)
     print(render(report))
-    log.info("wrote %s in %.0f s", args.out, report["seconds"])
+    log.info("wrote %s in %.0f s", ctx.out, report["seconds"])
     return 0
 
+
+BENCH = Bench("overhead", tags=("performance",), settings=Settings, run=run,
+              quick={"phase_seconds": 3.0, "rounds": 1, "sync_interval": 1.0})
+main = BENCH.main
 
 if __name__ == "__main__":
     sys.exit(main())

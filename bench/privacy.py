@@ -31,15 +31,12 @@ Learning claims count optimiser steps, not seconds. Trained deltas and per-examp
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import functools
 import json
 import logging
-import os
 import statistics
-import subprocess
 import sys
 import time
 import warnings
@@ -51,9 +48,11 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from bench.common import RESULTS_DIR, configure_logging, format_table, run_parallel, write_json_atomic
+from bench.common import format_table, run_parallel
+from bench.harness import Bench, Run, jsonable
 from bench.membership import MembershipSplit, attack, dp_auc_bound, membership_split
 from bench.realdata import DS1000_DATA, REAL_MODEL, SMOKE_MODEL, Lab, ds1000_domains, loss_pair, shards
+from protocol.cli import option
 from privacy.accountant import noise_multiplier_for
 from privacy.dp import DPFedAvgSettings, dp_fedavg_step, noise_generator, update_norm
 from worker.data import Example
@@ -67,20 +66,25 @@ warnings.filterwarnings("ignore", message="Full backward hook is firing", catego
 ROOT = Path(__file__).resolve().parents[1]
 
 
+ARM_GROUPS = ("single", "mean", "dp_fedavg", "dp_sgd")
+"""What ``--arms`` chooses from; each group trains and scores only what it needs (the rest stays cached)."""
+
+
 @dataclass(frozen=True)
 class Settings:
-    model: str = REAL_MODEL
-    domain: str = "numpy_expert"
-    steps: int = 48
+    model: str = option(REAL_MODEL, "base model")
+    domain: str = option("numpy_expert", "DS-1000 domain of the target")
+    steps: int = option(48, "optimiser steps per worker update")
     """AdamW steps each worker takes before its update is sent (batch x <= max_seq_len tokens)."""
     batch_size: int = 4
     max_seq_len: int = 128
-    lr: float = 3e-3
+    lr: float = option(3e-3, "every worker's AdamW learning rate")
     """Every worker's AdamW lr: the project's federated workers' lr on smollm2 (bench/quality_compression.py)."""
-    cohort: int = 4
+    cohort: int = option(4, "K: updates per FedBuff step / secure-aggregation cohort")
     """K: updates in one FedBuff step / one secure-aggregation cohort."""
     delta: float = 1e-5
-    dp_fedavg_epsilons: tuple[float, ...] = (1.0, 4.0, 8.0)
+    dp_fedavg_epsilons: tuple[float, ...] = option((1.0, 4.0, 8.0), "epsilons of the DP-FedAvg arms", nargs="+",
+                                                   type=float, metavar="EPS")
     dp_sgd_epsilons: tuple[float, ...] = (8.0,)
     dp_sgd_clip: float = 1.0
     """DP-SGD's per-example gradient clipping norm C."""
@@ -88,6 +92,21 @@ class Settings:
     limit: int = 0
     """Members and non-members each cut to this many (0: all); for smoke runs."""
     seed: int = 0
+    arms: tuple[str, ...] = option(ARM_GROUPS, "arm groups to train and score now (others already scored in --cache "
+                                   "are reported too)", nargs="+", choices=ARM_GROUPS)
+    train: tuple[str, ...] = option((), "only train these updates into --cache (target, other1.., dp_sgd_eps8) and "
+                                    "exit", nargs="+", metavar="UPDATE")
+    jobs: int = option(1, "processes training/scoring at once (each 1 torch thread)")
+    cache: Path | None = option(None, "where deltas and losses are kept between runs (default: /tmp/fedmoe-privacy-"
+                                "<tag>)", type=Path)
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"--steps must be at least 1, got {self.steps}")
+        if not 1 <= self.cohort <= 7:
+            raise ValueError(f"--cohort must be 1-7 (the target and up to 6 other workers' data), got {self.cohort}")
+        if self.jobs < 1:
+            raise ValueError(f"--jobs must be at least 1, got {self.jobs}")
 
     @property
     def tag(self) -> str:
@@ -95,7 +114,8 @@ class Settings:
         return f"{self.model}-{self.domain}-s{self.steps}-b{self.batch_size}-l{self.max_seq_len}-lr{self.lr}-n{self.limit}"
 
 
-QUICK = Settings(model=SMOKE_MODEL, steps=6, lr=1e-2, limit=24, bootstrap=200, dp_fedavg_epsilons=(8.0,))
+QUICK = {"model": SMOKE_MODEL, "steps": 6, "lr": 1e-2, "limit": 24, "bootstrap": 200, "dp_fedavg_epsilons": (8.0,)}
+"""--quick: a tiny-qwen2 smoke run (seconds)."""
 
 
 @dataclass(frozen=True)
@@ -167,8 +187,6 @@ def _cached(path: Path) -> bool:
     return path.is_file() and path.stat().st_size > 0
 
 
-ARM_GROUPS = ("single", "mean", "dp_fedavg", "dp_sgd")
-"""What ``--arms`` chooses from; each group trains and scores only what it needs (the rest stays cached)."""
 
 
 def updates_needed(s: Settings, groups: Sequence[str]) -> list[str]:
@@ -297,73 +315,28 @@ def render(results: dict[str, Any]) -> str:
                          "AUC calibrated [95% CI]", "TPR@1%FPR cal."], rows, align="lrrrllr")
 
 
-def git_head() -> str:
-    try:
-        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="tiny-qwen2 smoke run (seconds)")
-    p.add_argument("--model", default=None, help=f"base model (default {REAL_MODEL}; {SMOKE_MODEL} for a fast full run)")
-    p.add_argument("--lr", type=float, default=None, help="every worker's AdamW learning rate (default 3e-3)")
-    p.add_argument("--steps", type=int, default=None, help="optimiser steps per worker update")
-    p.add_argument("--cohort", type=int, default=None, help="K: updates per FedBuff step / secure-aggregation cohort "
-                                                             "(default 4)")
-    p.add_argument("--domain", default=None, help="DS-1000 domain of the target (default numpy_expert)")
-    p.add_argument("--arms", nargs="+", choices=ARM_GROUPS, default=list(ARM_GROUPS),
-                   help="arm groups to train and score now (others already scored in --cache are reported too)")
-    p.add_argument("--train", nargs="+", default=[], metavar="UPDATE",
-                   help="only train these updates into --cache (target, other1.., dp_sgd_eps8) and exit")
-    p.add_argument("--dp-fedavg-epsilons", nargs="+", type=float, default=None, metavar="EPS",
-                   help="epsilons of the DP-FedAvg arms (default 1 4 8)")
-    p.add_argument("--jobs", type=int, default=1, help="processes training/scoring at once (each 1 torch thread)")
-    p.add_argument("--cache", type=Path, default=None, help="where deltas and losses are kept between runs")
-    p.add_argument("--out", type=Path, default=None, help="results JSON (default bench/results/privacy.json)")
-    p.add_argument("-v", "--verbose", action="store_true")
-    args = p.parse_args(argv)
-    if args.steps is not None and args.steps < 1:
-        p.error(f"--steps must be at least 1, got {args.steps}")
-    if args.cohort is not None and not 1 <= args.cohort <= 7:
-        p.error(f"--cohort must be 1-7 (the target and up to 6 other workers' data), got {args.cohort}")
-    if args.jobs < 1:
-        p.error(f"--jobs must be at least 1, got {args.jobs}")
-    return args
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    configure_logging(args.verbose)
-    s = QUICK if args.quick else Settings()
-    given: tuple[tuple[str, Any], ...] = (("steps", args.steps), ("domain", args.domain), ("model", args.model), ("lr", args.lr),
-             ("cohort", args.cohort),
-             ("dp_fedavg_epsilons", tuple(args.dp_fedavg_epsilons) if args.dp_fedavg_epsilons else None))
-    s = dataclasses.replace(s, **{k: v for k, v in given if v is not None})
-    cache = args.cache or Path("/tmp") / f"fedmoe-privacy-{s.tag}"
+def run(s: Settings, ctx: Run) -> int:
+    cache = s.cache or Path("/tmp") / f"fedmoe-privacy-{s.tag}"
     cache.mkdir(parents=True, exist_ok=True)
-    started = time.monotonic()
     data = load_data(s)
-    trained = train_all(s, data, cache, args.jobs, args.arms, args.train)
-    if args.train:  # only train (a way to spread one run's trainings over processes started one by one)
+    trained = train_all(s, data, cache, s.jobs, s.arms, s.train)
+    if s.train:  # only train (a way to spread one run's trainings over processes started one by one)
         return 0
-    score_all(s, cache, build_arms(s, cache, trained, args.arms), args.jobs)
+    score_all(s, cache, build_arms(s, cache, trained, s.arms), s.jobs)
     results = summarize(s, data, cache)
     print(render(results))
     updates = {p.stem: json.loads(p.read_text()) for p in sorted(cache.glob("*.json"))
                if not p.name.startswith(("arm-", "loss-"))}
-    report = {"settings": dataclasses.asdict(s), "members": len(data.split.members),
-              "nonmembers": len(data.split.nonmembers), "heldout": len(data.heldout),
-              "others": [name for name, _ in data.others], "updates": updates, "arms": results,
-              "commit": git_head(), "load_average_at_end": list(os.getloadavg()),
-              "wall_seconds_this_run": round(time.monotonic() - started, 1)}
-    out = args.out or RESULTS_DIR / ("privacy_quick.json" if args.quick else "privacy.json")
-    write_json_atomic(out, report)
-    print(f"wrote {out}")
+    ctx.write({"settings": jsonable(dataclasses.asdict(s)), "members": len(data.split.members),
+               "nonmembers": len(data.split.nonmembers), "heldout": len(data.heldout),
+               "others": [name for name, _ in data.others], "updates": updates, "arms": results,
+               "wall_seconds_this_run": ctx.seconds()})
+    print(f"wrote {ctx.out}")
     return 0
 
+
+BENCH = Bench("privacy", tags=("privacy",), settings=Settings, run=run, quick=QUICK, cores=1)
+main = BENCH.main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -19,19 +19,18 @@ Figures, all on the 33 held-out pandas problems (with and without the end-of-ans
   server learning rate is ``--server-lr`` (the coordinator's flag; 1 applies the mean of the
   workers' deltas, so a round moves about as far as one worker's steps: bench/fedrounds.py). Each
   arm has its own AdamW lr, picked on the validation split by bench.fvc_sweep for 48 steps in all
-  (bench/results/quality_fvc_sweep_horizon.json): the federated workers ``--lr`` (default 3e-3), the
+  (bench/results/history/quality_fvc_sweep_horizon.json): the federated workers ``--lr`` (default 3e-3), the
   central worker ``--central-lr`` (default 5e-4; at 24 steps central wants the preset's 1e-3).
 The per-codec error against a whole expert's true delta comes from the gateway suite's experts
 (bench/quality_gateway.py, ``codec_true_delta``).
 
     python -m bench.quality_compression            # smollm2-135m (make smollm2)
     python -m bench.quality_compression --quick    # tiny-qwen2 smoke run, seconds
-    python -m bench.quality_compression --fvc-only --out bench/results/quality_fvc_tuned.json  # workers at lr 3e-3
+    python -m bench.quality_compression --fvc-only --out bench/results/history/quality_fvc_tuned.json  # workers at lr 3e-3
     python -m bench.quality_compression --estimate # planned optimiser steps and scored problems, no model
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 import math
@@ -44,15 +43,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 
-from bench.common import RESULTS_DIR, configure_logging, format_table, require_positive, write_json_atomic
+from bench.common import format_table
+from bench.harness import Bench, Run
 from bench.compression import FP16, UNBIASED, CodecRun
 from bench.fedrounds import FedJob, FedResult, run_central, run_fed
-from bench.realdata import (REAL_MODEL, SMOKE_MODEL, Lab, add_estimate_flags, ds1000_domains, heldout_size, loss_pair,
+from bench.realdata import (REAL_MODEL, SMOKE_MODEL, Estimate, Lab, ds1000_domains, heldout_size, loss_pair,
                             pct, planned_cost, quiet_estimate, render_plan, shards, spread)
 from compression import encode_update, make_codec, measure
 from compression.wire import decode_update
+from protocol.cli import option
 from protocol.schemas import RAW_CODEC
 from protocol.tensors import StateDict, dumps, manifest_of
 from worker.encoding import CompressionSettings
@@ -80,42 +80,69 @@ TARGET_GAIN = 0.8
 
 
 @dataclass(frozen=True)
-class Settings:
+class Settings(Estimate):
     model: str = REAL_MODEL
     workers: int = 3
-    rounds: int = 4
-    steps: int = 2
-    """AdamW steps per worker per round (batch 4 x <= 128 tokens)."""
-    seeds: int = 3
-    """Training seeds of the fp32 and central runs."""
-    codec_seeds: int = 3
-    """Codec seeds of each random codec (training seed 0)."""
-    fvc_rounds: int = 8
-    """Rounds of the uncompressed runs, the federated arm of federated vs central (the codecs are compared
-    with their snapshot after ``rounds``): 8 x 3 workers x 2 steps = 48 optimiser steps in all, a horizon at
-    which both arms stop improving on validation (bench.fvc_sweep; 24 steps is too early for either)."""
-    track: int = 8
-    """Validation problems whose loss is taken after every round."""
-    server_lr: float = 1.0
-    """FedBuff's server learning rate (the coordinator's --server-lr) in every federated run."""
-    fedasync: bool = False
-    """Also run FedAsync (the coordinator's default rule) against central; off by default (time budget)."""
-    lr: float | None = 3e-3
-    """The federated workers' AdamW learning rate (the worker's --lr; None: the preset's recommended one).
-    3e-3 = 3 workers x smollm2's single-worker 1e-3, the best of 1e-3..5e-3 on the validation split
-    (bench.fvc_sweep, bench/results/quality_fvc_sweep_*.json; docs/benchmarks.md)."""
-    central_lr: float | None = 5e-4
-    """The central worker's AdamW learning rate (None: the preset's recommended one). 5e-4 is validation's
-    pick for 48 steps: the preset's 1e-3 overfits from ~36 steps (bench/results/quality_fvc_sweep_horizon.json)."""
+    rounds: int = option(4, "rounds per codec job")
+    steps: int = option(2, "AdamW steps per worker per round (batch 4 x <= 128 tokens)")
+    seeds: int = option(3, "training seeds of the fp32 and central runs")
+    codec_seeds: int = option(3, "codec seeds of each random codec (training seed 0)")
+    fvc_rounds: int = option(8, "rounds of the uncompressed jobs, federated vs central's federated arm; at least "
+                             "--rounds")
+    """The codecs are compared with the uncompressed runs' snapshot after ``rounds``: 8 x 3 workers x 2 steps = 48
+    optimiser steps in all, a horizon at which both arms stop improving on validation (bench.fvc_sweep; 24 steps is
+    too early for either)."""
+    track: int = option(8, "validation problems whose loss is taken every round")
+    server_lr: float = option(1.0, "FedBuff's server learning rate in every federated run (the coordinator's "
+                              "--server-lr; the number of workers applies the sum of their deltas)")
+    fedasync: bool = option(False, "also run FedAsync (the coordinator's default rule) against central (3 more jobs)")
+    lr: float | None = option(3e-3, "the federated workers' AdamW learning rate, in every federated run (tuned for "
+                              "smollm2-135m on validation; --quick: the preset's, worker.presets.RECOMMENDED_LR)")
+    """3e-3 = 3 workers x smollm2's single-worker 1e-3, the best of 1e-3..5e-3 on the validation split
+    (bench.fvc_sweep; docs/history/benchmarks.md). None: the preset's recommended one."""
+    central_lr: float | None = option(5e-4, "the central worker's AdamW learning rate (validation's pick at 48 steps; "
+                                      "--quick: the preset's)")
+    """The preset's 1e-3 overfits from ~36 steps (bench.fvc_sweep's horizon sweep)."""
+    only: tuple[str, ...] | None = option(None, "only these codec specs (the fp32 reference always runs), e.g. --only "
+                                          "int8 topk+int8; signsgd is not in the default sweep but may be named here",
+                                          nargs="+", metavar="CODEC")
+    fvc_only: bool = option(False, "only federated vs central: the fp32 federated runs and the central runs, "
+                            "no codecs")
+    sweep: tuple[CodecRun, ...] = SWEEP
+    """The codecs compared (--quick: three)."""
+
+    def __post_init__(self) -> None:
+        for name in ("rounds", "fvc_rounds", "steps", "seeds", "codec_seeds", "track"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        for name in ("server_lr", "lr", "central_lr"):
+            value = getattr(self, name)
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive number, got {value}")
+        if self.fvc_rounds < self.rounds:
+            raise ValueError(f"--fvc-rounds ({self.fvc_rounds}) must be at least --rounds ({self.rounds})")
+        if self.fvc_only and self.only:
+            raise ValueError("--fvc-only runs no codecs; drop --only")
+        known = {run.codec for run in (*SWEEP, *EXTRA)}
+        if self.only and set(self.only) - known:
+            raise ValueError(f"--only: {sorted(set(self.only) - known)} not in the sweep; choose from {sorted(known)}")
 
     @property
     def fvc_steps(self) -> int:
         """Optimiser steps in all of each federated-vs-central arm."""
         return self.fvc_rounds * self.steps * self.workers
 
+    def runs(self) -> tuple[CodecRun, ...]:
+        """The fp32 reference first, then the codecs compared with it."""
+        sweep = self.sweep
+        if self.only:
+            known = {run.codec: run for run in (*SWEEP, *EXTRA)}
+            sweep = (SWEEP[0], *(known[c] for c in dict.fromkeys(self.only) if c != RAW_CODEC))
+        return sweep[:1] if self.fvc_only else sweep
 
-QUICK = Settings(model=SMOKE_MODEL, rounds=2, steps=1, seeds=1, codec_seeds=1, fvc_rounds=3, track=4, lr=None,
-                 central_lr=None)
+
+QUICK = {"model": SMOKE_MODEL, "rounds": 2, "steps": 1, "seeds": 1, "codec_seeds": 1, "fvc_rounds": 3, "track": 4,
+         "lr": None, "central_lr": None, "sweep": QUICK_SWEEP}
 
 
 def run_job(lab: Lab, train: Sequence, track: Sequence, s: Settings, run: CodecRun, seed: int,
@@ -281,94 +308,29 @@ def render(report: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="tiny-qwen2 smoke run: 3 codecs, 2 rounds, 1 seed")
-    p.add_argument("--rounds", type=int, default=None, help=f"rounds per codec job (default: {Settings.rounds})")
-    p.add_argument("--fvc-rounds", type=int, default=None,
-                   help="rounds of the uncompressed jobs, federated vs central's federated arm; at least --rounds "
-                        f"(default: {Settings.fvc_rounds})")
-    p.add_argument("--steps", type=int, default=None, help=f"steps per worker per round (default: {Settings.steps})")
-    p.add_argument("--seeds", type=int, default=None, help=f"training seeds of fp32 and central (default: {Settings.seeds})")
-    p.add_argument("--codec-seeds", type=int, default=None,
-                   help=f"codec seeds per random codec (default: {Settings.codec_seeds})")
-    p.add_argument("--only", nargs="+", default=None, metavar="CODEC",
-                   help="only these codec specs (the fp32 reference always runs), e.g. --only int8 topk+int8; "
-                        "signsgd is not in the default sweep but may be named here")
-    p.add_argument("--server-lr", type=float, default=None,
-                   help=f"FedBuff's server learning rate in every federated run (default: {Settings.server_lr:g}; "
-                        "the number of workers applies the sum of their deltas)")
-    p.add_argument("--lr", type=float, default=None,
-                   help=f"the federated workers' AdamW learning rate, in every federated run (default: {Settings.lr:g}, "
-                        "tuned for smollm2-135m on validation; --quick: the preset's, worker.presets.RECOMMENDED_LR)")
-    p.add_argument("--central-lr", type=float, default=None,
-                   help=f"the central worker's AdamW learning rate (default: {Settings.central_lr:g}, validation's pick "
-                        "at 48 steps; --quick: the preset's)")
-    p.add_argument("--fvc-only", action="store_true",
-                   help="only federated vs central: the fp32 federated runs and the central runs, no codecs")
-    p.add_argument("--fedasync", action="store_true", help="also run FedAsync against central (3 more jobs)")
-    add_estimate_flags(p)
-    p.add_argument("--track", type=int, default=None,
-                   help=f"validation problems whose loss is taken every round (default: {Settings.track})")
-    p.add_argument("--out", type=Path, default=RESULTS_DIR / "quality_compression.json",
-                   help="results JSON (default: %(default)s)")
-    p.add_argument("-v", "--verbose", action="store_true", help="library logs too")
-    args = p.parse_args(argv)
-    require_positive(p, args, "rounds", "fvc_rounds", "steps", "seeds", "codec_seeds", "track")
-    for flag in ("server_lr", "lr", "central_lr"):
-        value = getattr(args, flag)
-        if value is not None and not (value > 0 and math.isfinite(value)):
-            p.error(f"--{flag.replace('_', '-')} must be a positive number, got {value}")
-    defaults = QUICK if args.quick else Settings()
-    rounds, fvc_rounds = args.rounds or defaults.rounds, args.fvc_rounds or defaults.fvc_rounds
-    if fvc_rounds < rounds:
-        p.error(f"--fvc-rounds ({fvc_rounds}) must be at least --rounds ({rounds})")
-    if args.fvc_only and args.only:
-        p.error("--fvc-only runs no codecs; drop --only")
-    return args
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    configure_logging(args.verbose)
-    torch.set_num_threads(1)
-    started = time.perf_counter()
-    s = QUICK if args.quick else Settings()
-    s = dataclasses.replace(s, **{k: v for k, v in {"rounds": args.rounds, "fvc_rounds": args.fvc_rounds,
-                                                      "steps": args.steps, "seeds": args.seeds,
-                                                      "codec_seeds": args.codec_seeds, "track": args.track,
-                                                      "server_lr": args.server_lr, "lr": args.lr,
-                                                      "central_lr": args.central_lr,
-                                                      "fedasync": args.fedasync or None}.items() if v is not None})
-    sweep = QUICK_SWEEP if args.quick else SWEEP
-    if args.only:
-        known = {run.codec: run for run in (*SWEEP, *EXTRA)}
-        unknown = set(args.only) - set(known)
-        if unknown:
-            raise SystemExit(f"--only: {sorted(unknown)} not in the sweep; choose from {sorted(known)}")
-        sweep = (SWEEP[0], *(known[c] for c in dict.fromkeys(args.only) if c != RAW_CODEC))
-    if args.fvc_only:
-        sweep = sweep[:1]
-    plan = [(run, seed, 0) for run in sweep[:1] for seed in range(s.seeds)]
-    plan += [(run, 0, c) for run in sweep[1:] for c in range(s.codec_seeds if run.random_stages() else 1)]
-    if args.estimate:
-        print(render_plan("bench.quality_compression", estimate(plan, s, args.priced_from or args.out)))
+def run(s: Settings, ctx: Run) -> int:
+    sweep = s.runs()
+    plan = [(job, seed, 0) for job in sweep[:1] for seed in range(s.seeds)]
+    plan += [(job, 0, c) for job in sweep[1:] for c in range(s.codec_seeds if job.random_stages() else 1)]
+    if s.estimate:
+        print(render_plan("bench.quality_compression", estimate(plan, s, s.priced_from or ctx.out)))
         return 0
+    started = time.perf_counter()
     domain = next(d for d in ds1000_domains() if d.name == DOMAIN)
     lab = Lab(s.model)
     track, heldout = domain.validation[:s.track], domain.heldout
     base = loss_pair(lab.losses(heldout))
     base_track = loss_pair(lab.losses(track))["loss"]
     records, federated = [], []
-    for i, (run, seed, codec_seed) in enumerate(plan, start=1):
-        rounds = s.fvc_rounds if run.codec == RAW_CODEC else s.rounds
-        result = run_job(lab, domain.train, track, s, run, seed, codec_seed, rounds=rounds)
-        records.append(job_record(lab, first_rounds(result, s, rounds), heldout, run.label, seed, codec_seed, base_track))
-        if run.codec == RAW_CODEC:
+    for i, (job, seed, codec_seed) in enumerate(plan, start=1):
+        rounds = s.fvc_rounds if job.codec == RAW_CODEC else s.rounds
+        result = run_job(lab, domain.train, track, s, job, seed, codec_seed, rounds=rounds)
+        records.append(job_record(lab, first_rounds(result, s, rounds), heldout, job.label, seed, codec_seed, base_track))
+        if job.codec == RAW_CODEC:
             federated.append(job_record(lab, result, heldout, "fedbuff", seed, codec_seed, base_track)
                              if rounds > s.rounds else records[-1])
             log.info("fedbuff seed %d after %d steps in all: held-out %.4f", seed, s.fvc_steps, federated[-1]["loss"])
-        log.info("[%d/%d] %s seed %d codec seed %d: held-out %.4f, %.1fx", i, len(plan), run.label, seed, codec_seed,
+        log.info("[%d/%d] %s seed %d codec seed %d: held-out %.4f, %.1fx", i, len(plan), job.label, seed, codec_seed,
                  records[-1]["loss"], records[-1]["ratio"] or 0)
     fedasync = []
     for seed in range(s.seeds if s.fedasync else 0):
@@ -386,16 +348,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                 lab.losses(heldout, result.snapshots[wall_steps], result.lora))})
         log.info("central seed %d: held-out %.4f (after %d steps: %s)", seed, central[-1]["loss"], wall_steps,
                  f"{central_wall[-1]['loss']:.4f}" if central_wall else "-")
-    report = {"benchmark": "quality_compression", "base_model": s.model, "domain": DOMAIN, "quick": args.quick,
-              "fvc_only": args.fvc_only, "settings": asdict(s), "heldout_problems": len(heldout), "records": records,
+    report = {"benchmark": "quality_compression", "base_model": s.model, "domain": DOMAIN, "quick": ctx.quick,
+              "fvc_only": s.fvc_only, "settings": asdict(s), "heldout_problems": len(heldout), "records": records,
               "federated": federated, "fedasync": fedasync, "central": central, "central_same_wall_time": central_wall,
               "summary": summarize(records, federated, fedasync, central, central_wall, base, s),
               "cost": quiet_estimate(lab.compute, time.perf_counter() - started)}
-    write_json_atomic(args.out, report)
+    ctx.write(report)
     print(render(report))
-    log.info("wrote %s", args.out)
+    log.info("wrote %s", ctx.out)
     return 0
 
+
+BENCH = Bench("quality_compression", tags=("quality",), settings=Settings, run=run, quick=QUICK, cores=1)
+main = BENCH.main
 
 if __name__ == "__main__":
     sys.exit(main())

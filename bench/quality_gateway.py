@@ -25,8 +25,6 @@ update (``codec_true_delta``; the compression suite measures codecs in training)
 """
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import json
 import logging
 import statistics
@@ -38,12 +36,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 
-from bench.common import RESULTS_DIR, configure_logging, format_table, require_positive, write_json_atomic
+from bench.common import format_table
+from bench.harness import Bench, Run
+from protocol.cli import option
 from bench.gateway import MERGE_PLAN, Adapter, classification_scores, merged_adapter, naive_factor_average
 from bench.quality_compression import true_delta_figures
-from bench.realdata import (REAL_MODEL, SMOKE_MODEL, Lab, add_estimate_flags, RealDomain, ds1000_domains, heldout_size,
+from bench.realdata import (REAL_MODEL, SMOKE_MODEL, Estimate, Lab, RealDomain, ds1000_domains, heldout_size,
                             planned_cost, quiet_estimate, render_plan, spread)
 from bench.mixtures import MIXTURE_ROW, pass_at_1_table, render_soft, soft_methods, wrong_expert_cost
 from gateway.router import DEFAULT_THRESHOLD, fit_threshold, fit_threshold_counting_mistakes, route, text_profile
@@ -59,29 +58,38 @@ Losses = dict[str, dict[int, AnswerLoss]]
 """Per domain, the AnswerLoss of each example evaluated (by index in the split)."""
 
 
+TUNABLE_MERGES = tuple(m for m, (_, config) in MERGE_PLAN.items() if "lam" in config)
+
+
 @dataclass(frozen=True)
-class Settings:
+class Settings(Estimate):
     model: str = REAL_MODEL
-    steps: int = 12
-    """Optimiser steps per expert (batch 4 x <= 128 tokens)."""
-    seeds: int = 3
-    lam_grid: tuple[float, ...] = (0.25, 0.5, 1.0)
-    """lam values tried per merge on validation (lam 1/3 of the sum of 3 would be the average)."""
-    merges: tuple[str, ...] = ("ties", "dare_ties")
-    """Merges (bench.gateway.MERGE_PLAN) tuned on validation and scored next to the exact average. TIES and
-    DARE-TIES by default (time budget): on 2026-11-24 (seed 0) they retained 0.960 / 0.967 against the
-    exact average's 0.945, task arithmetic and DARE 0.938 / 0.933; ``--merges`` adds them back."""
-    tune_limit: int | None = 8
-    """Validation problems per domain the merges' lam is tuned on (None: all; the router always uses all)."""
-    arrow: bool = True
-    """Score PEFT's Arrow routing (with and without GenKnowSub) too."""
-    pass_problems: int | None = None
-    """Held-out problems per domain whose generated answers are executed for pass@1 (seed 0; None: all)."""
+    steps: int = option(12, "optimiser steps per expert (batch 4 x <= 128 tokens)")
+    seeds: int = option(3, "training seeds")
+    lam_grid: tuple[float, ...] = option((0.25, 0.5, 1.0), "lam values each merge is tuned over on validation (lam "
+                                         "1/3 of the sum of 3 would be the average)", nargs="+", type=float)
+    merges: tuple[str, ...] = option(("ties", "dare_ties"), "merges tuned and scored besides the exact and naive "
+                                     "averages", nargs="+", choices=TUNABLE_MERGES)
+    """Merges of bench.gateway.MERGE_PLAN. TIES and DARE-TIES by default (time budget): on 2026-11-24 (seed 0) they
+    retained 0.960 / 0.967 against the exact average's 0.945, task arithmetic and DARE 0.938 / 0.933."""
+    tune_limit: int | None = option(8, "validation problems per domain the merges' lam is tuned on (the router "
+                                    "always uses all)")
+    arrow: bool = option(True, "skip PEFT's Arrow routing (two models per domain)", flag="--no-arrow")
+    pass_problems: int | None = option(None, "held-out problems per domain whose generated answers are executed for "
+                                       "pass@1, seed 0 (default: all)", type=int)
     pass_tokens: int = 64
     """Longest generated answer for pass@1, in tokens."""
+    router_only: bool = option(False, "only fit the router's threshold on validation (no model; seconds), into "
+                               "router_calibration.json beside --out")
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "seeds", "tune_limit", "pass_problems"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
 
 
-QUICK = Settings(model=SMOKE_MODEL, steps=3, seeds=1, lam_grid=(0.5,), pass_problems=1, pass_tokens=8)
+QUICK = {"model": SMOKE_MODEL, "steps": 3, "seeds": 1, "lam_grid": (0.5,), "pass_problems": 1, "pass_tokens": 8}
 
 
 def estimate(s: Settings, measured: Path, last: Path) -> dict[str, Any]:
@@ -224,7 +232,7 @@ def routed(choices: Sequence[str], per_method: Mapping[str, Losses], domains: Se
     return out
 
 
-def run(lab: Lab, domains: Sequence[RealDomain], s: Settings) -> dict[str, Any]:
+def run_suite(lab: Lab, domains: Sequence[RealDomain], s: Settings) -> dict[str, Any]:
     names = [d.name for d in domains]
     heldout = {d.name: d.heldout for d in domains}
     validation = {d.name: d.validation for d in domains}
@@ -369,65 +377,33 @@ def render(report: Mapping[str, Any], names: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="tiny-qwen2 smoke run: 3 steps, 1 seed, one lam")
-    p.add_argument("--router-only", action="store_true",
-                   help="only fit the router's threshold on validation (no model; seconds), into "
-                        "bench/results/router_calibration.json")
-    p.add_argument("--steps", type=int, default=None, help=f"steps per expert (default: {Settings.steps})")
-    p.add_argument("--seeds", type=int, default=None, help=f"training seeds (default: {Settings.seeds})")
-    p.add_argument("--lam-grid", type=float, nargs="+", default=None,
-                   help=f"lam values each merge is tuned over (default: {' '.join(map(str, Settings.lam_grid))})")
-    p.add_argument("--merges", nargs="+", default=None, choices=[m for m, (_, c) in MERGE_PLAN.items() if "lam" in c],
-                   help="merges tuned and scored besides the exact and naive averages (default: all)")
-    p.add_argument("--tune-limit", type=int, default=None,
-                   help=f"validation problems per domain used to tune lam (default: {Settings.tune_limit})")
-    p.add_argument("--no-arrow", action="store_true", help="skip PEFT's Arrow routing (two models per domain)")
-    p.add_argument("--pass-problems", type=int, default=None,
-                   help="held-out problems per domain executed for pass@1 (default: all; --quick: 3)")
-    p.add_argument("--out", type=Path, default=RESULTS_DIR / "quality_gateway.json",
-                   help="results JSON (default: %(default)s)")
-    add_estimate_flags(p)
-    p.add_argument("-v", "--verbose", action="store_true", help="library logs too")
-    args = p.parse_args(argv)
-    require_positive(p, args, "steps", "seeds", "tune_limit", "pass_problems")
-    return args
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    configure_logging(args.verbose)
-    torch.set_num_threads(1)
-    started = time.perf_counter()
-    s = QUICK if args.quick else Settings()
-    overrides = {"steps": args.steps, "seeds": args.seeds, "tune_limit": args.tune_limit,
-                 "lam_grid": tuple(args.lam_grid) if args.lam_grid else None,
-                 "merges": tuple(args.merges) if args.merges else None, "pass_problems": args.pass_problems,
-                 "arrow": False if args.no_arrow else None}
-    s = dataclasses.replace(s, **{k: v for k, v in overrides.items() if v is not None})
-    if args.estimate:
-        print(render_plan("bench.quality_gateway", estimate(s, args.priced_from or args.out, args.out)))
+def run(s: Settings, ctx: Run) -> int:
+    if s.estimate:
+        print(render_plan("bench.quality_gateway", estimate(s, s.priced_from or ctx.out, ctx.out)))
         return 0
+    started = time.perf_counter()
     domains = ds1000_domains()
-    if args.router_only:
+    if s.router_only:
         calibration = {"benchmark": "router_calibration", "data": "data/ds1000 (validation carved from train/)",
                        **calibrate_router(domains)}
-        write_json_atomic(RESULTS_DIR / "router_calibration.json", calibration)
+        ctx.write(calibration, ctx.out.with_name("router_calibration.json"))
         print(render_calibration(calibration))
         return 0
     lab = Lab(s.model)
-    report = run(lab, domains, s)
+    report = run_suite(lab, domains, s)
     names = [d.name for d in domains]
-    out = {"benchmark": "quality_gateway", "base_model": s.model, "quick": args.quick, "settings": asdict(s),
+    out = {"benchmark": "quality_gateway", "base_model": s.model, "quick": ctx.quick, "settings": asdict(s),
            "domains": {d.name: {"train": len(d.train), "validation": len(d.validation), "heldout": len(d.heldout)}
                        for d in domains},
            **report, "cost": quiet_estimate(lab.compute, time.perf_counter() - started)}
-    write_json_atomic(args.out, out)
+    ctx.write(out)
     print(render(out, names))
-    log.info("wrote %s", args.out)
+    log.info("wrote %s", ctx.out)
     return 0
 
+
+BENCH = Bench("quality_gateway", tags=("quality",), settings=Settings, run=run, quick=QUICK, cores=1)
+main = BENCH.main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -14,8 +14,6 @@ Target: with a defence on, <= 2% worse than honest-only.
 """
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import logging
 import sys
 import time
@@ -25,11 +23,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 
-from bench.common import RESULTS_DIR, configure_logging, format_table, require_positive, write_json_atomic
+from bench.common import format_table
+from bench.harness import Bench, Run
+from protocol.cli import option
 from bench.fedrounds import ATTACKS, FedJob, run_fed
-from bench.realdata import (REAL_MODEL, SMOKE_MODEL, Lab, add_estimate_flags, ds1000_domains, heldout_size, loss_pair,
+from bench.realdata import (REAL_MODEL, SMOKE_MODEL, Estimate, Lab, ds1000_domains, heldout_size, loss_pair,
                             pct, planned_cost, quiet_estimate, render_plan, shards, spread)
 from coordinator.choices import ROBUST_NAMES
 
@@ -41,19 +40,24 @@ TARGET_PCT = 2.0
 
 
 @dataclass(frozen=True)
-class Settings:
+class Settings(Estimate):
     model: str = REAL_MODEL
     honest: int = 4
     """Honest workers; one attacker joins them (20% of five)."""
-    rounds: int = 3
+    rounds: int = option(3, "rounds per job")
     steps: int = 1
     """AdamW steps per worker per round (batch 4 x <= 128 tokens)."""
-    seeds: int = 3
-    defences: tuple[str, ...] = ("median",)
-    """Coordinator --robust rules tried against each attack (plain averaging runs once, for contrast)."""
+    seeds: int = option(3, "training seeds")
+    defences: tuple[str, ...] = option(("median",), "--robust rules tried against each attack (plain averaging runs "
+                                       "once, for contrast)", nargs="+", choices=ROBUST_NAMES, metavar="RULE")
+
+    def __post_init__(self) -> None:
+        if self.rounds < 1 or self.seeds < 1:
+            raise ValueError(f"--rounds and --seeds must be at least 1, got {self.rounds} and {self.seeds}")
+        object.__setattr__(self, "defences", tuple(dict.fromkeys(self.defences)))  # each rule once
 
 
-QUICK = Settings(model=SMOKE_MODEL, rounds=2, seeds=1, defences=("median",))
+QUICK = {"model": SMOKE_MODEL, "rounds": 2, "seeds": 1, "defences": ("median",)}
 
 
 def plan(s: Settings) -> list[tuple[str | None, str, int]]:
@@ -107,36 +111,12 @@ def render(report: Mapping[str, Any]) -> str:
               f"{', '.join(report['summary']['met_by']) or 'none'}")
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="tiny-qwen2 smoke run: 2 rounds, 1 seed, median only")
-    p.add_argument("--rounds", type=int, default=None, help=f"rounds per job (default: {Settings.rounds})")
-    p.add_argument("--seeds", type=int, default=None, help=f"training seeds (default: {Settings.seeds})")
-    p.add_argument("--defences", nargs="+", choices=ROBUST_NAMES, default=None, metavar="RULE",
-                   help=f"--robust rules tried against each attack, of {', '.join(ROBUST_NAMES)} "
-                        f"(default: {' '.join(Settings.defences)})")
-    p.add_argument("--out", type=Path, default=RESULTS_DIR / "quality_poisoning.json",
-                   help="results JSON (default: %(default)s)")
-    add_estimate_flags(p)
-    p.add_argument("-v", "--verbose", action="store_true", help="library logs too")
-    args = p.parse_args(argv)
-    require_positive(p, args, "rounds", "seeds")
-    return args
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    configure_logging(args.verbose)
-    torch.set_num_threads(1)
-    started = time.perf_counter()
-    s = QUICK if args.quick else Settings()
-    overrides = {"rounds": args.rounds, "seeds": args.seeds,
-                 "defences": tuple(dict.fromkeys(args.defences)) if args.defences else None}
-    s = dataclasses.replace(s, **{k: v for k, v in overrides.items() if v is not None})
-    if args.estimate:
-        measured = args.priced_from or (args.out if args.out.is_file() else RESULTS_DIR / "quality_compression.json")
+def run(s: Settings, ctx: Run) -> int:
+    if s.estimate:
+        measured = s.priced_from or (ctx.out if ctx.out.is_file() else ctx.out.with_name("quality_compression.json"))
         print(render_plan("bench.quality_poisoning", estimate(s, measured)))
         return 0
+    started = time.perf_counter()
     domain = next(d for d in ds1000_domains() if d.name == DOMAIN)
     lab = Lab(s.model)
     worker_data = tuple(tuple(x) for x in shards(domain.train, s.honest))
@@ -148,15 +128,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                         **loss_pair(lab.losses(domain.heldout, result.weights, result.lora))})
         log.info("[%d/%d] %s / %s seed %d: held-out %.4f", i, len(jobs), attack or "honest only", robust, seed,
                  records[-1]["loss"])
-    report = {"benchmark": "quality_poisoning", "base_model": s.model, "domain": DOMAIN, "quick": args.quick,
+    report = {"benchmark": "quality_poisoning", "base_model": s.model, "domain": DOMAIN, "quick": ctx.quick,
               "settings": asdict(s), "target_pct": TARGET_PCT, "base": loss_pair(lab.losses(domain.heldout)),
               "records": records, "summary": summarize(records, s),
               "cost": quiet_estimate(lab.compute, time.perf_counter() - started)}
-    write_json_atomic(args.out, report)
+    ctx.write(report)
     print(render(report))
-    log.info("wrote %s", args.out)
+    log.info("wrote %s", ctx.out)
     return 0
 
+
+BENCH = Bench("quality_poisoning", tags=("quality",), settings=Settings, run=run, quick=QUICK, cores=1)
+main = BENCH.main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -14,7 +14,6 @@ the data's format pays 7-11 nats on it, so a short fine-tune's gain is partly le
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import functools
@@ -31,6 +30,7 @@ from typing import Any
 import torch
 
 from gateway.export import attach_adapter
+from protocol.cli import option
 from worker.data import Example
 from worker.evaluation import AnswerLoss, answer_losses, total
 from worker.models import load_base_model
@@ -201,14 +201,15 @@ def heldout_size(domain: str, directory: Path = DS1000_DATA) -> int:
     return sum(1 for line in path.read_text(encoding="utf-8").splitlines() if line.strip()) if path.is_file() else 0
 
 
-def add_estimate_flags(p: argparse.ArgumentParser) -> None:
-    """--estimate and --priced-from, the same for every quality suite."""
-    p.add_argument("--priced-from", type=Path, default=None, metavar="JSON",
-                   help="with --estimate: the results JSON whose measured CPU seconds per step and per scored "
-                        "problem price the plan (default: this suite's --out)")
-    p.add_argument("--estimate", action="store_true",
-                   help="print the planned optimiser steps and scored problems (and CPU seconds at the per-step "
-                        "and per-problem costs of the last results JSON), run nothing")
+@dataclass(frozen=True)
+class Estimate:
+    """--estimate and --priced-from, the same for every quality suite: their settings inherit them."""
+
+    estimate: bool = option(False, "print the planned optimiser steps and scored problems (and CPU seconds at the "
+                            "per-step and per-problem costs of the last results JSON), run nothing")
+    priced_from: Path | None = option(None, "with --estimate: the results JSON whose measured CPU seconds per step "
+                                      "and per scored problem price the plan (default: this suite's --out)",
+                                      type=Path, metavar="JSON")
 
 
 def planned_cost(train_steps: int, eval_examples: int, measured: Path) -> dict[str, Any]:

@@ -17,7 +17,6 @@ Table on stdout, results in bench/results/relay_crash.json.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import socket
@@ -25,18 +24,20 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import requests
 import torch
 
-from bench.common import RESULTS_DIR, CoordinatorProcess, format_table, write_json_atomic
+from bench.common import CoordinatorProcess, format_table
+from bench.harness import Bench, Run
+from protocol.cli import option
 from protocol.integrity import DIGEST_HEADER, digest_header
 from protocol.schemas import EXPERT_HEADER, UPDATE_HEADER
 from protocol.tensors import dumps
 
-RESULTS = RESULTS_DIR / "relay_crash.json"
 EXPERT = "relay_crash_expert"
 FINGERPRINT = "ef" * 32
 SPEC: dict[str, Any] = {"lora": {"rank": 2, "alpha": 4.0, "target_modules": ["q_proj"]},
@@ -185,24 +186,32 @@ def _wait_for_samples(root: CoordinatorProcess, expected: int, timeout: float) -
     return seen
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kills", type=int, default=20)
-    p.add_argument("--clients", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--site-model", action="store_true",
-                   help="the relay with --site-model; clients pull after each push")
-    args = p.parse_args(argv)
-    report = run(args.kills, args.clients, args.seed, site_model=args.site_model)
+@dataclass(frozen=True)
+class Settings:
+    kills: int = option(20, "kill -9 / restart cycles of the relay")
+    clients: int = option(3, "pushing workers behind the relay")
+    seed: int = option(0, "seed of the kill moments")
+    site_model: bool = option(False, "the relay with --site-model; clients pull after each push")
+
+    def __post_init__(self) -> None:
+        if self.kills < 1 or self.clients < 1:
+            raise ValueError("--kills and --clients must be at least 1")
+
+
+def run_bench(s: Settings, ctx: Run) -> int:
+    report = run(s.kills, s.clients, s.seed, site_model=s.site_model)
     restarts = sorted(report["restart_s"])
     print(format_table(["kills", "pushes acked", "samples acked", "root samples", "root updates", "restart s (median)"],
                        [[report["kills"], report["pushes_acknowledged"], report["samples_acknowledged"],
                          report["root_samples_seen"], report["root_updates_applied"],
                          f"{restarts[len(restarts) // 2]:.2f}" if restarts else "-"]]))
-    write_json_atomic(RESULTS, report)
+    ctx.write(report)
     ok = report["root_samples_seen"] == report["samples_acknowledged"] and not report["server_errors"]
     return 0 if ok else 1
 
+
+BENCH = Bench("relay_crash", tags=("durability",), settings=Settings, run=run_bench, quick={"kills": 3})
+main = BENCH.main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -17,8 +17,8 @@ Table on stdout, results in bench/results/resume.json.
 """
 from __future__ import annotations
 
-import argparse
 import logging
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -27,10 +27,11 @@ from typing import Any
 
 import torch
 
-from bench.common import (RESULTS_DIR, SCRATCH_DIR, configure_logging, coordinator_process, format_table,
-                          pulled_tensors, write_json_atomic)
+from bench.common import SCRATCH_DIR, coordinator_process, format_table, pulled_tensors
+from bench.harness import Bench, Run
 from bench.wanemu import DelayProxy
 from bench.wanemu.cut import CutProxy
+from protocol.cli import option
 from protocol.client import CoordinatorClient, RetryPolicy
 from protocol.credentials import local_token
 from protocol.tensors import dumps
@@ -46,14 +47,17 @@ MODES = {"one-shot": UploadPolicy(threshold=1 << 62), "resumable": UploadPolicy(
 
 @dataclass(frozen=True)
 class Settings:
-    size_mb: int
-    """Size of the pushed update (raw safetensors), MiB."""
-    rate_mbit: float
-    """Upload rate of the link, Mbit/s."""
-    rtt_ms: float
-    """Round-trip time added by the delay proxy."""
+    size_mb: int = option(64, "size of the pushed update (raw safetensors), MiB (>= 8, the resumable threshold)")
+    rate_mbit: float = option(20.0, "upload rate of the link, Mbit/s")
+    rtt_ms: float = option(50.0, "round-trip time the delay proxy adds, ms")
     cut_fraction: float = 0.9
     """Where the link breaks, as a fraction of the body."""
+
+    def __post_init__(self) -> None:
+        if self.size_mb < 8:
+            raise ValueError(f"--size-mb must be >= 8 (the resumable threshold), got {self.size_mb}")
+        if not (self.rate_mbit > 0 and self.rtt_ms >= 0):
+            raise ValueError("--rate-mbit must be positive and --rtt-ms not negative")
 
 
 @dataclass(frozen=True)
@@ -135,25 +139,18 @@ def check_applied_once(admin: CoordinatorClient, experts: list[str]) -> None:
         assert all(torch.equal(got[k], reference[k]) for k in reference), f"{name} differs from {experts[0]}"
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a 12 MiB update instead of --size-mb")
-    parser.add_argument("--size-mb", type=int, default=64, help="size of the pushed update, MiB (>= 8)")
-    parser.add_argument("--rate-mbit", type=float, default=20.0, help="upload rate of the link, Mbit/s")
-    parser.add_argument("--rtt-ms", type=float, default=50.0, help="round-trip time of the link, ms")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "resume.json", help="where to write the results")
-    args = parser.parse_args(argv)
-    configure_logging()
-    settings = Settings(12 if args.quick else args.size_mb, args.rate_mbit, args.rtt_ms)
-    if settings.size_mb < 8:
-        parser.error(f"--size-mb must be >= 8 (the resumable threshold), got {settings.size_mb}")
-    rows = run(settings)
+def run_bench(s: Settings, ctx: Run) -> int:
+    rows = run(s)
     print(format_table(["mode", "break at 90%", "body MiB", "wire MiB", "re-sent MiB", "push s", "break cost s",
                         "chunks", "resumes"],
                        [(r.mode, "yes" if r.broken else "no", r.body_mib, r.wire_mib, r.resent_mib, r.seconds,
                          r.break_cost_s, r.chunks, r.resumes) for r in rows]))
-    write_json_atomic(args.out, {"settings": asdict(settings), "rows": [asdict(r) for r in rows]})
+    ctx.write({"settings": asdict(s), "rows": [asdict(r) for r in rows]})
+    return 0
 
+
+BENCH = Bench("resume", tags=("network",), settings=Settings, run=run_bench, quick={"size_mb": 12})
+main = BENCH.main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

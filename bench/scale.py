@@ -21,7 +21,6 @@ server binaries and moto[server] (requirements.txt); says so in one line if eith
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import random
@@ -30,22 +29,23 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Sequence
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import requests
 
-from bench.common import RESULTS_DIR, CoordinatorProcess, configure_logging, format_table, write_json_atomic
+from bench.common import CoordinatorProcess, format_table
+from bench.harness import Bench, Run
 from bench.load import Pushed, Settings, create_experts, load_plan, process_cpu_seconds, summarise, verify
 from bench.loadgen import run_in_process
 from bench.servers import s3_env, start_postgres, start_s3
+from protocol.cli import option
 from protocol.integrity import algorithm_of, hash_bytes
 from protocol.schemas import API_PREFIX, REDIRECT_HEADER
 
 log = logging.getLogger("bench.scale")
-RESULTS = RESULTS_DIR / "scale.json"
 
 
 class Federation:
@@ -124,7 +124,7 @@ def crash_rounds(root: Path, pg_url: str, rounds: int, settings: Settings, rng: 
     """kill -9 a random replica while both take pushes (one sample each), restart it; check after."""
     import boto3
 
-    from bench.load import lora_manifest, random_tensors
+    from bench.shapes import lora_manifest, random_tensors
     from compression import make_codec
     from compression.wire import encode_update
 
@@ -217,26 +217,22 @@ def _push(url: str, token: str, update_id: str, body: bytes) -> bool:
     return r.status_code in (200, 202)
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workers", type=int, default=100, help="simulated workers (default: %(default)s)")
-    p.add_argument("--rounds", type=int, default=2, help="pushes per worker (default: %(default)s)")
-    p.add_argument("--crash-rounds", type=int, default=20, help="kill -9 rounds (default: %(default)s)")
-    p.add_argument("--quick", action="store_true", help="tiny shapes, 16 workers, 2 crash rounds (smoke test)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=RESULTS, help="results JSON (default: %(default)s)")
-    p.add_argument("-v", "--verbose", action="store_true")
-    args, _ = p.parse_known_args(argv)
-    return args
+@dataclass(frozen=True)
+class ScaleSettings:
+    workers: int = option(100, "simulated workers")
+    rounds: int = option(2, "pushes per worker")
+    crash_rounds: int = option(20, "kill -9 rounds")
+    seed: int = option(0, "seed of the kills")
+    model: str = "qwen2-0.5b"
+    buffer_size: int = 10
+
+    def __post_init__(self) -> None:
+        if min(self.workers, self.rounds, self.crash_rounds) < 1:
+            raise ValueError("--workers, --rounds and --crash-rounds must be at least 1")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    configure_logging(args.verbose)
-    log.setLevel(logging.INFO)
-    settings = Settings(workers=16 if args.quick else args.workers, rounds=args.rounds,
-                        model="tiny-qwen2" if args.quick else "qwen2-0.5b", buffer_size=2 if args.quick else 10)
-    crash_rounds_n = 2 if args.quick else args.crash_rounds
+def run(s: ScaleSettings, ctx: Run) -> int:
+    settings = Settings(workers=s.workers, rounds=s.rounds, model=s.model, buffer_size=s.buffer_size)
     with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="fedmoe-scale-") as tmp:
         pg = start_postgres()
         if isinstance(pg, str):
@@ -252,13 +248,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         root = Path(tmp)
         runs = [throughput(root, pg.url, n, settings) for n in (1, 2)]
         pulls = pull_bytes(root, pg.url, settings)
-        crashes = crash_rounds(root, pg.url, crash_rounds_n, settings, random.Random(args.seed))
+        crashes = crash_rounds(root, pg.url, s.crash_rounds, settings, random.Random(s.seed))
     one, two = runs
     report = {"settings": settings.__dict__, "throughput": runs, "pulls": pulls, "crashes": crashes,
               "two_vs_one_replica_pushes_per_s": round(two["pushes_per_s"] / one["pushes_per_s"], 2),
               "cpu_s_per_push_two_vs_one": round(two["coordinator_cpu_s_per_push"] / one["coordinator_cpu_s_per_push"],
                                                  2)}
-    write_json_atomic(args.out, report)
+    ctx.write(report)
     print(format_table(["replicas", "pushes", "lost", "dup", "p50 s", "p99 s", "pushes/s", "CPU s/push"],
                        [[r["replicas"], r["pushes"], r["lost"], r["duplicated"], r["latency_s"]["p50"],
                          r["latency_s"]["p99"], r["pushes_per_s"], r["coordinator_cpu_s_per_push"]] for r in runs]))
@@ -272,6 +268,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         or crashes["bad_blobs"]
     return 1 if bad else 0
 
+
+BENCH = Bench("scale", tags=("scale", "durability"), settings=ScaleSettings, run=run,
+              quick={"workers": 16, "crash_rounds": 2, "model": "tiny-qwen2", "buffer_size": 2})
+main = BENCH.main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -21,20 +21,20 @@ Table on stdout, progress on stderr, results in bench/results/scaling.json.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import RESULTS_DIR, configure_logging, format_table, running_coordinator, write_json_atomic
+from bench.common import format_table, running_coordinator
+from bench.harness import Bench, Run
+from protocol.cli import option
 from protocol.client import CoordinatorClient
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,17 +60,19 @@ QUICK_CONFIGURATIONS = (CONFIGURATIONS[0], CONFIGURATIONS[3])
 
 @dataclass(frozen=True)
 class Settings:
-    duration: float = 24.0
-    """Seconds each worker trains (after its own start-up)."""
+    duration: float = option(24.0, "seconds each worker trains (after its own start-up)")
     sync_interval: float = 3.0
     """Seconds between syncs."""
     batch_size: int = 8
     """Examples per optimiser step (the global batch of a data-parallel worker)."""
     max_seq_len: int = 128
     """Tokens per example."""
+    configurations: tuple[Configuration, ...] = CONFIGURATIONS
+    """Worker and process counts run, one after another."""
 
-
-QUICK_SETTINGS = Settings(duration=5.0, sync_interval=1.0)
+    def __post_init__(self) -> None:
+        if not self.duration > 0:
+            raise ValueError(f"--duration must be positive, got {self.duration}")
 
 
 def worker_command(config: Configuration, index: int, url: str, results: Path, settings: Settings) -> list[str]:
@@ -139,40 +141,29 @@ def render(report: dict[str, Any]) -> str:
             f"process\n" + format_table(headers, rows))
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="smoke run: 1 worker and 1 x 2 processes, 5 s each")
-    p.add_argument("--out", type=Path, default=RESULTS_DIR / "scaling.json", help="results JSON (default: %(default)s)")
-    p.add_argument("--duration", type=float, default=None, help="seconds each worker trains")
-    p.add_argument("-v", "--verbose", action="store_true", help="library logs too")
-    return p.parse_args(argv)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    configure_logging(args.verbose)
-    settings = QUICK_SETTINGS if args.quick else Settings()
-    if args.duration is not None:
-        settings = Settings(**{**asdict(settings), "duration": args.duration})
-    started = time.perf_counter()
+def run(s: Settings, ctx: Run) -> int:
     records = []
     with tempfile.TemporaryDirectory(prefix="fedmoe-scaling-") as scratch:
-        for config in QUICK_CONFIGURATIONS if args.quick else CONFIGURATIONS:
+        for config in s.configurations:
             log.info("%s: %d worker(s) x %d process(es), %.0f s", config.name, config.workers, config.processes,
-                     settings.duration)
-            records.append(run_configuration(config, settings, Path(scratch)))
+                     s.duration)
+            records.append(run_configuration(config, s, Path(scratch)))
     baseline = records[0]["tokens_per_second"]
     for r in records:
         r["speedup_vs_1_worker"] = round(r["tokens_per_second"] / baseline, 3)
     report = {"machine": {"cpu_cores": os.cpu_count(),
                           "note": "a 2-core machine shared with other jobs: beyond 2 busy processes the workers "
                                   "share cores, so aggregate throughput cannot grow; figures are noisy"},
-              "settings": asdict(settings), "records": records, "seconds": round(time.perf_counter() - started, 1)}
-    write_json_atomic(args.out, report)
+              "settings": asdict(s), "records": records, "seconds": ctx.seconds()}
+    ctx.write(report)
     print(render(report))
-    log.info("wrote %s in %.0f s", args.out, report["seconds"])
+    log.info("wrote %s in %.0f s", ctx.out, report["seconds"])
     return 0
 
+
+BENCH = Bench("scaling", tags=("robustness",), settings=Settings, run=run,
+              quick={"duration": 5.0, "sync_interval": 1.0, "configurations": QUICK_CONFIGURATIONS})
+main = BENCH.main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -28,25 +28,26 @@ Table on stdout, results in bench/results/secagg.json (commit and load average s
 """
 from __future__ import annotations
 
-import argparse
+import sys
 import json
-import os
 import statistics
-import subprocess
 import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from bench.common import RESULTS_DIR, ROOT, format_table, write_json_atomic
+from bench.harness import Bench, Run
+from bench.common import format_table
 from privacy.secagg.aggregator import SecAggSettings, SecureAggregator
 from privacy.secagg.journal import CohortJournal
 from privacy.secagg.session import CohortSession
+from protocol.cli import option
 from protocol.tensors import dumps, loads
 
 RANK = 8
@@ -197,25 +198,27 @@ def table(results: list[dict[str, Any]]) -> str:
                          "aggregator s", "recovery s", "max |err|"], rows)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--members", type=int, default=4, help="K: workers per cohort (default 4)")
-    parser.add_argument("--repeats", type=int, default=5, help="ABAB repeats of each arm (default 5)")
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "secagg.json")
-    args = parser.parse_args(argv)
-    if args.members < 2 or args.repeats < 1:
-        parser.error("--members must be at least 2 and --repeats at least 1")
-    torch.set_num_threads(1)
-    load_start = os.getloadavg()
-    results = [measure(model, args.members, args.repeats) for model in args.models]
-    print(table(results))
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, timeout=10).stdout.strip() or None
-    write_json_atomic(args.out, {"bench": "secagg", "commit": commit, "load_average": {
-        "start": load_start, "end": os.getloadavg()}, "members": args.members, "repeats": args.repeats,
-        "results": results})
+@dataclass(frozen=True)
+class Settings:
+    members: int = option(4, "K: workers per cohort")
+    repeats: int = option(5, "ABAB repeats of each arm")
+    models: tuple[str, ...] = option(tuple(MODELS), "models to measure", nargs="+", choices=list(MODELS))
 
+    def __post_init__(self) -> None:
+        if self.members < 2 or self.repeats < 1:
+            raise ValueError("--members must be at least 2 and --repeats at least 1")
+
+
+def run(s: Settings, ctx: Run) -> int:
+    results = [measure(model, s.members, s.repeats) for model in s.models]
+    print(table(results))
+    ctx.write({"bench": "secagg", "members": s.members, "repeats": s.repeats, "results": results})
+    return 0
+
+
+BENCH = Bench("secagg", tags=("privacy", "training"), settings=Settings, run=run, cores=1,
+              quick={"repeats": 1, "models": tuple(MODELS)[:1]})
+main = BENCH.main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -22,25 +22,25 @@ Results in bench/results/secagg_quality.json (commit and load average stamped).
 """
 from __future__ import annotations
 
-import argparse
+import sys
 import logging
 import os
-import subprocess
 import tempfile
-import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
-from bench.common import RESULTS_DIR, ROOT, configure_logging, format_table, write_json_atomic
+from bench.harness import Bench, Run
+from bench.common import format_table
 from bench.realdata import REAL_MODEL, SMOKE_MODEL, Lab, ds1000_domains, loss_pair, shards
 from coordinator.aggregation import AGGREGATORS, AggregationParams, Update
 from privacy.secagg.aggregator import SecAggSettings, SecureAggregator
 from privacy.secagg.journal import CohortJournal
 from privacy.secagg.session import CohortSession
 from privacy.secagg.vector import flatten, unflatten
+from protocol.cli import option
 from protocol.tensors import StateDict, manifest_of
 
 DOMAIN = "pandas_expert"
@@ -93,30 +93,31 @@ def run_arm(lab: Lab, arm: str, worker_shards: list[list[Any]], rounds: int, ste
             "optimiser_steps": rounds * steps * len(trainers)}
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="tiny-qwen2 smoke run on the sample settings")
-    p.add_argument("--workers", type=int, default=4, help="K: workers, all in one cohort each round (default 4)")
-    p.add_argument("--rounds", type=int, default=4, help="rounds (default 4)")
-    p.add_argument("--steps", type=int, default=2, help="AdamW steps per worker per round (default 2)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=RESULTS_DIR / "secagg_quality.json")
-    args = p.parse_args(argv)
-    if min(args.workers - 1, args.rounds, args.steps) < 1:
-        p.error("--workers must be at least 2, --rounds and --steps at least 1")
-    configure_logging()
+@dataclass(frozen=True)
+class Settings:
+    model: str = option(REAL_MODEL, "base model")
+    heldout_limit: int | None = option(None, "score only the first N held-out problems (default: all)", type=int,
+                                       metavar="N")
+    workers: int = option(4, "K: workers, all in one cohort each round")
+    rounds: int = option(4, "rounds")
+    steps: int = option(2, "AdamW steps per worker per round")
+    seed: int = option(0, "training seed")
+
+    def __post_init__(self) -> None:
+        if min(self.workers - 1, self.rounds, self.steps) < 1:
+            raise ValueError("--workers must be at least 2, --rounds and --steps at least 1")
+
+
+def run(s: Settings, ctx: Run) -> int:
     logging.getLogger("privacy").setLevel(logging.WARNING)  # a line per round change of every cohort
-    torch.set_num_threads(1)
-    load_start = os.getloadavg()
-    started = time.monotonic()
     domain = next(d for d in ds1000_domains() if d.name == DOMAIN)
-    lab = Lab(SMOKE_MODEL if args.quick else REAL_MODEL)
-    heldout = list(domain.heldout[:8] if args.quick else domain.heldout)
-    worker_shards = shards(domain.train, args.workers)
+    lab = Lab(s.model)
+    heldout = list(domain.heldout[:s.heldout_limit] if s.heldout_limit else domain.heldout)
+    worker_shards = shards(domain.train, s.workers)
     arms: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="bench-secagg-quality-") as folder:
         for arm in ("plain", "secagg"):
-            arms[arm] = run_arm(lab, arm, worker_shards, args.rounds, args.steps, args.seed, Path(folder))
+            arms[arm] = run_arm(lab, arm, worker_shards, s.rounds, s.steps, s.seed, Path(folder))
     base = loss_pair(lab.losses(heldout))
     for result in arms.values():
         result["heldout"] = loss_pair(lab.losses(heldout, result["weights"], result["lora"]))
@@ -128,16 +129,18 @@ def main(argv: list[str] | None = None) -> None:
     print(format_table(["arm", "optimiser steps", "held-out loss", "without end token", "max rel. quant. error"], rows))
     print(f"base model: held-out loss {base['loss']:.4f}; final adapters differ by at most {drift:.3g} "
           f"(largest weight {scale:.3g})")
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, timeout=10).stdout.strip() or None
-    write_json_atomic(args.out, {
-        "bench": "secagg_quality", "commit": commit, "model": lab.model_id, "domain": DOMAIN,
-        "heldout_examples": len(heldout), "workers": args.workers, "rounds": args.rounds, "steps": args.steps,
-        "seed": args.seed, "base_heldout": base, "final_weight_drift": drift, "largest_weight": scale,
+    ctx.write({
+        "bench": "secagg_quality", "model": lab.model_id, "domain": DOMAIN,
+        "heldout_examples": len(heldout), "workers": s.workers, "rounds": s.rounds, "steps": s.steps,
+        "seed": s.seed, "base_heldout": base, "final_weight_drift": drift, "largest_weight": scale,
         "arms": {arm: {k: v for k, v in r.items() if k not in ("weights", "lora")} for arm, r in arms.items()},
-        "compute": lab.compute.as_dict(), "wall_seconds": round(time.monotonic() - started, 1),
-        "load_average": {"start": load_start, "end": os.getloadavg()}})
+        "compute": lab.compute.as_dict(), "wall_seconds": ctx.seconds()})
+    return 0
 
+
+BENCH = Bench("secagg_quality", tags=("privacy", "learning"), settings=Settings, run=run, cores=1,
+              quick={"model": SMOKE_MODEL, "heldout_limit": 8})
+main = BENCH.main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

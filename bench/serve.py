@@ -22,7 +22,6 @@ Tables on stdout, results in bench/results/serve.json (commit and load average i
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -32,14 +31,17 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import requests
 import torch
 
-from bench.common import RESULTS_DIR, format_table, running_coordinator, write_json_atomic
+from bench.common import format_table, running_coordinator
+from bench.harness import Bench, Run, git_head
 from gateway.router import profile_to_json, text_profile
+from protocol.cli import option
 from protocol.client import CoordinatorClient
 from protocol.tensors import dumps
 from serving.routing import LocalRouter
@@ -285,12 +287,8 @@ def _closed_loop(engine, registry, tokenizer, mode: str, prompts: list[str], cli
 
 
 def run_stamp() -> dict[str, Any]:
-    """The commit and the machine load a result was measured at."""
-    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True).stdout.strip()
-    return {"commit": head.stdout.strip() + ("+changes" if dirty else ""),
-            "load_average": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count()}
+    """The commit and the machine load at one moment of a run (the engine part's start and end)."""
+    return {"commit": git_head(ROOT), "load_average": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count()}
 
 
 def render_engine(streams: dict[str, Any]) -> str:
@@ -303,44 +301,41 @@ def render_engine(streams: dict[str, Any]) -> str:
     return format_table(["engine alone", "rows use", "tokens/s", "tokens/CPU s", "TTFT p50 ms", "TTFT p99 ms"], rows)
 
 
-def load_note() -> str:
-    return f"measured with os.getloadavg() = {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+@dataclass(frozen=True)
+class Settings:
+    requests: int = option(48, "requests per stream")
+    clients: int = option(8, "concurrent clients")
+    max_tokens: int = option(16, "max_tokens of every request")
+    threads: int = option(2, "torch threads of the server")
+    poll_interval: float = option(1.0, "server poll interval")
+    base_model: str = option("tiny-qwen2", "base model preset, e.g. smollm2-135m after `make smollm2`")
+    engine_only: bool = option(False, "only the in-process engine part")
+    engine_clients: tuple[int, ...] = option((1, 8, 32), "closed-loop client counts of the engine part", nargs="+",
+                                             type=int)
+    rounds: int = option(2, "interleaved rounds per engine setting; the fastest counts")
+    max_batch: int = option(32, "engine rows per forward")
+
+    def __post_init__(self) -> None:
+        if min(self.requests, self.clients, self.max_tokens, self.threads, self.rounds, self.max_batch,
+               *self.engine_clients) < 1:
+            raise ValueError("counts (--requests, --clients, --max-tokens, --threads, --rounds, --max-batch, "
+                             "--engine-clients) must be at least 1")
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--requests", type=int, default=48, help="requests per stream (default: %(default)s)")
-    p.add_argument("--clients", type=int, default=8, help="concurrent clients (default: %(default)s)")
-    p.add_argument("--max-tokens", type=int, default=16, help="max_tokens of every request (default: %(default)s)")
-    p.add_argument("--threads", type=int, default=2, help="torch threads of the server (default: %(default)s)")
-    p.add_argument("--poll-interval", type=float, default=1.0, help="server poll interval (default: %(default)s)")
-    p.add_argument("--base-model", default="tiny-qwen2",
-                   help="base model preset, e.g. smollm2-135m after `make smollm2` (default: %(default)s)")
-    p.add_argument("--engine-only", action="store_true", help="only the in-process engine part")
-    p.add_argument("--engine-clients", type=int, nargs="+", default=[1, 8, 32],
-                   help="closed-loop client counts of the engine part (default: %(default)s)")
-    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds per engine setting; the fastest "
-                                                          "counts (default: %(default)s)")
-    p.add_argument("--max-batch", type=int, default=32, help="engine rows per forward (default: %(default)s)")
-    p.add_argument("--out", type=Path, default=RESULTS_DIR / "serve.json", help="results JSON (default: %(default)s)")
-    args = p.parse_args(argv)
+def run(s: Settings, ctx: Run) -> int:
     prompts = [q for name in EXPERTS for q in prompts_of(name)[:8]]
-    results: dict[str, Any] = {"benchmark": "serve", "base_model": args.base_model, "settings": vars(args),
-                               "streams": {}, "batch_sizes": {}}
-    base = load_base_model(args.base_model)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    clients = tuple(args.engine_clients)
-    results["engine_streams"] = {"base_model": args.base_model, "max_tokens": args.max_tokens,
-                                 "max_batch": args.max_batch, "stamp_before": run_stamp(),
-                                 "clients": engine_streams(base, prompts, args.max_tokens, clients, args.rounds,
-                                                           args.max_batch)}
+    results: dict[str, Any] = {"benchmark": "serve", "base_model": s.base_model, "streams": {}, "batch_sizes": {}}
+    base = load_base_model(s.base_model)
+    torch.set_num_threads(s.threads)
+    results["engine_streams"] = {"base_model": s.base_model, "max_tokens": s.max_tokens,
+                                 "max_batch": s.max_batch, "stamp_before": run_stamp(),
+                                 "clients": engine_streams(base, prompts, s.max_tokens, s.engine_clients, s.rounds,
+                                                           s.max_batch)}
     results["engine_streams"]["stamp_after"] = run_stamp()
     print(render_engine(results["engine_streams"]))
-    if args.engine_only:  # refresh that part of an earlier full run's results
-        path = args.out
-        earlier = json.loads(path.read_text()) if path.exists() else {}
-        write_json_atomic(path, earlier | {"engine_streams": results["engine_streams"]})
+    if s.engine_only:  # refresh that part of an earlier full run's results
+        earlier = json.loads(ctx.out.read_text()) if ctx.out.exists() else {}
+        ctx.write(earlier | {"engine_streams": results["engine_streams"]})
         return 0
     with running_coordinator() as coordinator_url, tempfile.TemporaryDirectory() as tmp:
         client = CoordinatorClient(coordinator_url)
@@ -349,33 +344,35 @@ def main(argv: list[str] | None = None) -> int:
         keys.write_text(KEY + "\n")
         results["local_routing"] = local_routing(client, prompts)
         for config, flags in ENGINES.items():
-            server = ServeProcess(coordinator_url, keys, flags, args.poll_interval, args.threads)
+            server = ServeProcess(coordinator_url, keys, flags, s.poll_interval, s.threads)
             try:
                 for label, models in (("1 expert", ["python_expert"]), ("3 experts mixed", list(EXPERTS))):
-                    stream = run_stream(server.url, models, prompts, args.requests, args.clients, args.max_tokens)
+                    stream = run_stream(server.url, models, prompts, s.requests, s.clients, s.max_tokens)
                     results["streams"][f"{label}, {config}"] = stream
                     print(f"{label}, {config}: {stream}", file=sys.stderr, flush=True)
                 results["batch_sizes"][config] = requests.get(server.url + "/health", timeout=10).json()["batches"]
                 if config == DEFAULT_ENGINE:
                     served = [chat(server.url, "auto", q, 1)[1]["fedmoe"] for q in prompts]
-                    route_ms = sorted(s["route"]["route_ms"] for s in served)
+                    route_ms = sorted(r["route"]["route_ms"] for r in served)
                     results["served_routing"] = {"requests": len(served), "p50_ms": percentile(route_ms, 50),
                                                  "p99_ms": percentile(route_ms, 99)}
-                    results["swap"] = measure_swap(server.url, client, base, args.max_tokens, args.poll_interval)
+                    results["swap"] = measure_swap(server.url, client, base, s.max_tokens, s.poll_interval)
             finally:
                 server.stop()
-    results["load_note"] = load_note()
-    results["stamp"] = run_stamp()
-    write_json_atomic(args.out, results)
-    rows = [[name, s["requests_per_s"], s["tokens_per_s"], s["p50_ms"], s["p99_ms"], s["mean_completion_tokens"]]
-            for name, s in results["streams"].items()]
+    ctx.write(results)
+    rows = [[name, r["requests_per_s"], r["tokens_per_s"], r["p50_ms"], r["p99_ms"], r["mean_completion_tokens"]]
+            for name, r in results["streams"].items()]
     print(format_table(["stream", "req/s", "tokens/s", "p50 ms", "p99 ms", "tokens/req"], rows))
     print(f"routing: {results['local_routing']['p50_us']} us p50 / {results['local_routing']['p99_us']} us p99 "
           f"in-process; served auto route p50 {results['served_routing']['p50_ms']} ms")
     print(f"swap: {results['swap']}")
-    print(results["load_note"])
     return 0
 
+
+BENCH = Bench("serve", tags=("serving",), settings=Settings, run=run,
+              quick={"requests": 8, "clients": 2, "max_tokens": 4, "engine_clients": (1, 4), "rounds": 1},
+              torch_threads=None)  # the engine part takes --threads
+main = BENCH.main
 
 if __name__ == "__main__":
     sys.exit(main())

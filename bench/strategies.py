@@ -15,14 +15,13 @@ Table on stdout, results in bench/results/strategies.json.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
-import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench.common import format_table, sample_path, write_json_atomic
+from bench.common import format_table, sample_path
+from bench.harness import Bench, Run
+from protocol.cli import comma_list, option
 from worker.data import load_examples, split_examples
 from worker.distributed import SingleProcess, TorchCollective
 from worker.models import load_base_model
@@ -40,7 +41,6 @@ from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 
-RESULTS = ROOT / "bench" / "results" / "strategies.json"
 CONFIGS: dict[str, ParallelSettings] = {
     "ddp": ParallelSettings(strategy="ddp"),
     "fsdp": ParallelSettings(strategy="fsdp"),
@@ -121,37 +121,38 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=12, help="measured steps per configuration (default: %(default)s)")
-    p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of: " + ", ".join(CONFIGS))
-    p.add_argument("--optimizers", metavar="MODEL", help="instead of the strategy rows, AdamW vs GaLore rows on a "
-                   "full-parameter MODEL, e.g. smollm2-135m (bench/optimizer_rows.py)")
-    p.add_argument("--optimizer-steps", type=int, default=4, help="optimiser steps per --optimizers row")
-    p.add_argument("--optimizer-rows", default="adamw,galore-a0.25,galore-a1",
-                   help="comma-separated --optimizers rows (bench/optimizer_rows.py ROWS)")
-    args = p.parse_args(argv)
-    if args.optimizers:
-        return optimizer_report(args.optimizers, args.optimizer_steps, args.optimizer_rows.split(","))
-    names = [n for n in args.configs.split(",") if n]
-    unknown = [n for n in names if n not in CONFIGS]
-    if unknown or args.steps < 1:
-        print(f"error: unknown --configs {unknown} (or --steps < 1)", file=sys.stderr)
-        return 2
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    torch.set_num_threads(2)  # one rank alone may use both cores; two ranks get one each
-    single = run_config("1 rank", ParallelSettings(), args.steps, SingleProcess())
+@dataclass(frozen=True)
+class Settings:
+    steps: int = option(12, "measured steps per configuration")
+    configs: tuple[str, ...] = option(tuple(CONFIGS), "comma-separated subset of: " + ", ".join(CONFIGS),
+                                      parse=comma_list)
+    optimizers: str | None = option(None, "instead of the strategy rows, AdamW vs GaLore rows on a full-parameter "
+                                    "MODEL, e.g. smollm2-135m (bench/optimizer_rows.py)", metavar="MODEL")
+    optimizer_steps: int = option(4, "optimiser steps per --optimizers row")
+    optimizer_rows: tuple[str, ...] = option(("adamw", "galore-a0.25", "galore-a1"),
+                                             "comma-separated --optimizers rows (bench/optimizer_rows.py ROWS)",
+                                             parse=comma_list)
+
+    def __post_init__(self) -> None:
+        unknown = [n for n in self.configs if n not in CONFIGS]
+        if unknown or self.steps < 1 or self.optimizer_steps < 1:
+            raise ValueError(f"unknown --configs {unknown} (or --steps or --optimizer-steps < 1)")
+
+
+def run(s: Settings, ctx: Run) -> int:
+    if s.optimizers:
+        return optimizer_report(s.optimizers, s.optimizer_steps, list(s.optimizer_rows), ctx)
+    single = run_config("1 rank", ParallelSettings(), s.steps, SingleProcess())
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(rank_main, args=(free_port(), names, args.steps, out), nprocs=2)
+        mp.spawn(rank_main, args=(free_port(), list(s.configs), s.steps, out), nprocs=2)
         ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]
     rows = []
     for first, second in zip(*ranks):
         rows.append({**first, "peak_rss_mb_per_rank": [first["peak_rss_mb"], second["peak_rss_mb"]],
                      "scaling_efficiency": first["tokens_per_s"] / (2 * single["tokens_per_s"])})
-    report = {"model": "tiny-qwen2 full-parameter", "steps": args.steps, "world_size": 2, "backend": "gloo (CPU)",
-              "single_rank": single, "configs": rows, "cpus": os.cpu_count(),
-              "load_average_at_end": os.getloadavg()}
-    write_json_atomic(RESULTS, report)
+    report = {"model": "tiny-qwen2 full-parameter", "steps": s.steps, "world_size": 2, "backend": "gloo (CPU)",
+              "single_rank": single, "configs": rows, "cpus": os.cpu_count()}
+    ctx.write(report)
     print(format_table(["config", "strategy", "tokens/s", "scaling", "RSS MB r0/r1", "MB/step", "held-out loss",
                         "grad cos"],
                        [[r["config"], r["strategy"], f"{r['tokens_per_s']:.0f}", f"{r['scaling_efficiency']:.2f}",
@@ -161,33 +162,32 @@ def main(argv: list[str] | None = None) -> int:
                          "" if r["grad_cosine"] is None else f"{r['grad_cosine']:.3f}"] for r in rows]))
     print(f"1 rank: {single['tokens_per_s']:.0f} tokens/s, held-out loss {single['heldout_loss']:.3f}, "
           f"RSS {single['peak_rss_mb']:.0f} MB; * = computed from the collectives, not measured")
-    print(f"results in {RESULTS.relative_to(ROOT)}")
+    print(f"results in {ctx.out}")
     return 0
 
 
-def optimizer_report(model: str, steps: int, names: list[str]) -> int:
-    """AdamW vs GaLore rows, written into strategies.json under "optimizers" (the strategy rows are kept, and
+def optimizer_report(model: str, steps: int, names: list[str], ctx: Run) -> int:
+    """AdamW vs GaLore rows, written into the results under "optimizers" (the strategy rows are kept, and
     rows of other names already there too, so two processes can fill one table)."""
     from bench.optimizer_rows import OPTIMIZER_HEADERS, ROWS, optimizer_rows, optimizer_table
 
-    if not names or any(name not in ROWS for name in names) or steps < 1:
-        print(f"error: --optimizer-rows must name rows of {', '.join(ROWS)} (and --optimizer-steps >= 1)",
-              file=sys.stderr)
+    if any(name not in ROWS for name in names):
+        print(f"error: --optimizer-rows must name rows of {', '.join(ROWS)}", file=sys.stderr)
         return 2
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     rows = optimizer_rows(model, steps, names)
-    report = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
+    report = json.loads(ctx.out.read_text()) if ctx.out.is_file() else {}
     kept = [r for r in report.get("optimizers", {}).get("rows", []) if r["optimizer"] not in names
             and report["optimizers"].get("model") == f"{model} full-parameter" and report["optimizers"]["steps"] == steps]
-    rows = kept + rows
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
-    report["optimizers"] = {"model": f"{model} full-parameter", "steps": steps, "rows": rows, "commit": commit,
-                            "load_average_at_end": os.getloadavg()}
-    write_json_atomic(RESULTS, report)
-    print(format_table(OPTIMIZER_HEADERS, optimizer_table(rows)))
+    report["optimizers"] = {"model": f"{model} full-parameter", "steps": steps, "rows": kept + rows,
+                            "stamp": ctx.stamp()}
+    ctx.write(report)
+    print(format_table(OPTIMIZER_HEADERS, optimizer_table(kept + rows)))
     return 0
 
+
+BENCH = Bench("strategies", tags=("training",), settings=Settings, run=run, quick={"steps": 2},
+              torch_threads=2)  # one rank alone may use both cores; two ranks get one each
+main = BENCH.main
 
 if __name__ == "__main__":
     sys.exit(main())

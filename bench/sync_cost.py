@@ -28,7 +28,6 @@ Table on stdout, progress on stderr, results in bench/results/sync_cost.json.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import shutil
@@ -38,15 +37,17 @@ import tempfile
 import time
 import warnings
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench.common import RESULTS_DIR, configure_logging, coordinator_process, format_table, sample_path, write_json_atomic
+from bench.common import coordinator_process, format_table, sample_path
+from bench.harness import Bench, Run
+from protocol.cli import option
 from protocol.client import CoordinatorClient
 from protocol.files import fsync_dir, write_atomically
 from protocol.tensors import dumps
@@ -157,17 +158,17 @@ def variant(name: str, clock: PhaseClock) -> Iterator[None]:
         resume.save = original
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def measure(s: Settings) -> dict[str, Any]:
     torch.set_num_threads(1)
     started, cpu_started = time.perf_counter(), time.process_time()
     train, _ = split_examples(load_examples(sample_path(SPECIALTY)))
-    base = load_base_model(args.base_model)
-    trainer = LoraTrainer(base, LoraSettings(rank=args.lora_rank),
+    base = load_base_model(s.base_model)
+    trainer = LoraTrainer(base, LoraSettings(rank=s.lora_rank),
                           TrainSettings(lr=1e-3, batch_size=1, max_seq_len=32), train)
     spec = {**trainer.expert_config, "base_model": {"id": base.model_id, "fingerprint": base.fingerprint}}
-    codec = CompressionSettings(codec=args.compression, sync_budget=args.sync_budget)
-    samples: dict[str, list[dict[str, float]]] = {v: [] for v in args.variants}
-    with tempfile.TemporaryDirectory(prefix="fedmoe-sync-cost-", dir=args.state_parent) as scratch, \
+    codec = CompressionSettings(codec=s.compression, sync_budget=s.sync_budget)
+    samples: dict[str, list[dict[str, float]]] = {v: [] for v in s.variants}
+    with tempfile.TemporaryDirectory(prefix="fedmoe-sync-cost-", dir=s.state_parent) as scratch, \
             coordinator_process(Path(scratch) / "coordinator") as coordinator:
         settings = SyncSettings(specialty=SPECIALTY, worker_id="sync-cost", sync_interval=1.0, overlap=False,
                                 state_dir=Path(scratch) / "state-warmup")
@@ -180,11 +181,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         worker.sync()  # warm-up: first allocations, the codec climb of auto
         clock = PhaseClock()
         with instrumented(worker, clock):
-            for block in range(args.blocks):
-                for name in args.variants:
+            for block in range(s.blocks):
+                for name in s.variants:
                     worker.settings = replace(worker.settings, state_dir=Path(scratch) / f"state-{name}-{block}")
                     with variant(name, clock):
-                        for _ in range(args.syncs):
+                        for _ in range(s.syncs):
                             step_started = time.thread_time()
                             worker.train_step()
                             step_cpu = time.thread_time() - step_started
@@ -194,23 +195,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             phases = clock.take() | {"total": time.process_time() - cpu, "train_step": step_cpu}
                             phases["bytes_down"] = record.get("bytes_down", 0)
                             samples[name].append(phases)
-                    mine = samples[name][-args.syncs:]
+                    mine = samples[name][-s.syncs:]
                     log.info("block %d %-8s total %.3f CPU s/sync, checkpoint %.3f", block, name,
                              statistics.median(p["total"] for p in mine),
                              statistics.median(p.get("checkpoint", 0.0) for p in mine))
-    return summarize(samples, args, time.perf_counter() - started, time.process_time() - cpu_started)
+    return summarize(samples, s, time.perf_counter() - started, time.process_time() - cpu_started)
 
 
-def summarize(samples: dict[str, list[dict[str, float]]], args: argparse.Namespace, seconds: float,
+def summarize(samples: dict[str, list[dict[str, float]]], s: Settings, seconds: float,
               cpu_seconds: float) -> dict[str, Any]:
     variants = {}
     for name, rows in samples.items():
         variants[name] = {phase: round(statistics.median(r.get(phase, 0.0) for r in rows), 4)
                           for phase in (*PHASES, "total", "train_step")} | {"syncs": len(rows)}
     report: dict[str, Any] = {
-        "config": {"base_model": args.base_model, "lora_rank": args.lora_rank, "compression": args.compression,
-                   "sync_budget": args.sync_budget, "syncs_per_block": args.syncs, "blocks": args.blocks,
-                   "torch_threads": 1, "state_dir_on": str(args.state_parent)},
+        "config": {"base_model": s.base_model, "lora_rank": s.lora_rank, "compression": s.compression,
+                   "sync_budget": s.sync_budget, "syncs_per_block": s.syncs, "blocks": s.blocks,
+                   "torch_threads": 1, "state_dir_on": str(s.state_parent)},
         "variants": variants, "per_sync": samples, "seconds": round(seconds, 1), "cpu_seconds": round(cpu_seconds, 1),
         "note": "median CPU seconds of this thread per phase (time.thread_time); total = process CPU per sync"}
     if "legacy" in variants and "current" in variants:
@@ -231,41 +232,35 @@ def render(report: dict[str, Any]) -> str:
     return text
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base-model", default="smollm2-135m", help="preset (default: %(default)s)")
-    p.add_argument("--lora-rank", type=int, default=8)
-    p.add_argument("--compression", default="safetensors",
-                   help="the worker's --compression (default: %(default)s, uncompressed)")
-    p.add_argument("--sync-budget", type=float, default=None, help="with --compression auto")
-    p.add_argument("--syncs", type=int, default=10, help="syncs per block (default: %(default)s)")
-    p.add_argument("--blocks", type=int, default=2, help="ABAB blocks per variant (default: %(default)s)")
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    p.add_argument("--state-parent", type=Path, default=Path(tempfile.gettempdir()),
-                   help="where the state dirs go: on disk, not in RAM, so fsync costs what it costs "
-                        "(default: %(default)s)")
-    p.add_argument("--out", type=Path, default=RESULTS_DIR / "sync_cost.json")
-    p.add_argument("--verbose", action="store_true")
-    args = p.parse_args(argv)
-    if args.syncs < 1 or args.blocks < 1:
-        p.error(f"--syncs and --blocks must be >= 1, got {args.syncs} and {args.blocks}")
-    try:
-        CompressionSettings(codec=args.compression, sync_budget=args.sync_budget)
-    except ValueError as exc:
-        p.error(str(exc))
-    return args
+@dataclass(frozen=True)
+class Settings:
+    base_model: str = option("smollm2-135m", "preset")
+    lora_rank: int = option(8, "LoRA rank")
+    compression: str = option("safetensors", "the worker's --compression (safetensors: uncompressed)")
+    sync_budget: float | None = option(None, "with --compression auto", type=float)
+    syncs: int = option(10, "syncs per block")
+    blocks: int = option(2, "ABAB blocks per variant")
+    variants: tuple[str, ...] = option(VARIANTS, "variants compared", nargs="+", choices=VARIANTS)
+    state_parent: Path = option(Path(tempfile.gettempdir()), "where the state dirs go: on disk, not in RAM, so fsync "
+                                "costs what it costs", type=Path)
+
+    def __post_init__(self) -> None:
+        if self.syncs < 1 or self.blocks < 1:
+            raise ValueError(f"--syncs and --blocks must be >= 1, got {self.syncs} and {self.blocks}")
+        CompressionSettings(codec=self.compression, sync_budget=self.sync_budget)  # its ValueError names the flag
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    configure_logging(args.verbose)
-    logging.getLogger("bench").setLevel(logging.INFO)
-    report = run(args)
+def run(s: Settings, ctx: Run) -> int:
+    report = measure(s)
     print(render(report))
-    write_json_atomic(args.out, report)
-    log.info("wrote %s", args.out)
+    ctx.write(report)
+    log.info("wrote %s", ctx.out)
     return 0
 
+
+BENCH = Bench("sync_cost", tags=("training",), settings=Settings, run=run,
+              quick={"base_model": "tiny-qwen2", "syncs": 2, "blocks": 1})
+main = BENCH.main
 
 if __name__ == "__main__":
     sys.exit(main())

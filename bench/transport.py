@@ -34,7 +34,6 @@ import sys
 if os.environ.get("FEDMOE_BENCH_CLIENT_ROOT"):  # before anything imports protocol (an A/B of the client too)
     sys.path.insert(0, os.environ["FEDMOE_BENCH_CLIENT_ROOT"])
 
-import argparse  # noqa: E402
 import base64  # noqa: E402
 import logging  # noqa: E402
 import re  # noqa: E402
@@ -45,6 +44,7 @@ import time  # noqa: E402
 import uuid  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
 from concurrent.futures import Future, ThreadPoolExecutor  # noqa: E402
+from dataclasses import dataclass
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -54,7 +54,9 @@ import torch  # noqa: E402
 from flask import Flask, jsonify, request  # noqa: E402
 from werkzeug.serving import make_server  # noqa: E402
 
-from bench.common import RESULTS_DIR, SCRATCH_DIR, configure_logging, coordinator_process, format_table, write_json_atomic  # noqa: E402
+from bench.common import SCRATCH_DIR, coordinator_process, format_table  # noqa: E402
+from bench.harness import Bench, Run
+from protocol.cli import option
 from protocol.client import CoordinatorClient  # noqa: E402
 from protocol.credentials import local_token  # noqa: E402
 from protocol.integrity import new_hasher  # noqa: E402
@@ -466,41 +468,35 @@ def render(r: dict[str, Any]) -> str:
     ])
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size-mb", type=int, default=1024, help="expert size in MiB (default: %(default)s)")
-    p.add_argument("--repeats", type=int, default=3, help="timed pulls, pushes and socket copies (best of)")
-    p.add_argument("--concurrency", type=int, default=8, help="simultaneous pulls for the RSS figure")
-    p.add_argument("--out", type=Path, default=RESULTS_DIR / "transport.json", help="results JSON")
-    p.add_argument("--push-only", action="store_true", help="pushes only, with the coordinator's and the client's "
-                   "CPU per push (no pulls, RSS or base64 figures)")
-    p.add_argument("--floor", action="store_true", help="with --push-only: also each unavoidable stage on its own "
-                   "and a minimal durable, digest-checked push over a raw socket (the floor), per push")
-    p.add_argument("--quick", action="store_true", help="--size-mb 64 --repeats 1 (bench/run_all.py --quick)")
-    p.add_argument("-v", "--verbose", action="store_true", help="library logs too")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.size_mb, args.repeats = 64, 1
-    if args.size_mb < 1 or args.repeats < 1 or args.concurrency < 1:
-        p.error("--size-mb, --repeats and --concurrency must be at least 1")
-    return args
+@dataclass(frozen=True)
+class Settings:
+    size_mb: int = option(1024, "expert size in MiB")
+    repeats: int = option(3, "timed pulls, pushes and socket copies (best of)")
+    concurrency: int = option(8, "simultaneous pulls for the RSS figure")
+    push_only: bool = option(False, "pushes only, with the coordinator's and the client's CPU per push (no pulls, "
+                             "RSS or base64 figures)")
+    floor: bool = option(False, "with --push-only: also each unavoidable stage on its own and a minimal durable, "
+                         "digest-checked push over a raw socket (the floor), per push")
+
+    def __post_init__(self) -> None:
+        if min(self.size_mb, self.repeats, self.concurrency) < 1:
+            raise ValueError("--size-mb, --repeats and --concurrency must be at least 1")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    configure_logging(args.verbose)
-    torch.set_num_threads(1)
-    started = time.perf_counter()
-    if args.push_only:
-        result = measure_pushes(args.size_mb, args.repeats, args.floor)
+def run(s: Settings, ctx: Run) -> int:
+    if s.push_only:
+        result = measure_pushes(s.size_mb, s.repeats, s.floor)
     else:
-        result = measure(args.size_mb, args.repeats, args.concurrency)
-    result["seconds"] = round(time.perf_counter() - started, 1)
-    write_json_atomic(args.out, result)
-    print(render_pushes(result) if args.push_only else render(result))
-    log.info("wrote %s in %.0f s", args.out, result["seconds"])
+        result = measure(s.size_mb, s.repeats, s.concurrency)
+    result["seconds"] = ctx.seconds()
+    ctx.write(result)
+    print(render_pushes(result) if s.push_only else render(result))
+    log.info("wrote %s in %.0f s", ctx.out, result["seconds"])
     return 0
 
+
+BENCH = Bench("transport", tags=("performance",), settings=Settings, run=run, quick={"size_mb": 64, "repeats": 1})
+main = BENCH.main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -8,11 +8,10 @@ it, wall seconds, the coordinator's and the client's CPU seconds, and the load a
 
     python -m bench.transport_ab --baseline /work/main --pairs 3 --repeats 2
 
-Table on stdout, progress on stderr, results in bench/results/transport_push_ab.json.
+Table on stdout, progress on stderr, results in bench/results/transport_ab.json.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -20,27 +19,16 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import RESULTS_DIR, configure_logging, format_table, write_json_atomic
+from bench.common import format_table
+from bench.harness import Bench, Run, git_head
+from protocol.cli import option
 
 ROOT = Path(__file__).resolve().parents[1]
 log = logging.getLogger("bench.transport_ab")
-
-
-def git_head(root: Path) -> str:
-    """The checkout's commit, with "+changes" when its work tree differs from it."""
-    try:
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("+changes" if dirty else "")
 
 
 def one_side(root: Path, size_mb: int, repeats: int) -> dict[str, Any]:
@@ -76,47 +64,48 @@ def render(result: dict[str, Any]) -> str:
     return f"1 GiB push A/B, {result['pairs']} pairs x {result['repeats']} pushes per side\n\n{table}"
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--baseline", type=Path, default=Path("/work/main"), help="the other checkout (default: %(default)s)")
-    p.add_argument("--pairs", type=int, default=3, help="baseline/change pairs, alternated (default: %(default)s)")
-    p.add_argument("--repeats", type=int, default=2, help="pushes per run (default: %(default)s)")
-    p.add_argument("--size-mb", type=int, default=1024, help="push size in MiB (default: %(default)s)")
-    p.add_argument("--out", type=Path, default=RESULTS_DIR / "transport_push_ab.json", help="results JSON")
-    p.add_argument("-v", "--verbose", action="store_true", help="library logs too")
-    args = p.parse_args(argv)
-    if args.pairs < 1 or args.repeats < 1 or args.size_mb < 1:
-        p.error("--pairs, --repeats and --size-mb must be at least 1")
-    if not (args.baseline / "run_coordinator.py").is_file():
-        p.error(f"--baseline {args.baseline} is not a FedMoE checkout (no run_coordinator.py there)")
-    return args
+@dataclass(frozen=True)
+class Settings:
+    baseline: Path | None = option(None, "the other checkout, e.g. a worktree of main (required)", type=Path)
+    pairs: int = option(3, "baseline/change pairs, alternated")
+    repeats: int = option(2, "pushes per run")
+    size_mb: int = option(1024, "push size in MiB")
+
+    def __post_init__(self) -> None:
+        if self.pairs < 1 or self.repeats < 1 or self.size_mb < 1:
+            raise ValueError("--pairs, --repeats and --size-mb must be at least 1")
+        if self.baseline is not None and not (self.baseline / "run_coordinator.py").is_file():
+            raise ValueError(f"--baseline {self.baseline} is not a FedMoE checkout (no run_coordinator.py there)")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    configure_logging(args.verbose)
-    started = time.perf_counter()
+def run(s: Settings, ctx: Run) -> int:
+    if s.baseline is None:
+        print("error: --baseline is required: the checkout to compare this one with", file=sys.stderr)
+        return 2
     sides: dict[str, dict[str, Any]] = {
-        "baseline": {"root": str(args.baseline), "commit": git_head(args.baseline), "runs": []},
+        "baseline": {"root": str(s.baseline), "commit": git_head(s.baseline), "runs": []},
         "change": {"root": str(ROOT), "commit": git_head(ROOT), "runs": []}}
-    for pair in range(args.pairs):
+    for pair in range(s.pairs):
         for name in ("baseline", "change"):
-            got = one_side(Path(sides[name]["root"]), args.size_mb, args.repeats)
-            for run in got["runs"]:
-                run["pair"] = pair
+            got = one_side(Path(sides[name]["root"]), s.size_mb, s.repeats)
+            for one in got["runs"]:
+                one["pair"] = pair
             sides[name]["runs"].extend(got["runs"])
             log.info("pair %d %s: %s", pair + 1, name, ", ".join(
                 f"{r['push_vs_socket']:.3f} ({r['push_seconds']:.2f} s, coordinator {r['coordinator_cpu_seconds']:.2f} "
                 f"CPU s, load {r['load_average']:.1f})" for r in got["runs"]))
     for side in sides.values():
         side["summary"] = summary(side["runs"])
-    result = {"benchmark": "1 GiB resumable push, A/B (bench.transport --push-only)", "pairs": args.pairs,
-              "repeats": args.repeats, "size_mb": args.size_mb, **sides,
-              "seconds": round(time.perf_counter() - started, 1)}
-    write_json_atomic(args.out, result)
+    result = {"benchmark": "1 GiB resumable push, A/B (bench.transport --push-only)", "pairs": s.pairs,
+              "repeats": s.repeats, "size_mb": s.size_mb, **sides, "seconds": ctx.seconds()}
+    ctx.write(result)
     print(render(result))
     return 0
 
+
+BENCH = Bench("transport_ab", tags=("a-b",), settings=Settings, run=run, quick={"pairs": 1, "repeats": 1, "size_mb": 64},
+              torch_threads=None)
+main = BENCH.main
 
 if __name__ == "__main__":
     sys.exit(main())

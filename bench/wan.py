@@ -52,7 +52,6 @@ Needs root (network namespaces). Table on stdout, progress on stderr, results in
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -68,13 +67,16 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from bench.common import (RESULTS_DIR, SCRATCH_DIR, configure_logging, format_table, pulled_tensors, recorded_token,
-                          running_coordinator, write_json_atomic)
+from bench.common import (SCRATCH_DIR, format_table, pulled_tensors, recorded_token, running_coordinator,
+                          write_json_atomic)
+from bench.harness import Bench
+from bench.harness import Run as BenchRun
 from bench.wan_eval import evaluate, first_reaching, summarise
 from bench.wan_flower import FlowerRun, FlowerUnavailable, check_flower, run_flower
 from bench.wan_setup import (PRESETS, ROOT, SCENARIOS, SPECIALTY, CpuCapUnavailable, Settings, check_cpu_cap,
                              cpu_capped, link_seconds, write_shards)
 from bench.wanemu import NamespaceUnavailable, WanLink, check_available
+from protocol.cli import comma_list, option
 from protocol.client import CoordinatorClient
 from protocol.credentials import TOKEN_ENV
 
@@ -480,106 +482,101 @@ def available(mode: Mode) -> bool:
     return mode.needs in help_text
 
 
-def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Settings] | str:
-    """The flags and the settings they make, or an error line."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="tiny-qwen2, 40 s of training per mode")
-    parser.add_argument("--base-model", choices=["tiny-qwen2", "smollm2-135m"], default="tiny-qwen2",
-                        help="the workers' model and its preset (smollm2-135m: the link-bound regime)")
-    parser.add_argument("--modes", default=None,
-                        help=f"comma list of modes of {list(MODES)} (default: the model's, {DEFAULT_MODES})")
-    parser.add_argument("--duration", type=float, default=None, help="seconds each worker trains (default: preset's)")
-    parser.add_argument("--worker-cpu", type=float, default=None, metavar="CORES",
-                        help="cap each worker at this fraction of one core in every mode (a cgroup cpu quota), "
-                             "as if each ran on a machine of its own; e.g. 0.25 (default: no cap)")
-    parser.add_argument("--forward-interval", type=float, default=None, metavar="SECONDS",
-                        help="seconds between a relay's forwards upstream (default: the preset's)")
-    parser.add_argument("--sites", type=int, default=None, help="emulated sites (default: the preset's, 2)")
-    parser.add_argument("--workers", type=int, default=None,
-                        help="workers per site (default: the preset's, 3; a smollm2 worker takes ~1-2 GB here)")
-    parser.add_argument("--runs", type=int, default=1, help="runs of every mode (issue 35 measures 3: median, range)")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="results JSON (default: bench/results/wan.json, wan_quick.json with --quick)")
-    parser.add_argument("--verbose", action="store_true")
-    args = parser.parse_args(argv)
-    if args.quick and args.base_model != "tiny-qwen2":
-        return "--quick is the tiny-qwen2 preset; drop --quick or --base-model"
-    s = PRESETS["quick" if args.quick else args.base_model]
-    if args.duration is not None:
-        if not args.duration > 0:
-            return f"--duration must be positive, got {args.duration}"
-        s = replace(s, duration=args.duration)
-    if args.forward_interval is not None:
-        if not 0.05 <= args.forward_interval <= 3600:
-            return f"--forward-interval must be 0.05-3600 seconds, got {args.forward_interval}"
-        s = replace(s, forward_interval=args.forward_interval)
-    if args.worker_cpu is not None:
-        if not 0.01 <= args.worker_cpu <= os.cpu_count():
-            return f"--worker-cpu must be between 0.01 and {os.cpu_count()} cores, got {args.worker_cpu}"
-        s = replace(s, worker_cpu=args.worker_cpu)
-    names = [m.strip() for m in (args.modes or ",".join(DEFAULT_MODES[s.base_model])).split(",") if m.strip()]
-    unknown = [m for m in names if m not in MODES]
-    if unknown or not any(MODES[m].baseline for m in names):
-        return f"--modes must include a baseline (a mode without relays) and name only {list(MODES)}, got {names}"
-    for flag, value in (("--sites", args.sites), ("--workers", args.workers)):
-        if value is not None and not 1 <= value <= 8:
-            return f"{flag} must be 1-8, got {value}"
-    s = replace(s, sites=args.sites or s.sites, workers=args.workers or s.workers)
-    if not 1 <= args.runs <= 20:
-        return f"--runs must be 1-20, got {args.runs}"
-    args.modes = names
-    args.out = args.out or RESULTS_DIR / ("wan_quick.json" if args.quick else "wan.json")
-    return args, s
+@dataclass(frozen=True)
+class Options:
+    """The command line: a preset (--quick, or --base-model's) and what is changed of it."""
+
+    base_model: str = option("tiny-qwen2", "the workers' model and its preset (smollm2-135m: the link-bound regime)",
+                             choices=["tiny-qwen2", "smollm2-135m"])
+    modes: tuple[str, ...] | None = option(None, f"comma list of modes of {list(MODES)} (default: the model's, "
+                                           f"{DEFAULT_MODES})", parse=comma_list)
+    duration: float | None = option(None, "seconds each worker trains (default: the preset's)", type=float)
+    worker_cpu: float | None = option(None, "cap each worker at this fraction of one core in every mode (a cgroup cpu "
+                                      "quota), as if each ran on a machine of its own; e.g. 0.25 (default: no cap)",
+                                      type=float, metavar="CORES")
+    forward_interval: float | None = option(None, "seconds between a relay's forwards upstream (default: the "
+                                            "preset's)", type=float, metavar="SECONDS")
+    sites: int | None = option(None, "emulated sites (default: the preset's, 2)", type=int)
+    workers: int | None = option(None, "workers per site (default: the preset's, 3; a smollm2 worker takes ~1-2 GB "
+                                 "here)", type=int)
+    runs: int = option(1, "runs of every mode (issue 35 measures 3: median, range)", type=int)
+    preset: str | None = None
+    """The preset's name (None: --base-model's; --quick: "quick", tiny-qwen2 with 40 s of training per mode)."""
+
+    def __post_init__(self) -> None:
+        if self.preset == "quick" and self.base_model != "tiny-qwen2":
+            raise ValueError("--quick is the tiny-qwen2 preset; drop --quick or --base-model")
+        if self.duration is not None and not self.duration > 0:
+            raise ValueError(f"--duration must be positive, got {self.duration}")
+        if self.forward_interval is not None and not 0.05 <= self.forward_interval <= 3600:
+            raise ValueError(f"--forward-interval must be 0.05-3600 seconds, got {self.forward_interval}")
+        if self.worker_cpu is not None and not 0.01 <= self.worker_cpu <= (os.cpu_count() or 1):
+            raise ValueError(f"--worker-cpu must be between 0.01 and {os.cpu_count()} cores, got {self.worker_cpu}")
+        names = list(self.mode_names())
+        if [m for m in names if m not in MODES] or not any(MODES[m].baseline for m in names):
+            raise ValueError(f"--modes must include a baseline (a mode without relays) and name only {list(MODES)}, "
+                             f"got {names}")
+        for flag, value in (("--sites", self.sites), ("--workers", self.workers)):
+            if value is not None and not 1 <= value <= 8:
+                raise ValueError(f"{flag} must be 1-8, got {value}")
+        if not 1 <= self.runs <= 20:
+            raise ValueError(f"--runs must be 1-20, got {self.runs}")
+
+    def mode_names(self) -> tuple[str, ...]:
+        return self.modes or tuple(DEFAULT_MODES[self.base_model])
+
+    def job(self) -> Settings:
+        s = PRESETS[self.preset or self.base_model]
+        changes: dict[str, Any] = {"duration": self.duration, "forward_interval": self.forward_interval,
+                                   "worker_cpu": self.worker_cpu, "sites": self.sites, "workers": self.workers}
+        return replace(s, **{k: v for k, v in changes.items() if v is not None})
 
 
-def main(argv: list[str] | None = None) -> int:
-    parsed = parse_args(argv)
-    if isinstance(parsed, str):
-        print(f"error: {parsed}", file=sys.stderr)
-        return 2
-    args, s = parsed
-    configure_logging(args.verbose)
+def run(o: Options, ctx: BenchRun) -> int:
+    s, names = o.job(), list(o.mode_names())
     try:
         check_available()
-        if s.worker_cpu is not None or any(MODES[m].flower_steps is not None for m in args.modes):
+        if s.worker_cpu is not None or any(MODES[m].flower_steps is not None for m in names):
             check_cpu_cap()  # Flower's processes are tracked in cgroups, capped or not
-        if any(MODES[m].flower_steps is not None for m in args.modes):
+        if any(MODES[m].flower_steps is not None for m in names):
             check_flower()
     except (NamespaceUnavailable, CpuCapUnavailable, FlowerUnavailable) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    started, load_before = time.monotonic(), os.getloadavg()
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="fedmoe-wan-", dir=SCRATCH_DIR) as scratch, \
             tempfile.TemporaryDirectory(prefix="fedmoe-wan-versions-") as kept:  # on disk: see kept_versions
-        rows, skipped = run_all(args, s, Path(scratch), Path(kept))
+        rows, skipped = run_all(names, o.runs, s, Path(scratch), Path(kept), ctx.out)
         goals = evaluate(rows, s)
     summary = summarise(rows, goals)
     for r in rows:
         r["relay_pulls"] = relay_pulls(r)
     print(summary_table(summary, goals))
-    args.out.with_suffix(".partial.json").unlink(missing_ok=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(args.out, {"settings": asdict(s), "quick": args.quick, "runs": args.runs, "targets": goals,
-                                 "summary": summary, "results": rows, "skipped": skipped, **stamp(load_before),
-                                 "seconds": round(time.monotonic() - started, 1)})
+    ctx.out.with_suffix(".partial.json").unlink(missing_ok=True)
+    ctx.write({"settings": asdict(s), "quick": ctx.quick, "runs": o.runs, "targets": goals, "summary": summary,
+               "results": rows, "skipped": skipped, "load_before": [round(x, 2) for x in load_before],
+               "seconds": ctx.seconds(),
+               "note": "measured on a shared 2-core machine; see load_before, the stamp's load and each row's "
+                       "load_after"})
     return 0
 
 
-def run_all(args: argparse.Namespace, s: Settings, scratch: Path, kept: Path) -> tuple[list[dict], dict[str, str]]:
-    """``args.runs`` rounds over the modes (run 1 of every mode, then run 2, ...: a load that changes over the hours
+def run_all(modes: list[str], runs: int, s: Settings, scratch: Path, kept: Path,
+            out: Path) -> tuple[list[dict], dict[str, str]]:
+    """``runs`` rounds over the modes (run 1 of every mode, then run 2, ...: a load that changes over the hours
     falls on every mode alike); the rows, and the modes skipped or failed."""
     rows: list[dict[str, Any]] = []
     skipped: dict[str, str] = {}
     shards = write_shards(scratch / "shards", s.worker_count)
-    for run in range(args.runs):
-        for name in args.modes:
+    for run in range(runs):
+        for name in modes:
             if name in skipped:
                 continue
             if not available(MODES[name]):
                 skipped[name] = f"run_worker.py has no {MODES[name].needs} on this branch"
                 log.warning("%s: skipped (%s)", name, skipped[name])
                 continue
-            log.info("%s, run %d/%d: %d sites x %d %s workers over %.0f Mbit/s, %.0f ms RTT", name, run + 1, args.runs,
+            log.info("%s, run %d/%d: %d sites x %d %s workers over %.0f Mbit/s, %.0f ms RTT", name, run + 1, runs,
                      s.sites, s.workers, s.base_model, s.rate_mbit, s.rtt_ms)
             slug = f"{len(rows):03d}"
             try:
@@ -590,21 +587,11 @@ def run_all(args: argparse.Namespace, s: Settings, scratch: Path, kept: Path) ->
                 continue
             rows.append({**row, "run": run, "load_after": [round(x, 2) for x in os.getloadavg()]})
             # before scoring (at the end, off the clock): a long run stopped early keeps its steps and bytes
-            write_json_atomic(args.out.with_suffix(".partial.json"), {"settings": asdict(s), "results": rows,
-                                                                     "skipped": skipped})
+            write_json_atomic(out.with_suffix(".partial.json"), {"settings": asdict(s), "results": rows,
+                                                                "skipped": skipped})
             log.info("%s: done, %d versions kept, root ingress %d bytes", name, len(row["versions"]),
                      row["root_ingress_bytes"])
     return rows, skipped
-
-
-def stamp(load_before: tuple[float, float, float]) -> dict[str, Any]:
-    """The commit measured and the machine's load (issue 35: speed figures carry both)."""
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                                capture_output=True, text=True).stdout.strip())
-    return {"commit": commit + ("+dirty" if dirty else ""), "load_before": [round(x, 2) for x in load_before],
-            "load_after": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count(),
-            "note": "measured on a shared 2-core machine; see load_before/load_after and each row's load_after"}
 
 
 def summary_table(summary: list[dict[str, Any]], goals: dict[str, Any]) -> str:
@@ -625,6 +612,9 @@ def summary_table(summary: list[dict[str, Any]], goals: dict[str, Any]) -> str:
             f"{goals['target90_loss']} (90% of its gain from {goals['start_loss']}); medians [ranges] over runs\n"
             + format_table(keys, rows))
 
+
+BENCH = Bench("wan", tags=("network",), settings=Options, run=run, quick={"preset": "quick"})
+main = BENCH.main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -22,13 +22,14 @@ Table on stdout, results in bench/results/worker_memory.json (stamped with commi
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
 import subprocess
 import sys
 import time
+from bench.harness import Bench, Run
+from protocol.cli import comma_list, option
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -188,49 +189,56 @@ def print_table(rows: list[dict[str, Any]], estimates: list[dict[str, Any]]) -> 
               "per example)")
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default="tiny-qwen2,smollm2-135m,qwen2-0.5b", help="comma-separated subset of: "
-                   + ", ".join(MODELS) + " (default: %(default)s)")
-    p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of: " + ", ".join(CONFIGS))
-    p.add_argument("--steps", type=int, default=20, help="optimiser steps per configuration (default: %(default)s)")
-    p.add_argument("--qwen-batches", default="1,2", help="batch sizes qwen2-0.5b runs at; the table extrapolates "
-                   f"to {BATCH_SIZE} from the two smallest (default: %(default)s)")
-    p.add_argument("--qwen-steps", type=int, default=2, help="steps per qwen2-0.5b configuration (default: %(default)s)")
-    p.add_argument("--output", type=Path, default=RESULTS, help="results JSON (default: %(default)s)")
-    p.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.child:
-        model, config, steps, batch = args.child
-        print(json.dumps(run_child(model, CONFIGS[config], int(steps), int(batch))))
-        return 0
-    models, configs = [m for m in args.models.split(",") if m], [c for c in args.configs.split(",") if c]
-    unknown = sorted(set(models) - set(MODELS)) + sorted(set(configs) - set(CONFIGS))
+def _batches(text: str, flag: str) -> tuple[int, ...]:
     try:
-        qwen_batches = [int(b) for b in args.qwen_batches.split(",")]
+        return tuple(int(b) for b in comma_list(text, flag))
     except ValueError:
-        p.error(f"--qwen-batches wants comma-separated integers, got {args.qwen_batches!r}")
-    if unknown or args.steps < 2 or args.qwen_steps < 1 or min(qwen_batches) < 1:
-        p.error(f"unknown --models/--configs {unknown}, or --steps < 2, --qwen-steps or --qwen-batches < 1")
-    commit, rows = git_head(), []  # the code the children run: stamped before they start
-    for model in models:
-        batches, steps = (qwen_batches, args.qwen_steps) if model == "qwen2-0.5b" else ([BATCH_SIZE], args.steps)
+        raise ValueError(f"{flag} wants comma-separated integers, got {text!r}") from None
+
+
+@dataclass(frozen=True)
+class Settings:
+    models: tuple[str, ...] = option(("tiny-qwen2", "smollm2-135m", "qwen2-0.5b"), "comma-separated subset of: "
+                                     + ", ".join(MODELS), parse=comma_list)
+    configs: tuple[str, ...] = option(tuple(CONFIGS), "comma-separated subset of: " + ", ".join(CONFIGS),
+                                      parse=comma_list)
+    steps: int = option(20, "optimiser steps per configuration")
+    qwen_batches: tuple[int, ...] = option((1, 2), f"batch sizes qwen2-0.5b runs at; the table extrapolates to "
+                                           f"{BATCH_SIZE} from the two smallest", parse=_batches)
+    qwen_steps: int = option(2, "steps per qwen2-0.5b configuration")
+    child: tuple[str, ...] | None = option(None, "(a child process: MODEL CONFIG STEPS BATCH)", nargs=4, hidden=True)
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.models) - set(MODELS)) + sorted(set(self.configs) - set(CONFIGS))
+        if unknown or self.steps < 2 or self.qwen_steps < 1 or min(self.qwen_batches) < 1:
+            raise ValueError(f"unknown --models/--configs {unknown}, or --steps < 2, --qwen-steps or --qwen-batches "
+                             "< 1")
+
+
+def run(s: Settings, ctx: Run) -> int:
+    if s.child:
+        name, config, child_steps, child_batch = s.child
+        print(json.dumps(run_child(name, CONFIGS[config], int(child_steps), int(child_batch))))
+        return 0
+    rows = []
+    for model in s.models:
+        batches, steps = (s.qwen_batches, s.qwen_steps) if model == "qwen2-0.5b" else ((BATCH_SIZE,), s.steps)
         for batch in batches:
-            for config in configs:
+            for config in s.configs:
                 rows.append(measure(model, config, steps, batch))
                 print(f"{model} {config} batch {batch}: {rows[-1]['peak_rss_mb']:.0f} MB", file=sys.stderr)
     loss_drift(rows)
-    estimates = [e for m in models if m == "qwen2-0.5b" for e in extrapolate(rows, m, BATCH_SIZE)]
-    from bench.common import write_json_atomic
-
-    write_json_atomic(args.output, {
-        "commit": commit, "load_average_at_end": [round(x, 1) for x in os.getloadavg()], "cpus": os.cpu_count(),
-        "steps": args.steps, "max_seq_len": MAX_SEQ_LEN, "dataset": str(DATASET.relative_to(ROOT)), "rows": rows,
-        "qwen2_0.5b_batch_8_estimates": estimates})
+    estimates = [e for m in s.models if m == "qwen2-0.5b" for e in extrapolate(rows, m, BATCH_SIZE)]
+    ctx.write({"steps": s.steps, "max_seq_len": MAX_SEQ_LEN, "dataset": str(DATASET.relative_to(ROOT)), "rows": rows,
+               "qwen2_0.5b_batch_8_estimates": estimates})
     print_table(rows, estimates)
-    print(f"results in {args.output}")
+    print(f"results in {ctx.out}")
     return 0
 
+
+BENCH = Bench("worker_memory", tags=("training",), settings=Settings, run=run, cores=1,
+              quick={"models": ("tiny-qwen2",), "steps": 3})
+main = BENCH.main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,4 +1,4 @@
-"""The expert store (DESIGN.md's WeightStore): the one object that holds blobs and manifest rows.
+"""The expert store: the one object that holds blobs and manifest rows.
 
 Two backends sit behind it: ``blobs`` (immutable content-addressed bytes; ``BlobStore`` keeps
 them as local files) and ``rows`` (the durable manifest: experts, versions, updates, gateways;

@@ -3,7 +3,7 @@
 Why: a fedbuff step adds K decoded updates to every tensor of the current weights. With the tensors
 in one buffer, in manifest order, consecutive tensors are one contiguous range, so a group of them
 gets each update in one ``add_`` instead of one per tensor (336 per update for a Qwen2-0.5B LoRA
-expert: torch's per-call overhead was a third of a step, docs/scale.md). It is also one read of the
+expert: torch's per-call overhead was a third of a step, docs/history/scale.md). It is also one read of the
 file instead of a copy per tensor.
 
 Only a plain file of float32 tensors laid out back to back is read this way; anything else (other
@@ -52,7 +52,7 @@ def load_flat(path: Path) -> StateDict | None:
 @functools.lru_cache(maxsize=16)
 def _parsed_layout(header: bytes, data_size: int) -> tuple[tuple[str, tuple[int, ...], int, int], ...] | None:
     """``_layout`` of a raw JSON header, by name, cached: every version of an expert has the same header, and
-    parsing its 336 entries was a tenth of a step's Python time (docs/scale.md)."""
+    parsing its 336 entries was a tenth of a step's Python time (docs/history/scale.md)."""
     try:
         entries = _layout(json.loads(header), data_size)
     except (UnicodeDecodeError, ValueError):
@@ -132,7 +132,7 @@ def save_flat(tensors: Mapping[str, torch.Tensor], path: Path) -> bool:
     step): one write of the buffer, no per-tensor work. False, with nothing written, for anything else.
 
     Why: safetensors' own writer spends Python time on each of the 336 tensors (pointer casts, a shared-memory
-    check over every pair that shares the buffer), under the expert's lock, once per fedbuff step (docs/scale.md).
+    check over every pair that shares the buffer), under the expert's lock, once per fedbuff step (docs/history/scale.md).
     """
     names = sorted(tensors)
     ordered = [tensors[name] for name in names]

@@ -3,7 +3,7 @@
 Why: on receipt the coordinator only needs to know that a push decodes to finite tensors of the
 expert's shapes, and its norm (``--norm-check``). The generic path decodes every tensor to float32
 (4.4M values for a Qwen2-0.5B LoRA r=8 update), checks finiteness twice and takes the norm: about
-ten passes over 17.6 MB per push, the largest cost of a push in the profile (docs/scale.md). For the
+ten passes over 17.6 MB per push, the largest cost of a push in the profile (docs/history/scale.md). For the
 int8 codec every decoded value is ``code * scale`` of its block, so
 
     ||delta||^2 = sum over blocks b of scale_b^2 * sum_{i in b} code_i^2
@@ -133,7 +133,7 @@ def int8_decode_update(data: memoryview, spans: list[tuple[int, int]], config: B
 
     Bit-identical to ``int8_decode`` per tensor (the same ``code * scale`` in float32), but one check
     and one multiply for the whole update instead of a handful of numpy calls for each of its 336
-    small LoRA tensors: per-call overhead was most of a fedbuff step's decode (docs/scale.md).
+    small LoRA tensors: per-call overhead was most of a fedbuff step's decode (docs/history/scale.md).
     """
     checked = _checked_update(data, spans, config, manifest)
     if checked is None:

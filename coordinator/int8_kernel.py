@@ -1,6 +1,6 @@
 """Compiled loops (numba) over a whole blockwise-int8 update body: its check and norm, and a fedbuff step's add.
 
-Why: after three rounds of vectorising with numpy and torch (docs/scale.md), both hot loops of a push were
+Why: after three rounds of vectorising with numpy and torch (docs/history/scale.md), both hot loops of a push were
 per-call overhead over the 336 small tensors of a Qwen2-0.5B LoRA update, not arithmetic: a 64k-value chunk
 is 25-38 us of work, and every tensor cost a handful of calls on top. Here each is one call that walks the
 body's bytes in place (no staging copy, no float32 temporary) and releases the GIL, so the coordinator's

@@ -63,7 +63,7 @@ class UploadPolicy:
     min_chunk: int = 1 * MiB
     max_chunk: int = 128 * MiB
     """Largest chunk (on a fast link; a 1 GiB body is sent in 9 requests, not 17: each costs a round trip, a
-    commit and a refill of the pipeline; docs/scale.md seventh round)."""
+    commit and a refill of the pipeline; docs/history/scale.md seventh round)."""
     chunk_seconds: float = 2.0
     """Later chunks are sized to take about this long at the rate measured so far."""
     max_fraction: float = 1 / 8

@@ -18,8 +18,10 @@ SCRIPTS = ("run_coordinator.py", "run_worker.py", "get_gateway_model.py", "serve
 HEADER = """# Command lines
 
 Generated from each script's `--help` by `python scripts/cli_docs.py` (a test fails when this page
-and the code disagree). Every script also has `--version`; a mistake you can fix ends with one line
-`error: <what>; <how to fix it>` and exit code 2.
+and the code disagree). After `pip install .` each script is also a command that runs the same
+`main()` (`fedmoe-worker --help` prints what `python run_worker.py --help` prints). Every script also
+has `--version`; a mistake you can fix ends with one line `error: <what>; <how to fix it>` and exit
+code 2.
 
 ## Adding a flag: one dataclass field
 
@@ -27,12 +29,12 @@ Each flag is a field of a config dataclass that carries its default and its help
 `LoraConfig` does); `protocol.cli.add_flags` builds argparse from the fields, so the flag, its
 default, its `--help` line and this page come from one place:
 
-| script | flags declared in |
+| script (installed command) | flags declared in |
 |---|---|
-| `run_coordinator.py` | `coordinator.config.CoordinatorConfig`, `coordinator.config.ServeOptions` |
-| `run_worker.py` | `run_worker.WorkerFlags` (mapped onto `WorkerConfig` by `build_config`) |
-| `get_gateway_model.py` | `get_gateway_model.GatewayToolFlags` |
-| `serve.py` | `serve.ServeFlags`, `serving.config.Limits`, `serving.config.EngineOptions` |
+| `run_coordinator.py` (`fedmoe-coordinator`) | `coordinator.config.CoordinatorConfig`, `coordinator.config.ServeOptions`, `run_coordinator.RelayFlags`, `run_coordinator.AdminFlags` |
+| `run_worker.py` (`fedmoe-worker`) | `run_worker.WorkerFlags` (mapped onto `WorkerConfig` by `build_config`) |
+| `get_gateway_model.py` (`fedmoe-gateway`) | `get_gateway_model.GatewayToolFlags` |
+| `serve.py` (`fedmoe-serve`) | `serve.ServeFlags`, `serving.config.Limits`, `serving.config.EngineOptions` |
 
 ```python
 from protocol.cli import option

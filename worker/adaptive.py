@@ -26,7 +26,7 @@ in bench.adaptive, docs/wan.md). The dense rungs keep the worker's error feedbac
 random-k rung sends an unbiased estimate (kept values scaled by numel/k) and no residual, since on
 the pretrained smollm2-135m random-k 10% + TernGrad without error feedback matched fp32 within
 0.15% at 143x while top-k 1% + int8 with error feedback (the old last rung) kept ~10% of the
-experts' gain (docs/benchmarks.md). The residual is in weight space, so switching codecs between
+experts' gain (docs/history/benchmarks.md). The residual is in weight space, so switching codecs between
 syncs loses nothing: a random-k update carries what an earlier int8 one left behind, then
 leaves nothing (worker.encoding).
 """
@@ -52,7 +52,7 @@ SMOOTHING = 0.5
 RAW_BYTES, FP16_BYTES, INT8_BYTES, INT4_BYTES = 4.0, 2.0, 1.07, 0.57
 TENSOR_OVERHEAD = {RAW_CODEC: 72, "fp16": 24, "int8": 24, "int4": 24}
 DENSE = ((RAW_CODEC, RAW_BYTES), ("fp16", FP16_BYTES), ("int8", INT8_BYTES), ("int4", INT4_BYTES))
-"""The dense rungs, with error feedback (int4 was +0.00% of fp32 on tiny-qwen2 in round 1 of docs/benchmarks.md)."""
+"""The dense rungs, with error feedback (int4 was +0.00% of fp32 on tiny-qwen2 in round 1 of docs/history/benchmarks.md)."""
 PULL_DIFFS = (("fp16", FP16_BYTES), ("int8", INT8_BYTES), ("int4", INT4_BYTES))
 GROWTH = 2.5
 """A push may be at most this many times the largest push timed so far: the largest step between

@@ -22,11 +22,7 @@ from compression.error_feedback import Compressed
 from compression.wire import decode_update, encode_update
 from protocol.schemas import RAW_CODEC
 from protocol.tensors import Manifest, StateDict, dumps, loads
-from worker.choices import DEFAULT_CODEC, DEFAULT_PULL_CODEC, default_pull_codec
-
-
-AUTO_CODEC = "auto"
-"""--compression auto: the codec and ratio are picked at each sync to fit --sync-budget (worker.adaptive)."""
+from worker.choices import AUTO_CODEC, DEFAULT_CODEC, DEFAULT_PULL_CODEC, check_sync_budget, default_pull_codec
 
 
 @dataclass(frozen=True)
@@ -62,17 +58,10 @@ class CompressionSettings:
     """With codec 'auto': seconds a push (and a pull) may take; the codec is picked per sync to fit it."""
 
     def __post_init__(self) -> None:
-        if self.codec == AUTO_CODEC:
-            if self.config:
-                raise ValueError("--compression-config does not apply to --compression auto (it picks the codec "
-                                 "and ratio at each sync); drop it")
-            if self.sync_budget is None:
-                raise ValueError("--compression auto needs --sync-budget SECONDS (how long a push may take)")
-        elif self.sync_budget is not None:
-            raise ValueError(f"--sync-budget applies to --compression auto only, got --compression {self.codec}; "
-                             "pass --compression auto or drop --sync-budget")
-        if self.sync_budget is not None and not (self.sync_budget > 0 and math.isfinite(self.sync_budget)):
-            raise ValueError(f"--sync-budget must be a positive number of seconds, got {self.sync_budget}")
+        if self.codec == AUTO_CODEC and self.config:
+            raise ValueError("--compression-config does not apply to --compression auto (it picks the codec and "
+                             "ratio at each sync); drop it")
+        check_sync_budget(self.codec, self.sync_budget)
         if self.codec not in (RAW_CODEC, AUTO_CODEC):
             make_codec(self.codec, self.config)  # raises CompressionError listing valid names/keys
 

@@ -6,14 +6,16 @@ configured vs measured RTT and throughput. Results go to bench/results/wan_link.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
+from dataclasses import dataclass
 
-from bench.common import RESULTS_DIR, format_table, write_json_atomic
+from bench.common import format_table
+from bench.harness import Bench, Run
 from bench.wanemu import NamespaceUnavailable, WanLink, check_available
 from bench.wanemu.probe import ProbeServer
+from protocol.cli import option
 
 PROFILES = {"wan": (20.0, 50.0), "site": (1000.0, 1.0)}
 """name -> (Mbit/s, RTT ms): the issue's link to the root and the link inside a site."""
@@ -32,10 +34,16 @@ def measure_profile(rate_mbit: float, rtt_ms: float, transfer_bytes: int) -> dic
         server.close()
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mb", type=int, default=8, help="bytes of each bulk transfer, in MiB")
-    args = parser.parse_args(argv)
+@dataclass(frozen=True)
+class Settings:
+    mb: int = option(8, "bytes of each bulk transfer, in MiB")
+
+    def __post_init__(self) -> None:
+        if self.mb < 1:
+            raise ValueError(f"--mb must be at least 1, got {self.mb}")
+
+
+def run(s: Settings, ctx: Run) -> int:
     try:
         check_available()
     except NamespaceUnavailable as exc:
@@ -43,14 +51,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rows, results = [], {}
     for name, (rate, rtt) in PROFILES.items():
-        m = measure_profile(rate, rtt, args.mb << 20)
+        m = measure_profile(rate, rtt, s.mb << 20)
         results[name] = {"configured_mbit_s": rate, "configured_rtt_ms": rtt, **m}
         rows.append([name, rate, f"{m['download_mbit_s']:.1f}", f"{m['upload_mbit_s']:.1f}", rtt,
                      f"{m['rtt_ms_median']:.1f}"])
     print(format_table(["link", "Mbit/s set", "down Mbit/s", "up Mbit/s", "RTT ms set", "RTT ms median"], rows))
-    write_json_atomic(RESULTS_DIR / "wan_link.json", results)
+    ctx.write(results)
     return 0
 
+
+BENCH = Bench("wan_link", tags=("network",), settings=Settings, run=run, quick={"mb": 1}, torch_threads=None)
+main = BENCH.main
 
 if __name__ == "__main__":
     sys.exit(main())

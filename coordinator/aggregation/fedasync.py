@@ -7,7 +7,7 @@ that started from the current version (w_new = w + delta) that is the line above
 original FedMoE tool's rule (``--async-alpha 1``). The coordinator's default sets alpha = 1 / N for N workers
 active on the expert: each of them trains from (nearly) the same weights, so at full weight their N updates
 add up to an N-times larger step from stale bases, which overshoots and oscillates; at 1 / N they add up to
-their mean, FedAvg's step (docs/benchmarks.md, "Several workers on one expert").
+their mean, FedAvg's step (docs/history/benchmarks.md, "Several workers on one expert").
 
 Given several updates it applies them one after another, each with its own staleness weight, in place on
 ``current`` (no copy of the model).

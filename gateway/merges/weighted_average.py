@@ -2,7 +2,7 @@
 
 sum_i w_i * B_i @ A_i * s_i == [w_1 s_1 B_1, ..., w_n s_n B_n] @ [A_1; ...; A_n], so the
 average costs nothing but rank (sum of the experts' ranks). Averaging A and B separately
-instead is wrong: mean(B_i) @ mean(A_i) != mean(B_i @ A_i) (DESIGN.md section 5).
+instead is wrong: mean(B_i) @ mean(A_i) != mean(B_i @ A_i) (docs/architecture.md, "Exact gateway").
 """
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """bench.gpu_check on a machine without CUDA: one line and exit 0; and every section it runs on a GPU, run here
 on the CPU with tiny-qwen2, so the first GPU run meets no trivial error (device moves, autocast, codecs, merge)."""
-import argparse
-
 import pytest
 import torch
 
@@ -18,7 +16,7 @@ def test_without_cuda_it_says_so_in_one_line_and_exits_0():
 
 def test_every_section_runs_on_the_cpu_without_an_error():
     # short sequences: bf16 autocast on a CPU without bf16 kernels took 5 minutes at the GPU run's 8 x 256 tokens
-    args = argparse.Namespace(model="tiny-qwen2", steps=2, batch_size=2, max_seq_len=32, codec_values=1 << 14)
+    args = gpu_check.Settings(model="tiny-qwen2", steps=2, batch_size=2, max_seq_len=32, codec_values=1 << 14)
     report = gpu_check.run_sections(args, "cpu")
     assert [name for name in gpu_check.SECTIONS if "error" in report[name]] == [], report
     assert set(report["worker"]) >= {"fp32", "bf16"}

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.load import lora_manifest
+from bench.shapes import lora_manifest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,7 +57,7 @@ def test_stamped_bodies_are_distinct_and_still_decode():
     from bench.loadgen import stamped
     from compression import make_codec
     from compression.wire import decode_update, encode_update
-    from bench.load import random_tensors
+    from bench.shapes import random_tensors
 
     manifest = lora_manifest("tiny-qwen2", 8)
     body = encode_update(random_tensors(manifest, 1, 1e-3), manifest, make_codec("int8", {}), seed=1)

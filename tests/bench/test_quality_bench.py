@@ -228,10 +228,10 @@ def test_compression_takes_each_arms_learning_rate(tmp_path):
                                            (["--rounds", "5", "--fvc-rounds", "4"],
                                             "--fvc-rounds (4) must be at least --rounds (5)")])
 def test_bad_compression_flags_answer_with_one_line(args, message, capsys):
-    from bench.quality_compression import parse_args  # in this process: a subprocess per case cost ~11 s of imports
+    from bench.quality_compression import BENCH  # in this process: a subprocess per case cost ~11 s of imports
 
     with pytest.raises(SystemExit) as exit_info:
-        parse_args(args)
+        BENCH.parse(args)
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 

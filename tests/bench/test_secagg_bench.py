@@ -13,7 +13,7 @@ def test_bench_reports_bytes_times_and_an_exact_sum(tmp_path, capsys):
     out = tmp_path / "secagg.json"
     secagg.main(["--models", "tiny-qwen2", "--repeats", "1", "--members", "3", "--out", str(out)])
     result = json.loads(out.read_text())
-    assert result["commit"] and len(result["load_average"]["start"]) == 3
+    assert result["stamp"]["commit"] and len(result["stamp"]["load_average"]["start"]) == 3
     arms = result["results"][0]["arms"]
     numel = result["results"][0]["numel"]
     assert arms["masked"]["bytes_up_per_worker"] > 4 * (numel + 1)  # the masked vector plus keys and shares

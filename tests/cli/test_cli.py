@@ -80,7 +80,7 @@ def test_port_in_use_names_the_flag(tmp_path):
         line = one_error_line(run("run_coordinator.py", "--host", "127.0.0.1", "--port", str(port),
                                   "--data-dir", str(tmp_path / "data")))
     assert line == (f"error: cannot listen on 127.0.0.1:{port}: Address already in use "
-                    "(is another coordinator running? pick another --port)")
+                    "(is another server running there? pick another --port)")
 
 
 @pytest.mark.slow  # imports torch
@@ -102,6 +102,17 @@ def test_port_in_use_names_the_flag(tmp_path):
 ])
 def test_errors_are_one_line_with_the_fix(script, args, message):
     assert message in one_error_line(run(script, *args, in_process=True))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--compression", "auto"], "error: --compression auto needs --sync-budget SECONDS"),
+    (["--compression", "int8", "--sync-budget", "2"], "error: --sync-budget applies to --compression auto only, got "
+                                                      "--compression int8"),
+    (["--compression", "auto", "--sync-budget", "0"], "error: --sync-budget must be a positive number of seconds"),
+])
+def test_worker_refuses_a_sync_budget_out_of_place_before_loading_torch(args, message):
+    """The rules are worker.choices.check_sync_budget's, which CompressionSettings applies too (one copy)."""
+    assert one_error_line(run("run_worker.py", "--specialty", "sql_expert", *args, in_process=True)).startswith(message)
 
 
 @pytest.mark.slow  # real processes

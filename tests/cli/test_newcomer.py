@@ -128,3 +128,25 @@ def test_merged_export_and_generate_print_no_warning_and_no_progress_bar(tmp_pat
     assert "Writing model shards" not in err and "it/s" not in err
     assert json.loads((tmp_path / "merged" / "config.json").read_text())["model_type"] == "qwen2"
     assert Path(tmp_path / "merged").is_dir()
+
+
+def test_nothing_in_the_repository_cites_a_file_a_clone_lacks():
+    """The project began from a design document beside the repository; a user's clone has neither it nor the
+    folder it lived in, so a citation of either is a dead end."""
+    absent = ("DESIGN" + ".md", "../" + "shared")
+    files = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-z"], capture_output=True, check=True).stdout
+    cited = [(name, word) for name in files.decode().split("\0")
+             if name and name.endswith((".py", ".md", ".txt", ".toml", ".ini", ".cfg", ".sh", ".html", "Makefile"))
+             and (ROOT / name).is_file() for word in absent if word in (ROOT / name).read_text(errors="replace")]
+    assert not cited, cited
+
+
+def test_the_architecture_page_names_every_package():
+    """docs/architecture.md is the map: a package it does not name is one a newcomer cannot place."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    files = subprocess.run(["git", "-C", str(ROOT), "ls-files"], capture_output=True, text=True, check=True).stdout
+    packages = sorted(name.rsplit("/", 1)[0] for name in files.splitlines()
+                      if name.endswith("/__init__.py") and not name.startswith("tests/"))
+    leaves = [name.rsplit("/", 1)[-1] + "/" for name in packages]
+    assert packages and not [name for name, leaf in zip(packages, leaves) if leaf not in text], packages
+    assert "```mermaid" in text and "BLAKE3" in text and "SHA-256" not in text

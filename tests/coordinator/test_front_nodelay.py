@@ -2,7 +2,7 @@
 
 asyncio sets TCP_NODELAY only on sockets whose ``proto`` is IPPROTO_TCP; the coordinator's listening socket is made
 with proto 0, so its connections kept Nagle on and every answer's body (a write after the head's) waited for the
-client's delayed ACK: 40 ms per request (docs/scale.md, seventh round).
+client's delayed ACK: 40 ms per request (docs/history/scale.md, seventh round).
 """
 from __future__ import annotations
 

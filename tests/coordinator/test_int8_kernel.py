@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench.load import lora_manifest
+from bench.shapes import lora_manifest
 from compression import make_codec
 from compression.wire import decode_update, encode_update, index_update_file, split_update
 from coordinator import int8_kernel

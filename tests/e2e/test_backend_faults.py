@@ -22,7 +22,7 @@ import pytest
 import requests
 
 from bench.common import CoordinatorProcess
-from bench.load import random_tensors
+from bench.shapes import random_tensors
 from bench.servers import start_postgres
 from protocol.client import CoordinatorClient
 from protocol.schemas import API_PREFIX

@@ -14,7 +14,7 @@ import requests
 import torch
 
 from bench.common import CoordinatorProcess
-from bench.load import PROJECTIONS, lora_manifest, random_tensors
+from bench.shapes import PROJECTIONS, lora_manifest, random_tensors
 from compression import make_codec
 from compression.wire import encode_update
 from protocol.client import CoordinatorClient

@@ -29,7 +29,7 @@ def test_average_is_the_exact_weighted_sum_of_full_updates(experts, helpers):
 
 
 def test_averaging_factors_separately_is_wrong(make_expert, helpers):
-    """DESIGN.md section 5: mean(B_i) @ mean(A_i) is not mean(B_i @ A_i)."""
+    """mean(B_i) @ mean(A_i) is not mean(B_i @ A_i) (docs/architecture.md, "Exact gateway")."""
     experts = [make_expert(rank=4, alpha=8.0, seed=s) for s in range(3)]
     exact = merge("weighted_average", experts, [1, 1, 1])
     for name in experts[0]:
