@@ -30,7 +30,7 @@ from protocol.cli import add_common_flags, add_flags, comma_list, from_flags, js
 from protocol.python_version import require_supported_python
 
 
-RELAY = 'relay (docs/wan.md, "Relays"): with --upstream this process is a relay'
+RELAY = 'relay (docs/wan.md, "Relays placed by hand"): with --upstream this process is a relay'
 
 
 @dataclass(frozen=True)

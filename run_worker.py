@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import socket
 import sys
 import warnings
@@ -42,6 +43,7 @@ DEFAULT_BASE_MODEL = "qwen/Qwen2-0.5B-Instruct"
 
 
 CHECKPOINT, COMPRESSION, TRAINING = "checkpoint and sync", "compression", "training"
+PLACEMENT = "placement over a WAN (docs/wan.md)"
 CHECKPOINTING_CHOICES = {"auto": None, "on": True, "off": False}
 """--gradient-checkpointing -> TrainSettings.gradient_checkpointing (None: decided from the model and batch size)."""
 PRIVACY = "privacy (docs/privacy.md)"
@@ -79,6 +81,10 @@ class WorkerFlags:
                                          "with); the run ends after N steps or --duration, whichever comes first, "
                                          "with the final push", type=int, metavar="N")
     sync_interval: float = option(10.0, "seconds between syncs")
+    comm_share: float | None = option(None, "stretch the interval between syncs so that pushing and pulling take at "
+                                            "most this share of the worker's time, e.g. 0.25 on a slow link "
+                                            "(never below --sync-interval; default: sync every --sync-interval)",
+                                      type=float, metavar="SHARE")
     use_proxy: bool = option(False, "honour HTTP(S)_PROXY for coordinator and hub")
     token: str | None = option(None, "the coordinator's join token (default: $FEDMOE_TOKEN, or found automatically "
                                      "when the coordinator runs on this machine)")
@@ -97,6 +103,20 @@ class WorkerFlags:
                                               "safetensors (lossless, uncompressed), another compression spec "
                                               "such as topk+int8, or auto (picked at each sync to fit "
                                               "--sync-budget)", group=COMPRESSION)
+    follow_placement: bool = option(False, "report link measurements to the root (--coordinator-url) and sync with the "
+                                           "relay it assigns (the root groups workers by their links)",
+                                    group=PLACEMENT)
+    placement_interval: float = option(30.0, "with --follow-placement: seconds between two rounds of probes",
+                                       metavar="SECONDS", group=PLACEMENT)
+    can_relay: bool = option(False, "also run a relay the root may assign nearby workers to (implies "
+                                    "--follow-placement; needs the relay join token)", group=PLACEMENT)
+    relay_host: str | None = option(None, "with --can-relay: the address other workers reach this machine at "
+                                          "(default: the one it reaches the root from)", group=PLACEMENT)
+    relay_join_token_file: Path | None = option(None, "with --can-relay: file holding the root's relay join token "
+                                                      "(default: $FEDMOE_RELAY_JOIN_TOKEN)", type=Path,
+                                                group=PLACEMENT)
+    relay_flags: str = option("", "with --can-relay: run_coordinator.py flags of the relay, e.g. "
+                                  "'--forward-compression int8 --site-model'", metavar="FLAGS", group=PLACEMENT)
     sync_budget: float | None = option(None, "with --compression auto: seconds a push (and a pull) may take; the "
                                              "codec and ratio are picked from the measured throughput, and pulls "
                                              "become compressed diffs when full weights would take longer",
@@ -329,7 +349,8 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
                           duration=args.duration, max_steps=args.max_steps, sync_interval=args.sync_interval,
                           speed_factor=args.speed_factor, results_path=args.results,
                           state_dir=args.state_dir or default_state_dir(worker_id), resume=not args.fresh,
-                          overlap=not args.no_overlap, secure_aggregation=args.secure_aggregation),
+                          overlap=not args.no_overlap, secure_aggregation=args.secure_aggregation,
+                          comm_share=args.comm_share),
         lora=lora, train=train, dp_sgd=dp_sgd_settings(args, lora, train), use_huggingface=args.use_huggingface,
         use_proxy=args.use_proxy, device=args.device, compression=compression, pull=pull, token=args.token,
         ca_cert=args.ca_cert, progress=False if args.log_format == "json" else None, threads=args.threads,
@@ -337,7 +358,26 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         parallel=parallel_settings(args, deepspeed),
         data=DataSettings(dataset_format=args.dataset_format, split_key=args.split_key,
                           eval_dataset=args.eval_dataset),
-        profile=profile_settings(args), tensorboard=tensorboard_dir(args))
+        profile=profile_settings(args), tensorboard=tensorboard_dir(args), placement=placement_settings(args, worker_id))
+
+
+def placement_settings(args: argparse.Namespace, worker_id: str):
+    """--follow-placement and --can-relay's settings, or None when the worker syncs where --coordinator-url says."""
+    from worker.runner import PlacementSettings
+
+    if not (args.follow_placement or args.can_relay):
+        for flag in ("relay_host", "relay_join_token_file", "relay_flags"):
+            if getattr(args, flag):
+                raise ValueError(f"--{flag.replace('_', '-')} applies to --can-relay only; add it or drop the flag")
+        return None
+    if "," in args.coordinator_url:
+        raise ValueError("--follow-placement takes the root's URL alone in --coordinator-url (the root assigns the "
+                         f"relays), got {args.coordinator_url!r}")
+    if not 1 <= args.placement_interval <= 86_400:
+        raise ValueError(f"--placement-interval must be 1-86400 seconds, got {args.placement_interval}")
+    return PlacementSettings(interval=args.placement_interval, can_relay=args.can_relay, relay_host=args.relay_host,
+                             relay_join_token_file=args.relay_join_token_file,
+                             relay_id=f"{worker_id}-relay", relay_flags=tuple(shlex.split(args.relay_flags)))
 
 
 def pull_codec(args: argparse.Namespace) -> str | None:
@@ -377,6 +417,8 @@ def _check_address_and_files(args: argparse.Namespace) -> None:
     if args.ca_cert is not None and not args.ca_cert.is_file():
         raise ValueError(f"--ca-cert {str(args.ca_cert)!r} does not exist")
     check_sync_budget(args.compression, args.sync_budget)  # worker.encoding checks the same rules
+    if args.comm_share is not None and not 0 < args.comm_share < 1:
+        raise ValueError(f"--comm-share must be a share of the worker's time in (0, 1), got {args.comm_share}")
 
 
 def _check_results_path(path: Path) -> None:

@@ -109,8 +109,9 @@ HEADLINES: dict[str, Callable[[Report], str]] = {
     "secagg_quality": lambda r: (f"held-out loss plain {r['arms']['plain']['heldout']['loss']:.4f}, secagg "
                                  f"{r['arms']['secagg']['heldout']['loss']:.4f} ({r['model']})"),
     "transport_ab": lambda r: "change / baseline: " + ", ".join(f"{k} {v:g}" for k, v in r["ratios"].items()),
-    "wan": lambda r: "root ingress vs flat: " + ", ".join(
-        f"{x['mode']} {x['ingress_vs_flat']:g}x" for x in r["results"]),
+    "wan": lambda r: "to 90% of the best baseline's gain, vs it (steps per worker): " + ", ".join(
+        f"{x['mode']} " + (f"{x['speedup_target90_s']:g}x ({x['steps_to_target90']['median']:g})"
+                           if x["speedup_target90_s"] else "never") for x in r["summary"]),
     "wan_link": lambda r: ", ".join(
         f"{name} {p['download_mbit_s']:.0f}/{p['configured_mbit_s']:g} Mbit/s, RTT {p['rtt_ms_median']:.1f}/"
         f"{p['configured_rtt_ms']:g} ms" for name, p in r.items() if isinstance(p, dict)),

@@ -1,16 +1,21 @@
 #!/usr/bin/env python3
-"""WAN benchmark: flat federation against relay coordinators, over emulated WAN links.
+"""WAN benchmark: flat federation and Flower against relay coordinators, over emulated WAN links (docs/wan.md).
 
-Two emulated sites (``bench.wanemu``: a network namespace, a veth pair shaped with tbf, a delay
-proxy) each hold three real ``run_worker.py`` processes training one expert; the root coordinator
-runs on this host's loopback, behind each site's 20 Mbit/s, 50 ms RTT link. The link is the site's:
-its three workers (or its relay) share the one veth pair and its tbf, as they would share a site's
-uplink. Modes (``MODES``; the defaults are per base model, ``DEFAULT_MODES``):
+Emulated sites (``bench.wanemu``: a network namespace, a veth pair shaped with tbf, a delay proxy; two by
+default, ``--sites``) each hold real ``run_worker.py`` processes (three, ``--workers``) training one expert; the
+root coordinator runs on this host's loopback, behind each site's 20 Mbit/s, 50 ms RTT link. The link is the site's:
+its workers (or its relay) share the one veth pair and its tbf, as they would share a site's uplink.
+
+Issue 35's baselines, the smollm2-135m defaults: ``flat defaults sync N s`` (a user's defaults, overlap on, the
+coordinator's default aggregation, N swept over 3/10/30), ``flat randomk+terngrad defaults sync N s`` (the best fixed
+codec), ``flower fedavg N steps/round`` (Flower's deployment engine, bench/wan_flower.py), against ``relays+adaptive
+(int8 both ways; site model)`` and its self-formed twin (no relay placed by hand: issue 35 item 2); the ``hetero``
+modes are item 3's mixed fleet. Older modes, kept to rerun the history's figures (docs/history/wan.md):
 
 - ``flat``: every worker talks to the root over its site's link (uncompressed pushes); the root
   aggregates with FedBuff over K=3 (the group size), the fair baseline: flat fedasync applies each
   of 6 workers' deltas in full and oscillates (``flat fedasync``, kept for reference);
-- ``flat topk+int8``: the same with the best fixed codec of the flat baseline (docs/wan.md);
+- ``flat topk+int8``: the same with the best fixed codec of the flat baseline (docs/history/wan.md);
 - ``relays``: one relay per site runs *inside* the site (``run_coordinator.py --upstream``); the
   site's workers reach it on the namespace's loopback (fast), and only the relay crosses the WAN,
   forwarding one combined update per expert per ``--forward-interval`` (lossless);
@@ -19,11 +24,11 @@ uplink. Modes (``MODES``; the defaults are per base model, ``DEFAULT_MODES``):
 - on smollm2-135m: ``flat randomk+terngrad`` (the best fixed codec measured on that model: random-k
   10% + TernGrad, unbiased, no error feedback, each worker its own selection seed), and
   ``relays+adaptive (int8 upstream)`` (the relays' long link in int8 with error feedback, +0.00% on
-  smollm2-135m in docs/history/benchmarks.md, where top-k + int8 kept ~10% of the gain);
+  smollm2-135m in docs/benchmarks.md, where top-k + int8 kept ~10% of the gain);
 - ``relays+adaptive (int8 both ways; site model)``: the relays also fetch root versions as int8 diffs and serve
   their site's model (``--site-model``: the root's version plus the site's updates not yet in it; a batch is the
   site's summed progress), and the root averages the two sites' batches (FedBuff K=2), hierarchical FL's
-  edge/cloud rounds: the smollm2 default for relays + adaptive (docs/wan.md).
+  edge/cloud rounds: the smollm2 default for relays + adaptive (docs/history/wan.md).
 
 Two regimes. tiny-qwen2 (``--quick``, and the default) is compute-bound: a 150 KB update is ~8% of
 a sync. ``--base-model smollm2-135m`` is built to be link-bound: a 9.8 MB LoRA update (rank 8, all
@@ -43,13 +48,12 @@ is from the expert's creation (version 0) to the first version at or below it (N
     python -m bench.wan --base-model smollm2-135m   # link-bound, 150 s per mode (~30 min for 4 modes)
 
 Needs root (network namespaces). Table on stdout, progress on stderr, results in bench/results/wan.json
-(``--quick``: bench/results/quick/wan.json).
+(``--quick``: wan_quick.json).
 """
 from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import statistics
 import subprocess
@@ -58,22 +62,26 @@ import tempfile
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from bench.common import SCRATCH_DIR, format_table, pulled_tensors, recorded_token, running_coordinator, sample_suite
-from bench.harness import Bench, Run
+from bench.common import (SCRATCH_DIR, format_table, pulled_tensors, recorded_token, running_coordinator,
+                          write_json_atomic)
+from bench.harness import Bench
+from bench.harness import Run as BenchRun
+from bench.wan_eval import evaluate, first_reaching, summarise
+from bench.wan_flower import FlowerRun, FlowerUnavailable, check_flower, run_flower
+from bench.wan_setup import (PRESETS, ROOT, SCENARIOS, SPECIALTY, CpuCapUnavailable, Settings, check_cpu_cap,
+                             cpu_capped, link_seconds, write_shards)
 from bench.wanemu import NamespaceUnavailable, WanLink, check_available
 from protocol.cli import comma_list, option
 from protocol.client import CoordinatorClient
 from protocol.credentials import TOKEN_ENV
 
 log = logging.getLogger("bench.wan")
-ROOT = Path(__file__).resolve().parents[1]
-SPECIALTY = "sql_expert"
+__all__ = ["CpuCapUnavailable", "PRESETS", "cpu_capped", "first_reaching"]  # bench.wan's names, as before the split
 FULL_PULLS = ["--pull-compression", "full"]
 """Full-weight pulls, as every fixed-codec mode measured them (int8 diff pulls became the default on 2026-11-29)."""
 TOPK_INT8 = ["--compression", "topk+int8", "--compression-config", '{"ratio": 0.05}', *FULL_PULLS]
@@ -92,16 +100,36 @@ class Mode:
     """The workers' compression flags."""
     relays: list[str] | None = None
     """Flags of one relay per site (None: flat, workers talk to the root)."""
+    self_formed: list[str] | None = None
+    """No relay placed by hand: every worker follows the root's placement, each site's first worker is started with
+    --can-relay and these flags for its relay (issue 35 item 2); None: not this kind of mode."""
     needs: str | None = None
     """A run_worker.py --help text this mode needs (a flag built on another branch)."""
     root: dict[str, Any] = field(default_factory=dict)
-    """The root's CoordinatorConfig settings (default: fedasync)."""
+    """The root's CoordinatorConfig settings (empty: the coordinator's defaults)."""
+    sync_interval: float | None = None
+    """The workers' --sync-interval (None: the preset's)."""
+    overlap: bool | None = None
+    """True: the worker's default, sync overlapped with training (None: the preset's)."""
+    scenario: str | None = None
+    """A fleet of bench.wan_setup.SCENARIOS (its sites, links and worker speeds) instead of the preset's."""
+    flower_steps: int | None = None
+    """Flower's FedAvg through its deployment engine at this many local steps per round (bench.wan_flower)
+    instead of FedMoE workers."""
+
+    @property
+    def baseline(self) -> bool:
+        """A baseline the relays are measured against: every mode without relays."""
+        return self.relays is None and self.self_formed is None
 
 
 # Flat baselines aggregate with FedBuff over the group size (3): each root step is a sample-weighted
 # mean of 3 workers' deltas, as a relay's forward is. Flat fedasync applies every delta in full and
-# oscillated (an effective step ~6x with 6 workers: docs/wan.md), which would flatter the relays.
+# oscillated (an effective step ~6x with 6 workers: docs/history/wan.md), which would flatter the relays.
 FLAT_FEDBUFF = {"aggregation": "fedbuff", "buffer_size": 3}
+PER_SITE = "sites"
+"""A relay mode's root ``buffer_size``: one batch from each site (the run's ``--sites``) per root step."""
+SITES_FEDBUFF = {"aggregation": "fedbuff", "buffer_size": PER_SITE}
 TOPK_UPSTREAM = ["--forward-compression", "topk+int8", "--forward-compression-config", '{"ratio": 0.05}']
 AUTO = ["--compression", "auto", "--sync-budget", "2"]
 INT8_BOTH_WAYS = ["--forward-compression", "int8", "--upstream-pull-compression", "int8"]
@@ -118,127 +146,93 @@ MODES: dict[str, Mode] = {
     # the relays compress the long link
     "relays+adaptive": Mode(AUTO, relays=TOPK_UPSTREAM, needs="--sync-budget"),
     # smollm2-135m: random-k 10% + TernGrad matched fp32 within 0.15% at 143x there, top-k + int8 kept ~10%
-    # of the gain (docs/history/benchmarks.md), so that is its best fixed codec, and the relays' lossy codec is int8
+    # of the gain (docs/benchmarks.md), so that is its best fixed codec, and the relays' lossy codec is int8
     "flat randomk+terngrad": Mode(RANDOMK_TERNGRAD, root=FLAT_FEDBUFF),
     "relays+adaptive (int8 upstream)": Mode(AUTO, relays=["--forward-compression", "int8"], needs="--sync-budget"),
     # the relays also fetch new root versions as int8 diffs (a full fetch every 10th): ~1 s of the site's downlink
-    # per version instead of ~4 s, so the weights its workers train on are fresher (docs/wan.md)
+    # per version instead of ~4 s, so the weights its workers train on are fresher (docs/history/wan.md)
     "relays+adaptive (int8 both ways)": Mode(AUTO, relays=INT8_BOTH_WAYS, needs="--sync-budget"),
     # both ways, FedBuff K=2 at the root with server lr 2: each root step both sites' batches added (FedAsync's
-    # step size), one version per pair of batches instead of one per batch (docs/wan.md, "What bounds")
+    # step size), one version per pair of batches instead of one per batch (docs/history/wan.md, "What bounds")
     "relays+adaptive (int8 both ways; fedbuff root x2)": Mode(
         AUTO, relays=INT8_BOTH_WAYS, needs="--sync-budget",
-        root={"aggregation": "fedbuff", "buffer_size": 2, "server_lr": 2.0}),
+        root={**SITES_FEDBUFF, "server_lr": 2.0}),
     # each relay serves its site's model (the root's version plus the site's updates not yet in it) and forwards the
     # sum of its workers' weighted deltas, the site's progress (coordinator/relay/site.py); the root averages the two
-    # sites' batches (FedBuff K=2), hierarchical FL's cloud round (docs/wan.md)
+    # sites' batches (FedBuff K=2), hierarchical FL's cloud round (docs/history/wan.md)
     "relays+adaptive (int8 both ways; site model)": Mode(
         AUTO, relays=[*INT8_BOTH_WAYS, "--site-model"], needs="--sync-budget",
-        root={"aggregation": "fedbuff", "buffer_size": 2}),
+        root=SITES_FEDBUFF),
     "relays+adaptive (int8 both ways; site model; fedasync root)": Mode(
         AUTO, relays=[*INT8_BOTH_WAYS, "--site-model"], needs="--sync-budget"),
     # the same with FedBuff at the root over the two relays' batches (each root step the mean of both), against
-    # the FedAsync root's oscillation when the relays forward often (docs/wan.md, tenth run)
+    # the FedAsync root's oscillation when the relays forward often (docs/history/wan.md, tenth run)
     "relays+adaptive (int8 upstream; fedbuff root)": Mode(AUTO, relays=["--forward-compression", "int8"],
                                                           needs="--sync-budget",
-                                                          root={"aggregation": "fedbuff", "buffer_size": 2}),
+                                                          root=SITES_FEDBUFF),
 }
+
+# Issue 35's baselines, as a user would run them: the worker's defaults (sync overlapped with training, i.e. no
+# --no-overlap) and the coordinator's (no root settings: FedAsync mixing each update in at 1 / the workers alive on
+# the expert, with its staleness weight), at three sync intervals around the worker's default of 10 s; the best
+# fixed codec of this model at each; Flower's FedAvg through its deployment engine at three round lengths (local
+# optimiser steps per round; FlowerTune's LLM recipes train a fixed number of local steps a round)
+SWEEP_INTERVALS = (3, 10, 30)
+FLOWER_STEPS = (3, 10, 30)
+for _interval in SWEEP_INTERVALS:
+    # fp32 both ways: the worker's defaults when these were measured (int8 both ways since 2026-11-29)
+    MODES[f"flat defaults sync {_interval}s"] = Mode(LOSSLESS, sync_interval=_interval, overlap=True)
+    MODES[f"flat randomk+terngrad defaults sync {_interval}s"] = Mode(RANDOMK_TERNGRAD, sync_interval=_interval,
+                                                                       overlap=True)
+for _steps in FLOWER_STEPS:
+    MODES[f"flower fedavg {_steps} steps/round"] = Mode([], flower_steps=_steps)
+
+# issue 35 item 3: three workers of speeds 1, 0.5, 0.25 on fast, 20 and 5 Mbit/s links (bench.wan_setup.SCENARIOS),
+# each pacing itself (--compression auto sizes each push to --sync-budget, --comm-share stretches its interval so its
+# link takes at most a quarter of its time), FedAsync at the root weighing staleness; against the same three at full
+# speed on equal links, and against Flower's FedAvg on the same mix (each round waits for the slowest)
+PACED = [*AUTO, "--comm-share", "0.25"]
+MODES["hetero fedmoe paced"] = Mode(PACED, scenario="hetero", sync_interval=2, overlap=True, needs="--comm-share")
+MODES["homogeneous fedmoe paced"] = Mode(PACED, scenario="homogeneous", sync_interval=2, overlap=True,
+                                         needs="--comm-share")
+MODES["hetero flower fedavg 10 steps/round"] = Mode([], scenario="hetero", flower_steps=10)
+# issue 35 item 2: the hand-placed site-model relays' settings, with no relay placed by hand
+MODES["relays+adaptive self-formed (int8 both ways; site model)"] = Mode(
+    AUTO, self_formed=[*INT8_BOTH_WAYS, "--site-model"], needs="--follow-placement",
+    root=SITES_FEDBUFF)
+HETERO_MODES = ["homogeneous fedmoe paced", "hetero fedmoe paced", "hetero flower fedavg 10 steps/round"]
+
 DEFAULT_MODES = {"tiny-qwen2": ["flat", "flat topk+int8", "relays + topk+int8 upstream", "relays+adaptive"],
-                 "smollm2-135m": ["flat", "flat randomk+terngrad", "relays",
+                 "smollm2-135m": [*(f"flat defaults sync {i}s" for i in SWEEP_INTERVALS),
+                                  "flat randomk+terngrad defaults sync 10s",
+                                  *(f"flower fedavg {n} steps/round" for n in FLOWER_STEPS),
                                   "relays+adaptive (int8 both ways; site model)"]}
 
 
-@dataclass(frozen=True)
-class Settings:
-    sites: int
-    workers: int
-    """run_worker.py processes per site."""
-    duration: float
-    """Seconds each worker trains."""
-    sync_interval: float
-    """Seconds between a worker's syncs."""
-    base_model: str = "tiny-qwen2"
-    batch_size: int = 4
-    max_seq_len: int = 64
-    threads: int | None = None
-    """--threads of each worker (None: run_worker.py's default)."""
-    overlap: bool = True
-    """False: --no-overlap (training waits for each sync)."""
-    forward_interval: float | None = None
-    """Seconds between a relay's forwards (None: sync_interval)."""
-    max_eval_versions: int = 0
-    """Evaluate at most this many of a mode's kept versions, evenly spaced, then every version between the
-    last one above a target and the first at or below it (0: every version)."""
-    rate_mbit: float = 20.0
-    """Bandwidth of a site's link to the root, each way."""
-    rtt_ms: float = 50.0
-    """Round-trip time the delay proxy adds on that link."""
-    heldout: int = 48
-    """Held-out examples each kept version is evaluated on."""
-    worker_cpu: float | None = None
-    """Cap each worker at this fraction of one core (a cgroup cpu quota), the same in every mode, as if each
-    ran on a slow machine of its own (None: the workers share the host's cores as they come)."""
-
-
 @dataclass
-class Processes:
-    """What one mode started: the workers and the relays."""
-
+class Run:
     procs: list[subprocess.Popen] = field(default_factory=list)
     relays: list[subprocess.Popen] = field(default_factory=list)
 
 
-CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
-"""cgroup v1's cpu controller (these machines); cgroup v2 hosts would need cpu.max instead."""
-CFS_PERIOD_US = 100_000
+def mode_settings(mode: Mode, s: Settings) -> Settings:
+    """The preset with the mode's own sync interval, overlap and fleet."""
+    s = replace(s, **SCENARIOS[mode.scenario]) if mode.scenario else s
+    return replace(s, sync_interval=s.sync_interval if mode.sync_interval is None else mode.sync_interval,
+                   overlap=s.overlap if mode.overlap is None else mode.overlap)
 
 
-class CpuCapUnavailable(RuntimeError):
-    """No writable cgroup cpu controller here: --worker-cpu cannot be honoured."""
+def root_settings(mode: Mode, s: Settings) -> dict[str, Any]:
+    """The mode's root settings for this run: a per-site buffer is as large as the run has sites."""
+    return {k: s.sites if v == PER_SITE else v for k, v in mode.root.items()}
 
 
-@contextmanager
-def cpu_capped(name: str, share: float) -> Iterator[Callable[[int], None]]:
-    """A cgroup capped at ``share`` of one core; yields ``add(pid)``, which moves a process (all its threads,
-    and those it starts later) into it. The group is removed on exit (its processes must be gone by then)."""
-    group = CPU_CGROUP / f"fedmoe-wan-{os.getpid()}-{name}"
-    try:
-        group.mkdir()
-        (group / "cpu.cfs_period_us").write_text(str(CFS_PERIOD_US))
-        (group / "cpu.cfs_quota_us").write_text(str(max(1000, round(share * CFS_PERIOD_US))))
-    except OSError as exc:
-        raise CpuCapUnavailable(f"--worker-cpu needs a writable cgroup v1 cpu controller at {CPU_CGROUP} "
-                                f"({exc.strerror}); run without it") from None
-    def add(pid: int) -> None:
-        (group / "cgroup.procs").write_text(str(pid))
-
-    try:
-        yield add
-    finally:
-        try:
-            group.rmdir()
-        except OSError as exc:  # a process still in it: say so, leave the empty-quota group behind
-            log.warning("could not remove cgroup %s: %s", group, exc.strerror)
-
-
-def check_cpu_cap() -> None:
-    with cpu_capped("probe", 1.0):
-        pass
-
-
-PRESETS: dict[str, Settings] = {
-    "quick": Settings(sites=2, workers=3, duration=40, sync_interval=8),
-    "tiny-qwen2": Settings(sites=2, workers=3, duration=120, sync_interval=10),
-    # link-bound: see the module docstring; held-out examples at 32 tokens cost ~0.15 CPU s each
-    "smollm2-135m": Settings(sites=2, workers=3, duration=150, sync_interval=1, base_model="smollm2-135m",
-                             batch_size=1, max_seq_len=32, threads=1, overlap=False, forward_interval=5,
-                             heldout=36, max_eval_versions=14),
-}
-
-
-def worker_command(name: str, url: str, results: Path, flags: list[str], s: Settings) -> list[str]:
+def worker_command(name: str, url: str, results: Path, flags: list[str], s: Settings,
+                   dataset: Path | None = None) -> list[str]:
+    """A run_worker.py command line; ``dataset`` its own shard (None: the expert's sample data, all of it)."""
     seed = str(zlib.crc32(name.encode()) or 1)  # a codec seed of 0 means "unseeded"
     extra = ([] if s.threads is None else ["--threads", str(s.threads)]) + ([] if s.overlap else ["--no-overlap"])
+    extra += ([] if s.lr is None else ["--lr", str(s.lr)]) + ([] if dataset is None else ["--dataset", str(dataset)])
     # --seed: each worker its own order over the examples, as workers with data of their own would see; with
     # one seed for all, the six workers took the same example at each step (their mean was one example's step)
     return [sys.executable, str(ROOT / "run_worker.py"), "--specialty", SPECIALTY, "--base-model", s.base_model,
@@ -247,6 +241,18 @@ def worker_command(name: str, url: str, results: Path, flags: list[str], s: Sett
             "--sync-interval", str(s.sync_interval), "--batch-size", str(s.batch_size),
             "--max-seq-len", str(s.max_seq_len), "--no-heldout-eval", *extra,
             *[flag.replace(SEED, seed) for flag in flags]]
+
+
+def self_formed_flags(mode: Mode, index: int, s: Settings) -> list[str]:
+    """A self-formed mode's placement flags for worker ``index`` of its site: all follow the root's placement (every
+    5 s, to form fast in a short run), the site's first also runs a relay (the only hint: which machines may)."""
+    if mode.self_formed is None:
+        return []
+    flags = ["--follow-placement", "--placement-interval", "5"]
+    if index == 0:
+        relay = [*mode.self_formed, "--forward-interval", str(forward_interval(s)), "--rate-limit", "0"]
+        flags += ["--can-relay", "--relay-flags", " ".join(relay)]
+    return flags
 
 
 def start_relay(link: WanLink, index: int, flags: list[str], s: Settings, scratch: Path,
@@ -272,20 +278,30 @@ def forward_interval(s: Settings) -> float:
     return s.sync_interval if s.forward_interval is None else s.forward_interval
 
 
-def run_mode(name: str, s: Settings, scratch: Path) -> dict[str, Any]:
-    """One federation of ``s.sites`` x ``s.workers`` workers in mode ``name``; figures and the root's versions."""
+def run_mode(name: str, s: Settings, scratch: Path, keep: Path, shards: list[Path] | None = None) -> dict[str, Any]:
+    """One run of mode ``name`` (``s.sites`` x ``s.workers`` workers, worker k on ``shards[k]`` if given): figures,
+    and the versions the root kept (Flower: its rounds), their weights saved in ``keep``."""
     mode = MODES[name]
-    paths = [scratch / f"{name}-{site}-{i}.jsonl".replace(" ", "_") for site in range(s.sites)
+    scratch.mkdir(parents=True, exist_ok=True)
+    s = mode_settings(mode, s)
+    shards = shards and shards[:s.worker_count]
+    if mode.flower_steps is not None:
+        if not shards:
+            raise ValueError("Flower's clients train on shards: pass them")
+        return {**run_flower(name, FlowerRun(mode.flower_steps), s, scratch, shards, keep), "baseline": True}
+    paths = [scratch / f"{name}-{site}-{i}.jsonl".replace(" ", "_").replace(",", "") for site in range(s.sites)
              for i in range(s.workers)]
     cpu_before = _cpu_seconds()
-    with running_coordinator(keep_versions=1000, **mode.root) as url, ExitStack() as stack:
+    root = root_settings(mode, s)
+    with running_coordinator(keep_versions=1000, **root) as url, ExitStack() as stack:
         # (exits in reverse: the workers' cgroups are removed after the finally below has reaped them)
         port = int(url.rsplit(":", 1)[1])
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                "HF_HUB_OFFLINE": "1", TOKEN_ENV: recorded_token(url),  # the site cannot see this host's token file
-               "FEDMOE_JOIN_TOKEN": recorded_token(url)}  # relays join with it (the admin may register relays)
-        links = [stack.enter_context(WanLink(("127.0.0.1", port), s.rate_mbit, s.rtt_ms)) for _ in range(s.sites)]
-        run = Processes()
+               "FEDMOE_JOIN_TOKEN": recorded_token(url),  # relays join with it (the admin may register relays)
+               "FEDMOE_RELAY_JOIN_TOKEN": recorded_token(url)}  # --can-relay workers' relays register with it
+        links = [stack.enter_context(WanLink(("127.0.0.1", port), *s.site_link(i))) for i in range(s.sites)]
+        run = Run()
         started = time.monotonic()
         try:
             for site, link in enumerate(links):
@@ -295,12 +311,15 @@ def run_mode(name: str, s: Settings, scratch: Path) -> dict[str, Any]:
                     run.relays.append(proc)
                 for i in range(s.workers):
                     path = paths[site * s.workers + i]
+                    flags = mode.workers + self_formed_flags(mode, i, s)
                     with path.with_suffix(".log").open("w") as log_file:  # a file: 6 pipes read in turn could fill
                         run.procs.append(link.site.popen(
-                            worker_command(f"wan-{site}-{i}", target, path, mode.workers, s), cwd=ROOT, env=env,
+                            worker_command(f"wan-{site}-{i}", target, path, flags, s,
+                                           shards[site * s.workers + i] if shards else None), cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=log_file))
-                    if s.worker_cpu is not None:  # before it loads torch: every thread it starts stays capped
-                        stack.enter_context(cpu_capped(f"{site}-{i}", s.worker_cpu))(run.procs[-1].pid)
+                    share = s.worker_share(site * s.workers + i)
+                    if share is not None:  # before it loads torch: every thread it starts stays capped
+                        stack.enter_context(cpu_capped(f"{site}-{i}", share))(run.procs[-1].pid)
             deadline = time.monotonic() + s.duration + 900  # start-up under load
             for p in run.procs:
                 p.wait(timeout=max(1.0, deadline - time.monotonic()))
@@ -314,19 +333,58 @@ def run_mode(name: str, s: Settings, scratch: Path) -> dict[str, Any]:
         wall = time.monotonic() - started
         ingress = sum(link.proxy.bytes_to_target for link in links)
         egress = sum(link.proxy.bytes_to_client for link in links)
-        versions = kept_versions(url)
+        versions = kept_versions(url, keep)
         relay_reports = relay_counters(url) if run.relays else []
+        shares = contributions(url, mode.root.get("staleness_decay", 0.1)) if mode.relays is None else None
     failed = [(p.returncode, path) for p, path in zip(run.procs, paths) if p.returncode != 0]
     if failed:
         raise RuntimeError(f"{name}: worker exited {failed[0][0]}:\n"
                            f"{failed[0][1].with_suffix('.log').read_text()[-3000:]}")
     records = [json.loads(line) for p in paths for line in p.read_text().splitlines()]
+    t0 = versions[0]["created_at"] if versions else min((r["time"] for r in records), default=0.0)
     cpu = {k: round(v - cpu_before[k], 1) for k, v in _cpu_seconds().items()}
-    capacity = s.sites * s.rate_mbit * 1e6 / 8 * wall  # bytes the site links could carry each way in the run
-    return {"mode": name, "root": mode.root or {"aggregation": "fedasync"}, **figures(records),
+    capacity = s.link_capacity(wall)  # bytes the site links could carry each way in the run
+    return {"mode": name, "engine": "fedmoe", "baseline": mode.baseline, "sync_interval": s.sync_interval,
+            "overlap": s.overlap, "root": root or {"aggregation": "the coordinator's default"},
+            **figures(records, s.worker_count),
             "root_ingress_bytes": ingress, "root_egress_bytes": egress, "wall_seconds": round(wall, 1),
             "link_busy_up": round(ingress / capacity, 3), "link_busy_down": round(egress / capacity, 3),
-            "cpu_seconds": cpu, "relays": relay_reports, "versions": versions}
+            "cpu_seconds": cpu, "relays": relay_reports, "contributions": shares,
+            "step_clock": step_clock(records, t0, s.worker_count), "versions": versions}
+
+
+def step_clock(records: list[dict[str, Any]], t0: float, workers: int) -> list[list[float]]:
+    """[seconds since the expert's creation, optimiser steps per worker so far] at each sync: a target reached at
+    time t took the steps trained by then (bench.wan_eval.steps_at)."""
+    total, out = 0, []
+    for r in sorted((r for r in records if r.get("steps")), key=lambda r: r["time"]):
+        total += r["steps"]
+        out.append([round(r["time"] - t0, 1), round(total / workers, 1)])
+    return out
+
+
+def contributions(url: str, staleness_decay: float) -> dict[str, dict[str, Any]]:
+    """Per worker, from the root's audit log: updates applied, their staleness (versions behind when applied), and
+    its share of the expert's steps, each update weighted as FedAsync weighs it, 1 / (1 + decay * staleness) (the
+    common alpha = 1 / active workers is the same for all and cancels in the share). A flat mode's update ids
+    start with the worker id (worker/federation.py)."""
+    client = CoordinatorClient(url)
+    try:
+        events = client.events("version_applied", limit=500)
+    finally:
+        client.close()
+    per: dict[str, dict[str, Any]] = {}
+    for event in events:
+        for update_id, tau in zip(event["detail"]["update_ids"], event["detail"]["staleness"]):
+            worker = update_id.rsplit("-", 1)[0]
+            row = per.setdefault(worker, {"updates": 0, "staleness": [], "weight": 0.0})
+            row["updates"] += 1
+            row["staleness"].append(tau)
+            row["weight"] += 1 / (1 + staleness_decay * tau)
+    total = sum(r["weight"] for r in per.values()) or 1.0
+    return {w: {"updates": r["updates"], "staleness_median": statistics.median(r["staleness"]),
+                "staleness_max": max(r["staleness"]), "share": round(r["weight"] / total, 3)}
+            for w, r in sorted(per.items())}
 
 
 def relay_counters(url: str) -> list[dict[str, Any]]:
@@ -362,10 +420,6 @@ def versions_bytes(url: str) -> int:
         client.close()
 
 
-def link_seconds(nbytes: int, s: Settings) -> float:
-    return nbytes / (s.rate_mbit * 1e6 / 8)
-
-
 def _cpu_seconds() -> dict[str, float]:
     """user+sys CPU seconds of this process (root coordinator, delay proxies) and of waited-for children."""
     import resource
@@ -374,21 +428,26 @@ def _cpu_seconds() -> dict[str, float]:
     return {"root_and_proxies": me.ru_utime + me.ru_stime, "workers_and_relays": kids.ru_utime + kids.ru_stime}
 
 
-def kept_versions(url: str) -> list[dict[str, Any]]:
+def kept_versions(url: str, directory: Path) -> list[dict[str, Any]]:
     """Every version the root kept: seconds since version 0 (the expert's creation: worker start-up on a
-    loaded machine is not federation time), and its weights (held for evaluation)."""
+    loaded machine is not federation time), and the file its weights were saved to in ``directory`` (on disk:
+    three runs of eight modes keep ~10 GB of a 9.8 MB adapter's versions until they are scored)."""
+    from safetensors.torch import save_file
+
     client = CoordinatorClient(url)
+    directory.mkdir(parents=True, exist_ok=True)
     out = []
     versions = client.expert(SPECIALTY)["versions"]
     for v in versions:
         if v["stored"]:
-            weights = client.pull_weights(SPECIALTY, version=v["version"]).tensors
+            path = directory / f"version-{v['version']:05d}.safetensors"
+            save_file(pulled_tensors(client.pull_weights(SPECIALTY, version=v["version"])), str(path))
             out.append({"version": v["version"], "seconds": v["created_at"] - versions[0]["created_at"],
-                        "weights": weights})
+                        "created_at": v["created_at"], "file": str(path)})
     return out
 
 
-def figures(records: list[dict[str, Any]]) -> dict[str, Any]:
+def figures(records: list[dict[str, Any]], workers: int = 1) -> dict[str, Any]:
     syncs = [r for r in records if "sync_seconds" in r]
     pushed = [r["bytes_sent"] for r in syncs if "bytes_sent" in r]
 
@@ -409,70 +468,10 @@ def figures(records: list[dict[str, Any]]) -> dict[str, Any]:
             "blocked_seconds_median": median("blocked_seconds"),
             "checkpoint_seconds_median": median("checkpoint_seconds"),
             "steps_total": sum(r.get("steps", 0) for r in syncs), "codecs": choices, "pull_codecs": pulls,
+            "steps_per_worker": round(sum(r.get("steps", 0) for r in syncs) / workers, 1),
             "sync_seconds_median": round(statistics.median(r["sync_seconds"] for r in syncs), 3) if syncs else None,
             "push_bytes_median": int(statistics.median(pushed)) if pushed else None,
             "pull_bytes_total": sum(r.get("bytes_down", 0) for r in syncs)}
-
-
-def evaluate(rows: list[dict[str, Any]], s: Settings) -> None:
-    """Held-out loss of the kept versions (off the clock), then each mode's time to the target.
-
-    With ``s.max_eval_versions`` only that many versions per mode are evaluated at first (evenly spaced, the
-    first and last included), except flat's, which are all evaluated (its best is the target). Then, for each
-    target, every version of a mode before its first evaluated one at or below it is evaluated in order until
-    one reaches it (all of them if none evaluated did), so the time to target is exact: the first version
-    that reaches it. (Before, only the versions since the last evaluated one above the target were: a
-    noisy curve that dipped under the target between two samples, rose and came down again was timed at
-    its second crossing.)
-    """
-    import torch
-
-    from worker.models import load_base_model
-    from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
-
-    torch.set_num_threads(1)
-    domain = next(d for d in sample_suite().domains if d.name == SPECIALTY)
-    heldout = list(domain.heldout[:s.heldout])
-    trainer = LoraTrainer(load_base_model(s.base_model), LoraSettings(),
-                          TrainSettings(batch_size=s.batch_size, max_seq_len=s.max_seq_len), list(domain.train))
-
-    def loss(v: dict[str, Any]) -> float:
-        if "heldout_loss" not in v:
-            trainer.load_adapter_state(v["weights"])
-            v["heldout_loss"] = round(trainer.eval_loss(heldout, batch_size=8), 4)
-        return v["heldout_loss"]
-
-    for row in rows:
-        versions = row["versions"]
-        n, k = len(versions), 0 if row["mode"] == "flat" else s.max_eval_versions
-        picks = range(n) if not k or n <= k else sorted({round(i * (n - 1) / (k - 1)) for i in range(k)})
-        for i in picks:
-            loss(versions[i])
-    flat = next(r for r in rows if r["mode"] == "flat")
-    flat_losses = [v["heldout_loss"] for v in flat["versions"]]
-    start, target = flat_losses[0], min(flat_losses)
-    # the held-out curves are noisy and flat's best is often its last version, so also the time to 90%
-    # of flat's gain from the start, a target every mode's curve crosses in the run
-    target90 = round(start - 0.9 * (start - target), 4)
-    for row in rows:
-        versions = row["versions"]
-        for key, goal in (("time_to_target_s", target), ("time_to_target90_s", target90)):
-            first = first_reaching(versions, goal, loss)
-            row[key] = round(versions[first]["seconds"], 1) if first is not None else None
-        row["target_loss"], row["target90_loss"] = target, target90
-        evaluated = [v["heldout_loss"] for v in versions if "heldout_loss" in v]
-        row["heldout_start"], row["heldout_best"] = (evaluated[0], min(evaluated)) if evaluated else (None, None)
-        row["versions_kept"], row["versions_evaluated"] = len(versions), len(evaluated)
-        for v in versions:
-            v.pop("weights", None)
-
-
-def first_reaching(versions: list[dict[str, Any]], goal: float, loss: Callable[[dict[str, Any]], float]) -> int | None:
-    """Index of the first version whose held-out loss is at or below ``goal`` (None: none is), evaluating with
-    ``loss`` only what that needs: the versions before the first already evaluated one that reaches it (all of
-    them if none does), in order, until one does."""
-    sampled = next((i for i, v in enumerate(versions) if v.get("heldout_loss", math.inf) <= goal), len(versions))
-    return next((i for i in range(sampled) if loss(versions[i]) <= goal), None if sampled == len(versions) else sampled)
 
 
 def available(mode: Mode) -> bool:
@@ -497,6 +496,10 @@ class Options:
                                       type=float, metavar="CORES")
     forward_interval: float | None = option(None, "seconds between a relay's forwards upstream (default: the "
                                             "preset's)", type=float, metavar="SECONDS")
+    sites: int | None = option(None, "emulated sites (default: the preset's, 2)", type=int)
+    workers: int | None = option(None, "workers per site (default: the preset's, 3; a smollm2 worker takes ~1-2 GB "
+                                 "here)", type=int)
+    runs: int = option(1, "runs of every mode (issue 35 measures 3: median, range)", type=int)
     preset: str | None = None
     """The preset's name (None: --base-model's; --quick: "quick", tiny-qwen2 with 40 s of training per mode)."""
 
@@ -510,62 +513,104 @@ class Options:
         if self.worker_cpu is not None and not 0.01 <= self.worker_cpu <= (os.cpu_count() or 1):
             raise ValueError(f"--worker-cpu must be between 0.01 and {os.cpu_count()} cores, got {self.worker_cpu}")
         names = list(self.mode_names())
-        if [m for m in names if m not in MODES] or "flat" not in names:
-            raise ValueError(f"--modes must include flat and name only {list(MODES)}, got {names}")
+        if [m for m in names if m not in MODES] or not any(MODES[m].baseline for m in names):
+            raise ValueError(f"--modes must include a baseline (a mode without relays) and name only {list(MODES)}, "
+                             f"got {names}")
+        for flag, value in (("--sites", self.sites), ("--workers", self.workers)):
+            if value is not None and not 1 <= value <= 8:
+                raise ValueError(f"{flag} must be 1-8, got {value}")
+        if not 1 <= self.runs <= 20:
+            raise ValueError(f"--runs must be 1-20, got {self.runs}")
 
     def mode_names(self) -> tuple[str, ...]:
         return self.modes or tuple(DEFAULT_MODES[self.base_model])
 
     def job(self) -> Settings:
         s = PRESETS[self.preset or self.base_model]
-        changes: dict[str, Any] = {"duration": self.duration, "forward_interval": self.forward_interval, "worker_cpu": self.worker_cpu}
+        changes: dict[str, Any] = {"duration": self.duration, "forward_interval": self.forward_interval,
+                                   "worker_cpu": self.worker_cpu, "sites": self.sites, "workers": self.workers}
         return replace(s, **{k: v for k, v in changes.items() if v is not None})
 
 
-def run(o: Options, ctx: Run) -> int:
-    s = o.job()
+def run(o: Options, ctx: BenchRun) -> int:
+    s, names = o.job(), list(o.mode_names())
     try:
         check_available()
-        if s.worker_cpu is not None:
-            check_cpu_cap()
-    except (NamespaceUnavailable, CpuCapUnavailable) as exc:
+        if s.worker_cpu is not None or any(MODES[m].flower_steps is not None for m in names):
+            check_cpu_cap()  # Flower's processes are tracked in cgroups, capped or not
+        if any(MODES[m].flower_steps is not None for m in names):
+            check_flower()
+    except (NamespaceUnavailable, CpuCapUnavailable, FlowerUnavailable) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    rows, skipped = [], {}
-    with tempfile.TemporaryDirectory(prefix="fedmoe-wan-", dir=SCRATCH_DIR) as scratch:
-        for name in o.mode_names():
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="fedmoe-wan-", dir=SCRATCH_DIR) as scratch, \
+            tempfile.TemporaryDirectory(prefix="fedmoe-wan-versions-") as kept:  # on disk: see kept_versions
+        rows, skipped = run_all(names, o.runs, s, Path(scratch), Path(kept), ctx.out)
+        goals = evaluate(rows, s)
+    summary = summarise(rows, goals)
+    for r in rows:
+        r["relay_pulls"] = relay_pulls(r)
+    print(summary_table(summary, goals))
+    ctx.out.with_suffix(".partial.json").unlink(missing_ok=True)
+    ctx.write({"settings": asdict(s), "quick": ctx.quick, "runs": o.runs, "targets": goals, "summary": summary,
+               "results": rows, "skipped": skipped, "load_before": [round(x, 2) for x in load_before],
+               "seconds": ctx.seconds(),
+               "note": "measured on a shared 2-core machine; see load_before, the stamp's load and each row's "
+                       "load_after"})
+    return 0
+
+
+def run_all(modes: list[str], runs: int, s: Settings, scratch: Path, kept: Path,
+            out: Path) -> tuple[list[dict], dict[str, str]]:
+    """``runs`` rounds over the modes (run 1 of every mode, then run 2, ...: a load that changes over the hours
+    falls on every mode alike); the rows, and the modes skipped or failed."""
+    rows: list[dict[str, Any]] = []
+    skipped: dict[str, str] = {}
+    shards = write_shards(scratch / "shards", s.worker_count)
+    for run in range(runs):
+        for name in modes:
+            if name in skipped:
+                continue
             if not available(MODES[name]):
-                skipped[name] = f"run_worker.py has no --compression {MODES[name].needs} on this branch"
+                skipped[name] = f"run_worker.py has no {MODES[name].needs} on this branch"
                 log.warning("%s: skipped (%s)", name, skipped[name])
                 continue
-            log.info("%s: %d sites x %d %s workers over %.0f Mbit/s, %.0f ms RTT", name, s.sites, s.workers,
-                     s.base_model, s.rate_mbit, s.rtt_ms)
+            log.info("%s, run %d/%d: %d sites x %d %s workers over %.0f Mbit/s, %.0f ms RTT", name, run + 1, runs,
+                     s.sites, s.workers, s.base_model, s.rate_mbit, s.rtt_ms)
+            slug = f"{len(rows):03d}"
             try:
-                rows.append(run_mode(name, s, Path(scratch)))
+                row = run_mode(name, s, scratch / slug, kept / slug, shards)
             except (RuntimeError, subprocess.TimeoutExpired) as exc:  # keep the other modes' figures
-                if name == "flat":
-                    raise
                 skipped[name] = f"failed: {str(exc)[-2000:]}"
                 log.error("%s: failed, going on without it: %s", name, exc)
                 continue
-            log.info("%s: done, %d versions kept, root ingress %d bytes", name, len(rows[-1]["versions"]),
-                     rows[-1]["root_ingress_bytes"])
-    evaluate(rows, s)
-    base = next(r for r in rows if r["mode"] == "flat")
-    for r in rows:
-        r["relay_pulls"] = relay_pulls(r)
-        r["ingress_vs_flat"] = round(base["root_ingress_bytes"] / max(1, r["root_ingress_bytes"]), 2)
-        for key in ("time_to_target_s", "time_to_target90_s"):
-            hit, flat_hit = r[key], base[key]
-            r[key.replace("time_to", "speedup")] = round(flat_hit / hit, 2) if hit and flat_hit else None
-    keys = ["mode", "syncs", "steps_total", "root_ingress_bytes", "ingress_vs_flat", "root_egress_bytes",
-            "link_busy_up", "link_busy_down", "heldout_best", "time_to_target_s", "speedup_target_s",
-            "time_to_target90_s", "speedup_target90_s", "sync_seconds_median", "push_seconds_median",
-            "pull_seconds_median", "checkpoint_seconds_median", "train_seconds_median"]
-    print(format_table(keys, [[r[k] for k in keys] for r in rows]))
-    ctx.write({"settings": asdict(s), "quick": ctx.quick, "results": rows, "skipped": skipped,
-               "seconds": ctx.seconds(), "note": "measured on a shared 2-core machine under load"})
-    return 0
+            rows.append({**row, "run": run, "load_after": [round(x, 2) for x in os.getloadavg()]})
+            # before scoring (at the end, off the clock): a long run stopped early keeps its steps and bytes
+            write_json_atomic(out.with_suffix(".partial.json"), {"settings": asdict(s), "results": rows,
+                                                                "skipped": skipped})
+            log.info("%s: done, %d versions kept, root ingress %d bytes", name, len(row["versions"]),
+                     row["root_ingress_bytes"])
+    return rows, skipped
+
+
+def summary_table(summary: list[dict[str, Any]], goals: dict[str, Any]) -> str:
+    def cell(x: dict[str, Any], scale: float = 1.0) -> str:
+        if x["median"] is None:
+            return f"never ({x['never']}/{x['runs']})"
+        low, high = x["min"], x["max"]
+        span = f" [{low / scale:.4g}-{high / scale:.4g}]" if x["runs"] > 1 and low is not None and high is not None else ""
+        return f"{x['median'] / scale:.4g}{span}"
+
+    keys = ["mode", "to target s", "x", "steps to it", "to 90% s", "x90", "steps to 90%", "final loss", "steps/worker",
+            "root in MB", "root out MB"]
+    rows = [[line["mode"], cell(line["time_to_target_s"]), line["speedup_target_s"], cell(line["steps_to_target"]),
+             cell(line["time_to_target90_s"]), line["speedup_target90_s"], cell(line["steps_to_target90"]),
+             cell(line["heldout_final"]), cell(line["steps_per_worker"]),
+             cell(line["root_ingress_bytes"], 1e6), cell(line["root_egress_bytes"], 1e6)] for line in summary]
+    return (f"targets: {goals['target_loss']} (best baseline's final loss: {goals['best_baseline']}) and "
+            f"{goals['target90_loss']} (90% of its gain from {goals['start_loss']}); medians [ranges] over runs\n"
+            + format_table(keys, rows))
 
 
 BENCH = Bench("wan", tags=("network",), settings=Options, run=run, quick={"preset": "quick"})

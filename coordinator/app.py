@@ -11,7 +11,7 @@ from flask import Flask, Response, g, has_request_context, jsonify, request, sen
 from flask.json.provider import DefaultJSONProvider
 from werkzeug.exceptions import HTTPException
 
-from coordinator import auth, cohorts, relays, uploads
+from coordinator import auth, cohorts, placement_api, relays, uploads
 from coordinator.api import bp as api_bp
 from coordinator.blobs import is_storage_full
 from coordinator.config import CoordinatorConfig
@@ -35,6 +35,7 @@ def create_app(config: CoordinatorConfig | None = None) -> Flask:
     app.register_blueprint(api_bp)
     uploads.install(app, coordinator)  # resumable pushes (coordinator/uploads.py)
     relays.install(app)  # relay coordinators below this root (coordinator.relays)
+    placement_api.init_app(app)  # where each worker syncs, from the links they measure (coordinator.placement)
     if config.secagg is not None:  # --secure-aggregation: updates come only as cohorts' sums (coordinator.cohorts)
         coordinator.on_close.append(cohorts.install(app, coordinator, config.secagg, config.data_dir).close)
     _log_requests_at_debug(app)  # before auth's hook, so refused requests are timed and logged too

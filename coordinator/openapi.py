@@ -371,7 +371,7 @@ _api.update({  # resumable pushes (coordinator/uploads.py, docs/wan.md)
                                     "own checks refused the update."),
                       "507": STORAGE_FULL}}},
 })
-_relays: dict[str, Any] = {  # coordinator/relays.py; docs/wan.md, "Relays"
+_relays: dict[str, Any] = {  # coordinator/relays.py; docs/history/wan.md, "Relays"
     "/probe": {"get": {
         "operationId": "probe", "summary": "Public: N zero bytes, for clients measuring throughput (protocol/probe.py).",
         "security": [],
@@ -413,6 +413,24 @@ _relays: dict[str, Any] = {  # coordinator/relays.py; docs/wan.md, "Relays"
                                              "stats": {"type": "object"}}}}}},
         "responses": {"200": _json({"type": "object"}, "Noted."), "400": BAD_REQUEST,
                       "403": _error("Not this relay's token."), "413": _error("JSON body over 1 MiB.")}}},
+    # coordinator/placement_api.py; docs/wan.md, "A hierarchy that forms itself"
+    "/workers/{worker_id}/probes": {"post": {
+        "operationId": "reportProbes",
+        "summary": "A worker's measured links (RTT ms, Mbit/s; null: unreachable) to the root and the relays it was "
+                   "listed; the answer is where it should sync.",
+        "parameters": [WORKER_ID],
+        "requestBody": {"required": True, "content": {"application/json": {"schema": {
+            "type": "object", "required": ["links"],
+            "properties": {"links": {"type": "object", "maxProperties": 1000, "additionalProperties": {
+                "type": "object", "properties": {"rtt_ms": {"type": ["number", "null"], "minimum": 0},
+                                                 "mbps": {"type": ["number", "null"], "minimum": 0}}}}}}}}},
+        "responses": {"200": _json({"type": "object", "required": ["relay_id", "generation", "planned"]},
+                                   "The worker's assignment: a relay id, or null for the root."),
+                      "400": BAD_REQUEST, "403": _error("Not this worker's token."),
+                      "404": _error("No such worker registered here.")}}},
+    "/placement": {"get": {
+        "operationId": "placement", "summary": "The root's plan: its generation and groups, each with its relay.",
+        "responses": {"200": _json({"type": "object", "required": ["generation", "groups"]}, "The plan.")}}},
 }
 
 _root: dict[str, Any] = {

@@ -1,4 +1,4 @@
-"""The root's side of relay coordinators (docs/wan.md, "Relays"): registration, reports, the tree.
+"""The root's side of relay coordinators (docs/history/wan.md, "Relays"): registration, reports, the tree.
 
 A relay (``coordinator.relay``) registers with the relay join token (``<data dir>/relay_join_token``, not
 the workers' join token: a worker must not be able to make itself a relay) at ``POST /api/v1/relays`` and

@@ -325,8 +325,33 @@ class CoordinatorClient:
         """The root's relays (GET /api/v1/relays): their URLs, workers and bytes saved."""
         return self._json("GET", "/relays")["relays"]
 
+    def report_probes(self, worker_id: str, links: dict[str, dict[str, float | None]]) -> dict[str, Any]:
+        """Send this worker's link measurements to the root (``POST /api/v1/workers/<id>/probes``): host id
+        ("root" or a relay id) -> {"rtt_ms", "mbps"} (None: unreachable). The answer is the worker's placement."""
+        return self._json("POST", f"/workers/{worker_id}/probes", worker=worker_id, json={"links": links})
+
+    def placement(self) -> dict[str, Any]:
+        """The root's plan (``GET /api/v1/placement``): its groups, each with the relay its members sync with."""
+        return self._json("GET", "/placement")
+
+    def move_to(self, urls: list[str]) -> bool:
+        """Talk to ``urls[0]`` from the next call on, with the rest as its fail-over (as a comma list given at start
+        would be, without probing them now); True if that changes the coordinator. A worker token is per
+        coordinator: the first call at the new one registers again, and queued pushes keep their update ids, so
+        a push acknowledged just before the move is applied once (docs/history/wan.md, "Exactly once across relays")."""
+        urls = [u.rstrip("/") for u in urls]
+        moved = urls[0] != self.base_url
+        self._candidates = urls if len(urls) > 1 else []
+        self.base_url, self._probed_at = urls[0], time.monotonic()
+        return moved
+
     def list_workers(self) -> list[dict[str, Any]]:
         return self._json("GET", "/workers")["workers"]
+
+    def events(self, kind: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
+        """The audit log, newest first (``GET /api/v1/events``), of one ``kind`` if given."""
+        params: dict[str, Any] = {"limit": limit} | ({"kind": kind} if kind else {})
+        return self._json("GET", "/events", params=params)["events"]
 
     def list_experts(self) -> list[dict[str, Any]]:
         return self._json("GET", "/experts")["experts"]

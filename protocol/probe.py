@@ -1,4 +1,4 @@
-"""Measure the link to coordinators (root or relays) and pick the best one (docs/wan.md, "Grouping").
+"""Measure the link to coordinators (root or relays) and pick the best one (docs/wan.md, "A hierarchy that forms itself").
 
 A probe is a few small round trips to ``GET /api/v1/health`` on one kept-alive connection (the
 median is the RTT) and one download of ``GET /api/v1/probe?bytes=N`` (public, zero bytes, at most

@@ -207,7 +207,7 @@ class FileTensorsOnce(FileTensors):
     """``FileTensors`` that an aggregation reads in one pass: ``decoded_items`` (what
     ``coordinator.aggregation.base.tensors_of`` uses) yields every tensor, in file order, through one open file.
     ``FileTensors`` opens the file again for each tensor read, which for 15 stored smollm2-135m updates (420
-    tensors each) took 2.7 of a relay batch's CPU seconds (docs/wan.md)."""
+    tensors each) took 2.7 of a relay batch's CPU seconds (docs/history/wan.md)."""
 
     def decoded_items(self) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(self.path), framework="pt") as f:

@@ -275,3 +275,46 @@ def choose_pull(full_bytes: int, numel: int, tensors: int, budget_s: float, link
         if expected <= allowed:
             return Decision(CodecChoice(codec), int(allowed), expected, link.bytes_per_second, True)
     return Decision(CodecChoice(codec), int(allowed), expected, link.bytes_per_second, False)
+
+
+@dataclass
+class SyncPacing:
+    """--comm-share: the sync interval stretched so that communication stays under a share of the worker's time.
+
+    A sync's communication is its push and pull (link time, what a slow link or a busy coordinator costs); with
+    overlap it runs beside training, and the next sync starts ``interval`` after this one did, so the share of the
+    worker's time that the link is busy is ``comm / max(interval, comm)``. Keeping it at most ``share`` needs
+    ``interval >= comm / share``. ``comm`` is smoothed in log space like the link rates (one stalled request must not
+    stretch the interval by its whole factor), and the interval never goes below the user's ``--sync-interval`` (a
+    fast link syncs as often as asked, no more) nor above ``MAX_STRETCH`` times it (a link that stalls for minutes
+    must not stop a worker from syncing for hours). Each worker paces itself from its own measurements: on a mixed
+    fleet a worker on a 5 Mbit/s link syncs less often than one on a LAN, and none waits for another.
+    """
+
+    floor: float
+    """--sync-interval: the interval on a link that keeps within the share."""
+    share: float
+    """Largest fraction of the worker's time spent pushing and pulling, in (0, 1)."""
+    comm_seconds: float = 0.0
+    """Smoothed push + pull seconds of the syncs so far (0: none timed yet)."""
+
+    MAX_STRETCH = 20.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.share < 1:
+            raise ValueError(f"--comm-share must be in (0, 1), got {self.share}")
+
+    def observe(self, comm_seconds: float) -> None:
+        """Fold in one sync's push + pull seconds (a sync that moved nothing is ignored)."""
+        if not comm_seconds > 0:
+            return
+        if not self.comm_seconds:
+            self.comm_seconds = comm_seconds
+        else:
+            self.comm_seconds = math.exp(SMOOTHING * math.log(comm_seconds)
+                                         + (1 - SMOOTHING) * math.log(self.comm_seconds))
+
+    @property
+    def interval(self) -> float:
+        """Seconds from one sync's start to the next's."""
+        return min(self.floor * self.MAX_STRETCH, max(self.floor, self.comm_seconds / self.share))

@@ -65,13 +65,14 @@ from protocol.errors import BadRequest, FedMoEError, NotFound, Unavailable
 from protocol.tensors import StateDict, manifest_of
 from protocol.uploads import UploadPolicy
 from worker import resume
-from worker.adaptive import Decision, LinkEstimate, choose_push, probe_upload, upload_policy
+from worker.adaptive import Decision, LinkEstimate, SyncPacing, choose_push, probe_upload, upload_policy
 from worker.checkpoint import CheckpointError, CheckpointWriter, discard_checkpoint, load_checkpoint
 from worker.console import SyncConsole
 from worker.data import StreamPosition
 from worker.distributed import SingleProcess
 from worker.early_stopping import BestVersion
 from worker.encoding import CompressionSettings, PullSettings, UpdateEncoder, default_pull
+from worker.placement import PlacementFollower
 from worker.pulling import ExpertPuller
 from worker.secure_push import SecurePush
 from worker.stopping import STOP
@@ -127,6 +128,9 @@ class SyncSettings:
     """Resume from the checkpoint in state_dir if there is one; False discards it (--fresh)."""
     overlap: bool = True
     """Push and pull on a background thread while training goes on (False: training waits)."""
+    comm_share: float | None = None
+    """Stretch the sync interval so that pushing and pulling take at most this share of the worker's time
+    (worker.adaptive.SyncPacing; None: sync every ``sync_interval``)."""
     secure_aggregation: bool = False
     """Push through secure-aggregation cohorts, masked (worker.secure_push); the coordinator sees only sums."""
 
@@ -139,6 +143,8 @@ class SyncSettings:
             raise ValueError(f"--sync-interval must be > 0 seconds, got {self.sync_interval}")
         if not 0 < self.speed_factor <= 1:
             raise ValueError(f"--speed-factor must be in (0, 1] (1 = full speed), got {self.speed_factor}")
+        if self.comm_share is not None and not 0 < self.comm_share < 1:
+            raise ValueError(f"--comm-share must be in (0, 1), got {self.comm_share}")
 
 
 @dataclass
@@ -184,6 +190,10 @@ class FederatedWorker:
     """{"path", "sha256"} of the training data: a checkpoint trained on other data is not resumed."""
     _writer: CheckpointWriter | None = field(default=None, repr=False)
     _upload_base: UploadPolicy | None = field(default=None, repr=False)
+    placement: PlacementFollower | None = None
+    """--follow-placement: reports this worker's links to the root and moves ``client`` where the root assigns."""
+    pacing: SyncPacing | None = field(default=None, repr=False)
+    """--comm-share's interval policy (set from the settings; None: a fixed --sync-interval)."""
     early_stopping: BestVersion | None = None
     """--early-stopping-patience: the best pulled version so far; the run stops when its patience runs out."""
     heldout_score: Callable[[StateDict], float] | None = None
@@ -194,6 +204,8 @@ class FederatedWorker:
 
     def __post_init__(self) -> None:
         self._upload_base = self.client.upload  # what upload_policy raises the resumable threshold from
+        s = self.settings
+        self.pacing = SyncPacing(s.sync_interval, s.comm_share) if s.comm_share is not None else None
         if self.settings.secure_aggregation and self.secure is None:
             self.secure = SecurePush(self.client, self.settings.specialty, self.settings.worker_id)
         pull = self.pull if self.pull is not None else default_pull(self.encoder.settings)
@@ -233,6 +245,10 @@ class FederatedWorker:
             return {}
         resumed = self._resume()
         self.client.register_worker(s.worker_id, s.specialty, self.expert_spec["base_model"], s.sync_interval)
+        if self.placement is not None:  # its reports go to the root under this worker's own token there
+            self.placement.root.register_worker(s.worker_id, s.specialty, self.expert_spec["base_model"],
+                                                s.sync_interval)
+            self.placement.follow()  # before the first pull: the worker starts at the coordinator the root assigns
         info = self._join_expert()
         if resumed and info["version"] < self.state.version:
             self._forget_history(info["version"])
@@ -336,7 +352,7 @@ class FederatedWorker:
         """Train and sync until ``duration`` is over, ``max_steps`` are taken or Ctrl-C; always ends with a final push."""
         s = self.settings
         started, cpu_started = time.monotonic(), time.process_time()
-        end, due = started + s.duration, started + s.sync_interval
+        end, due = started + s.duration, started + self.sync_interval
         steps_before, tokens_before, blocked_before = self.totals.steps, self.totals.tokens, self.blocked_seconds
         STOP.arm()  # a signal now stops at the next step boundary (worker.stopping)
         at_once = False
@@ -349,7 +365,7 @@ class FederatedWorker:
                 self.poll_sync()
                 if self.collective.agree(time.monotonic() >= due) and self._inflight is None:
                     self.start_sync() if s.overlap else self.sync()
-                    due = time.monotonic() + s.sync_interval
+                    due = time.monotonic() + self.sync_interval
         except KeyboardInterrupt:
             # A second signal ("send it again to stop at once") lands wherever Python is, maybe inside an optimiser
             # step: pushing now would send a half-applied step under the previous step's accounting (audit,
@@ -375,6 +391,11 @@ class FederatedWorker:
             finally:
                 STOP.disarm()
         return summary
+
+    @property
+    def sync_interval(self) -> float:
+        """Seconds from this sync's start to the next's: --sync-interval, stretched by --comm-share's pacing."""
+        return self.pacing.interval if self.pacing is not None else self.settings.sync_interval
 
     def steps_left(self) -> int | None:
         """Optimiser steps still to take under ``max_steps`` (None: no step limit)."""
@@ -488,6 +509,10 @@ class FederatedWorker:
         job.delivered = job.record["delivered"] = self._push()
         pulling = time.perf_counter()
         job.fetched = self._pull(job) if job.delivered and not job.final else None
+        if self.placement is not None and not job.final and self.placement.due():  # after the pull: the next sync
+            followed = self.placement.follow()  # goes where the root now says (a move registers there first)
+            if followed is not None:
+                job.record["placement"] = {"relay_id": followed["relay_id"], "moved": followed["moved"]}
         job.record |= {"pulled": job.fetched is not None, "bytes_down": job.fetched.nbytes if job.fetched else 0,
                        "push_seconds": round(pulling - pushing, 4),
                        "pull_seconds": round(job.fetched.seconds, 4) if job.fetched else 0.0}
@@ -504,6 +529,9 @@ class FederatedWorker:
                 job.record |= self._score_version(job.fetched.weights)
         seconds = time.perf_counter() - job.started
         blocked = job.blocked + time.perf_counter() - started if overlapped else seconds
+        if self.pacing is not None:  # --comm-share: the link time of this sync paces the next ones
+            self.pacing.observe(job.record.get("push_seconds", 0.0) + job.record.get("pull_seconds", 0.0))
+            job.record["next_interval"] = round(self.pacing.interval, 3)
         self.blocked_seconds += blocked
         record = job.record | {"version": self.state.version, "outbox": len(self.state.outbox),
                                "sync_seconds": round(seconds, 4), "blocked_seconds": round(blocked, 4),

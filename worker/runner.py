@@ -2,20 +2,24 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from gateway.router import profile_to_json, text_profile
 from protocol.client import CoordinatorClient
+from protocol.credentials import TOKEN_ENV
 from protocol.tensors import StateDict
 from worker.console import SyncConsole
 from worker.distributed import SingleProcess, process_group
 from worker.early_stopping import BestVersion, EarlyStoppingSettings
+from worker.embedded_relay import EmbeddedRelay, RelaySettings
 from worker.encoding import CompressionSettings, PullSettings, UpdateEncoder
 from worker.federation import FederatedWorker, SyncSettings
 from worker.memory import release_freed_memory
 from worker.models import load_base_model
+from worker.placement import PlacementFollower
 from worker.profiling import ProfileSettings, StepProfiler
 from worker.splits import DataSettings, data_fingerprint, training_data
 from worker.step_metrics import StepLog
@@ -66,6 +70,21 @@ class WorkerConfig:
     """Score every pulled expert version on the held-out split; stop when it stops improving (None: off)."""
     dp_sgd: DPSGDSettings | None = None
     """--dp-sgd: train with example-level DP-SGD (worker.dp_sgd) instead of plain AdamW steps."""
+    placement: PlacementSettings | None = None
+    """--follow-placement / --can-relay: sync where the root assigns (None: where --coordinator-url says)."""
+
+
+@dataclass(frozen=True)
+class PlacementSettings:
+    interval: float = 30.0
+    """Seconds between two rounds of probes and reports."""
+    can_relay: bool = False
+    """Run a relay (worker.embedded_relay) the root may assign workers to."""
+    relay_host: str | None = None
+    relay_join_token_file: Path | None = None
+    relay_id: str = ""
+    relay_flags: tuple[str, ...] = ()
+    """More run_coordinator.py flags for the relay."""
 
 
 def build_worker(config: WorkerConfig, collective: SingleProcess | None = None,
@@ -100,6 +119,10 @@ def build_worker(config: WorkerConfig, collective: SingleProcess | None = None,
                              console=SyncConsole(config.sync.sync_interval, progress=config.progress)
                              if collective.is_primary else None, on_result=board.sync if board else None,
                              dataset={"path": str(config.dataset), "sha256": _fingerprint(config, train_examples)})
+    if config.placement is not None and collective.is_primary:
+        worker.placement = PlacementFollower(
+            CoordinatorClient(config.coordinator_url, use_proxy=config.use_proxy, token=config.token,
+                              ca_cert=config.ca_cert), client, config.sync.worker_id, config.placement.interval)
     if config.early_stopping is not None and collective.is_primary:
         if not heldout:
             raise ValueError("--early-stopping-patience needs held-out examples; the dataset is too small to hold "
@@ -176,20 +199,56 @@ def run_worker(config: WorkerConfig) -> None:
         if not collective.is_primary:  # the other ranks log warnings and errors only
             logging.getLogger("worker").setLevel(logging.WARNING)
             logging.getLogger("protocol").setLevel(logging.WARNING)
-        worker, trainer, heldout = build_worker(config, collective, device)
-        worker.join()
-        # The others need not evaluate (they wait for rank 0 in worker.run()), unless the model is sharded:
-        # then every forward is a collective and all ranks evaluate together.
-        if not collective.is_primary and not trainer.sharded:
-            worker.run()
-            return
-        before = trainer.eval_loss(heldout) if config.heldout_eval and heldout else None
-        if before is not None:
-            log.info("held-out loss at start: %.4f", before)
-        summary = worker.run()
-        # CPU seconds next to wall seconds: on a shared machine they tell what the run would take alone.
-        log.info("trained %d steps, %d tokens in %.1f s (%.1f CPU s)", summary.steps, summary.tokens,
-                 summary.seconds, summary.cpu_seconds)
-        if before is not None:
-            log.info("held-out loss at end: %.4f (start %.4f); %d sync(s)", trainer.eval_loss(heldout), before,
-                     worker.syncs)
+        relay = start_relay(config) if collective.is_primary else None
+        try:
+            _train(config, collective, device)
+        finally:
+            if relay is not None:
+                relay.stop()
+
+
+def start_relay(config: WorkerConfig) -> EmbeddedRelay | None:
+    """--can-relay: the worker's own relay, launched before the worker loads its model; it registers at the root when
+    up, and the root's plan sends workers to it from then on (None: not asked, or it could not start: logged, and the
+    worker trains on without it)."""
+    placement = config.placement
+    if placement is None or not placement.can_relay:
+        return None
+    state = config.sync.state_dir or Path("worker-state") / config.sync.worker_id
+    relay = EmbeddedRelay(RelaySettings(upstream=config.coordinator_url.rstrip("/"), relay_id=placement.relay_id,
+                                        data_dir=state / "relay", host=placement.relay_host,
+                                        join_token=config.token or resolve_join_token(),
+                                        relay_join_token_file=placement.relay_join_token_file,
+                                        extra=placement.relay_flags))
+    try:
+        relay.launch()
+    except OSError as exc:
+        log.error("--can-relay: the embedded relay could not start (%s); training on without a relay", exc)
+        return None
+    log.info("--can-relay: relay %s starting at %s (log: %s)", placement.relay_id, relay.url, relay.log_path)
+    return relay
+
+
+def resolve_join_token() -> str | None:
+    return os.environ.get("FEDMOE_JOIN_TOKEN") or os.environ.get(TOKEN_ENV)
+
+
+def _train(config: WorkerConfig, collective: SingleProcess, device: str) -> None:
+    worker, trainer, heldout = build_worker(config, collective, device)
+    worker.join()
+    # The others need not evaluate (they wait for rank 0 in worker.run()), unless the model is sharded:
+    # then every forward is a collective and all ranks evaluate together.
+    if not collective.is_primary and not trainer.sharded:
+        worker.run()
+        return
+    before = trainer.eval_loss(heldout) if config.heldout_eval and heldout else None
+    if before is not None:
+        log.info("held-out loss at start: %.4f", before)
+    summary = worker.run()
+    # CPU seconds next to wall seconds: on a shared machine they tell what the run would take alone.
+    log.info("trained %d steps, %d tokens in %.1f s (%.1f CPU s)", summary.steps, summary.tokens,
+             summary.seconds, summary.cpu_seconds)
+    if before is not None:
+        log.info("held-out loss at end: %.4f (start %.4f); %d sync(s)", trainer.eval_loss(heldout), before,
+                 worker.syncs)
+

@@ -1,2 +1,2 @@
-"""Relay coordinators (docs/wan.md, "Relays"): a region's workers push and pull through a relay,
+"""Relay coordinators (docs/history/wan.md, "Relays"): a region's workers push and pull through a relay,
 which pre-aggregates their updates and forwards one combined update per expert upstream."""

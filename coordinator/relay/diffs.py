@@ -6,7 +6,7 @@ relay cache's current weights of an expert and the few versions before them that
 manifest, the same codec seeded with the current version), so a worker cannot tell where a diff came from.
 A ``since`` the relay does not hold is a 404 (``reason: diff_unavailable``), as the root answers for a pruned
 version: the worker then pulls the full weights, from this relay's cache, over the site's LAN. Before, a relay
-sent every diff pull to the root over the long link (2.3 s of a 3.9 s sync inside a site, docs/wan.md).
+sent every diff pull to the root over the long link (2.3 s of a 3.9 s sync inside a site, docs/history/wan.md).
 """
 from __future__ import annotations
 

@@ -132,7 +132,7 @@ class Forwarder:
 
         With updates queued, a cycle starts ``policy.interval`` after the previous one with work *started*
         (back to back when a cycle takes longer: waiting the interval after each cycle made the period
-        interval + cycle, 35 s, not 10, for 9.8 MB batches on a loaded machine, docs/wan.md). An update that
+        interval + cycle, 35 s, not 10, for 9.8 MB batches on a loaded machine, docs/history/wan.md). An update that
         reaches an idle relay (no cycle with work for an interval) goes at once instead of waiting for the
         next tick of a fixed clock: on average half an interval sooner, the first one of a run included.
         The relay's start counts as a cycle with work: after a (re)start, updates gather for one interval.
@@ -196,7 +196,7 @@ class Forwarder:
             return None
         # The version staleness is measured against, and the batch's base: the cached one, revalidated in the
         # background. Waiting for a fresh copy put a full download of each new root version (9.8 MB, ~4 s over
-        # 20 Mbit/s) in every cycle, so a relay forwarded every ~5.5 s whatever its interval (docs/wan.md). A stale
+        # 20 Mbit/s) in every cycle, so a relay forwarded every ~5.5 s whatever its interval (docs/history/wan.md). A stale
         # base gives about the same weights: the root discounts the batch by what the relay's discount left out,
         # s(root - cached) * s(cached - base_i), against s(root - base_i) with a fresh base.
         cached = self.cache.get(expert)

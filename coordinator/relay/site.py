@@ -4,7 +4,7 @@ Without it a relay is a pass-through for weights: its workers train on the root'
 each other's steps once the relay has forwarded them and a new root version has come back over the WAN
 (~7-10 s in bench.wan). What they push in the meantime are steps from the same weights, which the relay
 averages into one step's worth (FedBuff's mean): however many workers a site has, the root moves by about one
-averaged step per forwarded batch (docs/wan.md, "What bounds the time to target").
+averaged step per forwarded batch (docs/history/wan.md, "What bounds the time to target").
 
 With ``--site-model`` the relay keeps the edge model of hierarchical federated learning (HierFAVG: Liu et al.,
 "Client-Edge-Cloud Hierarchical Federated Learning", ICC 2020; its clients train on the edge server's model, and

@@ -177,7 +177,7 @@ class WeightsCache:
         self.in_background = in_background
         """Stale-while-revalidate: a pull finding a stale copy gets it at once and starts one revalidation on
         the refresher thread. Waiting for it made every pull after a new root version wait for the full
-        download over the WAN (~4 s of a worker's 4.1 s sync inside a site, docs/wan.md)."""
+        download over the WAN (~4 s of a worker's 4.1 s sync inside a site, docs/history/wan.md)."""
         self._refresher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedmoe-relay-refresh")
         self.drop_unreferenced = drop_unreferenced
         self.clock = clock

@@ -301,3 +301,43 @@ def test_a_push_the_link_carries_within_two_seconds_goes_in_one_request_and_a_sl
     slow = LinkEstimate()
     slow.observe(100_000, 1.0)
     assert upload_policy(small, slow).threshold == small.threshold  # never lowered
+
+
+def test_comm_share_stretches_the_interval_of_a_slow_link_and_keeps_a_fast_links_at_the_flag():
+    from worker.adaptive import SyncPacing
+
+    slow = SyncPacing(floor=2.0, share=0.25)
+    assert slow.interval == 2.0  # nothing timed yet: --sync-interval
+    slow.observe(5.0)  # a push and pull of 5 s on a 5 Mbit/s link: at most a quarter of the time -> every 20 s
+    assert slow.interval == pytest.approx(20.0)
+    slow.observe(0.0)  # a sync that moved nothing teaches nothing
+    assert slow.interval == pytest.approx(20.0)
+    slow.observe(0.05)  # one fast sync moves the smoothed figure half-way in log space, not all the way
+    assert slow.comm_seconds == pytest.approx(math.sqrt(5.0 * 0.05)) and slow.interval == pytest.approx(2.0)
+    fast = SyncPacing(floor=10.0, share=0.25)
+    fast.observe(0.3)  # a LAN: the link keeps within the share at the flag's interval, which is never shortened
+    assert fast.interval == 10.0
+    stalled = SyncPacing(floor=1.0, share=0.5)
+    stalled.observe(600.0)  # a link stalled for ten minutes: capped at MAX_STRETCH x the flag
+    assert stalled.interval == SyncPacing.MAX_STRETCH * 1.0
+    with pytest.raises(ValueError, match="--comm-share must be in"):
+        SyncPacing(floor=1.0, share=1.0)
+
+
+def test_a_worker_with_comm_share_paces_its_next_sync_from_the_last_one_s_push_and_pull():
+    from protocol.client import CoordinatorClient
+    from worker.federation import FederatedWorker, SyncSettings
+    from worker.sync_state import IntervalStats, SyncJob
+
+    settings = SyncSettings(specialty="sql_expert", worker_id="w", sync_interval=2.0, comm_share=0.2)
+    worker = FederatedWorker(settings, CoordinatorClient("http://127.0.0.1:9"), trainer=None,  # type: ignore[arg-type]
+                             expert_spec={"base_model": {}})  # finish_sync of a job that pulled nothing: never called
+    def job() -> SyncJob:  # a sync whose push took 1.5 s and pull 2.5 s, and that brought no new weights
+        return SyncJob(0, False, IntervalStats(), {}, None, None, {"push_seconds": 1.5, "pull_seconds": 2.5})
+
+    record = worker.finish_sync(job(), overlapped=True)
+    assert record["next_interval"] == pytest.approx(20.0) and worker.sync_interval == pytest.approx(20.0)
+    plain = FederatedWorker(SyncSettings(specialty="sql_expert", worker_id="w", sync_interval=2.0),
+                            CoordinatorClient("http://127.0.0.1:9"), trainer=None,  # type: ignore[arg-type]
+                            expert_spec={"base_model": {}})
+    assert "next_interval" not in plain.finish_sync(job(), overlapped=True) and plain.sync_interval == 2.0
