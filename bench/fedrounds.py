@@ -48,7 +48,8 @@ class FedJob:
     """AdamW steps per worker per round."""
     seed: int = 0
     """Worker i trains with seed + i (data order); the expert's LoRA init comes from seed."""
-    compression: CompressionSettings = field(default_factory=CompressionSettings)
+    compression: CompressionSettings = field(default_factory=lambda: CompressionSettings("safetensors"))
+    """Lossless by default (the fp32 arm the quality benches compare codecs against), not the worker's int8."""
     codec_seed: int = 0
     aggregation: str = "fedbuff"
     """The coordinator's --aggregation: fedbuff (the round's sample-weighted mean) or fedasync (each update

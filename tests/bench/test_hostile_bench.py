@@ -29,7 +29,9 @@ def test_quick_run_reports_every_attack(tmp_path):
         assert (slow["connections"], slow["slow_readers"], slow["failed_to_open"]) == (100, 20, 0)
         assert slow["opened"] == {"drip_headers": 34, "slow_body": 33, "idle_keepalive": 33, "slow_reader": 20}
         loaded = slow["under_attack"]
-        assert loaded["open_during"] == 120  # every slow connection was still held when the client finished
+        # every slow connection was still held when the client finished, but for idle keep-alives, which the front
+        # closes after its keepalive (30 s, coordinator/http/options.py): a loaded machine's run outlasts that
+        assert 120 - slow["opened"]["idle_keepalive"] <= loaded["open_during"] <= 120
         assert (loaded["health_answered"], loaded["pushes_answered"]) == (10, 3)
         assert loaded["status_5xx"] == loaded["no_answer"] == 0
         assert 0 < loaded["health"]["p50_s"] <= loaded["health"]["p99_s"]
