@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import ssl
 import socket
-import statistics
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -16,16 +14,10 @@ from typing import Any
 
 import requests
 
+from bench.attacks import percentiles, rss_bytes
+
 
 # results ------------------------------------------------------------------------------------------------
-
-def percentiles(seconds: Sequence[float]) -> dict[str, float | None]:
-    if not seconds:
-        return {"p50_s": None, "p99_s": None}
-    ordered = sorted(seconds)
-    p99 = ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
-    return {"p50_s": round(statistics.median(ordered), 4), "p99_s": round(p99, 4)}
-
 
 @dataclass
 class Tally:
@@ -42,13 +34,6 @@ class Tally:
         return {"requests": len(self.statuses), "status_5xx": sum(s >= 500 for s in got),
                 "no_answer": len(self.statuses) - len(got), "honest": percentiles(self.honest_s),
                 "statuses": self.statuses}
-
-
-def rss_bytes(pid: int, name: str = "VmRSS") -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(name + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {name} for process {pid}")
 
 
 def peak_growth(pid: int, attack: Callable[[], Any]) -> tuple[Any, int]:
@@ -111,9 +96,3 @@ def raw_status(host: str, port: int, head: bytes, context: ssl.SSLContext | None
     return int(first[1]) if len(first) > 1 and first[0].startswith(b"HTTP/") else None
 
 
-def self_signed(directory: Path) -> tuple[Path, Path]:
-    cert, key = directory / "cert.pem", directory / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
-                    "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out",
-                    str(cert)], check=True, capture_output=True, timeout=60)
-    return cert, key

@@ -21,7 +21,8 @@ import requests
 
 from bench.attacks import Settings, attack
 from bench.common import ROOT, CoordinatorProcess, format_table
-from bench.hostile_clients import Honest, Tally, raw_status, self_signed, status_of
+from bench.attacks import self_signed
+from bench.hostile_clients import Honest, Tally, raw_status, status_of
 from bench.hostile_serving import EXPERT, sampling_edges, serve_slow_clients
 from bench.slow_clients import KINDS, Attack
 from bench.harness import git_head
