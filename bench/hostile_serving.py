@@ -5,14 +5,10 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import requests
 
@@ -20,8 +16,10 @@ from bench.common import ROOT, CoordinatorProcess
 from bench.hostile_clients import Honest, Tally, peak_growth, percentiles, status_of
 from bench.slow_clients import KINDS, Attack
 
+if TYPE_CHECKING:
+    from bench.serve import ServeProcess
+
 log = logging.getLogger("bench.hostile_serving")
-SERVING = re.compile(r"serving listening on (http://[\d.]+:\d+)")
 KEY = "sk-bench-hostile"
 EXPERT = "python_expert"
 MAX_TOKENS = 4
@@ -38,36 +36,6 @@ SAMPLING_EDGES: dict[str, dict[str, Any]] = {
     "top_p 0": {"top_p": 0}, "top_p -0.0": {"top_p": -0.0}, "top_p 1.0000000000000002": {"top_p": 1 + 2e-16},
 }
 """Sampling values at the edges of what serve.py takes: all answered 200 or 400, never a 5xx."""
-
-
-# serve.py -----------------------------------------------------------------------------------------------
-
-class ServeProcess:
-    """serve.py of checkout ``root`` as users start it, on a free loopback port, in front of ``coordinator``."""
-
-    def __init__(self, root: Path, coordinator: str, keys: Path, *flags: str) -> None:
-        env = {**os.environ, "PYTHONPATH": str(root), "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
-        self.proc = subprocess.Popen([sys.executable, str(root / "serve.py"), "--coordinator-url", coordinator,
-                                      "--port", "0", "--api-key-file", str(keys), "--threads", "1", *flags],
-                                     cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        assert self.proc.stdout is not None  # stdout=PIPE
-        self.log: list[str] = []
-        for line in self.proc.stdout:
-            self.log.append(line)
-            if m := SERVING.search(line):
-                self.url = m.group(1)
-                break
-        else:
-            raise RuntimeError("serve.py exited before listening:\n" + "".join(self.log[-30:]))
-        threading.Thread(target=self.log.extend, args=(self.proc.stdout,), daemon=True).start()
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 def seeded_coordinator(directory: Path) -> CoordinatorProcess:
@@ -88,7 +56,9 @@ def seeded_coordinator(directory: Path) -> CoordinatorProcess:
 def start_serve(root: Path, coordinator: CoordinatorProcess, directory: Path) -> ServeProcess:
     keys = directory / f"keys-{os.getpid()}-{time.monotonic_ns()}.txt"
     keys.write_text(KEY + "\n")
-    return ServeProcess(root, coordinator.url, keys, "--max-tokens", "64", "--timeout", "120")
+    from bench.serve import ServeProcess  # torch and the models: imported only when serve.py is attacked
+
+    return ServeProcess(root, coordinator.url, keys, "--threads", "1", "--max-tokens", "64", "--timeout", "120")
 
 
 def chat(url: str, timeout: float = 120.0, **sampling: Any) -> requests.Response:

@@ -83,13 +83,13 @@ def seed_federation(client: CoordinatorClient, base) -> None:
 
 
 class ServeProcess:
-    def __init__(self, coordinator_url: str, keys: Path, flags: list[str], poll: float, threads: int) -> None:
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "serve.py"), "--coordinator-url", coordinator_url, "--port", "0",
-             "--api-key-file", str(keys), *flags, "--poll-interval", str(poll),
-             "--threads", str(threads), "--max-tokens", "256"],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    """serve.py of checkout ``root`` as users start it, on a free loopback port, in front of ``coordinator``."""
+
+    def __init__(self, root: Path, coordinator: str, keys: Path, *flags: str) -> None:
+        env = {**os.environ, "PYTHONPATH": str(root), "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+        self.proc = subprocess.Popen([sys.executable, str(root / "serve.py"), "--coordinator-url", coordinator,
+                                      "--port", "0", "--api-key-file", str(keys), *flags],
+                                     cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         assert self.proc.stdout is not None  # stdout=PIPE
         self.log: list[str] = []
         for line in self.proc.stdout:
@@ -98,12 +98,16 @@ class ServeProcess:
                 self.url = m.group(1)
                 break
         else:
-            raise RuntimeError("serve.py exited:\n" + "".join(self.log[-30:]))
+            raise RuntimeError("serve.py exited before listening:\n" + "".join(self.log[-30:]))
         threading.Thread(target=self.log.extend, args=(self.proc.stdout,), daemon=True).start()
 
     def stop(self) -> None:
         self.proc.terminate()
-        self.proc.wait(timeout=30)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def chat(url: str, model: str, prompt: str, max_tokens: int) -> tuple[float, dict[str, Any]]:
@@ -344,7 +348,8 @@ def run(s: Settings, ctx: Run) -> int:
         keys.write_text(KEY + "\n")
         results["local_routing"] = local_routing(client, prompts)
         for config, flags in ENGINES.items():
-            server = ServeProcess(coordinator_url, keys, flags, s.poll_interval, s.threads)
+            server = ServeProcess(ROOT, coordinator_url, keys, *flags, "--poll-interval", str(s.poll_interval),
+                                  "--threads", str(s.threads), "--max-tokens", "256")
             try:
                 for label, models in (("1 expert", ["python_expert"]), ("3 experts mixed", list(EXPERTS))):
                     stream = run_stream(server.url, models, prompts, s.requests, s.clients, s.max_tokens)
