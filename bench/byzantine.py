@@ -41,7 +41,7 @@ from protocol.client import CoordinatorClient
 from protocol.errors import InvalidUpdate
 from protocol.tensors import StateDict, dumps
 from worker.evaluation import adapter_loss
-from worker.models import load_base_model
+from models.loading import load_base_model
 from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
 
 ROOT = Path(__file__).resolve().parents[1]

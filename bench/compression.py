@@ -49,7 +49,7 @@ from protocol.schemas import RAW_CODEC
 from worker.encoding import CompressionSettings, PullSettings, UpdateEncoder
 from worker.evaluation import adapter_loss
 from worker.federation import FederatedWorker, SyncSettings
-from worker.models import load_base_model
+from models.loading import load_base_model
 from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from worker.data import Example, load_examples, split_examples
-from worker.models import BaseModel, load_base_model
+from models.loading import BaseModel, load_base_model
 from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
 
 log = logging.getLogger("bench.flower_baseline")

@@ -53,7 +53,7 @@ from gateway.merges import MERGES, merge
 from gateway.router import DEFAULT_THRESHOLD, route, text_profile
 from worker.data import IGNORE_INDEX, Example, encode_example, load_examples, split_examples
 from worker.evaluation import adapter_loss
-from worker.models import BaseModel, load_base_model
+from models.loading import BaseModel, load_base_model
 from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -61,7 +61,7 @@ def to_device(tensor: torch.Tensor, device: str) -> torch.Tensor:
 def worker_section(device: str, model: str, steps: int, batch_size: int = 8, max_seq_len: int = 256) -> dict[str, Any]:
     from bench.common import DS1000_DIR
     from worker.data import load_examples
-    from worker.models import load_base_model
+    from models.loading import load_base_model
     from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
 
     train = load_examples(DS1000_DIR / "train" / "pandas_expert.jsonl")[:batch_size * (steps + 1)]  # no repeats
@@ -125,7 +125,7 @@ def merge_section(device: str) -> dict[str, Any]:
 
 
 def generation_section(device: str, model: str) -> dict[str, Any]:
-    from worker.models import load_base_model
+    from models.loading import load_base_model
 
     base = load_base_model(model, device=device)
     prompts = [f"Write a Python function number {i} that adds two numbers." for i in range(8)]

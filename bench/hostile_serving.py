@@ -42,7 +42,7 @@ def seeded_coordinator(directory: Path) -> CoordinatorProcess:
     """A coordinator holding one tiny-qwen2 LoRA expert, EXPERT, for serve.py to load."""
     from bench.serve import lora_adapter
     from protocol.client import CoordinatorClient
-    from worker.models import LORA_PROJECTIONS, load_base_model
+    from models.loading import LORA_PROJECTIONS, load_base_model
 
     coordinator = CoordinatorProcess(directory, "--rate-limit", "0")
     coordinator.start()

@@ -30,8 +30,8 @@ from typing import Any
 from bench.common import DS1000_DIR, Domain, ds1000_suite, format_table, sample_suite
 from bench.harness import Bench, Run
 from protocol.cli import option
-from worker.models import load_base_model
-from worker.presets import RECOMMENDED_LR
+from models.loading import load_base_model
+from models.presets import RECOMMENDED_LR
 from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
 
 ROOT = Path(__file__).resolve().parents[1]

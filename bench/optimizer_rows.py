@@ -19,7 +19,7 @@ import torch
 from bench.common import DS1000_DIR
 from worker.data import load_examples
 from worker.galore import GaLoreSettings, state_bytes
-from worker.models import load_base_model
+from models.loading import load_base_model
 from worker.optimizers import OptimizerSettings
 from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
 

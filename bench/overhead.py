@@ -47,7 +47,7 @@ from protocol.cli import option
 from protocol.client import CoordinatorClient
 from worker.data import load_examples, split_examples
 from worker.federation import FederatedWorker, SyncSettings
-from worker.models import load_base_model
+from models.loading import load_base_model
 from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
 
 ROOT = Path(__file__).resolve().parents[1]

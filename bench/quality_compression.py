@@ -97,7 +97,7 @@ class Settings(Estimate):
                               "--server-lr; the number of workers applies the sum of their deltas)")
     fedasync: bool = option(False, "also run FedAsync (the coordinator's default rule) against central (3 more jobs)")
     lr: float | None = option(3e-3, "the federated workers' AdamW learning rate, in every federated run (tuned for "
-                              "smollm2-135m on validation; --quick: the preset's, worker.presets.RECOMMENDED_LR)")
+                              "smollm2-135m on validation; --quick: the preset's, models.presets.RECOMMENDED_LR)")
     """3e-3 = 3 workers x smollm2's single-worker 1e-3, the best of 1e-3..5e-3 on the validation split
     (bench.fvc_sweep; docs/history/benchmarks.md). None: the preset's recommended one."""
     central_lr: float | None = option(5e-4, "the central worker's AdamW learning rate (validation's pick at 48 steps; "

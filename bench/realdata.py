@@ -33,8 +33,8 @@ from gateway.export import attach_adapter
 from protocol.cli import option
 from worker.data import Example
 from worker.evaluation import AnswerLoss, answer_losses, total
-from worker.models import load_base_model
-from worker.presets import RECOMMENDED_LR
+from models.loading import load_base_model
+from models.presets import RECOMMENDED_LR
 from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
 
 ROOT = Path(__file__).resolve().parents[1]

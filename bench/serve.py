@@ -45,7 +45,7 @@ from protocol.cli import option
 from protocol.client import CoordinatorClient
 from protocol.tensors import dumps
 from serving.routing import LocalRouter
-from worker.models import LORA_PROJECTIONS, load_base_model
+from models.loading import LORA_PROJECTIONS, load_base_model
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,7 +11,7 @@ from protocol.tensors import Manifest
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Shapes only: Qwen2-0.5B's config.json (hidden 896, MLP 4864, 24 layers, 14 heads, 2 KV heads of 64)
-# and the offline tiny-qwen2 preset (worker/models.py).
+# and the offline tiny-qwen2 preset (models/loading.py).
 MODELS: dict[str, dict[str, int]] = {
     "qwen2-0.5b": {"hidden": 896, "intermediate": 4864, "layers": 24, "heads": 14, "kv_heads": 2},
     "tiny-qwen2": {"hidden": 128, "intermediate": 344, "layers": 2, "heads": 4, "kv_heads": 2},

@@ -35,7 +35,7 @@ from bench.harness import Bench, Run
 from protocol.cli import comma_list, option
 from worker.data import load_examples, split_examples
 from worker.distributed import SingleProcess, TorchCollective
-from worker.models import load_base_model
+from models.loading import load_base_model
 from worker.strategies import ParallelSettings
 from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
 

@@ -56,7 +56,7 @@ from worker.checkpoint import MANIFEST, CheckpointWriter, WorkerCheckpoint, _wri
 from worker.data import load_examples, split_examples
 from worker.encoding import CompressionSettings, PullSettings, UpdateEncoder
 from worker.federation import FederatedWorker, SyncSettings
-from worker.models import load_base_model
+from models.loading import load_base_model
 from worker.sync_state import ExpertState
 from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
 

@@ -26,7 +26,7 @@ def scorer(s: Settings) -> Loss:
     import torch
     from safetensors.torch import load_file
 
-    from worker.models import load_base_model
+    from models.loading import load_base_model
     from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
 
     torch.set_num_threads(1)

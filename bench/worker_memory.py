@@ -75,7 +75,7 @@ def load_model(name: str) -> Any:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from worker.models import BaseModel, load_base_model
+    from models.loading import BaseModel, load_base_model
 
     if name != "qwen2-0.5b":
         return load_base_model(name)

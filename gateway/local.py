@@ -1,7 +1,7 @@
 """What get_gateway_model.py does on this machine: pick an adapter, save it in a format, answer a prompt.
 
 The script only parses flags and prints; these functions take plain values, so they are usable (and tested)
-without a command line. The base model is loaded with worker.models, imported only when a format or an answer
+without a command line. The base model is loaded with models.loading, imported only when a format or an answer
 needs the model itself.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from protocol.client import CoordinatorClient
 from protocol.files import write_atomically
 
 if TYPE_CHECKING:
-    from worker.models import BaseModel
+    from models.loading import BaseModel
 
 FILE_FORMATS = {".npz": "npz", ".safetensors": "safetensors"}
 """File name suffix -> format of a single-file output."""
@@ -77,7 +77,7 @@ def _save_full(adapter: Adapter, path: Path, fmt: str, overwrite: bool, load_bas
 
 def load_matching_base(adapter: Adapter, model_id: str | None, use_huggingface: bool) -> BaseModel:
     """The base model `adapter` was trained from (or `model_id`), refused if its fingerprint differs."""
-    from worker.models import ModelLoadError, load_base_model
+    from models.loading import ModelLoadError, load_base_model
 
     try:
         base = load_base_model(model_id or adapter.base_model["id"], use_huggingface=use_huggingface)

@@ -45,7 +45,7 @@ from demo_report import HeldOut, evaluate, own_domain_gains, print_answers, prin
 from protocol.client import CoordinatorClient  # noqa: E402
 from worker.choices import DEFAULT_CODEC  # noqa: E402
 from worker.data import load_examples, sample_dataset_path, split_examples  # noqa: E402
-from worker.models import ModelLoadError, load_base_model  # noqa: E402
+from models.loading import ModelLoadError, load_base_model  # noqa: E402
 
 LISTENING = re.compile(rb"listening on (http://[\d.]+:\d+)")
 DS1000_DIR = ROOT / "data" / "ds1000"

@@ -31,7 +31,7 @@ from protocol.client import CoordinatorClient
 from protocol.tensors import loads
 from worker.data import Example, pad_token_id, prompt_token_ids
 from worker.evaluation import AnswerLoss, answer_losses, total
-from worker.models import BaseModel
+from models.loading import BaseModel
 
 BASE, GATEWAY, ROUTED, MIXTURE = "base model", "gateway", "routed", "mixture"
 DS1000_HELDOUT = Path(__file__).resolve().parents[1] / "data" / "ds1000" / "heldout"

@@ -49,7 +49,7 @@ class Server:
 
 def build(client: CoordinatorClient, options: ServeOptions) -> Server:
     """Load the base model and every adapter the coordinator has; start the engine and the poller."""
-    from worker.models import ModelLoadError, load_base_model
+    from models.loading import ModelLoadError, load_base_model
 
     keys = ApiKeys.from_file(options.api_key_file) if options.api_key_file else None
     spec = options.base_model or _experts_base_model(client)

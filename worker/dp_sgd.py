@@ -34,7 +34,7 @@ from opacus.utils.uniform_sampler import UniformWithReplacementSampler
 from privacy.accountant import DEFAULT_ACCOUNTANT, PrivacyError, PrivacyLedger, check_delta
 from privacy.dp import noise_generator
 from worker.data import IGNORE_INDEX, Batch, Example, collate, encode_example, pad_token_id
-from worker.models import BaseModel
+from models.loading import BaseModel
 from worker.strategies import ParallelSettings
 from worker.trainer import LoraSettings, LoraTrainer, StepStats, TrainSettings
 

@@ -4,8 +4,8 @@
     ├── CheckpointError        (worker.checkpoint; also a ValueError)
     ├── DatasetError           (worker.datasets)
     ├── DistributedSetupError  (worker.distributed; also a ValueError)
-    ├── ModelLoadError         (worker.models)
-    └── PresetError            (worker.presets)
+    ├── ModelLoadError         (models.loading)
+    └── PresetError            (models.presets)
 
 Errors from the coordinator arrive as ``protocol.errors.FedMoEError`` (the client's own tree).
 """

@@ -13,7 +13,7 @@ from gateway.export import attach_adapter
 from protocol.tensors import StateDict
 from worker.data import IGNORE_INDEX, Example, collate, encode_example, pad_token_id
 from worker.losses import answer_cross_entropy
-from worker.models import BaseModel
+from models.loading import BaseModel
 from worker.trainer import evaluate_loss
 
 

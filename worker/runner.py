@@ -18,7 +18,7 @@ from worker.embedded_relay import EmbeddedRelay, RelaySettings
 from worker.encoding import CompressionSettings, PullSettings, UpdateEncoder
 from worker.federation import FederatedWorker, SyncSettings
 from worker.memory import release_freed_memory
-from worker.models import load_base_model
+from models.loading import load_base_model
 from worker.placement import PlacementFollower
 from worker.profiling import ProfileSettings, StepProfiler
 from worker.splits import DataSettings, data_fingerprint, training_data

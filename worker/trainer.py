@@ -18,7 +18,7 @@ from worker.distributed import PRECISIONS, SingleProcess, autocast, check_precis
 from worker.full_params import full_expert_config, trainable_weights
 from worker.losses import ANSWER_LOSSES, answer_cross_entropy
 from worker.memory import want_checkpointing
-from worker.models import BaseModel, default_target_modules
+from models.loading import BaseModel, default_target_modules
 from worker.optimizers import OptimizerSettings, build_optimizer
 from worker.sharded_state import broadcast_into, gather_full, load_full
 from worker.step_metrics import peak_memory_mb

@@ -96,7 +96,7 @@ def test_worker_flag_defaults_are_the_worker_settings_defaults():
     config = run_worker.build_config(run_worker.parse_args(["--specialty", "sql_expert"]))
     assert config.lora == LoraSettings() and config.compression == CompressionSettings()
     assert config.pull == PullSettings() and config.parallel == ParallelSettings()
-    assert config.train == TrainSettings(lr=config.train.lr)  # --lr: by preset (worker.presets)
+    assert config.train == TrainSettings(lr=config.train.lr)  # --lr: by preset (models.presets)
     defaults = SyncSettings(specialty="sql_expert", worker_id="w")
     for name in ("duration", "max_steps", "sync_interval", "speed_factor", "resume", "overlap"):
         assert getattr(config.sync, name) == getattr(defaults, name), name

@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 COMMANDS = {"fedmoe-coordinator": "run_coordinator", "fedmoe-worker": "run_worker",
             "fedmoe-gateway": "get_gateway_model", "fedmoe-serve": "serve"}
-PACKAGES = ("coordinator", "worker", "gateway", "serving", "compression", "protocol", "privacy")
+PACKAGES = ("coordinator", "worker", "gateway", "serving", "models", "compression", "protocol", "privacy")
 NOT_INSTALLED = ("tests", "bench", "scripts")  # checkout-only: the suite, the benchmarks, the docs generator
 SOURCES = ("pyproject.toml", "README.md", "requirements", "data", *(f"{m}.py" for m in COMMANDS.values()), *PACKAGES)
 
@@ -85,7 +85,7 @@ def test_the_packages_scripts_and_sample_data_come_from_the_install(installed, t
     assert proc.returncode == 0, proc.stderr[-2000:]
     origins = dict(zip(modules, (Path(p) for p in proc.stdout.split()), strict=True))
     assert all(p.is_relative_to(installed.parent) for p in origins.values()), origins
-    data = origins["worker"].parents[1] / "data"  # worker/presets.py and worker/data.py look for it there
+    data = origins["worker"].parents[1] / "data"  # models/presets.py and worker/data.py look for it there
     assert sorted(p.name for p in data.glob("*.jsonl")) == sorted(p.name for p in (ROOT / "data").glob("*.jsonl"))
     assert (data / "ds1000" / "train" / "pandas_expert.jsonl").is_file()
     assert (origins["coordinator"].parent / "static" / "dashboard.html").is_file()

@@ -111,7 +111,7 @@ def test_merged_export_and_generate_print_no_warning_and_no_progress_bar(tmp_pat
     from gateway.export import save_merged_model
     from gateway.generate import generate
     from tests.gateway.test_export import random_expert
-    from worker.models import LORA_PROJECTIONS, load_base_model
+    from models.loading import LORA_PROJECTIONS, load_base_model
 
     base = load_base_model("tiny-qwen2")
     with warnings.catch_warnings():  # building the test adapter calls peft directly: its notice is not ours

@@ -14,7 +14,7 @@ from protocol.client import CoordinatorClient
 import tests.e2e.data_parallel_rank as rank_script
 from tests.e2e.conftest import ROOT, env
 from worker.data import load_examples, sample_dataset_path, split_examples
-from worker.models import load_base_model
+from models.loading import load_base_model
 from worker.trainer import LoraSettings, LoraTrainer
 
 RANK_SCRIPT = ROOT / "tests" / "e2e" / "data_parallel_rank.py"

@@ -23,8 +23,8 @@ from protocol.tensors import load_file
 from tests.e2e.conftest import ROOT, env
 from worker.checkpoint import MANIFEST
 from worker.data import load_examples, sample_dataset_path, split_examples
-from worker.models import load_base_model
-from worker.presets import RECOMMENDED_LR
+from models.loading import load_base_model
+from models.presets import RECOMMENDED_LR
 from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
 
 FLAGS = ["--specialty", "sql_expert", "--base-model", "tiny-qwen2", "--lora-rank", "4", "--batch-size", "2",

@@ -12,7 +12,7 @@ import get_gateway_model
 from protocol.client import CoordinatorClient
 from tests.e2e.conftest import ROOT, env
 from worker.data import load_examples, sample_dataset_path, split_examples
-from worker.models import load_base_model
+from models.loading import load_base_model
 from worker.trainer import evaluate_loss
 
 

@@ -30,7 +30,7 @@ from tests.helpers import expert_spec, make_adapter, random_like
 from protocol.errors import Forbidden
 from worker.data import load_examples, sample_dataset_path, split_examples
 from worker.federation import FederatedWorker, SyncSettings
-from worker.models import load_base_model
+from models.loading import load_base_model
 from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
 
 EXPERT = "docs_expert"

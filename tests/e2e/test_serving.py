@@ -16,7 +16,7 @@ from gateway.router import profile_to_json, text_profile
 from protocol.client import CoordinatorClient
 from protocol.tensors import dumps
 from tests.e2e.conftest import LISTENING, ROOT, spawn
-from worker.models import load_base_model
+from models.loading import load_base_model
 
 if TYPE_CHECKING:  # imported where used: 1 s of CPU in every process that collects the suite
     import openai

@@ -15,7 +15,7 @@ from worker.adaptive import LinkEstimate
 from worker.data import load_examples, sample_dataset_path, split_examples
 from worker.encoding import CompressionSettings, UpdateEncoder
 from worker.federation import FederatedWorker, SyncSettings
-from worker.models import load_base_model
+from models.loading import load_base_model
 from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
 
 pytestmark = pytest.mark.e2e

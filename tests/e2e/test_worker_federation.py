@@ -20,7 +20,7 @@ from worker.data import load_examples, sample_dataset_path, split_examples
 from worker.encoding import CompressionSettings, PullSettings, UpdateEncoder
 from worker.evaluation import adapter_loss
 from worker.federation import FederatedWorker, SyncSettings
-from worker.models import load_base_model
+from models.loading import load_base_model
 from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
 
 

@@ -17,7 +17,7 @@ from worker.checkpoint import MANIFEST, load_checkpoint
 from worker.data import load_examples, sample_dataset_path, split_examples
 from worker.encoding import CompressionSettings, PullSettings, UpdateEncoder
 from worker.federation import FederatedWorker, SyncSettings
-from worker.models import load_base_model
+from models.loading import load_base_model
 from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
 
 SMALL = ("--base-model", "tiny-qwen2", "--batch-size", "2", "--max-seq-len", "64", "--lora-rank", "2")

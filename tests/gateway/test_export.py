@@ -12,7 +12,7 @@ from gateway.export import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, ExportError, Export
 from gateway.generate import generate
 from gateway.lora import split_modules
 from gateway.merges import merge
-from worker.models import LORA_PROJECTIONS, load_base_model
+from models.loading import LORA_PROJECTIONS, load_base_model
 
 pytestmark = [pytest.mark.slow,  # loads tiny-qwen2 and runs it
               pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")]

@@ -6,7 +6,7 @@ import torch
 
 from gateway.export import ExportError
 from gateway.full import save_full_model, with_full_weights
-from worker.models import load_base_model
+from models.loading import load_base_model
 
 pytestmark = pytest.mark.slow  # loads tiny-qwen2
 

@@ -11,7 +11,7 @@ from serving.config import EngineOptions
 from serving.engine import BASE_SLOT, AdapterWeights, GenerationEngine
 from serving.jobs import END, START, TEXT, Job
 from serving.schema import CompletionRequest, Sampling
-from worker.models import load_base_model
+from models.loading import load_base_model
 
 LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}
 PROMPT = "Write a function that sorts a list"

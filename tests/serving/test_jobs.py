@@ -7,7 +7,7 @@ from serving.adapters import AdapterRegistry, LoadedAdapter
 from serving.errors import ModelNotFound
 from serving.jobs import END, TEXT, Job
 from serving.schema import CompletionRequest, Sampling
-from worker.presets import build_tokenizer, PRESETS
+from models.presets import build_tokenizer, PRESETS
 
 EOS = 10**6
 

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from tests.worker.strategy_ranks import TRAIN, examples
 from worker.distributed import TorchCollective
-from worker.models import load_base_model
+from models.loading import load_base_model
 from worker.step_metrics import StepLog
 from worker.strategies import ParallelSettings
 from worker.trainer import LoraSettings, LoraTrainer

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from worker.data import load_examples, sample_dataset_path, split_examples
 from worker.distributed import TorchCollective
-from worker.models import load_base_model
+from models.loading import load_base_model
 from worker.strategies import ParallelSettings
 from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
 

@@ -8,7 +8,7 @@ import torch
 
 from worker.data import (IGNORE_INDEX, BatchStream, DatasetError, Example, StreamPosition, collate, encode_example,
                          load_examples, prompt_token_ids, sample_dataset_path, split_examples)
-from worker.presets import PRESETS, build_tokenizer
+from models.presets import PRESETS, build_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from worker.choices import DATASET_FORMATS
 from worker.data import IGNORE_INDEX, encode_example, encode_examples, split_examples
 from worker.datasets import FORMATS, DatasetError, Example, Turn, load_examples
 from worker.datasets.overlap import near_duplicates
-from worker.presets import PRESETS, build_tokenizer
+from models.presets import PRESETS, build_tokenizer
 from worker.splits import DataSettings, data_fingerprint, training_data
 
 FORMATS_DIR = Path(__file__).resolve().parents[2] / "data" / "formats"

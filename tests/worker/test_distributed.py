@@ -7,7 +7,7 @@ import torch
 from worker.data import IGNORE_INDEX, collate, load_examples, sample_dataset_path, split_examples
 from worker.distributed import (DistributedSetupError, SingleProcess, autocast, check_precision, grad_scaler,
                                 resolve_device, start)
-from worker.models import load_base_model
+from models.loading import load_base_model
 from worker.trainer import LoraSettings, LoraTrainer, TrainSettings, labelled_positions, micro_batches
 
 SETTINGS = TrainSettings(lr=1e-2, batch_size=8, max_seq_len=128, seed=0)

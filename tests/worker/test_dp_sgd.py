@@ -9,7 +9,7 @@ from privacy.accountant import GaussianSteps, PrivacyError, epsilon_spent
 from worker.checkpoint import clone_optimizer_state
 from worker.data import collate, encode_example, load_examples, pad_token_id, sample_dataset_path
 from worker.dp_sgd import DPSGDSettings, DPSGDTrainer, check_dp_sgd_settings, per_example_loss
-from worker.models import load_base_model
+from models.loading import load_base_model
 from worker.trainer import LoraSettings, TrainSettings
 
 LORA = LoraSettings(rank=4, alpha=8.0)

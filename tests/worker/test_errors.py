@@ -6,8 +6,8 @@ from worker.checkpoint import CheckpointError
 from worker.data import DatasetError
 from worker.distributed import DistributedSetupError
 from worker.errors import WorkerError
-from worker.models import ModelLoadError
-from worker.presets import PresetError
+from models.loading import ModelLoadError
+from models.presets import PresetError
 
 ERRORS = (CheckpointError, DatasetError, DistributedSetupError, ModelLoadError, PresetError)
 

@@ -6,7 +6,7 @@ import torch
 
 from worker.data import Example, encode_example
 from worker.evaluation import AnswerLoss, answer_losses, total
-from worker.models import load_base_model
+from models.loading import load_base_model
 from worker.trainer import evaluate_loss
 
 EXAMPLES = [Example(f"Write a function number {i} that returns {i}." + " filler" * (i * 7),

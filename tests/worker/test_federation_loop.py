@@ -4,7 +4,7 @@ import pytest
 from protocol.client import CoordinatorClient
 from worker.data import load_examples, sample_dataset_path, split_examples
 from worker.federation import FederatedWorker, SyncSettings
-from worker.models import load_base_model
+from models.loading import load_base_model
 from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
 
 

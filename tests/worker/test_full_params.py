@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from worker.data import load_examples, sample_dataset_path, split_examples
-from worker.models import load_base_model
+from models.loading import load_base_model
 from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
 
 SETTINGS = TrainSettings(lr=1e-3, batch_size=4, max_seq_len=64, seed=0)

@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 
 from worker.checkpoint import flatten_optimizer, unflatten_optimizer
 from worker.galore import GaLoreAdamW, GaLoreSettings, state_bytes
-from worker.models import load_base_model
+from models.loading import load_base_model
 from worker.optimizers import OptimizerSettings
 from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
 

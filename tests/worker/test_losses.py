@@ -12,7 +12,7 @@ from worker import losses
 from worker.data import IGNORE_INDEX, Example, collate, encode_example, pad_token_id
 from worker.losses import (ChunkedCrossEntropy, LinearCrossEntropy, LogitsCrossEntropy, answer_cross_entropy,
                            head_is_plain_linear)
-from worker.models import load_base_model
+from models.loading import load_base_model
 
 CHUNK = 7
 """Answer positions per chunk in these tests: a batch's answers span many chunks, the last one partial."""

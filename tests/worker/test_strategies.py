@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from tests.worker import strategy_ranks
 from worker.distributed import DistributedSetupError
-from worker.models import load_base_model
+from models.loading import load_base_model
 from worker.strategies import ParallelSettings, choose_strategy, decoder_layers
 from worker.trainer import LoraSettings, LoraTrainer
 

@@ -6,7 +6,7 @@ import torch
 from peft import get_peft_model_state_dict
 
 from worker.data import Example, StreamPosition, load_examples, sample_dataset_path, split_examples
-from worker.models import load_base_model
+from models.loading import load_base_model
 from worker.trainer import LoraSettings, LoraTrainer, TrainSettings, evaluate_loss
 
 FAST = TrainSettings(lr=1e-2, batch_size=8, max_seq_len=128, seed=0)

@@ -77,7 +77,7 @@ PRESETS: dict[str, TinyQwen2Preset] = {"tiny-qwen2": TinyQwen2Preset()}
 
 # A random tiny model needs a far larger LoRA step than a pretrained one (2e-4): measured on the
 # sample data, 1e-2 takes held-out loss from ~8.6 to ~2.5-4.8 in 40 s of demo training.
-# The pretrained SmolLM2-135M (worker.pretrained) on DS-1000 pandas, batch 4 x 128 tokens: held-out loss
+# The pretrained SmolLM2-135M (models.pretrained) on DS-1000 pandas, batch 4 x 128 tokens: held-out loss
 # 2.06 -> 1.72 after 8 steps at 1e-3, against 1.92 at 2e-4 (and 1.67 after 12 steps at 1e-3).
 RECOMMENDED_LR: dict[str, float] = {"tiny-qwen2": 1e-2, "smollm2-135m": 1e-3}
 

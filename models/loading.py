@@ -22,8 +22,8 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from worker.errors import WorkerError
-from worker.presets import PRESETS, PresetError, build_preset
-from worker.pretrained import PRETRAINED_PRESETS, load_pretrained_preset
+from models.presets import PRESETS, PresetError, build_preset
+from models.pretrained import PRETRAINED_PRESETS, load_pretrained_preset
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ def load_base_model(spec: str, *, use_huggingface: bool = False, device: str = "
     """Load the base model named by spec, trying in order:
 
     1. an offline preset: `tiny-qwen2`, built in well under a second, or the optional pretrained
-       `smollm2-135m`, read from a GGUF file an installed package ships (worker.pretrained);
+       `smollm2-135m`, read from a GGUF file an installed package ships (models.pretrained);
     2. a local directory (checked with os.path.isdir before any hub is asked);
     3. a hub id: ModelScope `snapshot_download` by default, Hugging Face `from_pretrained` with
        use_huggingface. With HF_HUB_OFFLINE=1 ModelScope is asked for its cache only.

