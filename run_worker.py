@@ -450,6 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         _check_address_and_files(args)
     except ValueError as exc:
         return report_error(args, exc)
+    from models.errors import ModelError
     from worker.errors import WorkerError
     from worker.runner import run_worker
 
@@ -458,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     replaced = _stop_on_signals()
     try:
         run_worker(build_config(args))
-    except (ValueError, WorkerError, FedMoEError) as exc:
+    except (ValueError, WorkerError, ModelError, FedMoEError) as exc:
         return report_error(args, exc)
     except KeyboardInterrupt:  # before training started: nothing to push
         return 130

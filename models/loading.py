@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from worker.errors import WorkerError
+from models.errors import ModelError
 from models.presets import PRESETS, PresetError, build_preset
 from models.pretrained import PRETRAINED_PRESETS, load_pretrained_preset
 
@@ -44,7 +44,7 @@ VOLATILE_CONFIG_KEYS = frozenset({"transformers_version", "_name_or_path", "_com
                                   "_attn_implementation", "_attn_implementation_autoset", "attn_implementation"})
 
 
-class ModelLoadError(WorkerError):
+class ModelLoadError(ModelError):
     """The base model could not be loaded; the message is meant for the user as is."""
 
 

@@ -20,7 +20,7 @@ from typing import Any, Iterator
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 
-from worker.errors import WorkerError
+from models.errors import ModelError
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ CHATML_TEMPLATE = (
 )
 
 
-class PresetError(WorkerError):
+class PresetError(ModelError):
     """A preset cannot be built (unknown name, missing corpus)."""
 
 

@@ -3,11 +3,10 @@
     WorkerError
     ├── CheckpointError        (worker.checkpoint; also a ValueError)
     ├── DatasetError           (worker.datasets)
-    ├── DistributedSetupError  (worker.distributed; also a ValueError)
-    ├── ModelLoadError         (models.loading)
-    └── PresetError            (models.presets)
+    └── DistributedSetupError  (worker.distributed; also a ValueError)
 
-Errors from the coordinator arrive as ``protocol.errors.FedMoEError`` (the client's own tree).
+Errors from the coordinator arrive as ``protocol.errors.FedMoEError`` (the client's own tree); a base model
+that cannot be loaded raises ``models.errors.ModelError`` (the models package's own tree).
 """
 
 

@@ -6,10 +6,8 @@ from worker.checkpoint import CheckpointError
 from worker.data import DatasetError
 from worker.distributed import DistributedSetupError
 from worker.errors import WorkerError
-from models.loading import ModelLoadError
-from models.presets import PresetError
 
-ERRORS = (CheckpointError, DatasetError, DistributedSetupError, ModelLoadError, PresetError)
+ERRORS = (CheckpointError, DatasetError, DistributedSetupError)
 
 
 def test_every_worker_error_has_the_one_root_and_keeps_its_old_bases():
