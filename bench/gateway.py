@@ -50,7 +50,8 @@ from protocol.cli import option
 from bench.realdata import ds1000_domains
 from gateway.lora import split_modules
 from gateway.merges import MERGES, merge
-from gateway.router import DEFAULT_THRESHOLD, route, text_profile
+from protocol.profiles import text_profile
+from gateway.router import DEFAULT_THRESHOLD, route
 from worker.data import IGNORE_INDEX, Example, encode_example, load_examples, split_examples
 from worker.evaluation import adapter_loss
 from models.loading import BaseModel, load_base_model

@@ -30,7 +30,7 @@ from bench.slow_clients import KINDS, Attack
 from bench.updates import expert_spec, make_adapter, update_meta
 from compression.registry import make_codec
 from compression.wire import encode_update
-from gateway.router import profile_to_json, text_profile
+from protocol.profiles import profile_to_json, text_profile
 from protocol.schemas import EXPERT_HEADER, UPDATE_HEADER, WORKER_HEADER
 from protocol.tensors import dumps, manifest_of
 

@@ -33,7 +33,8 @@ from transformers import PreTrainedModel
 from bench.gateway import Adapter, merged_adapter
 from bench.realdata import DS1000_DATA, Lab
 from gateway.export import quiet_transformers, save_peft_adapter
-from gateway.router import mixture_weights, route, text_profile
+from protocol.profiles import text_profile
+from gateway.router import mixture_weights, route
 from gateway.sandbox import SandboxLimits, answer_code, run_answer
 from serving.batched_lora import AdapterBank, RowMix
 from worker.data import Example, prompt_token_ids

@@ -45,7 +45,8 @@ from bench.quality_compression import true_delta_figures
 from bench.realdata import (REAL_MODEL, SMOKE_MODEL, Estimate, Lab, RealDomain, ds1000_domains, heldout_size,
                             planned_cost, quiet_estimate, render_plan, spread)
 from bench.mixtures import MIXTURE_ROW, pass_at_1_table, render_soft, soft_methods, wrong_expert_cost
-from gateway.router import DEFAULT_THRESHOLD, fit_threshold, fit_threshold_counting_mistakes, route, text_profile
+from protocol.profiles import text_profile
+from gateway.router import DEFAULT_THRESHOLD, fit_threshold, fit_threshold_counting_mistakes, route
 from worker.evaluation import AnswerLoss, total
 
 log = logging.getLogger("bench.quality_gateway")

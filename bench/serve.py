@@ -40,7 +40,7 @@ import torch
 
 from bench.common import format_table, running_coordinator
 from bench.harness import Bench, Run, git_head
-from gateway.router import profile_to_json, text_profile
+from protocol.profiles import profile_to_json, text_profile
 from protocol.cli import option
 from protocol.client import CoordinatorClient
 from protocol.tensors import dumps

@@ -1,7 +1,7 @@
 """The one map from domain errors raised below the HTTP layer to the answers the API gives.
 
 ``protocol.errors`` classes carry their own status and code. The compression, gateway and router
-trees (``compression.errors``, ``gateway.errors``, ``gateway.router.ProfileError``) know nothing of
+trees (``compression.errors``, ``gateway.errors``, ``protocol.profiles.ProfileError``) know nothing of
 HTTP: each is mapped here, most specific class first, to the protocol error a client sees (and
 rebuilds with ``protocol.errors.error_from_response``). ``coordinator.app`` registers one handler
 per root; nothing else translates them.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from compression.errors import CompressionError, PayloadError
 from gateway.errors import GatewayError, MergeError
-from gateway.router import ProfileError
+from protocol.profiles import ProfileError
 from protocol.errors import BadRequest, Conflict, FedMoEError, InvalidPayload
 
 HTTP_ERRORS: dict[type[Exception], type[FedMoEError]] = {
@@ -20,7 +20,7 @@ HTTP_ERRORS: dict[type[Exception], type[FedMoEError]] = {
     MergeError: Conflict,  # 409 conflict: experts that cannot be merged as the coordinator is set up
     GatewayError: Conflict,  # 409 conflict
 }
-DOMAIN_ROOTS: tuple[type[Exception], ...] = (CompressionError, GatewayError)
+DOMAIN_ROOTS: tuple[type[Exception], ...] = (CompressionError, GatewayError, ProfileError)
 """Roots of the trees mapped by HTTP_ERRORS (each class in it derives from one)."""
 REFUSALS: tuple[type[Exception], ...] = (FedMoEError, *DOMAIN_ROOTS)
 """Every error that refuses a request (a 4xx, or a 5xx that is not a bug)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.router import DEFAULT_DIM, DEFAULT_NGRAMS
+from protocol.profiles import DEFAULT_DIM, DEFAULT_NGRAMS
 from protocol.schemas import (API_PREFIX, EXPERT_HEADER, MAX_BATCH_MEMBERS, MAX_COUNT, UPDATE_HEADER, VERSION_HEADER,
                               WORKER_HEADER)
 
@@ -136,7 +136,7 @@ SCHEMAS: dict[str, Any] = {
     },
     "Profile": {
         "type": "object", "required": ["format", "version", "dim", "ngrams", "num_examples", "vector"],
-        "description": "A worker's n-gram summary of its data (gateway.router.profile_to_json).",
+        "description": "A worker's n-gram summary of its data (protocol.profiles.profile_to_json).",
         "properties": {"format": {"type": "string", "enum": ["fedmoe-profile"]},
                        "version": {"type": "integer", "enum": [1]},
                        "dim": {"type": "integer", "enum": [DEFAULT_DIM]},

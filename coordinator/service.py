@@ -42,7 +42,7 @@ from coordinator.recovery import recover
 from coordinator.steps import AggregationSteps
 from coordinator.store import RELAYED, ExpertRow, ManifestStore, UpdateRow, members_applied, parsed_manifest
 from coordinator.update_limits import NORM_SCALE
-from gateway.router import combine_profiles, profile_from_json, profile_to_json
+from protocol.profiles import combine_profiles, profile_from_json, profile_to_json
 from gateway.router import route as route_prompt
 from protocol.errors import BadRequest, Conflict, InsufficientStorage, InvalidPayload, NotFound, PayloadTooLarge
 from protocol.files import private_dir, private_file

@@ -459,7 +459,7 @@ class CoordinatorClient:
         return self._json("GET", f"/updates/{update_id}")
 
     def put_profile(self, name: str, worker_id: str, profile: dict[str, Any]) -> dict[str, Any]:
-        """Send this worker's routing profile (gateway.router.profile_to_json) for its expert."""
+        """Send this worker's routing profile (protocol.profiles.profile_to_json) for its expert."""
         return self._json("PUT", f"/experts/{name}/profiles/{worker_id}", json=profile, worker=worker_id, expert=name)
 
     def route(self, prompt: str, threshold: float | None = None, expected: str | None = None) -> dict[str, Any]:
@@ -473,7 +473,7 @@ class CoordinatorClient:
         return self._json("POST", "/route", json=body)
 
     def profiles(self) -> dict[str, Any]:
-        """{"threshold", "profiles": {expert: gateway.router.profile_to_json form}} for routing locally."""
+        """{"threshold", "profiles": {expert: protocol.profiles.profile_to_json form}} for routing locally."""
         return self._json("GET", "/profiles")
 
     def gateway_info(self, fresh: bool = False) -> dict[str, Any]:

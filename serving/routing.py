@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from gateway.router import DEFAULT_THRESHOLD, ProfileError, profile_from_json, route
+from protocol.profiles import ProfileError, profile_from_json
+from gateway.router import DEFAULT_THRESHOLD, route
 
 log = logging.getLogger(__name__)
 

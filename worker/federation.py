@@ -169,7 +169,7 @@ class FederatedWorker:
     state: ExpertState = field(default_factory=ExpertState)
     """Where we stand with the expert: version, pulled weights, reference, outbox (changed by the sync steps)."""
     profile: dict[str, Any] | None = None
-    """Routing summary of our training prompts (gateway.router), sent when joining."""
+    """Routing summary of our training prompts (protocol.profiles), sent when joining."""
     interval: IntervalStats = field(default_factory=IntervalStats)
     """Training since the last sync point (what the next update will carry)."""
     console: SyncConsole | None = None

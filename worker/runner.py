@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from gateway.router import profile_to_json, text_profile
+from protocol.profiles import profile_to_json, text_profile
 from protocol.client import CoordinatorClient
 from protocol.credentials import TOKEN_ENV
 from protocol.tensors import StateDict

@@ -1,7 +1,7 @@
 """5xx bugs schemathesis found (tests/e2e/test_openapi_fuzz.py), each pinned as a 400 here."""
 import pytest
 
-from gateway.router import profile_to_json, text_profile
+from protocol.profiles import profile_to_json, text_profile
 from tests.helpers import make_adapter, push, put_expert, random_like, update_meta
 
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from coordinator.aggregation import l2_norm
-from gateway.router import MAX_PROMPT_CHARS, route as route_prompt, text_profile
+from protocol.profiles import text_profile
+from gateway.router import MAX_PROMPT_CHARS, route as route_prompt
 from protocol.schemas import EXPERT_HEADER, UPDATE_HEADER
 from protocol.streaming import tensors_from_buffer
 from protocol.errors import InvalidPayload

@@ -1,7 +1,8 @@
 """Routing prompts to experts through the API, from profiles workers send."""
 import pytest
 
-from gateway.router import DEFAULT_THRESHOLD, profile_to_json, text_profile
+from protocol.profiles import profile_to_json, text_profile
+from gateway.router import DEFAULT_THRESHOLD
 from tests.helpers import make_adapter, put_expert
 
 SQL = [f"Write a SQL query that selects the {c} column from the {t} table where {c} > {i}"

@@ -14,7 +14,7 @@ import sys
 import requests
 
 from coordinator.openapi import OPENAPI
-from gateway.router import profile_to_json, text_profile
+from protocol.profiles import profile_to_json, text_profile
 from protocol.schemas import EXPERT_HEADER, UPDATE_HEADER
 from protocol.tensors import dumps
 from tests.e2e.conftest import admin_headers

@@ -12,7 +12,7 @@ import requests
 import torch
 
 from gateway.generate import generate as reference_answer
-from gateway.router import profile_to_json, text_profile
+from protocol.profiles import profile_to_json, text_profile
 from protocol.client import CoordinatorClient
 from protocol.tensors import dumps
 from tests.e2e.conftest import LISTENING, ROOT, spawn

@@ -179,7 +179,7 @@ def test_generate_and_merged_export_with_the_tiny_base_model(start_coordinator, 
     _, url = start_coordinator()
     train, heldout = split_examples(load_examples(sample_dataset_path("sql_expert")))
     trainer = LoraTrainer(load_base_model("tiny-qwen2"), LoraSettings(rank=2), TrainSettings(lr=1e-2), train)
-    from gateway.router import profile_to_json, text_profile
+    from protocol.profiles import profile_to_json, text_profile
     spec = {"lora": trainer.lora_config, "base_model": {"id": "tiny-qwen2", "fingerprint": tiny_base.fingerprint}}
     worker = FederatedWorker(SyncSettings(specialty="sql_expert", worker_id="w1"), CoordinatorClient(url), trainer,
                              spec, profile=profile_to_json(text_profile(e.prompt for e in train), len(train)))

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gateway.router import (DEFAULT_DIM, DEFAULT_THRESHOLD, ProfileError, RouteResult, combine_profiles,
-                            profile_from_json, profile_to_json, route, text_profile)
+from protocol.profiles import DEFAULT_DIM, ProfileError, combine_profiles, profile_from_json, profile_to_json, text_profile
+from gateway.router import DEFAULT_THRESHOLD, RouteResult, route
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -97,7 +97,7 @@ def test_profile_ignores_case_and_has_no_ngrams_for_short_text():
 @pytest.mark.slow  # a real process
 def test_hash_is_the_same_in_another_process_with_another_hash_seed():
     texts = ["Problem: I have a DataFrame df with columns A and B.", "Ünïcode ✓ and SQL: SELECT 1"]
-    script = ("import json, sys; from gateway.router import text_profile; "
+    script = ("import json, sys; from protocol.profiles import text_profile; "
               "print(json.dumps(text_profile(json.loads(sys.argv[1])).tolist()))")
     here = text_profile(texts)
     for seed in ("1", "12345"):

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.router import DEFAULT_THRESHOLD, ProfileError, fit_threshold, route, text_profile
+from protocol.profiles import ProfileError, text_profile
+from gateway.router import DEFAULT_THRESHOLD, fit_threshold, route
 
 ROOT = Path(__file__).resolve().parents[2]
 DS1000 = ROOT / "data" / "ds1000"
