@@ -40,7 +40,7 @@ from protocol.cli import option
 from protocol.client import CoordinatorClient
 from protocol.errors import InvalidUpdate
 from protocol.tensors import StateDict, dumps
-from worker.evaluation import adapter_loss
+from bench.heldout import adapter_loss
 from models.loading import load_base_model
 from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
 

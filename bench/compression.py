@@ -47,7 +47,7 @@ from protocol.client import CoordinatorClient
 from protocol.errors import FedMoEError
 from protocol.schemas import RAW_CODEC
 from worker.encoding import CompressionSettings, PullSettings, UpdateEncoder
-from worker.evaluation import adapter_loss
+from bench.heldout import adapter_loss
 from worker.federation import FederatedWorker, SyncSettings
 from models.loading import load_base_model
 from worker.trainer import LoraSettings, LoraTrainer, TrainSettings

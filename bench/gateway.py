@@ -53,7 +53,7 @@ from gateway.merges import MERGES, merge
 from protocol.profiles import text_profile
 from gateway.router import DEFAULT_THRESHOLD, route
 from worker.data import IGNORE_INDEX, Example, encode_example, load_examples, split_examples
-from worker.evaluation import adapter_loss
+from bench.heldout import adapter_loss
 from models.loading import BaseModel, load_base_model
 from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
 

@@ -1,35 +1,14 @@
-"""Held-out loss of the base model with any adapter (an expert, the gateway) applied."""
+"""Per-example answer losses of a model on held-out examples, with and without the end-of-answer token."""
 from __future__ import annotations
 
-import copy
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from gateway.export import attach_adapter
-from protocol.tensors import StateDict
 from worker.data import IGNORE_INDEX, Example, collate, encode_example, pad_token_id
 from worker.losses import answer_cross_entropy
-from models.loading import BaseModel
-from worker.trainer import evaluate_loss
-
-
-def adapter_loss(base: BaseModel, examples: Sequence[Example], adapter: StateDict | None = None,
-                 lora: Mapping[str, Any] | None = None, max_seq_len: int = 256) -> float:
-    """Mean answer-token loss on ``examples``; ``adapter=None`` measures the base model itself.
-
-    ``lora`` is the adapter's {"rank", "alpha", "target_modules"} as the coordinator reports it.
-    The base model is copied, so ``base`` stays clean for the next call.
-    """
-    model: torch.nn.Module = base.model
-    if adapter is not None:
-        if lora is None:
-            raise ValueError("an adapter needs its lora config (rank, alpha, target_modules)")
-        model = attach_adapter(copy.deepcopy(base.model), adapter, lora)
-    return evaluate_loss(model, base.tokenizer, examples, max_seq_len=max_seq_len)
 
 
 @dataclass(frozen=True)

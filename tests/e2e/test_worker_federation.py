@@ -18,7 +18,7 @@ from tests.e2e.conftest import ROOT, env
 from tests.helpers import run_main
 from worker.data import load_examples, sample_dataset_path, split_examples
 from worker.encoding import CompressionSettings, PullSettings, UpdateEncoder
-from worker.evaluation import adapter_loss
+from bench.heldout import adapter_loss
 from worker.federation import FederatedWorker, SyncSettings
 from models.loading import load_base_model
 from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
