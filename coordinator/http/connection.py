@@ -17,20 +17,18 @@ import os
 import socket
 import ssl
 import tempfile
-from typing import IO, TYPE_CHECKING, Any, BinaryIO
+from typing import IO, Any, BinaryIO
 
 from coordinator.http.bodies import BodyPlace, Spool
 from coordinator.http.options import ask_before_body
 from coordinator.http.receiving import READ_CHUNK, BodyReceiver
+from coordinator.http.shared import FrontShared
 from coordinator.http.wire import Wire
 from coordinator.http.wsgi import ADMISSION_MARKS, SPOOLED_BODY, Answer, FileBody, StreamedBody, close_quietly, \
     close_stream, declared_length
 from coordinator.http.heads import HEAD_LIMIT, HttpError, RequestHead, error_response, parse_head, response_head, \
     wsgi_environ
 from protocol.integrity import DIGEST_HEADER, requested_algorithm
-
-if TYPE_CHECKING:  # the front owns its connections; only its type is needed here
-    from coordinator.http.front import BufferingFront
 
 log = logging.getLogger(__name__)
 SPOOL_IN_MEMORY = 1 << 20  # request bodies up to this stay in memory; larger ones go to disk
@@ -45,7 +43,7 @@ CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 class Connection:
     """One client connection: read a whole request, let a thread answer it, write the answer; repeat."""
 
-    def __init__(self, front: BufferingFront, wire: Wire) -> None:
+    def __init__(self, front: FrontShared, wire: Wire) -> None:
         self.front, self.wire = front, wire
         self.timeout = front.options.socket_timeout
         self.bodies = BodyReceiver(front, wire, self.timeout)

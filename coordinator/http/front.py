@@ -11,7 +11,8 @@ Files (weight pulls) are sent by the loop with sendfile; a slow reader costs a s
 The parts (coordinator/http/): each connection's bytes and TLS (wire.py: an asyncio protocol of its own, public
 asyncio and ssl APIs only), its request cycle (connection.py: heads parsed by h11 in coordinator/http/heads.py, bodies
 received as coordinator/http/bodies.py says), the application's side of WSGI (wsgi.py) and the settings
-(options.py). This module holds them together: the listening socket, the thread pools, shutdown.
+(options.py), and what all connections share (shared.py: the thread pools, buffers and counters). This module holds
+them together: the listening socket and shutdown.
 
 A body over 1 MiB is written as it arrives to a named file in ``spool_dir`` (the blob store's temp dir) and hashed on
 the way (the algorithm the client's X-FedMoE-Digest names, BLAKE3 by default) on a hashing thread that overlaps the
@@ -29,17 +30,14 @@ import resource
 import signal
 import socket
 import ssl
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
-from coordinator.http.bodies import BufferBudget
 from coordinator.http.connection import Connection, no_delay
 from coordinator.http.options import FrontOptions
+from coordinator.http.shared import FrontShared
 from coordinator.http.wire import SharedBuffers, Wire
-from coordinator.http.wsgi import Answer, WsgiApp, call_app
+from coordinator.http.wsgi import WsgiApp
 
 log = logging.getLogger(__name__)
-BODY_THREADS = 64  # threads that read a spooled body with blocking receives (read_on_thread); when all are busy, the loop reads
 GRACE_SECONDS = 10.0  # on SIGTERM, how long requests being answered get to finish
 
 
@@ -57,43 +55,32 @@ class BufferingFront:
 
     def __init__(self, app: WsgiApp, sock: socket.socket, options: FrontOptions,
                  tls: ssl.SSLContext | None = None) -> None:
-        self.app, self.sock, self.options, self.tls = app, sock, options, tls
-        self.scheme = "https" if tls else "http"
-        self.pool = ThreadPoolExecutor(options.threads, thread_name_prefix="fedmoe-request")
-        # spooled bodies: the write, the body's digest and a place's own digest (an upload's running one) side by side
-        self.hashing = ThreadPoolExecutor(3, thread_name_prefix="fedmoe-hash")
-        self.bodies = ThreadPoolExecutor(BODY_THREADS, thread_name_prefix="fedmoe-body")
-        self.free_body_threads = BODY_THREADS
-        self.bodies_read = {"thread": 0, "loop": 0}  # large bodies by who read them (all, or the loop at least part)
-        self.buffers = BufferBudget()  # the receive buffers of large bodies and of the body threads
-        self.shared = SharedBuffers()  # the loop's receive buffers, one read at a time
+        self.sock, self.options, self.tls = sock, options, tls
+        self.shared = FrontShared(app, options, "https" if tls else "http")
+        self.loop_buffers = SharedBuffers()  # the loop's receive buffers, one read at a time
         self.connections: set[asyncio.Task] = set()
-        self.busy = 0  # requests inside the application right now
-        self.stopping: asyncio.Event | None = None
 
     def run(self) -> None:
         asyncio.run(self._main())
 
     async def _main(self) -> None:
         loop = asyncio.get_running_loop()
-        self.stopping = asyncio.Event()
+        stopping = self.shared.stopping = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.stopping.set)
+            loop.add_signal_handler(sig, stopping.set)
         self.sock.setblocking(False)
-        server = await loop.create_server(lambda: Wire(self.open, self.shared, self.tls), sock=self.sock)
-        await self.stopping.wait()
+        server = await loop.create_server(lambda: Wire(self.open, self.loop_buffers, self.tls), sock=self.sock)
+        await stopping.wait()
         server.close()  # stop accepting; requests being answered get GRACE_SECONDS
         deadline = loop.time() + GRACE_SECONDS
-        while self.busy and loop.time() < deadline:
+        while self.shared.busy and loop.time() < deadline:
             await asyncio.sleep(0.05)
         for task in list(self.connections):
             task.cancel()
         await asyncio.gather(*self.connections, return_exceptions=True)
-        self.pool.shutdown(wait=False, cancel_futures=True)
-        self.hashing.shutdown(wait=False, cancel_futures=True)
-        self.bodies.shutdown(wait=False, cancel_futures=True)
+        self.shared.shutdown()
         log.info("front: %d large bodies read on body threads, %d by the event loop (at least in part)",
-                 self.bodies_read["thread"], self.bodies_read["loop"])
+                 self.shared.bodies_read["thread"], self.shared.bodies_read["loop"])
 
     def open(self, wire: Wire) -> None:
         """A connection was accepted (its ``Wire`` is connected): start its request cycle, or close it when the front
@@ -109,15 +96,8 @@ class BufferingFront:
 
     async def _serve(self, wire: Wire) -> None:
         try:
-            await Connection(self, wire).serve()
+            await Connection(self.shared, wire).serve()
         except asyncio.CancelledError:
             pass
         finally:
             wire.close()
-
-    async def call_app(self, environ: dict[str, Any]) -> Answer:
-        self.busy += 1
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self.pool, call_app, self.app, environ)
-        finally:
-            self.busy -= 1

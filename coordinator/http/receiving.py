@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from typing import IO, TYPE_CHECKING
+from typing import IO
 
 import h11
 
 from coordinator.http.bodies import DIRECT_CHUNK, Spool, read_on_thread, write_chunk
 from coordinator.http.heads import HttpError, RequestHead
+from coordinator.http.shared import FrontShared
 from coordinator.http.wire import Wire
-
-if TYPE_CHECKING:  # the front owns the thread pools and buffers; only its type is needed here
-    from coordinator.http.front import BufferingFront
 
 READ_CHUNK = 1 << 20
 DIRECT_FROM = 256 << 10  # bodies from this size on are read straight into buffers (Wire.fill)
@@ -30,7 +28,7 @@ THREAD_STALL = 2.0  # seconds a body thread waits for a piece before the loop ta
 class BodyReceiver:
     """One connection's request bodies, each into ``body`` (a file in memory or on disk) or through a ``Spool``."""
 
-    def __init__(self, front: BufferingFront, wire: Wire, timeout: float) -> None:
+    def __init__(self, front: FrontShared, wire: Wire, timeout: float) -> None:
         self.front, self.wire, self.timeout = front, wire, timeout
 
     async def receive(self, head: RequestHead, body: IO[bytes] | None, spool: Spool | None) -> int:

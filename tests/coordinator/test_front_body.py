@@ -30,7 +30,7 @@ def app(environ, start_response):
     data = spooled.path.read_bytes() if spooled is not None else environ["wsgi.input"].read()
     answer = json.dumps({"size": len(data), "sha256": hashlib.sha256(data).hexdigest(),
                          "spooled_digest": spooled.digest if spooled is not None else None,
-                         "read_by": dict(front.bodies_read)}).encode()
+                         "read_by": dict(front.shared.bodies_read)}).encode()
     start_response("200 OK", [("Content-Type", "application/json")])
     return [answer]
 

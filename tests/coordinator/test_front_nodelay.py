@@ -27,11 +27,11 @@ def test_a_socket_made_like_the_coordinators_has_nagle_on_until_the_front_turns_
         seen.append((sock.proto, before, sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)))
 
     async def accept_one() -> None:
-        front.stopping = asyncio.Event()
-        front.stopping.set()  # the connection is served not at all: only what ``open`` does first is checked
+        front.shared.stopping = asyncio.Event()
+        front.shared.stopping.set()  # the connection is served not at all: only what ``open`` does first is checked
         listener.setblocking(False)
         loop = asyncio.get_running_loop()
-        server = await loop.create_server(lambda: Wire(accepted, front.shared), sock=listener)
+        server = await loop.create_server(lambda: Wire(accepted, front.loop_buffers), sock=listener)
         client = socket.create_connection(listener.getsockname())
         while not seen:
             await asyncio.sleep(0.01)
