@@ -1,6 +1,6 @@
 """The `auto` model: route each prompt here, with the coordinator's profiles, in well under 1 ms.
 
-The profiles (hashed n-gram statistics of each expert's training prompts, gateway/router.py)
+The profiles (hashed n-gram statistics of each expert's training prompts, protocol/profiles.py)
 are fetched with the other federation state; routing a prompt is then pure numpy on this
 machine, with no call to the coordinator on the request path.
 """
