@@ -19,7 +19,7 @@ from coordinator.audit import rejection_event
 from coordinator.cohorts import refuse_clear_push
 from coordinator.auth import acting_worker, authenticator, check_may_register, issue_token, principal
 from coordinator.errors import REFUSALS, as_http_error
-from coordinator.expert_store import WeightsRef
+from coordinator.storage.expert_store import WeightsRef
 from coordinator.http.wsgi import SPOOLED_BODY
 from coordinator.openapi import OPENAPI
 from coordinator.service import Coordinator

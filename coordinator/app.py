@@ -13,7 +13,7 @@ from werkzeug.exceptions import HTTPException
 
 from coordinator import auth, cohorts, placement_api, relays, uploads
 from coordinator.api import bp as api_bp
-from coordinator.blobs import is_storage_full
+from coordinator.storage.blobs import is_storage_full
 from coordinator.config import CoordinatorConfig
 from coordinator.errors import DOMAIN_ROOTS, as_http_error
 from coordinator.metrics import CoordinatorMetrics

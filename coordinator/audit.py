@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from coordinator.sqldb import Connection
+from coordinator.storage.sqldb import Connection
 from protocol.errors import BadRequest
 from protocol.schemas import loads_json
 

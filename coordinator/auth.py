@@ -98,8 +98,8 @@ class RefusalLog:
 class Authenticator:
     def __init__(self, config: CoordinatorConfig, record_event: Callable[[Event], None]) -> None:
         """``record_event`` writes an audit row (``Coordinator.record_event``): refusals go there."""
-        if config.manifest:  # replicas: tokens in the shared database (coordinator/backends/postgres.py)
-            from coordinator.backends.postgres import PostgresTokenStore
+        if config.manifest:  # replicas: tokens in the shared database (coordinator/storage/backends/postgres.py)
+            from coordinator.storage.backends.postgres import PostgresTokenStore
             self.tokens: TokenStore = PostgresTokenStore(config.manifest, config.data_dir, config.admin_token_file,
                                              config.token_ttl_hours * 3600)
         else:

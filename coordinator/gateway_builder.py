@@ -33,7 +33,7 @@ import torch
 from coordinator.adapters import non_finite_tensor
 from coordinator.config import CoordinatorConfig
 from coordinator.errors import REFUSALS
-from coordinator.expert_store import ExpertStore
+from coordinator.storage.expert_store import ExpertStore
 from gateway.build import Source, build_gateway, gateway_weights
 from gateway.files import SAFETENSORS_META_KEY
 from protocol.errors import Conflict, NotFound, Unavailable

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from coordinator.config import CoordinatorConfig
-from coordinator.expert_store import ExpertStore
+from coordinator.storage.expert_store import ExpertStore
 from coordinator.recovery import Problems, examine, set_aside
 from coordinator.service import open_store
 

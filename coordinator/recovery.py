@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from coordinator import audit
 from coordinator.adapters import check_update
 from coordinator.errors import REFUSALS
-from coordinator.expert_store import ExpertStore
-from coordinator.store import ExpertRow, UpdateRow
+from coordinator.storage.expert_store import ExpertStore
+from coordinator.storage.manifest import ExpertRow, UpdateRow
 from protocol.errors import NotFound
 from protocol.streaming import check_file, read_header
 from protocol.tensors import manifest_from_json

@@ -20,7 +20,7 @@ import torch
 from coordinator import int8_kernel
 from coordinator.app import create_app
 from coordinator.config import CoordinatorConfig, ServeOptions
-from coordinator.data_dir import ROOT, claim_data_dir
+from coordinator.storage.data_dir import ROOT, claim_data_dir
 from coordinator.http.admission import HeadAdmission
 from coordinator.http.upload_placement import UploadPlacer
 from coordinator.http.listening import announce, check_tls_files
@@ -55,7 +55,7 @@ def serve(config: CoordinatorConfig, options: ServeOptions) -> None:
     _limit_malloc_arenas()
     check_tls_files(options.tls_cert, options.tls_key)
     sock = bind(options.host, options.port)  # a port in use fails before anything is written
-    try:  # one process per data dir: held until this process exits (coordinator/data_dir.py)
+    try:  # one process per data dir: held until this process exits (coordinator/storage/data_dir.py)
         data_dir_lock = claim_data_dir(config.data_dir, ROOT)
     except ValueError:
         sock.close()

@@ -4,7 +4,7 @@ Flow of a push: the body is already in a fsynced temp file (the API put it
 there); we decode and check it, move it into the blob store, record it as
 pending in SQLite (that commit is the point of no loss: only then is 202 sent),
 then aggregate whatever the policy says is ready; the 202 waits for a group
-commit (coordinator/group_commit.py) that makes the blob and the row durable,
+commit (coordinator/storage/group_commit.py) that makes the blob and the row durable,
 taken after the expert's lock is let go. Aggregation runs under a
 per-expert lock, writes the new version's blob, then commits the version row
 and marks the applied updates in one transaction. A restart re-runs
@@ -27,12 +27,12 @@ from coordinator.adapters import check_full_weights, check_lora_adapter, checked
 from coordinator.aggregation import StateDict
 from coordinator import audit
 from coordinator.audit import Event
-from coordinator.blobs import BlobStore
-from coordinator.backends.errors import BackendUnavailable
+from coordinator.storage.blobs import BlobStore
+from coordinator.storage.backends.errors import BackendUnavailable
 from coordinator.config import CoordinatorConfig
 from coordinator.diffs import DiffCache
 from coordinator.errors import REFUSALS
-from coordinator.expert_store import ExpertStore, WeightsRef
+from coordinator.storage.expert_store import ExpertStore, WeightsRef
 from coordinator.gateway_builder import GatewayBuilder
 from coordinator.health import StoreHealth
 from coordinator.liveness import liveness
@@ -40,7 +40,7 @@ from coordinator.norm_check import judge_norm
 from coordinator.privacy_ledger import PrivacyLedgers
 from coordinator.recovery import recover
 from coordinator.steps import AggregationSteps
-from coordinator.store import RELAYED, ExpertRow, ManifestStore, UpdateRow, members_applied, parsed_manifest
+from coordinator.storage.manifest import RELAYED, ExpertRow, ManifestStore, UpdateRow, members_applied, parsed_manifest
 from coordinator.update_limits import NORM_SCALE
 from gateway.router import combine_profiles, profile_from_json, profile_to_json
 from gateway.router import route as route_prompt
@@ -424,12 +424,12 @@ def open_store(config: CoordinatorConfig) -> ExpertStore:
     """SQLite + local files (the default), or PostgreSQL and/or S3 when --manifest / --blobs name them."""
     blobs: BlobStore
     if config.blobs:
-        from coordinator.backends.s3 import S3BlobStore  # boto3 only when asked for
+        from coordinator.storage.backends.s3 import S3BlobStore  # boto3 only when asked for
         blobs = S3BlobStore(config.data_dir / "blobs", config.blobs)
     else:
         blobs = BlobStore(config.data_dir / "blobs")
     if config.manifest:
-        from coordinator.backends.postgres import ExpertLocks, PostgresManifestStore
+        from coordinator.storage.backends.postgres import ExpertLocks, PostgresManifestStore
         return ExpertStore(blobs, PostgresManifestStore(config.manifest), config.keep_versions,
                            locks=ExpertLocks(config.manifest))
     return ExpertStore(blobs, ManifestStore(private_file(config.data_dir / "manifest.sqlite"), group_commit=True),

@@ -16,7 +16,7 @@ Everything a push checks is checked the same way (token, expert, metadata, size 
 the same code as a push, so a resumable push is applied exactly once by its update_id, like any push.
 The routes serve whatever ``UploadTarget`` the app installs: the root's Coordinator (``RootTarget``) or a
 relay (coordinator/relay/service.py), whose finished uploads are queued and pre-aggregated like its pushes.
-Storage and bounds: coordinator/upload_store.py. A chunk that overlaps the received bytes is a 409, one
+Storage and bounds: coordinator/storage/upload_files.py. A chunk that overlaps the received bytes is a 409, one
 after a gap or past the end a 416; either error's details carry the offset to continue from.
 """
 from __future__ import annotations
@@ -39,8 +39,8 @@ from coordinator.http.wsgi import SPOOLED_BODY
 from coordinator.relays import check_may_carry_members
 from coordinator.service import Coordinator
 from coordinator.tokens import RELAY, WORKER, Principal, relay_key
-from coordinator.upload_limits import UploadLimits
-from coordinator.upload_store import Upload, UploadStore
+from coordinator.storage.upload_limits import UploadLimits
+from coordinator.storage.upload_files import Upload, UploadStore
 from protocol.errors import (BadRequest, Conflict, FedMoEError, InvalidUpdate, PayloadTooLarge, RequestTimeout,
                              Unavailable)
 from protocol.integrity import DIGEST_HEADER, ClientReader, algorithm_of, hex_of, parse_digest
@@ -112,7 +112,7 @@ def target() -> UploadTarget:
 
 def install(app: Flask, service: Coordinator | UploadTarget) -> None:
     """Open the data dir's uploads and serve the routes into ``service`` (the root's Coordinator, or a relay).
-    Bounds (coordinator/upload_limits.py): ``--upload-idle-seconds``; Flask config (e.g. ``CoordinatorConfig.extra``)
+    Bounds (coordinator/storage/upload_limits.py): ``--upload-idle-seconds``; Flask config (e.g. ``CoordinatorConfig.extra``)
     may set UPLOAD_IDLE_SECONDS, UPLOADS_PER_WORKER (per principal, 2), MAX_OPEN_UPLOADS (1000) and
     UPLOAD_PROTECTED_SECONDS (60)."""
     into = RootTarget(service) if isinstance(service, Coordinator) else service

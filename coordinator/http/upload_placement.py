@@ -24,7 +24,7 @@ from flask import Flask
 from coordinator.auth import bearer_token
 from coordinator.http.bodies import BodyPlace
 from coordinator.tokens import ADMIN, RELAY, WORKER
-from coordinator.upload_store import UploadStore
+from coordinator.storage.upload_files import UploadStore
 from coordinator.uploads import chunk_range, owner_of
 from protocol.errors import FedMoEError
 from protocol.schemas import API_PREFIX

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from coordinator.blobs import BlobStore
+from coordinator.storage.blobs import BlobStore
 from coordinator.norm_check import NormVerdict, judge_norm
 from coordinator.relay.store import CachedWeights, RelayStore
 from coordinator.update_limits import (UpdateLimits, check_step_result, headroom, peak_magnitude, surely_finite,

@@ -41,7 +41,7 @@ from compression.registry import make_codec
 from coordinator import audit
 from coordinator.aggregation import AggregationParams, Update, fedbuff
 from coordinator.aggregation.base import weighted_sum
-from coordinator.blobs import BlobStore
+from coordinator.storage.blobs import BlobStore
 from coordinator.relay.checks import RelayChecks
 from coordinator.relay.site import SiteModel, sum_weighted
 from coordinator.relay.store import Batch, RelayStore, held_deltas

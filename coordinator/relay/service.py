@@ -22,7 +22,7 @@ from typing import Any
 from coordinator import audit
 from coordinator.adapters import checked_norm, stored_deltas
 from coordinator.audit import Event
-from coordinator.blobs import BlobStore, storage_errors
+from coordinator.storage.blobs import BlobStore, storage_errors
 from coordinator.config import CoordinatorConfig
 from coordinator.diffs import DiffCache
 from coordinator.relay.checks import RelayChecks

@@ -40,7 +40,7 @@ import torch
 
 from coordinator.adapters import non_finite_tensor
 from coordinator.aggregation.base import add_deltas, staleness_weight, weighted_sum
-from coordinator.blobs import BlobStore
+from coordinator.storage.blobs import BlobStore
 from coordinator.relay.checks import RelayChecks
 from coordinator.update_limits import headroom
 from coordinator.relay.store import CachedWeights, RelayStore, held_deltas

@@ -49,9 +49,9 @@ from typing import Any
 
 from coordinator.adapters import stored_deltas
 from coordinator.audit import Event, insert_event, insert_norm, query_events, recent_norms
-from coordinator.blobs import BlobStore
+from coordinator.storage.blobs import BlobStore
 from coordinator.relay.store_schema import create_schema, prune_forwarded, retire_batch
-from coordinator.store import WORKERS_QUERY, touch_worker_row, upsert_worker_row, worker_dicts
+from coordinator.storage.manifest import WORKERS_QUERY, touch_worker_row, upsert_worker_row, worker_dicts
 from coordinator.update_limits import as_clipped
 from protocol.files import private_file
 from protocol.tensors import Manifest

@@ -54,7 +54,7 @@ CREATE TABLE IF NOT EXISTS cache_history (  -- versions the cache held before it
     blob TEXT NOT NULL,
     PRIMARY KEY (expert, version)
 );
-CREATE TABLE IF NOT EXISTS workers (   -- the root's table (coordinator.store) without its traffic counters
+CREATE TABLE IF NOT EXISTS workers (   -- the root's table (coordinator.storage.manifest) without its traffic counters
     worker_id TEXT PRIMARY KEY,
     specialty TEXT NOT NULL,
     base_model TEXT NOT NULL,

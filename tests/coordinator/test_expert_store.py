@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.blobs import BlobStore
-from coordinator.expert_store import ExpertStore, StaleAggregation
-from coordinator.store import ManifestStore
+from coordinator.storage.blobs import BlobStore
+from coordinator.storage.expert_store import ExpertStore, StaleAggregation
+from coordinator.storage.manifest import ManifestStore
 from protocol.errors import NotFound
 
 SPEC = {"kind": "lora"}

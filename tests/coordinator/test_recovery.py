@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.blobs import BlobStore
+from coordinator.storage.blobs import BlobStore
 from coordinator.config import CoordinatorConfig
-from coordinator.expert_store import ExpertStore
+from coordinator.storage.expert_store import ExpertStore
 from coordinator.quarantine import quarantine_command
 from coordinator.recovery import RecoveryRefused, StoreMismatch, recover
-from coordinator.store import ManifestStore
+from coordinator.storage.manifest import ManifestStore
 from tests.helpers import make_adapter, push, put_expert, random_like, update_meta
 
 ROOT = Path(__file__).resolve().parents[2]

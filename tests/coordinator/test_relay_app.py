@@ -119,7 +119,7 @@ def test_a_relay_with_a_codec_forwards_a_compressed_batch(root, tmp_path):
 
 
 def test_a_relay_keeps_its_worker_rows_with_the_roots_code(relay):
-    """Register, renew, heartbeat and list at a relay (coordinator.store's worker-row functions on its table)."""
+    """Register, renew, heartbeat and list at a relay (coordinator.storage.manifest's worker-row functions on its table)."""
     app, join = relay
     first = register(app, join, "w1")
     assert first.status_code == 200 and first.json["relay"] == "r1"

@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 
-from coordinator.blobs import BlobStore
+from coordinator.storage.blobs import BlobStore
 from coordinator.norm_check import NormPolicy
 from coordinator.relay.checks import RelayChecks
 from coordinator.relay.store import Batch, RelayStore

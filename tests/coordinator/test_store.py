@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from coordinator.blobs import BlobStore
-from coordinator.store import StaleAggregation
+from coordinator.storage.blobs import BlobStore
+from coordinator.storage.manifest import StaleAggregation
 from protocol.tensors import loads
 from tests.helpers import make_adapter, push, put_expert, random_like, update_meta
 

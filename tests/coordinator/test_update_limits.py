@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from coordinator.blobs import BlobStore
+from coordinator.storage.blobs import BlobStore
 from coordinator.relay.checks import RelayChecks
 from coordinator.relay.store import CachedWeights, RelayStore
 from coordinator.update_limits import SAFE_MAGNITUDE, UpdateLimits, headroom, peak_magnitude, surely_finite

@@ -1,5 +1,5 @@
 """The database interface the manifest store and the audit log use: what ``sqlite3`` offers and
-``coordinator.backends.postgres.PgConnection`` imitates (types only, for the checker)."""
+``coordinator.storage.backends.postgres.PgConnection`` imitates (types only, for the checker)."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator

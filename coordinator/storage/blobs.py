@@ -49,7 +49,7 @@ class BlobStore:
     def path(self, digest: str) -> Path:
         return self.root / hex_of(digest)[:2] / digest
 
-    # reads, as coordinator.expert_store.BlobBackend names them
+    # reads, as coordinator.storage.expert_store.BlobBackend names them
 
     def local_path(self, digest: str) -> Path | None:
         """The blob's own file (it may be gone if pruned meanwhile)."""
@@ -125,7 +125,7 @@ class BlobStore:
 
         The digest is the one given, else the one hashed while the file was received, else computed
         (BLAKE3). ``sync=False``: the rename is made durable by the next ``flush()`` instead of a
-        directory fsync of its own (group commit, coordinator/group_commit.py).
+        directory fsync of its own (group commit, coordinator/storage/group_commit.py).
         """
         with self._digests_guard:
             received = self._received_digests.pop(tmp, None)

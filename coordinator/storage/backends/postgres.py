@@ -1,6 +1,6 @@
 """The manifest in PostgreSQL (``--manifest postgresql://...``), so several coordinators share one federation.
 
-The SQL is ManifestStore's own (coordinator/store.py, coordinator/audit.py): one schema and one set
+The SQL is ManifestStore's own (coordinator/storage/manifest.py, coordinator/audit.py): one schema and one set
 of queries for both engines, through a thin connection that speaks SQLite's dialect to the store
 and PostgreSQL's to the server (``?`` placeholders, ``LIMIT -1``, AUTOINCREMENT, lastrowid).
 
@@ -40,9 +40,9 @@ import psycopg
 from psycopg.rows import dict_row, tuple_row
 
 from coordinator.audit import AUDIT_SCHEMA
-from coordinator.backends.errors import BackendUnavailable, log_outage
-from coordinator.sqldb import Row
-from coordinator.store import SCHEMA, ManifestStore
+from coordinator.storage.backends.errors import BackendUnavailable, log_outage
+from coordinator.storage.sqldb import Row
+from coordinator.storage.manifest import SCHEMA, ManifestStore
 from coordinator.tokens import TokenStore
 from protocol.errors import Conflict
 

@@ -15,7 +15,7 @@ copy of the running digest; ``write`` then checks the chunk's digest, fsyncs and
 upload's lock is held and nothing past the acknowledged offset counts; a chunk that did not arrive whole or was
 refused is cut off again when the front releases the place.
 
-Bounds (coordinator/upload_limits.py): an open reserves no disk, only a record; a principal keeps at most
+Bounds (coordinator/storage/upload_limits.py): an open reserves no disk, only a record; a principal keeps at most
 ``per_owner`` uploads open (opening one more evicts its least recently used), all principals together
 ``max_open`` (an open evicts the longest idle, never one that received a chunk in the last minute, else 507);
 an upload idle for ``idle_seconds`` expires and its files are removed (swept whenever an upload is opened, and
@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from coordinator.blobs import storage_errors
+from coordinator.storage.blobs import storage_errors
 from coordinator.http.bodies import BodyPlace, SpooledBody
-from coordinator.upload_limits import UploadLimits, global_evictions, is_expired, own_evictions
+from coordinator.storage.upload_limits import UploadLimits, global_evictions, is_expired, own_evictions
 from protocol.errors import BadRequest, Conflict, FedMoEError, InsufficientStorage, NotFound, Unavailable
 from protocol.files import private_dir, write_atomically
 from protocol.integrity import Readable, algorithm_of, content_id, new_hasher
@@ -219,7 +219,7 @@ class UploadStore:
 
     def _make_room(self, owner: str | None) -> None:
         """Evict the owner's least recently used uploads until it may open one more, then, at the limit of all
-        principals' uploads, the longest idle ones (coordinator/upload_limits.py)."""
+        principals' uploads, the longest idle ones (coordinator/storage/upload_limits.py)."""
         with self._guard:
             open_uploads = [u for u in self._uploads.values() if not u.completed]
         mine = [u for u in open_uploads if owner is not None and u.owner == owner]

@@ -17,7 +17,7 @@ A bucket that disappears while we run (the object store restarted empty, or some
 created again by the first request that finds it gone (at most once per BUCKET_RECHECK_S), and that
 request goes on: pushes used to get 503 "NoSuchBucket" until the coordinator was restarted, since
 the bucket was only made at start. The store then calls ``on_lost`` so that the blobs the manifest
-still names are put back from this replica's cache (``restore``; coordinator/expert_store.py repairs).
+still names are put back from this replica's cache (``restore``; coordinator/storage/expert_store.py repairs).
 """
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ import boto3
 import botocore.exceptions
 from botocore.config import Config
 
-from coordinator.backends.errors import BackendUnavailable, log_outage
-from coordinator.blobs import BlobStore
+from coordinator.storage.backends.errors import BackendUnavailable, log_outage
+from coordinator.storage.blobs import BlobStore
 from protocol.files import fsync_dir
 from protocol.integrity import hex_of, is_content_id
 

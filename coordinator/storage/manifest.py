@@ -4,7 +4,7 @@ SQLite in WAL mode. With ``group_commit`` (the coordinator's store) commits do n
 sync (``synchronous=NORMAL``); ``flush()`` fsyncs the WAL once for every commit
 before it, and checkpoints (copies the WAL into the database) on our schedule
 rather than SQLite's (``wal_autocheckpoint=0``), so the WAL is only ever synced
-by a flush, after the blob directories it names (coordinator/group_commit.py).
+by a flush, after the blob directories it names (coordinator/storage/group_commit.py).
 Without it, ``synchronous=FULL``: each commit is durable on return. Tensor data lives in the ``BlobStore``; rows only name blobs by
 digest. The order of every write is blob first (fsynced), then the row, so a
 row never points at a missing blob; a crash in between leaves an orphan blob
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.audit import AUDIT_SCHEMA, Event, insert_event, insert_norm, query_events, recent_norms
-from coordinator.sqldb import Connection, Row
+from coordinator.storage.sqldb import Connection, Row
 from protocol.errors import Conflict
 from protocol.tensors import manifest_from_json
 
@@ -189,7 +189,7 @@ class ManifestStore:
                 self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
     def held_up(self) -> bool:
-        """Whether a lock held elsewhere just cut a statement short (coordinator/backends/postgres.py); SQLite: never."""
+        """Whether a lock held elsewhere just cut a statement short (coordinator/storage/backends/postgres.py); SQLite: never."""
         return False
 
     @contextmanager

@@ -28,11 +28,11 @@ from pathlib import Path
 from typing import Any, BinaryIO, ContextManager, Protocol, TypeGuard, TypeVar
 
 from coordinator.audit import Event
-from coordinator.backends.errors import BackendUnavailable
-from coordinator.blobs import is_storage_full, storage_errors
-from coordinator.group_commit import GroupCommit
+from coordinator.storage.backends.errors import BackendUnavailable
+from coordinator.storage.blobs import is_storage_full, storage_errors
+from coordinator.storage.group_commit import GroupCommit
 from protocol.integrity import DEFAULT_ALGORITHM, Readable
-from coordinator.store import ExpertRow, StaleAggregation, UpdateRow
+from coordinator.storage.manifest import ExpertRow, StaleAggregation, UpdateRow
 from protocol.errors import NotFound
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ __all__ = ["BlobBackend", "ExpertStore", "ManifestBackend", "StaleAggregation", 
 
 
 class BlobBackend(Protocol):
-    """Immutable blobs named by their SHA-256 (``coordinator.blobs.BlobStore``: local files).
+    """Immutable blobs named by their SHA-256 (``coordinator.storage.blobs.BlobStore``: local files).
 
     Temp files are always local (bodies are checked before they are stored); ``adopt`` moves one
     into the backend, durably, under its digest. ``receive`` and ``write_temp`` leave nothing behind
@@ -76,7 +76,7 @@ class BlobBackend(Protocol):
 
 
 class PresigningBlobBackend(BlobBackend, Protocol):
-    """A remote blob backend that hands out direct download URLs (``coordinator.backends.s3``)."""
+    """A remote blob backend that hands out direct download URLs (``coordinator.storage.backends.s3``)."""
 
     def presigned_url(self, digest: str) -> str: ...
     def remote_size(self, digest: str) -> int: ...  # bytes of the blob in the store (0 if absent)
@@ -87,7 +87,7 @@ def _presigning(blobs: BlobBackend) -> TypeGuard[PresigningBlobBackend]:
 
 
 class ManifestBackend(Protocol):
-    """The durable rows (``coordinator.store.ManifestStore``: SQLite). Rows name blobs by digest;
+    """The durable rows (``coordinator.storage.manifest.ManifestStore``: SQLite). Rows name blobs by digest;
     each method commits atomically (one transaction)."""
 
     def close(self) -> None: ...
@@ -140,7 +140,7 @@ class ExpertStore:
     def __init__(self, blobs: BlobBackend, rows: ManifestBackend, keep_versions: int, locks: Any = None) -> None:
         self._blobs = blobs
         self._locks = locks
-        """Cross-process expert locks (coordinator/backends/postgres.py ExpertLocks) when replicas share rows."""
+        """Cross-process expert locks (coordinator/storage/backends/postgres.py ExpertLocks) when replicas share rows."""
         self._rows = rows
         self.keep_versions = keep_versions
         """Versions of each expert whose weights are kept (--keep-versions); older ones are pruned."""

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from coordinator.upload_store import Upload
+    from coordinator.storage.upload_files import Upload
 
 
 @dataclass(frozen=True)
