@@ -15,16 +15,16 @@ from flask import Blueprint, Response, current_app, g, jsonify, request, send_fi
 from werkzeug.exceptions import ClientDisconnected, HTTPException
 from werkzeug.exceptions import NotFound as NoRoute
 
-from coordinator.audit import rejection_event
+from coordinator.access.audit import rejection_event
 from coordinator.cohorts import refuse_clear_push
-from coordinator.auth import acting_worker, authenticator, check_may_register, issue_token, principal
+from coordinator.access.auth import acting_worker, authenticator, check_may_register, issue_token, principal
 from coordinator.errors import REFUSALS, as_http_error
 from coordinator.storage.expert_store import WeightsRef
 from coordinator.http.wsgi import SPOOLED_BODY
 from coordinator.openapi import OPENAPI
 from coordinator.service import Coordinator
 from coordinator.relays import check_may_carry_members
-from coordinator.tokens import WORKER
+from coordinator.access.tokens import WORKER
 from gateway.files import npz_bytes
 from protocol.errors import BadRequest, Conflict, FedMoEError, PayloadTooLarge, RequestTimeout, Unavailable
 from protocol.integrity import DIGEST_HEADER, ClientReader, parse_digest

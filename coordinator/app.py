@@ -11,7 +11,8 @@ from flask import Flask, Response, g, has_request_context, jsonify, request, sen
 from flask.json.provider import DefaultJSONProvider
 from werkzeug.exceptions import HTTPException
 
-from coordinator import auth, cohorts, placement_api, relays, uploads
+from coordinator import cohorts, placement_api, relays, uploads
+from coordinator.access import auth
 from coordinator.api import bp as api_bp
 from coordinator.storage.blobs import is_storage_full
 from coordinator.config import CoordinatorConfig

@@ -3,7 +3,7 @@
 A worker whose update is K times the norm of what honest workers send is broken or hostile
 (diverged training, a scaled or sign-flipped attack). The reference is the *median* of the
 expert's last ``history`` accepted update norms, so a few bad values in it do not move it,
-and it is stored in SQLite (``coordinator.audit``), so it survives restarts. Until ``warmup``
+and it is stored in SQLite (``coordinator.access.audit``), so it survives restarts. Until ``warmup``
 norms are known there is nothing to compare with and every update passes.
 """
 from __future__ import annotations

@@ -29,7 +29,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from coordinator import audit
+from coordinator.access import audit
 from coordinator.adapters import check_update
 from coordinator.errors import REFUSALS
 from coordinator.storage.expert_store import ExpertStore

@@ -2,7 +2,7 @@
 
 A relay (``coordinator.relay``) registers with the relay join token (``<data dir>/relay_join_token``, not
 the workers' join token: a worker must not be able to make itself a relay) at ``POST /api/v1/relays`` and
-gets a relay-scoped token (``coordinator.tokens``, role ``relay``): it may push and pull for any expert, on
+gets a relay-scoped token (``coordinator.access.tokens``, role ``relay``): it may push and pull for any expert, on
 behalf of its workers; its resumable uploads are its own (coordinator/uploads.py ``owner_of``). Registration refuses (409) a relay whose base model fingerprint differs from
 an existing expert's, so a relay for another model never starts. Each forward interval the relay
 reports its workers and byte counts at ``POST /api/v1/relays/<id>/report``; ``GET /api/v1/relays``
@@ -61,8 +61,8 @@ class RelayRegistry:
 def check_may_carry_members(meta: UpdateMeta) -> None:
     """Only a relay (or the admin) names the worker updates a push carries: a worker that could would
     claim other workers' update ids, and the root would then refuse their pushes as duplicates."""
-    from coordinator.auth import principal
-    from coordinator.tokens import WORKER
+    from coordinator.access.auth import principal
+    from coordinator.access.tokens import WORKER
 
     if meta.members is not None and principal().role == WORKER:
         raise Forbidden("a worker's update cannot carry 'members' (only a relay's combined update does)")
@@ -75,7 +75,7 @@ def registry() -> RelayRegistry:
 @bp.post("/relays")
 def register_relay() -> tuple[Response, int]:
     from coordinator.api import coordinator, json_body
-    from coordinator.auth import authenticator, principal
+    from coordinator.access.auth import authenticator, principal
     from coordinator.update_limits import UpdateLimits
 
     body = json_body()
@@ -96,7 +96,7 @@ def register_relay() -> tuple[Response, int]:
     token: dict[str, object] = {}
     auth = authenticator()
     if auth is not None:
-        from coordinator.tokens import RELAY, relay_key
+        from coordinator.access.tokens import RELAY, relay_key
 
         token = auth.tokens.issue(relay_key(relay_id), "*", principal(), role=RELAY)
     registry().registered(relay_id, url, None if spec is None else {"id": spec.id, "fingerprint": spec.fingerprint})
@@ -107,8 +107,8 @@ def register_relay() -> tuple[Response, int]:
 @bp.post("/relays/<relay_id>/report")
 def relay_report(relay_id: str) -> Response:
     from coordinator.api import json_body
-    from coordinator.auth import principal
-    from coordinator.tokens import ADMIN, RELAY
+    from coordinator.access.auth import principal
+    from coordinator.access.tokens import ADMIN, RELAY
 
     caller = principal()
     if caller.role not in (ADMIN, RELAY):

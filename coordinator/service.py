@@ -25,8 +25,8 @@ import numpy as np
 
 from coordinator.adapters import check_full_weights, check_lora_adapter, checked_norm
 from coordinator.aggregation import StateDict
-from coordinator import audit
-from coordinator.audit import Event
+from coordinator.access import audit
+from coordinator.access.audit import Event
 from coordinator.storage.blobs import BlobStore
 from coordinator.storage.backends.errors import BackendUnavailable
 from coordinator.config import CoordinatorConfig

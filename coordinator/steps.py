@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from compression.errors import PayloadError
-from coordinator import audit
+from coordinator.access import audit
 from coordinator.adapters import non_finite_tensor, stored_deltas
 from coordinator.aggregation import AGGREGATORS, AggregationParams, StateDict, Update, robust_aggregator
 from coordinator.config import CoordinatorConfig

@@ -38,7 +38,7 @@ def serve_on_loopback(app):
 
 
 def relay_join_token(root_data_dir) -> str:
-    """The root's relay join token (coordinator/tokens.py): what a relay registers at the root with."""
+    """The root's relay join token (coordinator/access/tokens.py): what a relay registers at the root with."""
     return (root_data_dir / "relay_join_token").read_text().strip()
 
 

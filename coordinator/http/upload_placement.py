@@ -21,9 +21,9 @@ from typing import Any
 
 from flask import Flask
 
-from coordinator.auth import bearer_token
+from coordinator.access.auth import bearer_token
 from coordinator.http.bodies import BodyPlace
-from coordinator.tokens import ADMIN, RELAY, WORKER
+from coordinator.access.tokens import ADMIN, RELAY, WORKER
 from coordinator.storage.upload_files import UploadStore
 from coordinator.uploads import chunk_range, owner_of
 from protocol.errors import FedMoEError

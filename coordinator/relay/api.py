@@ -1,4 +1,4 @@
-"""A relay's HTTP API: the root's paths and token rules (``coordinator.auth.RULES``), served locally.
+"""A relay's HTTP API: the root's paths and token rules (``coordinator.access.auth.RULES``), served locally.
 
 Workers cannot tell a relay from the root: they register (with the same join token), push, pull,
 heartbeat and send profiles at the same paths. The blueprint is named ``api`` like the root's so
@@ -18,10 +18,11 @@ from flask import Blueprint, Flask, Response, current_app, jsonify, request, sen
 from werkzeug.exceptions import HTTPException
 
 from coordinator import api as root_api
-from coordinator import auth, cohorts, uploads
+from coordinator import cohorts, uploads
+from coordinator.access import auth
 from coordinator.api import json_body, receive_body
 from coordinator.app import StrictJSONProvider, _log_requests_at_debug, _register_error_handlers
-from coordinator.auth import acting_worker
+from coordinator.access.auth import acting_worker
 from coordinator.errors import REFUSALS, as_http_error
 from coordinator.relay.service import RelayConfig, RelayService
 from coordinator.cohorts import refuse_clear_push

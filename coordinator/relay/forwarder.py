@@ -38,7 +38,7 @@ import torch
 
 from compression.error_feedback import ErrorFeedback
 from compression.registry import make_codec
-from coordinator import audit
+from coordinator.access import audit
 from coordinator.aggregation import AggregationParams, Update, fedbuff
 from coordinator.aggregation.base import weighted_sum
 from coordinator.storage.blobs import BlobStore

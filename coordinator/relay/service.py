@@ -2,7 +2,7 @@
 
 It stands where ``coordinator.service.Coordinator`` stands in the root's app (``app.extensions
 ["fedmoe"]``), with the attributes the shared pieces use: ``config`` and ``blobs`` (request bodies,
-``coordinator.api.receive_body``), ``record_event`` and ``list_workers`` (``coordinator.auth``).
+``coordinator.api.receive_body``), ``record_event`` and ``list_workers`` (``coordinator.access.auth``).
 """
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
-from coordinator import audit
+from coordinator.access import audit
 from coordinator.adapters import checked_norm, stored_deltas
-from coordinator.audit import Event
+from coordinator.access.audit import Event
 from coordinator.storage.blobs import BlobStore, storage_errors
 from coordinator.config import CoordinatorConfig
 from coordinator.diffs import DiffCache
@@ -103,7 +103,7 @@ class RelayService:
         self.relay_config = config
         self.config = config.coordinator
         data_dir = private_dir(self.config.data_dir)
-        if config.join_token:  # workers join this relay with the root's join token (coordinator.tokens)
+        if config.join_token:  # workers join this relay with the root's join token (coordinator.access.tokens)
             _write_private(data_dir / "join_token", config.join_token)
         self.blobs = BlobStore(data_dir / "blobs")
         self.store = RelayStore(data_dir / "relay.sqlite")
@@ -157,7 +157,7 @@ class RelayService:
         self.upstream.close()
         self.store.close()
 
-    # what coordinator.auth and coordinator.api use -------------------------------
+    # what coordinator.access.auth and coordinator.api use -------------------------------
 
     def check_body_size(self, length: int | None) -> None:
         check_body_size(length, self.config.max_body_bytes)

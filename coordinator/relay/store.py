@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.adapters import stored_deltas
-from coordinator.audit import Event, insert_event, insert_norm, query_events, recent_norms
+from coordinator.access.audit import Event, insert_event, insert_norm, query_events, recent_norms
 from coordinator.storage.blobs import BlobStore
 from coordinator.relay.store_schema import create_schema, prune_forwarded, retire_batch
 from coordinator.storage.manifest import WORKERS_QUERY, touch_worker_row, upsert_worker_row, worker_dicts
@@ -171,7 +171,7 @@ class RelayStore:
             db.execute("INSERT INTO state VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = excluded.value",
                        (f"setting.{key}", json.dumps(value)))
 
-    # the audit log and the norm history: the root's tables and code (coordinator.audit) -----
+    # the audit log and the norm history: the root's tables and code (coordinator.access.audit) -----
 
     def add_event(self, event: Event) -> None:
         with self.transaction() as db:

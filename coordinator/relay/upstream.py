@@ -44,7 +44,7 @@ class UpstreamClient(CoordinatorClient):
                  retry: RetryPolicy = RetryPolicy(attempts=2, base_delay=0.5, max_delay=2.0),
                  relay_join_token: str | None = None) -> None:
         """``relay_join_token``: the root's relay join token, which registers the relay (the workers' join token
-        cannot, coordinator/tokens.py); without it the relay registers with ``join_token`` (an admin token does)."""
+        cannot, coordinator/access/tokens.py); without it the relay registers with ``join_token`` (an admin token does)."""
         super().__init__(url, retry=retry, token=join_token, timeout=(5.0, 120.0))
         self.join_token = join_token
         self.registering_token = relay_join_token or join_token

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from coordinator.audit import AUDIT_SCHEMA, Event, insert_event, insert_norm, query_events, recent_norms
+from coordinator.access.audit import AUDIT_SCHEMA, Event, insert_event, insert_norm, query_events, recent_norms
 from coordinator.storage.sqldb import Connection, Row
 from protocol.errors import Conflict
 from protocol.tensors import manifest_from_json
@@ -404,7 +404,7 @@ class ManifestStore:
         assert cur.lastrowid is not None  # set by the INSERT above
         return int(cur.lastrowid), [r["blob"] for r in rows]
 
-    # audit log and norm history (coordinator.audit) ------------------------
+    # audit log and norm history (coordinator.access.audit) ------------------------
 
     def add_event(self, event: Event) -> None:
         """Record an event that comes with no other change (a rejection, a duplicate)."""

@@ -118,7 +118,7 @@ def test_quarantined_updates_keep_a_copy_and_lose_their_blob(store):
 
     def event(u, kept):
         copies.append(kept)
-        from coordinator.audit import update_quarantined
+        from coordinator.access.audit import update_quarantined
         return update_quarantined("a", u.update_id, u.worker_id, "test", kept)
 
     assert store.quarantine_updates("a", [update], "test", event) == 1

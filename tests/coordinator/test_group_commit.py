@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from coordinator import audit
+from coordinator.access import audit
 from coordinator.storage.group_commit import GroupCommit
 from coordinator.storage.manifest import CHECKPOINT_WAL_BYTES, ManifestStore
 

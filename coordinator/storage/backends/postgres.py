@@ -1,6 +1,6 @@
 """The manifest in PostgreSQL (``--manifest postgresql://...``), so several coordinators share one federation.
 
-The SQL is ManifestStore's own (coordinator/storage/manifest.py, coordinator/audit.py): one schema and one set
+The SQL is ManifestStore's own (coordinator/storage/manifest.py, coordinator/access/audit.py): one schema and one set
 of queries for both engines, through a thin connection that speaks SQLite's dialect to the store
 and PostgreSQL's to the server (``?`` placeholders, ``LIMIT -1``, AUTOINCREMENT, lastrowid).
 
@@ -39,11 +39,11 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row, tuple_row
 
-from coordinator.audit import AUDIT_SCHEMA
+from coordinator.access.audit import AUDIT_SCHEMA
 from coordinator.storage.backends.errors import BackendUnavailable, log_outage
 from coordinator.storage.sqldb import Row
 from coordinator.storage.manifest import SCHEMA, ManifestStore
-from coordinator.tokens import TokenStore
+from coordinator.access.tokens import TokenStore
 from protocol.errors import Conflict
 
 log = logging.getLogger(__name__)
@@ -293,7 +293,7 @@ class PostgresManifestStore(ManifestStore):
 class PostgresTokenStore(TokenStore):
     """Worker tokens and revocations in PostgreSQL, so a token issued by one replica is good at every other.
 
-    Each replica keeps its cache of tokens seen valid (coordinator/tokens.py); a revocation reaches
+    Each replica keeps its cache of tokens seen valid (coordinator/access/tokens.py); a revocation reaches
     the other replicas' caches only when those entries expire from it (see docs/scale.md).
     """
 

@@ -4,7 +4,7 @@ Each endpoint needs one of these (README, "Security", has the table):
 
 - ``public``: anyone (health check, the dashboard page itself; it asks for a token to read data).
 - ``join``: the join token or admin (registering a worker); also a worker's own token, expired or
-  not, to renew it. The join token cannot register an id that is active (``coordinator.tokens``).
+  not, to renew it. The join token cannot register an id that is active (``coordinator.access.tokens``).
   Registering a relay takes the relay join token instead (or the relay's own token, or admin); the relay
   join token is good for nothing else.
 - ``read``: any valid token (metadata: experts, workers, gateway info, metrics, routing).
@@ -33,10 +33,10 @@ from typing import Any
 from flask import Flask, Response, current_app, g, jsonify, request
 from flask.testing import FlaskClient
 
-from coordinator.audit import Event, refusal_event, rejection_event
+from coordinator.access.audit import Event, refusal_event, rejection_event
 from coordinator.config import CoordinatorConfig
-from coordinator.ratelimit import RateLimiter
-from coordinator.tokens import ADMIN, JOIN, RELAY, RELAY_JOIN, WORKER, Principal, TokenStore
+from coordinator.access.ratelimit import RateLimiter
+from coordinator.access.tokens import ADMIN, JOIN, RELAY, RELAY_JOIN, WORKER, Principal, TokenStore
 from protocol.errors import FedMoEError, Forbidden, TooManyRequests, Unauthorized
 from protocol.schemas import UPDATE_HEADER, WORKER_HEADER
 
@@ -257,7 +257,7 @@ def acting_worker(claimed: str | None, field: str) -> str | None:
 
 
 def check_may_register(worker_id: str, specialty: str) -> None:
-    """Forbidden unless the caller may (re-)register this worker id (``coordinator.tokens``)."""
+    """Forbidden unless the caller may (re-)register this worker id (``coordinator.access.tokens``)."""
     auth = authenticator()
     if auth is not None:
         auth.tokens.check_may_register(principal(), worker_id, specialty)
