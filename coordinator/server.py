@@ -18,7 +18,7 @@ import threading
 import torch
 
 from coordinator import int8_kernel
-from coordinator.app import create_app
+from coordinator.api.app import create_app
 from coordinator.config import CoordinatorConfig, ServeOptions
 from coordinator.storage.data_dir import ROOT, claim_data_dir
 from coordinator.http.admission import HeadAdmission

@@ -34,7 +34,7 @@ from coordinator.diffs import DiffCache
 from coordinator.errors import REFUSALS
 from coordinator.storage.expert_store import ExpertStore, WeightsRef
 from coordinator.gateway_builder import GatewayBuilder
-from coordinator.health import StoreHealth
+from coordinator.storage.health import StoreHealth
 from coordinator.liveness import liveness
 from coordinator.norm_check import judge_norm
 from coordinator.privacy_ledger import PrivacyLedgers
@@ -79,7 +79,7 @@ class Coordinator:
         self.on_close: list[Callable[[], None]] = []
         """Stopped before the store closes (e.g. the secure-aggregation applier, coordinator.cohorts)."""
         self.health = StoreHealth(self.expert_count)
-        """What /health answers, without waiting on a database that is held up (coordinator/health.py)."""
+        """What /health answers, without waiting on a database that is held up (coordinator/storage/health.py)."""
         # finish what a crash interrupted; refuse to start on what this process cannot see (coordinator/recovery.py)
         recover(self.store, self.steps.run)
         self.gateway.start()

@@ -47,7 +47,7 @@ def relay_sites(tmp_path, root: dict[str, Any] | None = None, **relay_settings: 
     """A real root holding expert ``e1`` (``CoordinatorConfig`` settings ``root``) and a real relay ``r1`` under it
     (``RelayConfig`` settings ``relay_settings``; forwarding only when a test asks), each on a loopback port. Yields (a client of the root
     registered as worker ``w-root``, the relay service, a client of the relay registered as ``w1``, the root URL)."""
-    from coordinator.app import create_app
+    from coordinator.api.app import create_app
     from coordinator.config import CoordinatorConfig
     from coordinator.relay.api import create_relay_app
     from coordinator.relay.forwarder import ForwardPolicy

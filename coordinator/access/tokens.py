@@ -4,7 +4,7 @@
   ``<data dir>/admin_token``, made on first start (mode 0600).
 - The **join** token only registers workers. It lives in ``<data dir>/join_token`` (mode 0600);
   the operator hands it to the machines that may join. Delete it and restart to rotate it.
-- The **relay join** token only registers relays (``coordinator.relays``), in ``<data dir>/relay_join_token``
+- The **relay join** token only registers relays (``coordinator.relay_registry``), in ``<data dir>/relay_join_token``
   (mode 0600), for the machines that run relays. A relay token may push for every expert, so holding the
   workers' join token is not enough to get one.
 - A **worker** token is what registering returns: bound to one worker id and its specialty,
@@ -183,7 +183,7 @@ class TokenStore:
                                "or the join token once no token of this worker is valid)",
                                reason="expired")
         principal = Principal(WORKER, worker_id, specialty)
-        if specialty == RELAY_SPECIALTY:  # a relay coordinator (coordinator.relays)
+        if specialty == RELAY_SPECIALTY:  # a relay coordinator (coordinator.relay_registry)
             principal = Principal(RELAY, worker_id.removeprefix("relay:"))
         with self._valid_lock:
             if len(self._valid) > 10_000:

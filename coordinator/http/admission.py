@@ -16,13 +16,13 @@ from __future__ import annotations
 
 from flask import Flask, request
 
-from coordinator.api import JSON_BODY_LIMIT, PROMPT_BODY_LIMIT
+from coordinator.api.routes import JSON_BODY_LIMIT, PROMPT_BODY_LIMIT
 from coordinator.http.flask_admission import FlaskAdmission, route_exists
 from protocol.errors import PayloadTooLarge
 from protocol.probe import MAX_PROBE_BYTES
 
 BODY_LIMITS: dict[str, int] = {
-    "relays.probe_upload": MAX_PROBE_BYTES, "api.probe_upload": MAX_PROBE_BYTES,  # coordinator/relays.py reads this much
+    "relays.probe_upload": MAX_PROBE_BYTES, "api.probe_upload": MAX_PROBE_BYTES,  # coordinator/relay_registry.py reads this much
     "api.route": PROMPT_BODY_LIMIT,  # json_body(PROMPT_BODY_LIMIT)
     # the views that read their body with json_body() and its default limit
     "api.register_worker": JSON_BODY_LIMIT, "api.put_profile": JSON_BODY_LIMIT, "uploads.open_upload": JSON_BODY_LIMIT,

@@ -4,9 +4,9 @@ Workers cannot tell a relay from the root: they register (with the same join tok
 heartbeat and send profiles at the same paths. The blueprint is named ``api`` like the root's so
 the same access rule applies to each endpoint; request bodies are received by the root's own
 ``receive_body`` (fsynced temp file, digest checked, size limit). Resumable uploads are the root's own
-blueprint (coordinator/uploads.py) with the RelayService as its ``UploadTarget``: a finished upload is
+blueprint (coordinator/api/uploads.py) with the RelayService as its ``UploadTarget``: a finished upload is
 queued by ``submit_update`` exactly like a one-shot push. Diff pulls (``?since=``) are the root's own view
-(``coordinator.api._weights_diff``) over the relay's cached versions (coordinator/relay/diffs.py).
+(``coordinator.api.routes._weights_diff``) over the relay's cached versions (coordinator/relay/diffs.py).
 """
 from __future__ import annotations
 
@@ -17,16 +17,17 @@ from typing import cast
 from flask import Blueprint, Flask, Response, current_app, jsonify, request, send_file
 from werkzeug.exceptions import HTTPException
 
-from coordinator import api as root_api
-from coordinator import cohorts, uploads
+from coordinator.api import routes as root_api
+from coordinator import cohorts
+from coordinator.api import uploads
 from coordinator.access import auth
-from coordinator.api import json_body, receive_body
-from coordinator.app import StrictJSONProvider, _log_requests_at_debug, _register_error_handlers
+from coordinator.api.routes import json_body, receive_body
+from coordinator.api.app import StrictJSONProvider, _log_requests_at_debug, _register_error_handlers
 from coordinator.access.auth import acting_worker
 from coordinator.errors import REFUSALS, as_http_error
 from coordinator.relay.service import RelayConfig, RelayService
 from coordinator.cohorts import refuse_clear_push
-from coordinator.relays import check_may_carry_members, probe_body, probe_upload
+from coordinator.relay_registry import check_may_carry_members, probe_body, probe_upload
 from coordinator.service import Coordinator
 from protocol.errors import Conflict
 from protocol.schemas import (API_PREFIX, EXPERT_HEADER, UPDATE_HEADER, VERSION_HEADER, WORKER_HEADER,
@@ -46,7 +47,7 @@ def health() -> Response:
                     "upstream_reachable": r.forwarder.upstream_reachable, "experts": len(r.store.cached_experts())})
 
 
-# Registration and heartbeats are the root's own views (coordinator/api.py): they validate the body, check
+# Registration and heartbeats are the root's own views (coordinator/api/routes.py): they validate the body, check
 # the caller's right to register and issue the worker token, then call ``register_worker`` / ``heartbeat``
 # on ``app.extensions["fedmoe"]``, which here is the RelayService (same signatures, its own workers table).
 bp.add_url_rule("/workers", "register_worker", root_api.register_worker, methods=["POST"])

@@ -2,7 +2,7 @@
 
 It stands where ``coordinator.service.Coordinator`` stands in the root's app (``app.extensions
 ["fedmoe"]``), with the attributes the shared pieces use: ``config`` and ``blobs`` (request bodies,
-``coordinator.api.receive_body``), ``record_event`` and ``list_workers`` (``coordinator.access.auth``).
+``coordinator.api.routes.receive_body``), ``record_event`` and ``list_workers`` (``coordinator.access.auth``).
 """
 from __future__ import annotations
 
@@ -157,7 +157,7 @@ class RelayService:
         self.upstream.close()
         self.store.close()
 
-    # what coordinator.access.auth and coordinator.api use -------------------------------
+    # what coordinator.access.auth and coordinator.api.routes use -------------------------------
 
     def check_body_size(self, length: int | None) -> None:
         check_body_size(length, self.config.max_body_bytes)
@@ -311,7 +311,7 @@ class RelayService:
             raise
 
     def record_pull(self, worker_id: str | None, name: str, body_bytes: int) -> None:
-        """A diff served (the root's view calls it, coordinator.api._weights_diff)."""
+        """A diff served (the root's view calls it, coordinator.api.routes._weights_diff)."""
         self.bytes_served += body_bytes
         self.diff_bytes_served += body_bytes
 
@@ -325,7 +325,7 @@ class RelayService:
                                       f"{limit} (--max-queue-mb); its upstream may be unreachable. Retry later",
                                       retry_after=30)
 
-    # resumable uploads (coordinator.uploads.UploadTarget): the root's routes, finishing into submit_update
+    # resumable uploads (coordinator.api.uploads.UploadTarget): the root's routes, finishing into submit_update
 
     def check_upload(self, name: str, size: int) -> None:
         """An upload is opened only for an expert upstream has (or the cache knows) and a body the queue can hold."""

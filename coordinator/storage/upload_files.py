@@ -68,7 +68,7 @@ class Upload:
     upload_id: str
     expert: str
     owner: str | None
-    """The principal whose token opened it (only it, or the admin, may use it; coordinator/uploads.py
+    """The principal whose token opened it (only it, or the admin, may use it; coordinator/api/uploads.py
     ``owner_of``): a worker id, or ``relay:<id>``; None when opened by the admin."""
     meta: UpdateMeta
     size: int

@@ -8,7 +8,7 @@ import pytest
 import torch
 from werkzeug.serving import make_server
 
-from coordinator.app import create_app
+from coordinator.api.app import create_app
 from coordinator.config import CoordinatorConfig
 from coordinator.relay.api import create_relay_app
 from coordinator.relay.forwarder import ForwardPolicy, batch_update_id, combine

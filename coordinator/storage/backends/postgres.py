@@ -268,7 +268,7 @@ class PostgresManifestStore(ManifestStore):
 
     def expert_count(self) -> int:
         """On a connection of its own (made on first use): /health's read must not hold the one the writes wait
-        for while a lock held elsewhere keeps it waiting, nor wait behind them (coordinator/health.py)."""
+        for while a lock held elsewhere keeps it waiting, nor wait behind them (coordinator/storage/health.py)."""
         with self._health_lock:
             try:
                 if self._health_db is None:

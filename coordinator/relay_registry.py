@@ -3,7 +3,7 @@
 A relay (``coordinator.relay``) registers with the relay join token (``<data dir>/relay_join_token``, not
 the workers' join token: a worker must not be able to make itself a relay) at ``POST /api/v1/relays`` and
 gets a relay-scoped token (``coordinator.access.tokens``, role ``relay``): it may push and pull for any expert, on
-behalf of its workers; its resumable uploads are its own (coordinator/uploads.py ``owner_of``). Registration refuses (409) a relay whose base model fingerprint differs from
+behalf of its workers; its resumable uploads are its own (coordinator/api/uploads.py ``owner_of``). Registration refuses (409) a relay whose base model fingerprint differs from
 an existing expert's, so a relay for another model never starts. Each forward interval the relay
 reports its workers and byte counts at ``POST /api/v1/relays/<id>/report``; ``GET /api/v1/relays``
 lists the tree (relays, their workers, bytes saved), which is also how workers discover relays.
@@ -74,7 +74,7 @@ def registry() -> RelayRegistry:
 
 @bp.post("/relays")
 def register_relay() -> tuple[Response, int]:
-    from coordinator.api import coordinator, json_body
+    from coordinator.api.routes import coordinator, json_body
     from coordinator.access.auth import authenticator, principal
     from coordinator.update_limits import UpdateLimits
 
@@ -106,7 +106,7 @@ def register_relay() -> tuple[Response, int]:
 
 @bp.post("/relays/<relay_id>/report")
 def relay_report(relay_id: str) -> Response:
-    from coordinator.api import json_body
+    from coordinator.api.routes import json_body
     from coordinator.access.auth import principal
     from coordinator.access.tokens import ADMIN, RELAY
 

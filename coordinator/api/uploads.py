@@ -30,13 +30,13 @@ from typing import Any, Protocol
 from flask import Blueprint, Flask, Response, current_app, g, jsonify, request
 from werkzeug.exceptions import ClientDisconnected
 
-from coordinator.api import json_body
+from coordinator.api.routes import json_body
 from coordinator.access.audit import Event, rejection_event
 from coordinator.access.auth import acting_worker, principal
 from coordinator.config import CoordinatorConfig
 from coordinator.cohorts import refuse_clear_push
 from coordinator.http.wsgi import SPOOLED_BODY
-from coordinator.relays import check_may_carry_members
+from coordinator.relay_registry import check_may_carry_members
 from coordinator.service import Coordinator
 from coordinator.access.tokens import RELAY, WORKER, Principal, relay_key
 from coordinator.storage.upload_limits import UploadLimits

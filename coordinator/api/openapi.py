@@ -321,7 +321,7 @@ UPLOAD_STATUS = {
 OFFSET_HEADERS = {"X-FedMoE-Upload-Offset": {"description": "The offset.", "schema": {"type": "string"}}}
 UNKNOWN_UPLOAD = _error("No such expert, or no open upload of that id for this caller (finished, expired, "
                         "another worker's, or never opened).")
-_api.update({  # resumable pushes (coordinator/uploads.py, docs/wan.md)
+_api.update({  # resumable pushes (coordinator/api/uploads.py, docs/wan.md)
     "/experts/{name}/uploads": {"post": {
         "operationId": "openUpload", "summary": "Open a resumable push of a large update (or find the open one "
                                                 "of this update_id, with its offset).",
@@ -371,7 +371,7 @@ _api.update({  # resumable pushes (coordinator/uploads.py, docs/wan.md)
                                     "own checks refused the update."),
                       "507": STORAGE_FULL}}},
 })
-_relays: dict[str, Any] = {  # coordinator/relays.py; docs/history/wan.md, "Relays"
+_relays: dict[str, Any] = {  # coordinator/relay_registry.py; docs/history/wan.md, "Relays"
     "/probe": {"get": {
         "operationId": "probe", "summary": "Public: N zero bytes, for clients measuring throughput (protocol/probe.py).",
         "security": [],
@@ -413,7 +413,7 @@ _relays: dict[str, Any] = {  # coordinator/relays.py; docs/history/wan.md, "Rela
                                              "stats": {"type": "object"}}}}}},
         "responses": {"200": _json({"type": "object"}, "Noted."), "400": BAD_REQUEST,
                       "403": _error("Not this relay's token."), "413": _error("JSON body over 1 MiB.")}}},
-    # coordinator/placement_api.py; docs/wan.md, "A hierarchy that forms itself"
+    # coordinator/api/placement.py; docs/wan.md, "A hierarchy that forms itself"
     "/workers/{worker_id}/probes": {"post": {
         "operationId": "reportProbes",
         "summary": "A worker's measured links (RTT ms, Mbit/s; null: unreachable) to the root and the relays it was "

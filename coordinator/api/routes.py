@@ -21,9 +21,9 @@ from coordinator.access.auth import acting_worker, authenticator, check_may_regi
 from coordinator.errors import REFUSALS, as_http_error
 from coordinator.storage.expert_store import WeightsRef
 from coordinator.http.wsgi import SPOOLED_BODY
-from coordinator.openapi import OPENAPI
+from coordinator.api.openapi import OPENAPI
 from coordinator.service import Coordinator
-from coordinator.relays import check_may_carry_members
+from coordinator.relay_registry import check_may_carry_members
 from coordinator.access.tokens import WORKER
 from gateway.files import npz_bytes
 from protocol.errors import BadRequest, Conflict, FedMoEError, PayloadTooLarge, RequestTimeout, Unavailable
@@ -84,7 +84,7 @@ def receive_body() -> Path:
 
 @bp.get("/health")
 def health() -> Response:
-    """Up, with the expert count; never waits on the database for more than half a second (coordinator/health.py)."""
+    """Up, with the expert count; never waits on the database for more than half a second (coordinator/storage/health.py)."""
     return jsonify({"status": "ok", **coordinator().health.snapshot()})
 
 
@@ -343,5 +343,5 @@ def _blob_tensors(c: Coordinator, digest: str) -> StateDict:
 
 @bp.get("/openapi.json")
 def openapi() -> Response:
-    """This API's OpenAPI 3 description (coordinator/openapi.py)."""
+    """This API's OpenAPI 3 description (coordinator/api/openapi.py)."""
     return jsonify(OPENAPI)

@@ -11,18 +11,19 @@ from flask import Flask, Response, g, has_request_context, jsonify, request, sen
 from flask.json.provider import DefaultJSONProvider
 from werkzeug.exceptions import HTTPException
 
-from coordinator import cohorts, placement_api, relays, uploads
+from coordinator import cohorts, relay_registry
+from coordinator.api import placement, uploads
 from coordinator.access import auth
-from coordinator.api import bp as api_bp
+from coordinator.api.routes import bp as api_bp
 from coordinator.storage.blobs import is_storage_full
 from coordinator.config import CoordinatorConfig
 from coordinator.errors import DOMAIN_ROOTS, as_http_error
-from coordinator.metrics import CoordinatorMetrics
+from coordinator.api.metrics import CoordinatorMetrics
 from coordinator.service import Coordinator
 from protocol.errors import FedMoEError, InsufficientStorage
 
 log = logging.getLogger(__name__)
-STATIC = Path(__file__).resolve().parent / "static"
+STATIC = Path(__file__).resolve().parent.parent / "static"
 
 
 def create_app(config: CoordinatorConfig | None = None) -> Flask:
@@ -34,9 +35,9 @@ def create_app(config: CoordinatorConfig | None = None) -> Flask:
     coordinator = Coordinator(config)
     app.extensions["fedmoe"] = coordinator
     app.register_blueprint(api_bp)
-    uploads.install(app, coordinator)  # resumable pushes (coordinator/uploads.py)
-    relays.install(app)  # relay coordinators below this root (coordinator.relays)
-    placement_api.init_app(app)  # where each worker syncs, from the links they measure (coordinator.placement)
+    uploads.install(app, coordinator)  # resumable pushes (coordinator/api/uploads.py)
+    relay_registry.install(app)  # relay coordinators below this root (coordinator.relay_registry)
+    placement.init_app(app)  # where each worker syncs, from the links they measure (coordinator.placement)
     if config.secagg is not None:  # --secure-aggregation: updates come only as cohorts' sums (coordinator.cohorts)
         coordinator.on_close.append(cohorts.install(app, coordinator, config.secagg, config.data_dir).close)
     _log_requests_at_debug(app)  # before auth's hook, so refused requests are timed and logged too
