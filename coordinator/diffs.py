@@ -17,7 +17,7 @@ from typing import Any, ContextManager, Protocol
 from compression import Codec
 from compression.errors import CompressionError
 from compression.wire import encode_update
-from coordinator.adapters import make_checked_codec
+from coordinator.checks.adapters import make_checked_codec
 from coordinator.storage.expert_store import WeightsRef
 from protocol.errors import NotFound
 from protocol.streaming import FileTensors

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from coordinator.adapters import non_finite_tensor
+from coordinator.checks.adapters import non_finite_tensor
 from coordinator.config import CoordinatorConfig
 from coordinator.errors import REFUSALS
 from coordinator.storage.expert_store import ExpertStore

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from coordinator.access import audit
-from coordinator.adapters import check_update
+from coordinator.checks.adapters import check_update
 from coordinator.errors import REFUSALS
 from coordinator.storage.expert_store import ExpertStore
 from coordinator.storage.manifest import ExpertRow, UpdateRow

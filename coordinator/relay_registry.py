@@ -76,7 +76,7 @@ def registry() -> RelayRegistry:
 def register_relay() -> tuple[Response, int]:
     from coordinator.api.routes import coordinator, json_body
     from coordinator.access.auth import authenticator, principal
-    from coordinator.update_limits import UpdateLimits
+    from coordinator.checks.update_limits import UpdateLimits
 
     body = json_body()
     relay_id = check_name(body.get("relay_id"), "relay_id")

@@ -17,7 +17,7 @@ import threading
 
 import torch
 
-from coordinator import int8_kernel
+from coordinator.checks import int8_kernel
 from coordinator.api.app import create_app
 from coordinator.config import CoordinatorConfig, ServeOptions
 from coordinator.storage.data_dir import ROOT, claim_data_dir
@@ -61,7 +61,7 @@ def serve(config: CoordinatorConfig, options: ServeOptions) -> None:
         sock.close()
         raise
     app = create_app(config)
-    # compiled int8 loops (coordinator/int8_kernel.py) ready before the first push needs them, without delaying start
+    # compiled int8 loops (coordinator/checks/int8_kernel.py) ready before the first push needs them, without delaying start
     threading.Thread(target=int8_kernel.warm_up, name="fedmoe-warm-up", daemon=True).start()
     # Everything made so far (torch, Flask, the store: a few hundred thousand objects that live as long as
     # the process) leaves the cyclic GC's generations: its full collections, triggered by the objects each

@@ -23,7 +23,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from coordinator.adapters import check_full_weights, check_lora_adapter, checked_norm
+from coordinator.checks.adapters import check_full_weights, check_lora_adapter, checked_norm
 from coordinator.aggregation import StateDict
 from coordinator.access import audit
 from coordinator.access.audit import Event
@@ -36,12 +36,12 @@ from coordinator.storage.expert_store import ExpertStore, WeightsRef
 from coordinator.gateway_builder import GatewayBuilder
 from coordinator.storage.health import StoreHealth
 from coordinator.liveness import liveness
-from coordinator.norm_check import judge_norm
+from coordinator.checks.norm_check import judge_norm
 from coordinator.privacy_ledger import PrivacyLedgers
 from coordinator.recovery import recover
 from coordinator.steps import AggregationSteps
 from coordinator.storage.manifest import RELAYED, ExpertRow, ManifestStore, UpdateRow, members_applied, parsed_manifest
-from coordinator.update_limits import NORM_SCALE
+from coordinator.checks.update_limits import NORM_SCALE
 from gateway.router import combine_profiles, profile_from_json, profile_to_json
 from gateway.router import route as route_prompt
 from protocol.errors import BadRequest, Conflict, InsufficientStorage, InvalidPayload, NotFound, PayloadTooLarge
@@ -224,7 +224,7 @@ class Coordinator:
             self._refuse_recorded_members(meta)  # before the body is decoded: a refused relay batch costs nothing
             self._check_private(name, meta)
             manifest = list(parsed_manifest(expert.manifest))
-            # int8 bodies are checked and measured from their codes (coordinator/fused_check.py); others are
+            # int8 bodies are checked and measured from their codes (coordinator/checks/fused_check.py); others are
             # decoded tensor by tensor. Either way nothing decoded is kept while we wait for the expert's
             # lock: the step reads the body again when it is computed.
             norm = checked_norm(body, meta.codec, meta.codec_config, manifest)

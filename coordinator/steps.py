@@ -21,16 +21,16 @@ import torch
 
 from compression.errors import PayloadError
 from coordinator.access import audit
-from coordinator.adapters import non_finite_tensor, stored_deltas
+from coordinator.checks.adapters import non_finite_tensor, stored_deltas
 from coordinator.aggregation import AGGREGATORS, AggregationParams, StateDict, Update, robust_aggregator
 from coordinator.config import CoordinatorConfig
 from coordinator.storage.expert_store import ExpertStore, StaleAggregation
-from coordinator.flat_weights import load_flat, save_flat
+from coordinator.checks.flat_weights import load_flat, save_flat
 from coordinator.privacy_ledger import PrivacyLedgers
 from coordinator.liveness import active_workers
 from coordinator.recovery import quarantine_updates
 from coordinator.storage.manifest import ExpertRow, UpdateRow, parsed_manifest
-from coordinator.update_limits import as_clipped, check_step_result
+from coordinator.checks.update_limits import as_clipped, check_step_result
 from protocol.errors import InvalidPayload
 from protocol.tensors import load_file, save_file
 

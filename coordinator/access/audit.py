@@ -7,7 +7,7 @@ transaction as the change it records; rejections, which change nothing, get a tr
 their own. The table keeps the newest ``EVENTS_KEPT`` rows, so it cannot grow without bound.
 
 Norm history: the L2 norm of every accepted update, the newest ``NORMS_KEPT`` per expert,
-so the norm check (``coordinator.norm_check``) has its reference after a restart too.
+so the norm check (``coordinator.checks.norm_check``) has its reference after a restart too.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from protocol.errors import BadRequest
 from protocol.schemas import loads_json
 
 if TYPE_CHECKING:
-    from coordinator.norm_check import NormVerdict
+    from coordinator.checks.norm_check import NormVerdict
     from protocol.errors import FedMoEError
     from protocol.schemas import UpdateMeta
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from coordinator.access import audit
-from coordinator.adapters import checked_norm, stored_deltas
+from coordinator.checks.adapters import checked_norm, stored_deltas
 from coordinator.access.audit import Event
 from coordinator.storage.blobs import BlobStore, storage_errors
 from coordinator.config import CoordinatorConfig
@@ -33,7 +33,7 @@ from coordinator.relay.store import APPLIED_ELSEWHERE, CachedWeights, RelayStore
 from coordinator.relay.upstream import DiffPulls, RelayStartError, UpstreamClient, WeightsCache
 from coordinator.liveness import liveness
 from coordinator.service import check_body_size, receive_checked
-from coordinator.update_limits import NORM_SCALE, as_clipped
+from coordinator.checks.update_limits import NORM_SCALE, as_clipped
 from protocol.errors import Conflict, InsufficientStorage, NotFound, Unavailable
 from protocol.files import private_dir
 from protocol.integrity import Readable, algorithm_of

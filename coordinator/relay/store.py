@@ -47,12 +47,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from coordinator.adapters import stored_deltas
+from coordinator.checks.adapters import stored_deltas
 from coordinator.access.audit import Event, insert_event, insert_norm, query_events, recent_norms
 from coordinator.storage.blobs import BlobStore
 from coordinator.relay.store_schema import create_schema, prune_forwarded, retire_batch
 from coordinator.storage.manifest import WORKERS_QUERY, touch_worker_row, upsert_worker_row, worker_dicts
-from coordinator.update_limits import as_clipped
+from coordinator.checks.update_limits import as_clipped
 from protocol.files import private_file
 from protocol.tensors import Manifest
 

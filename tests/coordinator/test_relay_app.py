@@ -189,7 +189,7 @@ def test_a_stale_pull_gets_the_cached_weights_at_once_and_the_new_version_after_
 
 def test_raw_bodies_are_combined_in_one_pass_per_file_bit_for_bit_as_tensor_by_tensor(tmp_path):
     """The forwarder reads a queued raw body through one open file (FileTensors reopened it for every tensor)."""
-    from coordinator.adapters import stored_deltas
+    from coordinator.checks.adapters import stored_deltas
     from protocol.streaming import FileTensors, FileTensorsOnce
 
     adapter = make_adapter()

@@ -1,7 +1,7 @@
 """What the root refuses in an update, said once, so that a relay refuses the same before its 202.
 
-The root refuses (422) an update whose values are not finite (``coordinator.adapters.checked_norm``), whose norm
-is over its ``--norm-check reject`` limit (``coordinator.norm_check.judge_norm``), and one whose aggregation step
+The root refuses (422) an update whose values are not finite (``coordinator.checks.adapters.checked_norm``), whose norm
+is over its ``--norm-check reject`` limit (``coordinator.checks.norm_check.judge_norm``), and one whose aggregation step
 would overflow float32 (``check_step_result``, called by ``coordinator.steps`` on the step it computes). A relay
 acknowledges a worker's update before the root sees it, inside a combined batch, so it must apply the same rules
 first (coordinator/relay/checks.py); ``UpdateLimits`` is the part of the root's configuration those rules read,
@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from coordinator.adapters import non_finite_tensor
+from coordinator.checks.adapters import non_finite_tensor
 from coordinator.aggregation.base import add_deltas, tensors_of
-from coordinator.flat_weights import flat_offsets, load_flat
-from coordinator.norm_check import NormPolicy
+from coordinator.checks.flat_weights import flat_offsets, load_flat
+from coordinator.checks.norm_check import NormPolicy
 from protocol.errors import InvalidUpdate
 from protocol.streaming import FileTensors
 from protocol.tensors import StateDict, load_file

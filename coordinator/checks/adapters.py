@@ -13,10 +13,10 @@ from compression import Codec, wire
 from compression.codecs.blockwise import BlockwiseConfig
 from compression.errors import CompressionError, PayloadError
 from compression.registry import make_codec
-from coordinator import int8_kernel
+from coordinator.checks import int8_kernel
 from coordinator.aggregation import l2_norm
-from coordinator.flat_weights import flat_offsets
-from coordinator.fused_check import index_update, int8_add_updates, int8_config, int8_decode, int8_decode_update, \
+from coordinator.checks.flat_weights import flat_offsets
+from coordinator.checks.fused_check import index_update, int8_add_updates, int8_config, int8_decode, int8_decode_update, \
     int8_update_norm, mapped, raw_update_norm
 from protocol.errors import BadRequest, InvalidUpdate
 from protocol.schemas import RAW_CODEC, FullSpec, LoraSpec

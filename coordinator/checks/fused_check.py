@@ -11,7 +11,7 @@ int8 codec every decoded value is ``code * scale`` of its block, so
 is computed from the 1-byte codes (exact integer sums of squares per block) and the block scales, and
 the output is finite exactly when ``127 * max(scale)`` is (checked in float32, as decode computes). The
 norm, and a fedbuff step's add into weights held in one buffer, run as compiled passes over the whole body
-(``coordinator/int8_kernel.py``); the numpy code here is the step's path for weights that are not flat.
+(``coordinator/checks/int8_kernel.py``); the numpy code here is the step's path for weights that are not flat.
 Anything unusual (another codec, a payload that does not frame exactly, a code of -128, a scale
 that is negative, NaN or Inf, a product that could overflow) falls back to the generic decode,
 which raises the 4xx it always raised: this path accepts nothing the full decode would refuse.
@@ -31,8 +31,8 @@ import torch
 from compression import wire
 from compression.codecs.blockwise import SCALE_FORMATS, BlockwiseConfig
 from compression.errors import CompressionError
-from coordinator import int8_kernel
-from coordinator.flat_weights import contiguous_range, flat_offsets
+from coordinator.checks import int8_kernel
+from coordinator.checks.flat_weights import contiguous_range, flat_offsets
 from protocol.errors import InvalidUpdate
 from protocol.streaming import CHECK_CHUNK, check_header
 from protocol.tensors import Manifest

@@ -1,0 +1,1 @@
+"""FedMoE coordinator: checks."""
