@@ -29,7 +29,7 @@ from coordinator.relay.checks import RelayChecks
 from coordinator.relay.diffs import CachedVersions
 from coordinator.relay.forwarder import Forwarder, ForwardPolicy
 from coordinator.relay.site import SITE_WEIGHT, SiteModel
-from coordinator.relay.store import APPLIED_ELSEWHERE, CachedWeights, RelayStore
+from coordinator.relay.relay_store import APPLIED_ELSEWHERE, CachedWeights, RelayStore
 from coordinator.relay.upstream import DiffPulls, RelayStartError, UpstreamClient, WeightsCache
 from coordinator.liveness import liveness
 from coordinator.service import check_body_size, receive_checked

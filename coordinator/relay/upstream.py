@@ -26,7 +26,7 @@ from typing import Any
 from compression import make_codec
 from compression.wire import decode_update
 from coordinator.storage.blobs import BlobStore
-from coordinator.relay.store import CachedWeights, RelayStore
+from coordinator.relay.relay_store import CachedWeights, RelayStore
 from protocol.client import CoordinatorClient, RetryPolicy, _read_body
 from protocol.errors import Conflict, FedMoEError, Forbidden, NotFound, Unauthorized, Unavailable
 from protocol.schemas import VERSION_HEADER

@@ -19,7 +19,7 @@ from protocol.files import private_dir
 
 LOCK_NAME = ".lock"
 ROOT, RELAY = "root", "relay"
-# what each kind of process leaves in its data dir (coordinator/storage/expert_store.py, coordinator/relay/store.py)
+# what each kind of process leaves in its data dir (coordinator/storage/expert_store.py, coordinator/relay/relay_store.py)
 MARKERS = {ROOT: "manifest.sqlite", RELAY: "relay.sqlite"}
 HINT = {ROOT: "run_coordinator.py --data-dir DIR", RELAY: "run_coordinator.py --upstream URL --data-dir DIR"}
 

@@ -448,7 +448,7 @@ def _update(row: Row) -> UpdateRow:
                      applied_version=row["applied_version"], received_at=row["received_at"])
 
 
-# worker rows: the root's store and a relay's (coordinator/relay/store.py) keep them with these ------------
+# worker rows: the root's store and a relay's (coordinator/relay/relay_store.py) keep them with these ------------
 
 WORKERS_QUERY = "SELECT * FROM workers ORDER BY worker_id"
 

@@ -20,7 +20,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.relay.api import create_relay_app
 from coordinator.relay.forwarder import ForwardPolicy
 from coordinator.relay.service import RelayConfig
-from coordinator.relay.store import RelayStore
+from coordinator.relay.relay_store import RelayStore
 from protocol.client import CoordinatorClient
 from protocol.integrity import DIGEST_HEADER, digest_header
 from protocol.schemas import MAX_BATCH_MEMBERS, UPDATE_HEADER

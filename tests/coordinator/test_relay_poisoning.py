@@ -16,7 +16,7 @@ import torch
 from coordinator.storage.blobs import BlobStore
 from coordinator.checks.norm_check import NormPolicy
 from coordinator.relay.checks import RelayChecks
-from coordinator.relay.store import Batch, RelayStore
+from coordinator.relay.relay_store import Batch, RelayStore
 from coordinator.checks.update_limits import UpdateLimits
 from protocol.errors import InvalidUpdate
 from protocol.tensors import dumps, loads

@@ -50,7 +50,7 @@ from typing import Any
 from coordinator.checks.adapters import stored_deltas
 from coordinator.access.audit import Event, insert_event, insert_norm, query_events, recent_norms
 from coordinator.storage.blobs import BlobStore
-from coordinator.relay.store_schema import create_schema, prune_forwarded, retire_batch
+from coordinator.relay.relay_store_schema import create_schema, prune_forwarded, retire_batch
 from coordinator.storage.manifest import WORKERS_QUERY, touch_worker_row, upsert_worker_row, worker_dicts
 from coordinator.checks.update_limits import as_clipped
 from protocol.files import private_file

@@ -1,6 +1,6 @@
 """The relay store's schema (``relay.sqlite``) and the statements several of its transactions share.
 
-Each function runs inside a transaction of ``coordinator.relay.store.RelayStore``; the invariants they keep are
+Each function runs inside a transaction of ``coordinator.relay.relay_store.RelayStore``; the invariants they keep are
 described there.
 """
 from __future__ import annotations
