@@ -74,7 +74,7 @@ def registry() -> RelayRegistry:
 
 @bp.post("/relays")
 def register_relay() -> tuple[Response, int]:
-    from coordinator.api.routes import coordinator, json_body
+    from coordinator.api.requests import coordinator, json_body
     from coordinator.access.auth import authenticator, principal
     from coordinator.checks.update_limits import UpdateLimits
 
@@ -106,7 +106,7 @@ def register_relay() -> tuple[Response, int]:
 
 @bp.post("/relays/<relay_id>/report")
 def relay_report(relay_id: str) -> Response:
-    from coordinator.api.routes import json_body
+    from coordinator.api.requests import json_body
     from coordinator.access.auth import principal
     from coordinator.access.tokens import ADMIN, RELAY
 

@@ -8,11 +8,9 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import replace
-from pathlib import Path
-from typing import Any
 
-from flask import Blueprint, Response, current_app, g, jsonify, request, send_file
-from werkzeug.exceptions import ClientDisconnected, HTTPException
+from flask import Blueprint, Response, g, jsonify, request, send_file
+from werkzeug.exceptions import HTTPException
 from werkzeug.exceptions import NotFound as NoRoute
 
 from coordinator.access.audit import rejection_event
@@ -20,66 +18,19 @@ from coordinator.cohorts import refuse_clear_push
 from coordinator.access.auth import acting_worker, authenticator, check_may_register, issue_token, principal
 from coordinator.errors import REFUSALS, as_http_error
 from coordinator.storage.expert_store import WeightsRef
-from coordinator.http.wsgi import SPOOLED_BODY
+from coordinator.api.requests import PROMPT_BODY_LIMIT, coordinator, json_body, receive_body
 from coordinator.api.openapi import OPENAPI
 from coordinator.service import Coordinator
 from coordinator.relay_registry import check_may_carry_members
 from coordinator.access.tokens import WORKER
 from gateway.files import npz_bytes
-from protocol.errors import BadRequest, Conflict, FedMoEError, PayloadTooLarge, RequestTimeout, Unavailable
-from protocol.integrity import DIGEST_HEADER, ClientReader, parse_digest
+from protocol.errors import BadRequest, Conflict, FedMoEError, Unavailable
 from protocol.schemas import (API_PREFIX, EXPERT_HEADER, REDIRECT_HEADER, UPDATE_HEADER, VERSION_HEADER, WORKER_HEADER,
                               BaseModelSpec, ExpertSpec, UpdateMeta, check_name, is_finite_number, loads_json,
                               parse_header_json)
 from protocol.tensors import StateDict, load_file, loads
 
 bp = Blueprint("api", __name__, url_prefix=API_PREFIX)
-
-
-def coordinator() -> Coordinator:
-    return current_app.extensions["fedmoe"]
-
-
-JSON_BODY_LIMIT = 1 << 20  # registrations, profiles: a few KiB in practice
-PROMPT_BODY_LIMIT = 64 << 10  # /route: parsing and routing cost ~100x the body, so keep it small
-
-
-def json_body(limit: int = JSON_BODY_LIMIT) -> dict[str, Any]:
-    """The request's JSON object, read up to ``limit`` bytes (413 above it), nested at most MAX_JSON_DEPTH."""
-    if not request.is_json:
-        raise BadRequest("request body must be a JSON object (Content-Type: application/json)")
-    if request.content_length is not None and request.content_length > limit:
-        raise PayloadTooLarge(f"a JSON body on this route may be at most {limit} bytes, got "
-                              f"{request.content_length}", limit=limit)
-    raw = request.stream.read(limit + 1)  # chunked bodies have no Content-Length: stop past the limit
-    if len(raw) > limit:
-        raise PayloadTooLarge(f"a JSON body on this route may be at most {limit} bytes", limit=limit)
-    data = loads_json(raw, "request body")
-    if not isinstance(data, dict):
-        raise BadRequest("request body must be a JSON object (Content-Type: application/json)")
-    return data
-
-
-def receive_body() -> Path:
-    """Stream the request body into a fsynced temp file, enforcing the size limit up front.
-
-    With an X-FedMoE-Digest header (our workers always send one; worker tokens must) the body is
-    hashed on the way and a mismatch is a 400 that leaves nothing behind. A large body the front
-    already spooled into the blob store's temp dir (hashing it as it arrived) is taken as it is.
-    """
-    c = coordinator()
-    c.check_body_size(request.content_length)  # 413 before anything is read
-    header = request.headers.get(DIGEST_HEADER)
-    if header is None and principal().role == WORKER:
-        raise BadRequest(f"a worker's upload must carry {DIGEST_HEADER}: blake3=<hex digest of the body>")
-    expected = parse_digest(header) if header is not None else None
-    # chunked: let werkzeug find the end; else the raw input (werkzeug's wrapper would copy every chunk twice more)
-    stream = request.stream if request.content_length is None else request.environ["wsgi.input"]
-    try:
-        return c.receive_body(ClientReader(stream), request.content_length, expected,
-                              request.environ.get(SPOOLED_BODY))
-    except ClientDisconnected:  # a read that failed: stalled past --socket-timeout, or gone
-        raise RequestTimeout("the request body stopped arriving before its Content-Length; send it again") from None
 
 
 @bp.get("/health")

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 from flask import Blueprint, Flask, Response, current_app, g, jsonify, request
 from werkzeug.exceptions import ClientDisconnected
 
-from coordinator.api.routes import json_body
+from coordinator.api.requests import json_body
 from coordinator.access.audit import Event, rejection_event
 from coordinator.access.auth import acting_worker, principal
 from coordinator.config import CoordinatorConfig

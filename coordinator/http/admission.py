@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from flask import Flask, request
 
-from coordinator.api.routes import JSON_BODY_LIMIT, PROMPT_BODY_LIMIT
+from coordinator.api.requests import JSON_BODY_LIMIT, PROMPT_BODY_LIMIT
 from coordinator.http.flask_admission import FlaskAdmission, route_exists
 from protocol.errors import PayloadTooLarge
 from protocol.probe import MAX_PROBE_BYTES

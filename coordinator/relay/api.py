@@ -21,7 +21,7 @@ from coordinator.api import routes as root_api
 from coordinator import cohorts
 from coordinator.api import uploads
 from coordinator.access import auth
-from coordinator.api.routes import json_body, receive_body
+from coordinator.api.requests import json_body, receive_body
 from coordinator.api.app import StrictJSONProvider, _log_requests_at_debug, _register_error_handlers
 from coordinator.access.auth import acting_worker
 from coordinator.errors import REFUSALS, as_http_error

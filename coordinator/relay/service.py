@@ -2,7 +2,7 @@
 
 It stands where ``coordinator.service.Coordinator`` stands in the root's app (``app.extensions
 ["fedmoe"]``), with the attributes the shared pieces use: ``config`` and ``blobs`` (request bodies,
-``coordinator.api.routes.receive_body``), ``record_event`` and ``list_workers`` (``coordinator.access.auth``).
+``coordinator.api.requests.receive_body``), ``record_event`` and ``list_workers`` (``coordinator.access.auth``).
 """
 from __future__ import annotations
 
