@@ -33,14 +33,15 @@ from werkzeug.exceptions import ClientDisconnected
 from coordinator.api.requests import json_body
 from coordinator.access.audit import Event, rejection_event
 from coordinator.access.auth import acting_worker, principal
+from coordinator.relay_registry import check_may_carry_members
 from coordinator.config import CoordinatorConfig
 from coordinator.cohorts import refuse_clear_push
 from coordinator.http.wsgi import SPOOLED_BODY
-from coordinator.relay_registry import check_may_carry_members
 from coordinator.service import Coordinator
 from coordinator.access.tokens import RELAY, WORKER, Principal, relay_key
 from coordinator.storage.upload_limits import UploadLimits
-from coordinator.storage.upload_files import Upload, UploadStore
+from coordinator.storage.upload_files import UploadStore
+from coordinator.storage.upload_record import Upload
 from protocol.errors import (BadRequest, Conflict, FedMoEError, InvalidUpdate, PayloadTooLarge, RequestTimeout,
                              Unavailable)
 from protocol.integrity import DIGEST_HEADER, ClientReader, algorithm_of, hex_of, parse_digest

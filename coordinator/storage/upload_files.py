@@ -28,19 +28,18 @@ import json
 import logging
 import mmap
 import os
-import re
 import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from coordinator.storage.blobs import storage_errors
 from coordinator.http.bodies import BodyPlace, SpooledBody
 from coordinator.storage.upload_limits import UploadLimits, global_evictions, is_expired, own_evictions
+from coordinator.storage.upload_record import UPLOAD_ID_RE, Upload
 from protocol.errors import BadRequest, Conflict, FedMoEError, InsufficientStorage, NotFound, Unavailable
 from protocol.files import private_dir, write_atomically
 from protocol.integrity import Readable, algorithm_of, content_id, new_hasher
@@ -49,7 +48,6 @@ from protocol.uploads import PREFIX_DIGEST_HEADER
 
 log = logging.getLogger(__name__)
 
-UPLOAD_ID_RE = re.compile(r"[0-9a-f]{32}")
 WRITE_CHUNK = 4 << 20  # bytes read from a chunk's request body at a time
 HASH_CHUNK = 1 << 20
 LOCK_WAIT = 10.0  # seconds a request waits for an upload another request is writing, then 503 (``holding``)
@@ -59,49 +57,6 @@ class RangeNotSatisfiable(FedMoEError):
     """A chunk that starts after the received bytes (a gap) or reaches past the upload's size."""
 
     code, status = "range_not_satisfiable", 416
-
-
-@dataclass
-class Upload:
-    """One resumable push. ``offset`` is the number of bytes received and acknowledged (durable)."""
-
-    upload_id: str
-    expert: str
-    owner: str | None
-    """The principal whose token opened it (only it, or the admin, may use it; coordinator/api/uploads.py
-    ``owner_of``): a worker id, or ``relay:<id>``; None when opened by the admin."""
-    meta: UpdateMeta
-    size: int
-    digest: str
-    """SHA-256 (hex) the whole body must have."""
-    offset: int = 0
-    created_at: float = 0.0
-    touched_at: float = 0.0
-    completed: bool = False
-    """The push ran; the body is gone and the record stays (until it expires) to answer a retried finish."""
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-    hasher: Any = field(default=None, repr=False, compare=False)
-    """SHA-256 of body[:offset], or None until rebuilt after a restart."""
-
-    def to_json(self) -> dict[str, Any]:
-        return {"upload_id": self.upload_id, "expert": self.expert, "owner": self.owner, "meta": self.meta.to_json(),
-                "size": self.size, "digest": self.digest, "offset": self.offset, "created_at": self.created_at,
-                "touched_at": self.touched_at, "completed": self.completed}
-
-    @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> "Upload":
-        upload = cls(upload_id=str(obj["upload_id"]), expert=str(obj["expert"]), owner=obj["owner"],
-                     meta=UpdateMeta.from_json(obj["meta"]), size=int(obj["size"]), digest=str(obj["digest"]),
-                     offset=int(obj["offset"]), created_at=float(obj["created_at"]),
-                     touched_at=float(obj["touched_at"]), completed=bool(obj["completed"]))
-        if not UPLOAD_ID_RE.fullmatch(upload.upload_id) or not 0 <= upload.offset <= upload.size:
-            raise ValueError(f"bad upload record {upload.upload_id!r}")
-        return upload
-
-    def status(self, idle_seconds: float) -> dict[str, Any]:
-        return {"upload_id": self.upload_id, "update_id": self.meta.update_id, "expert": self.expert,
-                "offset": self.offset, "size": self.size, "complete": self.completed,
-                "expires_at": self.touched_at + idle_seconds}
 
 
 class UploadStore:

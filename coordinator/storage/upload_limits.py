@@ -18,10 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from coordinator.storage.upload_files import Upload
+from coordinator.storage.upload_record import Upload
 
 
 @dataclass(frozen=True)
