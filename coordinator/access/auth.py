@@ -38,7 +38,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.access.ratelimit import RateLimiter
 from coordinator.access.tokens import ADMIN, JOIN, RELAY, RELAY_JOIN, WORKER, Principal, TokenStore
 from protocol.errors import FedMoEError, Forbidden, TooManyRequests, Unauthorized
-from protocol.schemas import UPDATE_HEADER, WORKER_HEADER
+from protocol.schemas import UPDATE_HEADER, WORKER_HEADER, UpdateMeta
 
 PUBLIC, JOIN_ONLY, READ, EXPERT, SELF, ADMIN_ONLY = "public", "join", "read", "expert", "self", "admin"
 RULES: dict[str, str] = {
@@ -261,6 +261,13 @@ def check_may_register(worker_id: str, specialty: str) -> None:
     auth = authenticator()
     if auth is not None:
         auth.tokens.check_may_register(principal(), worker_id, specialty)
+
+
+def check_may_carry_members(meta: UpdateMeta) -> None:
+    """Only a relay (or the admin) names the worker updates a push carries: a worker that could would
+    claim other workers' update ids, and the root would then refuse their pushes as duplicates."""
+    if meta.members is not None and principal().role == WORKER:
+        raise Forbidden("a worker's update cannot carry 'members' (only a relay's combined update does)")
 
 
 def issue_token(worker_id: str, specialty: str) -> dict[str, object]:

@@ -11,8 +11,8 @@ from flask import Flask, Response, g, has_request_context, jsonify, request, sen
 from flask.json.provider import DefaultJSONProvider
 from werkzeug.exceptions import HTTPException
 
-from coordinator import cohorts, relay_registry
-from coordinator.api import placement, uploads
+from coordinator import cohorts
+from coordinator.api import placement, relays, uploads
 from coordinator.access import auth
 from coordinator.api.routes import bp as api_bp
 from coordinator.storage.blobs import is_storage_full
@@ -36,7 +36,7 @@ def create_app(config: CoordinatorConfig | None = None) -> Flask:
     app.extensions["fedmoe"] = coordinator
     app.register_blueprint(api_bp)
     uploads.install(app, coordinator)  # resumable pushes (coordinator/api/uploads.py)
-    relay_registry.install(app)  # relay coordinators below this root (coordinator.relay_registry)
+    relays.install(app)  # relay coordinators below this root (coordinator/api/relays.py)
     placement.init_app(app)  # where each worker syncs, from the links they measure (coordinator.placement)
     if config.secagg is not None:  # --secure-aggregation: updates come only as cohorts' sums (coordinator.cohorts)
         coordinator.on_close.append(cohorts.install(app, coordinator, config.secagg, config.data_dir).close)

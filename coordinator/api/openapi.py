@@ -371,7 +371,7 @@ _api.update({  # resumable pushes (coordinator/api/uploads.py, docs/wan.md)
                                     "own checks refused the update."),
                       "507": STORAGE_FULL}}},
 })
-_relays: dict[str, Any] = {  # coordinator/relay_registry.py; docs/history/wan.md, "Relays"
+_relays: dict[str, Any] = {  # coordinator/api/relays.py; docs/history/wan.md, "Relays"
     "/probe": {"get": {
         "operationId": "probe", "summary": "Public: N zero bytes, for clients measuring throughput (protocol/probe.py).",
         "security": [],

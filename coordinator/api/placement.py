@@ -14,7 +14,7 @@ from typing import Any
 from flask import Blueprint, Flask, Response, current_app, jsonify, request
 
 from coordinator.placement import ROOT, Link, Placement
-from coordinator.relay_registry import registry
+from coordinator.api.relays import registry
 from protocol.errors import BadRequest, NotFound
 from protocol.schemas import API_PREFIX, is_finite_number
 

@@ -15,13 +15,13 @@ from werkzeug.exceptions import NotFound as NoRoute
 
 from coordinator.access.audit import rejection_event
 from coordinator.cohorts import refuse_clear_push
-from coordinator.access.auth import acting_worker, authenticator, check_may_register, issue_token, principal
+from coordinator.access.auth import (acting_worker, authenticator, check_may_carry_members, check_may_register,
+                                     issue_token, principal)
 from coordinator.errors import REFUSALS, as_http_error
 from coordinator.storage.expert_store import WeightsRef
 from coordinator.api.requests import PROMPT_BODY_LIMIT, coordinator, json_body, receive_body
 from coordinator.api.openapi import OPENAPI
 from coordinator.service import Coordinator
-from coordinator.relay_registry import check_may_carry_members
 from coordinator.access.tokens import WORKER
 from gateway.files import npz_bytes
 from protocol.errors import BadRequest, Conflict, FedMoEError, Unavailable

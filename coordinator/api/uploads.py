@@ -32,8 +32,7 @@ from werkzeug.exceptions import ClientDisconnected
 
 from coordinator.api.requests import json_body
 from coordinator.access.audit import Event, rejection_event
-from coordinator.access.auth import acting_worker, principal
-from coordinator.relay_registry import check_may_carry_members
+from coordinator.access.auth import acting_worker, check_may_carry_members, principal
 from coordinator.config import CoordinatorConfig
 from coordinator.cohorts import refuse_clear_push
 from coordinator.http.wsgi import SPOOLED_BODY

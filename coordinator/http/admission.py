@@ -22,7 +22,7 @@ from protocol.errors import PayloadTooLarge
 from protocol.probe import MAX_PROBE_BYTES
 
 BODY_LIMITS: dict[str, int] = {
-    "relays.probe_upload": MAX_PROBE_BYTES, "api.probe_upload": MAX_PROBE_BYTES,  # coordinator/relay_registry.py reads this much
+    "relays.probe_upload": MAX_PROBE_BYTES, "api.probe_upload": MAX_PROBE_BYTES,  # coordinator/api/relays.py reads this much
     "api.route": PROMPT_BODY_LIMIT,  # json_body(PROMPT_BODY_LIMIT)
     # the views that read their body with json_body() and its default limit
     "api.register_worker": JSON_BODY_LIMIT, "api.put_profile": JSON_BODY_LIMIT, "uploads.open_upload": JSON_BODY_LIMIT,

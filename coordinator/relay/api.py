@@ -23,11 +23,11 @@ from coordinator.api import uploads
 from coordinator.access import auth
 from coordinator.api.requests import json_body, receive_body
 from coordinator.api.app import StrictJSONProvider, _log_requests_at_debug, _register_error_handlers
-from coordinator.access.auth import acting_worker
+from coordinator.access.auth import acting_worker, check_may_carry_members
 from coordinator.errors import REFUSALS, as_http_error
 from coordinator.relay.service import RelayConfig, RelayService
 from coordinator.cohorts import refuse_clear_push
-from coordinator.relay_registry import check_may_carry_members, probe_body, probe_upload
+from coordinator.api.relays import probe_body, probe_upload
 from coordinator.service import Coordinator
 from protocol.errors import Conflict
 from protocol.schemas import (API_PREFIX, EXPERT_HEADER, UPDATE_HEADER, VERSION_HEADER, WORKER_HEADER,
