@@ -40,17 +40,17 @@ def create_app(config: CoordinatorConfig | None = None) -> Flask:
     placement.init_app(app)  # where each worker syncs, from the links they measure (coordinator.placement)
     if config.secagg is not None:  # --secure-aggregation: updates come only as cohorts' sums (coordinator.cohorts)
         coordinator.on_close.append(cohorts.install(app, coordinator, config.secagg, config.data_dir).close)
-    _log_requests_at_debug(app)  # before auth's hook, so refused requests are timed and logged too
+    log_requests_at_debug(app)  # before auth's hook, so refused requests are timed and logged too
     auth.install(app, config, coordinator.record_event)
     metrics = CoordinatorMetrics(coordinator)
     coordinator.on_aggregated = metrics.aggregation.observe
     metrics.install(app)
     app.add_url_rule("/", "dashboard", lambda: send_from_directory(STATIC, "dashboard.html", max_age=0))
-    _register_error_handlers(app)
+    register_error_handlers(app)
     return app
 
 
-def _log_requests_at_debug(app: Flask) -> None:
+def log_requests_at_debug(app: Flask) -> None:
     """One DEBUG line per request (run_coordinator.py --debug): method, path, status, caller, time taken."""
     @app.before_request
     def start_clock() -> None:
@@ -89,7 +89,7 @@ def _finite(value: Any) -> Any:
     return value
 
 
-def _register_error_handlers(app: Flask) -> None:
+def register_error_handlers(app: Flask) -> None:
     @app.errorhandler(FedMoEError)
     def domain_error(exc: FedMoEError) -> tuple[Response, int]:
         authenticator = app.extensions.get("fedmoe_auth")

@@ -19,7 +19,7 @@ from coordinator.access.auth import (acting_worker, authenticator, check_may_car
                                      issue_token, principal)
 from coordinator.errors import REFUSALS, as_http_error
 from coordinator.storage.expert_store import WeightsRef
-from coordinator.api.requests import PROMPT_BODY_LIMIT, coordinator, json_body, receive_body
+from coordinator.api.requests import PROMPT_BODY_LIMIT, WorkerFacing, coordinator, json_body, receive_body, service
 from coordinator.api.openapi import OPENAPI
 from coordinator.service import Coordinator
 from coordinator.access.tokens import WORKER
@@ -48,14 +48,14 @@ def register_worker() -> tuple[Response, int]:
     if interval is not None and (not is_finite_number(interval) or interval <= 0):
         raise BadRequest(f"'sync_interval' must be a positive number of seconds, got {interval!r}")
     check_may_register(worker_id, specialty)  # before anything is recorded
-    info = coordinator().register_worker(worker_id, specialty, BaseModelSpec.from_json(body.get("base_model")),
-                                         interval)
+    info = service().register_worker(worker_id, specialty, BaseModelSpec.from_json(body.get("base_model")),
+                                     interval)
     return jsonify(info | issue_token(worker_id, specialty)), 200
 
 
 @bp.post("/workers/<worker_id>/heartbeat")
 def heartbeat(worker_id: str) -> Response:
-    coordinator().heartbeat(worker_id)
+    service().heartbeat(worker_id)
     return jsonify({"worker_id": worker_id, "status": "ok"})
 
 
@@ -102,9 +102,9 @@ def expert_weights(name: str) -> Response:
     c = coordinator()
     worker_id = acting_worker(request.headers.get(WORKER_HEADER), WORKER_HEADER)
     if "since" in request.args:
-        return _weights_diff(c, name, worker_id)
+        return weights_diff_response(c, name, worker_id)
     for attempt in range(3):  # a version pruned between the lookup and the open is looked up again
-        ref = c.weights(name, _int_arg("version"))
+        ref = c.weights(name, int_arg("version"))
         if (redirect := _presigned_redirect(c, ref, worker_id, name)) is not None:
             return redirect
         try:
@@ -135,14 +135,14 @@ def _presigned_redirect(c: Coordinator, ref: WeightsRef, worker_id: str | None, 
     return response
 
 
-def _weights_diff(c: Coordinator, name: str, worker_id: str | None) -> Response:
-    since = _int_arg("since")
+def weights_diff_response(c: WorkerFacing, name: str, worker_id: str | None) -> Response:
+    since = int_arg("since")
     assert since is not None  # the route calls this only with ?since=
     codec = request.args.get("codec", "fp16")
     config = loads_json(request.args.get("codec_config", "{}"), "codec_config")
     if not isinstance(config, dict):
         raise BadRequest(f"codec_config must be a JSON object, got {config!r}")
-    payload, version = c.weights_diff(name, since, codec, config, _int_arg("version"))  # ?version=: to that one
+    payload, version = c.weights_diff(name, since, codec, config, int_arg("version"))  # ?version=: to that one
     response = Response(payload, status=200 if payload else 304, mimetype="application/octet-stream")
     response.headers[VERSION_HEADER] = str(version)
     if payload:
@@ -150,7 +150,7 @@ def _weights_diff(c: Coordinator, name: str, worker_id: str | None) -> Response:
     return response
 
 
-def _int_arg(key: str) -> int | None:
+def int_arg(key: str) -> int | None:
     value = request.args.get(key)
     if value is None:
         return None
@@ -170,12 +170,12 @@ def push_update(name: str) -> tuple[Response, int]:
         c.require_expert(name)  # 404 before reading a body we would throw away
         status, is_new = c.submit_update(name, meta, receive_body())
     except REFUSALS + (HTTPException,) as exc:  # every refused push goes to the audit log
-        _record_rejection(c, name, exc if isinstance(exc, HTTPException) else as_http_error(exc))
+        record_rejection(c, name, exc if isinstance(exc, HTTPException) else as_http_error(exc))
         raise
     return jsonify(status), 202 if is_new else 200
 
 
-def _record_rejection(c: Coordinator, name: str, exc: FedMoEError | HTTPException) -> None:
+def record_rejection(c: WorkerFacing, name: str, exc: FedMoEError | HTTPException) -> None:
     if isinstance(exc, FedMoEError):
         status, code, message, details = exc.status, exc.code, exc.message, exc.details
     else:  # werkzeug's own refusals, e.g. a body over MAX_CONTENT_LENGTH
@@ -191,15 +191,14 @@ def _record_rejection(c: Coordinator, name: str, exc: FedMoEError | HTTPExceptio
 @bp.get("/events")
 def events() -> Response:
     """The audit log, newest first: ?limit=1..500 (50), ?after=ID, ?expert=NAME, ?kind=KIND."""
-    limit = _int_arg("limit")
+    limit = int_arg("limit")
     limit = 50 if limit is None else limit
     if not 1 <= limit <= 500:
         raise BadRequest(f"limit must be 1-500, got {limit}")
-    after = _int_arg("after")
+    after = int_arg("after")
     if after is not None and after >= 2 ** 63:
         raise BadRequest(f"after must be below 2**63, got {after}")
-    return jsonify({"events": coordinator().events(limit, after, request.args.get("expert"),
-                                                   request.args.get("kind"))})
+    return jsonify({"events": service().events(limit, after, request.args.get("expert"), request.args.get("kind"))})
 
 
 @bp.get("/updates/<update_id>")

@@ -6,13 +6,12 @@ the same access rule applies to each endpoint; request bodies are received by th
 ``receive_body`` (fsynced temp file, digest checked, size limit). Resumable uploads are the root's own
 blueprint (coordinator/api/uploads.py) with the RelayService as its ``UploadTarget``: a finished upload is
 queued by ``submit_update`` exactly like a one-shot push. Diff pulls (``?since=``) are the root's own view
-(``coordinator.api.routes._weights_diff``) over the relay's cached versions (coordinator/relay/diffs.py).
+(``coordinator.api.routes.weights_diff_response``) over the relay's cached versions (coordinator/relay/diffs.py).
 """
 from __future__ import annotations
 
 import io
 from dataclasses import replace
-from typing import cast
 
 from flask import Blueprint, Flask, Response, current_app, jsonify, request, send_file
 from werkzeug.exceptions import HTTPException
@@ -22,13 +21,12 @@ from coordinator import cohorts
 from coordinator.api import uploads
 from coordinator.access import auth
 from coordinator.api.requests import json_body, receive_body
-from coordinator.api.app import StrictJSONProvider, _log_requests_at_debug, _register_error_handlers
+from coordinator.api.app import StrictJSONProvider, log_requests_at_debug, register_error_handlers
 from coordinator.access.auth import acting_worker, check_may_carry_members
 from coordinator.errors import REFUSALS, as_http_error
 from coordinator.relay.service import RelayConfig, RelayService
 from coordinator.cohorts import refuse_clear_push
 from coordinator.api.relays import probe_body, probe_upload
-from coordinator.service import Coordinator
 from protocol.errors import Conflict
 from protocol.schemas import (API_PREFIX, EXPERT_HEADER, UPDATE_HEADER, VERSION_HEADER, WORKER_HEADER,
                               ExpertSpec, UpdateMeta, check_name, parse_header_json)
@@ -88,8 +86,8 @@ def expert_weights(name: str) -> Response:
     check_name(name, "expert name")  # it goes into the upstream URL and names a cache entry (audit)
     worker_id = acting_worker(request.headers.get(WORKER_HEADER), WORKER_HEADER)
     if "since" in request.args:  # the root's own view over the relay's versions: same parsing, answers, bytes
-        return root_api._weights_diff(cast(Coordinator, r), name, worker_id)
-    version = root_api._int_arg("version")  # the root's parsing: its 400 for ?version=abc or -1
+        return root_api.weights_diff_response(r, name, worker_id)
+    version = root_api.int_arg("version")  # the root's parsing: its 400 for ?version=abc or -1
     for attempt in range(3):  # the cache may replace the blob between the lookup and the open
         if version is None:
             cached, source = r.weights_file(name, worker_id)
@@ -142,8 +140,7 @@ def push_update(name: str) -> tuple[Response, int]:
             r.room_for(request.content_length)  # 507 before reading a body we could not keep
         status, is_new = r.submit_update(name, meta, receive_body())
     except REFUSALS + (HTTPException,) as exc:  # every refused push goes to the audit log, as at the root
-        root_api._record_rejection(cast(Coordinator, r), name,
-                                   exc if isinstance(exc, HTTPException) else as_http_error(exc))
+        root_api.record_rejection(r, name, exc if isinstance(exc, HTTPException) else as_http_error(exc))
         raise
     return jsonify(status), 202 if is_new else 200
 
@@ -189,7 +186,7 @@ def create_relay_app(config: RelayConfig, port: int | None = None) -> Flask:
     if config.coordinator.secagg is not None:  # the site's cohorts, unmasked here; only their sums go upstream
         service = app.extensions["fedmoe"]
         service.on_close.append(cohorts.install(app, service, config.coordinator.secagg, config.coordinator.data_dir).close)
-    _log_requests_at_debug(app)
+    log_requests_at_debug(app)
     auth.install(app, config.coordinator, app.extensions["fedmoe"].record_event)
-    _register_error_handlers(app)
+    register_error_handlers(app)
     return app

@@ -157,7 +157,7 @@ class RelayService:
         self.upstream.close()
         self.store.close()
 
-    # what coordinator.access.auth and coordinator.api.routes use -------------------------------
+    # coordinator.api.requests.WorkerFacing: what the views shared with the root use -------------
 
     def check_body_size(self, length: int | None) -> None:
         check_body_size(length, self.config.max_body_bytes)
@@ -311,7 +311,7 @@ class RelayService:
             raise
 
     def record_pull(self, worker_id: str | None, name: str, body_bytes: int) -> None:
-        """A diff served (the root's view calls it, coordinator.api.routes._weights_diff)."""
+        """A diff served (the root's view calls it, coordinator.api.routes.weights_diff_response)."""
         self.bytes_served += body_bytes
         self.diff_bytes_served += body_bytes
 
