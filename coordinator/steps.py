@@ -98,7 +98,7 @@ class AggregationSteps:
         manifest = list(parsed_manifest(expert.manifest))
         with contextlib.ExitStack() as files:
             # our own copy of the current weights: the aggregator updates it in place. In one flat buffer when
-            # they are plain float32, so that neighbouring tensors take an update in one add (flat_weights.py)
+            # they are plain float32, so that neighbouring tensors take an update in one add (checks/flat_weights.py)
             weights = files.enter_context(self.store.local_file(self.store.weights(expert.name).digest))
             current = load_flat(weights) or load_file(weights)
             entries = [(u.meta, files.enter_context(self.store.local_file(_payload(u)))) for u in recorded]
