@@ -114,20 +114,20 @@ class GatewayBuilder:
         interval, and waits for it: the read itself still builds nothing.
         """
         plan = self._plan()
-        built = self._store.gateway(plan.key)
+        built = self._store.rows.gateway(plan.key)
         if built is not None:
             return built | {"stale": False}
         self._raise_failure(plan.key)
         if fresh:
             self.notify(urgent=True)
-        latest = self._store.gateway()
+        latest = self._store.rows.gateway()
         if latest is None or fresh or self._due():
             self._wait(WAIT_SECONDS)
             plan = self._plan()
-            if (built := self._store.gateway(plan.key)) is not None:
+            if (built := self._store.rows.gateway(plan.key)) is not None:
                 return built | {"stale": False}
             self._raise_failure(plan.key)
-            latest = self._store.gateway()
+            latest = self._store.rows.gateway()
         if latest is None:  # the first build runs at once (nothing holds it back) but is slow: try again soon
             raise Unavailable(f"the first gateway is still being built; retry in {RETRY_SECONDS} s",
                               retry_after=RETRY_SECONDS)
@@ -154,7 +154,7 @@ class GatewayBuilder:
             raise failure[1]
 
     def _plan(self) -> Plan:
-        experts = self._store.experts()
+        experts = self._store.rows.experts()
         if not experts:
             raise NotFound("there is no gateway yet: no expert exists (start a worker first)")
         config = self._config
@@ -207,7 +207,7 @@ class GatewayBuilder:
         except NotFound:
             return  # no expert yet
         try:
-            if self._store.gateway(plan.key) is None:
+            if self._store.rows.gateway(plan.key) is None:
                 self._build_and_store(plan)
             self._failure = None
         except NotFound as exc:  # an expert moved on (and its version was pruned) mid-build

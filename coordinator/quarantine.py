@@ -48,10 +48,10 @@ def quarantine_command(config: CoordinatorConfig, names: Sequence[str]) -> list[
 
 
 def _require_problems(store: ExpertStore, name: str) -> Problems:
-    expert = store.expert(name)
+    expert = store.rows.expert(name)
     if expert is None:
         raise ValueError(f"--quarantine {name!r}: no expert of that name; known experts: "
-                         f"{[e.name for e in store.experts()]}")
+                         f"{[e.name for e in store.rows.experts()]}")
     problems = examine(store, expert)
     if not problems:
         raise ValueError(f"--quarantine {name!r}: its weights and pending updates are all there and usable "

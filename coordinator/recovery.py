@@ -76,21 +76,21 @@ def recover(store: ExpertStore, aggregate: Callable[[str], None]) -> None:
     orphans = store.remove_orphans()  # blobs written just before a crash, never recorded
     if orphans:
         log.info("removed %d unrecorded blob(s) left by an interrupted write", orphans)
-    found = [p for p in (examine(store, expert) for expert in store.experts()) if p]
+    found = [p for p in (examine(store, expert) for expert in store.rows.experts()) if p]
     if found and store.rows_shared:
         raise RecoveryRefused(refusal(found))
     for problems in found:
         set_aside(store, problems)
-    for expert in store.experts():
+    for expert in store.rows.experts():
         aggregate(expert.name)
 
 
 def needed_blobs(store: ExpertStore) -> dict[str, str]:
     """{digest: what needs it} for every expert's current weights and every pending update's payload."""
     needed: dict[str, str] = {}
-    for expert in store.experts():
+    for expert in store.rows.experts():
         needed[store.weights(expert.name).digest] = f"version {expert.version} of {expert.name!r}"
-        for update in store.pending_updates(expert.name):
+        for update in store.rows.pending_updates(expert.name):
             if update.blob is not None:
                 needed.setdefault(update.blob, f"pending update {update.update_id!r} of {expert.name!r}")
     return needed
@@ -130,7 +130,7 @@ def examine(store: ExpertStore, expert: ExpertRow) -> Problems:
     """What of ``expert`` cannot be used: its current weights, else each pending update that cannot."""
     problems = Problems(expert.name, expert=expert_problem(store, expert))
     if problems.expert is None:
-        for update in store.pending_updates(expert.name):
+        for update in store.rows.pending_updates(expert.name):
             reason = update_problem(store, expert, update)
             if reason is not None:
                 problems.updates.append((update, reason))

@@ -120,7 +120,7 @@ class Coordinator:
         check_name(name, "expert name")
         try:
             with self.store.expert_lock(name):
-                existing = self.store.expert(name)
+                existing = self.store.rows.expert(name)
                 if existing is not None:
                     self._check_compatible(existing, spec)
                     return self.expert_info(name), False
@@ -159,25 +159,25 @@ class Coordinator:
         return self.store.require_expert(name)
 
     def expert_count(self) -> int:
-        return self.store.expert_count()
+        return self.store.rows.expert_count()
 
     def expert_info(self, name: str) -> dict[str, Any]:
         return self._info(self.require_expert(name))
 
     def list_experts(self) -> list[dict[str, Any]]:
-        return [self._info(e) for e in self.store.experts()]
+        return [self._info(e) for e in self.store.rows.experts()]
 
     def _info(self, e: ExpertRow) -> dict[str, Any]:
         info = {"name": e.name, "version": e.version, **e.spec, "updates_applied": e.updates_applied,
                 "samples_seen": e.samples_seen, "last_train_loss": e.last_train_loss,
-                "pending_updates": self.store.pending_count(e.name),
+                "pending_updates": self.store.rows.pending_count(e.name),
                 "created_at": e.created_at, "updated_at": e.updated_at}
         privacy = self.privacy.report(e.name)
         return info if privacy is None else {**info, "privacy": privacy}
 
     def versions(self, name: str) -> list[dict[str, Any]]:
         self.require_expert(name)
-        return self.store.versions(name)
+        return self.store.rows.versions(name)
 
     def weights(self, name: str, version: int | None = None) -> WeightsRef:
         """Version ``version`` (default: the current one) of an expert; NotFound if absent or pruned."""
@@ -215,7 +215,7 @@ class Coordinator:
         try:
             expert = self.require_expert(name)
             body_digest = self.store.digest_of(body)
-            known = self.store.update(meta.update_id)
+            known = self.store.rows.update(meta.update_id)
             if known is not None:
                 return self._seen_before(known, name, meta, body_digest, body), False
             if meta.base_version > expert.version:
@@ -230,11 +230,11 @@ class Coordinator:
             norm = checked_norm(body, meta.codec, meta.codec_config, manifest)
             size = body.stat().st_size
             with self.store.expert_lock(name):
-                known = self.store.update(meta.update_id)  # a concurrent retry may have won
+                known = self.store.rows.update(meta.update_id)  # a concurrent retry may have won
                 if known is not None:
                     return self._seen_before(known, name, meta, body_digest, body), False
                 self._refuse_recorded_members(meta)  # again under the lock: a direct push of a member may have won
-                verdict = judge_norm(norm, self.store.recent_norms(name, self.config.norm_history),
+                verdict = judge_norm(norm, self.store.rows.recent_norms(name, self.config.norm_history),
                                      self.config.norm_policy)  # InvalidUpdate (422) in reject mode
                 stored = meta.to_json() | ({NORM_SCALE: verdict.scale} if verdict.clipped else {})
                 step = self.steps.prepare(name, stored, body)  # InvalidUpdate (422) if not finite
@@ -277,7 +277,7 @@ class Coordinator:
         """A relay batch naming an update recorded here is refused whole (409 members_applied) before its step is
         computed; the store checks again in the batch's transaction (a member recorded for another expert)."""
         if meta.members:
-            seen = self.store.recorded_ids(list(meta.members))
+            seen = self.store.rows.recorded_ids(list(meta.members))
             if seen:
                 raise members_applied(meta.update_id, seen)
 
@@ -306,15 +306,15 @@ class Coordinator:
 
     def events(self, limit: int, after: int | None = None, expert: str | None = None,
                kind: str | None = None) -> list[dict[str, Any]]:
-        return self.store.events(limit, after, expert, kind)
+        return self.store.rows.events(limit, after, expert, kind)
 
     def update_status(self, update_id: str) -> dict[str, Any]:
-        row = self.store.update(update_id)
+        row = self.store.rows.update(update_id)
         if row is None:
             raise NotFound(f"no update with id {update_id!r}")
-        expert = self.store.expert(row.expert)  # None once an operator set the expert aside (--quarantine)
+        expert = self.store.rows.expert(row.expert)  # None once an operator set the expert aside (--quarantine)
         if row.status == RELAYED:  # a worker update inside a relay's batch: it shares the batch's fate
-            batch = self.store.update(row.meta["relayed_in"]) or row
+            batch = self.store.rows.update(row.meta["relayed_in"]) or row
             return _status(batch, None if expert is None else expert.version) | {
                 "update_id": update_id, "relayed_in": row.meta["relayed_in"]}
         return _status(row, None if expert is None else expert.version)
@@ -334,7 +334,7 @@ class Coordinator:
 
     def profiles(self) -> dict[str, Any]:
         """Every expert's combined routing profile (wire form) and the threshold, for routing elsewhere."""
-        stored = self.store.profiles()
+        stored = self.store.rows.profiles()
         profiles = {name: profile_to_json(combine_profiles([(np.frombuffer(v, dtype="<f4"), n) for v, n in rows]),
                                           sum(n for _, n in rows)) for name, rows in stored.items()}
         return {"threshold": self.config.route_threshold, "profiles": profiles}
@@ -345,7 +345,7 @@ class Coordinator:
         ``expected``: the expert the caller knows the prompt belongs to; the answer then says whether the
         route was right, a wrong expert (worse: it can answer below the base model) or a fallback.
         """
-        stored = self.store.profiles()
+        stored = self.store.rows.profiles()
         if not stored:
             raise NotFound("no expert has a routing profile yet (workers send one when they join)")
         profiles = {name: combine_profiles([(np.frombuffer(v, dtype="<f4"), n) for v, n in rows])
@@ -367,7 +367,7 @@ class Coordinator:
                         sync_interval: float | None = None) -> dict[str, Any]:
         check_name(worker_id, "worker_id")
         check_name(specialty, "specialty")
-        expert = self.store.expert(specialty)
+        expert = self.store.rows.expert(specialty)
         if expert is not None:
             stored = ExpertSpec.from_json(expert.spec).base_model
             if stored.fingerprint != base_model.fingerprint:
@@ -386,7 +386,7 @@ class Coordinator:
 
     def list_workers(self) -> list[dict[str, Any]]:
         now = time.time()
-        return [w | {"status": liveness(now - w["last_seen"], w["sync_interval"])} for w in self.store.workers()]
+        return [w | {"status": liveness(now - w["last_seen"], w["sync_interval"])} for w in self.store.rows.workers()]
 
 
 def _status(row: UpdateRow, expert_version: int | None) -> dict[str, Any]:

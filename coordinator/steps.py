@@ -83,7 +83,7 @@ class AggregationSteps:
         Refusing here (422) means nothing was recorded; the step is then committed as computed (not
         computed twice).
         """
-        pending = self.store.pending_updates(name)
+        pending = self.store.rows.pending_updates(name)
         if len(pending) != self.updates_per_step - 1:
             return None
         expert = self.store.require_expert(name)
@@ -113,7 +113,7 @@ class AggregationSteps:
         alive on the expert (at least 1: a push from an unregistered client counts whole)."""
         if self.async_alpha is not None:
             return self.params if self.async_alpha == 1.0 else replace(self.params, alpha=self.async_alpha)
-        active = active_workers(self.store.workers(), name)
+        active = active_workers(self.store.rows.workers(), name)
         return replace(self.params, alpha=1.0 / max(1, active))
 
     def run(self, name: str) -> None:
@@ -124,7 +124,7 @@ class AggregationSteps:
 
     def run_locked(self, name: str, prepared: PreparedStep | None = None) -> None:
         """``run`` under the expert's lock; ``prepared`` is used if it is the first step's batch."""
-        pending = self.store.pending_updates(name)
+        pending = self.store.rows.pending_updates(name)
         k = self.updates_per_step
         while len(pending) >= k:
             batch, pending = pending[:k], pending[k:]
@@ -168,7 +168,7 @@ class AggregationSteps:
         return True
 
     def _still_pending(self, update: UpdateRow) -> bool:
-        row = self.store.update(update.update_id)
+        row = self.store.rows.update(update.update_id)
         assert row is not None  # update rows are never deleted
         return row.status == "pending"
 

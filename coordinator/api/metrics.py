@@ -29,7 +29,7 @@ class _StateCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         versions = GaugeMetricFamily("fedmoe_expert_version", "Current version of each expert", labels=["expert"])
         samples = GaugeMetricFamily("fedmoe_expert_samples", "Training samples behind each expert", labels=["expert"])
-        for e in self._c.store.experts():
+        for e in self._c.store.rows.experts():
             versions.add_metric([e.name], e.version)
             samples.add_metric([e.name], e.samples_seen)
         workers = GaugeMetricFamily("fedmoe_workers", "Workers by liveness", labels=["status"])

@@ -35,7 +35,7 @@ def register_relay() -> tuple[Response, int]:
     base = body.get("base_model")
     spec = None if base is None else BaseModelSpec.from_json(base)
     if spec is not None:
-        for expert in coordinator().store.experts():
+        for expert in coordinator().store.rows.experts():
             theirs = ExpertSpec.from_json(expert.spec).base_model
             if theirs.fingerprint != spec.fingerprint:
                 raise Conflict(f"relay {relay_id!r} serves base model {spec.id!r} (fingerprint {spec.fingerprint[:12]}) "

@@ -88,7 +88,7 @@ class RootTarget:
         self.coordinator.require_expert(name)
 
     def recorded_update(self, update_id: str) -> tuple[str, str | None] | None:
-        known = self.coordinator.store.update(update_id)
+        known = self.coordinator.store.rows.update(update_id)
         return None if known is None else (known.expert, known.body_sha256)
 
     def update_status(self, update_id: str) -> dict[str, Any]:

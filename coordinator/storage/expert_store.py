@@ -33,12 +33,13 @@ from coordinator.storage.blobs import is_storage_full, storage_errors
 from coordinator.storage.group_commit import GroupCommit
 from protocol.integrity import DEFAULT_ALGORITHM, Readable
 from coordinator.storage.manifest import ExpertRow, StaleAggregation, UpdateRow
+from coordinator.storage.manifest_roles import ManifestBackend, ManifestReads
 from protocol.errors import NotFound
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-__all__ = ["BlobBackend", "ExpertStore", "ManifestBackend", "StaleAggregation", "WeightsRef"]
+__all__ = ["BlobBackend", "ExpertStore", "StaleAggregation", "WeightsRef"]
 
 
 class BlobBackend(Protocol):
@@ -84,48 +85,6 @@ class PresigningBlobBackend(BlobBackend, Protocol):
 
 def _presigning(blobs: BlobBackend) -> TypeGuard[PresigningBlobBackend]:
     return getattr(blobs, "presigned_url", None) is not None
-
-
-class ManifestBackend(Protocol):
-    """The durable rows (``coordinator.storage.manifest.ManifestStore``: SQLite). Rows name blobs by digest;
-    each method commits atomically (one transaction)."""
-
-    def close(self) -> None: ...
-    def flush(self) -> None: ...  # make every commit so far durable (group commit)
-    def held_up(self) -> bool: ...  # a lock held elsewhere just cut a statement short: optional reads can wait
-    def create_expert(self, name: str, spec: dict[str, Any], manifest: str, blob: str,
-                      events: tuple[Event, ...] = ()) -> None: ...
-    def expert(self, name: str) -> ExpertRow | None: ...
-    def experts(self) -> list[ExpertRow]: ...
-    def expert_count(self) -> int: ...  # on a connection of its own where writes could hold it up (/health)
-    def version_blob(self, name: str, version: int) -> tuple[bool, str | None]: ...
-    def versions(self, name: str) -> list[dict[str, Any]]: ...
-    def commit_version(self, name: str, version: int, blob: str, applied: list[UpdateRow],
-                       train_loss: float | None, events: tuple[Event, ...] = ()) -> None: ...
-    def prune_versions(self, name: str, keep: int) -> list[str]: ...
-    def add_update(self, name: str, meta: dict[str, Any], blob: str, body_bytes: int, raw_bytes: int,
-                   norm: float | None = None, events: tuple[Event, ...] = ()) -> UpdateRow: ...
-    def update(self, update_id: str) -> UpdateRow | None: ...
-    def recorded_ids(self, update_ids: list[str]) -> list[str]: ...
-    def pending_count(self, name: str) -> int: ...
-    def pending_updates(self, name: str) -> list[UpdateRow]: ...
-    def quarantine_updates(self, marked: list[tuple[int, Event]]) -> int: ...
-    def remove_expert(self, name: str, events: tuple[Event, ...] = ()) -> None: ...
-    def expert_blobs(self, name: str) -> list[str]: ...
-    def upsert_worker(self, worker_id: str, specialty: str, base_model: dict[str, Any],
-                      sync_interval: float | None, events: tuple[Event, ...] = ()) -> None: ...
-    def record_pull(self, worker_id: str, body_bytes: int, raw_bytes: int) -> None: ...
-    def touch_worker(self, worker_id: str) -> bool: ...
-    def workers(self) -> list[dict[str, Any]]: ...
-    def put_profile(self, expert: str, worker_id: str, vector: bytes, num_examples: int) -> None: ...
-    def profiles(self) -> dict[str, list[tuple[bytes, int]]]: ...
-    def gateway(self, key: str | None = None) -> dict[str, Any] | None: ...
-    def add_gateway(self, key: str, blob: str, info: dict[str, Any], keep: int) -> tuple[int, list[str]]: ...
-    def add_event(self, event: Event) -> None: ...
-    def events(self, limit: int, after: int | None = None, expert: str | None = None,
-               kind: str | None = None) -> list[dict[str, Any]]: ...
-    def recent_norms(self, expert: str, n: int) -> list[float]: ...
-    def referenced_blobs(self) -> set[str]: ...
 
 
 @dataclass(frozen=True)
@@ -445,6 +404,12 @@ class ExpertStore:
 
     # rows that name no blob -----------------------------------------------------------------
 
+    @property
+    def rows(self) -> ManifestReads:
+        """The manifest's rows to read (experts, versions, updates, workers, events, gateways); every write
+        goes through this store, which writes a row that names a blob together with its blob."""
+        return self._rows
+
     def require_expert(self, name: str) -> ExpertRow:
         """The expert's row, or NotFound listing the known experts."""
         expert = self._rows.expert(name)
@@ -452,45 +417,9 @@ class ExpertStore:
             raise NotFound(f"no expert named {name!r}; known experts: {[e.name for e in self._rows.experts()]}")
         return expert
 
-    def expert(self, name: str) -> ExpertRow | None:
-        return self._rows.expert(name)
-
-    def experts(self) -> list[ExpertRow]:
-        return self._rows.experts()
-
-    def expert_count(self) -> int:
-        return self._rows.expert_count()
-
-    def versions(self, name: str) -> list[dict[str, Any]]:
-        return self._rows.versions(name)
-
-    def update(self, update_id: str) -> UpdateRow | None:
-        return self._rows.update(update_id)
-
-    def recorded_ids(self, update_ids: list[str]) -> list[str]:
-        """Those of ``update_ids`` recorded in any way (a relay batch naming one is refused: store.members_applied)."""
-        return self._rows.recorded_ids(update_ids)
-
-    def pending_updates(self, name: str) -> list[UpdateRow]:
-        return self._rows.pending_updates(name)
-
-    def pending_count(self, name: str) -> int:
-        return self._rows.pending_count(name)
-
-    def recent_norms(self, name: str, n: int) -> list[float]:
-        return self._rows.recent_norms(name, n)
-
-    def gateway(self, key: str | None = None) -> dict[str, Any] | None:
-        """The gateway built under ``key`` (default: the newest), its blob's digest under "blob"."""
-        return self._rows.gateway(key)
-
     def add_event(self, event: Event) -> None:
         self._rows.add_event(event)
         self.sync()
-
-    def events(self, limit: int, after: int | None = None, expert: str | None = None,
-               kind: str | None = None) -> list[dict[str, Any]]:
-        return self._rows.events(limit, after, expert, kind)
 
     def upsert_worker(self, worker_id: str, specialty: str, base_model: dict[str, Any],
                       sync_interval: float | None, events: tuple[Event, ...] = ()) -> None:
@@ -501,9 +430,6 @@ class ExpertStore:
         touched = self._rows.touch_worker(worker_id)
         self.sync()
         return touched
-
-    def workers(self) -> list[dict[str, Any]]:
-        return self._rows.workers()
 
     def record_pull(self, worker_id: str, body_bytes: int, raw_bytes: int) -> None:
         """Count a pull; a tally, so a full disk is logged, never raised into the pull it counts."""
@@ -517,9 +443,6 @@ class ExpertStore:
     def put_profile(self, expert: str, worker_id: str, vector: bytes, num_examples: int) -> None:
         self._rows.put_profile(expert, worker_id, vector, num_examples)
         self.sync()
-
-    def profiles(self) -> dict[str, list[tuple[bytes, int]]]:
-        return self._rows.profiles()
 
     def redirect_url(self, digest: str, min_bytes: int) -> tuple[str, int] | None:
         """(URL, size): a short-lived URL to GET a blob of at least ``min_bytes`` from directly (the object store's

@@ -92,14 +92,14 @@ def test_a_stale_aggregation_stores_nothing(store):
     before = stored_digests(store)
     with pytest.raises(StaleAggregation):
         store.commit_version("a", 2, temp(store, b"v2 from a stale step"), [update], None)  # expert is at 0
-    assert stored_digests(store) == before and store.pending_count("a") == 1
+    assert stored_digests(store) == before and store.rows.pending_count("a") == 1
 
 
 def test_gateways_past_keep_are_deleted_with_their_blobs(store):
     versions = [store.add_gateway(f"key{i}", temp(store, f"gateway {i}".encode()), {"sources": {}}, keep=2)
                 for i in range(4)]
     assert versions == sorted(versions)
-    assert store.gateway()["version"] == versions[-1] and store.gateway("key1") is None
+    assert store.rows.gateway()["version"] == versions[-1] and store.rows.gateway("key1") is None
     assert {read(store, d) for d in stored_digests(store)} == {b"gateway 2", b"gateway 3"}
 
 
@@ -123,7 +123,7 @@ def test_quarantined_updates_keep_a_copy_and_lose_their_blob(store):
 
     assert store.quarantine_updates("a", [update], "test", event) == 1
     assert copies == [update.blob] and update.blob not in stored_digests(store)
-    assert store.pending_count("a") == 0 and store.update("u1").status == "quarantined"
+    assert store.rows.pending_count("a") == 0 and store.rows.update("u1").status == "quarantined"
 
 
 def test_one_lock_per_expert(store):

@@ -42,7 +42,7 @@ def federation(make_app, tmp_path):
     meta = update_meta()
     assert push(client, "e", random_like(adapter, 1), meta).status_code == 202
     c = app.extensions["fedmoe"]
-    paths = {"e": c.store.local_path(c.weights("e").digest), "update": c.store.local_path(c.store.update(
+    paths = {"e": c.store.local_path(c.weights("e").digest), "update": c.store.local_path(c.store.rows.update(
         meta["update_id"]).blob)}
     c.close()
     return {"data": tmp_path / "data", "update_id": meta["update_id"], "paths": paths}
@@ -147,7 +147,7 @@ def test_unusable_data_in_a_shared_manifest_is_named_and_not_set_aside(federatio
             recover(store, aggregate=lambda name: None)
         assert f"pending update {federation['update_id']!r} of 'e'" in str(refused.value)
         assert "--quarantine e" in str(refused.value)
-        assert store.update(federation["update_id"]).status == "pending"  # nothing changed
+        assert store.rows.update(federation["update_id"]).status == "pending"  # nothing changed
         assert not (data / "quarantine").exists()
     finally:
         store.close()
