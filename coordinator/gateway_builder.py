@@ -226,7 +226,7 @@ class GatewayBuilder:
         built = build_gateway(plan.sources, plan.weights, config.gateway_strategy, config.gateway_config)
         _check_finite(built.tensors)
         meta = {SAFETENSORS_META_KEY: json.dumps(built.info)}
-        written = self._store.write_temp(lambda p: save_file(built.tensors, p, meta))
+        written = self._store.bodies.write_temp(lambda p: save_file(built.tensors, p, meta))
         version = self._store.add_gateway(plan.key, written, built.info, config.keep_gateways)
         self.builds += 1
         with self._cond:  # only stored builds hold the next one back, not checks that found nothing to do

@@ -28,6 +28,7 @@ from coordinator.aggregation import StateDict
 from coordinator.access import audit
 from coordinator.access.audit import Event
 from coordinator.storage.blobs import BlobStore
+from coordinator.storage.body_spool import BodySpool
 from coordinator.storage.backends.errors import BackendUnavailable
 from coordinator.config import CoordinatorConfig
 from coordinator.diffs import DiffCache
@@ -100,7 +101,7 @@ class Coordinator:
     @property
     def spool_dir(self) -> Path:
         """Where request bodies may be spooled on their way in (a local directory)."""
-        return self.store.spool_dir
+        return self.store.bodies.dir
 
     def check_body_size(self, length: int | None) -> None:
         """413 if a body's announced size (Content-Length) is over --max-body-mb."""
@@ -111,7 +112,7 @@ class Coordinator:
         """A request body in a fsynced temp file: 413 past --max-body-mb, 400 if it does not match
         ``expected_digest`` (nothing is left behind). ``length`` (Content-Length): read exactly that.
         ``spooled``: the front's coordinator.http.bodies.SpooledBody, taken over instead of copying ``stream``."""
-        return receive_checked(self.store, stream, length, self.config.max_body_bytes, expected_digest, spooled)
+        return receive_checked(self.store.bodies, stream, length, self.config.max_body_bytes, expected_digest, spooled)
 
     # experts ------------------------------------------------------------------
 
@@ -132,7 +133,7 @@ class Coordinator:
                 self.store.create_expert(name, spec.to_json(), manifest_to_json(manifest), body, events=(
                     audit.expert_created(name, spec.lora.rank if spec.lora else None, spec.base_model.id),))
         finally:
-            self.store.forget(body)
+            self.store.bodies.forget(body)
         self.gateway.notify(urgent=True)
         log.info("created expert %s (%s)", name, "full-parameter" if spec.lora is None else f"rank {spec.lora.rank}")
         return self.expert_info(name), True
@@ -214,7 +215,7 @@ class Coordinator:
         """
         try:
             expert = self.require_expert(name)
-            body_digest = self.store.digest_of(body)
+            body_digest = self.store.bodies.digest_of(body)
             known = self.store.rows.update(meta.update_id)
             if known is not None:
                 return self._seen_before(known, name, meta, body_digest, body), False
@@ -250,7 +251,7 @@ class Coordinator:
                     level = logging.WARNING if isinstance(exc, InsufficientStorage) else logging.ERROR
                     log.log(level, "update %s of %s is recorded but not applied yet: %s", meta.update_id, name, exc)
         finally:
-            self.store.forget(body)
+            self.store.bodies.forget(body)
         self.store.sync()  # group commit: durable (blob and row) before the 202
         if meta.privacy is not None:  # a --dp-sgd worker's own account of what its data has spent
             self.privacy.record_claim(name, meta.worker_id or meta.update_id, meta.privacy)
@@ -286,7 +287,7 @@ class Coordinator:
         if known.expert != name:
             raise Conflict(f"update_id {known.update_id!r} was already used for expert {known.expert!r}")
         if known.body_sha256 is not None and algorithm_of(known.body_sha256) != algorithm_of(body_digest):
-            body_digest = self.store.digest_of(body, algorithm_of(known.body_sha256))  # sent before 0.7
+            body_digest = self.store.bodies.digest_of(body, algorithm_of(known.body_sha256))  # sent before 0.7
         if known.body_sha256 is not None and known.body_sha256 != body_digest:
             raise Conflict(f"update_id {known.update_id!r} was already used for a different body; a retry "
                            "must resend the same bytes, and a new update needs a new update_id",
@@ -401,7 +402,7 @@ def check_body_size(length: int | None, limit: int) -> None:
                               "(coordinator flag --max-body-mb)", limit=limit)
 
 
-def receive_checked(spool: ExpertStore | BlobStore, stream: Readable, length: int | None, limit: int,
+def receive_checked(spool: BodySpool | BlobStore, stream: Readable, length: int | None, limit: int,
                     expected_digest: str | None, spooled: Any = None) -> Path:
     """A body in a fsynced temp file of ``spool``: 413 past ``limit``, 400 (nothing left) on a digest mismatch.
     ``spooled`` (the front's SpooledBody) is taken over when it fits and was hashed with the expected algorithm.

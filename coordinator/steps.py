@@ -151,7 +151,7 @@ class AggregationSteps:
             if bad is not None:  # recorded before results were checked (an older version): never apply it
                 quarantine_updates(self.store, name, batch, f"applying it makes tensor {bad!r} overflow to Inf/NaN")
                 return False
-        written = self.store.write_temp(lambda p: _save(new, p), f"write version {expert.version + 1} of {name!r}")
+        written = self.store.bodies.write_temp(lambda p: _save(new, p), f"write version {expert.version + 1} of {name!r}")
         if self.ledgers is not None:  # booked before the commit: a crash in between over-counts, never under-counts
             self.ledgers.book_step(name)
         loss = _mean_loss(batch)

@@ -96,7 +96,7 @@ class RootTarget:
 
     def submit_upload(self, name: str, meta: UpdateMeta, part: Path, digest: str) -> tuple[dict[str, Any], bool]:
         c = self.coordinator
-        return c.submit_update(name, meta, c.store.link_received(part, digest))
+        return c.submit_update(name, meta, c.store.bodies.link_received(part, digest))
 
     def record_event(self, event: Event) -> None:
         self.coordinator.record_event(event)

@@ -49,7 +49,7 @@ class BlobStore:
     def path(self, digest: str) -> Path:
         return self.root / hex_of(digest)[:2] / digest
 
-    # reads, as coordinator.storage.expert_store.BlobBackend names them
+    # reads, as coordinator.storage.blob_backend.BlobBackend names them
 
     def local_path(self, digest: str) -> Path | None:
         """The blob's own file (it may be gone if pruned meanwhile)."""

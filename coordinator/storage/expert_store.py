@@ -22,65 +22,25 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, ContextManager, Protocol, TypeGuard, TypeVar
+from typing import Any, BinaryIO, ContextManager, TypeGuard, TypeVar
 
 from coordinator.access.audit import Event
 from coordinator.storage.backends.errors import BackendUnavailable
 from coordinator.storage.blobs import is_storage_full, storage_errors
 from coordinator.storage.group_commit import GroupCommit
-from protocol.integrity import DEFAULT_ALGORITHM, Readable
 from coordinator.storage.manifest import ExpertRow, StaleAggregation, UpdateRow
 from coordinator.storage.manifest_roles import ManifestBackend, ManifestReads
+from coordinator.storage.blob_backend import BlobBackend, PresigningBlobBackend
+from coordinator.storage.body_spool import BodySpool
 from protocol.errors import NotFound
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 __all__ = ["BlobBackend", "ExpertStore", "StaleAggregation", "WeightsRef"]
-
-
-class BlobBackend(Protocol):
-    """Immutable blobs named by their SHA-256 (``coordinator.storage.blobs.BlobStore``: local files).
-
-    Temp files are always local (bodies are checked before they are stored); ``adopt`` moves one
-    into the backend, durably, under its digest. ``receive`` and ``write_temp`` leave nothing behind
-    when they fail, and ``adopt`` of a digest already stored just drops the temp file.
-    """
-
-    tmp_dir: Path
-
-    def receive(self, stream: Readable, limit: int, length: int | None = None,
-                algorithm: str = DEFAULT_ALGORITHM) -> Path: ...
-    def take_spooled(self, path: Path, digest: str) -> Path: ...  # a body the HTTP front spooled and hashed
-    def write_temp(self, write: Callable[[Path], None]) -> Path: ...
-    def digest_of(self, tmp: Path, algorithm: str | None = None) -> str: ...
-    def forget(self, tmp: Path) -> None: ...
-    def link_received(self, path: Path, digest: str) -> Path: ...
-    def adopt(self, tmp: Path, digest: str | None = None, sync: bool = True) -> str: ...
-    def flush(self) -> None: ...  # make the renames of adopt(sync=False) durable
-    def delete(self, digest: str) -> None: ...
-    def digests(self) -> Iterator[str]: ...
-    def open(self, digest: str) -> BinaryIO: ...  # FileNotFoundError once deleted
-    def local_file(self, digest: str) -> ContextManager[Path]: ...  # fetched first if remote
-    def local_path(self, digest: str) -> Path | None: ...  # None: not a local file (no sendfile)
-    def quarantine(self, digest: str, reason: str) -> str | None: ...  # a copy's name; None if gone
-    @property
-    def quarantine_location(self) -> str: ...
-    @property
-    def location(self) -> str: ...  # where the blobs are, as the operator named it (for messages)
-    def missing(self, digests: Iterable[str]) -> set[str]: ...  # those the store does not hold
-    def restore(self, digest: str) -> bool: ...  # put a lost blob back from a copy held elsewhere (a cache)
-    on_lost: Callable[[], None] | None  # set by the ExpertStore: called when the store finds it lost blobs
-
-
-class PresigningBlobBackend(BlobBackend, Protocol):
-    """A remote blob backend that hands out direct download URLs (``coordinator.storage.backends.s3``)."""
-
-    def presigned_url(self, digest: str) -> str: ...
-    def remote_size(self, digest: str) -> int: ...  # bytes of the blob in the store (0 if absent)
 
 
 def _presigning(blobs: BlobBackend) -> TypeGuard[PresigningBlobBackend]:
@@ -111,6 +71,8 @@ class ExpertStore:
         self._unreferenced: list[str] = []  # blobs to delete once the rows that let go of them are durable
         self._unreferenced_guard = threading.Lock()
         self._repairing = threading.Lock()  # one repair at a time (repair_in_background)
+        self.bodies = BodySpool(blobs)
+        """Request bodies on their way in (temp files), until a method below adopts or the caller forgets them."""
         blobs.on_lost = self.repair_in_background
 
     @property
@@ -167,45 +129,6 @@ class ExpertStore:
             return self._locks.hold(name)
         with self._expert_locks_guard:
             return self._expert_locks.setdefault(name, threading.Lock())
-
-    # bodies on their way in: always a local, fsynced temp file whatever the backend ---------
-
-    @property
-    def spool_dir(self) -> Path:
-        """A local directory for request bodies on their way in (same file system as the temp files)."""
-        return self._blobs.tmp_dir
-
-    def receive(self, stream: Readable, limit: int, length: int | None = None,
-                algorithm: str = DEFAULT_ALGORITHM) -> Path:
-        """A request body copied to a fsynced temp file (see ``BlobStore.receive``)."""
-        with storage_errors("receive the request body"):
-            return self._blobs.receive(stream, limit, length, algorithm)
-
-    def take_spooled(self, path: Path, digest: str) -> Path:
-        """A body the HTTP front already wrote into ``spool_dir`` and hashed, fsynced (no second copy)."""
-        with storage_errors("receive the request body"):
-            return self._blobs.take_spooled(path, digest)
-
-    def digest_of(self, tmp: Path, algorithm: str | None = None) -> str:
-        """Content id of a temp file (protocol/integrity.py), in ``algorithm`` if given."""
-        return self._blobs.digest_of(tmp, algorithm)
-
-    def link_received(self, path: Path, digest: str) -> Path:
-        """A temp file holding the finished resumable upload at ``path`` (hard-linked when it can be), whose
-        digest is already known; it is then stored or forgotten like a body ``receive`` wrote."""
-        with storage_errors("receive the upload"):
-            return self._blobs.link_received(path, digest)
-
-    def forget(self, tmp: Path) -> None:
-        """Drop a temp file that will not be stored (refused, a duplicate, or already adopted)."""
-        self._blobs.forget(tmp)
-
-    def write_temp(self, write: Callable[[Path], None], action: str | None = None) -> Path:
-        """A temp file filled by ``write(path)`` and fsynced; a full disk is a 507 naming ``action``."""
-        if action is None:
-            return self._blobs.write_temp(write)
-        with storage_errors(action):
-            return self._blobs.write_temp(write)
 
     # adopt and record: every row that names a blob is written here --------------------------
 

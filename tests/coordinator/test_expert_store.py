@@ -26,7 +26,7 @@ def store(tmp_path):
 
 
 def temp(store: ExpertStore, data: bytes) -> Path:
-    return store.write_temp(lambda p: p.write_bytes(data))
+    return store.bodies.write_temp(lambda p: p.write_bytes(data))
 
 
 def stored_digests(store: ExpertStore) -> set[str]:
@@ -40,7 +40,7 @@ def read(store: ExpertStore, digest: str) -> bytes:
 
 def add_update(store: ExpertStore, name: str, update_id: str, data: bytes):
     body = temp(store, data)
-    return store.add_update(name, {"update_id": update_id, "num_samples": 1}, body, store.digest_of(body),
+    return store.add_update(name, {"update_id": update_id, "num_samples": 1}, body, store.bodies.digest_of(body),
                             len(data), 4 * len(data), norm=None)
 
 
