@@ -55,7 +55,7 @@ def _require_problems(store: ExpertStore, name: str) -> Problems:
     problems = examine(store, expert)
     if not problems:
         raise ValueError(f"--quarantine {name!r}: its weights and pending updates are all there and usable "
-                         f"in {store.blob_location}; nothing to set aside, nothing was changed")
+                         f"in {store.blobs.location}; nothing to set aside, nothing was changed")
     return problems
 
 

@@ -99,12 +99,12 @@ def needed_blobs(store: ExpertStore) -> dict[str, str]:
 def check_blobs(store: ExpertStore) -> None:
     """StoreMismatch naming the missing blobs and the store, if any blob ``needed_blobs`` names is not there."""
     needed = needed_blobs(store)
-    missing = sorted(store.missing_blobs(needed), key=needed.__getitem__)
+    missing = sorted(store.blobs.missing(needed), key=needed.__getitem__)
     if not missing:
         return
     shown = ", ".join(f"{needed[d]} ({d[:19]}...)" for d in missing[:SHOWN])
     more = f" and {len(missing) - SHOWN} more" if len(missing) > SHOWN else ""
-    where = store.blob_location
+    where = store.blobs.location
     if len(missing) == len(needed):
         what = (f"the blob store {where} holds none of the {len(needed)} blob(s) the manifest needs: {shown}{more}. "
                 "It looks empty or belongs to another federation: check the URL or path (a typo?), or whether "
@@ -143,7 +143,7 @@ def set_aside(store: ExpertStore, problems: Problems) -> str:
     if problems.expert is not None:
         kept = quarantine_expert(store, expert, problems.expert)
         return f"expert {expert.name!r} set aside ({problems.expert}); {len(kept)} blob(s) kept in " \
-               f"{store.quarantine_location}"
+               f"{store.blobs.quarantine_location}"
     quarantine_updates(store, expert.name, [u for u, _ in problems.updates],
                        "; ".join(sorted({why for _, why in problems.updates})))
     return f"{len(problems.updates)} pending update(s) of {expert.name!r} set aside: " \
@@ -190,7 +190,7 @@ def quarantine_expert(store: ExpertStore, expert: ExpertRow, reason: str) -> lis
     kept = store.remove_expert(expert, reason,
                                lambda kept: audit.expert_quarantined(expert.name, expert.version, reason, kept))
     log.error("expert %s quarantined: %s; %d blob(s) kept in %s; the next worker of %s creates it again",
-              expert.name, reason, len(kept), store.quarantine_location, expert.name)
+              expert.name, reason, len(kept), store.blobs.quarantine_location, expert.name)
     return kept
 
 

@@ -186,11 +186,11 @@ class Coordinator:
 
     def local_path(self, digest: str) -> Path | None:
         """A stored blob's local file, for a server to send directly; None if the backend is remote."""
-        return self.store.local_path(digest)
+        return self.store.blobs.local_path(digest)
 
     def open_blob(self, digest: str) -> BinaryIO:
         """A stored blob's bytes; FileNotFoundError if it was pruned meanwhile."""
-        return self.store.open_blob(digest)
+        return self.store.blobs.open(digest)
 
     def weights_diff(self, name: str, since: int, codec: str, codec_config: dict[str, Any],
                      version: int | None = None) -> tuple[bytes, int]:
@@ -200,7 +200,7 @@ class Coordinator:
 
     def record_pull(self, worker_id: str | None, name: str, body_bytes: int) -> None:
         if worker_id:
-            self.store.record_pull(worker_id, body_bytes, _fp32_bytes(self.manifest(name)))
+            self.store.ledger.record_pull(worker_id, body_bytes, _fp32_bytes(self.manifest(name)))
 
     def manifest(self, name: str) -> list[tuple[str, tuple[int, ...]]]:
         return list(parsed_manifest(self.require_expert(name).manifest))
@@ -255,7 +255,7 @@ class Coordinator:
         self.store.sync()  # group commit: durable (blob and row) before the 202
         if meta.privacy is not None:  # a --dp-sgd worker's own account of what its data has spent
             self.privacy.record_claim(name, meta.worker_id or meta.update_id, meta.privacy)
-        if not step_failed and not self.store.held_up():
+        if not step_failed and not self.store.rows.held_up():
             with contextlib.suppress(BackendUnavailable):
                 return self.update_status(meta.update_id), True
         # Recorded and durable: a 202 whatever the database does now (a 503 would say "nothing was recorded"), with
@@ -299,7 +299,7 @@ class Coordinator:
     def record_event(self, event: Event) -> None:
         """Add an event that records no other change; a failure to log is logged, never raised."""
         try:
-            self.store.add_event(event)
+            self.store.ledger.add_event(event)
         except BackendUnavailable:  # the backend's own log line already says what failed
             log.debug("could not record %s event: a backend is unavailable", event.kind)
         except Exception:  # noqa: BLE001 - the audit log must not turn the answer into a 5xx
@@ -330,7 +330,7 @@ class Coordinator:
         if not 1 <= count <= MAX_COUNT:
             raise BadRequest(f"profile num_examples must be in [1, {MAX_COUNT}], got {count}: "
                              "a profile of no examples cannot route")
-        self.store.put_profile(name, worker_id, vector.astype("<f4").tobytes(), count)
+        self.store.ledger.put_profile(name, worker_id, vector.astype("<f4").tobytes(), count)
         return {"expert": name, "worker_id": worker_id, "num_examples": count}
 
     def profiles(self) -> dict[str, Any]:
@@ -375,14 +375,14 @@ class Coordinator:
                 raise Conflict(f"worker {worker_id!r} runs base model {base_model.id!r} (fingerprint "
                                f"{base_model.fingerprint[:12]}) but expert {specialty!r} was trained from "
                                f"{stored.id!r} ({stored.fingerprint[:12]}); use the same --base-model")
-        self.store.upsert_worker(worker_id, specialty, {"id": base_model.id, "fingerprint": base_model.fingerprint},
+        self.store.ledger.upsert_worker(worker_id, specialty, {"id": base_model.id, "fingerprint": base_model.fingerprint},
                               sync_interval,
                               events=(audit.worker_registered(worker_id, specialty, base_model.id, sync_interval),))
         return {"worker_id": worker_id, "specialty": specialty,
                 "expert": None if expert is None else self._info(expert)}
 
     def heartbeat(self, worker_id: str) -> None:
-        if not self.store.touch_worker(worker_id):
+        if not self.store.ledger.touch_worker(worker_id):
             raise NotFound(f"no worker {worker_id!r}; register first (POST /api/v1/workers)")
 
     def list_workers(self) -> list[dict[str, Any]]:

@@ -47,3 +47,16 @@ class PresigningBlobBackend(BlobBackend, Protocol):
 
     def presigned_url(self, digest: str) -> str: ...
     def remote_size(self, digest: str) -> int: ...  # bytes of the blob in the store (0 if absent)
+
+
+class BlobReads(Protocol):
+    """What a reader may do with stored blobs (``ExpertStore.blobs``): writes and deletions go through the store."""
+
+    def open(self, digest: str) -> BinaryIO: ...  # FileNotFoundError once deleted (pruned meanwhile)
+    def local_file(self, digest: str) -> ContextManager[Path]: ...  # fetched first if remote
+    def local_path(self, digest: str) -> Path | None: ...  # None: not a local file (no sendfile)
+    def missing(self, digests: Iterable[str]) -> set[str]: ...  # those the store does not hold
+    @property
+    def location(self) -> str: ...  # where the blobs are, as the operator named it (for messages)
+    @property
+    def quarantine_location(self) -> str: ...  # where quarantined copies are kept (for log lines)

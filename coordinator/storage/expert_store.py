@@ -10,8 +10,10 @@ them as local files) and ``rows`` (the durable manifest: experts, versions, upda
 So every method that records a blob takes the fsynced temp file and adopts it itself, and
 ``drop_unreferenced`` is the only way a blob goes. Nothing outside this module touches a blob
 and a row together. Reads hand out digests (``WeightsRef``), never storage handles: a caller
-reads a blob with ``open_blob`` or ``local_file`` (a local path, fetched first if the backend is
-remote), and asks ``local_path`` only to let a server send a local file directly.
+reads a blob with ``local_file`` (a local path, fetched first if the backend is remote) or through
+``blobs`` (``open``; ``local_path`` only to let a server send a local file directly), and rows through
+``rows``. Bodies on their way in are ``bodies`` (storage/body_spool.py); rows that name no blob (workers,
+the audit log) are written through ``ledger`` (storage/ledger.py).
 
 Lock order (outermost first), wherever more than one is taken:
 ``expert_lock(name)`` -> ``_guard`` -> the manifest's connection lock. A caller holding
@@ -22,10 +24,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, ContextManager, TypeGuard, TypeVar
+from typing import Any, ContextManager, TypeGuard, TypeVar
 
 from coordinator.access.audit import Event
 from coordinator.storage.backends.errors import BackendUnavailable
@@ -33,7 +35,8 @@ from coordinator.storage.blobs import is_storage_full, storage_errors
 from coordinator.storage.group_commit import GroupCommit
 from coordinator.storage.manifest import ExpertRow, StaleAggregation, UpdateRow
 from coordinator.storage.manifest_roles import ManifestBackend, ManifestReads
-from coordinator.storage.blob_backend import BlobBackend, PresigningBlobBackend
+from coordinator.storage.blob_backend import BlobBackend, BlobReads, PresigningBlobBackend
+from coordinator.storage.ledger import Ledger
 from coordinator.storage.body_spool import BodySpool
 from protocol.errors import NotFound
 
@@ -73,6 +76,8 @@ class ExpertStore:
         self._repairing = threading.Lock()  # one repair at a time (repair_in_background)
         self.bodies = BodySpool(blobs)
         """Request bodies on their way in (temp files), until a method below adopts or the caller forgets them."""
+        self.ledger = Ledger(rows, self.sync)
+        """Workers, their pulls and profiles, the audit log: rows that name no blob, durable when written."""
         blobs.on_lost = self.repair_in_background
 
     @property
@@ -80,11 +85,6 @@ class ExpertStore:
         """The manifest is shared with other replicas (PostgreSQL): no one process may set anything of it aside
         on the strength of its own view (coordinator/recovery.py)."""
         return self._locks is not None
-
-    @property
-    def blob_location(self) -> str:
-        """Where the blobs are, as the operator named it (``--blobs`` URL or the data dir), for messages."""
-        return self._blobs.location
 
     def _flush(self) -> None:
         self._blobs.flush()  # directories first: a durable row never names a blob whose rename is not
@@ -109,10 +109,6 @@ class ExpertStore:
             self.drop_unreferenced(unreferenced)
         except BackendUnavailable:  # the writes are acknowledged all the same
             self._drop_later(unreferenced)
-
-    def held_up(self) -> bool:
-        """A lock held elsewhere just cut a database statement short: reads a request can do without can wait."""
-        return self._rows.held_up()
 
     def _drop_later(self, digests: list[str]) -> None:
         """The next sync deletes them (or the next start, as orphans)."""
@@ -220,14 +216,6 @@ class ExpertStore:
                            f"{self.keep_versions} versions are kept (--keep-versions)")
         return WeightsRef(version, digest)
 
-    def local_path(self, digest: str) -> Path | None:
-        """The blob's own file when the backend keeps it locally (for sendfile), else None."""
-        return self._blobs.local_path(digest)
-
-    def open_blob(self, digest: str) -> BinaryIO:
-        """The blob's bytes for reading; FileNotFoundError if it was deleted (pruned) meanwhile."""
-        return self._blobs.open(digest)
-
     def local_file(self, digest: str) -> ContextManager[Path]:
         """A local file holding the blob, valid inside the block (a remote backend fetches it first).
 
@@ -263,10 +251,6 @@ class ExpertStore:
                 self._blobs.delete(digest)
         return len(orphans)
 
-    def missing_blobs(self, digests: Iterable[str]) -> set[str]:
-        """Those of ``digests`` the blob store does not hold."""
-        return self._blobs.missing(digests)
-
     def repair(self) -> tuple[list[str], set[str]]:
         """Put back every blob the rows name that the blob store lost, from a copy held here (a remote store's
         local cache); (restored, still missing). A blob dropped meanwhile may come back as an orphan (removed
@@ -300,7 +284,7 @@ class ExpertStore:
                            event: Callable[[UpdateRow, str | None], Event]) -> int:
         """Set pending updates aside for good, keeping a copy of each payload for a human;
         ``event(update, copy name)`` says why in the audit log. Returns how many were still pending."""
-        marked = [(u.seq, event(u, self._quarantine(u.blob, reason) if u.blob else None)) for u in updates]
+        marked = [(u.seq, event(u, self._blobs.quarantine(u.blob, reason) if u.blob else None)) for u in updates]
         count = self._rows.quarantine_updates(marked)
         self.sync()
         self.drop_unreferenced([u.blob for u in updates if u.blob])
@@ -310,22 +294,18 @@ class ExpertStore:
         """Forget an expert whose weights cannot be used, keeping copies of all its blobs;
         ``event(copy names)`` is its audit row. Returns the copies' names."""
         digests = self._rows.expert_blobs(expert.name)
-        kept = [copy for d in digests if (copy := self._quarantine(d, reason)) is not None]
+        kept = [copy for d in digests if (copy := self._blobs.quarantine(d, reason)) is not None]
         self._rows.remove_expert(expert.name, events=(event(kept),))
         self.sync()
         self.drop_unreferenced(digests)
         return kept
 
-    def _quarantine(self, digest: str, reason: str) -> str | None:
-        """Keep a copy of a blob aside for a human; the copy's name, None if the blob was gone."""
-        return self._blobs.quarantine(digest, reason)
+    # rows and blobs to read ----------------------------------------------------------------
 
     @property
-    def quarantine_location(self) -> str:
-        """Where quarantined copies are kept (for log lines)."""
-        return self._blobs.quarantine_location
-
-    # rows that name no blob -----------------------------------------------------------------
+    def blobs(self) -> BlobReads:
+        """The blobs to read (by digest, from a row); every write goes through this store."""
+        return self._blobs
 
     @property
     def rows(self) -> ManifestReads:
@@ -339,33 +319,6 @@ class ExpertStore:
         if expert is None:
             raise NotFound(f"no expert named {name!r}; known experts: {[e.name for e in self._rows.experts()]}")
         return expert
-
-    def add_event(self, event: Event) -> None:
-        self._rows.add_event(event)
-        self.sync()
-
-    def upsert_worker(self, worker_id: str, specialty: str, base_model: dict[str, Any],
-                      sync_interval: float | None, events: tuple[Event, ...] = ()) -> None:
-        self._rows.upsert_worker(worker_id, specialty, base_model, sync_interval, events)
-        self.sync()
-
-    def touch_worker(self, worker_id: str) -> bool:
-        touched = self._rows.touch_worker(worker_id)
-        self.sync()
-        return touched
-
-    def record_pull(self, worker_id: str, body_bytes: int, raw_bytes: int) -> None:
-        """Count a pull; a tally, so a full disk is logged, never raised into the pull it counts."""
-        try:
-            self._rows.record_pull(worker_id, body_bytes, raw_bytes)
-        except Exception as exc:
-            if not is_storage_full(exc):
-                raise
-            log.warning("disk full: pull by %s not counted", worker_id)
-
-    def put_profile(self, expert: str, worker_id: str, vector: bytes, num_examples: int) -> None:
-        self._rows.put_profile(expert, worker_id, vector, num_examples)
-        self.sync()
 
     def redirect_url(self, digest: str, min_bytes: int) -> tuple[str, int] | None:
         """(URL, size): a short-lived URL to GET a blob of at least ``min_bytes`` from directly (the object store's

@@ -34,7 +34,7 @@ def stored_digests(store: ExpertStore) -> set[str]:
 
 
 def read(store: ExpertStore, digest: str) -> bytes:
-    with store.open_blob(digest) as f:
+    with store.blobs.open(digest) as f:
         return f.read()
 
 
@@ -50,7 +50,7 @@ def test_a_recorded_expert_reads_back_through_every_read_path(store):
     assert ref.version == 0 and read(store, ref.digest) == b"weights v0"
     with store.local_file(ref.digest) as path:
         assert path.read_bytes() == b"weights v0"
-    local = store.local_path(ref.digest)
+    local = store.blobs.local_path(ref.digest)
     assert local is None or local.read_bytes() == b"weights v0"  # None: a remote backend
     assert list(store._blobs.tmp_dir.iterdir()) == []  # the temp file was adopted, not copied
 
