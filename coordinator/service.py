@@ -19,9 +19,8 @@ import math
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
-import numpy as np
 
 from coordinator.checks.adapters import check_full_weights, check_lora_adapter, checked_norm
 from coordinator.aggregation import StateDict
@@ -33,30 +32,24 @@ from coordinator.storage.backends.errors import BackendUnavailable
 from coordinator.config import CoordinatorConfig
 from coordinator.diffs import DiffCache
 from coordinator.errors import REFUSALS
-from coordinator.storage.expert_store import ExpertStore, WeightsRef
+from coordinator.storage.expert_store import ExpertStore
 from coordinator.gateway_builder import GatewayBuilder
 from coordinator.storage.health import StoreHealth
 from coordinator.liveness import liveness
 from coordinator.checks.norm_check import judge_norm
 from coordinator.privacy_ledger import PrivacyLedgers
 from coordinator.recovery import recover
+from coordinator.routing import ExpertRouting
 from coordinator.steps import AggregationSteps
 from coordinator.storage.manifest import RELAYED, ExpertRow, ManifestStore, UpdateRow, members_applied, parsed_manifest
 from coordinator.checks.update_limits import NORM_SCALE
-from gateway.router import combine_profiles, profile_from_json, profile_to_json
-from gateway.router import route as route_prompt
 from protocol.errors import BadRequest, Conflict, InsufficientStorage, InvalidPayload, NotFound, PayloadTooLarge
 from protocol.files import private_dir, private_file
 from protocol.integrity import DEFAULT_ALGORITHM, DIGEST_HEADER, Readable, algorithm_of, hex_of
-from protocol.schemas import MAX_COUNT, BaseModelSpec, ExpertSpec, UpdateMeta, check_name
+from protocol.schemas import BaseModelSpec, ExpertSpec, UpdateMeta, check_name
 from protocol.tensors import load_file, manifest_to_json
 
 log = logging.getLogger(__name__)
-
-
-def route_outcome(expert: str | None, expected: str) -> str:
-    """right, wrong_expert or fallback (to the gateway)."""
-    return "fallback" if expert is None else "right" if expert == expected else "wrong_expert"
 
 
 class Coordinator:
@@ -72,6 +65,7 @@ class Coordinator:
         self.store = open_store(config)
         self.diffs = DiffCache(self.store)
         self.gateway = GatewayBuilder(self.store, config)
+        self.routing = ExpertRouting(self.store, config.route_threshold)
         self.privacy = PrivacyLedgers(config.data_dir, config.dp)
         """Each expert's DP-FedAvg ledger (--dp-noise) and its workers' DP-SGD claims."""
         self.steps = AggregationSteps(self.store, config, self._stepped, ledgers=self.privacy)
@@ -79,7 +73,7 @@ class Coordinator:
         """Called with the seconds each aggregation step took (metrics hook)."""
         self.on_close: list[Callable[[], None]] = []
         """Stopped before the store closes (e.g. the secure-aggregation applier, coordinator.cohorts)."""
-        self.health = StoreHealth(self.expert_count)
+        self.health = StoreHealth(self.store.rows.expert_count)
         """What /health answers, without waiting on a database that is held up (coordinator/storage/health.py)."""
         # finish what a crash interrupted; refuse to start on what this process cannot see (coordinator/recovery.py)
         recover(self.store, self.steps.run)
@@ -159,9 +153,6 @@ class Coordinator:
         """The expert's row, or NotFound listing the known experts."""
         return self.store.require_expert(name)
 
-    def expert_count(self) -> int:
-        return self.store.rows.expert_count()
-
     def expert_info(self, name: str) -> dict[str, Any]:
         return self._info(self.require_expert(name))
 
@@ -175,22 +166,6 @@ class Coordinator:
                 "created_at": e.created_at, "updated_at": e.updated_at}
         privacy = self.privacy.report(e.name)
         return info if privacy is None else {**info, "privacy": privacy}
-
-    def versions(self, name: str) -> list[dict[str, Any]]:
-        self.require_expert(name)
-        return self.store.rows.versions(name)
-
-    def weights(self, name: str, version: int | None = None) -> WeightsRef:
-        """Version ``version`` (default: the current one) of an expert; NotFound if absent or pruned."""
-        return self.store.weights(name, version)
-
-    def local_path(self, digest: str) -> Path | None:
-        """A stored blob's local file, for a server to send directly; None if the backend is remote."""
-        return self.store.blobs.local_path(digest)
-
-    def open_blob(self, digest: str) -> BinaryIO:
-        """A stored blob's bytes; FileNotFoundError if it was pruned meanwhile."""
-        return self.store.blobs.open(digest)
 
     def weights_diff(self, name: str, since: int, codec: str, codec_config: dict[str, Any],
                      version: int | None = None) -> tuple[bytes, int]:
@@ -321,46 +296,6 @@ class Coordinator:
         return _status(row, None if expert is None else expert.version)
 
     # routing ------------------------------------------------------------------
-
-    def put_profile(self, name: str, worker_id: str, profile: dict[str, Any]) -> dict[str, Any]:
-        """Store one worker's summary of its data (n-gram statistics, no examples) for routing."""
-        self.require_expert(name)
-        check_name(worker_id, "worker_id")
-        vector, count = profile_from_json(profile)  # ProfileError: a 400 (coordinator.errors)
-        if not 1 <= count <= MAX_COUNT:
-            raise BadRequest(f"profile num_examples must be in [1, {MAX_COUNT}], got {count}: "
-                             "a profile of no examples cannot route")
-        self.store.ledger.put_profile(name, worker_id, vector.astype("<f4").tobytes(), count)
-        return {"expert": name, "worker_id": worker_id, "num_examples": count}
-
-    def profiles(self) -> dict[str, Any]:
-        """Every expert's combined routing profile (wire form) and the threshold, for routing elsewhere."""
-        stored = self.store.rows.profiles()
-        profiles = {name: profile_to_json(combine_profiles([(np.frombuffer(v, dtype="<f4"), n) for v, n in rows]),
-                                          sum(n for _, n in rows)) for name, rows in stored.items()}
-        return {"threshold": self.config.route_threshold, "profiles": profiles}
-
-    def route(self, prompt: str, threshold: float | None = None, expected: str | None = None) -> dict[str, Any]:
-        """Pick the expert whose data the prompt resembles, or the gateway when unsure.
-
-        ``expected``: the expert the caller knows the prompt belongs to; the answer then says whether the
-        route was right, a wrong expert (worse: it can answer below the base model) or a fallback.
-        """
-        stored = self.store.rows.profiles()
-        if not stored:
-            raise NotFound("no expert has a routing profile yet (workers send one when they join)")
-        profiles = {name: combine_profiles([(np.frombuffer(v, dtype="<f4"), n) for v, n in rows])
-                    for name, rows in stored.items()}
-        threshold = self.config.route_threshold if threshold is None else threshold
-        if expected is not None and expected not in profiles:
-            raise BadRequest(f"'expected' names no expert with a routing profile: {expected!r}; "
-                             f"known: {', '.join(sorted(profiles))}")
-        result = route_prompt(prompt, profiles, threshold)  # ProfileError: a 400 (coordinator.errors)
-        answer = {"expert": result.expert, "target": result.expert or "gateway", "confidence": result.confidence,
-                  "threshold": threshold, "scores": result.scores, "probabilities": result.probabilities}
-        if expected is not None:
-            answer["outcome"] = route_outcome(result.expert, expected)
-        return answer
 
     # workers ------------------------------------------------------------------
 

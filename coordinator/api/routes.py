@@ -93,7 +93,7 @@ def create_expert(name: str) -> tuple[Response, int]:
 @bp.get("/experts/<name>")
 def expert_info(name: str) -> Response:
     c = coordinator()
-    return jsonify(c.expert_info(name) | {"versions": c.versions(name)})
+    return jsonify(c.expert_info(name) | {"versions": c.store.rows.versions(name)})
 
 
 @bp.get("/experts/<name>/weights")
@@ -104,7 +104,7 @@ def expert_weights(name: str) -> Response:
     if "since" in request.args:
         return weights_diff_response(c, name, worker_id)
     for attempt in range(3):  # a version pruned between the lookup and the open is looked up again
-        ref = c.weights(name, int_arg("version"))
+        ref = c.store.weights(name, int_arg("version"))
         if (redirect := _presigned_redirect(c, ref, worker_id, name)) is not None:
             return redirect
         try:
@@ -208,13 +208,13 @@ def update_status(update_id: str) -> Response:
 
 @bp.put("/experts/<name>/profiles/<worker_id>")
 def put_profile(name: str, worker_id: str) -> Response:
-    return jsonify(coordinator().put_profile(name, worker_id, json_body()))
+    return jsonify(coordinator().routing.put_profile(name, worker_id, json_body()))
 
 
 @bp.get("/profiles")
 def profiles() -> Response:
     """Combined routing profiles of every expert, so a server can route prompts locally (serving/)."""
-    return jsonify(coordinator().profiles())
+    return jsonify(coordinator().routing.profiles())
 
 
 @bp.post("/route")
@@ -227,7 +227,7 @@ def route() -> Response:
         raise BadRequest(f"'threshold' must be a number in [0, 1], got {threshold!r}")
     if expected is not None and not isinstance(expected, str):
         raise BadRequest(f"'expected' must be an expert's name, got {expected!r}")
-    result = coordinator().route(prompt, threshold, expected)
+    result = coordinator().routing.route(prompt, threshold, expected)
     g.route_outcome = (expected or "", result.get("outcome") or ("expert" if result["expert"] else "fallback"))
     return jsonify(result)
 
@@ -277,17 +277,17 @@ def _send_blob(c: Coordinator, digest: str, download_name: str) -> Response:
     A local file goes by path (send_file then knows its size and can use sendfile); FileNotFoundError
     if the blob was pruned meanwhile.
     """
-    path = c.local_path(digest)
-    return send_file(path if path is not None else c.open_blob(digest), mimetype="application/octet-stream",
+    path = c.store.blobs.local_path(digest)
+    return send_file(path if path is not None else c.store.blobs.open(digest), mimetype="application/octet-stream",
                      etag=digest, conditional=True, download_name=download_name, max_age=0)
 
 
 def _blob_tensors(c: Coordinator, digest: str) -> StateDict:
     """A stored blob's tensors (memory-mapped when local); FileNotFoundError if it was pruned meanwhile."""
-    path = c.local_path(digest)
+    path = c.store.blobs.local_path(digest)
     if path is not None:
         return load_file(path)
-    with c.open_blob(digest) as f:
+    with c.store.blobs.open(digest) as f:
         return loads(f.read())
 
 

@@ -104,7 +104,7 @@ def test_restart_quarantines_an_expert_whose_blob_the_loader_refuses(make_app, t
     put_expert(client, "bad", adapter)
     put_expert(client, "good", make_adapter(seed=1))
     c = app.extensions["fedmoe"]
-    path = c.store.blobs.local_path(c.weights("bad").digest)
+    path = c.store.blobs.local_path(c.store.weights("bad").digest)
     original = path.read_bytes()
     c.close()
     path.write_bytes(with_metadata(original, {"x": 1}))  # what an older coordinator accepted
@@ -215,7 +215,7 @@ def test_an_update_whose_result_overflows_is_refused_and_nothing_is_recorded(mak
     assert client.get(f"/api/v1/updates/{meta['update_id']}").status_code == 404
     c = app.extensions["fedmoe"]
     assert c.store.rows.expert("e").version == 1
-    assert all(bool(torch.isfinite(t).all()) for t in load_file(c.store.blobs.local_path(c.weights("e").digest)).values())
+    assert all(bool(torch.isfinite(t).all()) for t in load_file(c.store.blobs.local_path(c.store.weights("e").digest)).values())
     norms = c.store.rows.recent_norms("e", 20)
     assert norms and all(math.isfinite(n) for n in norms)
     # every JSON answer stays strict JSON, and the gateway and a diff pull are served
@@ -329,4 +329,4 @@ def test_a_pending_update_whose_result_would_overflow_is_quarantined_not_applied
     info = client.get("/api/v1/experts/e").get_json()
     assert (info["version"], info["pending_updates"]) == (1, 0)
     c = client.application.extensions["fedmoe"]
-    assert all(bool(torch.isfinite(t).all()) for t in load_file(c.store.blobs.local_path(c.weights("e").digest)).values())
+    assert all(bool(torch.isfinite(t).all()) for t in load_file(c.store.blobs.local_path(c.store.weights("e").digest)).values())

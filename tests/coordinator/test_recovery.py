@@ -42,7 +42,7 @@ def federation(make_app, tmp_path):
     meta = update_meta()
     assert push(client, "e", random_like(adapter, 1), meta).status_code == 202
     c = app.extensions["fedmoe"]
-    paths = {"e": c.store.blobs.local_path(c.weights("e").digest), "update": c.store.blobs.local_path(c.store.rows.update(
+    paths = {"e": c.store.blobs.local_path(c.store.weights("e").digest), "update": c.store.blobs.local_path(c.store.rows.update(
         meta["update_id"]).blob)}
     c.close()
     return {"data": tmp_path / "data", "update_id": meta["update_id"], "paths": paths}

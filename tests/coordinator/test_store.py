@@ -119,7 +119,7 @@ def test_a_second_process_on_the_same_data_dir_cannot_apply_an_update_twice(make
 
     assert len(stale) == 1 and c2.steps.apply("e", stale + stale) is False
     with pytest.raises(StaleAggregation):  # the commit itself refuses a stale step
-        c2.store._rows.commit_version("e", 2, c2.weights("e").digest, stale, None)
+        c2.store._rows.commit_version("e", 2, c2.store.weights("e").digest, stale, None)
     info = first.test_client().get("/api/v1/experts/e").get_json()
     assert info["version"] == 1 and info["samples_seen"] == 12 and info["updates_applied"] == 2
     assert first.test_client().get("/api/v1/experts/e/weights").data == weights
@@ -135,5 +135,5 @@ def test_commit_refuses_a_step_whose_base_version_moved(make_app):
     c = app.extensions["fedmoe"]
     pending = c.store.rows.pending_updates("e")
     with pytest.raises(StaleAggregation):
-        c.store._rows.commit_version("e", 2, c.weights("e").digest, pending, None)  # expert is at 0, not 1
+        c.store._rows.commit_version("e", 2, c.store.weights("e").digest, pending, None)  # expert is at 0, not 1
     assert c.store.rows.pending_count("e") == 1 and c.store.rows.expert("e").version == 0
