@@ -147,8 +147,8 @@ CHECKPOINT_WAL_BYTES = 1 << 20
 own policy, 1000 pages, let the WAL hold ~4 MiB: enough to fill the 6 MiB disk of tests/coordinator/test_disk_full.py)."""
 
 
-class ManifestStore:
-    """All SQLite access. One connection, serialised by a lock (writes are tiny)."""
+class SqlManifest:
+    """One SQLite connection, serialised by a lock (writes are tiny): what every table of the manifest shares."""
 
     _wal_fd: int | None = None  # group commit: the WAL file, fsynced by flush()
 
@@ -211,7 +211,15 @@ class ManifestStore:
         with self._lock:
             return self._db.execute(sql, args).fetchone()
 
-    # experts and versions -------------------------------------------------
+    def referenced_blobs(self) -> set[str]:
+        rows = self._all("SELECT blob FROM versions WHERE blob IS NOT NULL UNION "
+                         "SELECT blob FROM updates WHERE blob IS NOT NULL UNION "
+                         "SELECT blob FROM gateways")
+        return {r["blob"] for r in rows}
+
+
+class ExpertTable(SqlManifest):
+    """Experts and their versions (``manifest_roles.ExpertRows``)."""
 
     def create_expert(self, name: str, spec: dict[str, Any], manifest: str, blob: str,
                       events: tuple[Event, ...] = ()) -> None:
@@ -274,7 +282,26 @@ class ManifestStore:
                            [(name, r["version"]) for r in rows])
         return [r["blob"] for r in rows]
 
-    # updates ----------------------------------------------------------------
+    def remove_expert(self, name: str, events: tuple[Event, ...] = ()) -> None:
+        """Forget an expert that cannot be loaded: its versions and profiles go, its pending updates are
+        quarantined; update rows stay, so their update_ids are never taken as new."""
+        with self.transaction() as db:
+            db.execute("UPDATE updates SET status = 'quarantined', blob = NULL WHERE expert = ? AND status = 'pending'",
+                       (name,))
+            for table in ("versions", "profiles"):
+                db.execute(f"DELETE FROM {table} WHERE expert = ?", (name,))
+            db.execute("DELETE FROM experts WHERE name = ?", (name,))
+            _insert_events(db, events)
+
+    def expert_blobs(self, name: str) -> list[str]:
+        """Every blob an expert's rows name: its stored versions and pending updates."""
+        rows = self._all("SELECT blob FROM versions WHERE expert = ? AND blob IS NOT NULL UNION "
+                         "SELECT blob FROM updates WHERE expert = ? AND blob IS NOT NULL", name, name)
+        return [r["blob"] for r in rows]
+
+
+class UpdateTable(SqlManifest):
+    """Received updates and the norms of accepted ones (``manifest_roles.UpdateRows``)."""
 
     def add_update(self, name: str, meta: dict[str, Any], blob: str, body_bytes: int, raw_bytes: int,
                    norm: float | None = None, events: tuple[Event, ...] = ()) -> UpdateRow:
@@ -329,24 +356,13 @@ class ManifestStore:
                     count += 1
         return count
 
-    def remove_expert(self, name: str, events: tuple[Event, ...] = ()) -> None:
-        """Forget an expert that cannot be loaded: its versions and profiles go, its pending updates are
-        quarantined; update rows stay, so their update_ids are never taken as new."""
-        with self.transaction() as db:
-            db.execute("UPDATE updates SET status = 'quarantined', blob = NULL WHERE expert = ? AND status = 'pending'",
-                       (name,))
-            for table in ("versions", "profiles"):
-                db.execute(f"DELETE FROM {table} WHERE expert = ?", (name,))
-            db.execute("DELETE FROM experts WHERE name = ?", (name,))
-            _insert_events(db, events)
+    def recent_norms(self, expert: str, n: int) -> list[float]:
+        with self._lock:
+            return recent_norms(self._db, expert, n)
 
-    def expert_blobs(self, name: str) -> list[str]:
-        """Every blob an expert's rows name: its stored versions and pending updates."""
-        rows = self._all("SELECT blob FROM versions WHERE expert = ? AND blob IS NOT NULL UNION "
-                         "SELECT blob FROM updates WHERE expert = ? AND blob IS NOT NULL", name, name)
-        return [r["blob"] for r in rows]
 
-    # workers ----------------------------------------------------------------
+class WorkerTable(SqlManifest):
+    """Workers, their traffic counters and routing profiles (``manifest_roles.WorkerRows``)."""
 
     def upsert_worker(self, worker_id: str, specialty: str, base_model: dict[str, Any],
                       sync_interval: float | None, events: tuple[Event, ...] = ()) -> None:
@@ -367,8 +383,6 @@ class ManifestStore:
     def workers(self) -> list[dict[str, Any]]:
         return worker_dicts(self._all(WORKERS_QUERY))
 
-    # routing profiles -------------------------------------------------------
-
     def put_profile(self, expert: str, worker_id: str, vector: bytes, num_examples: int) -> None:
         with self.transaction() as db:
             db.execute("INSERT INTO profiles VALUES (?, ?, ?, ?, ?) ON CONFLICT(expert, worker_id) DO UPDATE "
@@ -382,7 +396,9 @@ class ManifestStore:
             out.setdefault(r["expert"], []).append((r["vector"], r["num_examples"]))
         return out
 
-    # gateways ---------------------------------------------------------------
+
+class LogTable(SqlManifest):
+    """Built gateways and the audit log (``manifest_roles.GatewayRows`` and ``EventRows``)."""
 
     def gateway(self, key: str | None = None) -> dict[str, Any] | None:
         row = (self._one("SELECT * FROM gateways WHERE key = ?", key) if key
@@ -404,8 +420,6 @@ class ManifestStore:
         assert cur.lastrowid is not None  # set by the INSERT above
         return int(cur.lastrowid), [r["blob"] for r in rows]
 
-    # audit log and norm history (coordinator.access.audit) ------------------------
-
     def add_event(self, event: Event) -> None:
         """Record an event that comes with no other change (a rejection, a duplicate)."""
         with self.transaction() as db:
@@ -416,17 +430,10 @@ class ManifestStore:
         with self._lock:
             return query_events(self._db, limit, after, expert, kind)
 
-    def recent_norms(self, expert: str, n: int) -> list[float]:
-        with self._lock:
-            return recent_norms(self._db, expert, n)
 
-    # housekeeping -----------------------------------------------------------
-
-    def referenced_blobs(self) -> set[str]:
-        rows = self._all("SELECT blob FROM versions WHERE blob IS NOT NULL UNION "
-                         "SELECT blob FROM updates WHERE blob IS NOT NULL UNION "
-                         "SELECT blob FROM gateways")
-        return {r["blob"] for r in rows}
+class ManifestStore(ExpertTable, UpdateTable, WorkerTable, LogTable):
+    """The durable manifest in SQLite: every role of ``coordinator.storage.manifest_roles`` on one connection.
+    ``coordinator.storage.backends.postgres.PostgresManifestStore`` is the same tables on PostgreSQL."""
 
 
 def _insert_events(db: Connection, events: tuple[Event, ...]) -> None:
