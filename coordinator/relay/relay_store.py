@@ -109,7 +109,9 @@ come (bench.wan: a sync every ~4 s, a new root version every ~5-10 s); four keep
 syncs on diffs, for 5 x the weights on disk (49 MB for a smollm2-135m rank-8 adapter)."""
 
 
-class RelayStore:
+class RelayDb:
+    """One SQLite connection (``relay.sqlite``, WAL, synchronous=FULL) and the relay's identity and settings."""
+
     def __init__(self, path: Path, keep_forwarded: int = KEEP_FORWARDED, keep_previous: int = KEEP_PREVIOUS) -> None:
         self.keep_forwarded = keep_forwarded
         self.keep_previous = keep_previous
@@ -140,8 +142,6 @@ class RelayStore:
         with self._lock:
             return self._db.execute(sql, args).fetchall()
 
-    # identity and counters ----------------------------------------------------
-
     def epoch(self) -> str:
         """Random, made once per data dir: a relay restarted on a fresh data dir never reuses an update id."""
         with self.transaction() as db:
@@ -171,49 +171,15 @@ class RelayStore:
             db.execute("INSERT INTO state VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = excluded.value",
                        (f"setting.{key}", json.dumps(value)))
 
-    # the audit log and the norm history: the root's tables and code (coordinator.access.audit) -----
+    def referenced_blobs(self) -> set[str]:
+        rows = self._all("SELECT blob FROM updates WHERE blob IS NOT NULL UNION SELECT blob FROM batches WHERE "
+                         "blob IS NOT NULL UNION SELECT prev_residual FROM batches WHERE prev_residual IS NOT NULL "
+                         "UNION SELECT blob FROM residuals UNION SELECT blob FROM cache UNION SELECT blob FROM cache_history")
+        return {r[0] for r in rows}
 
-    def add_event(self, event: Event) -> None:
-        with self.transaction() as db:
-            insert_event(db, event)
 
-    def events(self, limit: int, after: int | None = None, expert: str | None = None,
-               kind: str | None = None) -> list[dict[str, Any]]:
-        with self._lock:
-            return query_events(self._db, limit, after, expert, kind)
-
-    def recent_norms(self, expert: str, n: int) -> list[float]:
-        with self._lock:
-            return recent_norms(self._db, expert, n)
-
-    def stats(self) -> dict[str, int]:
-        """Cumulative counters (pruned rows included) for the report to the root."""
-        (received, received_bytes), = self._all("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM updates")
-        (queued, queued_bytes), = self._all("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM updates WHERE blob IS NOT NULL")
-        (batches, forwarded, forwarded_updates), = self._all(
-            "SELECT COUNT(*), COALESCE(SUM(size), 0), COALESCE(SUM(members), 0) FROM batches "
-            "WHERE status = 'forwarded'")
-        pruned = self.counters()
-        return {"updates_received": received + pruned.get("updates_received", 0),
-                "bytes_received": received_bytes + pruned.get("bytes_received", 0), "queued_updates": queued,
-                "queued_bytes": queued_bytes, "batches_forwarded": batches + pruned.get("batches_forwarded", 0),
-                "bytes_forwarded": forwarded + pruned.get("bytes_forwarded", 0),
-                "updates_forwarded": forwarded_updates + pruned.get("updates_forwarded", 0)}
-
-    def counters(self) -> dict[str, int]:
-        return {r[0]: r[1] for r in self._all("SELECT key, value FROM counters")}
-
-    def row_counts(self) -> dict[str, int]:
-        """Rows per table (tests: pruning keeps them bounded)."""
-        return {t: self._all(f"SELECT COUNT(*) FROM {t}")[0][0] for t in ("updates", "batches")}
-
-    def queued_bytes(self) -> int:
-        """Bytes held for forwarding: queued updates and batch payloads not yet delivered."""
-        (a,), = self._all("SELECT COALESCE(SUM(size), 0) FROM updates WHERE blob IS NOT NULL AND batch IS NULL")
-        (b,), = self._all("SELECT COALESCE(SUM(size), 0) FROM batches WHERE blob IS NOT NULL")
-        return a + b
-
-    # worker updates -----------------------------------------------------------
+class QueueTable(RelayDb):
+    """Worker updates, queued until a batch carries them upstream (``add_update``)."""
 
     def update(self, update_id: str) -> dict[str, Any] | None:
         rows = self._all("SELECT u.*, b.status AS batch_status, b.update_id AS batch_id FROM updates u "
@@ -262,7 +228,9 @@ class RelayStore:
                          "SELECT DISTINCT expert FROM batches WHERE status = 'pending' ORDER BY 1")
         return [r[0] for r in rows]
 
-    # batches ------------------------------------------------------------------
+
+class BatchTable(RelayDb):
+    """Batches forwarded upstream, their members and error-feedback residuals (``add_batch``, ``batch_done``)."""
 
     def pending_batch(self, expert: str) -> Batch | None:
         rows = self._all("SELECT * FROM batches WHERE expert = ? AND status = 'pending' ORDER BY seq LIMIT 1",
@@ -347,13 +315,9 @@ class RelayStore:
         rows = self._all("SELECT blob FROM residuals WHERE expert = ?", (expert,))
         return rows[0][0] if rows else None
 
-    def referenced_blobs(self) -> set[str]:
-        rows = self._all("SELECT blob FROM updates WHERE blob IS NOT NULL UNION SELECT blob FROM batches WHERE "
-                         "blob IS NOT NULL UNION SELECT prev_residual FROM batches WHERE prev_residual IS NOT NULL "
-                         "UNION SELECT blob FROM residuals UNION SELECT blob FROM cache UNION SELECT blob FROM cache_history")
-        return {r[0] for r in rows}
 
-    # cached weights -----------------------------------------------------------
+class CacheTable(RelayDb):
+    """The root's weights as fetched, and the versions they replaced (``put_cached``)."""
 
     def cached(self, expert: str) -> CachedWeights | None:
         rows = self._all("SELECT * FROM cache WHERE expert = ?", (expert,))
@@ -402,7 +366,49 @@ class RelayStore:
                                            (expert,))]
         return history + ([current.version] if current is not None else [])
 
-    # workers ------------------------------------------------------------------
+
+class LogTable(RelayDb):
+    """The audit log, the norm history (the root's tables and code, coordinator.access.audit), counters and the relay's workers."""
+
+    def add_event(self, event: Event) -> None:
+        with self.transaction() as db:
+            insert_event(db, event)
+
+    def events(self, limit: int, after: int | None = None, expert: str | None = None,
+               kind: str | None = None) -> list[dict[str, Any]]:
+        with self._lock:
+            return query_events(self._db, limit, after, expert, kind)
+
+    def recent_norms(self, expert: str, n: int) -> list[float]:
+        with self._lock:
+            return recent_norms(self._db, expert, n)
+
+    def stats(self) -> dict[str, int]:
+        """Cumulative counters (pruned rows included) for the report to the root."""
+        (received, received_bytes), = self._all("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM updates")
+        (queued, queued_bytes), = self._all("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM updates WHERE blob IS NOT NULL")
+        (batches, forwarded, forwarded_updates), = self._all(
+            "SELECT COUNT(*), COALESCE(SUM(size), 0), COALESCE(SUM(members), 0) FROM batches "
+            "WHERE status = 'forwarded'")
+        pruned = self.counters()
+        return {"updates_received": received + pruned.get("updates_received", 0),
+                "bytes_received": received_bytes + pruned.get("bytes_received", 0), "queued_updates": queued,
+                "queued_bytes": queued_bytes, "batches_forwarded": batches + pruned.get("batches_forwarded", 0),
+                "bytes_forwarded": forwarded + pruned.get("bytes_forwarded", 0),
+                "updates_forwarded": forwarded_updates + pruned.get("updates_forwarded", 0)}
+
+    def counters(self) -> dict[str, int]:
+        return {r[0]: r[1] for r in self._all("SELECT key, value FROM counters")}
+
+    def row_counts(self) -> dict[str, int]:
+        """Rows per table (tests: pruning keeps them bounded)."""
+        return {t: self._all(f"SELECT COUNT(*) FROM {t}")[0][0] for t in ("updates", "batches")}
+
+    def queued_bytes(self) -> int:
+        """Bytes held for forwarding: queued updates and batch payloads not yet delivered."""
+        (a,), = self._all("SELECT COALESCE(SUM(size), 0) FROM updates WHERE blob IS NOT NULL AND batch IS NULL")
+        (b,), = self._all("SELECT COALESCE(SUM(size), 0) FROM batches WHERE blob IS NOT NULL")
+        return a + b
 
     def upsert_worker(self, worker_id: str, specialty: str, base_model: dict[str, str],
                       sync_interval: float | None) -> None:
@@ -415,6 +421,10 @@ class RelayStore:
 
     def workers(self) -> list[dict[str, Any]]:
         return worker_dicts(self._all(WORKERS_QUERY))
+
+
+class RelayStore(QueueTable, BatchTable, CacheTable, LogTable):
+    """A relay's durable state (the module docstring says its invariants), one table class per kind of row."""
 
 
 def _batch(r: sqlite3.Row) -> Batch:
