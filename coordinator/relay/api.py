@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 from dataclasses import replace
+from pathlib import Path
 
 from flask import Blueprint, Flask, Response, current_app, jsonify, request, send_file
 from werkzeug.exceptions import HTTPException
@@ -24,6 +25,7 @@ from coordinator.api.requests import json_body, receive_body
 from coordinator.api.app import StrictJSONProvider, log_requests_at_debug, register_error_handlers
 from coordinator.access.auth import acting_worker, check_may_carry_members
 from coordinator.errors import REFUSALS, as_http_error
+from coordinator.relay.relay_store import CachedWeights
 from coordinator.relay.service import RelayConfig, RelayService
 from coordinator.cohorts import refuse_clear_push
 from coordinator.api.relays import probe_body, probe_upload
@@ -90,9 +92,9 @@ def expert_weights(name: str) -> Response:
     version = root_api.int_arg("version")  # the root's parsing: its 400 for ?version=abc or -1
     for attempt in range(3):  # the cache may replace the blob between the lookup and the open
         if version is None:
-            cached, source = r.weights_file(name, worker_id)
+            cached, source = _current_weights(r, name, worker_id)
         else:
-            held = r.held_weights(name, version)
+            held = r.store.cached_version(name, version)
             if held is None:
                 return _weights_from_upstream(r, name, version)
             cached, source = held, r.blobs.path(held.blob)
@@ -108,6 +110,14 @@ def expert_weights(name: str) -> Response:
     if response.status_code in (200, 206):
         r.bytes_served += response.content_length or 0
     return response
+
+
+def _current_weights(r: RelayService, name: str, worker_id: str | None) -> tuple[CachedWeights, Path | bytes]:
+    """What a pull of the current weights is sent: the cached root version's file, or the site's weights."""
+    if r.site is not None:
+        return r.site.weights(name, worker_id)
+    cached = r.cache.get(name)
+    return cached, r.blobs.path(cached.blob)
 
 
 def _weights_from_upstream(r: RelayService, name: str, version: int) -> Response:
