@@ -21,15 +21,15 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from opacus.accountants import IAccountant, PRVAccountant, RDPAccountant
-from opacus.accountants.utils import get_noise_multiplier
+if TYPE_CHECKING:
+    from opacus.accountants import IAccountant
 
-ACCOUNTANTS: dict[str, Callable[[], IAccountant]] = {"rdp": RDPAccountant, "prv": PRVAccountant}
-"""Accountants by name; RDP is the default (exact for q = 1, and what Opacus and TF Privacy report)."""
+ACCOUNTANTS = ("rdp", "prv")
+"""Opacus's accountants by name; RDP is the default (exact for q = 1, and what Opacus and TF Privacy report)."""
 DEFAULT_ACCOUNTANT = "rdp"
 
 
@@ -63,6 +63,15 @@ def check_delta(delta: float) -> float:
     return float(delta)
 
 
+def _make_accountant(name: str) -> IAccountant:
+    # Opacus is imported here, not at the top: ``import opacus`` pulls its privacy engine, scipy.stats and
+    # torch.distributed.tensor (about 6 CPU seconds), which every coordinator and relay start would pay
+    # although most experts never use differential privacy.
+    from opacus.accountants import PRVAccountant, RDPAccountant
+
+    return RDPAccountant() if name == "rdp" else PRVAccountant()
+
+
 def epsilon_spent(history: Iterable[GaussianSteps], delta: float, accountant: str = DEFAULT_ACCOUNTANT) -> float:
     """epsilon such that the composed history is (epsilon, delta)-DP; 0.0 when no step was taken."""
     check_delta(delta)
@@ -71,7 +80,7 @@ def epsilon_spent(history: Iterable[GaussianSteps], delta: float, accountant: st
         return 0.0
     if accountant not in ACCOUNTANTS:
         raise PrivacyError(f"unknown accountant {accountant!r}; choose from {', '.join(sorted(ACCOUNTANTS))}")
-    engine = ACCOUNTANTS[accountant]()
+    engine = _make_accountant(accountant)
     engine.history = segments  # Opacus keeps exactly this list of (sigma, q, steps)
     with warnings.catch_warnings():  # "optimal order is the largest alpha": the bound is still valid
         warnings.simplefilter("ignore")
@@ -86,6 +95,8 @@ def noise_multiplier_for(epsilon: float, delta: float, steps: int, sample_rate: 
     if steps < 1:
         raise PrivacyError(f"steps must be >= 1, got {steps!r}")
     check_delta(delta)
+    from opacus.accountants.utils import get_noise_multiplier  # lazily, as in _make_accountant
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return float(get_noise_multiplier(target_epsilon=epsilon, target_delta=delta, sample_rate=sample_rate,
