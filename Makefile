@@ -12,7 +12,7 @@ export TOKENIZERS_PARALLELISM := false
 CHROMIUM ?= /usr/bin/chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install browser smollm2 lint typecheck test test-fast test-smollm2 demo demo-tiny bench bench-quality bench-robustness gpu-check clean
+.PHONY: install browser smollm2 lint typecheck test test-bench test-fast test-smollm2 demo demo-tiny bench bench-quality bench-robustness gpu-check clean
 
 $(STAMP): $(REQUIREMENTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,8 +46,11 @@ typecheck: $(STAMP)  ## mypy over the packages, entry scripts, bench/ and script
 # tests/conftest.py keeps a module's shared fixture on one process and starts the long tests first.
 TEST_JOBS ?= 4
 TEST_FAST_JOBS ?= 2
-test: $(STAMP) $(CHROMIUM)  ## the whole test suite (offline; the browser test is required here)
-	FEDMOE_REQUIRE_BROWSER=1 HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n $(TEST_JOBS) --dist loadgroup
+test: $(STAMP) $(CHROMIUM)  ## the test suite: unit and real-process (e2e) tiers, offline; the browser test is required here
+	FEDMOE_REQUIRE_BROWSER=1 HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n $(TEST_JOBS) --dist loadgroup -m "not bench"
+
+test-bench: $(STAMP)  ## smoke runs of the benchmarks (tests/bench/: each bench's quick run, its table and JSON); CI runs it after make test
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n $(TEST_JOBS) --dist loadgroup -m bench
 
 test-fast: $(STAMP)  ## the unit tier, under a minute: no slow, e2e (real processes) or bench tests
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n $(TEST_FAST_JOBS) --dist loadgroup -m "not slow and not e2e and not bench"
