@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _quarantine(config: CoordinatorConfig, names: tuple[str, ...]) -> int:
     """--quarantine: set aside what is unusable of the named experts (coordinator/quarantine.py), say what was done."""
-    from coordinator.data_dir import ROOT, claim_data_dir
+    from coordinator.storage.data_dir import ROOT, claim_data_dir
     from coordinator.quarantine import quarantine_command
 
     lock = claim_data_dir(config.data_dir, ROOT)  # not while a coordinator serves this data dir

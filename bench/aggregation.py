@@ -90,7 +90,7 @@ def coordinator_step_seconds(rule: str, size_mb: int, k: int, repeats: int) -> f
 
 
 def write(c: Coordinator, tensors: dict[str, torch.Tensor]) -> Path:
-    return c.store.write_temp(lambda path: save_file(tensors, path))
+    return c.store.bodies.write_temp(lambda path: save_file(tensors, path))
 
 
 class Record(TypedDict):

@@ -31,7 +31,7 @@ from typing import Any
 import requests
 from werkzeug.serving import make_server
 
-from coordinator.app import create_app
+from coordinator.api.app import create_app
 from coordinator.config import CoordinatorConfig
 from protocol.client import Pulled
 from protocol.credentials import local_token, publish_local_token, withdraw_local_token

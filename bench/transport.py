@@ -123,7 +123,7 @@ def write_seconds(payload: memoryview, path: Path) -> float:
 
 def norm_pass_seconds(path: Path) -> float:
     """Read a file back and take the L2 norm of its float32s (the coordinator's check + norm pass,
-    coordinator/fused_check.py raw_update_norm, without the header)."""
+    coordinator/checks/fused_check.py raw_update_norm, without the header)."""
     started, squares, chunk = time.perf_counter(), 0.0, bytearray(8 * MiB)
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(chunk):

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 from flask import Blueprint, Flask, Response, current_app, jsonify, request
 
-from coordinator.auth import acting_worker
+from coordinator.access.auth import acting_worker
 from coordinator.errors import REFUSALS
 from coordinator.privacy_ledger import PrivacyLedgers
 from privacy.secagg.aggregator import CohortSum, SecAggSettings, SecureAggregator, cohort_update_id

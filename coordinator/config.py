@@ -14,7 +14,7 @@ from typing import Any
 # Light imports only: run_coordinator.py builds its flags from these dataclasses, and --help must not wait for
 # torch (the registries behind the *choices modules import it; __post_init__ imports what it checks with).
 from coordinator.choices import AGGREGATION_NAMES, ROBUST_NAMES
-from coordinator.norm_check import NORM_CHECK_MODES, NormPolicy
+from coordinator.checks.norm_check import NORM_CHECK_MODES, NormPolicy
 from gateway.choices import DEFAULT_ROUTE_THRESHOLD, MERGE_NAMES
 from privacy.secagg.settings import GROUP as SECAGG, SecAggSettings
 from protocol.cli import json_object, option
@@ -188,7 +188,7 @@ class CoordinatorConfig:
 
     def _check_robustness(self) -> None:
         from coordinator.aggregation.robust import trim_count
-        from coordinator.audit import NORMS_KEPT
+        from coordinator.access.audit import NORMS_KEPT
 
         if self.norm_check not in NORM_CHECK_MODES:
             raise ValueError(f"--norm-check must be one of {list(NORM_CHECK_MODES)}, got {self.norm_check!r}")

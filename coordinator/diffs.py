@@ -17,8 +17,8 @@ from typing import Any, ContextManager, Protocol
 from compression import Codec
 from compression.errors import CompressionError
 from compression.wire import encode_update
-from coordinator.adapters import make_checked_codec
-from coordinator.expert_store import WeightsRef
+from coordinator.checks.adapters import make_checked_codec
+from coordinator.storage.expert_store import WeightsRef
 from protocol.errors import NotFound
 from protocol.streaming import FileTensors
 from protocol.tensors import load_file, manifest_from_json

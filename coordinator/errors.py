@@ -3,7 +3,7 @@
 ``protocol.errors`` classes carry their own status and code. The compression, gateway and router
 trees (``compression.errors``, ``gateway.errors``, ``gateway.router.ProfileError``) know nothing of
 HTTP: each is mapped here, most specific class first, to the protocol error a client sees (and
-rebuilds with ``protocol.errors.error_from_response``). ``coordinator.app`` registers one handler
+rebuilds with ``protocol.errors.error_from_response``). ``coordinator.api.app`` registers one handler
 per root; nothing else translates them.
 """
 from __future__ import annotations

@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 
-from coordinator.adapters import non_finite_tensor
+from coordinator.checks.adapters import non_finite_tensor
 from coordinator.config import CoordinatorConfig
 from coordinator.errors import REFUSALS
-from coordinator.expert_store import ExpertStore
+from coordinator.storage.expert_store import ExpertStore
 from gateway.build import Source, build_gateway, gateway_weights
 from gateway.files import SAFETENSORS_META_KEY
 from protocol.errors import Conflict, NotFound, Unavailable
@@ -114,20 +114,20 @@ class GatewayBuilder:
         interval, and waits for it: the read itself still builds nothing.
         """
         plan = self._plan()
-        built = self._store.gateway(plan.key)
+        built = self._store.rows.gateway(plan.key)
         if built is not None:
             return built | {"stale": False}
         self._raise_failure(plan.key)
         if fresh:
             self.notify(urgent=True)
-        latest = self._store.gateway()
+        latest = self._store.rows.gateway()
         if latest is None or fresh or self._due():
             self._wait(WAIT_SECONDS)
             plan = self._plan()
-            if (built := self._store.gateway(plan.key)) is not None:
+            if (built := self._store.rows.gateway(plan.key)) is not None:
                 return built | {"stale": False}
             self._raise_failure(plan.key)
-            latest = self._store.gateway()
+            latest = self._store.rows.gateway()
         if latest is None:  # the first build runs at once (nothing holds it back) but is slow: try again soon
             raise Unavailable(f"the first gateway is still being built; retry in {RETRY_SECONDS} s",
                               retry_after=RETRY_SECONDS)
@@ -154,7 +154,7 @@ class GatewayBuilder:
             raise failure[1]
 
     def _plan(self) -> Plan:
-        experts = self._store.experts()
+        experts = self._store.rows.experts()
         if not experts:
             raise NotFound("there is no gateway yet: no expert exists (start a worker first)")
         config = self._config
@@ -207,7 +207,7 @@ class GatewayBuilder:
         except NotFound:
             return  # no expert yet
         try:
-            if self._store.gateway(plan.key) is None:
+            if self._store.rows.gateway(plan.key) is None:
                 self._build_and_store(plan)
             self._failure = None
         except NotFound as exc:  # an expert moved on (and its version was pruned) mid-build
@@ -226,7 +226,7 @@ class GatewayBuilder:
         built = build_gateway(plan.sources, plan.weights, config.gateway_strategy, config.gateway_config)
         _check_finite(built.tensors)
         meta = {SAFETENSORS_META_KEY: json.dumps(built.info)}
-        written = self._store.write_temp(lambda p: save_file(built.tensors, p, meta))
+        written = self._store.bodies.write_temp(lambda p: save_file(built.tensors, p, meta))
         version = self._store.add_gateway(plan.key, written, built.info, config.keep_gateways)
         self.builds += 1
         with self._cond:  # only stored builds hold the next one back, not checks that found nothing to do

@@ -20,7 +20,7 @@ turns the reports into a plan:
 
 A worker follows its assignment under the client's fail-over rules (``CoordinatorClient.move_to``: the assigned
 coordinator first, the root after it), so a relay that dies sends its workers back to the root until the next plan,
-and a retried push keeps its update id: exactly once across the move (``coordinator/relay/store.py``'s members).
+and a retried push keeps its update id: exactly once across the move (``coordinator/relay/relay_store.py``'s members).
 """
 from __future__ import annotations
 

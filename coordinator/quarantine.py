@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from coordinator.config import CoordinatorConfig
-from coordinator.expert_store import ExpertStore
+from coordinator.storage.expert_store import ExpertStore
 from coordinator.recovery import Problems, examine, set_aside
 from coordinator.service import open_store
 
@@ -48,14 +48,14 @@ def quarantine_command(config: CoordinatorConfig, names: Sequence[str]) -> list[
 
 
 def _require_problems(store: ExpertStore, name: str) -> Problems:
-    expert = store.expert(name)
+    expert = store.rows.expert(name)
     if expert is None:
         raise ValueError(f"--quarantine {name!r}: no expert of that name; known experts: "
-                         f"{[e.name for e in store.experts()]}")
+                         f"{[e.name for e in store.rows.experts()]}")
     problems = examine(store, expert)
     if not problems:
         raise ValueError(f"--quarantine {name!r}: its weights and pending updates are all there and usable "
-                         f"in {store.blob_location}; nothing to set aside, nothing was changed")
+                         f"in {store.blobs.location}; nothing to set aside, nothing was changed")
     return problems
 
 

@@ -29,11 +29,11 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from coordinator import audit
-from coordinator.adapters import check_update
+from coordinator.access import audit
+from coordinator.checks.adapters import check_update
 from coordinator.errors import REFUSALS
-from coordinator.expert_store import ExpertStore
-from coordinator.store import ExpertRow, UpdateRow
+from coordinator.storage.expert_store import ExpertStore
+from coordinator.storage.manifest import ExpertRow, UpdateRow
 from protocol.errors import NotFound
 from protocol.streaming import check_file, read_header
 from protocol.tensors import manifest_from_json
@@ -76,21 +76,21 @@ def recover(store: ExpertStore, aggregate: Callable[[str], None]) -> None:
     orphans = store.remove_orphans()  # blobs written just before a crash, never recorded
     if orphans:
         log.info("removed %d unrecorded blob(s) left by an interrupted write", orphans)
-    found = [p for p in (examine(store, expert) for expert in store.experts()) if p]
+    found = [p for p in (examine(store, expert) for expert in store.rows.experts()) if p]
     if found and store.rows_shared:
         raise RecoveryRefused(refusal(found))
     for problems in found:
         set_aside(store, problems)
-    for expert in store.experts():
+    for expert in store.rows.experts():
         aggregate(expert.name)
 
 
 def needed_blobs(store: ExpertStore) -> dict[str, str]:
     """{digest: what needs it} for every expert's current weights and every pending update's payload."""
     needed: dict[str, str] = {}
-    for expert in store.experts():
+    for expert in store.rows.experts():
         needed[store.weights(expert.name).digest] = f"version {expert.version} of {expert.name!r}"
-        for update in store.pending_updates(expert.name):
+        for update in store.rows.pending_updates(expert.name):
             if update.blob is not None:
                 needed.setdefault(update.blob, f"pending update {update.update_id!r} of {expert.name!r}")
     return needed
@@ -99,12 +99,12 @@ def needed_blobs(store: ExpertStore) -> dict[str, str]:
 def check_blobs(store: ExpertStore) -> None:
     """StoreMismatch naming the missing blobs and the store, if any blob ``needed_blobs`` names is not there."""
     needed = needed_blobs(store)
-    missing = sorted(store.missing_blobs(needed), key=needed.__getitem__)
+    missing = sorted(store.blobs.missing(needed), key=needed.__getitem__)
     if not missing:
         return
     shown = ", ".join(f"{needed[d]} ({d[:19]}...)" for d in missing[:SHOWN])
     more = f" and {len(missing) - SHOWN} more" if len(missing) > SHOWN else ""
-    where = store.blob_location
+    where = store.blobs.location
     if len(missing) == len(needed):
         what = (f"the blob store {where} holds none of the {len(needed)} blob(s) the manifest needs: {shown}{more}. "
                 "It looks empty or belongs to another federation: check the URL or path (a typo?), or whether "
@@ -130,7 +130,7 @@ def examine(store: ExpertStore, expert: ExpertRow) -> Problems:
     """What of ``expert`` cannot be used: its current weights, else each pending update that cannot."""
     problems = Problems(expert.name, expert=expert_problem(store, expert))
     if problems.expert is None:
-        for update in store.pending_updates(expert.name):
+        for update in store.rows.pending_updates(expert.name):
             reason = update_problem(store, expert, update)
             if reason is not None:
                 problems.updates.append((update, reason))
@@ -143,7 +143,7 @@ def set_aside(store: ExpertStore, problems: Problems) -> str:
     if problems.expert is not None:
         kept = quarantine_expert(store, expert, problems.expert)
         return f"expert {expert.name!r} set aside ({problems.expert}); {len(kept)} blob(s) kept in " \
-               f"{store.quarantine_location}"
+               f"{store.blobs.quarantine_location}"
     quarantine_updates(store, expert.name, [u for u, _ in problems.updates],
                        "; ".join(sorted({why for _, why in problems.updates})))
     return f"{len(problems.updates)} pending update(s) of {expert.name!r} set aside: " \
@@ -190,7 +190,7 @@ def quarantine_expert(store: ExpertStore, expert: ExpertRow, reason: str) -> lis
     kept = store.remove_expert(expert, reason,
                                lambda kept: audit.expert_quarantined(expert.name, expert.version, reason, kept))
     log.error("expert %s quarantined: %s; %d blob(s) kept in %s; the next worker of %s creates it again",
-              expert.name, reason, len(kept), store.quarantine_location, expert.name)
+              expert.name, reason, len(kept), store.blobs.quarantine_location, expert.name)
     return kept
 
 

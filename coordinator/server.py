@@ -17,10 +17,10 @@ import threading
 
 import torch
 
-from coordinator import int8_kernel
-from coordinator.app import create_app
+from coordinator.checks import int8_kernel
+from coordinator.api.app import create_app
 from coordinator.config import CoordinatorConfig, ServeOptions
-from coordinator.data_dir import ROOT, claim_data_dir
+from coordinator.storage.data_dir import ROOT, claim_data_dir
 from coordinator.http.admission import HeadAdmission
 from coordinator.http.upload_placement import UploadPlacer
 from coordinator.http.listening import announce, check_tls_files
@@ -55,13 +55,13 @@ def serve(config: CoordinatorConfig, options: ServeOptions) -> None:
     _limit_malloc_arenas()
     check_tls_files(options.tls_cert, options.tls_key)
     sock = bind(options.host, options.port)  # a port in use fails before anything is written
-    try:  # one process per data dir: held until this process exits (coordinator/data_dir.py)
+    try:  # one process per data dir: held until this process exits (coordinator/storage/data_dir.py)
         data_dir_lock = claim_data_dir(config.data_dir, ROOT)
     except ValueError:
         sock.close()
         raise
     app = create_app(config)
-    # compiled int8 loops (coordinator/int8_kernel.py) ready before the first push needs them, without delaying start
+    # compiled int8 loops (coordinator/checks/int8_kernel.py) ready before the first push needs them, without delaying start
     threading.Thread(target=int8_kernel.warm_up, name="fedmoe-warm-up", daemon=True).start()
     # Everything made so far (torch, Flask, the store: a few hundred thousand objects that live as long as
     # the process) leaves the cyclic GC's generations: its full collections, triggered by the objects each

@@ -4,7 +4,7 @@ Flow of a push: the body is already in a fsynced temp file (the API put it
 there); we decode and check it, move it into the blob store, record it as
 pending in SQLite (that commit is the point of no loss: only then is 202 sent),
 then aggregate whatever the policy says is ready; the 202 waits for a group
-commit (coordinator/group_commit.py) that makes the blob and the row durable,
+commit (coordinator/storage/group_commit.py) that makes the blob and the row durable,
 taken after the expert's lock is let go. Aggregation runs under a
 per-expert lock, writes the new version's blob, then commits the version row
 and marks the applied updates in one transaction. A restart re-runs
@@ -19,43 +19,37 @@ import math
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
-import numpy as np
 
-from coordinator.adapters import check_full_weights, check_lora_adapter, checked_norm
+from coordinator.checks.adapters import check_full_weights, check_lora_adapter, checked_norm
 from coordinator.aggregation import StateDict
-from coordinator import audit
-from coordinator.audit import Event
-from coordinator.blobs import BlobStore
-from coordinator.backends.errors import BackendUnavailable
+from coordinator.access import audit
+from coordinator.access.audit import Event
+from coordinator.storage.blobs import BlobStore
+from coordinator.storage.body_spool import BodySpool
+from coordinator.storage.backends.errors import BackendUnavailable
 from coordinator.config import CoordinatorConfig
 from coordinator.diffs import DiffCache
 from coordinator.errors import REFUSALS
-from coordinator.expert_store import ExpertStore, WeightsRef
+from coordinator.storage.expert_store import ExpertStore
 from coordinator.gateway_builder import GatewayBuilder
-from coordinator.health import StoreHealth
+from coordinator.storage.health import StoreHealth
 from coordinator.liveness import liveness
-from coordinator.norm_check import judge_norm
+from coordinator.checks.norm_check import judge_norm
 from coordinator.privacy_ledger import PrivacyLedgers
 from coordinator.recovery import recover
+from coordinator.routing import ExpertRouting
 from coordinator.steps import AggregationSteps
-from coordinator.store import RELAYED, ExpertRow, ManifestStore, UpdateRow, members_applied, parsed_manifest
-from coordinator.update_limits import NORM_SCALE
-from gateway.router import combine_profiles, profile_from_json, profile_to_json
-from gateway.router import route as route_prompt
+from coordinator.storage.manifest import RELAYED, ExpertRow, ManifestStore, UpdateRow, members_applied, parsed_manifest
+from coordinator.checks.update_limits import NORM_SCALE
 from protocol.errors import BadRequest, Conflict, InsufficientStorage, InvalidPayload, NotFound, PayloadTooLarge
 from protocol.files import private_dir, private_file
 from protocol.integrity import DEFAULT_ALGORITHM, DIGEST_HEADER, Readable, algorithm_of, hex_of
-from protocol.schemas import MAX_COUNT, BaseModelSpec, ExpertSpec, UpdateMeta, check_name
+from protocol.schemas import BaseModelSpec, ExpertSpec, UpdateMeta, check_name
 from protocol.tensors import load_file, manifest_to_json
 
 log = logging.getLogger(__name__)
-
-
-def route_outcome(expert: str | None, expected: str) -> str:
-    """right, wrong_expert or fallback (to the gateway)."""
-    return "fallback" if expert is None else "right" if expert == expected else "wrong_expert"
 
 
 class Coordinator:
@@ -71,6 +65,7 @@ class Coordinator:
         self.store = open_store(config)
         self.diffs = DiffCache(self.store)
         self.gateway = GatewayBuilder(self.store, config)
+        self.routing = ExpertRouting(self.store, config.route_threshold)
         self.privacy = PrivacyLedgers(config.data_dir, config.dp)
         """Each expert's DP-FedAvg ledger (--dp-noise) and its workers' DP-SGD claims."""
         self.steps = AggregationSteps(self.store, config, self._stepped, ledgers=self.privacy)
@@ -78,8 +73,8 @@ class Coordinator:
         """Called with the seconds each aggregation step took (metrics hook)."""
         self.on_close: list[Callable[[], None]] = []
         """Stopped before the store closes (e.g. the secure-aggregation applier, coordinator.cohorts)."""
-        self.health = StoreHealth(self.expert_count)
-        """What /health answers, without waiting on a database that is held up (coordinator/health.py)."""
+        self.health = StoreHealth(self.store.rows.expert_count)
+        """What /health answers, without waiting on a database that is held up (coordinator/storage/health.py)."""
         # finish what a crash interrupted; refuse to start on what this process cannot see (coordinator/recovery.py)
         recover(self.store, self.steps.run)
         self.gateway.start()
@@ -100,7 +95,7 @@ class Coordinator:
     @property
     def spool_dir(self) -> Path:
         """Where request bodies may be spooled on their way in (a local directory)."""
-        return self.store.spool_dir
+        return self.store.bodies.dir
 
     def check_body_size(self, length: int | None) -> None:
         """413 if a body's announced size (Content-Length) is over --max-body-mb."""
@@ -111,7 +106,7 @@ class Coordinator:
         """A request body in a fsynced temp file: 413 past --max-body-mb, 400 if it does not match
         ``expected_digest`` (nothing is left behind). ``length`` (Content-Length): read exactly that.
         ``spooled``: the front's coordinator.http.bodies.SpooledBody, taken over instead of copying ``stream``."""
-        return receive_checked(self.store, stream, length, self.config.max_body_bytes, expected_digest, spooled)
+        return receive_checked(self.store.bodies, stream, length, self.config.max_body_bytes, expected_digest, spooled)
 
     # experts ------------------------------------------------------------------
 
@@ -120,7 +115,7 @@ class Coordinator:
         check_name(name, "expert name")
         try:
             with self.store.expert_lock(name):
-                existing = self.store.expert(name)
+                existing = self.store.rows.expert(name)
                 if existing is not None:
                     self._check_compatible(existing, spec)
                     return self.expert_info(name), False
@@ -132,7 +127,7 @@ class Coordinator:
                 self.store.create_expert(name, spec.to_json(), manifest_to_json(manifest), body, events=(
                     audit.expert_created(name, spec.lora.rank if spec.lora else None, spec.base_model.id),))
         finally:
-            self.store.forget(body)
+            self.store.bodies.forget(body)
         self.gateway.notify(urgent=True)
         log.info("created expert %s (%s)", name, "full-parameter" if spec.lora is None else f"rank {spec.lora.rank}")
         return self.expert_info(name), True
@@ -158,38 +153,19 @@ class Coordinator:
         """The expert's row, or NotFound listing the known experts."""
         return self.store.require_expert(name)
 
-    def expert_count(self) -> int:
-        return self.store.expert_count()
-
     def expert_info(self, name: str) -> dict[str, Any]:
         return self._info(self.require_expert(name))
 
     def list_experts(self) -> list[dict[str, Any]]:
-        return [self._info(e) for e in self.store.experts()]
+        return [self._info(e) for e in self.store.rows.experts()]
 
     def _info(self, e: ExpertRow) -> dict[str, Any]:
         info = {"name": e.name, "version": e.version, **e.spec, "updates_applied": e.updates_applied,
                 "samples_seen": e.samples_seen, "last_train_loss": e.last_train_loss,
-                "pending_updates": self.store.pending_count(e.name),
+                "pending_updates": self.store.rows.pending_count(e.name),
                 "created_at": e.created_at, "updated_at": e.updated_at}
         privacy = self.privacy.report(e.name)
         return info if privacy is None else {**info, "privacy": privacy}
-
-    def versions(self, name: str) -> list[dict[str, Any]]:
-        self.require_expert(name)
-        return self.store.versions(name)
-
-    def weights(self, name: str, version: int | None = None) -> WeightsRef:
-        """Version ``version`` (default: the current one) of an expert; NotFound if absent or pruned."""
-        return self.store.weights(name, version)
-
-    def local_path(self, digest: str) -> Path | None:
-        """A stored blob's local file, for a server to send directly; None if the backend is remote."""
-        return self.store.local_path(digest)
-
-    def open_blob(self, digest: str) -> BinaryIO:
-        """A stored blob's bytes; FileNotFoundError if it was pruned meanwhile."""
-        return self.store.open_blob(digest)
 
     def weights_diff(self, name: str, since: int, codec: str, codec_config: dict[str, Any],
                      version: int | None = None) -> tuple[bytes, int]:
@@ -199,7 +175,7 @@ class Coordinator:
 
     def record_pull(self, worker_id: str | None, name: str, body_bytes: int) -> None:
         if worker_id:
-            self.store.record_pull(worker_id, body_bytes, _fp32_bytes(self.manifest(name)))
+            self.store.ledger.record_pull(worker_id, body_bytes, _fp32_bytes(self.manifest(name)))
 
     def manifest(self, name: str) -> list[tuple[str, tuple[int, ...]]]:
         return list(parsed_manifest(self.require_expert(name).manifest))
@@ -214,8 +190,8 @@ class Coordinator:
         """
         try:
             expert = self.require_expert(name)
-            body_digest = self.store.digest_of(body)
-            known = self.store.update(meta.update_id)
+            body_digest = self.store.bodies.digest_of(body)
+            known = self.store.rows.update(meta.update_id)
             if known is not None:
                 return self._seen_before(known, name, meta, body_digest, body), False
             if meta.base_version > expert.version:
@@ -224,17 +200,17 @@ class Coordinator:
             self._refuse_recorded_members(meta)  # before the body is decoded: a refused relay batch costs nothing
             self._check_private(name, meta)
             manifest = list(parsed_manifest(expert.manifest))
-            # int8 bodies are checked and measured from their codes (coordinator/fused_check.py); others are
+            # int8 bodies are checked and measured from their codes (coordinator/checks/fused_check.py); others are
             # decoded tensor by tensor. Either way nothing decoded is kept while we wait for the expert's
             # lock: the step reads the body again when it is computed.
             norm = checked_norm(body, meta.codec, meta.codec_config, manifest)
             size = body.stat().st_size
             with self.store.expert_lock(name):
-                known = self.store.update(meta.update_id)  # a concurrent retry may have won
+                known = self.store.rows.update(meta.update_id)  # a concurrent retry may have won
                 if known is not None:
                     return self._seen_before(known, name, meta, body_digest, body), False
                 self._refuse_recorded_members(meta)  # again under the lock: a direct push of a member may have won
-                verdict = judge_norm(norm, self.store.recent_norms(name, self.config.norm_history),
+                verdict = judge_norm(norm, self.store.rows.recent_norms(name, self.config.norm_history),
                                      self.config.norm_policy)  # InvalidUpdate (422) in reject mode
                 stored = meta.to_json() | ({NORM_SCALE: verdict.scale} if verdict.clipped else {})
                 step = self.steps.prepare(name, stored, body)  # InvalidUpdate (422) if not finite
@@ -250,11 +226,11 @@ class Coordinator:
                     level = logging.WARNING if isinstance(exc, InsufficientStorage) else logging.ERROR
                     log.log(level, "update %s of %s is recorded but not applied yet: %s", meta.update_id, name, exc)
         finally:
-            self.store.forget(body)
+            self.store.bodies.forget(body)
         self.store.sync()  # group commit: durable (blob and row) before the 202
         if meta.privacy is not None:  # a --dp-sgd worker's own account of what its data has spent
             self.privacy.record_claim(name, meta.worker_id or meta.update_id, meta.privacy)
-        if not step_failed and not self.store.held_up():
+        if not step_failed and not self.store.rows.held_up():
             with contextlib.suppress(BackendUnavailable):
                 return self.update_status(meta.update_id), True
         # Recorded and durable: a 202 whatever the database does now (a 503 would say "nothing was recorded"), with
@@ -279,7 +255,7 @@ class Coordinator:
         """A relay batch naming an update recorded here is refused whole (409 members_applied) before its step is
         computed; the store checks again in the batch's transaction (a member recorded for another expert)."""
         if meta.members:
-            seen = self.store.recorded_ids(list(meta.members))
+            seen = self.store.rows.recorded_ids(list(meta.members))
             if seen:
                 raise members_applied(meta.update_id, seen)
 
@@ -288,7 +264,7 @@ class Coordinator:
         if known.expert != name:
             raise Conflict(f"update_id {known.update_id!r} was already used for expert {known.expert!r}")
         if known.body_sha256 is not None and algorithm_of(known.body_sha256) != algorithm_of(body_digest):
-            body_digest = self.store.digest_of(body, algorithm_of(known.body_sha256))  # sent before 0.7
+            body_digest = self.store.bodies.digest_of(body, algorithm_of(known.body_sha256))  # sent before 0.7
         if known.body_sha256 is not None and known.body_sha256 != body_digest:
             raise Conflict(f"update_id {known.update_id!r} was already used for a different body; a retry "
                            "must resend the same bytes, and a new update needs a new update_id",
@@ -300,7 +276,7 @@ class Coordinator:
     def record_event(self, event: Event) -> None:
         """Add an event that records no other change; a failure to log is logged, never raised."""
         try:
-            self.store.add_event(event)
+            self.store.ledger.add_event(event)
         except BackendUnavailable:  # the backend's own log line already says what failed
             log.debug("could not record %s event: a backend is unavailable", event.kind)
         except Exception:  # noqa: BLE001 - the audit log must not turn the answer into a 5xx
@@ -308,60 +284,20 @@ class Coordinator:
 
     def events(self, limit: int, after: int | None = None, expert: str | None = None,
                kind: str | None = None) -> list[dict[str, Any]]:
-        return self.store.events(limit, after, expert, kind)
+        return self.store.rows.events(limit, after, expert, kind)
 
     def update_status(self, update_id: str) -> dict[str, Any]:
-        row = self.store.update(update_id)
+        row = self.store.rows.update(update_id)
         if row is None:
             raise NotFound(f"no update with id {update_id!r}")
-        expert = self.store.expert(row.expert)  # None once an operator set the expert aside (--quarantine)
+        expert = self.store.rows.expert(row.expert)  # None once an operator set the expert aside (--quarantine)
         if row.status == RELAYED:  # a worker update inside a relay's batch: it shares the batch's fate
-            batch = self.store.update(row.meta["relayed_in"]) or row
+            batch = self.store.rows.update(row.meta["relayed_in"]) or row
             return _status(batch, None if expert is None else expert.version) | {
                 "update_id": update_id, "relayed_in": row.meta["relayed_in"]}
         return _status(row, None if expert is None else expert.version)
 
     # routing ------------------------------------------------------------------
-
-    def put_profile(self, name: str, worker_id: str, profile: dict[str, Any]) -> dict[str, Any]:
-        """Store one worker's summary of its data (n-gram statistics, no examples) for routing."""
-        self.require_expert(name)
-        check_name(worker_id, "worker_id")
-        vector, count = profile_from_json(profile)  # ProfileError: a 400 (coordinator.errors)
-        if not 1 <= count <= MAX_COUNT:
-            raise BadRequest(f"profile num_examples must be in [1, {MAX_COUNT}], got {count}: "
-                             "a profile of no examples cannot route")
-        self.store.put_profile(name, worker_id, vector.astype("<f4").tobytes(), count)
-        return {"expert": name, "worker_id": worker_id, "num_examples": count}
-
-    def profiles(self) -> dict[str, Any]:
-        """Every expert's combined routing profile (wire form) and the threshold, for routing elsewhere."""
-        stored = self.store.profiles()
-        profiles = {name: profile_to_json(combine_profiles([(np.frombuffer(v, dtype="<f4"), n) for v, n in rows]),
-                                          sum(n for _, n in rows)) for name, rows in stored.items()}
-        return {"threshold": self.config.route_threshold, "profiles": profiles}
-
-    def route(self, prompt: str, threshold: float | None = None, expected: str | None = None) -> dict[str, Any]:
-        """Pick the expert whose data the prompt resembles, or the gateway when unsure.
-
-        ``expected``: the expert the caller knows the prompt belongs to; the answer then says whether the
-        route was right, a wrong expert (worse: it can answer below the base model) or a fallback.
-        """
-        stored = self.store.profiles()
-        if not stored:
-            raise NotFound("no expert has a routing profile yet (workers send one when they join)")
-        profiles = {name: combine_profiles([(np.frombuffer(v, dtype="<f4"), n) for v, n in rows])
-                    for name, rows in stored.items()}
-        threshold = self.config.route_threshold if threshold is None else threshold
-        if expected is not None and expected not in profiles:
-            raise BadRequest(f"'expected' names no expert with a routing profile: {expected!r}; "
-                             f"known: {', '.join(sorted(profiles))}")
-        result = route_prompt(prompt, profiles, threshold)  # ProfileError: a 400 (coordinator.errors)
-        answer = {"expert": result.expert, "target": result.expert or "gateway", "confidence": result.confidence,
-                  "threshold": threshold, "scores": result.scores, "probabilities": result.probabilities}
-        if expected is not None:
-            answer["outcome"] = route_outcome(result.expert, expected)
-        return answer
 
     # workers ------------------------------------------------------------------
 
@@ -369,26 +305,26 @@ class Coordinator:
                         sync_interval: float | None = None) -> dict[str, Any]:
         check_name(worker_id, "worker_id")
         check_name(specialty, "specialty")
-        expert = self.store.expert(specialty)
+        expert = self.store.rows.expert(specialty)
         if expert is not None:
             stored = ExpertSpec.from_json(expert.spec).base_model
             if stored.fingerprint != base_model.fingerprint:
                 raise Conflict(f"worker {worker_id!r} runs base model {base_model.id!r} (fingerprint "
                                f"{base_model.fingerprint[:12]}) but expert {specialty!r} was trained from "
                                f"{stored.id!r} ({stored.fingerprint[:12]}); use the same --base-model")
-        self.store.upsert_worker(worker_id, specialty, {"id": base_model.id, "fingerprint": base_model.fingerprint},
+        self.store.ledger.upsert_worker(worker_id, specialty, {"id": base_model.id, "fingerprint": base_model.fingerprint},
                               sync_interval,
                               events=(audit.worker_registered(worker_id, specialty, base_model.id, sync_interval),))
         return {"worker_id": worker_id, "specialty": specialty,
                 "expert": None if expert is None else self._info(expert)}
 
     def heartbeat(self, worker_id: str) -> None:
-        if not self.store.touch_worker(worker_id):
+        if not self.store.ledger.touch_worker(worker_id):
             raise NotFound(f"no worker {worker_id!r}; register first (POST /api/v1/workers)")
 
     def list_workers(self) -> list[dict[str, Any]]:
         now = time.time()
-        return [w | {"status": liveness(now - w["last_seen"], w["sync_interval"])} for w in self.store.workers()]
+        return [w | {"status": liveness(now - w["last_seen"], w["sync_interval"])} for w in self.store.rows.workers()]
 
 
 def _status(row: UpdateRow, expert_version: int | None) -> dict[str, Any]:
@@ -403,7 +339,7 @@ def check_body_size(length: int | None, limit: int) -> None:
                               "(coordinator flag --max-body-mb)", limit=limit)
 
 
-def receive_checked(spool: ExpertStore | BlobStore, stream: Readable, length: int | None, limit: int,
+def receive_checked(spool: BodySpool | BlobStore, stream: Readable, length: int | None, limit: int,
                     expected_digest: str | None, spooled: Any = None) -> Path:
     """A body in a fsynced temp file of ``spool``: 413 past ``limit``, 400 (nothing left) on a digest mismatch.
     ``spooled`` (the front's SpooledBody) is taken over when it fits and was hashed with the expected algorithm.
@@ -426,12 +362,12 @@ def open_store(config: CoordinatorConfig) -> ExpertStore:
     """SQLite + local files (the default), or PostgreSQL and/or S3 when --manifest / --blobs name them."""
     blobs: BlobStore
     if config.blobs:
-        from coordinator.backends.s3 import S3BlobStore  # boto3 only when asked for
+        from coordinator.storage.backends.s3 import S3BlobStore  # boto3 only when asked for
         blobs = S3BlobStore(config.data_dir / "blobs", config.blobs)
     else:
         blobs = BlobStore(config.data_dir / "blobs")
     if config.manifest:
-        from coordinator.backends.postgres import ExpertLocks, PostgresManifestStore
+        from coordinator.storage.backends.postgres import ExpertLocks, PostgresManifestStore
         return ExpertStore(blobs, PostgresManifestStore(config.manifest), config.keep_versions,
                            locks=ExpertLocks(config.manifest))
     return ExpertStore(blobs, ManifestStore(private_file(config.data_dir / "manifest.sqlite"), group_commit=True),

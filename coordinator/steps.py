@@ -20,17 +20,17 @@ from typing import Any
 import torch
 
 from compression.errors import PayloadError
-from coordinator import audit
-from coordinator.adapters import non_finite_tensor, stored_deltas
+from coordinator.access import audit
+from coordinator.checks.adapters import non_finite_tensor, stored_deltas
 from coordinator.aggregation import AGGREGATORS, AggregationParams, StateDict, Update, robust_aggregator
 from coordinator.config import CoordinatorConfig
-from coordinator.expert_store import ExpertStore, StaleAggregation
-from coordinator.flat_weights import load_flat, save_flat
+from coordinator.storage.expert_store import ExpertStore, StaleAggregation
+from coordinator.checks.flat_weights import load_flat, save_flat
 from coordinator.privacy_ledger import PrivacyLedgers
 from coordinator.liveness import active_workers
 from coordinator.recovery import quarantine_updates
-from coordinator.store import ExpertRow, UpdateRow, parsed_manifest
-from coordinator.update_limits import as_clipped, check_step_result
+from coordinator.storage.manifest import ExpertRow, UpdateRow, parsed_manifest
+from coordinator.checks.update_limits import as_clipped, check_step_result
 from protocol.errors import InvalidPayload
 from protocol.tensors import load_file, save_file
 
@@ -85,7 +85,7 @@ class AggregationSteps:
         Refusing here (422) means nothing was recorded; the step is then committed as computed (not
         computed twice).
         """
-        pending = self.store.pending_updates(name)
+        pending = self.store.rows.pending_updates(name)
         if len(pending) != self.updates_per_step - 1:
             return None
         expert = self.store.require_expert(name)
@@ -100,7 +100,7 @@ class AggregationSteps:
         manifest = list(parsed_manifest(expert.manifest))
         with contextlib.ExitStack() as files:
             # our own copy of the current weights: the aggregator updates it in place. In one flat buffer when
-            # they are plain float32, so that neighbouring tensors take an update in one add (flat_weights.py)
+            # they are plain float32, so that neighbouring tensors take an update in one add (checks/flat_weights.py)
             weights = files.enter_context(self.store.local_file(self.store.weights(expert.name).digest))
             current = load_flat(weights) or load_file(weights)
             entries = [(u.meta, files.enter_context(self.store.local_file(_payload(u)))) for u in recorded]
@@ -115,7 +115,7 @@ class AggregationSteps:
         alive on the expert (at least 1: a push from an unregistered client counts whole)."""
         if self.async_alpha is not None:
             return self.params if self.async_alpha == 1.0 else replace(self.params, alpha=self.async_alpha)
-        active = active_workers(self.store.workers(), name)
+        active = active_workers(self.store.rows.workers(), name)
         return replace(self.params, alpha=1.0 / max(1, active))
 
     def run(self, name: str) -> None:
@@ -126,7 +126,7 @@ class AggregationSteps:
 
     def run_locked(self, name: str, prepared: PreparedStep | None = None) -> None:
         """``run`` under the expert's lock; ``prepared`` is used if it is the first step's batch."""
-        pending = self.store.pending_updates(name)
+        pending = self.store.rows.pending_updates(name)
         k = self.updates_per_step
         while len(pending) >= k:
             batch, pending = pending[:k], pending[k:]
@@ -153,7 +153,7 @@ class AggregationSteps:
             if bad is not None:  # recorded before results were checked (an older version): never apply it
                 quarantine_updates(self.store, name, batch, f"applying it makes tensor {bad!r} overflow to Inf/NaN")
                 return False
-        written = self.store.write_temp(lambda p: _save(new, p), f"write version {expert.version + 1} of {name!r}")
+        written = self.store.bodies.write_temp(lambda p: _save(new, p), f"write version {expert.version + 1} of {name!r}")
         if self.ledgers is not None:  # booked before the commit: a crash in between over-counts, never under-counts
             self.ledgers.book_step(name)
         loss = _mean_loss(batch)
@@ -170,7 +170,7 @@ class AggregationSteps:
         return True
 
     def _still_pending(self, update: UpdateRow) -> bool:
-        row = self.store.update(update.update_id)
+        row = self.store.rows.update(update.update_id)
         assert row is not None  # update rows are never deleted
         return row.status == "pending"
 

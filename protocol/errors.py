@@ -2,7 +2,7 @@
 
 Each error carries a stable ``code`` (what a program matches on) and the HTTP
 ``status`` the API answers with. The HTTP layer maps them in one place
-(``coordinator.api``); the client maps a JSON error body back to the same class
+(``coordinator.api.routes``); the client maps a JSON error body back to the same class
 (``error_from_response``), so both sides raise the same exceptions.
 """
 from __future__ import annotations

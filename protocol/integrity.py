@@ -117,7 +117,7 @@ class ClientReader:
     A read fails when the client stalls past the server's socket timeout or drops the
     connection; either way it is the client's doing, never a 5xx. (Disk errors happen on the
     write side and stay what they are.) The body's digest is computed by the blob store as
-    it writes (coordinator.blobs.BlobStore.receive), or by the front as it spools.
+    it writes (coordinator.storage.blobs.BlobStore.receive), or by the front as it spools.
     """
 
     def __init__(self, stream: Readable) -> None:

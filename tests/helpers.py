@@ -38,7 +38,7 @@ def serve_on_loopback(app):
 
 
 def relay_join_token(root_data_dir) -> str:
-    """The root's relay join token (coordinator/tokens.py): what a relay registers at the root with."""
+    """The root's relay join token (coordinator/access/tokens.py): what a relay registers at the root with."""
     return (root_data_dir / "relay_join_token").read_text().strip()
 
 
@@ -47,7 +47,7 @@ def relay_sites(tmp_path, root: dict[str, Any] | None = None, **relay_settings: 
     """A real root holding expert ``e1`` (``CoordinatorConfig`` settings ``root``) and a real relay ``r1`` under it
     (``RelayConfig`` settings ``relay_settings``; forwarding only when a test asks), each on a loopback port. Yields (a client of the root
     registered as worker ``w-root``, the relay service, a client of the relay registered as ``w1``, the root URL)."""
-    from coordinator.app import create_app
+    from coordinator.api.app import create_app
     from coordinator.config import CoordinatorConfig
     from coordinator.relay.api import create_relay_app
     from coordinator.relay.forwarder import ForwardPolicy

@@ -55,7 +55,7 @@ def staleness_weight(staleness: int, decay: float) -> float:
 
 def tensors_of(delta: Mapping[str, torch.Tensor]) -> Iterable[tuple[str, torch.Tensor]]:
     """A delta's (name, tensor) pairs; decoded in one pass when the delta offers ``decoded_items``
-    (coordinator.adapters.CompressedUpdate), which is several times cheaper than tensor by tensor."""
+    (coordinator.checks.adapters.CompressedUpdate), which is several times cheaper than tensor by tensor."""
     decoded_items = getattr(delta, "decoded_items", None)
     return decoded_items() if decoded_items is not None else delta.items()
 

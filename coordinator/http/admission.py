@@ -4,11 +4,11 @@ Before (audit F9), the front read a body of up to --max-body-mb (1 GiB, spooled 
 application saw its request: a client with no token could fill the disk, and ``POST /api/v1/probe`` read 1 GiB
 before its 4 MiB 413. Here the front (coordinator/http/front.py, ``Admission``) asks, on a request thread and before any
 of a large body is read, what the application would answer from the head alone: its route (404/405), its token and
-the route's rule (coordinator/auth.py: 401, 403) and the route's own body limit (413). A refusal is the
+the route's rule (coordinator/access/auth.py: 401, 403) and the route's own body limit (413). A refusal is the
 application's own JSON answer (audited like any 401/403); the front sends it and closes the connection.
 
 The rate limiter too (429 with Retry-After from the head, issue 30): its token is taken here and the request is
-marked (coordinator/auth.py, RATE_TAKEN), so that the application does not take a second one. Everything that needs
+marked (coordinator/access/auth.py, RATE_TAKEN), so that the application does not take a second one. Everything that needs
 the body is left to the request itself. Bodies the front keeps in memory (up to 1 MiB) are not asked about, unless
 the client waits for the head's verdict (Expect: 100-continue): the application answers as usual.
 """
@@ -16,13 +16,13 @@ from __future__ import annotations
 
 from flask import Flask, request
 
-from coordinator.api import JSON_BODY_LIMIT, PROMPT_BODY_LIMIT
+from coordinator.api.requests import JSON_BODY_LIMIT, PROMPT_BODY_LIMIT
 from coordinator.http.flask_admission import FlaskAdmission, route_exists
 from protocol.errors import PayloadTooLarge
 from protocol.probe import MAX_PROBE_BYTES
 
 BODY_LIMITS: dict[str, int] = {
-    "relays.probe_upload": MAX_PROBE_BYTES, "api.probe_upload": MAX_PROBE_BYTES,  # coordinator/relays.py reads this much
+    "relays.probe_upload": MAX_PROBE_BYTES, "api.probe_upload": MAX_PROBE_BYTES,  # coordinator/api/relays.py reads this much
     "api.route": PROMPT_BODY_LIMIT,  # json_body(PROMPT_BODY_LIMIT)
     # the views that read their body with json_body() and its default limit
     "api.register_worker": JSON_BODY_LIMIT, "api.put_profile": JSON_BODY_LIMIT, "uploads.open_upload": JSON_BODY_LIMIT,
@@ -31,7 +31,7 @@ BODY_LIMITS: dict[str, int] = {
     "cohorts.join": JSON_BODY_LIMIT, "cohorts.post_keys": JSON_BODY_LIMIT, "cohorts.post_shares": JSON_BODY_LIMIT,
     "cohorts.post_answer": JSON_BODY_LIMIT,
 }
-"""Endpoints (named as in coordinator/auth.py's RULES, the same in a relay) whose views take less than --max-body-mb."""
+"""Endpoints (named as in coordinator/access/auth.py's RULES, the same in a relay) whose views take less than --max-body-mb."""
 
 
 class HeadAdmission(FlaskAdmission):

@@ -21,11 +21,11 @@ from typing import Any
 
 from flask import Flask
 
-from coordinator.auth import bearer_token
+from coordinator.access.auth import bearer_token
 from coordinator.http.bodies import BodyPlace
-from coordinator.tokens import ADMIN, RELAY, WORKER
-from coordinator.upload_store import UploadStore
-from coordinator.uploads import chunk_range, owner_of
+from coordinator.access.tokens import ADMIN, RELAY, WORKER
+from coordinator.storage.upload_files import UploadStore
+from coordinator.api.uploads import chunk_range, owner_of
 from protocol.errors import FedMoEError
 from protocol.schemas import API_PREFIX
 
@@ -34,7 +34,7 @@ CHUNK_PATH = re.compile(rf"{re.escape(API_PREFIX)}/experts/([^/?#]+)/uploads/([0
 
 @dataclass(frozen=True)
 class UploadPlacer:
-    """``BodyPlacer`` for an app with the upload routes (coordinator/uploads.py ``install``)."""
+    """``BodyPlacer`` for an app with the upload routes (coordinator/api/uploads.py ``install``)."""
 
     app: Flask
 
@@ -57,7 +57,7 @@ class UploadPlacer:
         return store.place_chunk(upload, start, length, hash_body=own_digest)
 
     def _caller(self) -> str | None:
-        """The owner whose upload this may be (coordinator/uploads.py ``owner_of``; None: the admin, or auth off);
+        """The owner whose upload this may be (coordinator/api/uploads.py ``owner_of``; None: the admin, or auth off);
         FedMoEError if no upload may be written with this token."""
         auth = self.app.extensions.get("fedmoe_auth")
         if auth is None:

@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 WsgiApp = Callable[[dict[str, Any], Callable], Iterable[bytes]]
 ADMISSION_MARKS = "fedmoe."
 """environ keys an ``Admission`` sets on the head's environ that the request's own environ gets too (e.g. that its
-rate-limit token is taken: coordinator/auth.py, RATE_TAKEN); no request header can make such a key."""
+rate-limit token is taken: coordinator/access/auth.py, RATE_TAKEN); no request header can make such a key."""
 SPOOLED_BODY = "fedmoe.spooled_body"
 """environ key of a ``SpooledBody`` (bodies over SPOOL_IN_MEMORY when a spool_dir is set)."""
 

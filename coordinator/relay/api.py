@@ -1,32 +1,34 @@
-"""A relay's HTTP API: the root's paths and token rules (``coordinator.auth.RULES``), served locally.
+"""A relay's HTTP API: the root's paths and token rules (``coordinator.access.auth.RULES``), served locally.
 
 Workers cannot tell a relay from the root: they register (with the same join token), push, pull,
 heartbeat and send profiles at the same paths. The blueprint is named ``api`` like the root's so
 the same access rule applies to each endpoint; request bodies are received by the root's own
 ``receive_body`` (fsynced temp file, digest checked, size limit). Resumable uploads are the root's own
-blueprint (coordinator/uploads.py) with the RelayService as its ``UploadTarget``: a finished upload is
+blueprint (coordinator/api/uploads.py) with the RelayService as its ``UploadTarget``: a finished upload is
 queued by ``submit_update`` exactly like a one-shot push. Diff pulls (``?since=``) are the root's own view
-(``coordinator.api._weights_diff``) over the relay's cached versions (coordinator/relay/diffs.py).
+(``coordinator.api.routes.weights_diff_response``) over the relay's cached versions (coordinator/relay/diffs.py).
 """
 from __future__ import annotations
 
 import io
 from dataclasses import replace
-from typing import cast
+from pathlib import Path
 
 from flask import Blueprint, Flask, Response, current_app, jsonify, request, send_file
 from werkzeug.exceptions import HTTPException
 
-from coordinator import api as root_api
-from coordinator import auth, cohorts, uploads
-from coordinator.api import json_body, receive_body
-from coordinator.app import StrictJSONProvider, _log_requests_at_debug, _register_error_handlers
-from coordinator.auth import acting_worker
+from coordinator.api import routes as root_api
+from coordinator import cohorts
+from coordinator.api import uploads
+from coordinator.access import auth
+from coordinator.api.requests import json_body, receive_body
+from coordinator.api.app import StrictJSONProvider, log_requests_at_debug, register_error_handlers
+from coordinator.access.auth import acting_worker, check_may_carry_members
 from coordinator.errors import REFUSALS, as_http_error
+from coordinator.relay.relay_store import CachedWeights
 from coordinator.relay.service import RelayConfig, RelayService
 from coordinator.cohorts import refuse_clear_push
-from coordinator.relays import check_may_carry_members, probe_body, probe_upload
-from coordinator.service import Coordinator
+from coordinator.api.relays import probe_body, probe_upload
 from protocol.errors import Conflict
 from protocol.schemas import (API_PREFIX, EXPERT_HEADER, UPDATE_HEADER, VERSION_HEADER, WORKER_HEADER,
                               ExpertSpec, UpdateMeta, check_name, parse_header_json)
@@ -45,7 +47,7 @@ def health() -> Response:
                     "upstream_reachable": r.forwarder.upstream_reachable, "experts": len(r.store.cached_experts())})
 
 
-# Registration and heartbeats are the root's own views (coordinator/api.py): they validate the body, check
+# Registration and heartbeats are the root's own views (coordinator/api/routes.py): they validate the body, check
 # the caller's right to register and issue the worker token, then call ``register_worker`` / ``heartbeat``
 # on ``app.extensions["fedmoe"]``, which here is the RelayService (same signatures, its own workers table).
 bp.add_url_rule("/workers", "register_worker", root_api.register_worker, methods=["POST"])
@@ -86,13 +88,13 @@ def expert_weights(name: str) -> Response:
     check_name(name, "expert name")  # it goes into the upstream URL and names a cache entry (audit)
     worker_id = acting_worker(request.headers.get(WORKER_HEADER), WORKER_HEADER)
     if "since" in request.args:  # the root's own view over the relay's versions: same parsing, answers, bytes
-        return root_api._weights_diff(cast(Coordinator, r), name, worker_id)
-    version = root_api._int_arg("version")  # the root's parsing: its 400 for ?version=abc or -1
+        return root_api.weights_diff_response(r, name, worker_id)
+    version = root_api.int_arg("version")  # the root's parsing: its 400 for ?version=abc or -1
     for attempt in range(3):  # the cache may replace the blob between the lookup and the open
         if version is None:
-            cached, source = r.weights_file(name, worker_id)
+            cached, source = _current_weights(r, name, worker_id)
         else:
-            held = r.held_weights(name, version)
+            held = r.store.cached_version(name, version)
             if held is None:
                 return _weights_from_upstream(r, name, version)
             cached, source = held, r.blobs.path(held.blob)
@@ -108,6 +110,14 @@ def expert_weights(name: str) -> Response:
     if response.status_code in (200, 206):
         r.bytes_served += response.content_length or 0
     return response
+
+
+def _current_weights(r: RelayService, name: str, worker_id: str | None) -> tuple[CachedWeights, Path | bytes]:
+    """What a pull of the current weights is sent: the cached root version's file, or the site's weights."""
+    if r.site is not None:
+        return r.site.weights(name, worker_id)
+    cached = r.cache.get(name)
+    return cached, r.blobs.path(cached.blob)
 
 
 def _weights_from_upstream(r: RelayService, name: str, version: int) -> Response:
@@ -140,8 +150,7 @@ def push_update(name: str) -> tuple[Response, int]:
             r.room_for(request.content_length)  # 507 before reading a body we could not keep
         status, is_new = r.submit_update(name, meta, receive_body())
     except REFUSALS + (HTTPException,) as exc:  # every refused push goes to the audit log, as at the root
-        root_api._record_rejection(cast(Coordinator, r), name,
-                                   exc if isinstance(exc, HTTPException) else as_http_error(exc))
+        root_api.record_rejection(r, name, exc if isinstance(exc, HTTPException) else as_http_error(exc))
         raise
     return jsonify(status), 202 if is_new else 200
 
@@ -187,7 +196,7 @@ def create_relay_app(config: RelayConfig, port: int | None = None) -> Flask:
     if config.coordinator.secagg is not None:  # the site's cohorts, unmasked here; only their sums go upstream
         service = app.extensions["fedmoe"]
         service.on_close.append(cohorts.install(app, service, config.coordinator.secagg, config.coordinator.data_dir).close)
-    _log_requests_at_debug(app)
+    log_requests_at_debug(app)
     auth.install(app, config.coordinator, app.extensions["fedmoe"].record_event)
-    _register_error_handlers(app)
+    register_error_handlers(app)
     return app

@@ -3,7 +3,7 @@
 A relay answers 202 for an update the root has not seen yet: it forwards it later, combined with others into one
 batch (coordinator/relay/forwarder.py). A batch the root then refuses (422) broke the promise for every member:
 one worker pushing finite deltas of 3e38 made the root refuse the batches that carried them, and with them the
-honest updates beside them. So before its 202 a relay applies the root's own rules (coordinator/update_limits.py),
+honest updates beside them. So before its 202 a relay applies the root's own rules (coordinator/checks/update_limits.py),
 with the root's settings, which it learns when it joins (``POST /api/v1/relays`` answers them; kept in
 relay.sqlite for a restart while the root is away):
 
@@ -11,7 +11,7 @@ relay.sqlite for a restart while the root is away):
 - its norm passes the root's ``--norm-check`` (``judge_norm`` over this relay's own history of accepted norms, so a
   worker behind a relay meets the check a worker pushing to the root meets; ``clip`` scales it as the root would);
 - a step made of it stays finite: ``w + server_lr * delta``, w the cached root weights (why one update at a time
-  promises every combination of them: coordinator/update_limits.py). With ``--site-model`` the site's weights
+  promises every combination of them: coordinator/checks/update_limits.py). With ``--site-model`` the site's weights
   take its place (``SiteModel.admit``): a sum of updates, where the combination argument does not hold.
 
 Before a batch goes upstream the forwarder applies the step rule again, to the batch as the root decodes it and
@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 
-from coordinator.blobs import BlobStore
-from coordinator.norm_check import NormVerdict, judge_norm
-from coordinator.relay.store import CachedWeights, RelayStore
-from coordinator.update_limits import (UpdateLimits, check_step_result, headroom, peak_magnitude, surely_finite,
+from coordinator.storage.blobs import BlobStore
+from coordinator.checks.norm_check import NormVerdict, judge_norm
+from coordinator.relay.relay_store import CachedWeights, RelayStore
+from coordinator.checks.update_limits import (UpdateLimits, check_step_result, headroom, peak_magnitude, surely_finite,
                                        weights_plus)
 from protocol.streaming import FileTensorsOnce
 

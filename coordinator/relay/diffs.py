@@ -15,8 +15,8 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from coordinator.blobs import BlobStore
-from coordinator.expert_store import WeightsRef
+from coordinator.storage.blobs import BlobStore
+from coordinator.storage.expert_store import WeightsRef
 from coordinator.relay.upstream import WeightsCache
 from protocol.errors import NotFound
 from protocol.streaming import read_header

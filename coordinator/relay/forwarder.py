@@ -38,13 +38,13 @@ import torch
 
 from compression.error_feedback import ErrorFeedback
 from compression.registry import make_codec
-from coordinator import audit
+from coordinator.access import audit
 from coordinator.aggregation import AggregationParams, Update, fedbuff
 from coordinator.aggregation.base import weighted_sum
-from coordinator.blobs import BlobStore
+from coordinator.storage.blobs import BlobStore
 from coordinator.relay.checks import RelayChecks
 from coordinator.relay.site import SiteModel, sum_weighted
-from coordinator.relay.store import Batch, RelayStore, held_deltas
+from coordinator.relay.relay_store import Batch, RelayStore, held_deltas
 from coordinator.relay.upstream import UpstreamClient, WeightsCache
 from protocol.errors import Conflict, FedMoEError, Forbidden, NotFound, RequestTimeout, Unauthorized, Unavailable
 from protocol.schemas import MAX_BATCH_MEMBERS, RAW_CODEC, UPDATE_ID_RE

@@ -9,7 +9,7 @@ import torch
 
 from coordinator.http.admission import HeadAdmission
 from coordinator.config import ServeOptions
-from coordinator.data_dir import RELAY, claim_data_dir
+from coordinator.storage.data_dir import RELAY, claim_data_dir
 from coordinator.http.listening import check_tls_files
 from coordinator.http.options import FrontOptions
 from coordinator.http.serve import bind, scheme, serve
@@ -24,7 +24,7 @@ def serve_relay(config: RelayConfig, options: ServeOptions) -> None:
     torch.set_num_threads(1)
     check_tls_files(options.tls_cert, options.tls_key)  # a bad file fails before the port is taken
     sock = bind(options.host, options.port)
-    try:  # one process per data dir, and never a root's (coordinator/data_dir.py)
+    try:  # one process per data dir, and never a root's (coordinator/storage/data_dir.py)
         data_dir_lock = claim_data_dir(config.coordinator.data_dir, RELAY)
     except ValueError:
         sock.close()

@@ -2,7 +2,7 @@
 
 It stands where ``coordinator.service.Coordinator`` stands in the root's app (``app.extensions
 ["fedmoe"]``), with the attributes the shared pieces use: ``config`` and ``blobs`` (request bodies,
-``coordinator.api.receive_body``), ``record_event`` and ``list_workers`` (``coordinator.auth``).
+``coordinator.api.requests.receive_body``), ``record_event`` and ``list_workers`` (``coordinator.access.auth``).
 """
 from __future__ import annotations
 
@@ -13,27 +13,27 @@ import socket
 import sqlite3
 import threading
 import time
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
-from coordinator import audit
-from coordinator.adapters import checked_norm, stored_deltas
-from coordinator.audit import Event
-from coordinator.blobs import BlobStore, storage_errors
+from coordinator.access import audit
+from coordinator.checks.adapters import checked_norm, stored_deltas
+from coordinator.access.audit import Event
+from coordinator.storage.blobs import BlobStore, storage_errors
 from coordinator.config import CoordinatorConfig
 from coordinator.diffs import DiffCache
 from coordinator.relay.checks import RelayChecks
 from coordinator.relay.diffs import CachedVersions
 from coordinator.relay.forwarder import Forwarder, ForwardPolicy
 from coordinator.relay.site import SITE_WEIGHT, SiteModel
-from coordinator.relay.store import APPLIED_ELSEWHERE, CachedWeights, RelayStore
+from coordinator.relay.relay_store import APPLIED_ELSEWHERE, RelayStore
 from coordinator.relay.upstream import DiffPulls, RelayStartError, UpstreamClient, WeightsCache
 from coordinator.liveness import liveness
 from coordinator.service import check_body_size, receive_checked
-from coordinator.update_limits import NORM_SCALE, as_clipped
+from coordinator.checks.update_limits import NORM_SCALE, as_clipped
 from protocol.errors import Conflict, InsufficientStorage, NotFound, Unavailable
 from protocol.files import private_dir
 from protocol.integrity import Readable, algorithm_of
@@ -103,7 +103,7 @@ class RelayService:
         self.relay_config = config
         self.config = config.coordinator
         data_dir = private_dir(self.config.data_dir)
-        if config.join_token:  # workers join this relay with the root's join token (coordinator.tokens)
+        if config.join_token:  # workers join this relay with the root's join token (coordinator.access.tokens)
             _write_private(data_dir / "join_token", config.join_token)
         self.blobs = BlobStore(data_dir / "blobs")
         self.store = RelayStore(data_dir / "relay.sqlite")
@@ -118,7 +118,7 @@ class RelayService:
                                        relay_join_token=config.relay_join_token)
         self.cache = WeightsCache(self.store, self.blobs, self.upstream, config.revalidate_seconds,
                                   self.drop_unreferenced, diff_pulls=config.upstream_diffs)
-        self.site = (SiteModel(self.store, self.blobs, self.cache.get, self._applied_version,
+        self.site = (SiteModel(self.store, self.blobs, self.cache.get, lambda update_id: self.upstream.update_status(update_id).get("applied_version"),
                                config.forward.staleness_decay) if config.site_model else None)
         self.forwarder = Forwarder(self.relay_id, self.store, self.blobs, self.upstream, self.cache, config.forward,
                                    self.drop_unreferenced, self.report, self.blobs_guard, self.checks, self.site)
@@ -131,7 +131,7 @@ class RelayService:
         """Diff pulls answered 404 (a ``since`` not held here): the worker pulls full weights from the cache."""
         self.on_close: list[Callable[[], None]] = []
         """Stopped before the rest (e.g. the secure-aggregation applier, coordinator.cohorts)."""
-        self._remove_orphan_blobs()
+        _remove_orphan_blobs(self.store, self.blobs)
 
     def join_upstream(self) -> dict[str, Any]:
         """Register with the root (RelayStartError if it refuses, e.g. another base model), start forwarding."""
@@ -157,7 +157,7 @@ class RelayService:
         self.upstream.close()
         self.store.close()
 
-    # what coordinator.auth and coordinator.api use -------------------------------
+    # coordinator.api.requests.WorkerFacing: what the views shared with the root use -------------
 
     def check_body_size(self, length: int | None) -> None:
         check_body_size(length, self.config.max_body_bytes)
@@ -189,14 +189,6 @@ class RelayService:
             for digest in set(digests) - referenced:
                 self.blobs.delete(digest)
 
-    def _remove_orphan_blobs(self) -> None:
-        """Blobs written just before a crash and never recorded (a batch not committed): safe to delete."""
-        orphans = set(self.blobs.digests()) - self.store.referenced_blobs()
-        for digest in orphans:
-            self.blobs.delete(digest)
-        if orphans:
-            log.info("removed %d unrecorded blob(s) left by an interrupted write", len(orphans))
-
     # workers ------------------------------------------------------------------
 
     def register_worker(self, worker_id: str, specialty: str, base_model: BaseModelSpec,
@@ -206,7 +198,10 @@ class RelayService:
             raise Conflict(f"worker {worker_id!r} runs base model {base_model.id!r} (fingerprint "
                            f"{base_model.fingerprint[:12]}) but this relay serves fingerprint {pinned[:12]}; use "
                            "the same --base-model")
-        expert = self.expert_info_or_none(specialty)
+        try:
+            expert: dict[str, Any] | None = self.expert_info(specialty)
+        except NotFound:
+            expert = None
         if expert is not None and expert["base_model"]["fingerprint"] != base_model.fingerprint:
             raise Conflict(f"worker {worker_id!r} runs base model {base_model.id!r} (fingerprint "
                            f"{base_model.fingerprint[:12]}) but expert {specialty!r} was trained from "
@@ -236,12 +231,6 @@ class RelayService:
         """The expert's tensor names and shapes, from the cached weights' header (fetched upstream if needed)."""
         cached = self.cache.known(name) or self.cache.get(name)
         return list(manifest_from_json(self.versions.manifest_json(cached.blob)))
-
-    def expert_info_or_none(self, name: str) -> dict[str, Any] | None:
-        try:
-            return self.expert_info(name)
-        except NotFound:
-            return None
 
     def expert_info(self, name: str) -> dict[str, Any]:
         try:
@@ -280,20 +269,6 @@ class RelayService:
         finally:
             self.blobs.forget(body)
 
-    def weights_file(self, name: str, worker_id: str | None) -> tuple[CachedWeights, Path | bytes]:
-        """What a pull of the current weights is sent: the cached root version's file, or the site's weights."""
-        if self.site is not None:
-            return self.site.weights(name, worker_id)
-        cached = self.cache.get(name)
-        return cached, self.blobs.path(cached.blob)
-
-    def _applied_version(self, update_id: str) -> int | None:
-        return self.upstream.update_status(update_id).get("applied_version")
-
-    def held_weights(self, name: str, version: int) -> CachedWeights | None:
-        """Version ``version`` of the expert if this relay holds it (its current copy or a kept previous one)."""
-        return self.store.cached_version(name, version)
-
     def weights_diff(self, name: str, since: int, codec: str, codec_config: dict[str, Any],
                      version: int | None = None) -> tuple[bytes, int]:
         """As the root's ``Coordinator.weights_diff``, from the versions this relay holds (coordinator/relay/diffs.py):
@@ -311,7 +286,7 @@ class RelayService:
             raise
 
     def record_pull(self, worker_id: str | None, name: str, body_bytes: int) -> None:
-        """A diff served (the root's view calls it, coordinator.api._weights_diff)."""
+        """A diff served (the root's view calls it, coordinator.api.routes.weights_diff_response)."""
         self.bytes_served += body_bytes
         self.diff_bytes_served += body_bytes
 
@@ -325,7 +300,7 @@ class RelayService:
                                       f"{limit} (--max-queue-mb); its upstream may be unreachable. Retry later",
                                       retry_after=30)
 
-    # resumable uploads (coordinator.uploads.UploadTarget): the root's routes, finishing into submit_update
+    # resumable uploads (coordinator.api.uploads.UploadTarget): the root's routes, finishing into submit_update
 
     def check_upload(self, name: str, size: int) -> None:
         """An upload is opened only for an expert upstream has (or the cache knows) and a body the queue can hold."""
@@ -368,7 +343,8 @@ class RelayService:
                 if known is not None:
                     return self._seen_before(known, name, digest, body), False
                 self.room_for(size)
-                with self.blobs_guard, storage_errors(f"record update {meta.update_id!r}"), self._site_lock():
+                with self.blobs_guard, storage_errors(f"record update {meta.update_id!r}"), \
+                        (self.site.lock if self.site is not None else nullcontext()):
                     owed = None if self.site is None else \
                         self.site.admit(name, cached, delta, stored[SITE_WEIGHT], self.checks, meta.update_id)
                     blob = self.blobs.adopt(body, digest)
@@ -384,9 +360,6 @@ class RelayService:
         finally:
             self.blobs.forget(body)
         return self.update_status(meta.update_id), True
-
-    def _site_lock(self) -> AbstractContextManager[Any]:
-        return self.site.lock if self.site is not None else nullcontext()
 
     def _seen_before(self, known: dict[str, Any], name: str, digest: str, body: Path) -> dict[str, Any]:
         if known["expert"] != name:
@@ -428,3 +401,12 @@ def _write_private(path: Path, text: str) -> None:
 def _default_relay_id(port: int | None) -> str:
     host = "".join(c if c.isalnum() or c in "_.-" else "-" for c in socket.gethostname())[:48] or "relay"
     return f"{host}-{port}" if port else host
+
+
+def _remove_orphan_blobs(store: RelayStore, blobs: BlobStore) -> None:
+    """Blobs written just before a crash and never recorded (a batch not committed): safe to delete."""
+    orphans = set(blobs.digests()) - store.referenced_blobs()
+    for digest in orphans:
+        blobs.delete(digest)
+    if orphans:
+        log.info("removed %d unrecorded blob(s) left by an interrupted write", len(orphans))

@@ -38,12 +38,12 @@ from typing import Any
 
 import torch
 
-from coordinator.adapters import non_finite_tensor
+from coordinator.checks.adapters import non_finite_tensor
 from coordinator.aggregation.base import add_deltas, staleness_weight, weighted_sum
-from coordinator.blobs import BlobStore
+from coordinator.storage.blobs import BlobStore
 from coordinator.relay.checks import RelayChecks
-from coordinator.update_limits import headroom
-from coordinator.relay.store import CachedWeights, RelayStore, held_deltas
+from coordinator.checks.update_limits import headroom
+from coordinator.relay.relay_store import CachedWeights, RelayStore, held_deltas
 from protocol.errors import FedMoEError
 from protocol.streaming import read_header
 from protocol.tensors import StateDict, dumps, load_file, loads
@@ -78,7 +78,7 @@ class _Site:
     base: StateDict | None = None
     """R's tensors, read once per root version."""
     base_room: float | None = None
-    """Their ``coordinator.update_limits.headroom``, for ``admit``'s check."""
+    """Their ``coordinator.checks.update_limits.headroom``, for ``admit``'s check."""
     dirty: bool = True
     """Updates added since ``body`` was built: rebuilt on the next pull (several pushes, one rebuild)."""
 

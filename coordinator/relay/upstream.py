@@ -25,8 +25,8 @@ from typing import Any
 
 from compression import make_codec
 from compression.wire import decode_update
-from coordinator.blobs import BlobStore
-from coordinator.relay.store import CachedWeights, RelayStore
+from coordinator.storage.blobs import BlobStore
+from coordinator.relay.relay_store import CachedWeights, RelayStore
 from protocol.client import CoordinatorClient, RetryPolicy, _read_body
 from protocol.errors import Conflict, FedMoEError, Forbidden, NotFound, Unauthorized, Unavailable
 from protocol.schemas import VERSION_HEADER
@@ -44,7 +44,7 @@ class UpstreamClient(CoordinatorClient):
                  retry: RetryPolicy = RetryPolicy(attempts=2, base_delay=0.5, max_delay=2.0),
                  relay_join_token: str | None = None) -> None:
         """``relay_join_token``: the root's relay join token, which registers the relay (the workers' join token
-        cannot, coordinator/tokens.py); without it the relay registers with ``join_token`` (an admin token does)."""
+        cannot, coordinator/access/tokens.py); without it the relay registers with ``join_token`` (an admin token does)."""
         super().__init__(url, retry=retry, token=join_token, timeout=(5.0, 120.0))
         self.join_token = join_token
         self.registering_token = relay_join_token or join_token

@@ -87,7 +87,7 @@ def test_the_start_hint_gives_addresses_a_worker_can_connect_to(caplog, tmp_path
 
 
 def test_debug_logs_one_line_per_request_and_every_decision(tmp_path, caplog):
-    from coordinator.app import create_app
+    from coordinator.api.app import create_app
 
     app = create_app(CoordinatorConfig(data_dir=tmp_path / "data"))
     try:

@@ -1,6 +1,6 @@
 import pytest
 
-from coordinator.app import create_app
+from coordinator.api.app import create_app
 from coordinator.config import CoordinatorConfig
 
 

@@ -66,7 +66,7 @@ def test_the_roots_fedbuff_reads_each_stored_raw_update_in_one_pass_to_the_same_
     """``stored_deltas`` of a raw body opens the file once per step, not once per tensor (420 opens per smollm2
     update cost 2.7 CPU s for 15 of them), and the step's result is bit for bit the tensor-by-tensor one."""
     import protocol.streaming
-    from coordinator.adapters import stored_deltas
+    from coordinator.checks.adapters import stored_deltas
     from protocol.streaming import FileTensors
     from protocol.tensors import dumps, manifest_of
     from tests.helpers import make_adapter, random_like

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from coordinator.ratelimit import RateLimiter
+from coordinator.access.ratelimit import RateLimiter
 from protocol.integrity import DIGEST_HEADER, digest_header
 from protocol.schemas import EXPERT_HEADER, UPDATE_HEADER
 from protocol.tensors import dumps

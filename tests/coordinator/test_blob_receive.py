@@ -8,7 +8,7 @@ import blake3
 
 import pytest
 
-from coordinator.blobs import BlobStore
+from coordinator.storage.blobs import BlobStore
 from protocol.client import Chunks
 from protocol.errors import BadRequest, PayloadTooLarge
 

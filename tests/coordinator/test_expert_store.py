@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.blobs import BlobStore
-from coordinator.expert_store import ExpertStore, StaleAggregation
-from coordinator.store import ManifestStore
+from coordinator.storage.blobs import BlobStore
+from coordinator.storage.expert_store import ExpertStore, StaleAggregation
+from coordinator.storage.manifest import ManifestStore
 from protocol.errors import NotFound
 
 SPEC = {"kind": "lora"}
@@ -26,7 +26,7 @@ def store(tmp_path):
 
 
 def temp(store: ExpertStore, data: bytes) -> Path:
-    return store.write_temp(lambda p: p.write_bytes(data))
+    return store.bodies.write_temp(lambda p: p.write_bytes(data))
 
 
 def stored_digests(store: ExpertStore) -> set[str]:
@@ -34,13 +34,13 @@ def stored_digests(store: ExpertStore) -> set[str]:
 
 
 def read(store: ExpertStore, digest: str) -> bytes:
-    with store.open_blob(digest) as f:
+    with store.blobs.open(digest) as f:
         return f.read()
 
 
 def add_update(store: ExpertStore, name: str, update_id: str, data: bytes):
     body = temp(store, data)
-    return store.add_update(name, {"update_id": update_id, "num_samples": 1}, body, store.digest_of(body),
+    return store.add_update(name, {"update_id": update_id, "num_samples": 1}, body, store.bodies.digest_of(body),
                             len(data), 4 * len(data), norm=None)
 
 
@@ -50,7 +50,7 @@ def test_a_recorded_expert_reads_back_through_every_read_path(store):
     assert ref.version == 0 and read(store, ref.digest) == b"weights v0"
     with store.local_file(ref.digest) as path:
         assert path.read_bytes() == b"weights v0"
-    local = store.local_path(ref.digest)
+    local = store.blobs.local_path(ref.digest)
     assert local is None or local.read_bytes() == b"weights v0"  # None: a remote backend
     assert list(store._blobs.tmp_dir.iterdir()) == []  # the temp file was adopted, not copied
 
@@ -92,14 +92,14 @@ def test_a_stale_aggregation_stores_nothing(store):
     before = stored_digests(store)
     with pytest.raises(StaleAggregation):
         store.commit_version("a", 2, temp(store, b"v2 from a stale step"), [update], None)  # expert is at 0
-    assert stored_digests(store) == before and store.pending_count("a") == 1
+    assert stored_digests(store) == before and store.rows.pending_count("a") == 1
 
 
 def test_gateways_past_keep_are_deleted_with_their_blobs(store):
     versions = [store.add_gateway(f"key{i}", temp(store, f"gateway {i}".encode()), {"sources": {}}, keep=2)
                 for i in range(4)]
     assert versions == sorted(versions)
-    assert store.gateway()["version"] == versions[-1] and store.gateway("key1") is None
+    assert store.rows.gateway()["version"] == versions[-1] and store.rows.gateway("key1") is None
     assert {read(store, d) for d in stored_digests(store)} == {b"gateway 2", b"gateway 3"}
 
 
@@ -118,12 +118,12 @@ def test_quarantined_updates_keep_a_copy_and_lose_their_blob(store):
 
     def event(u, kept):
         copies.append(kept)
-        from coordinator.audit import update_quarantined
+        from coordinator.access.audit import update_quarantined
         return update_quarantined("a", u.update_id, u.worker_id, "test", kept)
 
     assert store.quarantine_updates("a", [update], "test", event) == 1
     assert copies == [update.blob] and update.blob not in stored_digests(store)
-    assert store.pending_count("a") == 0 and store.update("u1").status == "quarantined"
+    assert store.rows.pending_count("a") == 0 and store.rows.update("u1").status == "quarantined"
 
 
 def test_one_lock_per_expert(store):

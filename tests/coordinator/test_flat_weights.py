@@ -1,4 +1,4 @@
-"""Weights read into one flat buffer (coordinator/flat_weights.py): the same tensors as load_file, and
+"""Weights read into one flat buffer (coordinator/checks/flat_weights.py): the same tensors as load_file, and
 stored int8 updates added a group of tensors per add_ leave the same floats as adds per tensor."""
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torch
 
 from compression import make_codec
 from compression.wire import encode_update
-from coordinator.adapters import stored_deltas
+from coordinator.checks.adapters import stored_deltas
 from coordinator.aggregation.base import add_deltas
-from coordinator.flat_weights import contiguous_range, load_flat
+from coordinator.checks.flat_weights import contiguous_range, load_flat
 from protocol.tensors import load_file, save_file
 
 # sizes that are multiples of 64 (grouped adds) next to ones that are not (added tensor by tensor)

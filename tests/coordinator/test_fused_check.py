@@ -8,9 +8,9 @@ import torch
 
 from compression import make_codec
 from compression.wire import encode_update
-from coordinator.adapters import check_update, checked_norm, stored_deltas
+from coordinator.checks.adapters import check_update, checked_norm, stored_deltas
 from coordinator.aggregation import l2_norm
-from coordinator.fused_check import int8_config, int8_update_norm
+from coordinator.checks.fused_check import int8_config, int8_update_norm
 from compression.errors import CompressionError
 from protocol.errors import FedMoEError
 
@@ -236,7 +236,7 @@ def test_norm_of_an_empty_or_headerless_file_takes_the_generic_path(tmp_path):
 def test_add_to_is_bit_identical_to_adding_the_decoded_tensors(tmp_path, monkeypatch, config, chunk):
     """A stored update added group by group through a small buffer (groups of one tensor, or of several)
     leaves the very floats that adding its one-pass decode left."""
-    import coordinator.fused_check as fused
+    import coordinator.checks.fused_check as fused
     monkeypatch.setattr(fused, "CHUNK_VALUES", chunk)
     path, _ = body(tmp_path, config, seed=5)
     deltas = stored_deltas(path, "int8", config, MANIFEST)
@@ -262,7 +262,7 @@ def test_add_to_adds_nothing_and_defers_when_the_body_is_not_clean(tmp_path):
 
 
 def test_non_finite_tensor_finds_nan_and_inf_anywhere():
-    from coordinator.adapters import non_finite_tensor
+    from coordinator.checks.adapters import non_finite_tensor
     for n in (1, 7, 31, 32, 33, 1000, 40_000):
         for position in {0, n // 2, n - 1}:
             for bad in (float("nan"), float("inf"), float("-inf")):
@@ -279,7 +279,7 @@ def test_several_updates_added_together_are_bit_identical_to_one_after_another(t
     """fedbuff's buffer added group of tensors by group (int8 bodies of different block sizes and scale
     formats, and a plain tensor dict between them, which splits the run): every tensor gets the same
     additions in the same order, so the very floats of adding each decoded update in turn."""
-    import coordinator.fused_check as fused
+    import coordinator.checks.fused_check as fused
     from coordinator.aggregation.base import add_deltas
     monkeypatch.setattr(fused, "CHUNK_VALUES", chunk)
     configs = [{}, {"block_size": 48, "scale_dtype": "fp16"}, {"block_size": 32}, {}, {"block_size": 100}]
@@ -303,7 +303,7 @@ def test_several_updates_added_together_are_bit_identical_to_one_after_another(t
 
 def test_updates_added_together_add_nothing_when_one_is_not_clean(tmp_path):
     from coordinator.aggregation.base import add_deltas
-    from coordinator.adapters import CompressedUpdate
+    from coordinator.checks.adapters import CompressedUpdate
     clean = stored_deltas(body(tmp_path, seed=3)[0], "int8", {}, MANIFEST)
     dirty = stored_deltas(_body_with_code_minus_128(tmp_path), "int8", {}, MANIFEST)
     zeros = {name: torch.zeros(shape) for name, shape in MANIFEST}

@@ -4,9 +4,9 @@ import threading
 
 import pytest
 
-from coordinator import audit
-from coordinator.group_commit import GroupCommit
-from coordinator.store import CHECKPOINT_WAL_BYTES, ManifestStore
+from coordinator.access import audit
+from coordinator.storage.group_commit import GroupCommit
+from coordinator.storage.manifest import CHECKPOINT_WAL_BYTES, ManifestStore
 
 
 class GatedFlush:

@@ -1,4 +1,4 @@
-"""GET /api/v1/health answers at once, whatever the store is doing (coordinator/health.py).
+"""GET /api/v1/health answers at once, whatever the store is doing (coordinator/storage/health.py).
 
 With the manifest in PostgreSQL, a table lock held elsewhere used to hold /health as long as the lock;
 tests/e2e/test_backend_faults.py holds a real one. Here the count function itself is stuck or fails.
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 
-from coordinator.health import StoreHealth
+from coordinator.storage.health import StoreHealth
 
 
 def test_health_answers_the_last_count_while_the_store_is_held_up():

@@ -148,5 +148,5 @@ def test_the_creator_of_an_expert_is_the_tokens_worker(make_app):
     r = worker.put("/api/v1/experts/e", data=body, headers=headers)
     assert error(r) == (403, "forbidden") and EXPERT_HEADER in r.get_json()["error"]["message"]
     assert put_expert(worker, "e").status_code == 201  # no worker_id in the spec: the token's is stored
-    stored = app.extensions["fedmoe"].store.expert("e").spec
+    stored = app.extensions["fedmoe"].store.rows.expert("e").spec
     assert stored["worker_id"] == "w1"

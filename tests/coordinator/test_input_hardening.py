@@ -104,7 +104,7 @@ def test_restart_quarantines_an_expert_whose_blob_the_loader_refuses(make_app, t
     put_expert(client, "bad", adapter)
     put_expert(client, "good", make_adapter(seed=1))
     c = app.extensions["fedmoe"]
-    path = c.store.local_path(c.weights("bad").digest)
+    path = c.store.blobs.local_path(c.store.weights("bad").digest)
     original = path.read_bytes()
     c.close()
     path.write_bytes(with_metadata(original, {"x": 1}))  # what an older coordinator accepted
@@ -130,7 +130,7 @@ def test_restart_quarantines_a_pending_update_the_loader_refuses(make_app):
     bad_meta, good_meta = update_meta(), update_meta()
     assert push(client, "e", random_like(adapter, 1), bad_meta).status_code == 202  # pending (K=2)
     c = app.extensions["fedmoe"]
-    path = c.store._blobs.path(c.store.update(bad_meta["update_id"]).blob)
+    path = c.store._blobs.path(c.store.rows.update(bad_meta["update_id"]).blob)
     damaged = with_metadata(path.read_bytes(), {"x": 1})
     c.close()
     path.write_bytes(damaged)
@@ -214,9 +214,9 @@ def test_an_update_whose_result_overflows_is_refused_and_nothing_is_recorded(mak
     assert r.get_json()["error"]["details"]["reason"] == "result_not_finite"
     assert client.get(f"/api/v1/updates/{meta['update_id']}").status_code == 404
     c = app.extensions["fedmoe"]
-    assert c.store.expert("e").version == 1
-    assert all(bool(torch.isfinite(t).all()) for t in load_file(c.store.local_path(c.weights("e").digest)).values())
-    norms = c.store.recent_norms("e", 20)
+    assert c.store.rows.expert("e").version == 1
+    assert all(bool(torch.isfinite(t).all()) for t in load_file(c.store.blobs.local_path(c.store.weights("e").digest)).values())
+    norms = c.store.rows.recent_norms("e", 20)
     assert norms and all(math.isfinite(n) for n in norms)
     # every JSON answer stays strict JSON, and the gateway and a diff pull are served
     for path in ("/api/v1/experts/e", "/api/v1/events", "/api/v1/experts"):
@@ -268,7 +268,7 @@ def test_diff_pulls_racing_with_pruning_never_fail_with_a_500(make_app):
     def pull() -> None:
         client = app.test_client()
         while not done.is_set():
-            since = max(0, c.store.expert("e").version - 1)
+            since = max(0, c.store.rows.expert("e").version - 1)
             r = client.get(f"/api/v1/experts/e/weights?since={since}&codec=bf16")
             statuses.append(r.status_code)
             assert r.status_code in (200, 304) or r.is_json
@@ -329,4 +329,4 @@ def test_a_pending_update_whose_result_would_overflow_is_quarantined_not_applied
     info = client.get("/api/v1/experts/e").get_json()
     assert (info["version"], info["pending_updates"]) == (1, 0)
     c = client.application.extensions["fedmoe"]
-    assert all(bool(torch.isfinite(t).all()) for t in load_file(c.store.local_path(c.weights("e").digest)).values())
+    assert all(bool(torch.isfinite(t).all()) for t in load_file(c.store.blobs.local_path(c.store.weights("e").digest)).values())

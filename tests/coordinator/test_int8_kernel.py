@@ -1,4 +1,4 @@
-"""The compiled int8 paths (coordinator/int8_kernel.py) against the per-tensor ones, on real encoded bodies."""
+"""The compiled int8 paths (coordinator/checks/int8_kernel.py) against the per-tensor ones, on real encoded bodies."""
 import math
 
 import numpy as np
@@ -8,11 +8,11 @@ import torch
 from bench.shapes import lora_manifest
 from compression import make_codec
 from compression.wire import decode_update, encode_update, index_update_file, split_update
-from coordinator import int8_kernel
-from coordinator.adapters import check_update, checked_norm, non_finite_tensor, stored_deltas
+from coordinator.checks import int8_kernel
+from coordinator.checks.adapters import check_update, checked_norm, non_finite_tensor, stored_deltas
 from coordinator.aggregation import AggregationParams, Update, fedbuff, l2_norm
-from coordinator.flat_weights import flat_offsets, load_flat
-from coordinator.fused_check import int8_config, int8_update_norm
+from coordinator.checks.flat_weights import flat_offsets, load_flat
+from coordinator.checks.fused_check import int8_config, int8_update_norm
 from protocol.errors import FedMoEError
 from protocol.tensors import save_file
 
@@ -175,7 +175,7 @@ def test_non_finite_tensor_on_flat_weights(tmp_path):
 
 @pytest.mark.parametrize("manifest", [ODD, LORA], ids=["odd", "lora"])
 def test_save_flat_writes_the_bytes_of_save_file(tmp_path, manifest):
-    from coordinator.flat_weights import save_flat
+    from coordinator.checks.flat_weights import save_flat
     weights = flat_weights(tmp_path, manifest)
     weights[manifest[0][0]].add_(1.5)
     save_file(weights, tmp_path / "reference")

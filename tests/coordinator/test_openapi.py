@@ -1,7 +1,7 @@
 """The served OpenAPI description covers every route the app has, with the methods it has."""
 import re
 
-from coordinator.openapi import OPENAPI
+from coordinator.api.openapi import OPENAPI
 
 
 def test_every_route_and_method_is_described(client):

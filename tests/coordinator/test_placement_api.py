@@ -1,4 +1,4 @@
-"""The root's placement routes (coordinator/placement_api.py): probe reports in, each worker's assignment and the plan out."""
+"""The root's placement routes (coordinator/api/placement.py): probe reports in, each worker's assignment and the plan out."""
 from __future__ import annotations
 
 from tests.coordinator.test_relays import join_token, register_relay

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.blobs import BlobStore
+from coordinator.storage.blobs import BlobStore
 from coordinator.config import CoordinatorConfig
-from coordinator.expert_store import ExpertStore
+from coordinator.storage.expert_store import ExpertStore
 from coordinator.quarantine import quarantine_command
 from coordinator.recovery import RecoveryRefused, StoreMismatch, recover
-from coordinator.store import ManifestStore
+from coordinator.storage.manifest import ManifestStore
 from tests.helpers import make_adapter, push, put_expert, random_like, update_meta
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,7 +42,7 @@ def federation(make_app, tmp_path):
     meta = update_meta()
     assert push(client, "e", random_like(adapter, 1), meta).status_code == 202
     c = app.extensions["fedmoe"]
-    paths = {"e": c.store.local_path(c.weights("e").digest), "update": c.store.local_path(c.store.update(
+    paths = {"e": c.store.blobs.local_path(c.store.weights("e").digest), "update": c.store.blobs.local_path(c.store.rows.update(
         meta["update_id"]).blob)}
     c.close()
     return {"data": tmp_path / "data", "update_id": meta["update_id"], "paths": paths}
@@ -147,7 +147,7 @@ def test_unusable_data_in_a_shared_manifest_is_named_and_not_set_aside(federatio
             recover(store, aggregate=lambda name: None)
         assert f"pending update {federation['update_id']!r} of 'e'" in str(refused.value)
         assert "--quarantine e" in str(refused.value)
-        assert store.update(federation["update_id"]).status == "pending"  # nothing changed
+        assert store.rows.update(federation["update_id"]).status == "pending"  # nothing changed
         assert not (data / "quarantine").exists()
     finally:
         store.close()

@@ -8,7 +8,7 @@ import pytest
 import torch
 from werkzeug.serving import make_server
 
-from coordinator.app import create_app
+from coordinator.api.app import create_app
 from coordinator.config import CoordinatorConfig
 from coordinator.relay.api import create_relay_app
 from coordinator.relay.forwarder import ForwardPolicy, batch_update_id, combine
@@ -119,7 +119,7 @@ def test_a_relay_with_a_codec_forwards_a_compressed_batch(root, tmp_path):
 
 
 def test_a_relay_keeps_its_worker_rows_with_the_roots_code(relay):
-    """Register, renew, heartbeat and list at a relay (coordinator.store's worker-row functions on its table)."""
+    """Register, renew, heartbeat and list at a relay (coordinator.storage.manifest's worker-row functions on its table)."""
     app, join = relay
     first = register(app, join, "w1")
     assert first.status_code == 200 and first.json["relay"] == "r1"
@@ -189,7 +189,7 @@ def test_a_stale_pull_gets_the_cached_weights_at_once_and_the_new_version_after_
 
 def test_raw_bodies_are_combined_in_one_pass_per_file_bit_for_bit_as_tensor_by_tensor(tmp_path):
     """The forwarder reads a queued raw body through one open file (FileTensors reopened it for every tensor)."""
-    from coordinator.adapters import stored_deltas
+    from coordinator.checks.adapters import stored_deltas
     from protocol.streaming import FileTensors, FileTensorsOnce
 
     adapter = make_adapter()

@@ -145,7 +145,7 @@ def test_the_relay_keeps_a_bounded_history_on_disk_and_across_a_restart(sites):
     assert set(relay.blobs.digests()) == held  # the blobs of versions 0-2 were deleted
     assert all(loads(relay.blobs.path(relay.store.cached_version("e1", v).blob).read_bytes()) for v in (3, 4))
     relay.store.close()
-    from coordinator.relay.store import RelayStore
+    from coordinator.relay.relay_store import RelayStore
 
     reopened = RelayStore(relay.relay_config.coordinator.data_dir / "relay.sqlite")
     try:

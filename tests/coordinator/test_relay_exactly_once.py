@@ -15,12 +15,12 @@ import pytest
 import torch
 from werkzeug.serving import make_server
 
-from coordinator.app import create_app
+from coordinator.api.app import create_app
 from coordinator.config import CoordinatorConfig
 from coordinator.relay.api import create_relay_app
 from coordinator.relay.forwarder import ForwardPolicy
 from coordinator.relay.service import RelayConfig
-from coordinator.relay.store import RelayStore
+from coordinator.relay.relay_store import RelayStore
 from protocol.client import CoordinatorClient
 from protocol.integrity import DIGEST_HEADER, digest_header
 from protocol.schemas import MAX_BATCH_MEMBERS, UPDATE_HEADER
@@ -257,7 +257,7 @@ def test_a_refused_batch_costs_the_root_no_aggregation_step_and_records_nothing(
     prepared = []
     real_prepare = c.steps.prepare
     c.steps.prepare = lambda *args: prepared.append(args[1]["update_id"]) or real_prepare(*args)
-    norms, last_event = c.store.recent_norms("e1", 100), c.events(1)[0]["id"]
+    norms, last_event = c.store.rows.recent_norms("e1", 100), c.events(1)[0]["id"]
     body = dumps(random_like(make_adapter(), 2))
     admin_token = root_app.extensions["fedmoe_auth"].admin_token
 
@@ -269,8 +269,8 @@ def test_a_refused_batch_costs_the_root_no_aggregation_step_and_records_nothing(
     refused = batch("r1.x.e1.1", {"U": "b3-" + "1" * 64, "V": "b3-" + "2" * 64})
     assert refused.status_code == 409 and refused.json["error"]["details"]["members"] == ["U"]
     assert prepared == []  # the step it would have completed (fedasync: every update) was never computed
-    assert c.store.update("r1.x.e1.1") is None and c.store.update("V") is None
-    assert c.store.recent_norms("e1", 100) == norms
+    assert c.store.rows.update("r1.x.e1.1") is None and c.store.rows.update("V") is None
+    assert c.store.rows.recent_norms("e1", 100) == norms
     info = admin.expert("e1")
     assert (info["version"], info["updates_applied"], info["samples_seen"]) == (1, 1, 5)
     assert [e["kind"] for e in c.events(100, after=last_event)] == ["update_rejected"]  # only the audit row

@@ -13,11 +13,11 @@ import threading
 import pytest
 import torch
 
-from coordinator.blobs import BlobStore
-from coordinator.norm_check import NormPolicy
+from coordinator.storage.blobs import BlobStore
+from coordinator.checks.norm_check import NormPolicy
 from coordinator.relay.checks import RelayChecks
-from coordinator.relay.store import Batch, RelayStore
-from coordinator.update_limits import UpdateLimits
+from coordinator.relay.relay_store import Batch, RelayStore
+from coordinator.checks.update_limits import UpdateLimits
 from protocol.errors import InvalidUpdate
 from protocol.tensors import dumps, loads
 from tests.coordinator.test_relay_exactly_once import make_relay, push, root, root_weights, token_at  # noqa: F401

@@ -1,4 +1,4 @@
-"""Resumable uploads through a relay: the root's routes (coordinator/uploads.py) with the relay behind them.
+"""Resumable uploads through a relay: the root's routes (coordinator/api/uploads.py) with the relay behind them.
 
 A real relay app forwards over HTTP to a real root on a loopback port (fedasync, lr 1, no staleness
 decay, lossless forwarding: the root's weights are w0 + the deltas, exactly). A finished upload must be

@@ -7,7 +7,7 @@ import torch
 from coordinator.aggregation import AggregationParams, Update, l2_norm
 from coordinator.aggregation.robust import ROBUST_RULES, RobustParams, robust_aggregator, trim_count
 from coordinator.config import CoordinatorConfig
-from coordinator.norm_check import NormPolicy, judge_norm
+from coordinator.checks.norm_check import NormPolicy, judge_norm
 from protocol.errors import InvalidUpdate
 
 

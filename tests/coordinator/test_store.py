@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from coordinator.blobs import BlobStore
-from coordinator.store import StaleAggregation
+from coordinator.storage.blobs import BlobStore
+from coordinator.storage.manifest import StaleAggregation
 from protocol.tensors import loads
 from tests.helpers import make_adapter, push, put_expert, random_like, update_meta
 
@@ -113,13 +113,13 @@ def test_a_second_process_on_the_same_data_dir_cannot_apply_an_update_twice(make
     put_expert(first.test_client(), "e", adapter)
     push(first.test_client(), "e", random_like(adapter, 1), update_meta(num_samples=5))
     c2 = second.extensions["fedmoe"]
-    stale = c2.store.pending_updates("e")
+    stale = c2.store.rows.pending_updates("e")
     push(first.test_client(), "e", random_like(adapter, 2), update_meta(num_samples=7))  # first applies both
     weights = first.test_client().get("/api/v1/experts/e/weights").data
 
     assert len(stale) == 1 and c2.steps.apply("e", stale + stale) is False
     with pytest.raises(StaleAggregation):  # the commit itself refuses a stale step
-        c2.store._rows.commit_version("e", 2, c2.weights("e").digest, stale, None)
+        c2.store._rows.commit_version("e", 2, c2.store.weights("e").digest, stale, None)
     info = first.test_client().get("/api/v1/experts/e").get_json()
     assert info["version"] == 1 and info["samples_seen"] == 12 and info["updates_applied"] == 2
     assert first.test_client().get("/api/v1/experts/e/weights").data == weights
@@ -133,7 +133,7 @@ def test_commit_refuses_a_step_whose_base_version_moved(make_app):
     put_expert(app.test_client(), "e", adapter)
     push(app.test_client(), "e", random_like(adapter, 1))
     c = app.extensions["fedmoe"]
-    pending = c.store.pending_updates("e")
+    pending = c.store.rows.pending_updates("e")
     with pytest.raises(StaleAggregation):
-        c.store._rows.commit_version("e", 2, c.weights("e").digest, pending, None)  # expert is at 0, not 1
-    assert c.store.pending_count("e") == 1 and c.store.expert("e").version == 0
+        c.store._rows.commit_version("e", 2, c.store.weights("e").digest, pending, None)  # expert is at 0, not 1
+    assert c.store.rows.pending_count("e") == 1 and c.store.rows.expert("e").version == 0

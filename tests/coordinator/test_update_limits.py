@@ -1,4 +1,4 @@
-"""The root's step rule as a relay applies it before its 202 (coordinator/update_limits.py, coordinator/relay/checks.py):
+"""The root's step rule as a relay applies it before its 202 (coordinator/checks/update_limits.py, coordinator/relay/checks.py):
 a quick bound from peak magnitudes, and the exact sum whenever the bound cannot promise a finite result."""
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import threading
 import pytest
 import torch
 
-from coordinator.blobs import BlobStore
+from coordinator.storage.blobs import BlobStore
 from coordinator.relay.checks import RelayChecks
-from coordinator.relay.store import CachedWeights, RelayStore
-from coordinator.update_limits import SAFE_MAGNITUDE, UpdateLimits, headroom, peak_magnitude, surely_finite
+from coordinator.relay.relay_store import CachedWeights, RelayStore
+from coordinator.checks.update_limits import SAFE_MAGNITUDE, UpdateLimits, headroom, peak_magnitude, surely_finite
 from protocol.errors import InvalidUpdate
 from protocol.streaming import FileTensorsOnce
 from protocol.tensors import dumps

@@ -148,7 +148,7 @@ def test_a_placed_chunk_with_only_a_prefix_digest_is_hashed_once_and_checked(app
 def test_a_request_waiting_for_an_upload_a_place_holds_gives_up_with_a_503(app, monkeypatch):
     """A placed chunk keeps the upload's lock until its own request has run on a request thread: requests that wait
     for that lock must not wait for ever, or enough of them would take every request thread (a deadlock)."""
-    monkeypatch.setattr("coordinator.upload_store.LOCK_WAIT", 0.2)
+    monkeypatch.setattr("coordinator.storage.upload_files.LOCK_WAIT", 0.2)
     client = app.test_client()
     body = body_of()
     upload_id = open_upload(client, body).get_json()["upload_id"]

@@ -1,4 +1,4 @@
-"""Resumable uploads (coordinator/uploads.py): every bad request, the bounds, restarts, exactly-once."""
+"""Resumable uploads (coordinator/api/uploads.py): every bad request, the bounds, restarts, exactly-once."""
 from __future__ import annotations
 
 import errno

@@ -4,7 +4,7 @@ What was sent: on the root's machine, in the same working directory, the relay e
 (``run_coordinator.py --upstream http://root --port ...``, no --data-dir, so the root's default ``fedmoe-data``).
 What came back: the relay's start-up sweep deleted every blob it did not know (the root's expert versions); the
 root then answered 404 for its expert's weights, and the root's next start quarantined the expert (acknowledged
-updates lost). Fix: coordinator/data_dir.py (a lock per data dir, and a root's dir is never a relay's).
+updates lost). Fix: coordinator/storage/data_dir.py (a lock per data dir, and a root's dir is never a relay's).
 """
 from __future__ import annotations
 

@@ -45,5 +45,5 @@ def test_plain_http_to_a_tls_port_says_use_https(start_coordinator, tmp_path):
     with pytest.raises(TLSFailure, match=f"speaks TLS.*use {url}"):
         CoordinatorClient(plain, retry=RetryPolicy(attempts=3, base_delay=5.0)).health()
     with pytest.raises(TLSFailure, match="does not answer TLS.*use http://"):  # and the other way round
-        # a second coordinator needs its own data dir (coordinator/data_dir.py)
+        # a second coordinator needs its own data dir (coordinator/storage/data_dir.py)
         CoordinatorClient(start_coordinator(data_dir=tmp_path / "plain")[1].replace("http://", "https://")).health()

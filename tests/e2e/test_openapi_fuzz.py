@@ -13,7 +13,7 @@ import sys
 
 import requests
 
-from coordinator.openapi import OPENAPI
+from coordinator.api.openapi import OPENAPI
 from gateway.router import profile_to_json, text_profile
 from protocol.schemas import EXPERT_HEADER, UPDATE_HEADER
 from protocol.tensors import dumps

@@ -19,7 +19,7 @@ import requests
 
 from bench.wanemu import NamespaceUnavailable, WanLink, check_available, list_namespaces
 from bench.wanemu.namespaces import PREFIX
-from coordinator.app import create_app
+from coordinator.api.app import create_app
 from coordinator.config import CoordinatorConfig
 from tests.e2e.conftest import ROOT, env
 from tests.helpers import serve_on_loopback

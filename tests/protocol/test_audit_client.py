@@ -13,7 +13,7 @@ import threading
 import pytest
 from werkzeug.serving import make_server
 
-from coordinator.app import create_app
+from coordinator.api.app import create_app
 from coordinator.config import CoordinatorConfig
 from protocol.client import CoordinatorClient
 from tests.helpers import FINGERPRINT

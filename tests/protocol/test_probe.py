@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 from werkzeug.serving import make_server
 
-from coordinator.app import create_app
+from coordinator.api.app import create_app
 from coordinator.config import CoordinatorConfig
 from protocol.client import CoordinatorClient, RetryPolicy
 from protocol.errors import Unavailable

@@ -144,7 +144,7 @@ def test_a_coordinator_gone_for_good_fails_after_bounded_retries(coordinator: Co
 
 
 # chunks over SPOOL_IN_MEMORY reach the application as the front's spool file, already hashed; the upload store
-# copies that file in the kernel instead of reading the request body (coordinator/upload_store.py)
+# copies that file in the kernel instead of reading the request body (coordinator/storage/upload_files.py)
 SPOOLED_CHUNK = SPOOL_IN_MEMORY + (64 << 10)
 
 

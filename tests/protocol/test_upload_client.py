@@ -9,7 +9,7 @@ import requests
 from werkzeug.serving import make_server
 
 from bench.common import running_coordinator
-from coordinator.app import create_app
+from coordinator.api.app import create_app
 from coordinator.config import CoordinatorConfig
 from bench.wanemu.cut import CutProxy
 from protocol.client import CoordinatorClient, RetryPolicy

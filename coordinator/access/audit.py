@@ -1,0 +1,242 @@
+"""The audit log (table ``events``) and the per-expert history of accepted update norms.
+
+Every creation, registration, accepted / duplicate / rejected / clipped update and applied
+version becomes one event row: who (worker_id), what (kind, expert, update_id, detail), when
+(time) and why (message, detail.reason). ``ManifestStore`` writes an event in the same SQLite
+transaction as the change it records; rejections, which change nothing, get a transaction of
+their own. The table keeps the newest ``EVENTS_KEPT`` rows, so it cannot grow without bound.
+
+Norm history: the L2 norm of every accepted update, the newest ``NORMS_KEPT`` per expert,
+so the norm check (``coordinator.checks.norm_check``) has its reference after a restart too.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from coordinator.storage.sqldb import Connection
+from protocol.errors import BadRequest
+from protocol.schemas import loads_json
+
+if TYPE_CHECKING:
+    from coordinator.checks.norm_check import NormVerdict
+    from protocol.errors import FedMoEError
+    from protocol.schemas import UpdateMeta
+
+log = logging.getLogger(__name__)
+
+AUDIT_SCHEMA = """
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,    -- increasing: clients poll with ?after=ID
+    time REAL NOT NULL,
+    kind TEXT NOT NULL,              -- expert_created, worker_registered, update_accepted, ...
+    expert TEXT,
+    worker_id TEXT,
+    update_id TEXT,
+    message TEXT NOT NULL,           -- one human line
+    detail TEXT NOT NULL             -- JSON object
+);
+CREATE INDEX IF NOT EXISTS events_expert ON events (expert, id);
+CREATE INDEX IF NOT EXISTS events_kind ON events (kind, id);
+CREATE TABLE IF NOT EXISTS update_norms (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    expert TEXT NOT NULL,
+    norm REAL NOT NULL               -- L2 norm of an accepted update, after any clipping
+);
+CREATE INDEX IF NOT EXISTS update_norms_expert ON update_norms (expert, id);
+"""
+
+EVENTS_KEPT = 100_000
+"""Rows kept in ``events``; older ones are deleted as new ones arrive."""
+NORMS_KEPT = 256
+"""Accepted-update norms kept per expert (the upper bound of --norm-history)."""
+_TEXT_LIMIT = 200  # worker ids from unparsed headers are attacker-chosen: keep rows small
+
+KINDS = ("expert_created", "worker_registered", "update_accepted", "update_duplicate", "update_rejected",
+         "update_clipped", "version_applied", "request_refused", "update_quarantined", "expert_quarantined")
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: str
+    """One of ``KINDS`` (other branches may add kinds; readers show unknown ones as text)."""
+    message: str
+    """One human line saying what happened and why."""
+    expert: str | None = None
+    worker_id: str | None = None
+    update_id: str | None = None
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+def insert_event(db: Connection, event: Event) -> None:
+    """Add one event inside the caller's transaction and drop rows beyond ``EVENTS_KEPT``."""
+    cur = db.execute("INSERT INTO events (time, kind, expert, worker_id, update_id, message, detail) "
+                     "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                     (time.time(), event.kind, _short(event.expert), _short(event.worker_id),
+                      _short(event.update_id), _storable(event.message[:1000]),
+                      json.dumps(_finite(event.detail), default=str, allow_nan=False)))
+    assert cur.lastrowid is not None  # set by the INSERT above
+    db.execute("DELETE FROM events WHERE id <= ?", (cur.lastrowid - EVENTS_KEPT,))
+    log.debug("%s: %s", event.kind, _storable(event.message))  # every decision, with --debug
+
+
+def query_events(db: Connection, limit: int, after: int | None = None, expert: str | None = None,
+                 kind: str | None = None) -> list[dict[str, Any]]:
+    """Newest first, at most ``limit``, optionally only ids above ``after`` / one expert / one kind."""
+    where, args = [], []
+    for clause, value in (("id > ?", after), ("expert = ?", expert), ("kind = ?", kind)):
+        if value is not None:
+            where.append(clause)
+            args.append(value)
+    sql = "SELECT * FROM events" + (" WHERE " + " AND ".join(where) if where else "") + " ORDER BY id DESC LIMIT ?"
+    rows = db.execute(sql, (*args, limit)).fetchall()
+    return [{"id": r["id"], "time": r["time"], "kind": r["kind"], "expert": r["expert"], "worker_id": r["worker_id"],
+             "update_id": r["update_id"], "message": r["message"], "detail": json.loads(r["detail"])} for r in rows]
+
+
+def insert_norm(db: Connection, expert: str, norm: float) -> None:
+    """Remember an accepted update's norm inside the caller's transaction; keep the newest per expert.
+
+    A non-finite norm is never stored: one inf made the median inf, and the check was off for good."""
+    if not math.isfinite(norm):
+        return
+    db.execute("INSERT INTO update_norms (expert, norm) VALUES (?, ?)", (expert, norm))
+    db.execute("DELETE FROM update_norms WHERE expert = ? AND id <= (SELECT id FROM update_norms WHERE expert = ? "
+               "ORDER BY id DESC LIMIT 1 OFFSET ?)", (expert, expert, NORMS_KEPT))
+
+
+def recent_norms(db: Connection, expert: str, n: int) -> list[float]:
+    """The norms of the expert's newest ``n`` accepted updates, newest first."""
+    rows = db.execute("SELECT norm FROM update_norms WHERE expert = ? ORDER BY id DESC LIMIT ?", (expert, n))
+    return [r["norm"] for r in rows.fetchall()]
+
+
+def _finite(value: Any) -> Any:
+    """The value with NaN and infinities as None, so every reader can parse the detail as JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _short(text: str | None) -> str | None:
+    return None if text is None else _storable(str(text)[:_TEXT_LIMIT])
+
+
+def _storable(text: str) -> str:
+    """``text`` as valid UTF-8: a lone surrogate from a JSON header ("\\ud800") cannot be stored in
+    SQLite and would lose the whole row, so it is kept as its escape."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+# the events the coordinator writes -----------------------------------------------------------
+
+
+def expert_created(name: str, rank: int | None, base_model: str) -> Event:
+    """``rank`` None: a full-parameter expert."""
+    kind = "full-parameter" if rank is None else f"LoRA rank {rank}"
+    return Event("expert_created", f"expert {name} created ({kind}, base model {base_model})",
+                 expert=name, detail={"rank": rank, "base_model": base_model})
+
+
+def worker_registered(worker_id: str, specialty: str, base_model: str, sync_interval: float | None) -> Event:
+    return Event("worker_registered", f"worker {worker_id} registered for {specialty}", expert=specialty,
+                 worker_id=worker_id, detail={"base_model": base_model, "sync_interval": sync_interval})
+
+
+def update_accepted(name: str, meta: "UpdateMeta", verdict: "NormVerdict", size: int) -> tuple[Event, ...]:
+    """update_accepted, plus update_clipped when the norm check scaled it down."""
+    who = dict(expert=name, worker_id=meta.worker_id, update_id=meta.update_id)
+    accepted = Event("update_accepted", f"update {meta.update_id} accepted ({meta.num_samples} samples, "
+                     f"base version {meta.base_version}, norm {verdict.norm:.4g})", **who,
+                     detail={"norm": verdict.norm, "limit": verdict.limit, "num_samples": meta.num_samples,
+                             "base_version": meta.base_version, "codec": meta.codec, "body_bytes": size,
+                             "train_loss": meta.train_loss})
+    if not verdict.clipped:
+        return (accepted,)
+    return accepted, Event("update_clipped", f"update {meta.update_id} clipped from norm {verdict.norm:.4g} to "
+                           f"{verdict.limit:.4g} (--norm-factor x median of {verdict.history} recent norms)", **who,
+                           detail={"norm": verdict.norm, "limit": verdict.limit, "history": verdict.history,
+                                   "scale": verdict.scale})
+
+
+def update_duplicate(name: str, worker_id: str | None, update_id: str, status: str) -> Event:
+    return Event("update_duplicate", f"update {update_id} was received before ({status}); not applied again",
+                 expert=name, worker_id=worker_id, update_id=update_id, detail={"status": status})
+
+
+def version_applied(name: str, version: int, update_ids: list[str], staleness: list[int],
+                    train_loss: float | None) -> Event:
+    return Event("version_applied", f"expert {name} -> version {version} from {len(update_ids)} update(s)",
+                 expert=name, detail={"version": version, "num_updates": len(update_ids), "train_loss": train_loss,
+                                      "update_ids": update_ids, "staleness": staleness})
+
+
+def rejection_event(expert: str, status: int, code: str, message: str, details: dict[str, Any],
+                    update_header: str | None, worker_header: str | None, remote_addr: str | None,
+                    caller: str | None = None) -> Event:
+    """The event for a refused push, built from whatever of the request could be read.
+
+    Who: ``caller`` (the worker its token names) if known; else (admin, or auth off) the worker_id
+    in the update metadata header if it parses, else the X-FedMoE-Worker header, else the remote
+    address (the request may be refused precisely because it is garbage). A claimed worker id that
+    is not the caller's stays in the detail as ``claimed_worker_id``.
+    """
+    claimed, update_id = _ids_from_header(update_header)
+    who = caller or claimed or worker_header or remote_addr
+    if caller is not None and claimed not in (None, caller):
+        details = {**details, "claimed_worker_id": claimed}
+    reason = str(details.get("reason", code))
+    return Event("update_rejected", f"update {update_id or '(no id)'} from {who or 'unknown'} rejected "
+                 f"({status} {reason}): {message}", expert=expert, worker_id=who, update_id=update_id,
+                 detail={**details, "reason": reason, "status": status, "error": message[:500],
+                         "remote_addr": remote_addr})
+
+
+def refusal_event(status: int, code: str, message: str, method: str, path: str, expert: str | None,
+                  worker_id: str | None, role: str, remote_addr: str | None) -> Event:
+    """A request refused by authentication, authorization or the rate limit (401, 403, 429)."""
+    who = worker_id or f"{role}@{remote_addr}"
+    return Event("request_refused", f"{method} {path} from {who} refused ({status} {code}): {message}",
+                 expert=expert, worker_id=worker_id,
+                 detail={"status": status, "reason": code, "role": role, "method": method, "path": path[:200],
+                         "error": message[:500], "remote_addr": remote_addr})
+
+
+def _ids_from_header(raw: str | None) -> tuple[str | None, str | None]:
+    try:
+        meta = loads_json(raw, "update header") if raw else None
+    except BadRequest:  # malformed or nested too deep: the refusal is logged without ids
+        return None, None
+    if not isinstance(meta, dict):
+        return None, None
+    worker_id, update_id = meta.get("worker_id"), meta.get("update_id")
+    return (worker_id if isinstance(worker_id, str) and worker_id else None,
+            update_id if isinstance(update_id, str) and update_id else None)
+
+
+def update_refused_upstream(name: str, update_id: str, worker_id: str | None, batch_id: str,
+                            exc: "FedMoEError") -> Event:
+    """At a relay: a worker update it had acknowledged that the root refused, alone in batch ``batch_id``."""
+    reason = str(exc.details.get("reason", exc.code))
+    return Event("update_rejected", f"update {update_id} from {worker_id or 'unknown'} refused upstream "
+                 f"({exc.status} {reason}) in batch {batch_id}: {exc.message}", expert=name, worker_id=worker_id,
+                 update_id=update_id, detail={"reason": reason, "status": exc.status, "error": exc.message[:500],
+                                              "batch": batch_id, "upstream": True})
+
+
+def update_quarantined(name: str, update_id: str, worker_id: str | None, reason: str, kept: str | None) -> Event:
+    return Event("update_quarantined", f"pending update {update_id} of {name} set aside, never applied: {reason}",
+                 expert=name, worker_id=worker_id, update_id=update_id, detail={"reason": reason[:500], "kept": kept})
+
+
+def expert_quarantined(name: str, version: int, reason: str, kept: list[str]) -> Event:
+    return Event("expert_quarantined", f"expert {name} (version {version}) set aside: {reason}; its next worker "
+                 "creates it again", expert=name, detail={"version": version, "reason": reason[:500], "kept": kept})

@@ -1,5 +1,0 @@
-"""Storage backends behind the ExpertStore seam: PostgreSQL for the manifest, S3-compatible object stores for blobs.
-
-SQLite and local files (coordinator/store.py, coordinator/blobs.py) stay the embedded default; these
-let several coordinator processes serve one federation (docs/scale.md).
-"""

@@ -1,0 +1,1 @@
+"""What an update must pass before it is accepted, and the compiled kernels that check and add it cheaply."""
