@@ -19,6 +19,11 @@ on the domain's held-out problems (the protection's cost). The arms, i.e. what t
   noise sigma x C, sigma calibrated to epsilon at delta for this one step; accounting with q = 1):
   what everyone who sees the expert holds, and what the coordinator holds with secure aggregation and
   distributed noise. Without secure aggregation the coordinator still sees each raw update (``single``);
+- ``dp_secagg_eps*``: the same DP-FedAvg step made as the product makes it under --secure-aggregation
+  --dp-noise: each of the K workers clips its update to C and adds N(0, (sigma C)^2 / K), then the real
+  cohort protocol (privacy.secagg, in this process: fixed-point quantisation, pairwise and self masks)
+  unmasks the sum, divided by K. What the coordinator itself holds, with the noise drawn from the OS's
+  entropy as the members draw it;
 - ``dp_sgd_eps*``: the target worker trains with example-level DP-SGD (worker/dp_sgd.py, Opacus, noise
   calibrated to epsilon over its steps at Poisson rate q = batch / members), and the coordinator holds
   its update.
@@ -38,6 +43,7 @@ import json
 import logging
 import statistics
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Sequence
@@ -55,6 +61,12 @@ from bench.realdata import DS1000_DATA, REAL_MODEL, SMOKE_MODEL, Lab, ds1000_dom
 from protocol.cli import option
 from privacy.accountant import noise_multiplier_for
 from privacy.dp import DPFedAvgSettings, dp_fedavg_step, noise_generator, update_norm
+from privacy.secagg.aggregator import SecAggSettings, SecureAggregator
+from privacy.secagg.journal import CohortJournal
+from privacy.secagg.noise import CohortNoise
+from privacy.secagg.session import CohortSession
+from privacy.secagg.vector import flatten, unflatten
+from protocol.tensors import manifest_of
 from worker.data import Example
 from worker.dp_sgd import DPSGDSettings, DPSGDTrainer
 from worker.evaluation import AnswerLoss
@@ -66,7 +78,7 @@ warnings.filterwarnings("ignore", message="Full backward hook is firing", catego
 ROOT = Path(__file__).resolve().parents[1]
 
 
-ARM_GROUPS = ("single", "mean", "dp_fedavg", "dp_sgd")
+ARM_GROUPS = ("single", "mean", "dp_fedavg", "dp_secagg", "dp_sgd")
 """What ``--arms`` chooses from; each group trains and scores only what it needs (the rest stays cached)."""
 
 
@@ -107,6 +119,8 @@ class Settings:
             raise ValueError(f"--cohort must be 1-7 (the target and up to 6 other workers' data), got {self.cohort}")
         if self.jobs < 1:
             raise ValueError(f"--jobs must be at least 1, got {self.jobs}")
+        if "dp_secagg" in self.arms and self.cohort < 2:
+            raise ValueError(f"--arms dp_secagg needs a cohort of 2 or more (--cohort), got {self.cohort}")
 
     @property
     def tag(self) -> str:
@@ -191,7 +205,7 @@ def _cached(path: Path) -> bool:
 
 def updates_needed(s: Settings, groups: Sequence[str]) -> list[str]:
     names = ["target"]
-    if {"mean", "dp_fedavg"} & set(groups):
+    if {"mean", "dp_fedavg", "dp_secagg"} & set(groups):
         names += [f"other{i}" for i in range(1, s.cohort)]
     if "dp_sgd" in groups:
         names += [f"dp_sgd_eps{eps:g}" for eps in s.dp_sgd_epsilons]
@@ -234,7 +248,7 @@ def build_arms(s: Settings, cache: Path, trained: dict[str, dict[str, Any]], gro
 
     if "single" in groups:
         add("single", load_delta(cache, "target"))
-    if {"mean", "dp_fedavg"} & set(groups):
+    if {"mean", "dp_fedavg", "dp_secagg"} & set(groups):
         updates = [load_delta(cache, "target")] + [load_delta(cache, f"other{i}") for i in range(1, s.cohort)]
         if "mean" in groups:
             add(f"mean_of_{s.cohort}", {k: torch.stack([u[k] for u in updates]).sum(0) / s.cohort for k in initial})
@@ -251,11 +265,42 @@ def build_arms(s: Settings, cache: Path, trained: dict[str, dict[str, Any]], gro
                 add(f"dp_fedavg_eps{eps:g}_of_{s.cohort}", step, epsilon=eps, delta=s.delta, noise_multiplier=sigma,
                     clip_norm=clip, clipped=report.clipped, noise_std_per_coordinate=settings.noise_std / s.cohort,
                     contributions_norms=list(report.norms))
+        if "dp_secagg" in groups:
+            clip = statistics.median(update_norm(u) for u in updates)
+            for eps in s.dp_fedavg_epsilons:
+                name = f"dp_secagg_eps{eps:g}_of_{s.cohort}"
+                if _cached(cache / f"arm-{name}.json") and _cached(cache / f"loss-{name}.json"):
+                    built.append(name)  # its noise is fresh from the OS: keep the draw that was scored
+                    continue
+                sigma = noise_multiplier_for(eps, s.delta, steps=1)
+                add(name, secure_dp_step(updates, CohortNoise(sigma, clip)), epsilon=eps, delta=s.delta,
+                    noise_multiplier=sigma, clip_norm=clip, noise_std_per_coordinate=sigma * clip / s.cohort)
     if "dp_sgd" in groups:
         for eps in s.dp_sgd_epsilons:
             name = f"dp_sgd_eps{eps:g}"
             add(name, load_delta(cache, name), target_epsilon=eps, **trained[name]["privacy"])
     return built
+
+
+def secure_dp_step(updates: Sequence[dict[str, torch.Tensor]], noise: CohortNoise) -> dict[str, torch.Tensor]:
+    """The step a --secure-aggregation --dp-noise coordinator applies for one cohort of these updates: the real
+    protocol in this process (members clip, add their noise share, quantise and mask; the aggregator unmasks)."""
+    manifest = manifest_of(updates[0])
+    members = [f"w{i}" for i in range(len(updates))]
+    with tempfile.TemporaryDirectory() as journal:
+        agg = SecureAggregator(CohortJournal(Path(journal)), SecAggSettings(cohort_size=len(updates)),
+                               lambda expert: sum(v.numel() for v in updates[0].values()), dp=noise)
+        sessions = [CohortSession(agg, "target_expert", m) for m in members]
+        for _ in range(4):  # join, keys, shares, open the shares
+            for session in sessions:
+                session.advance()
+        for i, (session, update) in enumerate(zip(sessions, updates)):
+            session.submit(flatten(update, manifest), 1, {"base_version": 0}, rounding_seed=i)
+        for _ in range(2):  # the unmasking answers
+            for session in sessions:
+                session.advance()
+        [ready] = agg.ready()
+    return unflatten(ready.mean, manifest)
 
 
 def score_all(s: Settings, cache: Path, arms: Sequence[str], jobs: int) -> None:
@@ -270,7 +315,7 @@ def score_all(s: Settings, cache: Path, arms: Sequence[str], jobs: int) -> None:
 
 def scored_arms(cache: Path) -> dict[str, dict[str, Any]]:
     """Every arm scored so far in this cache (by this or an earlier run), with its description."""
-    order = {group: i for i, group in enumerate(("single", "mean", "dp_fedavg", "dp_sgd"))}
+    order = {group: i for i, group in enumerate(ARM_GROUPS)}
     names = [p.name[len("loss-"):-len(".json")] for p in cache.glob("loss-*.json")]
     names = [n for n in names if n != "base" and (cache / f"arm-{n}.json").is_file()]
     names.sort(key=lambda n: (next((i for g, i in order.items() if n.startswith(g)), 9), n))

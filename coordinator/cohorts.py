@@ -8,6 +8,11 @@ as one update: its sample-weighted mean, with ``num_samples`` the cohort's total
 again) makes a crash between recording that update and marking the cohort applied harmless. At the
 root the update becomes one step; at a relay it is forwarded like any other, so neither sees an
 individual update.
+
+With --dp-noise at the root, cohorts are DP cohorts (``privacy.secagg.noise``: the members clip their update
+and add their share of the noise) and each cohort's step is booked in the expert's privacy ledger before its
+masks come off; a cohort the budget cannot pay for is abandoned unopened, and joining is refused (409) once
+the budget is spent.
 """
 from __future__ import annotations
 
@@ -21,11 +26,14 @@ from flask import Blueprint, Flask, Response, current_app, jsonify, request
 
 from coordinator.access.auth import acting_worker
 from coordinator.errors import REFUSALS
-from privacy.secagg.aggregator import CohortSum, SecAggSettings, SecureAggregator
+from coordinator.privacy_ledger import PrivacyLedgers
+from privacy.secagg.aggregator import CohortSum, SecAggSettings, SecureAggregator, cohort_update_id
+from privacy.secagg.config import CohortConfig
 from privacy.secagg.errors import BadSecAggMessage
 from privacy.secagg.journal import CohortJournal
+from privacy.secagg.noise import CohortNoise
 from privacy.secagg.vector import manifest_numel, unflatten
-from protocol.errors import BadRequest, Forbidden, NotFound, PayloadTooLarge
+from protocol.errors import BadRequest, Forbidden, NotFound, PayloadTooLarge, PrivacyBudgetSpent
 from protocol.integrity import DIGEST_HEADER, hash_bytes, parse_digest
 from protocol.schemas import API_PREFIX, RAW_CODEC, UPDATE_HEADER, UpdateMeta, check_name, parse_header_json
 from protocol.tensors import dumps
@@ -34,6 +42,7 @@ log = logging.getLogger(__name__)
 bp = Blueprint("cohorts", __name__, url_prefix=API_PREFIX)
 TICK_SECONDS = 0.5
 EXTENSION = "fedmoe_secagg"
+LEDGERS = "fedmoe_secagg_ledgers"
 
 
 class SecureAggregationRequired(Forbidden):
@@ -62,8 +71,8 @@ def refuse_clear_push(meta: UpdateMeta) -> None:
 class CohortApplier:
     """The background loop: deadlines, then every unmasked cohort handed to the host as one update."""
 
-    def __init__(self, aggregator: SecureAggregator, host: CohortHost) -> None:
-        self.aggregator, self.host = aggregator, host
+    def __init__(self, aggregator: SecureAggregator, host: CohortHost, ledgers: PrivacyLedgers | None = None) -> None:
+        self.aggregator, self.host, self.ledgers = aggregator, host, ledgers
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fedmoe-secagg", daemon=True)
 
@@ -83,8 +92,18 @@ class CohortApplier:
 
     def run_once(self) -> None:
         self.aggregator.tick()
-        for ready in self.aggregator.ready():
+        for ready in self.aggregator.ready(self.book if self.ledgers is not None else None):
             self.apply(ready)
+
+    def book(self, config: CohortConfig, survivors: int) -> str | None:
+        """Book a DP cohort's step before its masks come off; the reason to abandon it if the budget cannot pay."""
+        assert self.ledgers is not None
+        try:
+            self.ledgers.book_cohort(config.expert, cohort_update_id(config.cohort_id), survivors, len(config.members))
+        except PrivacyBudgetSpent as exc:
+            log.error("cohort %s of %s abandoned unopened: %s", config.cohort_id, config.expert, exc.message)
+            return f"the expert's privacy budget is spent: {exc.message}"
+        return None
 
     def apply(self, ready: CohortSum) -> None:
         config = ready.config
@@ -106,12 +125,17 @@ class CohortApplier:
                  len(ready.members), ready.weight)
 
 
-def install(app: Flask, host: CohortHost, settings: SecAggSettings, data_dir: Path) -> CohortApplier:
-    """Mount the cohort routes over an aggregator journalled in ``data_dir/secagg``, and start its applier."""
+def install(app: Flask, host: CohortHost, settings: SecAggSettings, data_dir: Path,
+            ledgers: PrivacyLedgers | None = None) -> CohortApplier:
+    """Mount the cohort routes over an aggregator journalled in ``data_dir/secagg``, and start its applier.
+    ``ledgers`` with DP settings (the root's --dp-noise) makes every cohort a DP cohort, booked there."""
     journal = CohortJournal(data_dir / "secagg")
-    aggregator = SecureAggregator(journal, settings, lambda expert: manifest_numel(host.manifest(expert)))
-    applier = CohortApplier(aggregator, host)
+    dp = ledgers.dp if ledgers is not None else None
+    noise = CohortNoise(dp.noise_multiplier, dp.clip_norm) if dp is not None else None
+    aggregator = SecureAggregator(journal, settings, lambda expert: manifest_numel(host.manifest(expert)), dp=noise)
+    applier = CohortApplier(aggregator, host, ledgers if dp is not None else None)
     app.extensions[EXTENSION] = aggregator
+    app.extensions[LEDGERS] = applier.ledgers
     app.extensions["fedmoe_secagg_host"] = host
     app.register_blueprint(bp)
     applier.start()
@@ -143,6 +167,9 @@ def _json() -> dict[str, Any]:
 def join(name: str) -> Response:
     check_name(name, "expert name")
     current_app.extensions["fedmoe_secagg_host"].manifest(name)  # 404 for an unknown expert
+    ledgers = current_app.extensions.get(LEDGERS)
+    if ledgers is not None:  # 409 privacy_budget_spent: a cohort formed now could never be applied
+        ledgers.check_budget(name)
     return jsonify(aggregator().join(name, _worker(_json().get("worker_id"))))
 
 

@@ -83,7 +83,9 @@ class CoordinatorConfig:
     trim_fraction: float = option(0.2, "share of values trimmed at each end by --robust trimmed_mean")
     dp_noise: float | None = option(None, "worker-level differential privacy (DP-FedAvg): each aggregation step "
                                           "clips every worker's update to --dp-clip and adds Gaussian noise of this "
-                                          "multiple of --dp-clip; the (epsilon, delta) spent is shown per expert",
+                                          "multiple of --dp-clip (with --secure-aggregation the K workers of a "
+                                          "cohort do it, each adding 1/K of the variance); the (epsilon, delta) "
+                                          "spent is shown per expert",
                                     type=float, metavar="SIGMA", group=PRIVACY)
     dp_clip: float | None = option(None, "with --dp-noise: the L2 norm every worker's contribution to a step is "
                                          "clipped to", type=float, metavar="C", group=PRIVACY)
@@ -172,9 +174,6 @@ class CoordinatorConfig:
         if self.manifest is not None:
             raise ValueError("--dp-noise keeps each expert's privacy ledger in --data-dir, which replicas sharing "
                              "--manifest do not share; run one coordinator for private experts")
-        if self.secure_aggregation:  # the workers would have to clip and add the noise (privacy.dp.privatize_for_cohort)
-            raise ValueError("--dp-noise cannot be combined with --secure-aggregation yet: the coordinator would have "
-                             "to clip updates it never sees; the workers' distributed noise is not wired in")
         self.dp  # noqa: B018 - builds the settings, which check each value
 
     @property

@@ -5,6 +5,11 @@ Kept in ``<data dir>/privacy.json``, rewritten atomically (fsync, rename) whenev
 booked *before* its version is committed: a crash in between leaves epsilon counted one step too high, never
 too low. The (epsilon, delta) figures come from ``privacy.accountant`` (Opacus's RDP accountant); a worker's
 DP-SGD claim is its own statement, recorded and shown, not verified.
+
+Under --secure-aggregation the workers add the noise (``privacy.secagg.noise``) and a cohort's step is booked
+before its masks come off (``book_cohort``), at sigma sqrt(S / K) for S of its K members' inputs: the sum seen is
+the release, whether or not it is then applied. The cohort's update id is remembered, so a restart that unmasks
+the same cohort again books it once, and the push of its sum is told from a relay's batch (``booked``).
 """
 from __future__ import annotations
 
@@ -14,11 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from privacy.accountant import PrivacyLedger
-from privacy.dp import DPFedAvgSettings
+from privacy.dp import DPFedAvgSettings, effective_noise_multiplier
 from protocol.errors import PrivacyBudgetSpent
 from protocol.files import write_atomically
 
 LEDGER_FILE = "privacy.json"
+BOOKED_KEPT = 64
+"""Cohort update ids remembered per expert: only cohorts booked and not yet recorded as updates need it."""
 
 
 class PrivacyLedgers:
@@ -33,6 +40,8 @@ class PrivacyLedgers:
                          for name, entry in saved.items() if entry.get("dp_fedavg")}
         self._claims: dict[str, dict[str, Any]] = {name: dict(entry.get("dp_sgd") or {})
                                                    for name, entry in saved.items()}
+        self._booked: dict[str, list[str]] = {name: list(entry.get("cohorts_booked") or [])
+                                              for name, entry in saved.items()}
 
     def _ledger(self, name: str) -> PrivacyLedger:
         """The expert's ledger (created on first use), its budget and delta as configured now."""
@@ -48,13 +57,38 @@ class PrivacyLedgers:
         if self.dp is None or self.dp.budget is None:
             return
         with self._lock:
-            ledger = self._ledger(name)
-            if not ledger.allows(self.dp.noise_multiplier):
-                raise PrivacyBudgetSpent(
-                    f"expert {name!r} has spent epsilon {ledger.epsilon():.3g} of its --dp-budget {self.dp.budget:g} "
-                    f"(delta {self.dp.delta:g}, {ledger.steps} DP step(s)); another step would exceed it, so no "
-                    "update is taken. Start a new expert, or raise --dp-budget knowingly",
-                    epsilon=ledger.epsilon(), budget=self.dp.budget, delta=self.dp.delta, steps=ledger.steps)
+            self._check_allows(name, self.dp.noise_multiplier)
+
+    def _check_allows(self, name: str, noise_multiplier: float) -> None:
+        assert self.dp is not None
+        ledger = self._ledger(name)
+        if self.dp.budget is not None and not ledger.allows(noise_multiplier):
+            raise PrivacyBudgetSpent(
+                f"expert {name!r} has spent epsilon {ledger.epsilon():.3g} of its --dp-budget {self.dp.budget:g} "
+                f"(delta {self.dp.delta:g}, {ledger.steps} DP step(s)); another step would exceed it, so no "
+                "update is taken. Start a new expert, or raise --dp-budget knowingly",
+                epsilon=ledger.epsilon(), budget=self.dp.budget, delta=self.dp.delta, steps=ledger.steps)
+
+    def book_cohort(self, name: str, update_id: str, survivors: int, members: int) -> None:
+        """Book a secure-aggregation cohort's step before its sum is unmasked, once per ``update_id``:
+        sigma sqrt(survivors / members), the noise its survivors' shares carry (PrivacyBudgetSpent if it would
+        overspend; nothing is booked then)."""
+        assert self.dp is not None
+        sigma = effective_noise_multiplier(self.dp.noise_multiplier, survivors, members)
+        with self._lock:
+            booked = self._booked.setdefault(name, [])
+            if update_id in booked:
+                return
+            self._check_allows(name, sigma)
+            self._ledger(name).record(sigma)
+            booked.append(update_id)
+            del booked[:-BOOKED_KEPT]
+            self._save()
+
+    def booked(self, name: str, update_id: str) -> bool:
+        """Whether ``update_id`` is a cohort of ``name`` booked here (its sum may be applied without another check)."""
+        with self._lock:
+            return update_id in self._booked.get(name, ())
 
     def book_step(self, name: str) -> None:
         """Record one DP step of ``name`` durably, before it is applied (PrivacyBudgetSpent if it would overspend)."""
@@ -87,5 +121,6 @@ class PrivacyLedgers:
     def _save(self) -> None:
         names = sorted(set(self._ledgers) | set(self._claims))
         data = {name: {"dp_fedavg": self._ledgers[name].to_json() if name in self._ledgers else None,
-                       "dp_sgd": self._claims.get(name) or {}} for name in names}
+                       "dp_sgd": self._claims.get(name) or {},
+                       **({"cohorts_booked": self._booked[name]} if self._booked.get(name) else {})} for name in names}
         write_atomically(self.path, (json.dumps(data, indent=1) + "\n").encode())

@@ -243,6 +243,8 @@ class Coordinator:
         since clipping it as one contribution would let each of its workers move the step by up to 2C."""
         if self.config.dp is None:
             return
+        if meta.members and self.privacy.booked(name, meta.update_id):
+            return  # this coordinator's own secure-aggregation cohort, booked before its masks came off
         if meta.members:
             raise Conflict(f"expert {name!r} is trained with worker-level differential privacy (--dp-noise): a "
                            "relay's combined update cannot be clipped per worker; connect these workers to this "

@@ -69,11 +69,13 @@ class AggregationSteps:
         self._aggregate_fn = AGGREGATORS[config.aggregation]
         if config.robust != "none":  # a robust combination of fedbuff's buffer (coordinator.aggregation.robust)
             self._aggregate_fn = robust_aggregator(config.robust, config.trim_fraction)
-        self.ledgers = ledgers if config.dp is not None else None
-        if config.dp is not None:  # the clipped, noised mean over a step's fixed size K (privacy/dp.py)
+        # under --secure-aggregation the workers clip and add the noise and coordinator.cohorts books each cohort
+        dp = config.dp if not config.secure_aggregation else None
+        self.ledgers = ledgers if dp is not None else None
+        if dp is not None:  # the clipped, noised mean over a step's fixed size K (privacy/dp.py)
             from coordinator.aggregation.dp_fedavg import dp_fedavg_aggregator
 
-            self._aggregate_fn = dp_fedavg_aggregator(config.dp, self.updates_per_step)
+            self._aggregate_fn = dp_fedavg_aggregator(dp, self.updates_per_step)
         self._on_step = on_step
 
     def prepare(self, name: str, stored: dict[str, Any], body: Path) -> PreparedStep | None:

@@ -15,9 +15,9 @@ worker's own data decide how much it counts. The privacy spent per step is accou
 
 With secure aggregation the coordinator never sees one update, so the noise cannot be added there:
 each of the K workers of a cohort clips its update and adds N(0, sigma^2 C^2 / K) itself
-(``privatize_for_cohort``), and the cohort's sum carries N(0, sigma^2 C^2) as intended. If only m < K of
-them survive, the sum carries sigma * sqrt(m / K) (``effective_noise_multiplier``), which is what must
-be accounted for that step.
+(``privacy.secagg.noise``), and the cohort's sum carries N(0, sigma^2 C^2) as intended. If only m < K of
+them survive, the sum carries sigma * sqrt(m / K) (``effective_noise_multiplier``), which is what is
+accounted for that step.
 
 Noise comes from a generator seeded from the operating system's entropy unless a test passes a seed:
 noise drawn from a seed an observer can guess is noise it can subtract. Floating-point Gaussian samples
@@ -135,26 +135,6 @@ def dp_fedavg_step(current: dict[str, torch.Tensor], contributions: Sequence[Del
     for name, value in total.items():
         current[name].add_(value.to(current[name].dtype), alpha=server_lr / denominator)
     return StepReport(tuple(norms), sum(1 for n in norms if n > settings.clip_norm))
-
-
-def distributed_noise_std(settings: DPFedAvgSettings, cohort_size: int) -> float:
-    """Each of a cohort's K workers adds noise of this std, sigma C / sqrt(K), so the sum carries sigma C."""
-    if cohort_size < 1:
-        raise PrivacyError(f"cohort size must be at least 1, got {cohort_size!r}")
-    return settings.noise_std / math.sqrt(cohort_size)
-
-
-def privatize_for_cohort(delta: Delta, settings: DPFedAvgSettings, cohort_size: int,
-                         generator: torch.Generator) -> dict[str, torch.Tensor]:
-    """What a worker of a secure-aggregation cohort of K sends instead of its delta: clip(delta, C) + N(0, s^2 C^2/K).
-
-    The coordinator then divides the cohort's sum by K as in ``dp_fedavg_step`` (with no noise of its own)
-    and accounts one step at ``effective_noise_multiplier(sigma, survivors, K)``.
-    """
-    clipped, _ = clip_update(delta, settings.clip_norm)
-    noise = gaussian_noise(((name, tuple(value.shape)) for name, value in clipped.items()),
-                           distributed_noise_std(settings, cohort_size), generator)
-    return {name: value + noise[name] for name, value in clipped.items()}
 
 
 def effective_noise_multiplier(noise_multiplier: float, survivors: int, cohort_size: int) -> float:

@@ -39,7 +39,8 @@ def create_app(config: CoordinatorConfig | None = None) -> Flask:
     relays.install(app)  # relay coordinators below this root (coordinator/api/relays.py)
     placement.init_app(app)  # where each worker syncs, from the links they measure (coordinator.placement)
     if config.secagg is not None:  # --secure-aggregation: updates come only as cohorts' sums (coordinator.cohorts)
-        coordinator.on_close.append(cohorts.install(app, coordinator, config.secagg, config.data_dir).close)
+        coordinator.on_close.append(cohorts.install(app, coordinator, config.secagg, config.data_dir,
+                                                    coordinator.privacy).close)
     log_requests_at_debug(app)  # before auth's hook, so refused requests are timed and logged too
     auth.install(app, config, coordinator.record_event)
     metrics = CoordinatorMetrics(coordinator)

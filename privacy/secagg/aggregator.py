@@ -29,6 +29,7 @@ from privacy.secagg.config import CohortConfig, Phase, b64, unb64
 from privacy.secagg.errors import BadSecAggMessage, CohortStateError
 from privacy.secagg.journal import CohortJournal
 from privacy.secagg.member import PublicKeys, UnmaskAnswer
+from privacy.secagg.noise import CohortNoise
 from privacy.secagg.quantize import FixedPoint
 from privacy.secagg.settings import SecAggSettings
 from privacy.secagg.unmask import read_masked, unmasked_sum
@@ -41,7 +42,7 @@ FINISHED_KEPT = 64
 
 @dataclass(frozen=True)
 class CohortSum:
-    """An unmasked cohort: the weighted mean delta (flat float64) of its survivors, ready to apply."""
+    """An unmasked cohort: the mean delta (flat float64) of its survivors, ready to apply (``_unmask`` says which mean)."""
 
     config: CohortConfig
     mean: np.ndarray
@@ -52,15 +53,21 @@ class CohortSum:
 
     @property
     def update_id(self) -> str:
-        return f"secagg-{self.config.cohort_id}"
+        return cohort_update_id(self.config.cohort_id)
+
+
+def cohort_update_id(cohort_id: str) -> str:
+    """The update id a cohort's step is recorded under (the host's exactly-once key)."""
+    return f"secagg-{cohort_id}"
 
 
 class SecureAggregator:
     """The cohorts of one aggregator; thread-safe (one lock: these are small, fast state changes)."""
 
     def __init__(self, journal: CohortJournal, settings: SecAggSettings, numel_of: Callable[[str], int],
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.journal, self.settings, self.numel_of, self.clock = journal, settings, numel_of, clock
+                 clock: Callable[[], float] = time.monotonic, dp: CohortNoise | None = None) -> None:
+        """``dp``: every cohort formed is a DP cohort (its members clip and add noise; privacy.secagg.noise)."""
+        self.journal, self.settings, self.numel_of, self.clock, self.dp = journal, settings, numel_of, clock, dp
         self._lock = threading.Lock()
         self._forming: dict[str, list[str]] = {}
         self._cohorts: dict[str, CohortState] = {}
@@ -99,15 +106,20 @@ class SecureAggregator:
             return self._status(state, worker)
 
     def _form(self, expert: str, members: tuple[str, ...]) -> CohortState:
-        settings = self.settings
         config = CohortConfig(cohort_id=f"{expert[:64]}-{secrets.token_hex(8)}", expert=expert, members=members,
-                              threshold=settings.t, numel=self.numel_of(expert),
-                              quant=FixedPoint(settings.clip, settings.max_weight, len(members)))
+                              threshold=self.settings.t, numel=self.numel_of(expert), quant=self._quant(len(members)),
+                              dp=self.dp)
         state = CohortState(config)
         self.journal.save(state)
         self._adopt(state)
         log.info("formed cohort %s of %s: %s", config.cohort_id, expert, ", ".join(members))
         return state
+
+    def _quant(self, members: int) -> FixedPoint:
+        """The flags' fixed point; a DP cohort's is set by its noise instead: weight 1, range C + 10 noise stds."""
+        if self.dp is None:
+            return FixedPoint(self.settings.clip, self.settings.max_weight, members)
+        return FixedPoint(self.dp.coordinate_bound(members), 1, members)
 
     def leave(self, expert: str, worker: str) -> None:
         """A worker that stops before its cohort formed leaves the forming list."""
@@ -228,16 +240,29 @@ class SecureAggregator:
                 else:
                     self._after(state, before)
 
-    def ready(self) -> list[CohortSum]:
-        """Every cohort whose masks can be removed, unmasked (the caller applies each, then ``applied``)."""
+    def ready(self, release: Callable[[CohortConfig, int], str | None] | None = None) -> list[CohortSum]:
+        """Every cohort whose masks can be removed, unmasked (the caller applies each, then ``applied``).
+
+        ``release(config, survivors)``, if given, is asked before a cohort's masks come off: a reason (str)
+        abandons it unopened. With DP, that is where its step is booked: a sum seen is privacy spent."""
         with self._lock:
             states = [s for s in self._cohorts.values() if s.can_unmask]
-        return [self._unmask(state) for state in states]
+        out = []
+        for state in states:
+            refusal = release(state.config, len(state.survivors)) if release is not None else None
+            if refusal is None:
+                out.append(self._unmask(state))
+            else:
+                self.abandon(state.config.cohort_id, refusal)
+        return out
 
     def _unmask(self, state: CohortState) -> CohortSum:
+        """The survivors' mean: sample-weighted, or in a DP cohort their sum over the cohort's fixed K (DP-FedAvg's
+        denominator must not depend on who survived)."""
         total, weight = unmasked_sum(state, lambda member: self.journal.load_masked(state, member))
         survivors = tuple(sorted(state.survivors))
-        return CohortSum(state.config, total / weight, weight, survivors,
+        denominator = weight if state.config.dp is None else len(state.config.members)
+        return CohortSum(state.config, total / denominator, weight, survivors,
                          {m: state.masked[m] for m in survivors})
 
     def applied(self, cohort_id: str) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from privacy.secagg.errors import BadSecAggMessage
+from privacy.secagg.noise import CohortNoise
 from privacy.secagg.quantize import FixedPoint
 from privacy.secagg.settings import minimum_threshold
 
@@ -46,6 +47,8 @@ class CohortConfig:
     numel: int
     """Length of the flat update (the expert's LoRA tensors in manifest order)."""
     quant: FixedPoint
+    dp: CohortNoise | None = None
+    """With DP-FedAvg (--dp-noise): the sigma and C every member clips and adds noise by (privacy.secagg.noise)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.cohort_id, str) or not COHORT_ID.match(self.cohort_id):
@@ -60,6 +63,17 @@ class CohortConfig:
             raise BadSecAggMessage(f"numel must be a positive integer, got {self.numel!r}")
         if self.quant.members != len(self.members):
             raise BadSecAggMessage("the quantisation must be sized for the cohort's members")
+        if self.dp is not None:
+            self._check_dp(self.dp)
+
+    def _check_dp(self, dp: CohortNoise) -> None:
+        """A DP cohort whose quantisation would change a member's noised input is refused (privacy.secagg.noise)."""
+        if self.quant.max_weight != 1:
+            raise BadSecAggMessage(f"a DP cohort weighs every member 1 (max_weight 1), got {self.quant.max_weight}: "
+                                   "a larger weight would scale a member's influence past the clip norm")
+        if self.quant.clip < dp.coordinate_bound(len(self.members)):
+            raise BadSecAggMessage(f"a DP cohort's quantisation range {self.quant.clip:g} is below "
+                                   f"{dp.coordinate_bound(len(self.members)):g}: it would clip members' noise")
 
     @property
     def context(self) -> bytes:
@@ -75,7 +89,8 @@ class CohortConfig:
     def to_json(self) -> dict[str, Any]:
         return {"cohort_id": self.cohort_id, "expert": self.expert, "members": list(self.members),
                 "threshold": self.threshold, "numel": self.numel, "clip": self.quant.clip,
-                "max_weight": self.quant.max_weight, "scale": self.quant.scale}
+                "max_weight": self.quant.max_weight, "scale": self.quant.scale,
+                **({"dp": self.dp.to_json()} if self.dp is not None else {})}
 
     @classmethod
     def from_json(cls, body: Any) -> CohortConfig:
@@ -86,7 +101,8 @@ class CohortConfig:
             return cls(cohort_id=body["cohort_id"], expert=str(body["expert"]), members=members,
                        threshold=int(body["threshold"]), numel=int(body["numel"]),
                        quant=FixedPoint(clip=float(body["clip"]), max_weight=int(body["max_weight"]),
-                                        members=len(members)))
+                                        members=len(members)),
+                       dp=CohortNoise.from_json(body.get("dp")))
         except (KeyError, TypeError, ValueError) as exc:
             raise BadSecAggMessage(f"a cohort config is missing or mistypes a field: {exc}") from None
 

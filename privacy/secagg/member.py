@@ -18,6 +18,7 @@ import numpy as np
 from privacy.secagg import keys, masking
 from privacy.secagg.config import CohortConfig
 from privacy.secagg.errors import BadSecAggMessage, SecAggRefused
+from privacy.secagg.noise import noise_rng
 from privacy.secagg.shamir import split_secret
 
 SEED_BYTES = 16
@@ -116,13 +117,19 @@ class CohortMember:
         if len(self.held) < self.config.threshold:
             raise SecAggRefused(f"only {len(self.held)} members shared keys; the threshold is {self.config.threshold}")
 
-    def masked_input(self, delta: np.ndarray, num_samples: int, rounding_seed: int) -> np.ndarray:
-        """The quantised, weighted delta plus every mask: ``numel + 1`` uint32 values."""
+    def masked_input(self, delta: np.ndarray, num_samples: int, rounding_seed: int,
+                     noise: np.random.Generator | None = None) -> np.ndarray:
+        """The quantised, weighted delta plus every mask: ``numel + 1`` uint32 values.
+
+        In a DP cohort the delta is first clipped and noised as the config says (``privacy.secagg.noise``),
+        with ``noise`` (tests) or else a generator seeded from the OS's entropy, and weighted 1."""
         if len(self.held) < self.config.threshold:
             raise SecAggRefused("this member has not received enough shares to mask an input")
         if np.asarray(delta).size != self.config.numel:
             raise BadSecAggMessage(f"a delta of {np.asarray(delta).size} values for a cohort of numel {self.config.numel}")
-        quant = self.config.quant
+        quant, dp = self.config.quant, self.config.dp
+        if dp is not None:
+            delta = dp.privatize(delta, len(self.config.members), noise or noise_rng())
         vector = quant.quantize(delta, quant.weight_of(num_samples), rounding_seed)
         masking.add_self_mask(vector, self._seed, self.config.context)
         masking.add_pair_masks(vector, self.index, (

@@ -65,8 +65,14 @@ class CohortSession:
         self.phase = status["phase"]
         if self.phase == "forming":
             return
-        if self.member is None:
+        if self.member is None:  # BadSecAggMessage for a config this worker will not take part in (a DP one without sigma)
             self.member = CohortMember(CohortConfig.from_json(status["cohort"]), self.worker)
+            dp = self.member.config.dp
+            if dp is not None:
+                log.info("cohort %s is a DP cohort: this worker clips its update to L2 norm %g and adds Gaussian "
+                         "noise of std %g (sigma %g over %d members)", self.cohort_id, dp.clip_norm,
+                         dp.share_std(len(self.member.config.members)), dp.noise_multiplier,
+                         len(self.member.config.members))
         try:
             self._act(status)
         except Conflict as exc:  # the round closed under us (CohortStateError, a 409): the next status says what happened

@@ -35,5 +35,6 @@ def test_quality_bench_secagg_equals_plain_fedbuff_up_to_quantisation(tmp_path):
     # Each round's mean is exact up to quantisation (above); across rounds the workers' AdamW state amplifies those
     # 1e-4-relative differences on coordinates whose gradients are near zero (Adam's steps are sign-like there):
     # measured 0.0008-0.0015 of a largest weight 0.096 on tiny-qwen2 at lr 1e-2 (the old bound, 1e-3 of it, failed
-    # every run). Masks left in a step would be off by the whole weight range, not by a percent.
-    assert result["final_weight_drift"] < 0.05 * result["largest_weight"]
+    # every run), and 0.0051 in 1 of 4-5 runs since each push draws its own rounding seed (5% failed then). Masks
+    # left in a step would be off by the whole quantisation range (thousands of times the weights), not by a fifth.
+    assert result["final_weight_drift"] < 0.2 * result["largest_weight"]

@@ -85,9 +85,14 @@ def test_a_dp_sgd_workers_claim_is_recorded_and_shown(make_app):
     ({"dp_noise": 1.0}, "--dp-noise needs --dp-clip"),
     ({"dp_noise": 1.0, "dp_clip": 1.0, "dp_budget": 0.0}, "--dp-budget"),
     ({"dp_noise": 1.0, "dp_clip": 1.0, "aggregation": "fedbuff", "buffer_size": 3, "robust": "median"}, "--robust"),
-    ({"dp_noise": 1.0, "dp_clip": 1.0, "aggregation": "fedbuff", "buffer_size": 4, "secure_aggregation": True},
-     "--dp-noise cannot be combined with --secure-aggregation"),
 ])
 def test_dp_flag_mistakes_name_the_flag(tmp_path, settings, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         CoordinatorConfig(data_dir=tmp_path, **settings)
+
+
+def test_dp_noise_composes_with_secure_aggregation(tmp_path):
+    """Refused until the workers added the noise themselves (tests/coordinator/test_cohorts_dp.py)."""
+    config = CoordinatorConfig(data_dir=tmp_path, dp_noise=1.0, dp_clip=0.5, aggregation="fedbuff", buffer_size=4,
+                               secure_aggregation=True)
+    assert (config.dp.noise_multiplier, config.dp.clip_norm, config.secagg.cohort_size) == (1.0, 0.5, 4)

@@ -237,3 +237,43 @@ def test_kill_9_mid_cohort_loses_no_acknowledged_input_and_applies_no_partial_su
         assert 0 < np.abs(root_step(root_admin, adapter, manifest) - np.mean(deltas, axis=0)).max() < 1e-6
     finally:
         root.stop()
+
+
+def test_kill_9_of_a_relay_mid_cohort_loses_no_acknowledged_input_and_forwards_no_partial_sum(tmp_path):
+    """The relay's own cohort, killed after two of four masked inputs were acknowledged: restarted on its data dir,
+    it keeps both, forwards nothing while the cohort waits, and forwards the unmasked sum once it completes."""
+    root, relay = start_pair(tmp_path, *RELAY_SECURE, "--forward-interval", "3600", root_flags=RELAY_SECURE)
+    try:
+        adapter = make_adapter()
+        clients = [worker_client(relay.url, tmp_path, name) for name in WORKERS]
+        clients[0].create_expert("e1", adapter, expert_spec())
+        manifest = manifest_of(adapter)
+        sessions = member_sessions(clients, "e1")
+        wait_for(lambda: advance_all(sessions) or all(s.can_submit for s in sessions), what="the relay cohort's shares")
+        deltas = random_deltas(adapter, manifest, 4)
+        for i in (0, 1):  # two inputs acknowledged (202) by the relay, then it is killed
+            sessions[i].submit(deltas[i], 10, {"base_version": 0, "update_id": f"u{i}"}, rounding_seed=i)
+        relay.kill()
+        relay.start()  # same data dir, a new port: the members follow it
+        for client in clients:
+            client.base_url = relay.url
+        relay_admin = CoordinatorClient(relay.url, token=(relay.data_dir / "admin_token").read_text().strip())
+        (cohort,) = relay_admin._json("GET", "/cohorts")["cohorts"]
+        assert cohort["phase"] == "mask" and cohort["inputs"] == 2, cohort  # resumed, both inputs kept
+        assert forward_now(relay)["delivered"] == 0  # nothing to forward: no sum exists while masks remain
+        root_admin = admin(root)
+        assert root_admin.expert("e1")["version"] == 0
+        for i in (2, 3):
+            sessions[i].submit(deltas[i], 10, {"base_version": 0, "update_id": f"u{i}"}, rounding_seed=i)
+        wait_for(lambda: advance_all(sessions) or all(s.outcome for s in sessions), what="the resumed relay cohort")
+        assert forward_now(relay)["delivered"] == 1
+        info = root_admin.expert("e1")
+        assert info["samples_seen"] == 40 and info["updates_applied"] == 1 and info["version"] == 1
+        step = root_step(root_admin, adapter, manifest)
+        assert np.isfinite(step).all()
+        # what an uninterrupted run gives (test_a_relay_unmasks_its_sites_cohort_...): the mean, up to quantisation
+        assert 0 < np.abs(step - np.mean(deltas, axis=0)).max() < 1e-6
+        assert [u.startswith("secagg-e1-") for u in accepted_updates(relay_admin)] == [True]
+    finally:
+        relay.stop()
+        root.stop()

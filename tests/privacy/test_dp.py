@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from privacy.accountant import PrivacyError
-from privacy.dp import (DPFedAvgSettings, clip_update, distributed_noise_std, dp_fedavg_step,
-                        effective_noise_multiplier, noise_generator, privatize_for_cohort, update_norm,
+from privacy.dp import (DPFedAvgSettings, clip_update, dp_fedavg_step, noise_generator, update_norm,
                         worker_contributions)
 
 SHAPES = {"a": (64, 32), "b": (16, 64)}
@@ -53,23 +52,6 @@ def test_step_noise_has_std_sigma_c_over_the_denominator():
     # the sample std of n normals has relative standard error ~ 1 / sqrt(2n) = 1.3%: 5% is ~4 standard errors
     assert values.std().item() == pytest.approx(expected, rel=0.05)
     assert abs(values.mean().item()) < 4 * expected / math.sqrt(values.numel())
-
-
-def test_distributed_noise_of_a_full_cohort_sums_to_the_central_noise():
-    settings = DPFedAvgSettings(clip_norm=1.0, noise_multiplier=2.0)
-    cohort = 4
-    zero = {k: torch.zeros(s) for k, s in SHAPES.items()}
-    shares = [privatize_for_cohort(zero, settings, cohort, noise_generator(seed)) for seed in range(cohort)]
-    total = torch.cat([sum(share[k] for share in shares).flatten() for k in SHAPES])
-    assert distributed_noise_std(settings, cohort) == pytest.approx(1.0)  # 2 * 1 / sqrt(4)
-    assert total.std().item() == pytest.approx(settings.noise_std, rel=0.05)
-    assert effective_noise_multiplier(2.0, 3, 4) == pytest.approx(2.0 * math.sqrt(3 / 4))
-
-
-def test_privatized_share_is_clipped_before_its_noise():
-    settings = DPFedAvgSettings(clip_norm=1.0, noise_multiplier=1e-9)
-    share = privatize_for_cohort(delta_of(9.0, 4), settings, 4, noise_generator(0))
-    assert update_norm(share) == pytest.approx(1.0, rel=1e-6)
 
 
 def test_one_workers_pushes_in_one_step_are_one_contribution():
