@@ -142,7 +142,7 @@ def drive(spec_path: Path) -> None:
         worker = FederatedWorker(SyncSettings(specialty=SPECIALTY, worker_id=worker_id),
                                  CoordinatorClient(spec["url"]), trainer, spec_json, encoder=encoder,
                                  pull=PullSettings(codec=None))  # full pulls, or auto's pick: as measured
-        worker.join()
+        worker.joining.join()
         team.append(worker)
     records = []
     for _ in range(s.rounds):

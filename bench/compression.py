@@ -243,7 +243,7 @@ def join_worker(client: CoordinatorClient, domain: Domain, compression: Compress
     worker = FederatedWorker(SyncSettings(specialty=domain.name, worker_id=f"bench-{domain.name}"), client,
                              trainer, spec, encoder=UpdateEncoder(compression),
                              pull=FULL_PULLS)  # the push codecs compared over exact pulls, as measured
-    worker.join()
+    worker.joining.join()
     return worker
 
 

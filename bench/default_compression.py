@@ -64,7 +64,7 @@ def run_arm(lab: Lab, arm: Arm, workers: int, rounds: int, steps: int) -> dict[s
                     "base_model": {"id": lab.base.model_id, "fingerprint": lab.base.fingerprint}}
             worker = FederatedWorker(SyncSettings(specialty=DOMAIN, worker_id=f"w{i}"), CoordinatorClient(url),
                                      trainer, spec, encoder=UpdateEncoder(arm.push), pull=arm.pull)
-            worker.join()
+            worker.joining.join()
             team.append(worker)
         for _ in range(rounds):
             for worker in team:

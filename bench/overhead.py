@@ -133,7 +133,7 @@ def measure(s: Settings) -> dict[str, Any]:
         settings = SyncSettings(specialty=SPECIALTY, worker_id="overhead-bench", sync_interval=s.sync_interval,
                                 duration=s.phase_seconds, state_dir=Path(scratch) / "worker-state")
         worker = FederatedWorker(settings, CoordinatorClient(url), trainer, spec)
-        worker.join()
+        worker.joining.join()
         trainer.train_steps(2)  # warm-up: first steps allocate
         for r in range(s.rounds):
             order = list(s.modes) if r % 2 == 0 else list(reversed(s.modes))

@@ -135,16 +135,17 @@ def legacy_save(writer: CheckpointWriter, checkpoint: WorkerCheckpoint, encoder:
 @contextmanager
 def instrumented(worker: FederatedWorker, clock: PhaseClock) -> Iterator[None]:
     """Time the worker's sync steps (``checkpoint`` is timed by ``variant``)."""
-    worker.begin_sync = clock.wrap("snapshot", worker.begin_sync)  # type: ignore[method-assign]
-    worker._encode = clock.wrap("encode", worker._encode)  # type: ignore[method-assign]
-    worker._push = clock.wrap("push", worker._push)  # type: ignore[method-assign]
-    worker._pull = clock.wrap("pull", worker._pull)  # type: ignore[method-assign]
-    worker._adopt = clock.wrap("adopt", worker._adopt)  # type: ignore[method-assign]
+    steps = worker.pipeline
+    steps.begin_sync = clock.wrap("snapshot", steps.begin_sync)  # type: ignore[method-assign]
+    steps._encode = clock.wrap("encode", steps._encode)  # type: ignore[method-assign]
+    steps.push = clock.wrap("push", steps.push)  # type: ignore[method-assign]
+    steps._pull = clock.wrap("pull", steps._pull)  # type: ignore[method-assign]
+    steps.adopt = clock.wrap("adopt", steps.adopt)  # type: ignore[method-assign]
     try:
         yield
     finally:
-        for name in ("begin_sync", "_encode", "_push", "_pull", "_adopt"):
-            vars(worker).pop(name, None)
+        for name in ("begin_sync", "_encode", "push", "_pull", "adopt"):
+            vars(steps).pop(name, None)
 
 
 @contextmanager
@@ -176,14 +177,16 @@ def measure(s: Settings) -> dict[str, Any]:
         # the default
         worker = FederatedWorker(settings, CoordinatorClient(coordinator.url), trainer, spec,
                                  encoder=UpdateEncoder(codec), pull=PullSettings(codec=None))
-        worker.join()
+        worker.joining.join()
         worker.train_step()
         worker.sync()  # warm-up: first allocations, the codec climb of auto
         clock = PhaseClock()
         with instrumented(worker, clock):
             for block in range(s.blocks):
                 for name in s.variants:
-                    worker.settings = replace(worker.settings, state_dir=Path(scratch) / f"state-{name}-{block}")
+                    # the sync steps read the state dir (the loop's own copy of the settings does not)
+                    worker.pipeline.settings = replace(worker.pipeline.settings,
+                                                       state_dir=Path(scratch) / f"state-{name}-{block}")
                     with variant(name, clock):
                         for _ in range(s.syncs):
                             step_started = time.thread_time()

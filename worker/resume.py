@@ -34,8 +34,9 @@ class Resumable(Protocol):
     def load_optimizer_state(self, state: dict) -> None: ...
 
 
-def restore(checkpoint: WorkerCheckpoint, trainer: Resumable, encoder: UpdateEncoder, state_dir: Path) -> ExpertState:
-    """Put a checkpoint's adapter, optimiser, data position and residual back; its ExpertState."""
+def restore(checkpoint: WorkerCheckpoint, trainer: Resumable, encoder: UpdateEncoder, state_dir: Path,
+            state: ExpertState) -> None:
+    """Put a checkpoint's adapter, optimiser, data position, residual and ExpertState back."""
     progress = checkpoint.progress
     optimizer = checkpoint.optimizer
     current = trainer.optimizer_state()["param_groups"]  # today's --lr etc. win over the saved ones
@@ -50,7 +51,7 @@ def restore(checkpoint: WorkerCheckpoint, trainer: Resumable, encoder: UpdateEnc
         raise CheckpointError(f"--state-dir {state_dir}: cannot resume this checkpoint ({exc}); "
                               "pass --fresh to discard it") from None
     trainer.global_step = progress["global_step"]
-    return ExpertState.from_checkpoint(checkpoint)
+    state.load(checkpoint)
 
 
 def codec_change(saved: dict[str, Any] | None, encoder: UpdateEncoder) -> str:

@@ -114,21 +114,22 @@ def build_worker(config: WorkerConfig, collective: SingleProcess | None = None,
             log.warning("data parallel (%d processes): syncs wait for the network and no checkpoint is kept "
                         "(--no-overlap, no --state-dir)", collective.world_size)
         sync = replace(sync, overlap=False, state_dir=None)
-    worker = FederatedWorker(sync, client, trainer, spec, encoder=UpdateEncoder(config.compression),
-                             pull=config.pull, profile=profile, collective=collective,
-                             console=SyncConsole(config.sync.sync_interval, progress=config.progress)
-                             if collective.is_primary else None, on_result=board.sync if board else None,
-                             dataset={"path": str(config.dataset), "sha256": _fingerprint(config, train_examples)})
+    placement = early_stopping = heldout_score = None
     if config.placement is not None and collective.is_primary:
-        worker.placement = PlacementFollower(
+        placement = PlacementFollower(
             CoordinatorClient(config.coordinator_url, use_proxy=config.use_proxy, token=config.token,
                               ca_cert=config.ca_cert), client, config.sync.worker_id, config.placement.interval)
     if config.early_stopping is not None and collective.is_primary:
         if not heldout:
             raise ValueError("--early-stopping-patience needs held-out examples; the dataset is too small to hold "
                              "any out")
-        worker.early_stopping = BestVersion(config.early_stopping)
-        worker.heldout_score = heldout_scorer(trainer, heldout)
+        early_stopping, heldout_score = BestVersion(config.early_stopping), heldout_scorer(trainer, heldout)
+    worker = FederatedWorker(sync, client, trainer, spec, encoder=UpdateEncoder(config.compression),
+                             pull=config.pull, profile=profile, collective=collective,
+                             console=SyncConsole(config.sync.sync_interval, progress=config.progress)
+                             if collective.is_primary else None, on_result=board.sync if board else None,
+                             dataset={"path": str(config.dataset), "sha256": _fingerprint(config, train_examples)},
+                             placement=placement, early_stopping=early_stopping, heldout_score=heldout_score)
     return worker, trainer, heldout
 
 
@@ -235,7 +236,7 @@ def resolve_join_token() -> str | None:
 
 def _train(config: WorkerConfig, collective: SingleProcess, device: str) -> None:
     worker, trainer, heldout = build_worker(config, collective, device)
-    worker.join()
+    worker.joining.join()
     # The others need not evaluate (they wait for rank 0 in worker.run()), unless the model is sharded:
     # then every forward is a collective and all ranks evaluate together.
     if not collective.is_primary and not trainer.sharded:

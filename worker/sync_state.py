@@ -2,6 +2,9 @@
 
 - ``ExpertState``: where this worker stands with its expert between syncs (version, the weights
   last pulled, the reference the next delta is measured from, the outbox of undelivered updates).
+- ``IntervalStats``: the training since the last sync point; one object, which the loop adds to and
+  the begin step takes (``take``), so the loop and the sync steps can hold the same one.
+- ``Links``: the measured throughput each way (--compression auto).
 - ``SyncJob``: one sync in progress, handed from step to step: begin (snapshot) -> encode (queue
   the delta) -> push (flush the outbox) -> pull (fetch the expert) -> apply (adopt it, write the
   result line). Each step reads what the previous ones put in the job.
@@ -10,11 +13,29 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Protocol
 
 from protocol.tensors import StateDict
+from worker.adaptive import LinkEstimate
 from worker.checkpoint import WorkerCheckpoint
+from worker.data import StreamPosition
+
+
+class Trainer(Protocol):
+    """What the loop needs from a trainer (``worker.trainer.LoraTrainer``)."""
+
+    global_step: int
+
+    def train_steps(self, n: int) -> Any: ...
+    def adapter_state(self) -> StateDict: ...
+    def load_adapter_state(self, state: StateDict) -> None: ...
+    def share_primary_weights(self) -> None: ...
+    @property
+    def data_position(self) -> StreamPosition: ...
+    def seek(self, position: StreamPosition) -> None: ...
+    def optimizer_state(self) -> dict: ...
+    def load_optimizer_state(self, state: dict) -> None: ...
 
 
 @dataclass
@@ -43,6 +64,16 @@ class IntervalStats:
         self.loss_sum += s.loss * s.steps
         self.seconds += s.seconds
 
+    def take(self) -> IntervalStats:
+        """These figures, handed to a sync; this interval starts again from zero."""
+        taken = replace(self)
+        self.reset()
+        return taken
+
+    def reset(self) -> None:
+        for f in fields(self):
+            setattr(self, f.name, f.default)
+
     @property
     def loss(self) -> float | None:
         return self.loss_sum / self.steps if self.steps else None
@@ -51,6 +82,14 @@ class IntervalStats:
     def tokens_per_second(self) -> float:
         """Effective throughput: the --speed-factor sleeps count, as they would on a slower machine."""
         return self.tokens / max(self.seconds + self.throttled, 1e-9)
+
+
+@dataclass
+class Links:
+    """Measured throughput each way (--compression auto): every push and pull is timed into it."""
+
+    up: LinkEstimate = field(default_factory=LinkEstimate)
+    down: LinkEstimate = field(default_factory=LinkEstimate)
 
 
 @dataclass
@@ -87,11 +126,13 @@ class ExpertState:
         """The checkpoint's counters for this state (JSON scalars)."""
         return {"syncs": self.syncs, "base_version": self.version, "etag": self.etag, "pulls": self.pulls}
 
-    @classmethod
-    def from_checkpoint(cls, checkpoint: WorkerCheckpoint) -> ExpertState:
+    def load(self, checkpoint: WorkerCheckpoint) -> None:
+        """Take up where a checkpoint left off (in place: the loop and its sync steps hold this one object)."""
         progress = checkpoint.progress
-        return cls(progress["base_version"], progress["etag"], checkpoint.pulled, checkpoint.reference,
-                   progress["pulls"], progress["syncs"], deque(Outgoing(body, meta) for body, meta in checkpoint.outbox))
+        self.version, self.etag, self.pulls, self.syncs = (progress["base_version"], progress["etag"],
+                                                           progress["pulls"], progress["syncs"])
+        self.pulled, self.reference = checkpoint.pulled, checkpoint.reference
+        self.outbox = deque(Outgoing(body, meta) for body, meta in checkpoint.outbox)
 
     def adopt(self, weights: StateDict, reference: StateDict, version: int, etag: str | None) -> None:
         """The expert's weights were taken at ``version``; the next delta is measured from ``reference``."""

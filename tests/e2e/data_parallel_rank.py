@@ -36,7 +36,7 @@ def main(url: str, out: Path, strategy: str = "ddp") -> None:
     with process_group("cpu") as (collective, device):
         worker, trainer, _ = build_worker(config, collective, device)
         rank = collective.rank
-        worker.join()
+        worker.joining.join()
         save_file(trainer.gathered_state(), out / f"rank{rank}-join.safetensors")
         for sync in range(2):
             worker.interval.add(trainer.train_steps(1))

@@ -40,7 +40,7 @@ def test_a_second_signal_mid_step_stops_at_once_and_pushes_nothing(start_coordin
     records: list[dict] = []
     worker = FederatedWorker(SyncSettings(specialty="sql_expert", worker_id="w1", duration=600, sync_interval=600),
                              CoordinatorClient(url), trainer, spec, on_result=records.append)
-    worker.join()
+    worker.joining.join()
     replaced = stop_on_signals()
     try:
         with pytest.raises(KeyboardInterrupt):

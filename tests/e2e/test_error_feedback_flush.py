@@ -105,7 +105,7 @@ def test_one_worker_ends_where_local_training_of_the_same_steps_ends(start_coord
     worker = FederatedWorker(SyncSettings(specialty="sql_expert", worker_id="w1"), client, trainer, spec,
                              encoder=UpdateEncoder(CompressionSettings("topk+int8", {"ratio": 0.01})),
                              pull=PullSettings(codec=None))  # exact pulls: the check is local == coordinator
-    worker.join()
+    worker.joining.join()
     for _ in range(8):  # overlapped syncs: steps trained while the exchange runs are carried over
         for _ in range(3):
             worker.train_step()
@@ -155,7 +155,7 @@ def test_a_signal_mid_step_ends_the_run_after_that_step_and_counts_it(start_coor
     records: list[dict] = []
     worker = FederatedWorker(SyncSettings(specialty="sql_expert", worker_id="w1", duration=600, sync_interval=600),
                              CoordinatorClient(url), trainer, spec, on_result=records.append)
-    worker.join()
+    worker.joining.join()
     replaced = stop_on_signals()
     assert signal.SIGTERM in replaced  # pytest (and xdist's workers) run tests on the main thread
     try:

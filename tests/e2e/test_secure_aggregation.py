@@ -55,7 +55,7 @@ def make_workers(base, url, secure):
         workers.append(FederatedWorker(SyncSettings(specialty=EXPERT, worker_id=name, secure_aggregation=secure),
                                        CoordinatorClient(url), trainer, spec))
     for worker in workers:
-        worker.join()
+        worker.joining.join()
     return workers
 
 
@@ -143,7 +143,7 @@ def test_a_member_dropping_after_the_key_rounds_is_recovered_and_no_input_is_rea
     wait_for(lambda: client.expert(EXPERT)["version"] == 1, what="the cohort recovered without w3")
     close_sessions(workers[:3])
     after = client.pull_weights(EXPERT).tensors
-    manifest = workers[0]._manifest()
+    manifest = workers[0].pipeline.manifest()
     step = flatten({k: after[k] - before[k] for k in after}, manifest)
     cohorts = {c["cohort_id"]: c for c in client._json("GET", "/cohorts")["cohorts"]}
     cohort = cohorts[cohort_id]

@@ -40,14 +40,14 @@ def test_a_worker_joining_an_existing_expert_pulls_it_instead_of_uploading_its_a
     token = local_token(url)
     with DelayProxy((host, int(port)), one_way_s=0.0) as proxy:  # counts the bytes each worker sends
         first, first_trainer = make_worker(proxy.url(), "w1", seed=1, token=token)
-        first.join()
+        first.joining.join()
         adapter = first_trainer.adapter_state()
         creator_sent = proxy.bytes_to_target
         assert creator_sent > len(dumps(adapter))  # the first worker creates the expert from its adapter
 
         second, second_trainer = make_worker(proxy.url(), "w2", seed=2, token=token)
         assert not all(torch.equal(second_trainer.adapter_state()[k], adapter[k]) for k in adapter)  # other seed
-        info = second.join()
+        info = second.joining.join()
         joiner_sent = proxy.bytes_to_target - creator_sent
     assert info["version"] == 0 and second.base_version == 0
     assert all(torch.equal(second_trainer.adapter_state()[k], adapter[k]) for k in adapter)  # pulled the expert
@@ -55,7 +55,7 @@ def test_a_worker_joining_an_existing_expert_pulls_it_instead_of_uploading_its_a
 
     other_rank, _ = make_worker(url, "w3", seed=3, rank=4)
     with pytest.raises(Conflict, match="rank 4 != expert's 2"):  # the setup is still checked
-        other_rank.join()
+        other_rank.joining.join()
 
 
 def test_auto_compression_switches_codecs_and_keeps_local_equal_to_the_experts_plus_residual(start_coordinator,
@@ -66,7 +66,7 @@ def test_auto_compression_switches_codecs_and_keeps_local_equal_to_the_experts_p
     worker, trainer = make_worker(url, "w1", seed=0, encoder=encoder)
     worker = FederatedWorker(SyncSettings(specialty="sql_expert", worker_id="w1", results_path=results),
                              worker.client, trainer, worker.expert_spec, encoder=encoder)
-    worker.join()
+    worker.joining.join()
     # Pretend the first measurements said a 4 kB/s uplink and a 1 kB/s downlink.
     worker.links.up = LinkEstimate(4000.0, observed=1)
     worker.links.down = LinkEstimate(1000.0, observed=1)
@@ -106,7 +106,7 @@ def test_auto_sizes_its_first_push_from_an_upload_probe_at_join(start_coordinato
     _, url = start_coordinator()
     encoder = UpdateEncoder(CompressionSettings("auto", sync_budget=4.0))
     worker, trainer = make_worker(url, "w1", seed=0, rank=32, token=local_token(url), encoder=encoder)
-    worker.join()
+    worker.joining.join()
     delta = trainer.adapter_state()
     numel = sum(t.numel() for t in delta.values())
     assert 4 * numel < UPLOAD_PROBES[-1]  # loopback: both probes, the large one no larger than the fp32 update

@@ -101,7 +101,7 @@ def test_worker_keeps_training_while_the_coordinator_is_down_and_delivers_once(s
     # lossless both ways (not the int8 defaults): the check below is that nothing is lost or doubled, exactly
     worker = FederatedWorker(SyncSettings(specialty="sql_expert", worker_id="w1"), client, trainer, spec,
                              encoder=UpdateEncoder(CompressionSettings(RAW_CODEC)), pull=PullSettings(codec=None))
-    worker.join()
+    worker.joining.join()
 
     worker.interval.add(trainer.train_steps(2))
     assert worker.sync()["delivered"] and worker.base_version == 1
@@ -132,7 +132,7 @@ def test_compressed_pushes_and_diff_pulls_stay_close_to_the_experts_weights(star
     worker = FederatedWorker(SyncSettings(specialty="docs_expert", worker_id="w1"), client, trainer, spec,
                              encoder=UpdateEncoder(CompressionSettings("topk+int8", {"ratio": 0.1})),
                              pull=PullSettings(codec="fp16", full_every=3))
-    worker.join()
+    worker.joining.join()
     records = []
     for _ in range(5):
         worker.interval.add(trainer.train_steps(1))
@@ -183,7 +183,7 @@ def test_generate_and_merged_export_with_the_tiny_base_model(start_coordinator, 
     spec = {"lora": trainer.lora_config, "base_model": {"id": "tiny-qwen2", "fingerprint": tiny_base.fingerprint}}
     worker = FederatedWorker(SyncSettings(specialty="sql_expert", worker_id="w1"), CoordinatorClient(url), trainer,
                              spec, profile=profile_to_json(text_profile(e.prompt for e in train), len(train)))
-    worker.join()
+    worker.joining.join()
     worker.interval.add(trainer.train_steps(3))
     worker.sync()
 
@@ -219,7 +219,7 @@ def test_a_nan_update_is_dropped_and_the_worker_resyncs(start_coordinator, codec
     spec = {"lora": trainer.lora_config, "base_model": {"id": base.model_id, "fingerprint": base.fingerprint}}
     worker = FederatedWorker(SyncSettings(specialty="sql_expert", worker_id="w1"), client, trainer, spec,
                              encoder=UpdateEncoder(CompressionSettings(codec)))
-    worker.join()
+    worker.joining.join()
     worker.interval.add(trainer.train_steps(1))
     worker.state.reference = {k: torch.full_like(v, float("nan")) for k, v in worker.state.reference.items()}  # diverged
     worker.sync()
@@ -239,7 +239,7 @@ def test_max_steps_stops_after_exactly_that_many_optimiser_steps_and_pushes_them
     settings = SyncSettings(specialty="sql_expert", worker_id="w1", duration=600, sync_interval=600, max_steps=3,
                             steps_per_check=2)
     worker = FederatedWorker(settings, client, trainer, spec)
-    worker.join()
+    worker.joining.join()
     summary = worker.run()
     assert summary.steps == trainer.global_step == 3
     info = client.expert("sql_expert")  # the final push carried all three steps
@@ -267,11 +267,11 @@ def test_early_stopping_scores_each_pulled_version_and_stops_when_patience_runs_
     worker = FederatedWorker(settings, client, trainer, spec, early_stopping=BestVersion(EarlyStoppingSettings(1, 100.0)),
                              heldout_score=heldout_scorer(trainer, heldout),
                              encoder=UpdateEncoder(CompressionSettings(RAW_CODEC)), pull=PullSettings(codec=None))
-    worker.join()
+    worker.joining.join()
     worker.run()
     records = [json.loads(line) for line in results.read_text().splitlines()]
     scored = [r for r in records if "heldout_loss" in r]
-    assert worker.early_stopped and trainer.global_step < 500
+    assert worker.pipeline.early_stopped and trainer.global_step < 500
     assert [(r["version"], r["best_version"], r["versions_since_best"]) for r in scored] == [(1, 0, 1)]
     # it stopped right after that sync: the final sync ran, with nothing trained since to push
     assert records[-1]["final"] and "update_id" not in records[-1] and client.expert("sql_expert")["version"] == 1

@@ -48,7 +48,7 @@ def test_overlapped_syncs_keep_training_made_meanwhile_exactly_once(start_coordi
     # lossless both ways (not the int8 defaults): the checks below are exact sums
     worker = FederatedWorker(settings, client, trainer, spec, encoder=UpdateEncoder(CompressionSettings(RAW_CODEC)),
                              pull=PullSettings(codec=None))
-    worker.join()
+    worker.joining.join()
     start = trainer.adapter_state()
     trained = {k: torch.zeros_like(v) for k, v in start.items()}  # what the optimiser steps changed, summed
 
@@ -78,7 +78,7 @@ def test_overlapped_syncs_keep_training_made_meanwhile_exactly_once(start_coordi
     assert all(torch.allclose(server[k], local[k], atol=1e-6) for k in start)
     info = client.expert("sql_expert")
     assert info["updates_applied"] == 4 and info["samples_seen"] == worker.totals.samples
-    saved = load_checkpoint(tmp_path / "state", worker.identity)
+    saved = load_checkpoint(tmp_path / "state", worker.pipeline.identity)
     assert saved.progress["syncs"] == 4 and saved.progress["global_step"] == trainer.global_step
 
 
@@ -163,7 +163,7 @@ def test_resuming_against_a_coordinator_that_lost_the_expert_counts_nothing_twic
 
     _, old_url = start_coordinator(data_dir=tmp_path / "old")
     first = new_worker(old_url)
-    first.join()
+    first.joining.join()
     for _ in range(2):
         first.train_step()
         first.sync()  # checkpoint at version 1 holding the update of sync 1 (delivered, as far as it knows)
@@ -171,7 +171,7 @@ def test_resuming_against_a_coordinator_that_lost_the_expert_counts_nothing_twic
 
     _, new_url = start_coordinator(data_dir=tmp_path / "new")  # an empty data dir: no expert, no history
     second = new_worker(new_url)
-    second.join()
+    second.joining.join()
     info = second.client.expert("sql_expert")
     assert info["version"] == 0 and info["updates_applied"] == 0 and not second.outbox
     created = second.client.pull_weights("sql_expert").tensors
@@ -197,7 +197,7 @@ def test_a_checkpoint_writes_only_what_a_resume_needs_and_resumes_from_it(start_
                                pull=PullSettings(codec=pull_codec)), trainer
 
     worker, trainer = new_worker()
-    worker.join()
+    worker.joining.join()
     for _ in range(2):
         worker.train_step()
         worker.sync()
@@ -207,12 +207,12 @@ def test_a_checkpoint_writes_only_what_a_resume_needs_and_resumes_from_it(start_
     assert manifest["aliases"] == {"reference": "adapter"}
     assert files == sorted(["adapter.safetensors", "optimizer.safetensors", "outbox-0.bin"]
                            + (["pulled.safetensors"] if pull_codec else []))
-    saved = load_checkpoint(tmp_path / "state", worker.identity)
+    saved = load_checkpoint(tmp_path / "state", worker.pipeline.identity)
     assert all(torch.equal(saved.reference[k], saved.adapter[k]) for k in saved.adapter)
     assert (saved.pulled.keys() == worker.state.pulled.keys()) if pull_codec else saved.pulled == {}
 
     worker, trainer = new_worker()  # a restart: the same state dir
-    worker.join()
+    worker.joining.join()
     assert trainer.global_step == saved.progress["global_step"] and worker.syncs == 2
     worker.train_step()
     worker.sync(final=True)

@@ -33,7 +33,7 @@ def checkpoint(start_coordinator, tmp_path):
     torch.set_num_threads(1)
     try:
         worker, _, _ = build_worker(run_worker.build_config(args))
-        worker.join()
+        worker.joining.join()
         worker.train_step()
         worker.sync()
     finally:

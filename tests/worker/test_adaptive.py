@@ -335,9 +335,9 @@ def test_a_worker_with_comm_share_paces_its_next_sync_from_the_last_one_s_push_a
     def job() -> SyncJob:  # a sync whose push took 1.5 s and pull 2.5 s, and that brought no new weights
         return SyncJob(0, False, IntervalStats(), {}, None, None, {"push_seconds": 1.5, "pull_seconds": 2.5})
 
-    record = worker.finish_sync(job(), overlapped=True)
+    record = worker.pipeline.finish_sync(job(), overlapped=True)
     assert record["next_interval"] == pytest.approx(20.0) and worker.sync_interval == pytest.approx(20.0)
     plain = FederatedWorker(SyncSettings(specialty="sql_expert", worker_id="w", sync_interval=2.0),
                             CoordinatorClient("http://127.0.0.1:9"), trainer=None,  # type: ignore[arg-type]
                             expert_spec={"base_model": {}})
-    assert "next_interval" not in plain.finish_sync(job(), overlapped=True) and plain.sync_interval == 2.0
+    assert "next_interval" not in plain.pipeline.finish_sync(job(), overlapped=True) and plain.sync_interval == 2.0

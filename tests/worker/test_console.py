@@ -5,7 +5,7 @@ import logging
 
 from protocol.logs import JsonFormatter
 from worker.console import SyncConsole, sync_line
-from worker.federation import IntervalStats
+from worker.sync_state import IntervalStats
 
 RECORD = {"time": 0.0, "sync": 3, "final": False, "worker_id": "w", "base_version": 7, "steps": 12, "samples": 96,
           "tokens": 6000, "train_loss": 2.34567, "train_seconds": 2.0, "bytes_sent": 123_456, "ratio": 7.95,
