@@ -34,7 +34,7 @@ import ssl
 from coordinator.http.connection import Connection, no_delay
 from coordinator.http.options import FrontOptions
 from coordinator.http.shared import FrontShared
-from coordinator.http.wire import SharedBuffers, Wire
+from coordinator.http.wire import SharedBuffers, TlsWire, Wire
 from coordinator.http.wsgi import WsgiApp
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ class BufferingFront:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stopping.set)
         self.sock.setblocking(False)
-        server = await loop.create_server(lambda: Wire(self.open, self.loop_buffers, self.tls), sock=self.sock)
+        server = await loop.create_server(self._wire, sock=self.sock)
         await stopping.wait()
         server.close()  # stop accepting; requests being answered get GRACE_SECONDS
         deadline = loop.time() + GRACE_SECONDS
@@ -81,6 +81,12 @@ class BufferingFront:
         self.shared.shutdown()
         log.info("front: %d large bodies read on body threads, %d by the event loop (at least in part)",
                  self.shared.bodies_read["thread"], self.shared.bodies_read["loop"])
+
+    def _wire(self) -> Wire:
+        """A new connection's protocol (TLS when the front has a certificate)."""
+        if self.tls is None:
+            return Wire(self.open, self.loop_buffers)
+        return TlsWire(self.open, self.loop_buffers, self.tls)
 
     def open(self, wire: Wire) -> None:
         """A connection was accepted (its ``Wire`` is connected): start its request cycle, or close it when the front

@@ -10,8 +10,9 @@ connection from its first byte, with public asyncio and ssl APIs only:
 - received bytes land where the request cycle wants them: in a large body's own buffer (``fill``: the socket is read
   straight into it, never past its end), or else among the ``pending`` bytes (heads, small and chunked bodies), read
   through one receive buffer that all connections share (each read is handed on before the next one starts);
-- TLS runs on an ``ssl.SSLObject`` over memory BIOs: ciphertext comes through the shared buffer and plaintext is
-  decrypted straight into the body's buffer, so an idle TLS connection holds OpenSSL's session and nothing more;
+- TLS (``TlsWire``, the same connection with a TLS layer between socket and request cycle) runs on an
+  ``ssl.SSLObject`` over memory BIOs: ciphertext comes through the shared buffer and plaintext is decrypted straight
+  into the body's buffer, so an idle TLS connection holds OpenSSL's session and nothing more;
 - writes go out under the transport's flow control (``drain``).
 
 The request cycle (coordinator/http/connection.py) applies the timeouts; this module only waits.
@@ -37,10 +38,13 @@ class SharedBuffers:
 
 
 class Wire(asyncio.BufferedProtocol):
-    """A connection's receiving and sending; ``on_open(wire)`` starts its request cycle once it is connected."""
+    """A plain TCP connection's receiving and sending; ``on_open(wire)`` starts its request cycle once it is
+    connected. ``TlsWire`` is the same over TLS."""
 
-    def __init__(self, on_open: Callable[[Wire], None], shared: SharedBuffers,
-                 tls: ssl.SSLContext | None = None) -> None:
+    tls: TlsSession | None = None
+    """The TLS session (``TlsWire``); None on plain TCP."""
+
+    def __init__(self, on_open: Callable[[Wire], None], shared: SharedBuffers) -> None:
         self.on_open, self.shared = on_open, shared
         self.transport: asyncio.Transport | None = None
         self.pending = bytearray()
@@ -54,7 +58,6 @@ class Wire(asyncio.BufferedProtocol):
         self._waiter: asyncio.Future | None = None
         self._write_paused = False
         self._drained: list[asyncio.Future] = []
-        self.tls = TlsSession(tls) if tls is not None else None
 
     # the transport's side ---------------------------------------------------------------------------------------
 
@@ -64,16 +67,13 @@ class Wire(asyncio.BufferedProtocol):
         self.on_open(self)
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self.tls is None and self.target is not None:
+        if self.target is not None:
             return self.target[self.filled:]
-        return self.shared.raw if self.tls is not None else self.shared.raw[:PENDING_READ]
+        return self.shared.raw[:PENDING_READ]
 
     def buffer_updated(self, nbytes: int) -> None:
         self.arrived_at = asyncio.get_running_loop().time()
-        if self.tls is not None:
-            self.tls.incoming.write(self.shared.raw[:nbytes])
-            self._tls_progress()
-        elif self.target is not None:
+        if self.target is not None:
             self.filled += nbytes
             if self.filled == len(self.target):
                 self._wake()
@@ -83,9 +83,6 @@ class Wire(asyncio.BufferedProtocol):
         self.sync_reading()
 
     def eof_received(self) -> bool:
-        if self.tls is not None:
-            self.tls.incoming.write_eof()
-            self._tls_progress()
         self.eof = True
         self._wake()
         return True  # keep the transport open: the answer may still be written
@@ -117,7 +114,9 @@ class Wire(asyncio.BufferedProtocol):
         self.sync_reading()  # TLS: plaintext OpenSSL holds since reading last paused comes first
         if (len(self.pending), self.filled, self.eof) != before:
             return
-        self._check()
+        if self.lost is not None and not self.pending:
+            raise self.lost if isinstance(self.lost, (ConnectionError, ssl.SSLError)) else \
+                ConnectionResetError(str(self.lost))
         self._waiter = asyncio.get_running_loop().create_future()
         try:
             await self._waiter
@@ -127,13 +126,10 @@ class Wire(asyncio.BufferedProtocol):
     async def read_some(self, n: int) -> bytes:
         """Up to ``n`` pending bytes, waiting for some; b"" once the client has closed its side."""
         while not self.pending:
-            if self.eof and not (self.tls is not None and self._decrypt_now()):
+            if self.eof:
                 return b""
             await self.wait()
-        chunk = bytes(self.pending[:n])
-        del self.pending[:n]
-        self.sync_reading()
-        return chunk
+        return self.take_pending(n)
 
     async def fill(self, view: memoryview, stall: float) -> None:
         """Fill ``view`` with the next bytes: pending ones first, then straight from the socket (TLS: decrypted into
@@ -181,7 +177,7 @@ class Wire(asyncio.BufferedProtocol):
     def lend(self) -> Any:
         """The socket, for a body thread to read itself (plain TCP, nothing pending): reading stops until
         ``give_back``."""
-        assert self.tls is None and not self.pending and self.transport is not None
+        assert not self.pending and self.transport is not None
         self.lent = True
         self.sync_reading()
         return self.transport.get_extra_info("socket")
@@ -194,11 +190,7 @@ class Wire(asyncio.BufferedProtocol):
 
     def write(self, data: bytes | memoryview) -> None:
         assert self.transport is not None
-        if self.tls is None:
-            self.transport.write(data)
-            return
-        self.tls.obj.write(data)
-        self._flush_tls()
+        self.transport.write(data)
 
     async def drain(self) -> None:
         """Until the transport takes more (the caller applies the stall timeout)."""
@@ -210,19 +202,13 @@ class Wire(asyncio.BufferedProtocol):
             await waiter
 
     def write_eof(self) -> None:
-        """No more bytes from us (plain TCP: a FIN; TLS: close_notify, the connection's end)."""
+        """No more bytes from us: a FIN (TLS: close_notify, the connection's end)."""
         assert self.transport is not None
-        if self.tls is not None:
-            self.tls.close_notify()
-            self._flush_tls()
-        elif self.transport.can_write_eof():
+        if self.transport.can_write_eof():
             self.transport.write_eof()
 
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
-            if self.tls is not None and self.tls.handshaken:
-                self.tls.close_notify()
-                self._flush_tls()
             self.transport.close()
 
     @property
@@ -230,11 +216,6 @@ class Wire(asyncio.BufferedProtocol):
         return self.transport is None or self.transport.is_closing()
 
     # internals --------------------------------------------------------------------------------------------------
-
-    def _check(self) -> None:
-        if self.lost is not None and not self.pending:
-            raise self.lost if isinstance(self.lost, (ConnectionError, ssl.SSLError)) else \
-                ConnectionResetError(str(self.lost))
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
@@ -247,23 +228,84 @@ class Wire(asyncio.BufferedProtocol):
             return self.filled < len(self.target)
         return not self.holding and len(self.pending) < PENDING_LIMIT
 
+    def _wants_socket(self) -> bool:
+        """Whether to read the socket: while the request cycle has room (TLS: also during the handshake)."""
+        return self._wants_bytes()
+
     def sync_reading(self) -> None:
         """Read from the socket exactly while the request cycle has room for bytes (public transport calls only)."""
         transport = self.transport
         if transport is None or transport.is_closing():
             return
-        if self._wants_bytes() and self.tls is not None and self.tls.handshaken:
-            self._decrypt()  # plaintext OpenSSL already holds comes first
         if self.eof:  # nothing more will come (toggling would only report the end again)
             return
-        if self._wants_bytes() or (self.tls is not None and not self.tls.handshaken):
+        if self._wants_socket():
             if not transport.is_reading():
                 transport.resume_reading()
         elif transport.is_reading():
             transport.pause_reading()
 
+
+class TlsWire(Wire):
+    """A TLS connection: ciphertext arrives through the shared buffer, is decrypted into the body's buffer or
+    ``pending``, and every write is encrypted on its way out."""
+
+    tls: TlsSession
+
+    def __init__(self, on_open: Callable[[Wire], None], shared: SharedBuffers, context: ssl.SSLContext) -> None:
+        super().__init__(on_open, shared)
+        self.tls = TlsSession(context)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.shared.raw  # ciphertext: never straight into a body's buffer
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.arrived_at = asyncio.get_running_loop().time()
+        self.tls.incoming.write(self.shared.raw[:nbytes])
+        self._tls_progress()
+        self.sync_reading()
+
+    def eof_received(self) -> bool:
+        self.tls.incoming.write_eof()
+        self._tls_progress()
+        return super().eof_received()
+
+    async def read_some(self, n: int) -> bytes:
+        while not self.pending:
+            if self.eof and not self._decrypt_now():
+                return b""
+            await self.wait()
+        return self.take_pending(n)
+
+    def lend(self) -> Any:
+        raise AssertionError("a TLS connection's socket carries ciphertext: bodies are read through the wire")
+
+    def write(self, data: bytes | memoryview) -> None:
+        assert self.transport is not None
+        self.tls.obj.write(data)
+        self._flush_tls()
+
+    def write_eof(self) -> None:
+        assert self.transport is not None
+        self.tls.close_notify()
+        self._flush_tls()
+
+    def close(self) -> None:
+        if self.transport is not None and not self.transport.is_closing() and self.tls.handshaken:
+            self.tls.close_notify()
+            self._flush_tls()
+        super().close()
+
+    def _wants_socket(self) -> bool:
+        return self._wants_bytes() or not self.tls.handshaken
+
+    def sync_reading(self) -> None:
+        transport = self.transport
+        if transport is not None and not transport.is_closing() and self._wants_bytes() and self.tls.handshaken:
+            self._decrypt()  # plaintext OpenSSL already holds comes first
+        super().sync_reading()
+
     def _tls_progress(self) -> None:
-        assert self.tls is not None
         try:
             if self.tls.handshaken or self.tls.handshake():
                 self._decrypt()
@@ -280,7 +322,6 @@ class Wire(asyncio.BufferedProtocol):
 
     def _decrypt(self) -> None:
         """Decrypt into the target, else into ``pending``, while there is room and plaintext."""
-        assert self.tls is not None
         try:
             while self._wants_bytes():
                 view = self.target[self.filled:] if self.target is not None else self.shared.plain
@@ -309,7 +350,6 @@ class Wire(asyncio.BufferedProtocol):
             self.transport.abort()
 
     def _flush_tls(self) -> None:
-        assert self.tls is not None
         data = self.tls.outgoing.read()
         if data and self.transport is not None and not self.transport.is_closing():
             self.transport.write(data)
