@@ -1,7 +1,8 @@
-"""The coordinator's shape, held: no two files import each other, no class over 25 methods.
+"""The coordinator's shape, held: no two files import each other; no class over 25 methods in the packages of SIZED.
 
 Read from the source with ``ast`` (nothing is imported), so a cycle held apart by a function-level import
-counts too. coordinator/http/ is left out until its own cycle (front <-> connection <-> receiving) is gone.
+counts too. coordinator/http/ is left out of the cycle check until its own cycle (front <-> connection <->
+receiving) is gone; its classes are sized like the rest.
 """
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "coordinator"
 MAX_METHODS = 25
+SIZED = ("coordinator", "worker")
+"""The packages whose classes are held to MAX_METHODS (protocol/ waits for CoordinatorClient's split)."""
 
 
 def _modules() -> dict[str, Path]:
@@ -71,12 +74,14 @@ def test_no_two_files_of_the_coordinator_import_each_other():
     assert _cycles(graph) == []
 
 
-def test_no_class_of_the_coordinator_has_more_than_25_methods():
-    wide = {}
-    for path in _modules().values():
+def test_no_class_of_the_sized_packages_has_more_than_25_methods():
+    wide, seen = {}, 0
+    for path in (path for package in SIZED for path in (ROOT / package).rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ClassDef):
+                seen += 1
                 n = sum(isinstance(b, (ast.FunctionDef, ast.AsyncFunctionDef)) for b in node.body)
                 if n > MAX_METHODS:
                     wide[f"{path.relative_to(ROOT)}:{node.name}"] = n
+    assert seen > 150  # the walk saw the packages' classes (FederatedWorker, Wire, ExpertStore ...)
     assert wide == {}
