@@ -33,7 +33,7 @@ def test_window_counts_only_intervals_inside_the_time_every_worker_trained():
 
 def test_quick_run_measures_one_worker_and_one_data_parallel_worker(tmp_path):
     out = tmp_path / "scaling.json"
-    proc = subprocess.run([sys.executable, "-m", MODULE, "--quick", "--duration", "4", "--out", str(out)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", MODULE, "--quick", "--duration", "8", "--out", str(out)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())

@@ -178,16 +178,22 @@ def root_step(root_admin, adapter, manifest):
     return flatten({k: v - adapter[k] for k, v in root_admin.pull_weights("e1").tensors.items()}, manifest)
 
 
+def cohort_ready_to_submit(url: str, tmp_path) -> tuple:
+    """Expert e1 created through ``url``, the four WORKERS' sessions past the key rounds, and one random delta each:
+    (adapter, manifest, clients, sessions, deltas)."""
+    adapter = make_adapter()
+    clients = [worker_client(url, tmp_path, name) for name in WORKERS]
+    clients[0].create_expert("e1", adapter, expert_spec())
+    manifest = manifest_of(adapter)
+    sessions = member_sessions(clients, "e1")
+    wait_for(lambda: advance_all(sessions) or all(s.can_submit for s in sessions), what="the cohort's shares")
+    return adapter, manifest, clients, sessions, random_deltas(adapter, manifest, 4)
+
+
 def test_a_relay_unmasks_its_sites_cohort_and_forwards_only_the_sum(tmp_path):
     root, relay = start_pair(tmp_path, *RELAY_SECURE, "--forward-interval", "3600", root_flags=RELAY_SECURE)
     try:
-        adapter = make_adapter()
-        clients = [worker_client(relay.url, tmp_path, name) for name in WORKERS]
-        clients[0].create_expert("e1", adapter, expert_spec())
-        manifest = manifest_of(adapter)
-        sessions = member_sessions(clients, "e1")
-        wait_for(lambda: advance_all(sessions) or all(s.can_submit for s in sessions), what="the relay cohort's shares")
-        deltas = random_deltas(adapter, manifest, 4)
+        adapter, manifest, clients, sessions, deltas = cohort_ready_to_submit(relay.url, tmp_path)
         for i, (session, delta) in enumerate(zip(sessions, deltas)):
             session.submit(delta, 10, {"base_version": 0, "update_id": f"u{i}"}, rounding_seed=i)
         wait_for(lambda: advance_all(sessions) or all(s.outcome for s in sessions), what="the relay to unmask its cohort")
@@ -213,13 +219,7 @@ def test_kill_9_mid_cohort_loses_no_acknowledged_input_and_applies_no_partial_su
     root.start()
     try:
         (tmp_path / "join").write_text((tmp_path / "root" / "join_token").read_text())
-        adapter = make_adapter()
-        clients = [worker_client(root.url, tmp_path, name) for name in WORKERS]
-        clients[0].create_expert("e1", adapter, expert_spec())
-        manifest = manifest_of(adapter)
-        sessions = member_sessions(clients, "e1")
-        wait_for(lambda: advance_all(sessions) or all(s.can_submit for s in sessions), what="the cohort's shares")
-        deltas = random_deltas(adapter, manifest, 4)
+        adapter, manifest, clients, sessions, deltas = cohort_ready_to_submit(root.url, tmp_path)
         for i in (0, 1):  # two inputs acknowledged (202), then the coordinator is killed
             sessions[i].submit(deltas[i], 10, {"base_version": 0, "update_id": f"u{i}"}, rounding_seed=i)
         root.kill()
@@ -244,13 +244,7 @@ def test_kill_9_of_a_relay_mid_cohort_loses_no_acknowledged_input_and_forwards_n
     it keeps both, forwards nothing while the cohort waits, and forwards the unmasked sum once it completes."""
     root, relay = start_pair(tmp_path, *RELAY_SECURE, "--forward-interval", "3600", root_flags=RELAY_SECURE)
     try:
-        adapter = make_adapter()
-        clients = [worker_client(relay.url, tmp_path, name) for name in WORKERS]
-        clients[0].create_expert("e1", adapter, expert_spec())
-        manifest = manifest_of(adapter)
-        sessions = member_sessions(clients, "e1")
-        wait_for(lambda: advance_all(sessions) or all(s.can_submit for s in sessions), what="the relay cohort's shares")
-        deltas = random_deltas(adapter, manifest, 4)
+        adapter, manifest, clients, sessions, deltas = cohort_ready_to_submit(relay.url, tmp_path)
         for i in (0, 1):  # two inputs acknowledged (202) by the relay, then it is killed
             sessions[i].submit(deltas[i], 10, {"base_version": 0, "update_id": f"u{i}"}, rounding_seed=i)
         relay.kill()
