@@ -46,6 +46,9 @@ class RelayFlags:
                                                       "relay registers at the root with it", type=Path, group=RELAY)
     forward_interval: float = option(10.0, "at most one combined update upstream per expert every SECONDS "
                                            "(an update reaching an idle relay goes at once)", group=RELAY)
+    forward_on_exit: bool = option(False, "on SIGTERM, stop taking requests, then forward what is queued before "
+                                          "exiting (what does not go stays queued in the data dir, as always); "
+                                          "`run_worker.py --can-relay` starts its relay with it", group=RELAY)
     forward_compression: str = option("safetensors", "codec of the combined update, with error feedback, e.g. "
                                                      "topk+int8 (safetensors = lossless)", metavar="CODEC", group=RELAY)
     forward_compression_config: Mapping[str, Any] = option(
@@ -175,7 +178,8 @@ def _serve_relay(args: RelayFlags, base: CoordinatorConfig, options: ServeOption
         advertise_url=args.advertise_url, max_queue_mb=args.max_queue_mb,
         base_model_fingerprint=args.base_model_fingerprint, upstream_diffs=upstream_diffs, site_model=args.site_model,
         forward=ForwardPolicy(interval=args.forward_interval, codec=args.forward_compression,
-                              codec_config=codec_config, staleness_decay=base.staleness_decay))
+                              codec_config=codec_config, staleness_decay=base.staleness_decay,
+                              on_exit=args.forward_on_exit))
     serve_relay(config, options)
     return 0
 

@@ -6,8 +6,9 @@ requests beyond the CPU they take. It registers at the root with the relay join 
 or ``$FEDMOE_RELAY_JOIN_TOKEN``: a worker's join token cannot make it a relay) under the id ``<worker id>-relay``,
 and publishes ``http://<host>:<port>``, ``host`` being the address this machine reaches the root from (what other
 machines of its site can reach it at) unless ``--relay-host`` says otherwise. Until the root assigns it workers it
-holds nothing and forwards nothing. It stops with the worker (after the worker's final push, so a push it accepted
-is forwarded: it keeps its queue durable and forwards it when started again in any case).
+holds nothing and forwards nothing. It stops with the worker, after the worker's final push: it forwards its queue,
+stops taking requests, and forwards once more what its group pushed meanwhile (``--forward-on-exit``); what the root
+does not take then stays durable in its data dir and goes when it starts again.
 """
 from __future__ import annotations
 
@@ -73,7 +74,7 @@ class EmbeddedRelay:
         s = self.settings
         argv = [sys.executable, str(ROOT_DIR / "run_coordinator.py"), "--upstream", s.upstream, "--host", "0.0.0.0",
                 "--port", str(self._port), "--data-dir", str(s.data_dir), "--relay-id", s.relay_id,
-                "--advertise-url", self.url, *s.extra]
+                "--advertise-url", self.url, "--forward-on-exit", *s.extra]
         if s.relay_join_token_file is not None:
             argv += ["--relay-join-token-file", str(s.relay_join_token_file)]
         return argv
@@ -137,9 +138,11 @@ class EmbeddedRelay:
         if self._proc is None or self._proc.poll() is not None:
             return
         self.drain()
+        # SIGTERM: the relay stops taking requests, then forwards what its group pushed after the drain above
+        # (--forward-on-exit), so an update it acknowledged does not wait in its data dir for this worker's return.
         self._proc.terminate()
         try:
-            self._proc.wait(timeout=30)
+            self._proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait()

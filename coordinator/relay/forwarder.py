@@ -63,6 +63,8 @@ class ForwardPolicy:
     codec_config: dict[str, Any] | None = None
     staleness_decay: float = 0.1
     """Worker updates weigh 1 / (1 + decay * staleness) in the combination (as at the root)."""
+    on_exit: bool = False
+    """Forward what is queued once more when the relay stops (after it stopped taking requests)."""
 
 
 FORWARDED, REFUSED, SUPERSEDED, SPLIT, KEPT = "forwarded", "refused", "superseded", "split", "kept"

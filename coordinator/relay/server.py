@@ -14,7 +14,7 @@ from coordinator.http.listening import check_tls_files
 from coordinator.http.options import FrontOptions
 from coordinator.http.serve import bind, scheme, serve
 from coordinator.relay.api import create_relay_app
-from coordinator.relay.service import RelayConfig
+from coordinator.relay.service import RelayConfig, RelayService
 
 log = logging.getLogger(__name__)
 
@@ -43,5 +43,16 @@ def serve_relay(config: RelayConfig, options: ServeOptions) -> None:
                  config.forward.interval, config.forward.codec)
         serve(app, sock, front, debug=options.debug)
     finally:
+        if config.forward.on_exit:
+            forward_before_exit(relay)
         relay.close()
         data_dir_lock.close()
+
+
+def forward_before_exit(relay: RelayService) -> None:
+    """--forward-on-exit: the front no longer takes requests, so every update acknowledged until now is in the queue;
+    forward it once. Best effort: an unreachable root leaves it queued in the data dir, forwarded at the next start."""
+    try:
+        log.info("forwarding before exit: %d batch(es) delivered", relay.forwarder.flush())
+    except Exception as exc:  # noqa: BLE001 - shutting down: the queue is durable whatever went wrong here
+        log.warning("could not forward before exit (%s); the queue stays in the data dir", exc)

@@ -77,7 +77,8 @@ def wait_for(predicate, timeout: float = 60.0):
 
 
 def test_relay_forwards_one_sample_weighted_mean_and_serves_pulls_from_its_cache(tmp_path):
-    root, relay = start_pair(tmp_path, "--forward-interval", "3600", "--advertise-url", "http://127.0.0.1:9")
+    root, relay = start_pair(tmp_path, "--forward-interval", "3600", "--advertise-url", "http://127.0.0.1:9",
+                             "--forward-on-exit")
     try:
         adapter = make_adapter()
         clients = [worker_client(relay.url, tmp_path, f"w{i}") for i in range(3)]
@@ -111,6 +112,13 @@ def test_relay_forwards_one_sample_weighted_mean_and_serves_pulls_from_its_cache
         assert sorted(w["worker_id"] for w in site["workers"]) == ["w0", "w1", "w2"]
         assert site["stats"]["updates_forwarded"] == 3 and site["stats"]["batches_forwarded"] == 1
         assert site["stats"]["bytes_served"] > 0 and site["bytes_saved"] > 0
+        # --forward-on-exit (what run_worker.py --can-relay starts its relay with): an update acknowledged after the
+        # last forward goes upstream when the relay is stopped, instead of waiting in its data dir for a restart
+        meta = {"update_id": "u-late", "base_version": 1, "num_samples": 5, "worker_id": "w1"}
+        assert clients[1].push_update("e1", dumps(deltas[1]), meta)["status"] == "queued"
+        relay.stop(timeout=120)
+        assert relay.proc.returncode == 0
+        assert root_admin.expert("e1")["samples_seen"] == 65 and root_admin.expert("e1")["updates_applied"] == 2
     finally:
         relay.stop()
         root.stop()
