@@ -42,7 +42,7 @@ import secrets
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,7 +51,8 @@ from coordinator.checks.adapters import stored_deltas
 from coordinator.access.audit import Event, insert_event, insert_norm, query_events, recent_norms
 from coordinator.storage.blobs import BlobStore
 from coordinator.relay.relay_store_schema import create_schema, prune_forwarded, retire_batch
-from coordinator.storage.manifest import WORKERS_QUERY, touch_worker_row, upsert_worker_row, worker_dicts
+from coordinator.storage.manifest import (WORKERS_QUERY, immediate_transaction, touch_worker_row, upsert_worker_row,
+                                          worker_dicts)
 from coordinator.checks.update_limits import as_clipped
 from protocol.files import private_file
 from protocol.tensors import Manifest
@@ -127,16 +128,8 @@ class RelayDb:
         with self._lock:
             self._db.close()
 
-    @contextlib.contextmanager
-    def transaction(self) -> Iterator[sqlite3.Connection]:
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                yield self._db
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
+    def transaction(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
+        return immediate_transaction(self._db, self._lock)
 
     def _all(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
         with self._lock:

@@ -98,6 +98,20 @@ CREATE TABLE IF NOT EXISTS gateways (
 """
 
 
+@contextmanager
+def immediate_transaction(db: Any, lock: threading.RLock) -> Iterator[Any]:
+    """A write transaction on the SQLite connection ``db`` under ``lock``: BEGIN IMMEDIATE (the write lock at once,
+    not at the first write), COMMIT, or ROLLBACK on any exception. The manifest's and the relay's store both use it."""
+    with lock:
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            yield db
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+
+
 @dataclass(frozen=True)
 class ExpertRow:
     name: str
@@ -192,16 +206,8 @@ class SqlManifest:
         """Whether a lock held elsewhere just cut a statement short (coordinator/storage/backends/postgres.py); SQLite: never."""
         return False
 
-    @contextmanager
-    def transaction(self) -> Iterator[Connection]:
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                yield self._db
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
+    def transaction(self) -> contextlib.AbstractContextManager[Connection]:
+        return immediate_transaction(self._db, self._lock)
 
     def _all(self, sql: str, *args: Any) -> list[Row]:
         with self._lock:
