@@ -6,9 +6,9 @@ requests beyond the CPU they take. It registers at the root with the relay join 
 or ``$FEDMOE_RELAY_JOIN_TOKEN``: a worker's join token cannot make it a relay) under the id ``<worker id>-relay``,
 and publishes ``http://<host>:<port>``, ``host`` being the address this machine reaches the root from (what other
 machines of its site can reach it at) unless ``--relay-host`` says otherwise. Until the root assigns it workers it
-holds nothing and forwards nothing. It stops with the worker, after the worker's final push: it forwards its queue,
-stops taking requests, and forwards once more what its group pushed meanwhile (``--forward-on-exit``); what the root
-does not take then stays durable in its data dir and goes when it starts again.
+holds nothing and forwards nothing. It stops with the worker, after the worker's final push: it stops taking
+requests, then forwards its queue (``--forward-on-exit``); what the root does not take then stays durable in its data
+dir and goes when it starts again.
 """
 from __future__ import annotations
 
@@ -116,30 +116,13 @@ class EmbeddedRelay:
         self.stop()
         raise RelayStartError(f"the embedded relay did not listen on port {self._port} within {timeout:.0f} s")
 
-    def drain(self, timeout: float = 120.0) -> None:
-        """Forward what the relay holds now (``POST /api/v1/forward`` with its admin token): the worker is leaving,
-        and updates its group pushed here would otherwise wait in its queue until it starts again. Best effort:
-        what is not forwarded stays durable in the relay's data dir."""
-        import requests
-
-        try:
-            token = (self.settings.data_dir / "admin_token").read_text().strip()
-            answer = requests.post(f"http://127.0.0.1:{self._port}/api/v1/forward", timeout=timeout,
-                                   headers={"Authorization": f"Bearer {token}"})
-            answer.raise_for_status()
-            log.info("--can-relay: forwarded the relay's queue before stopping: %s", answer.json())
-        except (OSError, requests.RequestException, ValueError) as exc:
-            log.warning("--can-relay: could not drain the relay (%s); its queue is kept in %s", exc,
-                        self.settings.data_dir)
-
     def stop(self) -> None:
         if (reason := self.exited()) is not None:
             log.warning("--can-relay: %s", reason)
         if self._proc is None or self._proc.poll() is not None:
             return
-        self.drain()
-        # SIGTERM: the relay stops taking requests, then forwards what its group pushed after the drain above
-        # (--forward-on-exit), so an update it acknowledged does not wait in its data dir for this worker's return.
+        # SIGTERM: the relay stops taking requests, then forwards everything it acknowledged (--forward-on-exit), so
+        # an update of its group does not wait in its data dir for this worker's return.
         self._proc.terminate()
         try:
             self._proc.wait(timeout=120)
