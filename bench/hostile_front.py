@@ -103,13 +103,17 @@ def _attack_tls_relay(relay: CoordinatorProcess, directory: Path, cert: Path, co
                                                                                    b"Host: b\r\n\r\n"))
                 tally.record(f"https #{i + 1}", raw_status(host, int(port), b"GET /api/v1/health HTTP/1.1\r\n"
                                                                              b"Host: b\r\n\r\n", context))
-        held = attack.open_now
+        held, closed = attack.open_now, dict(attack.closed_by_server)
     finally:
         attack.stop()
     tally.honest_s = client.seconds
     plain = [s for n, s in tally.statuses.items() if n.startswith("plain")]
     summary = tally.summary()
+    # Closed by the relay while the honest client ran, by kind, as the attacker noticed (it looks every 2 s, so a
+    # short honest phase can end before it does): slow_body is refused from its head (no token: a 401, then closed),
+    # idle_keepalive once --keepalive passes; a header drip makes progress and is kept
     return summary | {"slow_tls_connections": sum(counts.values()), "held_during": held,
+                      "closed_during": closed, "failed_to_open": attack.failed_to_open,
                       "plain_http_answered": sum(s is not None for s in plain),
                       "https_ok": sum(s == 200 for n, s in tally.statuses.items() if n.startswith("https")),
                       "no_answer": summary["no_answer"] - len(plain),  # plain HTTP is meant to get none

@@ -86,9 +86,13 @@ def test_stalled_bodies_hold_bounded_memory(start_coordinator):
     process, url = start_coordinator("--socket-timeout", "30")
     token = admin_headers(url)["Authorization"].split()[1]
     pid = process.proc.pid
-    sock = _head(_port(url), "/api/v1/probe", 2 * MiB, token)  # a first request's one-time cost (imports, the
-    sock.sendall(bytes(2 * MiB))  # request threads' arenas: ~17 MiB) is not what this measures
-    assert _status(sock) == 200
+    # One-time costs are not what this measures: the first request's imports, and each request thread's malloc
+    # arena (~17 MiB for the first), which under load many threads touch at once. So 16 probes (one per request
+    # thread) run together first.
+    warm = [_head(_port(url), "/api/v1/probe", 2 * MiB, token) for _ in range(16)]
+    for sock in warm:
+        sock.sendall(bytes(2 * MiB))
+    assert [_status(sock) for sock in warm] == [200] * 16
     before = _memory_kib(pid)
     held = []
     for _ in range(100):  # a worker's token is enough; 4 MiB is within the probe's own limit
@@ -100,7 +104,10 @@ def test_stalled_bodies_hold_bounded_memory(start_coordinator):
     for sock in held:
         sock.close()
 
-    assert grown_mib < 64, f"100 stalled bodies took {grown_mib:.0f} MiB"  # was ~200 MiB (2 MiB each)
+    # Was ~200 MiB (2 MiB each). Now 44-73 MiB (2026-11-29, load 2-16): the connections' objects in the heap (~27 MiB)
+    # and the threads that took the bodies (up to ~86 under load, each stack touched), none of it a held buffer. The
+    # bound is half the old cost, so a buffer held per stalled body (1 MiB or more each) still fails it.
+    assert grown_mib < 100, f"100 stalled bodies took {grown_mib:.0f} MiB"
 
 
 # 3. Chunk sizes are parsed with int(..., 16), which takes a sign: a chunk of size "-1" makes the front call
