@@ -35,7 +35,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -93,7 +93,7 @@ def local_phase(trainer: LoraTrainer, seconds: float, round_: int) -> Phase:
 
 
 def federated_phase(worker: FederatedWorker, mode: str, seconds: float, round_: int) -> Phase:
-    worker.settings = replace(worker.settings, duration=seconds, overlap=mode == "overlap")
+    worker.retune(duration=seconds, overlap=mode == "overlap")
     syncs_before = worker.syncs
     summary = worker.run()
     return Phase(round_, mode, summary.seconds, summary.cpu_seconds, summary.steps, summary.tokens,

@@ -39,7 +39,7 @@ import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -184,9 +184,7 @@ def measure(s: Settings) -> dict[str, Any]:
         with instrumented(worker, clock):
             for block in range(s.blocks):
                 for name in s.variants:
-                    # the sync steps read the state dir (the loop's own copy of the settings does not)
-                    worker.pipeline.settings = replace(worker.pipeline.settings,
-                                                       state_dir=Path(scratch) / f"state-{name}-{block}")
+                    worker.retune(state_dir=Path(scratch) / f"state-{name}-{block}")
                     with variant(name, clock):
                         for _ in range(s.syncs):
                             step_started = time.thread_time()

@@ -53,7 +53,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import InitVar, dataclass, field
+from dataclasses import InitVar, dataclass, field, replace
 from typing import Any, Callable
 
 from protocol.client import CoordinatorClient
@@ -83,7 +83,8 @@ class FederatedWorker:
 
     Its parts: ``joining`` (worker.joining) joins the expert once; ``pipeline`` (worker.sync_pipeline) runs the
     steps of a sync. The state, interval, links and secure push are objects the loop and the parts share; the
-    fields marked "read once" go to the parts when the worker is built (setting them later changes nothing).
+    fields marked "read once" go to the parts when the worker is built (setting them later changes nothing);
+    ``retune`` changes the settings of the loop and the parts together.
     """
 
     settings: SyncSettings
@@ -150,6 +151,14 @@ class FederatedWorker:
                                      early_stopping=early_stopping, heldout_score=heldout_score,
                                      console=self.console, on_result=on_result)
         self.joining = Joining(self.pipeline, profile)
+
+    def retune(self, **changes: Any) -> None:
+        """Change settings between runs (``duration``, ``overlap``, ``state_dir``, ...) for the loop and its parts at
+        once: assigning ``settings`` would reach the loop only, since the parts were given theirs when built."""
+        if "comm_share" in changes:
+            raise ValueError("comm_share is read when the worker is built (its pacing); build a new worker")
+        self.settings = replace(self.settings, **changes)
+        self.pipeline.settings = self.settings
 
     @property
     def base_version(self) -> int:

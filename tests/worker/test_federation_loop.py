@@ -21,3 +21,17 @@ def test_speed_factor_half_sleeps_as_long_as_the_steps_took_and_tokens_per_secon
     assert stats.throttled == pytest.approx(stats.seconds)  # 0.5: one second asleep per second of compute
     assert stats.tokens_per_second == pytest.approx(stats.tokens / (2 * stats.seconds))
     assert worker.totals.throttled == stats.throttled
+
+
+def test_retune_reaches_the_sync_steps_and_refuses_what_is_read_once(tmp_path):
+    train, _ = split_examples(load_examples(sample_dataset_path("sql_expert")))
+    trainer = LoraTrainer(load_base_model("tiny-qwen2"), LoraSettings(rank=2),
+                          TrainSettings(batch_size=2, max_seq_len=32), train)
+    worker = FederatedWorker(SyncSettings(specialty="sql_expert", worker_id="w"),
+                             CoordinatorClient("http://127.0.0.1:9"), trainer, {"base_model": {}})  # never called
+    worker.retune(state_dir=tmp_path, overlap=False)
+
+    assert worker.pipeline.settings.state_dir == tmp_path and worker.settings.overlap is False  # loop and parts
+    assert worker.pipeline.settings is worker.settings
+    with pytest.raises(ValueError, match="comm_share"):
+        worker.retune(comm_share=0.1)
