@@ -25,9 +25,15 @@ def adapter_loss(base: BaseModel, examples: Sequence[Example], adapter: StateDic
     ``lora`` is the adapter's {"rank", "alpha", "target_modules"} as the coordinator reports it.
     The base model is copied, so ``base`` stays clean for the next call.
     """
+    return evaluate_loss(with_adapter(base, adapter, lora), base.tokenizer, examples, max_seq_len=max_seq_len)
+
+
+def with_adapter(base: BaseModel, adapter: Mapping[str, torch.Tensor] | None,
+                 lora: Mapping[str, Any] | None) -> torch.nn.Module:
+    """A copy of the base model with ``adapter`` attached, in eval mode (``adapter=None``: the base model itself)."""
     model: torch.nn.Module = base.model
     if adapter is not None:
         if lora is None:
             raise ValueError("an adapter needs its lora config (rank, alpha, target_modules)")
-        model = attach_adapter(copy.deepcopy(base.model), adapter, lora)
-    return evaluate_loss(model, base.tokenizer, examples, max_seq_len=max_seq_len)
+        model = attach_adapter(copy.deepcopy(base.model), dict(adapter), dict(lora))
+    return model.eval()

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from gateway.export import attach_adapter
+from bench.heldout import with_adapter
 from protocol.cli import option
 from worker.data import Example
 from worker.evaluation import AnswerLoss, answer_losses, total
@@ -147,13 +147,8 @@ class Lab:
                lora: Mapping[str, Any] | None = None) -> list[AnswerLoss]:
         """Per-example answer losses of the base model with ``adapter`` (None: the base model itself)."""
         started = time.process_time()
-        model: torch.nn.Module = self.base.model
-        if adapter is not None:
-            if lora is None:
-                raise ValueError("an adapter needs its lora config (rank, alpha, target_modules)")
-            model = attach_adapter(copy.deepcopy(self.base.model), dict(adapter), dict(lora))
-        model.eval()
-        out = answer_losses(model, self.base.tokenizer, list(examples), max_seq_len=self.max_seq_len)
+        out = answer_losses(with_adapter(self.base, adapter, lora), self.base.tokenizer, list(examples),
+                            max_seq_len=self.max_seq_len)
         self.compute.eval_cpu += time.process_time() - started
         self.compute.eval_examples += len(examples)
         return out
