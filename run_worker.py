@@ -15,6 +15,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import shlex
@@ -179,6 +180,11 @@ class WorkerFlags:
                                 metavar="NOISE_MULTIPLIER,MAX_GRAD_NORM", group=PRIVACY)
     dp_delta: float = option(1e-5, "delta of the (epsilon, delta) --dp-sgd reports; keep it well below 1 / "
                                    "training examples", group=PRIVACY)
+    min_dp_noise: float | None = option(None, "push only if the coordinator announces worker-level DP noise "
+                                              "(its --dp-noise) of at least this multiplier for the expert, and "
+                                              "with --secure-aggregation for each cohort; otherwise stop at joining "
+                                              "(or keep updates queued) with nothing from the data sent",
+                                        type=float, metavar="SIGMA", group=PRIVACY)
     strategy: str = option("auto", "ddp replicates the model; fsdp shards parameters, gradients and optimiser state "
                                    "(ZeRO-3-like); fsdp-grad-op shards gradients and optimiser state (ZeRO-2-like); "
                                    "auto picks by parameter count", choices=STRATEGY_CHOICES, group=PARALLEL)
@@ -350,7 +356,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
                           speed_factor=args.speed_factor, results_path=args.results,
                           state_dir=args.state_dir or default_state_dir(worker_id), resume=not args.fresh,
                           overlap=not args.no_overlap, secure_aggregation=args.secure_aggregation,
-                          comm_share=args.comm_share),
+                          comm_share=args.comm_share, min_dp_noise=args.min_dp_noise),
         lora=lora, train=train, dp_sgd=dp_sgd_settings(args, lora, train), use_huggingface=args.use_huggingface,
         use_proxy=args.use_proxy, device=args.device, compression=compression, pull=pull, token=args.token,
         ca_cert=args.ca_cert, progress=False if args.log_format == "json" else None, threads=args.threads,
@@ -419,6 +425,8 @@ def _check_address_and_files(args: argparse.Namespace) -> None:
     check_sync_budget(args.compression, args.sync_budget)  # worker.encoding checks the same rules
     if args.comm_share is not None and not 0 < args.comm_share < 1:
         raise ValueError(f"--comm-share must be a share of the worker's time in (0, 1), got {args.comm_share}")
+    if args.min_dp_noise is not None and not (math.isfinite(args.min_dp_noise) and args.min_dp_noise > 0):
+        raise ValueError(f"--min-dp-noise must be a positive noise multiplier (e.g. 1.0), got {args.min_dp_noise}")
 
 
 def _check_results_path(path: Path) -> None:

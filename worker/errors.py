@@ -3,6 +3,7 @@
     WorkerError
     ├── CheckpointError        (worker.checkpoint; also a ValueError)
     ├── DatasetError           (worker.datasets)
+    ├── PrivacyFloorError      (worker.privacy_floor)
     └── DistributedSetupError  (worker.distributed; also a ValueError)
 
 Errors from the coordinator arrive as ``protocol.errors.FedMoEError`` (the client's own tree); a base model

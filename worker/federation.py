@@ -141,7 +141,8 @@ class FederatedWorker:
         s = self.settings
         self.pacing = SyncPacing(s.sync_interval, s.comm_share) if s.comm_share is not None else None
         if self.settings.secure_aggregation and self.secure is None:
-            self.secure = SecurePush(self.client, self.settings.specialty, self.settings.worker_id)
+            self.secure = SecurePush(self.client, self.settings.specialty, self.settings.worker_id,
+                                     min_dp_noise=self.settings.min_dp_noise)
         pull = pull if pull is not None else default_pull(self.encoder.settings)
         puller = ExpertPuller(self.client, self.settings.specialty, self.settings.worker_id, pull,
                               self.encoder.settings.sync_budget)

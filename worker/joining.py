@@ -13,6 +13,7 @@ from protocol.errors import BadRequest, FedMoEError, NotFound, Unavailable
 from worker import resume
 from worker.adaptive import probe_upload
 from worker.checkpoint import CheckpointError, discard_checkpoint, load_checkpoint
+from worker.privacy_floor import check_expert
 from worker.sync_pipeline import SyncPipeline
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,8 @@ class Joining:
                                                  s.sync_interval)
             pipeline.placement.follow()  # before the first pull: the worker starts at the coordinator the root assigns
         info = self._join_expert()
+        if s.min_dp_noise is not None:  # before our profile, queued updates or anything else drawn from our data
+            check_expert(s.specialty, pipeline.client.expert(s.specialty), s.min_dp_noise)
         if resumed and info["version"] < pipeline.state.version:
             self._forget_history(info["version"])
         if self.profile is not None:

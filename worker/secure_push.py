@@ -23,6 +23,8 @@ import torch
 
 from compression.registry import make_codec
 from compression.wire import decode_update
+from privacy.secagg.config import CohortConfig
+from privacy.secagg.errors import SecAggRefused
 from privacy.secagg.session import CohortSession, OwedDelta
 from privacy.secagg.vector import Manifest, flatten
 from protocol.client import CoordinatorClient
@@ -30,6 +32,7 @@ from protocol.cohorts import CohortClient
 from protocol.errors import FedMoEError
 from protocol.schemas import RAW_CODEC
 from protocol.tensors import loads
+from worker.privacy_floor import cohort_below_floor
 from worker.sync_state import Outgoing
 
 log = logging.getLogger(__name__)
@@ -49,16 +52,27 @@ def decoded_delta(update: Outgoing, manifest: Manifest) -> dict[str, torch.Tenso
 class SecurePush:
     """The cohorts of one worker of one expert."""
 
-    def __init__(self, client: CoordinatorClient, expert: str, worker: str) -> None:
+    def __init__(self, client: CoordinatorClient, expert: str, worker: str, min_dp_noise: float | None = None) -> None:
         self.transport = CohortClient(client)
         self.expert, self.worker = expert, worker
+        self.min_dp_noise = min_dp_noise
+        """--min-dp-noise: cohorts announcing less DP noise are refused before this worker posts its keys."""
         self.owed = OwedDelta()
-        self.session = CohortSession(self.transport, expert, worker)
+        self.session = self._new_session()
         self.sent: list[CohortSession] = []
         """Sessions whose input went out and whose outcome is not known yet."""
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    def _new_session(self) -> CohortSession:
+        return CohortSession(self.transport, self.expert, self.worker, admit=self._admit)
+
+    def _admit(self, config: CohortConfig) -> None:
+        """SecAggRefused for a cohort below --min-dp-noise (logged by ``advance``, asked again at the next poll)."""
+        why = cohort_below_floor(config.dp.noise_multiplier if config.dp is not None else None, self.min_dp_noise)
+        if why is not None:
+            raise SecAggRefused(f"not joining cohort {config.cohort_id}: {why}; this worker's updates stay queued")
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="fedmoe-secagg", daemon=True)
@@ -88,7 +102,7 @@ class SecurePush:
                          "counted" if session.outcome else "did not count (it is sent again with the next one)",
                          f" ({session.reason})" if session.reason else "")
             if self.session.outcome is not None or self.session.submitted:
-                self.session = CohortSession(self.transport, self.expert, self.worker)  # join the next one now
+                self.session = self._new_session()  # join the next one now
 
     def push(self, outbox: deque[Outgoing], manifest: Manifest) -> bool:
         """Send every queued update as one masked input; False (kept queued) if the cohort is not ready."""

@@ -35,6 +35,9 @@ class SyncSettings:
     (worker.adaptive.SyncPacing; None: sync every ``sync_interval``)."""
     secure_aggregation: bool = False
     """Push through secure-aggregation cohorts, masked (worker.secure_push); the coordinator sees only sums."""
+    min_dp_noise: float | None = None
+    """--min-dp-noise: push only to an expert (and, with secure aggregation, a cohort) whose coordinator announces
+    worker-level DP noise of at least this multiplier (worker.privacy_floor); None: no floor."""
 
     def __post_init__(self) -> None:
         if not self.duration > 0:

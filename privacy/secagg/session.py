@@ -13,6 +13,7 @@ folded into the next submission (nothing trained is lost, and nothing is counted
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
@@ -38,8 +39,11 @@ class CohortTransport(Protocol):
 class CohortSession:
     """One cohort, from joining to its outcome, for one worker."""
 
-    def __init__(self, transport: CohortTransport, expert: str, worker: str) -> None:
+    def __init__(self, transport: CohortTransport, expert: str, worker: str,
+                 admit: Callable[[CohortConfig], None] | None = None) -> None:
         self.transport, self.expert, self.worker = transport, expert, worker
+        self.admit = admit
+        """Called with the cohort's config before this worker takes part; raises (SecAggRefused) to stay out."""
         self.member: CohortMember | None = None
         self.phase = "forming"
         self.submitted = False
@@ -66,7 +70,10 @@ class CohortSession:
         if self.phase == "forming":
             return
         if self.member is None:  # BadSecAggMessage for a config this worker will not take part in (a DP one without sigma)
-            self.member = CohortMember(CohortConfig.from_json(status["cohort"]), self.worker)
+            config = CohortConfig.from_json(status["cohort"])
+            if self.admit is not None:
+                self.admit(config)  # e.g. the worker's --min-dp-noise: refused here, no keys are ever posted
+            self.member = CohortMember(config, self.worker)
             dp = self.member.config.dp
             if dp is not None:
                 log.info("cohort %s is a DP cohort: this worker clips its update to L2 norm %g and adds Gaussian "

@@ -51,6 +51,8 @@ def test_dp_sgd_worker_reports_the_epsilon_it_spent_in_results_and_pushes(start_
     (["--dp-sgd", "1.0"], "--dp-sgd wants NOISE_MULTIPLIER,MAX_GRAD_NORM"),
     (["--dp-sgd", "1,1", "--lora-rank", "0"], "--lora-rank 0"),
     (["--dp-delta", "1e-6"], "--dp-delta applies to --dp-sgd only"),
+    (["--min-dp-noise", "0"], "--min-dp-noise must be a positive noise multiplier"),
+    (["--min-dp-noise", "nan"], "--min-dp-noise must be a positive noise multiplier"),
 ])
 def test_dp_sgd_flag_mistakes_are_one_line(args, message):
     """In this process (tests.helpers.run_main): the flags are refused before a model or a coordinator is needed."""
@@ -78,3 +80,29 @@ def test_dp_budget_refuses_the_push_past_it_at_a_real_coordinator(start_coordina
     shown = client.expert("private_expert")
     assert shown["version"] == 2
     assert shown["privacy"]["dp_fedavg"]["epsilon"] == pytest.approx(two, abs=1e-5)
+
+
+def test_min_dp_noise_stops_at_joining_a_coordinator_without_dp_with_nothing_from_the_data_sent(start_coordinator,
+                                                                                                tmp_path):
+    """--min-dp-noise 1 against a coordinator started without --dp-noise: one error line, exit 2, and the expert
+    (created from the untrained adapter) has no update, pending or applied, and no routing profile of ours."""
+    _, url = start_coordinator()
+    proc, records = run_worker(url, tmp_path, "--min-dp-noise", "1")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    (error,) = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert "--min-dp-noise 1" in error and "adds no worker-level differential privacy noise" in error
+    client = CoordinatorClient(url)
+    shown = client.expert("sql_expert")
+    assert shown["version"] == 0 and shown["updates_applied"] == 0 and shown["pending_updates"] == 0, shown
+    assert "sql_expert" not in client.profiles()["profiles"] and records == []
+
+
+def test_min_dp_noise_at_or_below_the_coordinators_sigma_trains_and_pushes(start_coordinator, tmp_path):
+    _, url = start_coordinator("--dp-noise", "1.0", "--dp-clip", "0.5")
+    proc, records = run_worker(url, tmp_path, "--min-dp-noise", "1.0", "--duration", "4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r for r in records if r.get("bytes_sent")], records
+    client = CoordinatorClient(url)
+    shown = client.expert("sql_expert")
+    assert shown["privacy"]["dp_fedavg"]["steps"] >= 1 and shown["version"] >= 1
+    assert "sql_expert" in client.profiles()["profiles"]  # what the refused worker above never sent

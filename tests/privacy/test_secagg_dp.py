@@ -181,3 +181,37 @@ def test_a_cohort_is_booked_once_at_sigma_sqrt_s_over_k_and_survives_a_restart(t
     assert report["epsilon"] == pytest.approx(with_dropout, abs=1e-6)
     assert central.report("e1")["dp_fedavg"]["epsilon"] == pytest.approx(epsilon_spent([GaussianSteps(2.0, 1.0, 1)],
                                                                                         1e-5), abs=1e-6)
+
+
+@pytest.mark.parametrize("noise, floor, refused", [
+    (CohortNoise(0.5, 1.0), 1.0, "noise multiplier 0.5 is below this worker's --min-dp-noise 1"),
+    (None, 0.5, "adds no DP noise"),
+    (CohortNoise(1.0, 1.0), 1.0, None),
+])
+def test_a_worker_with_min_dp_noise_posts_no_keys_to_a_cohort_below_it(tmp_path, noise, floor, refused):
+    """worker.secure_push's admission (--min-dp-noise) on a real aggregator: the member whose join forms a cohort
+    below its floor refuses it before its key round, and the cohort gets no keys from it."""
+    from protocol.client import CoordinatorClient
+    from privacy.secagg.errors import SecAggRefused
+    from worker.secure_push import SecurePush
+
+    agg = dp_aggregator(tmp_path, Clock(), noise, 50)
+    push = SecurePush(CoordinatorClient("http://127.0.0.1:9"), EXPERT, WORKERS[3], min_dp_noise=floor)  # never called
+    sessions = [CohortSession(agg, EXPERT, w) for w in WORKERS[:3]] + [CohortSession(agg, EXPERT, WORKERS[3],
+                                                                                    admit=push._admit)]
+    for session in sessions[:3]:
+        session.advance()  # forming
+    if refused is None:
+        sessions[3].advance()
+        assert sessions[3].member is not None and sessions[3].member.config.dp == noise
+        return
+    with pytest.raises(SecAggRefused, match=refused):
+        sessions[3].advance()  # its join forms the cohort
+    [cohort] = agg.cohorts()
+    for _ in range(2):
+        for session in sessions[:3]:
+            session.advance()  # the others post their keys
+    with pytest.raises(SecAggRefused):
+        sessions[3].advance()  # asked again at the next poll: still no
+    assert sessions[3].member is None and WORKERS[3] not in agg._cohorts[cohort["cohort_id"]].keys
+    assert set(agg._cohorts[cohort["cohort_id"]].keys) == set(WORKERS[:3])
