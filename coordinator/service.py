@@ -239,13 +239,15 @@ class Coordinator:
         return _status(recorded, expert.version), True
 
     def _check_private(self, name: str, meta: UpdateMeta) -> None:
-        """With --dp-noise: 409 once the expert's --dp-budget is spent; a relay's combined update is refused,
-        since clipping it as one contribution would let each of its workers move the step by up to 2C."""
+        """With --dp-noise: 409 once the expert's --dp-budget is spent; a relay's combined update of several workers
+        is refused, since clipping it as one contribution would let each of its workers move the step by up to 2C.
+        A relay batch of one worker's update, naming that worker, is that worker's contribution (relays learn that
+        this root runs DP and forward so)."""
         if self.config.dp is None:
             return
         if meta.members and self.privacy.booked(name, meta.update_id):
             return  # this coordinator's own secure-aggregation cohort, booked before its masks came off
-        if meta.members:
+        if meta.members and not (len(meta.members) == 1 and meta.worker_id):
             raise Conflict(f"expert {name!r} is trained with worker-level differential privacy (--dp-noise): a "
                            "relay's combined update cannot be clipped per worker; connect these workers to this "
                            "coordinator directly", reason="dp_relay_batch")

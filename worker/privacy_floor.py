@@ -21,7 +21,7 @@ class PrivacyFloorError(WorkerError):
 
 def announced_noise(info: dict[str, Any]) -> float | None:
     """The noise multiplier the coordinator applies to this expert's steps now (GET /api/v1/experts/<name>), or
-    None when it adds none (no --dp-noise, DP switched off since, or a relay, which does not take DP updates)."""
+    None when it adds none (no --dp-noise, or DP switched off since). A relay answers with its root's."""
     dp = (info.get("privacy") or {}).get("dp_fedavg")
     if not isinstance(dp, dict) or dp.get("active") is False:
         return None
@@ -37,8 +37,8 @@ def check_expert(name: str, info: dict[str, Any], floor: float | None) -> None:
     if sigma is None:
         raise PrivacyFloorError(
             f"expert {name!r}: this worker was started with --min-dp-noise {floor:g}, but its coordinator adds no "
-            "worker-level differential privacy noise (start it with --dp-noise and --dp-clip, connect this worker to "
-            "the root rather than a relay, or drop --min-dp-noise); nothing was pushed")
+            "worker-level differential privacy noise (start it with --dp-noise and --dp-clip, or drop --min-dp-noise); "
+            "nothing was pushed")
     if sigma < floor:
         raise PrivacyFloorError(
             f"expert {name!r}: its coordinator adds DP noise of multiplier {sigma:g}, below this worker's "

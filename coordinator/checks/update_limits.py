@@ -46,13 +46,16 @@ class UpdateLimits:
     """The root's --server-lr: a step moves the weights by at most this times one update."""
     norm: NormPolicy = field(default_factory=NormPolicy)
     """The root's --norm-check, --norm-factor, --norm-history and --norm-warmup."""
+    dp: bool = False
+    """The root runs worker-level DP (--dp-noise): it clips each worker's update, so a relay forwards one worker's
+    update per batch, lossless (coordinator/relay/forwarder.py)."""
 
     @classmethod
     def of(cls, config: CoordinatorConfig) -> UpdateLimits:
-        return cls(config.server_lr, config.norm_policy)
+        return cls(config.server_lr, config.norm_policy, dp=config.dp is not None)
 
     def to_json(self) -> dict[str, Any]:
-        return {"server_lr": self.server_lr, "norm": asdict(self.norm)}
+        return {"server_lr": self.server_lr, "norm": asdict(self.norm), "dp": self.dp}
 
     @classmethod
     def from_json(cls, data: Any) -> UpdateLimits:
@@ -60,9 +63,12 @@ class UpdateLimits:
         try:
             raw = data["norm"]
             norm = NormPolicy(str(raw["mode"]), float(raw["factor"]), int(raw["history"]), int(raw["warmup"]))
-            limits = cls(float(data["server_lr"]), norm)
-        except (TypeError, KeyError, ValueError) as exc:
+            dp = data.get("dp", False)  # a root before relays took DP updates does not say
+            limits = cls(float(data["server_lr"]), norm, dp=dp)
+        except (TypeError, KeyError, ValueError, AttributeError) as exc:
             raise ValueError(f"not update limits: {data!r:.200} ({exc})") from None
+        if not isinstance(dp, bool):
+            raise ValueError(f"update limits: dp must be true or false, got {dp!r:.50}")
         if not limits.server_lr > 0 or norm.mode not in ("off", "reject", "clip") or not norm.factor > 1 \
                 or not 1 <= norm.warmup <= norm.history:
             raise ValueError(f"update limits out of range: {data!r:.200}")

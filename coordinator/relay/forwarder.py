@@ -165,7 +165,7 @@ class Forwarder:
         with self._cycle_lock:
             for expert in self.store.experts_with_work():
                 try:
-                    for _ in range(MAX_SENDS):
+                    for _ in range(MAX_BATCH_MEMBERS if self.checks.limits.dp else MAX_SENDS):
                         batch = self.store.pending_batch(expert) or self._build(expert)
                         outcome = None if batch is None else self._send(batch)
                         delivered += outcome == FORWARDED
@@ -186,14 +186,21 @@ class Forwarder:
         return delivered
 
     def _again_now(self, expert: str, outcome: str | None) -> bool:
-        """Send another batch of ``expert`` in this cycle: one rebuilt from a superseded batch's other members, or
-        the next half of a refused batch (they were due already; one per interval would take 16 intervals)."""
+        """Send another batch of ``expert`` in this cycle: one rebuilt from a superseded batch's other members, the
+        next half of a refused batch (they were due already; one per interval would take 16 intervals), or under the
+        root's DP the next worker's update."""
         if outcome in (SUPERSEDED, SPLIT):
             return True
+        if outcome in (FORWARDED, REFUSED) and self.checks.limits.dp:  # one worker's update per batch: all of them
+            return bool(self.store.next_members(expert, 1))
         return outcome in (FORWARDED, REFUSED) and self.store.has_split_groups(expert)
 
     def _build(self, expert: str) -> Batch | None:
-        queued = self.store.next_members(expert, MAX_BATCH_MEMBERS)  # the rest go in the next batches
+        # Under the root's worker-level DP, the root clips each worker's contribution: a batch is one worker's update,
+        # forwarded lossless (an error-feedback residual would carry one worker's update into another's).
+        private = self.checks.limits.dp
+        queued = self.store.next_members(expert, 1 if private else MAX_BATCH_MEMBERS)  # the rest go in the next ones
+        queued = queued[:1] if private else queued  # a refused batch's half from before the root ran DP, too
         if not queued:
             return None
         # The version staleness is measured against, and the batch's base: the cached one, revalidated in the
@@ -207,12 +214,15 @@ class Forwarder:
         combined = (sum_weighted(deltas, manifest) if self.site is not None
                     else combine(deltas, manifest, cached.version, self.policy.staleness_decay))
         seq = self.store.next_seq(expert)
-        payload, residual = self._encode(expert, combined, manifest, seq)
+        payload, residual = (dumps(combined), None) if private else self._encode(expert, combined, manifest, seq)
         samples = sum(u.meta["num_samples"] for u in queued)
         meta = {"update_id": batch_update_id(self.relay_id, self.epoch, expert, seq), "base_version": cached.version,
                 "num_samples": samples, "train_loss": _mean_loss([u.meta for u in queued]),
-                "codec": self.policy.codec, "codec_config": self.policy.codec_config or {},
+                "codec": RAW_CODEC if private else self.policy.codec,
+                "codec_config": {} if private else self.policy.codec_config or {},
                 "members": {u.update_id: u.body_digest for u in queued}}
+        if private and queued[0].meta.get("worker_id"):
+            meta["worker_id"] = queued[0].meta["worker_id"]  # whose contribution the root clips
         old_residual = self.store.residual(expert)
         with self.blobs_guard:  # adopted and recorded together: a sweep never sees them unreferenced
             digest = self.blobs.put_bytes(payload)

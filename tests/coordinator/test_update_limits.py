@@ -70,3 +70,12 @@ def test_a_site_is_checked_at_the_larger_of_one_and_the_roots_step_size(checks):
     checks.check_site(root, headroom(root), owed, "u1", "e1")
     with pytest.raises(InvalidUpdate):  # the site's own weights, 1e38 + 2.5e38, would
         checks.check_site(root, headroom(root), spiked(FIRST, 2.5e38, owed), "u1", "e1")
+
+
+def test_the_roots_dp_reaches_a_relay_and_an_older_roots_answer_means_none():
+    limits = UpdateLimits(dp=True)
+    assert UpdateLimits.from_json(limits.to_json()).dp is True
+    older = {k: v for k, v in limits.to_json().items() if k != "dp"}  # a root before relays took DP updates
+    assert UpdateLimits.from_json(older).dp is False
+    with pytest.raises(ValueError, match="dp must be true or false"):
+        UpdateLimits.from_json(limits.to_json() | {"dp": "yes"})

@@ -23,6 +23,7 @@ from bench.relay_crash import free_port
 from bench.relay_crash import run as crash_run
 from protocol.client import CoordinatorClient, RetryPolicy
 from protocol.errors import Unavailable
+from privacy.dp import update_norm
 from protocol.tensors import dumps
 from tests.e2e.conftest import ROOT, env
 from tests.e2e.test_wan import namespaces  # noqa: F401 - the fixture: skips where namespaces are not permitted
@@ -331,4 +332,35 @@ def test_one_update_id_pushed_to_two_relays_and_the_root_is_applied_once(tmp_pat
     finally:
         relay_b.stop()
         relay_a.stop()
+        root.stop()
+
+
+def test_a_dp_root_gets_each_workers_update_from_its_relay_and_clips_it_as_that_workers(tmp_path):
+    """--dp-noise at the root (noise far below the tolerance, so the clipping shows): the relay learns it when it
+    joins and forwards one worker's update per batch, lossless, naming the worker; the root's fedbuff step is
+    (clip(d0, C) + d1) / K exactly, where a combined batch would have been refused (409 dp_relay_batch)."""
+    root, relay = start_pair(tmp_path, "--forward-interval", "3600", "--forward-compression", "int8",
+                             root_flags=("--aggregation", "fedbuff", "--buffer-size", "2", "--dp-noise", "1e-9",
+                                         "--dp-clip", "0.5"))
+    try:
+        adapter = make_adapter()
+        clients = [worker_client(relay.url, tmp_path, f"w{i}") for i in range(2)]
+        clients[0].create_expert("e1", adapter, expert_spec())
+        big, small = random_like(adapter, 1), random_like(adapter, 2, scale=0.001)
+        assert update_norm(big) > 0.5 > update_norm(small)
+        for i, (c, delta) in enumerate(zip(clients, (big, small))):
+            meta = {"update_id": f"u{i}", "base_version": 0, "num_samples": 10 * (i + 1), "worker_id": f"w{i}"}
+            assert c.push_update("e1", dumps(delta), meta)["status"] == "queued"
+        assert forward_now(relay)["delivered"] == 2  # one batch per worker
+        root_admin = admin(root)
+        expert = root_admin.expert("e1")
+        assert expert["version"] == 1 and expert["privacy"]["dp_fedavg"]["steps"] == 1
+        weights = root_admin.pull_weights("e1").tensors
+        scale = 0.5 / update_norm(big)
+        for k in adapter:  # equal weights over K = 2, whatever the sample counts; no int8 rounding on the way
+            assert (weights[k] - (adapter[k] + (scale * big[k] + small[k]) / 2)).abs().max() < 1e-5
+        (site,) = requests.get(f"{root.url}/api/v1/relays", headers=root.headers, timeout=10).json()["relays"]
+        assert site["stats"]["updates_forwarded"] == 2 and site["stats"]["batches_forwarded"] == 2
+    finally:
+        relay.stop()
         root.stop()
