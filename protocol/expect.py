@@ -136,7 +136,7 @@ def _body_pieces(body: object) -> Iterable[bytes | bytearray | memoryview]:
         return ()
     if isinstance(body, (bytes, bytearray, memoryview)):
         return (body,)
-    return cast(Iterable[memoryview], body)  # protocol.client.Chunks: views of one buffer
+    return cast(Iterable[memoryview], body)  # protocol.client.bodies.Chunks: views of one buffer
 
 
 def _response(prepared: requests.PreparedRequest, final: h11.Response, body: bytes) -> requests.Response:

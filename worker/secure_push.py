@@ -26,7 +26,6 @@ from compression.wire import decode_update
 from privacy.secagg.session import CohortSession, OwedDelta
 from privacy.secagg.vector import Manifest, flatten
 from protocol.client import CoordinatorClient
-from protocol.cohorts import CohortClient
 from protocol.errors import FedMoEError
 from protocol.schemas import RAW_CODEC
 from protocol.tensors import loads
@@ -50,7 +49,7 @@ class SecurePush:
     """The cohorts of one worker of one expert."""
 
     def __init__(self, client: CoordinatorClient, expert: str, worker: str) -> None:
-        self.transport = CohortClient(client)
+        self.transport = client.cohorts
         self.expert, self.worker = expert, worker
         self.owed = OwedDelta()
         self.session = CohortSession(self.transport, expert, worker)

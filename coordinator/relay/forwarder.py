@@ -241,7 +241,7 @@ class Forwarder:
         for good); KEPT (the request was refused, not the batch: sent again next cycle)."""
         try:
             self._check(batch)  # the root's step rule, here: a batch it would refuse costs no upload
-            status = self.upstream.push_update(batch.expert, self.blobs.path(batch.blob).read_bytes(), batch.meta)
+            status = self.upstream.updates.push(batch.expert, self.blobs.path(batch.blob).read_bytes(), batch.meta)
         except Unavailable:
             raise
         except NOT_ABOUT_CONTENTS as exc:

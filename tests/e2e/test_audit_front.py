@@ -222,7 +222,7 @@ def test_a_request_over_the_rate_limit_gets_its_429_from_the_head_and_an_admitte
     _, url = start_coordinator("--rate-limit", "2")  # 2 requests a minute per worker, 2 at most at once
     join = (tmp_path / "coordinator" / "join_token").read_text().strip()
     admin = CoordinatorClient(url)
-    admin.create_expert("e", make_adapter(layers=8, d_in=4096, d_out=64), expert_spec())  # ~2.3 MiB bodies
+    admin.experts.create("e", make_adapter(layers=8, d_in=4096, d_out=64), expert_spec())  # ~2.3 MiB bodies
     registered = requests.post(f"{url}/api/v1/workers", headers={"Authorization": f"Bearer {join}"}, timeout=60,
                                json={"worker_id": "w", "specialty": "e", "base_model": expert_spec()["base_model"]})
     token = registered.json()["token"]  # the join token's bucket is its address's, not the worker's

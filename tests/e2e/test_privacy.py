@@ -69,12 +69,12 @@ def test_dp_budget_refuses_the_push_past_it_at_a_real_coordinator(start_coordina
     _, url = start_coordinator("--dp-noise", str(sigma), "--dp-clip", "1", "--dp-budget", f"{(two + three) / 2:.6f}")
     client = CoordinatorClient(url)
     initial = make_adapter()
-    client.create_expert("private_expert", initial, expert_spec())
+    client.experts.create("private_expert", initial, expert_spec())
     for version in range(2):
-        client.push_update("private_expert", dumps(random_like(initial, version)), update_meta(version, worker_id="w1"))
+        client.updates.push("private_expert", dumps(random_like(initial, version)), update_meta(version, worker_id="w1"))
     with pytest.raises(Conflict) as refused:
-        client.push_update("private_expert", dumps(random_like(initial, 5)), update_meta(2, worker_id="w1"))
+        client.updates.push("private_expert", dumps(random_like(initial, 5)), update_meta(2, worker_id="w1"))
     assert refused.value.code == "privacy_budget_spent"
-    shown = client.expert("private_expert")
+    shown = client.experts.get("private_expert")
     assert shown["version"] == 2
     assert shown["privacy"]["dp_fedavg"]["epsilon"] == pytest.approx(two, abs=1e-5)
