@@ -159,7 +159,7 @@ def test_a_worker_never_joins_the_key_round_of_a_dp_cohort_without_sigma(tmp_pat
         sessions[3].advance()  # the fourth join forms the cohort: its config is refused
     assert sessions[3].member is None
     [cohort] = agg.cohorts()
-    assert cohort["phase"] == "advertise" and agg._cohorts[cohort["cohort_id"]].keys == {}
+    assert cohort["phase"] == "advertise" and agg.registry.get(cohort["cohort_id"]).keys == {}
 
 
 def test_a_cohort_is_booked_once_at_sigma_sqrt_s_over_k_and_survives_a_restart(tmp_path):
