@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.checks.adapters import stored_deltas
-from coordinator.access.audit import Event, insert_event, insert_norm, query_events, recent_norms
+from coordinator.storage.audit_log import Event, insert_event, insert_norm, query_events, recent_norms
 from coordinator.storage.blobs import BlobStore
 from coordinator.relay.relay_store_schema import create_schema, prune_forwarded, retire_batch
 from coordinator.storage.manifest import (WORKERS_QUERY, immediate_transaction, touch_worker_row, upsert_worker_row,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sqlite3
 
-from coordinator.access.audit import AUDIT_SCHEMA
+from coordinator.storage.audit_log import AUDIT_SCHEMA
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS state (key TEXT PRIMARY KEY, value TEXT NOT NULL);

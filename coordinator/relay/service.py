@@ -21,7 +21,7 @@ from typing import Any
 
 from coordinator.access import audit
 from coordinator.checks.adapters import checked_norm, stored_deltas
-from coordinator.access.audit import Event
+from coordinator.storage.audit_log import Event
 from coordinator.storage.blobs import BlobStore, storage_errors
 from coordinator.config import CoordinatorConfig
 from coordinator.diffs import DiffCache

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ContextManager, TypeGuard, TypeVar
 
-from coordinator.access.audit import Event
+from coordinator.storage.audit_log import Event
 from coordinator.storage.backends.errors import BackendUnavailable
 from coordinator.storage.blobs import is_storage_full, storage_errors
 from coordinator.storage.group_commit import GroupCommit

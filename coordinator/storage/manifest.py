@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from coordinator.access.audit import AUDIT_SCHEMA, Event, insert_event, insert_norm, query_events, recent_norms
+from coordinator.storage.audit_log import AUDIT_SCHEMA, Event, insert_event, insert_norm, query_events, recent_norms
 from coordinator.storage.sqldb import Connection, Row
 from protocol.errors import Conflict
 from protocol.tensors import manifest_from_json

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from coordinator.access.audit import Event
+from coordinator.storage.audit_log import Event
 from coordinator.storage.manifest import ExpertRow, UpdateRow
 
 

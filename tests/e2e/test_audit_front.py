@@ -16,7 +16,7 @@ SPOOL_IN_MEMORY (authentication, the route's own limit: the probe's 4 MiB, JSON 
 413 at once; cap the receive buffers held by bodies in flight (a budget shared by all connections: past it, read
 with the stream's bounded buffer or wait), and release DirectBody's buffers in ``_receive_direct``'s ``finally``.
 
-Fixed (branch front2): coordinator/http/admission.py answers from the head (root and relay); front_bodies.BufferBudget
+Fixed (branch front2): coordinator/api/admission.py answers from the head (root and relay); front_bodies.BufferBudget
 bounds DirectBody's buffers (12 MiB in all; past it the stream, with 64 KiB reads, reads the body) and drops a failed
 body's; the chunk-size fixes and the stall timer are in front.py. The tests below ran as strict xfails until then.
 """

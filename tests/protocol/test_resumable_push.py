@@ -185,7 +185,7 @@ def test_a_damaged_spooled_chunk_is_refused_and_the_next_one_starts_from_the_sam
 
 
 def test_a_chunk_cut_short_mid_body_is_not_kept_and_the_upload_goes_on(shared, e) -> None:
-    """The front writes a large chunk straight into the upload's file (coordinator/http/upload_placement.py); a client that
+    """The front writes a large chunk straight into the upload's file (coordinator/api/upload_placement.py); a client that
     goes away mid-body leaves nothing past the offset, and the upload is free for the next try at once."""
     _, body = _setup(shared.url, e)
     token = local_token(shared.url)
