@@ -41,7 +41,8 @@ from coordinator.privacy_ledger import PrivacyLedgers
 from coordinator.recovery import recover
 from coordinator.routing import ExpertRouting
 from coordinator.steps import AggregationSteps
-from coordinator.storage.manifest import RELAYED, ExpertRow, ManifestStore, UpdateRow, members_applied, parsed_manifest
+from coordinator.storage.manifest import RELAYED, ManifestStore, members_applied
+from coordinator.storage.manifest_schema import ExpertRow, UpdateRow, parsed_manifest
 from coordinator.checks.update_limits import NORM_SCALE
 from protocol.errors import BadRequest, Conflict, InsufficientStorage, InvalidPayload, NotFound, PayloadTooLarge
 from protocol.files import private_dir, private_file

@@ -44,7 +44,8 @@ from coordinator.aggregation.base import weighted_sum
 from coordinator.storage.blobs import BlobStore
 from coordinator.relay.checks import RelayChecks
 from coordinator.relay.site import SiteModel, sum_weighted
-from coordinator.relay.relay_store import Batch, RelayStore, held_deltas
+from coordinator.relay.relay_store import RelayStore, held_deltas
+from coordinator.relay.relay_store_schema import Batch
 from coordinator.relay.upstream import UpstreamClient, WeightsCache
 from protocol.errors import Conflict, FedMoEError, Forbidden, NotFound, RequestTimeout, Unauthorized, Unavailable
 from protocol.schemas import MAX_BATCH_MEMBERS, RAW_CODEC, UPDATE_ID_RE

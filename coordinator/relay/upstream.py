@@ -26,7 +26,8 @@ from typing import Any
 from compression import make_codec
 from compression.wire import decode_update
 from coordinator.storage.blobs import BlobStore
-from coordinator.relay.relay_store import CachedWeights, RelayStore
+from coordinator.relay.relay_store import RelayStore
+from coordinator.relay.relay_store_schema import CachedWeights
 from protocol.client import CoordinatorClient, RetryPolicy
 from protocol.client.bodies import Chunks, read_body
 from protocol.errors import Conflict, FedMoEError, Forbidden, NotFound, Unauthorized, Unavailable

@@ -16,7 +16,8 @@ import torch
 from coordinator.storage.blobs import BlobStore
 from coordinator.checks.norm_check import NormPolicy
 from coordinator.relay.checks import RelayChecks
-from coordinator.relay.relay_store import Batch, RelayStore
+from coordinator.relay.relay_store import RelayStore
+from coordinator.relay.relay_store_schema import Batch
 from coordinator.checks.update_limits import UpdateLimits
 from protocol.errors import InvalidUpdate
 from protocol.tensors import dumps, loads

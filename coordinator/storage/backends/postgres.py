@@ -42,7 +42,8 @@ from psycopg.rows import dict_row
 from coordinator.storage.audit_log import AUDIT_SCHEMA
 from coordinator.storage.backends.errors import BackendUnavailable, log_outage
 from coordinator.storage.sqldb import Row
-from coordinator.storage.manifest import SCHEMA, ManifestStore
+from coordinator.storage.manifest import ManifestStore
+from coordinator.storage.manifest_schema import SCHEMA
 from protocol.errors import Conflict
 
 log = logging.getLogger(__name__)
