@@ -162,7 +162,7 @@ def generate(client: CoordinatorClient, args: argparse.Namespace) -> str:
     expert = args.expert
     if expert is None and not args.strategy:
         try:
-            routed = client.route(args.generate)
+            routed = client.gateway.route(args.generate)
         except NotFound:  # no routing profiles yet: the gateway answers
             routed = {"expert": None, "confidence": 0.0}
         expert = routed["expert"]
@@ -182,18 +182,18 @@ def main(argv: list[str] | None = None) -> int:
                                    retry=RetryPolicy(attempts=2), use_proxy=args.use_proxy,
                                    token=args.token, ca_cert=args.ca_cert)
         for worker_id in args.revoke_worker:
-            info = client.revoke_worker(worker_id)
+            info = client.workers.revoke(worker_id)
             print(f"revoked worker {worker_id} ({info['tokens']} token(s)); it cannot register again")
         if args.list_experts:
-            print(experts_table(client.list_experts()))
+            print(experts_table(client.experts.list()))
             print()
-            print(workers_table(client.list_workers()))
+            print(workers_table(client.workers.list()))
         if args.save_gateway:
             print(save(client, args))
         if args.generate:
             print(generate(client, args))
         if not (args.list_experts or args.save_gateway or args.generate or args.revoke_worker):
-            print(json.dumps(client.gateway_info(), indent=2))
+            print(json.dumps(client.gateway.info(), indent=2))
     except (FedMoEError, GatewayError, ValueError, OSError) as exc:
         return report_error(args, exc)
     return 0

@@ -199,11 +199,11 @@ def expert_loss(url: str, s: Settings) -> tuple[dict[str, float], int]:
 
     client = CoordinatorClient(url)
     _, heldout = split_examples(load_examples(sample_path(SPECIALTY)))
-    weights = client.pull_weights(SPECIALTY).tensors
+    weights = client.experts.pull(SPECIALTY).tensors
     if weights is None:
         raise RuntimeError("the coordinator returned no weights for the expert")
     base = load_base_model(s.base_model)
-    model = attach_adapter(base.model, weights, client.expert(SPECIALTY)["lora"])
+    model = attach_adapter(base.model, weights, client.experts.get(SPECIALTY)["lora"])
     model.eval()
     losses = loss_pair(answer_losses(model, base.tokenizer, heldout, max_seq_len=s.max_seq_len))
     client.close()

@@ -135,17 +135,17 @@ def run_job(domain: Domain, run: Job, s: Settings) -> dict[str, Any]:
         client = CoordinatorClient(url)
         spec = {"lora": team[0].trainer.lora_config,
                 "base_model": {"id": team[0].trainer.base.model_id, "fingerprint": team[0].trainer.base.fingerprint}}
-        client.create_expert(domain.name, team[0].trainer.adapter_state(), spec)
+        client.experts.create(domain.name, team[0].trainer.adapter_state(), spec)
         for _ in range(s.rounds):
-            pulled = client.pull_weights(domain.name)
+            pulled = client.experts.pull(domain.name)
             for member in team:
                 try:
                     push_round(client, domain.name, member, pulled_tensors(pulled), pulled.version, s.steps)
                 except InvalidUpdate:
                     rejected += 1
                 pushed += 1
-        final = client.pull_weights(domain.name)
-        lora = client.expert(domain.name)["lora"]
+        final = client.experts.pull(domain.name)
+        lora = client.experts.get(domain.name)["lora"]
         client.close()
     loss = adapter_loss(load_base_model(BASE_MODEL), domain.heldout, pulled_tensors(final), lora,  # trainers wrap theirs
                         max_seq_len=s.max_seq_len)
@@ -173,7 +173,7 @@ def push_round(client: CoordinatorClient, name: str, member: Member, start: Stat
         delta = member.attack(delta)
     meta = {"update_id": f"{member.worker_id}-{uuid.uuid4().hex[:12]}", "base_version": version,
             "num_samples": stats.samples, "train_loss": stats.loss, "worker_id": member.worker_id}
-    client.push_update(name, dumps(delta), meta)
+    client.updates.push(name, dumps(delta), meta)
 
 
 def summarize(records: list[dict[str, Any]], untrained: float, s: Settings, seconds: float) -> dict[str, Any]:

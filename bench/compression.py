@@ -258,7 +258,7 @@ def checked_sync(worker: FederatedWorker) -> dict[str, Any]:
 def expert_losses(client: CoordinatorClient, domains: Sequence[Domain], settings: JobSettings) -> dict[str, float]:
     """Held-out loss of each expert as the coordinator holds it, on its own domain."""
     base = load_base_model(BASE_MODEL)
-    return {d.name: adapter_loss(base, d.heldout, pulled_tensors(client.pull_weights(d.name)), client.expert(d.name)["lora"],
+    return {d.name: adapter_loss(base, d.heldout, pulled_tensors(client.experts.pull(d.name)), client.experts.get(d.name)["lora"],
                                  max_seq_len=settings.max_seq_len) for d in domains}
 
 

@@ -136,11 +136,11 @@ def run_fedmoe(lab: Lab, plan: Plan, arm: str, shards: list[Path], heldout: list
                 raise RuntimeError(f"{arm}: worker {i} exited with {code}:\n{tail}")
         wall = time.monotonic() - started
         client = CoordinatorClient(url)
-        versions = client.expert(plan.domain)["versions"]
-        lora = client.expert(plan.domain)["lora"]
+        versions = client.experts.get(plan.domain)["versions"]
+        lora = client.experts.get(plan.domain)["lora"]
         points = []
         for entry in scored_versions(versions, plan.max_evals, plan.batch_size):
-            adapter = client.pull_weights(plan.domain, version=entry["version"]).tensors
+            adapter = client.experts.pull(plan.domain, version=entry["version"]).tensors
             points.append({"version": entry["version"], "steps": entry["steps"],
                            **loss_pair(lab.losses(heldout, adapter, lora))})
             log.info("%s x%d: version %d (%d steps) held-out %.4f", arm, len(shards), entry["version"],

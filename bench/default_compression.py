@@ -71,7 +71,7 @@ def run_arm(lab: Lab, arm: Arm, workers: int, rounds: int, steps: int) -> dict[s
                 worker.interval.add(worker.trainer.train_steps(steps))
                 records.append(worker.sync())
         client = CoordinatorClient(url)
-        weights, lora = client.pull_weights(DOMAIN).tensors, client.expert(DOMAIN)["lora"]
+        weights, lora = client.experts.pull(DOMAIN).tensors, client.experts.get(DOMAIN)["lora"]
         client.close()
     assert weights is not None
     return {"arm": arm.name, "push_codec": arm.push.codec, "pull_codec": arm.pull.codec,

@@ -165,7 +165,7 @@ def _setup(server: CoordinatorProcess, admin: dict[str, str]) -> str:
     """The expert and the honest worker's token."""
     from protocol.client import CoordinatorClient
 
-    CoordinatorClient(server.url, token=admin["Authorization"].split()[1]).create_expert(
+    CoordinatorClient(server.url, token=admin["Authorization"].split()[1]).experts.create(
         EXPERT, random_tensors(MANIFEST, 7, 0.01), SPEC)
     r = requests.post(server.url + f"{API_PREFIX}/workers", headers=admin, timeout=60,
                       json={"worker_id": "honest", "specialty": EXPERT, "base_model": SPEC["base_model"]})

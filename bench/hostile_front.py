@@ -137,7 +137,7 @@ class _RelayWorker:
         meta = {"update_id": f"honest-{self.pushed}-{time.monotonic_ns()}", "base_version": 0, "num_samples": 1,
                 "worker_id": "w-honest"}
         try:
-            self.client.push_update(EXPERT, self.body, meta)
+            self.client.updates.push(EXPERT, self.body, meta)
         except FedMoEError as exc:
             return exc.status
         return 202
@@ -151,11 +151,11 @@ def _relay_worker(url: str, directory: Path, cert: Path) -> _RelayWorker:
 
     client = CoordinatorClient(url, ca_cert=cert, token=(directory / "join").read_text().strip(),
                                retry=RetryPolicy(attempts=1), timeout=(30.0, 120.0))
-    client.register_worker("w-honest", EXPERT, {"id": "bench", "fingerprint": "be" * 32})
+    client.workers.register("w-honest", EXPERT, {"id": "bench", "fingerprint": "be" * 32})
     g = torch.Generator().manual_seed(0)
     adapter = {f"base_model.model.model.layers.{layer}.self_attn.q_proj.lora_{ab}.weight":
                torch.randn(shape, generator=g) for layer in range(2) for ab, shape in (("A", (4, 64)), ("B", (64, 4)))}
-    client.create_expert(EXPERT, adapter, {"lora": {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj"]},
+    client.experts.create(EXPERT, adapter, {"lora": {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj"]},
                                            "base_model": {"id": "bench", "fingerprint": "be" * 32}})
     return _RelayWorker(client, dumps({k: v * 1e-3 for k, v in adapter.items()}))
 

@@ -138,23 +138,23 @@ def _sent(tally: Tally, name: str, call: Callable[[], requests.Response]) -> req
 def _honest_pushes(url: str, join: str, adapter: dict[str, Any], pushes: int, attack_started: float) -> dict[str, Any]:
     """``pushes`` 9 MiB updates of one honest worker, one after another: how each went and how long it took."""
     client = CoordinatorClient(url, token=join)
-    client.register_worker("honest", EXPERT, expert_spec(rank=64)["base_model"])
+    client.workers.register("honest", EXPERT, expert_spec(rank=64)["base_model"])
     outcomes: Counter[str] = Counter()
     seconds: list[float] = []
     first_applied = None
     version = 0
     for i in range(pushes):
         body = dumps(random_like(adapter, seed=100 + i, scale=1e-3))
-        client.last_upload = None
+        client.updates.last_upload = None
         started = time.monotonic()
         try:
-            status = client.push_update(EXPERT, body, update_meta(base_version=version, worker_id="honest"))
+            status = client.updates.push(EXPERT, body, update_meta(base_version=version, worker_id="honest"))
         except FedMoEError as exc:
             outcomes[f"failed: {type(exc).__name__}"] += 1
             continue
         seconds.append(time.monotonic() - started)
         version = int(status.get("expert_version", version))
-        outcomes["resumable" if client.last_upload is not None and client.last_upload.chunks else "one request"] += 1
+        outcomes["resumable" if client.updates.last_upload is not None and client.updates.last_upload.chunks else "one request"] += 1
         if first_applied is None and status.get("status") == "applied":
             first_applied = time.monotonic() - attack_started
     return {"pushes": pushes, "bytes": len(body), "outcomes": dict(outcomes),

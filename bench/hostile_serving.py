@@ -49,7 +49,7 @@ def seeded_coordinator(directory: Path) -> CoordinatorProcess:
     base = load_base_model("tiny-qwen2")
     spec = {"lora": {"rank": 8, "alpha": 16.0, "target_modules": list(LORA_PROJECTIONS)},
             "base_model": {"id": base.model_id, "fingerprint": base.fingerprint}}
-    CoordinatorClient(coordinator.url).create_expert(EXPERT, lora_adapter(base.model, 0), spec)
+    CoordinatorClient(coordinator.url).experts.create(EXPERT, lora_adapter(base.model, 0), spec)
     return coordinator
 
 

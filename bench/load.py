@@ -124,12 +124,12 @@ def verify(url: str, pushed: list[Pushed], experts: list[str]) -> dict[str, Any]
     lost = 0
     for p in pushed:
         try:
-            known[p.update_id] = client.update_status(p.update_id)
+            known[p.update_id] = client.updates.status(p.update_id)
         except FedMoEError:
             lost += p.status in ("accepted", "duplicate")
     duplicated = 0
     for name in experts:
-        info = client.expert(name)
+        info = client.experts.get(name)
         mine = [p for p in pushed if p.expert == name and p.update_id in known]
         applied = [p for p in mine if known[p.update_id]["status"] == "applied"]
         duplicated += max(0, info["updates_applied"] + info["pending_updates"] - len(mine))
@@ -145,7 +145,7 @@ def create_experts(url: str, settings: Settings, experts: list[str], token: str 
     spec = {"lora": {"rank": settings.rank, "alpha": 2.0 * settings.rank, "target_modules": list(PROJECTIONS)},
             "base_model": {"id": settings.model, "fingerprint": FINGERPRINT}}
     for i, name in enumerate(experts):
-        setup.create_expert(name, random_tensors(manifest, 10_000 + i, 0.01), spec)
+        setup.experts.create(name, random_tensors(manifest, 10_000 + i, 0.01), spec)
     setup.close()
 
 

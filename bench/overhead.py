@@ -143,7 +143,7 @@ def measure(s: Settings) -> dict[str, Any]:
                 phases.append(phase)
                 log.info("round %d %-8s %6.0f tokens/s, %d sync(s), %.3f s blocked", r, mode, phase.tokens_per_s,
                          phase.syncs, phase.blocked_seconds)
-        expert = CoordinatorClient(url).expert(SPECIALTY)
+        expert = CoordinatorClient(url).experts.get(SPECIALTY)
     return summarize(phases, s, expert, time.perf_counter() - started)
 
 

@@ -98,12 +98,12 @@ def push_once(url: str, expert: str, body: bytes, mode: str, settings: Settings,
         client = CoordinatorClient(delay.url(), token=local_token(url), upload=MODES[mode], retry=RETRY,
                                    timeout=(10.0, 300.0))
         started = time.perf_counter()
-        status = client.push_update(expert, body, {"update_id": f"{expert}-u1", "base_version": 0,
+        status = client.updates.push(expert, body, {"update_id": f"{expert}-u1", "base_version": 0,
                                                    "num_samples": 1})
         seconds = time.perf_counter() - started
         assert status["status"] in ("applied", "pending"), status
         assert cut.cuts == (1 if broken else 0), "the link did not break where it should"
-        stats = client.last_upload
+        stats = client.updates.last_upload
         return {"wire": cut.bytes_to_target, "seconds": seconds, "chunks": stats.chunks if stats else 1,
                 "resumes": stats.resumes if stats else int(broken)}
 
@@ -118,7 +118,7 @@ def run(settings: Settings) -> list[Row]:
         for mode in MODES:
             for broken in (False, True):
                 expert = f"{mode.replace('-', '')}_{'broken' if broken else 'clean'}"
-                admin.create_expert(expert, base, spec())
+                admin.experts.create(expert, base, spec())
                 log.info("%s push of %.0f MiB%s", mode, len(body) / MiB, ", broken at 90%" if broken else "")
                 measured[mode, broken] = push_once(server.url, expert, body, mode, settings, broken)
         check_applied_once(admin, [f"{m.replace('-', '')}_{b}" for m in MODES for b in ("clean", "broken")])
@@ -131,11 +131,11 @@ def run(settings: Settings) -> list[Row]:
 
 
 def check_applied_once(admin: CoordinatorClient, experts: list[str]) -> None:
-    reference = pulled_tensors(admin.pull_weights(experts[0]))
+    reference = pulled_tensors(admin.experts.pull(experts[0]))
     for name in experts:
-        info = admin.expert(name)
+        info = admin.experts.get(name)
         assert info["updates_applied"] == 1 and info["version"] == 1, (name, info)
-        got = pulled_tensors(admin.pull_weights(name))
+        got = pulled_tensors(admin.experts.pull(name))
         assert all(torch.equal(got[k], reference[k]) for k in reference), f"{name} differs from {experts[0]}"
 
 

@@ -99,7 +99,7 @@ def run_configuration(config: Configuration, settings: Settings, scratch: Path) 
         failed = [(p.returncode, e) for p, e in zip(procs, errors) if p.returncode != 0]
         if failed:
             raise RuntimeError(f"{config.name}: worker exited {failed[0][0]}:\n{failed[0][1][-3000:]}")
-        seen = len(CoordinatorClient(url).list_workers())
+        seen = len(CoordinatorClient(url).workers.list())
     records = [[json.loads(line) for line in path.read_text().splitlines()] for path in paths]
     return {**asdict(config), "workers_seen_by_coordinator": seen, **window_figures(records)}
 

@@ -77,9 +77,9 @@ def seed_federation(client: CoordinatorClient, base) -> None:
     spec = {"lora": {"rank": RANK, "alpha": 16.0, "target_modules": list(LORA_PROJECTIONS)},
             "base_model": {"id": base.model_id, "fingerprint": base.fingerprint}}
     for seed, name in enumerate(EXPERTS):
-        client.create_expert(name, lora_adapter(base.model, seed), spec)
+        client.experts.create(name, lora_adapter(base.model, seed), spec)
         prompts = prompts_of(name)
-        client.put_profile(name, f"w-{name}", profile_to_json(text_profile(prompts), len(prompts)))
+        client.experts.put_profile(name, f"w-{name}", profile_to_json(text_profile(prompts), len(prompts)))
 
 
 class ServeProcess:
@@ -139,7 +139,7 @@ def percentile(values: list[float], q: float) -> float:
 
 def local_routing(client: CoordinatorClient, prompts: list[str]) -> dict[str, Any]:
     router = LocalRouter()
-    router.update(client.profiles())
+    router.update(client.gateway.profiles())
     times = []
     for _ in range(3):
         for prompt in prompts:
@@ -163,9 +163,9 @@ def measure_swap(url: str, client: CoordinatorClient, base, max_tokens: int, pol
     threads = [threading.Thread(target=traffic) for _ in range(2)]
     for t in threads:
         t.start()
-    version = client.expert("python_expert")["version"]
+    version = client.experts.get("python_expert")["version"]
     pushed = time.perf_counter()
-    client.push_update("python_expert", dumps(lora_adapter(base.model, 42, 0.01)),
+    client.updates.push("python_expert", dumps(lora_adapter(base.model, 42, 0.01)),
                        {"update_id": f"bench-swap-{time.time()}", "base_version": version, "num_samples": 10,
                         "train_loss": 1.0})
     deadline = pushed + 120

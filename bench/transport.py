@@ -7,7 +7,7 @@ is not what this measures). Every figure is a ratio to a baseline measured in th
 
 - ``pull_vs_socket`` / ``push_vs_socket``: the time to send the same number of bytes over a raw
   loopback TCP socket (sendall into recv_into a preallocated buffer) over the time of
-  ``CoordinatorClient.pull_weights`` (body into tensors) / ``push_update`` (202 once the update is
+  ``client.experts.pull`` (body into tensors) / ``client.updates.push`` (202 once the update is
   received, hashed, checked and durable; aggregation is deferred with fedbuff). Best of N each.
 - ``speedup_vs_base64_json``: the original tool's way, every tensor base64-encoded inside a JSON
   body, decoded by a Flask endpoint, in GB/s, against the push rate. (Measured on a quarter of the
@@ -337,7 +337,7 @@ def measure_pushes(size_mb: int, repeats: int, floor: bool = False) -> dict[str,
                                 "--max-body-mb", str(2 * size_mb + 64)) as coordinator:
         pid = serving_pid(coordinator.pid)
         client = CoordinatorClient(coordinator.url, timeout=(5.0, 600.0))
-        client.create_expert("big", tensors, spec)
+        client.experts.create("big", tensors, spec)
         del tensors
         log.info("expert created; the coordinator was idle after %.1f s more", wait_until_idle(pid))
         pause = float(os.environ.get("FEDMOE_BENCH_PROFILE_PAUSE") or 0)
@@ -348,7 +348,7 @@ def measure_pushes(size_mb: int, repeats: int, floor: bool = False) -> dict[str,
             socket_s = socket_copy_seconds(memoryview(body))
             meta = {"update_id": uuid.uuid4().hex, "base_version": 0, "num_samples": 1}
             server_cpu, client_cpu, started = cpu_seconds(pid), own_cpu_seconds(), time.perf_counter()
-            client.push_update("big", body, meta)
+            client.updates.push("big", body, meta)
             wall = time.perf_counter() - started
             client_cpu, answered_cpu = own_cpu_seconds() - client_cpu, cpu_seconds(pid) - server_cpu
             wait_until_idle(pid)  # work the push left behind after its answer (none expected) counts for it
@@ -356,7 +356,7 @@ def measure_pushes(size_mb: int, repeats: int, floor: bool = False) -> dict[str,
                 "socket_seconds": socket_s, "push_seconds": wall, "push_vs_socket": socket_s / wall,
                 "coordinator_cpu_seconds": cpu_seconds(pid) - server_cpu, "coordinator_cpu_at_answer": answered_cpu,
                 "client_cpu_seconds": client_cpu, "load_average": os.getloadavg()[0]}
-            stats = client.last_upload  # where the push's time went (None: it went in one request)
+            stats = client.updates.last_upload  # where the push's time went (None: it went in one request)
             if stats is not None:
                 run |= {"chunks": stats.chunks, **{k: getattr(stats, k, None) for k in TIMELINE}}
             log.info("push %.3f s (socket %.3f s: %.3f), coordinator CPU %.2f s, client CPU %.2f s, load %.1f",
@@ -409,19 +409,19 @@ def measure(size_mb: int, repeats: int, concurrency: int) -> dict[str, Any]:
                                 "--max-body-mb", str(2 * size_mb + 64)) as coordinator:
         url, pid = coordinator.url, serving_pid(coordinator.pid)
         client = CoordinatorClient(url, timeout=(5.0, 600.0))
-        client.create_expert("big", tensors, spec)
+        client.experts.create("big", tensors, spec)
         del tensors
         sockets, pulls, pushes = [], [], []
         for _ in range(repeats):  # interleaved, so that a change in the machine's load hits all three
             sockets.append(socket_copy_seconds(memoryview(body)))
             started = time.perf_counter()
-            pulled = client.pull_weights("big")
+            pulled = client.experts.pull("big")
             pulls.append(time.perf_counter() - started)
             assert pulled.nbytes == nbytes
             del pulled
             meta = {"update_id": uuid.uuid4().hex, "base_version": 0, "num_samples": 1}
             started = time.perf_counter()
-            client.push_update("big", body, meta)
+            client.updates.push("big", body, meta)
             pushes.append(time.perf_counter() - started)
         socket_s = best(sockets)
         log.info("socket %.3f s, pull %.3f s, push %.3f s (best of %d)", socket_s, best(pulls), best(pushes),

@@ -391,7 +391,7 @@ def relay_counters(url: str) -> list[dict[str, Any]]:
     """Each relay's last report at the root (bytes received, forwarded, served, of which diffs, fetched; batches)."""
     client = CoordinatorClient(url)
     try:
-        return [{k: r.get(k) for k in ("relay_id", "stats", "bytes_saved")} for r in client.relays()]
+        return [{k: r.get(k) for k in ("relay_id", "stats", "bytes_saved")} for r in client.placement.relays()]
     finally:
         client.close()
 
@@ -413,7 +413,7 @@ def versions_bytes(url: str) -> int:
     """Size of the expert's full weights at the root (0 before it exists)."""
     client = CoordinatorClient(url)
     try:
-        return sum(t.numel() * t.element_size() for t in pulled_tensors(client.pull_weights(SPECIALTY)).values())
+        return sum(t.numel() * t.element_size() for t in pulled_tensors(client.experts.pull(SPECIALTY)).values())
     except Exception:  # noqa: BLE001 - only sizes a wait
         return 0
     finally:
@@ -437,11 +437,11 @@ def kept_versions(url: str, directory: Path) -> list[dict[str, Any]]:
     client = CoordinatorClient(url)
     directory.mkdir(parents=True, exist_ok=True)
     out = []
-    versions = client.expert(SPECIALTY)["versions"]
+    versions = client.experts.get(SPECIALTY)["versions"]
     for v in versions:
         if v["stored"]:
             path = directory / f"version-{v['version']:05d}.safetensors"
-            save_file(pulled_tensors(client.pull_weights(SPECIALTY, version=v["version"])), str(path))
+            save_file(pulled_tensors(client.experts.pull(SPECIALTY, version=v["version"])), str(path))
             out.append({"version": v["version"], "seconds": v["created_at"] - versions[0]["created_at"],
                         "created_at": v["created_at"], "file": str(path)})
     return out

@@ -1,6 +1,6 @@
 """Secure aggregation's routes and the loop that applies each unmasked cohort (root and relay alike).
 
-``install(app, host, settings)`` mounts the cohort routes (``protocol.cohorts`` lists them) over one
+``install(app, host, settings)`` mounts the cohort routes (``protocol.client.cohorts`` lists them) over one
 ``privacy.secagg.SecureAggregator`` journalled in ``<data dir>/secagg``, and starts a thread that, every
 ``TICK_SECONDS``, closes the rounds whose deadline passed and hands each unmasked cohort to the host
 as one update: its sample-weighted mean, with ``num_samples`` the cohort's total and update id

@@ -188,7 +188,7 @@ class CoordinatorConfig:
 
     def _check_robustness(self) -> None:
         from coordinator.aggregation.robust import trim_count
-        from coordinator.access.audit import NORMS_KEPT
+        from coordinator.storage.audit_log import NORMS_KEPT
 
         if self.norm_check not in NORM_CHECK_MODES:
             raise ValueError(f"--norm-check must be one of {list(NORM_CHECK_MODES)}, got {self.norm_check!r}")

@@ -33,7 +33,7 @@ from coordinator.access import audit
 from coordinator.checks.adapters import check_update
 from coordinator.errors import REFUSALS
 from coordinator.storage.expert_store import ExpertStore
-from coordinator.storage.manifest import ExpertRow, UpdateRow
+from coordinator.storage.manifest_schema import ExpertRow, UpdateRow
 from protocol.errors import NotFound
 from protocol.streaming import check_file, read_header
 from protocol.tensors import manifest_from_json

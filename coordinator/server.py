@@ -21,8 +21,8 @@ from coordinator.checks import int8_kernel
 from coordinator.api.app import create_app
 from coordinator.config import CoordinatorConfig, ServeOptions
 from coordinator.storage.data_dir import ROOT, claim_data_dir
-from coordinator.http.admission import HeadAdmission
-from coordinator.http.upload_placement import UploadPlacer
+from coordinator.api.admission import HeadAdmission
+from coordinator.api.upload_placement import UploadPlacer
 from coordinator.http.listening import announce, check_tls_files
 from coordinator.http.options import FrontOptions
 from coordinator.http.serve import bind, serve as serve_http

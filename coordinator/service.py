@@ -25,7 +25,7 @@ from typing import Any
 from coordinator.checks.adapters import check_full_weights, check_lora_adapter, checked_norm
 from coordinator.aggregation import StateDict
 from coordinator.access import audit
-from coordinator.access.audit import Event
+from coordinator.storage.audit_log import Event
 from coordinator.storage.blobs import BlobStore
 from coordinator.storage.body_spool import BodySpool
 from coordinator.storage.backends.errors import BackendUnavailable
@@ -41,7 +41,8 @@ from coordinator.privacy_ledger import PrivacyLedgers
 from coordinator.recovery import recover
 from coordinator.routing import ExpertRouting
 from coordinator.steps import AggregationSteps
-from coordinator.storage.manifest import RELAYED, ExpertRow, ManifestStore, UpdateRow, members_applied, parsed_manifest
+from coordinator.storage.manifest import RELAYED, ManifestStore, members_applied
+from coordinator.storage.manifest_schema import ExpertRow, UpdateRow, parsed_manifest
 from coordinator.checks.update_limits import NORM_SCALE
 from protocol.errors import BadRequest, Conflict, InsufficientStorage, InvalidPayload, NotFound, PayloadTooLarge
 from protocol.files import private_dir, private_file
@@ -105,7 +106,7 @@ class Coordinator:
                      spooled: Any = None) -> Path:
         """A request body in a fsynced temp file: 413 past --max-body-mb, 400 if it does not match
         ``expected_digest`` (nothing is left behind). ``length`` (Content-Length): read exactly that.
-        ``spooled``: the front's coordinator.http.bodies.SpooledBody, taken over instead of copying ``stream``."""
+        ``spooled``: the front's coordinator.storage.incoming.SpooledBody, taken over instead of copying ``stream``."""
         return receive_checked(self.store.bodies, stream, length, self.config.max_body_bytes, expected_digest, spooled)
 
     # experts ------------------------------------------------------------------

@@ -29,7 +29,7 @@ from coordinator.checks.flat_weights import load_flat, save_flat
 from coordinator.privacy_ledger import PrivacyLedgers
 from coordinator.liveness import active_workers
 from coordinator.recovery import quarantine_updates
-from coordinator.storage.manifest import ExpertRow, UpdateRow, parsed_manifest
+from coordinator.storage.manifest_schema import ExpertRow, UpdateRow, parsed_manifest
 from coordinator.checks.update_limits import as_clipped, check_step_result
 from protocol.errors import InvalidPayload
 from protocol.tensors import load_file, save_file

@@ -28,14 +28,14 @@ class Adapter:
 def fetch_gateway(client: CoordinatorClient) -> Adapter:
     """The gateway of the experts as they are now (its tensors: the newest built, the same one unless
     a push lands in between)."""
-    info = client.gateway_info(fresh=True)
-    tensors = client.gateway_tensors()
+    info = client.gateway.info(fresh=True)
+    tensors = client.gateway.tensors()
     return Adapter(tensors, info["lora"], info["base_model"], {"kind": "gateway", **info})
 
 
 def fetch_expert(client: CoordinatorClient, name: str) -> Adapter:
-    info = client.expert(name)
-    pulled = client.pull_weights(name)
+    info = client.experts.get(name)
+    pulled = client.experts.pull(name)
     assert pulled.tensors is not None
     public: dict[str, Any] = {k: info[k] for k in ("name", "version", "updates_applied", "samples_seen") if k in info}
     return Adapter(pulled.tensors, info["lora"], info["base_model"], {"kind": "expert", **public})
@@ -44,7 +44,7 @@ def fetch_expert(client: CoordinatorClient, name: str) -> Adapter:
 def merge_experts(client: CoordinatorClient, strategy: str, config: dict[str, Any] | None = None) -> Adapter:
     """Merge the experts here with ``strategy`` and its settings ``config``, by gateway.build as the
     coordinator does, weighted as in the coordinator's newest gateway (GET /gateway only reads)."""
-    weights = client.gateway_info()["weights"]
+    weights = client.gateway.info()["weights"]
     used = [name for name, w in weights.items() if w > 0]
     if not used:
         raise NotFound("no expert has a positive gateway weight")
@@ -54,11 +54,11 @@ def merge_experts(client: CoordinatorClient, strategy: str, config: dict[str, An
 
 
 def _source(client: CoordinatorClient, name: str, strategy: str) -> Source:
-    spec = ExpertSpec.from_json(client.expert(name))
+    spec = ExpertSpec.from_json(client.experts.get(name))
     if spec.kind == "full":
         raise ValueError(f"--strategy {strategy}: the experts are full-parameter; their gateway is their exact "
                          "weighted average (drop --strategy), or pick one with --expert")
-    pulled = client.pull_weights(name)
+    pulled = client.experts.pull(name)
     tensors = pulled.tensors
     assert tensors is not None
     return Source(name, pulled.version, spec, lambda: tensors)

@@ -4,7 +4,7 @@ A push refused from its head (an expired token: 401, over the rate limit: 429, o
 cost the whole upload first: ``requests`` (http.client underneath) sends the body right after the head and never
 waits for an interim answer (psf/requests#713, python/cpython#42550). Here the head goes out with
 ``Expect: 100-continue``; the coordinator's front answers ``100 Continue`` once the application has accepted the head
-(coordinator/http/admission.py), or its refusal instead, and the body is sent only after a ``100`` (RFC 9110 10.1.1).
+(coordinator/api/admission.py), or its refusal instead, and the body is sent only after a ``100`` (RFC 9110 10.1.1).
 A server that says nothing within CONTINUE_WAIT (one that ignores the expectation) gets the body anyway.
 
 The exchange is parsed with h11 on a connection of its own (one per large upload; a TLS handshake is small next to a
@@ -136,7 +136,7 @@ def _body_pieces(body: object) -> Iterable[bytes | bytearray | memoryview]:
         return ()
     if isinstance(body, (bytes, bytearray, memoryview)):
         return (body,)
-    return cast(Iterable[memoryview], body)  # protocol.client.Chunks: views of one buffer
+    return cast(Iterable[memoryview], body)  # protocol.client.bodies.Chunks: views of one buffer
 
 
 def _response(prepared: requests.PreparedRequest, final: h11.Response, body: bytes) -> requests.Response:

@@ -12,7 +12,7 @@ Content ids: the blob store names a blob by the digest of its bytes. A SHA-256 i
 (every data dir before 0.7); a BLAKE3 id is ``b3-<hex>``. Both kinds live side by side, so an old
 data dir needs no migration; ``algorithm_of`` tells which hash to check a blob (or an ETag) with.
 Version story: a 0.7 client sends BLAKE3; a coordinator older than 0.7 answers 400 naming only the
-sha256 form, and the client then resends with SHA-256 and keeps using it (protocol/client.py).
+sha256 form, and the client then resends with SHA-256 and keeps using it (protocol/client/transport.py).
 """
 from __future__ import annotations
 

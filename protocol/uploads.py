@@ -103,7 +103,7 @@ class UploadStats:
 Call = Callable[..., Any]
 """``call(method, path, attempts=None, **requests_kwargs) -> requests.Response`` with the client's auth;
 ``attempts=1`` for a single try (no retry inside), None for the client's retry policy. A ``data`` body
-is a memoryview of the chunk (the client sends it as protocol.client.Chunks)."""
+is a memoryview of the chunk (the client sends it as protocol.client.bodies.Chunks)."""
 
 
 @dataclass

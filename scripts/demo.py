@@ -285,7 +285,7 @@ def main() -> int:
                             "--save-gateway", str(run / "gateway_model.npz")], env=child_env(), check=True,
                            stdout=subprocess.DEVNULL)
         client = CoordinatorClient(url)
-        versions = {e["name"]: e["version"] for e in client.list_experts()}
+        versions = {e["name"]: e["version"] for e in client.experts.list()}
         heldout = [HeldOut(d.specialty, examples, shortest_prompt(examples))
                    for d in domains for examples in [d.heldout[:args.eval_examples or None]]]
         torch.set_num_threads(preset.eval_threads or args.threads)

@@ -90,12 +90,12 @@ def evaluate(base: BaseModel, client: CoordinatorClient, heldout: Sequence[HeldO
     """
     report = Report()
     for h in heldout:
-        routes = [client.route(ex.prompt, expected=h.specialty) for ex in h.examples]
+        routes = [client.gateway.route(ex.prompt, expected=h.specialty) for ex in h.examples]
         report.routes[h.specialty] = [r["target"] for r in routes]
         report.outcomes[h.specialty] = [r["outcome"] for r in routes]
         report.mixtures[h.specialty] = [mixture_weights(r["probabilities"], MIXTURE_TOP_K) for r in routes]
     per_example: dict[str, dict[str, list[AnswerLoss]]] = {}
-    experts = {e["name"]: e for e in client.list_experts()}
+    experts = {e["name"]: e for e in client.experts.list()}
     bank = AdapterBank(copy.deepcopy(base.model).eval())
     for label in (BASE, *(h.specialty for h in heldout), GATEWAY):
         started = time.perf_counter()
@@ -174,8 +174,8 @@ def fetch_adapter(client: CoordinatorClient, label: str, experts: Mapping[str, d
     if label == BASE:
         return None
     if label == GATEWAY:
-        return loads(client.gateway_weights("safetensors")), client.gateway_info()["lora"]
-    return client.pull_weights(label).tensors, experts[label]["lora"]
+        return loads(client.gateway.weights("safetensors")), client.gateway.info()["lora"]
+    return client.experts.pull(label).tensors, experts[label]["lora"]
 
 
 def _label(target: str) -> str:

@@ -62,7 +62,7 @@ class FederationFollower:
 
     def sync(self) -> list[str]:
         """One poll; returns what was (re)loaded, e.g. ["python_expert v3", "gateway v7"]."""
-        loaded = [f"{e['name']} v{e['version']}" for e in self.client.list_experts() if self._sync_expert(e)]
+        loaded = [f"{e['name']} v{e['version']}" for e in self.client.experts.list() if self._sync_expert(e)]
         if self._sync_gateway():
             loaded.append(f"gateway v{self.state.versions[GATEWAY]}")
         self._sync_profiles()
@@ -73,7 +73,7 @@ class FederationFollower:
         if self.state.versions.get(name) == info["version"] or not self._servable(name, info):
             return False
         started = time.perf_counter()
-        pulled = self.client.pull_weights(name, etag=self.state.etags.get(name))
+        pulled = self.client.experts.pull(name, etag=self.state.etags.get(name))
         if pulled.tensors is None:  # 304: what we hold is current
             self.state.versions[name] = pulled.version
             return False
@@ -96,7 +96,7 @@ class FederationFollower:
 
     def _sync_gateway(self) -> bool:
         try:
-            info = self.client.gateway_info()
+            info = self.client.gateway.info()
         except NotFound:  # no expert yet
             return False
         except Conflict as exc:  # experts that cannot be merged (e.g. full-parameter and LoRA together)
@@ -109,7 +109,7 @@ class FederationFollower:
             self.state.gateway_digest = info.get("digest")
             log.warning("not serving the gateway: it is not a LoRA adapter of this base model")
             return False
-        tensors = self.client.gateway_tensors()
+        tensors = self.client.gateway.tensors()
         self.state.gateway_digest, self.state.versions[GATEWAY] = info.get("digest"), int(info["version"])
         return self._install(AdapterWeights(GATEWAY, int(info["version"]), tensors, info["lora"]))
 
@@ -125,6 +125,6 @@ class FederationFollower:
 
     def _sync_profiles(self) -> None:
         try:
-            self.router.update(self.client.profiles())
+            self.router.update(self.client.gateway.profiles())
         except NotFound:  # a coordinator without GET /profiles: auto always uses the gateway
             log.warning("the coordinator has no GET /api/v1/profiles; 'auto' answers with the gateway")

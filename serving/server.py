@@ -70,7 +70,7 @@ def build(client: CoordinatorClient, options: ServeOptions) -> Server:
 
 
 def _experts_base_model(client: CoordinatorClient) -> str:
-    for info in client.list_experts():
+    for info in client.experts.list():
         if info.get("lora") and info.get("base_model", {}).get("id"):
             return info["base_model"]["id"]
     raise ValueError("the coordinator has no LoRA expert yet, so the base model is unknown; "

@@ -57,7 +57,7 @@ def relay_sites(tmp_path, root: dict[str, Any] | None = None, **relay_settings: 
     base = {"id": "m", "fingerprint": FINGERPRINT}
     root_app = create_app(CoordinatorConfig(data_dir=tmp_path / "root", gateway_interval=0, **(root or {})))
     root_server, root_url = serve_on_loopback(root_app)
-    CoordinatorClient(root_url, token=root_app.extensions["fedmoe_auth"].admin_token).create_expert(
+    CoordinatorClient(root_url, token=root_app.extensions["fedmoe_auth"].admin_token).experts.create(
         "e1", make_adapter(), expert_spec())
     join = (tmp_path / "root" / "join_token").read_text().strip()
     relay_app = create_relay_app(RelayConfig(upstream=root_url, join_token=join, relay_id="r1",
@@ -68,8 +68,8 @@ def relay_sites(tmp_path, root: dict[str, Any] | None = None, **relay_settings: 
     relay.join_upstream()
     relay_server, relay_url = serve_on_loopback(relay_app)
     at_root, at_relay = CoordinatorClient(root_url, token=join), CoordinatorClient(relay_url, token=join)
-    at_root.register_worker("w-root", "e1", base)
-    at_relay.register_worker("w1", "e1", base)
+    at_root.workers.register("w-root", "e1", base)
+    at_relay.workers.register("w1", "e1", base)
     try:
         yield at_root, relay, at_relay, root_url
     finally:
@@ -85,10 +85,10 @@ def relay_sites(tmp_path, root: dict[str, Any] | None = None, **relay_settings: 
 
 def new_root_version(at_root, seed: int) -> int:
     """Push a random update to expert ``e1`` at the root as worker ``w-root`` (see ``relay_sites``); its new version."""
-    version = at_root.expert("e1")["version"]
-    at_root.push_update("e1", dumps(random_like(make_adapter(), seed)), {
+    version = at_root.experts.get("e1")["version"]
+    at_root.updates.push("e1", dumps(random_like(make_adapter(), seed)), {
         "update_id": f"root-{seed}", "base_version": version, "num_samples": 4, "worker_id": "w-root"})
-    return at_root.expert("e1")["version"]
+    return at_root.experts.get("e1")["version"]
 
 
 def relay_fetches(relay) -> int:

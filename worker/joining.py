@@ -36,18 +36,18 @@ class Joining:
             pipeline.share_weights()
             return {}
         resumed = self._resume()
-        pipeline.client.register_worker(s.worker_id, s.specialty, pipeline.expert_spec["base_model"], s.sync_interval)
+        pipeline.client.workers.register(s.worker_id, s.specialty, pipeline.expert_spec["base_model"], s.sync_interval)
         if pipeline.placement is not None:  # its reports go to the root under this worker's own token there
-            pipeline.placement.root.register_worker(s.worker_id, s.specialty, pipeline.expert_spec["base_model"],
+            pipeline.placement.root.workers.register(s.worker_id, s.specialty, pipeline.expert_spec["base_model"],
                                                  s.sync_interval)
             pipeline.placement.follow()  # before the first pull: the worker starts at the coordinator the root assigns
         info = self._join_expert()
         if s.min_dp_noise is not None:  # before our profile, queued updates or anything else drawn from our data
-            check_expert(s.specialty, pipeline.client.expert(s.specialty), s.min_dp_noise)
+            check_expert(s.specialty, pipeline.client.experts.get(s.specialty), s.min_dp_noise)
         if resumed and info["version"] < pipeline.state.version:
             self._forget_history(info["version"])
         if self.profile is not None:
-            pipeline.client.put_profile(s.specialty, s.worker_id, self.profile)
+            pipeline.client.experts.put_profile(s.specialty, s.worker_id, self.profile)
         if pipeline.secure is not None:
             pipeline.secure.start()  # joins a cohort now: keys and shares are exchanged while we train
         elif pipeline.state.outbox and not pipeline.push():
@@ -71,13 +71,13 @@ class Joining:
         pipeline = self.pipeline
         name = pipeline.settings.specialty
         try:
-            pipeline.client.expert(name)
+            pipeline.client.experts.get(name)
         except NotFound:
-            return pipeline.client.create_expert(name, pipeline.trainer.adapter_state(), pipeline.expert_spec)
+            return pipeline.client.experts.create(name, pipeline.trainer.adapter_state(), pipeline.expert_spec)
         try:
-            return pipeline.client.create_expert(name, {}, pipeline.expert_spec)
+            return pipeline.client.experts.create(name, {}, pipeline.expert_spec)
         except BadRequest:  # a coordinator that checks the body before looking the expert up
-            return pipeline.client.create_expert(name, pipeline.trainer.adapter_state(), pipeline.expert_spec)
+            return pipeline.client.experts.create(name, pipeline.trainer.adapter_state(), pipeline.expert_spec)
 
     def _probe_upload(self) -> None:
         """--compression auto: time an upload probe or two, so the first push is sized from the link."""
@@ -86,7 +86,7 @@ class Joining:
         assert budget is not None  # --compression auto requires --sync-budget
         try:
             update_bytes = 4 * sum(t.numel() for t in pipeline.trainer.adapter_state().values())
-            pipeline.links.up = probe_upload(lambda n: pipeline.client.probe_upload(n, s.worker_id, s.specialty), budget,
+            pipeline.links.up = probe_upload(lambda n: pipeline.client.updates.probe(n, s.worker_id, s.specialty), budget,
                                          update_bytes)
         except FedMoEError as exc:  # e.g. a coordinator from before POST /probe: the first pushes start small
             log.info("no upload probe (%s); --compression auto starts from %.0f B/s", exc,

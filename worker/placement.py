@@ -57,10 +57,10 @@ class PlacementFollower:
         asked again only after ``interval``). Failures are logged, never raised: syncing goes on where it is."""
         self._last = self.clock()
         try:
-            relays = {r["relay_id"]: r["url"] for r in self.root.relays() if r.get("url")}
+            relays = {r["relay_id"]: r["url"] for r in self.root.placement.relays() if r.get("url")}
             links = {ROOT: measured(self.prober(self.root.base_url))}
             links |= {relay: measured(self.prober(url)) for relay, url in sorted(relays.items())}
-            answer = self.root.report_probes(self.worker_id, links)
+            answer = self.root.placement.report_probes(self.worker_id, links)
         except FedMoEError as exc:
             log.info("placement: no plan from the root (%s); syncing with %s", exc, self.client.base_url)
             return None

@@ -60,7 +60,7 @@ class ExpertPuller:
         started = time.perf_counter()
         if diff is not None and state.pulled and state.pulls % self.settings.full_every != 0:
             try:
-                payload, version = self.client.pull_diff(self.specialty, state.version, diff.codec, diff.config,
+                payload, version = self.client.experts.pull_diff(self.specialty, state.version, diff.codec, diff.config,
                                                          self.worker_id)
             except NotFound:  # our version was pruned on the coordinator: fall back to full weights
                 log.info("version %d is no longer kept; pulling full weights", state.version)
@@ -70,5 +70,5 @@ class ExpertPuller:
                     delta = decode_update(payload, manifest_of(state.pulled), make_codec(diff.codec, diff.config))
                     weights = {k: state.pulled[k] + delta[k] for k in state.pulled}
                 return Fetched(weights, version, None, len(payload), time.perf_counter() - started, diff.codec)
-        pulled = self.client.pull_weights(self.specialty, etag=state.etag, worker_id=self.worker_id)
+        pulled = self.client.experts.pull(self.specialty, etag=state.etag, worker_id=self.worker_id)
         return Fetched(pulled.tensors, pulled.version, pulled.etag, pulled.nbytes, time.perf_counter() - started)

@@ -28,7 +28,6 @@ from privacy.secagg.errors import SecAggRefused
 from privacy.secagg.session import CohortSession, OwedDelta
 from privacy.secagg.vector import Manifest, flatten
 from protocol.client import CoordinatorClient
-from protocol.cohorts import CohortClient
 from protocol.errors import FedMoEError
 from protocol.schemas import RAW_CODEC
 from protocol.tensors import loads
@@ -53,7 +52,7 @@ class SecurePush:
     """The cohorts of one worker of one expert."""
 
     def __init__(self, client: CoordinatorClient, expert: str, worker: str, min_dp_noise: float | None = None) -> None:
-        self.transport = CohortClient(client)
+        self.transport = client.cohorts
         self.expert, self.worker = expert, worker
         self.min_dp_noise = min_dp_noise
         """--min-dp-noise: cohorts announcing less DP noise are refused before this worker posts its keys."""

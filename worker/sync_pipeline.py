@@ -86,7 +86,7 @@ class SyncPipeline:
     _upload_base: UploadPolicy | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        self._upload_base = self.client.upload  # what upload_policy raises the resumable threshold from
+        self._upload_base = self.client.updates.policy  # what upload_policy raises the resumable threshold from
 
     @property
     def identity(self) -> dict[str, Any]:
@@ -231,10 +231,10 @@ class SyncPipeline:
         while outbox:
             update = outbox[0]
             if self._upload_base is not None:  # one request where the measured link carries it within ~2 s
-                self.client.upload = upload_policy(self._upload_base, self.links.up)
+                self.client.updates.policy = upload_policy(self._upload_base, self.links.up)
             started = time.perf_counter()
             try:
-                self.client.push_update(self.settings.specialty, update.body, update.meta)
+                self.client.updates.push(self.settings.specialty, update.body, update.meta)
             except Unavailable as exc:
                 log.warning("%s; keeping %d update(s) queued and training on", exc, len(outbox))
                 return False
@@ -301,7 +301,7 @@ class SyncPipeline:
 
     def _heartbeat(self) -> None:
         try:
-            self.client.heartbeat(self.settings.worker_id)
+            self.client.workers.heartbeat(self.settings.worker_id)
         except FedMoEError as exc:  # liveness is best effort; the next sync tries again
             log.debug("heartbeat failed: %s", exc)
 

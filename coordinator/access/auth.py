@@ -33,7 +33,8 @@ from typing import Any
 from flask import Flask, Response, current_app, g, jsonify, request
 from flask.testing import FlaskClient
 
-from coordinator.access.audit import Event, refusal_event, rejection_event
+from coordinator.access.audit import refusal_event, rejection_event
+from coordinator.storage.audit_log import Event
 from coordinator.config import CoordinatorConfig
 from coordinator.access.ratelimit import RateLimiter
 from coordinator.access.tokens import ADMIN, JOIN, RELAY, RELAY_JOIN, WORKER, Principal, TokenStore
@@ -98,8 +99,8 @@ class RefusalLog:
 class Authenticator:
     def __init__(self, config: CoordinatorConfig, record_event: Callable[[Event], None]) -> None:
         """``record_event`` writes an audit row (``Coordinator.record_event``): refusals go there."""
-        if config.manifest:  # replicas: tokens in the shared database (coordinator/storage/backends/postgres.py)
-            from coordinator.storage.backends.postgres import PostgresTokenStore
+        if config.manifest:  # replicas: tokens in the shared database (coordinator/access/postgres_tokens.py)
+            from coordinator.access.postgres_tokens import PostgresTokenStore
             self.tokens: TokenStore = PostgresTokenStore(config.manifest, config.data_dir, config.admin_token_file,
                                              config.token_ttl_hours * 3600)
         else:
@@ -129,7 +130,7 @@ class Authenticator:
         return None
 
     def take_rate(self, caller: Principal | None) -> None:
-        """Take the current request's token from ``caller``'s bucket, from the head alone (coordinator/http/admission.py):
+        """Take the current request's token from ``caller``'s bucket, from the head alone (coordinator/api/admission.py):
         TooManyRequests (audited, with its Retry-After) when it is empty. Marks the request (RATE_TAKEN) so that
         ``check_request`` does not take a second token for it."""
         if caller is None:

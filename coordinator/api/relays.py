@@ -47,7 +47,8 @@ def register_relay() -> tuple[Response, int]:
     if auth is not None:
         token = auth.tokens.issue(relay_key(relay_id), "*", principal(), role=RELAY)
     registry().registered(relay_id, url, None if spec is None else {"id": spec.id, "fingerprint": spec.fingerprint})
-    limits = UpdateLimits.of(coordinator().config).to_json()  # what the relay must refuse before its 202
+    config = coordinator().config
+    limits = UpdateLimits(config.server_lr, config.norm_policy, dp=config.dp is not None).to_json()  # refused at the relay
     return jsonify({"relay_id": relay_id, "experts": coordinator().list_experts(), "limits": limits} | token), 200
 
 

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 from flask import current_app, request
 from werkzeug.exceptions import ClientDisconnected
 
-from coordinator.access.audit import Event
+from coordinator.storage.audit_log import Event
 from coordinator.access.auth import principal
 from coordinator.access.tokens import WORKER
 from coordinator.http.wsgi import SPOOLED_BODY

@@ -31,7 +31,8 @@ from flask import Blueprint, Flask, Response, current_app, g, jsonify, request
 from werkzeug.exceptions import ClientDisconnected
 
 from coordinator.api.requests import json_body
-from coordinator.access.audit import Event, rejection_event
+from coordinator.access.audit import rejection_event
+from coordinator.storage.audit_log import Event
 from coordinator.access.auth import acting_worker, check_may_carry_members, principal
 from coordinator.config import CoordinatorConfig
 from coordinator.cohorts import refuse_clear_push

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -30,9 +30,6 @@ from coordinator.checks.norm_check import NormPolicy
 from protocol.errors import InvalidUpdate
 from protocol.streaming import FileTensors
 from protocol.tensors import StateDict, load_file
-
-if TYPE_CHECKING:
-    from coordinator.config import CoordinatorConfig
 
 NORM_SCALE = "norm_scale"
 """Key of the factor ``--norm-check clip`` scaled an update by, in the meta recorded with it."""
@@ -49,10 +46,6 @@ class UpdateLimits:
     dp: bool = False
     """The root runs worker-level DP (--dp-noise): it clips each worker's update, so a relay forwards one worker's
     update per batch, lossless (coordinator/relay/forwarder.py)."""
-
-    @classmethod
-    def of(cls, config: CoordinatorConfig) -> UpdateLimits:
-        return cls(config.server_lr, config.norm_policy, dp=config.dp is not None)
 
     def to_json(self) -> dict[str, Any]:
         return {"server_lr": self.server_lr, "norm": asdict(self.norm), "dp": self.dp}

@@ -19,12 +19,11 @@ import struct
 import tempfile
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 from coordinator.http.heads import HttpError
+from coordinator.storage.incoming import BodyPlace, SpooledBody
 from protocol.integrity import content_id, new_hasher
 
 DIRECT_CHUNK = 1 << 20  # each of a large body's two receive buffers; also one piece of a body read on a thread
@@ -66,43 +65,6 @@ class BufferBudget:
         self.out -= len(buffers)
         if reuse:
             self.free.extend(buffers[:max(0, self.budget - self.out - len(self.free))])
-
-
-@dataclass
-class BodyPlace:
-    """Where the application wants a large body written as it arrives, instead of a spool file of its own: the
-    bytes go into ``file`` from ``offset`` on (e.g. a resumable upload's chunk, into the upload's file), and are
-    fed to ``hashers`` too (e.g. the upload's running digest) besides the body's own digest.
-
-    The application has made the place ready and holds what keeps it (the upload's lock) until ``release``, which
-    the front calls exactly once when the request is over, whether the body arrived whole or not and whether the
-    application used it or not: ``release`` undoes what was written unless the application kept it."""
-
-    file: IO[bytes]
-    """Open for writing, positioned at ``offset``."""
-    path: Path
-    offset: int
-    release: Callable[[], None]
-    hashers: tuple[Any, ...] = ()
-    key: Any = None
-    """What the application recognises the place by when its handler runs (e.g. (upload id, offset, length))."""
-    hash_body: bool = True
-    """Whether the front also takes the body's own digest (``SpooledBody.digest``); else ``hashers`` stand for it."""
-
-
-@dataclass
-class SpooledBody:
-    """A request body spooled to a named file as it arrived, with its digest."""
-
-    path: Path
-    size: int
-    digest: str
-    """Content id (protocol/integrity.py) of the bytes, in the algorithm the client's digest header names ("" for a
-    body written into a place that asked for no digest of its own)."""
-    taken: bool = False
-    """Set by the application when it moved the file away; otherwise the front deletes it."""
-    place: BodyPlace | None = field(default=None, repr=False)
-    """Set when the body was written into the application's ``BodyPlace`` (at ``place.offset`` of ``path``)."""
 
 
 class Spool:

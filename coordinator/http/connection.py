@@ -19,7 +19,8 @@ import ssl
 import tempfile
 from typing import IO, Any, BinaryIO
 
-from coordinator.http.bodies import BodyPlace, Spool
+from coordinator.http.bodies import Spool
+from coordinator.storage.incoming import BodyPlace
 from coordinator.http.options import ask_before_body
 from coordinator.http.receiving import READ_CHUNK, BodyReceiver
 from coordinator.http.shared import FrontShared

@@ -6,14 +6,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from coordinator.http.bodies import BodyPlace
+from coordinator.storage.incoming import BodyPlace
 from coordinator.http.wsgi import Answer
 
 log = logging.getLogger(__name__)
 
 
 class BodyPlacer(Protocol):
-    """Where the application wants some large bodies written as they arrive (coordinator/http/upload_placement.py)."""
+    """Where the application wants some large bodies written as they arrive (coordinator/api/upload_placement.py)."""
 
     def wants(self, method: str, path: str) -> bool:
         """Whether to ask ``place`` for this request (on the event loop: must be cheap and never block)."""
@@ -24,7 +24,7 @@ class BodyPlacer(Protocol):
 
 
 class Admission(Protocol):
-    """What the application answers from a request's head alone (coordinator/http/admission.py), asked before a body
+    """What the application answers from a request's head alone (coordinator/api/admission.py), asked before a body
     the front would spool (over SPOOL_IN_MEMORY, or chunked), one over the limit or one the client holds back
     (Expect: 100-continue) is read: a client without a token, or over the route's own limit, costs no disk and no
     wait for its body (audit F9)."""

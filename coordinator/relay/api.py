@@ -25,7 +25,7 @@ from coordinator.api.requests import json_body, receive_body
 from coordinator.api.app import StrictJSONProvider, log_requests_at_debug, register_error_handlers
 from coordinator.access.auth import acting_worker, check_may_carry_members
 from coordinator.errors import REFUSALS, as_http_error
-from coordinator.relay.relay_store import CachedWeights
+from coordinator.relay.relay_store_schema import CachedWeights
 from coordinator.relay.service import RelayConfig, RelayService
 from coordinator.cohorts import refuse_clear_push
 from coordinator.api.relays import probe_body, probe_upload

@@ -30,7 +30,8 @@ import torch
 
 from coordinator.storage.blobs import BlobStore
 from coordinator.checks.norm_check import NormVerdict, judge_norm
-from coordinator.relay.relay_store import CachedWeights, RelayStore
+from coordinator.relay.relay_store import RelayStore
+from coordinator.relay.relay_store_schema import CachedWeights
 from coordinator.checks.update_limits import (UpdateLimits, check_step_result, headroom, peak_magnitude, surely_finite,
                                        weights_plus)
 from protocol.streaming import FileTensorsOnce

@@ -44,7 +44,8 @@ from coordinator.aggregation.base import weighted_sum
 from coordinator.storage.blobs import BlobStore
 from coordinator.relay.checks import RelayChecks
 from coordinator.relay.site import SiteModel, sum_weighted
-from coordinator.relay.relay_store import Batch, RelayStore, held_deltas
+from coordinator.relay.relay_store import RelayStore, held_deltas
+from coordinator.relay.relay_store_schema import Batch
 from coordinator.relay.upstream import UpstreamClient, WeightsCache
 from protocol.errors import Conflict, FedMoEError, Forbidden, NotFound, RequestTimeout, Unauthorized, Unavailable
 from protocol.schemas import MAX_BATCH_MEMBERS, RAW_CODEC, UPDATE_ID_RE
@@ -251,7 +252,7 @@ class Forwarder:
         for good); KEPT (the request was refused, not the batch: sent again next cycle)."""
         try:
             self._check(batch)  # the root's step rule, here: a batch it would refuse costs no upload
-            status = self.upstream.push_update(batch.expert, self.blobs.path(batch.blob).read_bytes(), batch.meta)
+            status = self.upstream.updates.push(batch.expert, self.blobs.path(batch.blob).read_bytes(), batch.meta)
         except Unavailable:
             raise
         except NOT_ABOUT_CONTENTS as exc:

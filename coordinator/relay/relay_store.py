@@ -43,54 +43,20 @@ import sqlite3
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from coordinator.checks.adapters import stored_deltas
-from coordinator.access.audit import Event, insert_event, insert_norm, query_events, recent_norms
+from coordinator.storage.audit_log import Event, insert_event, insert_norm, query_events, recent_norms
 from coordinator.storage.blobs import BlobStore
-from coordinator.relay.relay_store_schema import create_schema, prune_forwarded, retire_batch
-from coordinator.storage.manifest import (WORKERS_QUERY, immediate_transaction, touch_worker_row, upsert_worker_row,
-                                          worker_dicts)
+from coordinator.relay.relay_store_schema import (Batch, CachedWeights, QueuedUpdate, batch_from_row, create_schema,
+                                                  prune_forwarded, retire_batch)
+from coordinator.storage.manifest_schema import (WORKERS_QUERY, immediate_transaction, touch_worker_row,
+                                                 upsert_worker_row, worker_dicts)
 from coordinator.checks.update_limits import as_clipped
 from protocol.files import private_file
 from protocol.tensors import Manifest
 
-
-
-@dataclass(frozen=True)
-class QueuedUpdate:
-    update_id: str
-    expert: str
-    meta: dict[str, Any]
-    blob: str
-    size: int
-    body_digest: str
-    """Content id of the body as the worker sent it (a batch names its members with it)."""
-    split_group: int | None = None
-    """Set when a batch carrying it was refused: it goes upstream with the others of this group only."""
-
-
-@dataclass(frozen=True)
-class Batch:
-    expert: str
-    seq: int
-    update_id: str
-    meta: dict[str, Any]
-    blob: str
-    size: int
-    members: int
-    member_bytes: int
-
-
-@dataclass(frozen=True)
-class CachedWeights:
-    expert: str
-    version: int
-    etag: str
-    blob: str
-    info: dict[str, Any]
 
 
 def held_deltas(blobs: BlobStore, held: QueuedUpdate | Batch, manifest: Manifest) -> Mapping[str, Any]:
@@ -228,7 +194,7 @@ class BatchTable(RelayDb):
     def pending_batch(self, expert: str) -> Batch | None:
         rows = self._all("SELECT * FROM batches WHERE expert = ? AND status = 'pending' ORDER BY seq LIMIT 1",
                          (expert,))
-        return None if not rows else _batch(rows[0])
+        return None if not rows else batch_from_row(rows[0])
 
     def next_seq(self, expert: str) -> int:
         (seq,), = self._all("SELECT COALESCE(MAX(seq), 0) + 1 FROM batches WHERE expert = ?", (expert,))
@@ -418,8 +384,3 @@ class LogTable(RelayDb):
 
 class RelayStore(QueueTable, BatchTable, CacheTable, LogTable):
     """A relay's durable state (the module docstring says its invariants), one table class per kind of row."""
-
-
-def _batch(r: sqlite3.Row) -> Batch:
-    return Batch(r["expert"], r["seq"], r["update_id"], json.loads(r["meta"]), r["blob"], r["size"], r["members"],
-                 r["member_bytes"])

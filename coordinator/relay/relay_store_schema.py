@@ -1,13 +1,17 @@
-"""The relay store's schema (``relay.sqlite``) and the statements several of its transactions share.
+"""The relay store's schema (``relay.sqlite``), the records its rows are read into, and the statements several of
+its transactions share.
 
 Each function runs inside a transaction of ``coordinator.relay.relay_store.RelayStore``; the invariants they keep are
 described there.
 """
 from __future__ import annotations
 
+import json
 import sqlite3
+from dataclasses import dataclass
+from typing import Any
 
-from coordinator.access.audit import AUDIT_SCHEMA
+from coordinator.storage.audit_log import AUDIT_SCHEMA
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS state (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -119,3 +123,42 @@ def prune_forwarded(db: sqlite3.Connection, keep: int) -> None:
 def count_pruned(db: sqlite3.Connection, amounts: dict[str, int]) -> None:
     db.executemany("INSERT INTO counters VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = value + excluded.value",
                    list(amounts.items()))
+
+
+@dataclass(frozen=True)
+class QueuedUpdate:
+    update_id: str
+    expert: str
+    meta: dict[str, Any]
+    blob: str
+    size: int
+    body_digest: str
+    """Content id of the body as the worker sent it (a batch names its members with it)."""
+    split_group: int | None = None
+    """Set when a batch carrying it was refused: it goes upstream with the others of this group only."""
+
+
+@dataclass(frozen=True)
+class Batch:
+    expert: str
+    seq: int
+    update_id: str
+    meta: dict[str, Any]
+    blob: str
+    size: int
+    members: int
+    member_bytes: int
+
+
+@dataclass(frozen=True)
+class CachedWeights:
+    expert: str
+    version: int
+    etag: str
+    blob: str
+    info: dict[str, Any]
+
+
+def batch_from_row(r: sqlite3.Row) -> Batch:
+    return Batch(r["expert"], r["seq"], r["update_id"], json.loads(r["meta"]), r["blob"], r["size"], r["members"],
+                 r["member_bytes"])

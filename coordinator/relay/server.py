@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from coordinator.http.admission import HeadAdmission
+from coordinator.api.admission import HeadAdmission
 from coordinator.config import ServeOptions
 from coordinator.storage.data_dir import RELAY, claim_data_dir
 from coordinator.http.listening import check_tls_files

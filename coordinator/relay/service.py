@@ -21,7 +21,7 @@ from typing import Any
 
 from coordinator.access import audit
 from coordinator.checks.adapters import checked_norm, stored_deltas
-from coordinator.access.audit import Event
+from coordinator.storage.audit_log import Event
 from coordinator.storage.blobs import BlobStore, storage_errors
 from coordinator.config import CoordinatorConfig
 from coordinator.diffs import DiffCache
@@ -118,7 +118,7 @@ class RelayService:
                                        relay_join_token=config.relay_join_token)
         self.cache = WeightsCache(self.store, self.blobs, self.upstream, config.revalidate_seconds,
                                   self.drop_unreferenced, diff_pulls=config.upstream_diffs)
-        self.site = (SiteModel(self.store, self.blobs, self.cache.get, lambda update_id: self.upstream.update_status(update_id).get("applied_version"),
+        self.site = (SiteModel(self.store, self.blobs, self.cache.get, lambda update_id: self.upstream.updates.status(update_id).get("applied_version"),
                                config.forward.staleness_decay) if config.site_model else None)
         self.forwarder = Forwarder(self.relay_id, self.store, self.blobs, self.upstream, self.cache, config.forward,
                                    self.drop_unreferenced, self.report, self.blobs_guard, self.checks, self.site)

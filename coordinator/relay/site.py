@@ -43,7 +43,8 @@ from coordinator.aggregation.base import add_deltas, staleness_weight, weighted_
 from coordinator.storage.blobs import BlobStore
 from coordinator.relay.checks import RelayChecks
 from coordinator.checks.update_limits import headroom
-from coordinator.relay.relay_store import CachedWeights, RelayStore, held_deltas
+from coordinator.relay.relay_store import RelayStore, held_deltas
+from coordinator.relay.relay_store_schema import CachedWeights
 from protocol.errors import FedMoEError
 from protocol.streaming import read_header
 from protocol.tensors import StateDict, dumps, load_file, loads

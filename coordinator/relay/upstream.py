@@ -26,10 +26,13 @@ from typing import Any
 from compression import make_codec
 from compression.wire import decode_update
 from coordinator.storage.blobs import BlobStore
-from coordinator.relay.relay_store import CachedWeights, RelayStore
-from protocol.client import CoordinatorClient, RetryPolicy, _read_body
+from coordinator.relay.relay_store import RelayStore
+from coordinator.relay.relay_store_schema import CachedWeights
+from protocol.client import CoordinatorClient, RetryPolicy
+from protocol.client.bodies import Chunks, read_body
 from protocol.errors import Conflict, FedMoEError, Forbidden, NotFound, Unauthorized, Unavailable
-from protocol.schemas import VERSION_HEADER
+from protocol.integrity import DIGEST_HEADER, digest_header
+from protocol.schemas import EXPERT_HEADER, VERSION_HEADER
 from protocol.tensors import dumps, load_file, manifest_of
 
 log = logging.getLogger(__name__)
@@ -40,21 +43,32 @@ class RelayStartError(Exception):
 
 
 class UpstreamClient(CoordinatorClient):
+    """The client, with the relay's own token as its credentials (``Credentials``): a 401 to it joins again, once."""
+
     def __init__(self, url: str, join_token: str | None, token_file: Path, *,
                  retry: RetryPolicy = RetryPolicy(attempts=2, base_delay=0.5, max_delay=2.0),
                  relay_join_token: str | None = None) -> None:
         """``relay_join_token``: the root's relay join token, which registers the relay (the workers' join token
         cannot, coordinator/access/tokens.py); without it the relay registers with ``join_token`` (an admin token does)."""
         super().__init__(url, retry=retry, token=join_token, timeout=(5.0, 120.0))
+        self.transport.credentials = self
         self.join_token = join_token
         self.registering_token = relay_join_token or join_token
         self.token_file = token_file
         self.relay_token: str | None = token_file.read_text().strip() if token_file.is_file() else None
         self._registration: dict[str, Any] | None = None
 
-    @property
-    def token(self) -> str | None:
-        return self.relay_token or super().token
+    def token_for(self, worker: str | None, expert: str | None) -> tuple[str | None, str | None]:
+        """Every call of the relay carries its relay token (else the join token); "relay" renews it once joined."""
+        return self.relay_token or self.transport.token, "relay" if self._registration is not None else None
+
+    def renew(self, owner: str) -> bool:
+        """Our token expired or the root forgot it: join again."""
+        if self._registration is None:
+            return False
+        self.relay_token = None
+        self.register_relay(**self._registration)
+        return True
 
     def register_relay(self, relay_id: str, url: str | None, base_model: dict[str, str] | None) -> dict[str, Any]:
         """Join the upstream; a relay-scoped token from now on. RelayStartError on a 409 (other base model)."""
@@ -63,14 +77,14 @@ class UpstreamClient(CoordinatorClient):
         info = None
         if self.relay_token:  # renewal with our own token (also when it has expired)
             try:
-                info = self._attempts("POST", "/relays", self.relay_token, json=body).json()
+                info = self.transport.call_with_token("POST", "/relays", self.relay_token, json=body).json()
             except (Unauthorized, Forbidden) as exc:
                 log.info("upstream did not renew the relay token (%s); registering with the join token", exc)
             except Conflict as exc:
                 raise RelayStartError(f"upstream {self.base_url} refused this relay: {exc}") from None
         if info is None:
             try:
-                info = self._attempts("POST", "/relays", self.registering_token, json=body).json()
+                info = self.transport.call_with_token("POST", "/relays", self.registering_token, json=body).json()
             except Conflict as exc:
                 raise RelayStartError(f"upstream {self.base_url} refused this relay: {exc}") from None
             except (Unauthorized, Forbidden) as exc:
@@ -85,55 +99,41 @@ class UpstreamClient(CoordinatorClient):
             tmp.replace(self.token_file)
         return info
 
-    def _request(self, method: str, path: str, **kwargs: Any):
-        try:
-            return super()._request(method, path, **kwargs)
-        except Unauthorized:  # our token expired or the root forgot it: join again, once
-            if self._registration is None:
-                raise
-            self.relay_token = None
-            self.register_relay(**self._registration)
-            return super()._request(method, path, **kwargs)
-
     def report(self, relay_id: str, workers: list[dict[str, Any]], stats: dict[str, int]) -> None:
-        self._request("POST", f"/relays/{relay_id}/report", json={"workers": workers, "stats": stats})
+        self.transport.request("POST", f"/relays/{relay_id}/report", json={"workers": workers, "stats": stats})
 
     def weights_body(self, name: str, etag: str | None) -> tuple[bytes | None, int, str | None]:
         """(body or None if unchanged, version, ETag) of the expert's current weights, as raw bytes."""
         headers = {"If-None-Match": f'"{etag}"'} if etag else {}
-        r = self._request("GET", f"/experts/{name}/weights", headers=headers, stream=True)
+        r = self.transport.request("GET", f"/experts/{name}/weights", headers=headers, stream=True)
         version = int(r.headers.get(VERSION_HEADER, -1))
         if r.status_code == 304:
             r.close()
             return None, version, etag
-        return bytes(_read_body(r, self.base_url)), version, r.headers.get("ETag", "").strip('"') or None
+        return bytes(read_body(r, self.base_url)), version, r.headers.get("ETag", "").strip('"') or None
 
     def version_body(self, name: str, version: int, if_none_match: str | None = None) -> tuple[bytes | None, str | None]:
         """(body, ETag) of version ``version`` of the expert's weights, as raw bytes (None: the upstream's 304 to
         ``if_none_match``, a client's header passed on); the upstream's errors as they are (NotFound for a
         version it does not keep)."""
         headers = {"If-None-Match": if_none_match} if if_none_match else {}
-        r = self._request("GET", f"/experts/{name}/weights", params={"version": str(version)}, headers=headers,
-                          stream=True)
+        r = self.transport.request("GET", f"/experts/{name}/weights", params={"version": str(version)},
+                                   headers=headers, stream=True)
         etag = r.headers.get("ETag", "").strip('"') or None
         if r.status_code == 304:
             r.close()
             return None, etag
-        return bytes(_read_body(r, self.base_url)), etag
+        return bytes(read_body(r, self.base_url)), etag
 
     def create_expert_from_file(self, name: str, body: Path, spec: dict[str, Any]):
         """PUT the expert's initial adapter (a received file) upstream; the response (201 or 200)."""
-        from protocol.client import Chunks
-        from protocol.integrity import DIGEST_HEADER, digest_header
-        from protocol.schemas import EXPERT_HEADER
-
         data = body.read_bytes()
-        return self._request("PUT", f"/experts/{name}", data=Chunks(data),
-                             headers={EXPERT_HEADER: json.dumps(spec), DIGEST_HEADER: digest_header(data)})
+        return self.transport.request("PUT", f"/experts/{name}", data=Chunks(data),
+                                      headers={EXPERT_HEADER: json.dumps(spec), DIGEST_HEADER: digest_header(data)})
 
     def passthrough(self, method: str, path: str, **kwargs: Any) -> Any:
         """A JSON call relayed as it is (expert metadata, profiles)."""
-        return self._json(method, path, **kwargs)
+        return self.transport.json(method, path, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -272,7 +272,7 @@ class WeightsCache:
         assert self.diff_pulls is not None
         codec, config = self.diff_pulls.codec, self.diff_pulls.config
         try:
-            payload, version = self.upstream.pull_diff(name, cached.version, codec, config)
+            payload, version = self.upstream.experts.pull_diff(name, cached.version, codec, config)
         except NotFound:
             log.info("upstream no longer keeps %s version %d; fetching the new version in full", name, cached.version)
             return None

@@ -29,11 +29,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ContextManager, TypeGuard, TypeVar
 
-from coordinator.access.audit import Event
+from coordinator.storage.audit_log import Event
 from coordinator.storage.backends.errors import BackendUnavailable
 from coordinator.storage.blobs import is_storage_full, storage_errors
 from coordinator.storage.group_commit import GroupCommit
-from coordinator.storage.manifest import ExpertRow, StaleAggregation, UpdateRow
+from coordinator.storage.manifest import StaleAggregation
+from coordinator.storage.manifest_schema import ExpertRow, UpdateRow
 from coordinator.storage.manifest_roles import ManifestBackend, ManifestReads
 from coordinator.storage.blob_backend import BlobBackend, BlobReads, PresigningBlobBackend
 from coordinator.storage.ledger import Ledger

@@ -9,7 +9,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from coordinator.access.audit import Event
+from coordinator.storage.audit_log import Event
 from coordinator.storage.blobs import is_storage_full
 from coordinator.storage.manifest_roles import EventRows, WorkerRows
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from coordinator.access.audit import Event
-from coordinator.storage.manifest import ExpertRow, UpdateRow
+from coordinator.storage.audit_log import Event
+from coordinator.storage.manifest_schema import ExpertRow, UpdateRow
 
 
 class ExpertRows(Protocol):

@@ -10,7 +10,7 @@ The digest of the received prefix is kept in memory as the chunks arrive, so fin
 second read of the body; after a restart it is rebuilt once from the file.
 
 A chunk usually never touches a spool file: the front asks where it goes before reading it (``place_chunk``,
-through coordinator/http/upload_placement.py), writes it into ``<id>.part`` at the offset as it arrives and feeds it to a
+through coordinator/api/upload_placement.py), writes it into ``<id>.part`` at the offset as it arrives and feeds it to a
 copy of the running digest; ``write`` then checks the chunk's digest, fsyncs and acknowledges. Until then the
 upload's lock is held and nothing past the acknowledged offset counts; a chunk that did not arrive whole or was
 refused is cut off again when the front releases the place.
@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from coordinator.storage.blobs import storage_errors
-from coordinator.http.bodies import BodyPlace, SpooledBody
+from coordinator.storage.incoming import BodyPlace, SpooledBody
 from coordinator.storage.upload_limits import UploadLimits, global_evictions, is_expired, own_evictions
 from coordinator.storage.upload_record import UPLOAD_ID_RE, Upload
 from protocol.errors import BadRequest, Conflict, FedMoEError, InsufficientStorage, NotFound, Unavailable

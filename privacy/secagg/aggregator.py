@@ -26,18 +26,16 @@ import numpy as np
 
 from privacy.secagg.cohort import CohortState
 from privacy.secagg.config import CohortConfig, Phase, b64, unb64
-from privacy.secagg.errors import BadSecAggMessage, CohortStateError
+from privacy.secagg.errors import BadSecAggMessage
 from privacy.secagg.journal import CohortJournal
 from privacy.secagg.member import PublicKeys, UnmaskAnswer
 from privacy.secagg.noise import CohortNoise
 from privacy.secagg.quantize import FixedPoint
+from privacy.secagg.registry import CohortRegistry
 from privacy.secagg.settings import SecAggSettings
 from privacy.secagg.unmask import read_masked, unmasked_sum
 
 log = logging.getLogger(__name__)
-
-FINISHED_KEPT = 64
-"""Finished cohorts remembered per aggregator, so late members learn their outcome."""
 
 
 @dataclass(frozen=True)
@@ -62,40 +60,28 @@ def cohort_update_id(cohort_id: str) -> str:
 
 
 class SecureAggregator:
-    """The cohorts of one aggregator; thread-safe (one lock: these are small, fast state changes)."""
+    """The cohorts of one aggregator; thread-safe (one lock: these are small, fast state changes).
+
+    The rounds' rules live here; which cohorts exist, their deadlines and members are ``registry``'s."""
 
     def __init__(self, journal: CohortJournal, settings: SecAggSettings, numel_of: Callable[[str], int],
                  clock: Callable[[], float] = time.monotonic, dp: CohortNoise | None = None) -> None:
         """``dp``: every cohort formed is a DP cohort (its members clip and add noise; privacy.secagg.noise)."""
-        self.journal, self.settings, self.numel_of, self.clock, self.dp = journal, settings, numel_of, clock, dp
+        self.journal, self.settings, self.numel_of, self.dp = journal, settings, numel_of, dp
+        self.registry = CohortRegistry(journal, settings, clock)
         self._lock = threading.Lock()
         self._forming: dict[str, list[str]] = {}
-        self._cohorts: dict[str, CohortState] = {}
-        self._deadline: dict[str, float] = {}
-        self._assigned: dict[tuple[str, str], str] = {}
-        """(expert, worker) -> the unfinished cohort it belongs to: one at a time per worker."""
         for state in journal.load_all():  # resume: deadlines restart from now, which only waits longer
-            self._adopt(state)
-
-    def _adopt(self, state: CohortState) -> None:
-        self._cohorts[state.config.cohort_id] = state
-        if not state.finished:
-            self._deadline[state.config.cohort_id] = self._deadline_for(state.phase)
-            for member in state.config.members:
-                self._assigned[(state.config.expert, member)] = state.config.cohort_id
-
-    def _deadline_for(self, phase: Phase) -> float:
-        wait = self.settings.input_timeout if phase is Phase.MASK else self.settings.round_timeout
-        return self.clock() + wait
+            self.registry.adopt(state)
 
     # forming ---------------------------------------------------------------------------
 
     def join(self, expert: str, worker: str) -> dict[str, Any]:
         """Put ``worker`` in its expert's forming cohort (or answer the cohort it already has)."""
         with self._lock:
-            cohort_id = self._assigned.get((expert, worker))
-            if cohort_id is not None:
-                return self._status(self._cohorts[cohort_id], worker)
+            state = self.registry.cohort_of(expert, worker)
+            if state is not None:
+                return self._status(state, worker)
             forming = self._forming.setdefault(expert, [])
             if worker not in forming:
                 forming.append(worker)
@@ -111,7 +97,7 @@ class SecureAggregator:
                               dp=self.dp)
         state = CohortState(config)
         self.journal.save(state)
-        self._adopt(state)
+        self.registry.adopt(state)
         log.info("formed cohort %s of %s: %s", config.cohort_id, expert, ", ".join(members))
         return state
 
@@ -132,7 +118,7 @@ class SecureAggregator:
 
     def status(self, cohort_id: str, worker: str) -> dict[str, Any]:
         with self._lock:
-            return self._status(self._cohort(cohort_id), worker)
+            return self._status(self.registry.get(cohort_id), worker)
 
     def _status(self, state: CohortState, worker: str) -> dict[str, Any]:
         state.config.index_of(worker)  # only members may look
@@ -160,17 +146,17 @@ class SecureAggregator:
 
     def shares_for(self, cohort_id: str, worker: str) -> dict[str, Any]:
         with self._lock:
-            return {"sealed": {u: b64(box) for u, box in self._cohort(cohort_id).shares_for(worker).items()}}
+            return {"sealed": {u: b64(box) for u, box in self.registry.get(cohort_id).shares_for(worker).items()}}
 
     def numel_of_cohort(self, cohort_id: str) -> int:
         """The length of a cohort's update vector (a masked input is 4 * (numel + 1) bytes)."""
         with self._lock:
-            return self._cohort(cohort_id).config.numel
+            return self.registry.get(cohort_id).config.numel
 
     def post_masked(self, cohort_id: str, worker: str, body: bytes, meta: dict[str, Any]) -> dict[str, Any]:
         """Journal a masked input, then record it: only then may the caller answer 202."""
         with self._lock:
-            state = self._cohort(cohort_id)
+            state = self.registry.get(cohort_id)
             vector = read_masked(body, state.config.numel)
             if state.phase is Phase.MASK and worker in state.sharers and worker not in state.masked:
                 self.journal.save_masked(state, worker, vector)
@@ -188,57 +174,27 @@ class SecureAggregator:
 
     def _change(self, cohort_id: str, worker: str, change: Callable[[CohortState], object]) -> dict[str, Any]:
         with self._lock:
-            return self._apply_change(self._cohort(cohort_id), worker, change)
+            return self._apply_change(self.registry.get(cohort_id), worker, change)
 
     def _apply_change(self, state: CohortState, worker: str, change: Callable[[CohortState], object]) -> dict[str, Any]:
         before = state.phase
         change(state)
-        self._after(state, before)
+        self.registry.record(state, before)
         return self._status(state, worker)
-
-    def _after(self, state: CohortState, before: Phase) -> None:
-        """Journal a changed state; a new phase gets a new deadline; a finished cohort frees its members."""
-        self.journal.save(state)
-        cohort_id = state.config.cohort_id
-        if state.phase is not before:
-            log.info("cohort %s: %s -> %s %s", cohort_id, before.value, state.phase.value, state.reason)
-            self._deadline[cohort_id] = self._deadline_for(state.phase)
-        if state.finished:
-            self._deadline.pop(cohort_id, None)
-            for member in state.config.members:
-                if self._assigned.get((state.config.expert, member)) == cohort_id:
-                    del self._assigned[(state.config.expert, member)]
-            self._prune()
-
-    def _prune(self) -> None:
-        finished = [c for c, s in self._cohorts.items() if s.finished]
-        for cohort_id in finished[:max(0, len(finished) - FINISHED_KEPT)]:
-            del self._cohorts[cohort_id]
-            self.journal.remove(cohort_id)
-
-    def _cohort(self, cohort_id: str) -> CohortState:
-        state = self._cohorts.get(cohort_id)
-        if state is None:
-            raise CohortStateError(f"no cohort {cohort_id!r} here (finished long ago, or never formed)")
-        return state
 
     # deadlines and results ----------------------------------------------------------------------
 
     def tick(self) -> None:
         """Close every round whose deadline passed: go on with who answered, or abandon below t."""
         with self._lock:
-            now = self.clock()
-            for cohort_id, deadline in list(self._deadline.items()):
-                if now < deadline:
-                    continue
-                state = self._cohorts[cohort_id]
+            for state in self.registry.overdue():
                 before = state.phase
                 {Phase.ADVERTISE: state.close_advertise, Phase.SHARE: state.close_share,
                  Phase.MASK: state.close_mask, Phase.UNMASK: state.close_unmask}[before]()
                 if state.phase is before:  # unmasking with t answers in: nothing left to wait for, only to apply
-                    del self._deadline[cohort_id]
+                    self.registry.stop_waiting(state.config.cohort_id)
                 else:
-                    self._after(state, before)
+                    self.registry.record(state, before)
 
     def ready(self, release: Callable[[CohortConfig, int], str | None] | None = None) -> list[CohortSum]:
         """Every cohort whose masks can be removed, unmasked (the caller applies each, then ``applied``).
@@ -246,7 +202,7 @@ class SecureAggregator:
         ``release(config, survivors)``, if given, is asked before a cohort's masks come off: a reason (str)
         abandons it unopened. With DP, that is where its step is booked: a sum seen is privacy spent."""
         with self._lock:
-            states = [s for s in self._cohorts.values() if s.can_unmask]
+            states = self.registry.unmaskable()
         out = []
         for state in states:
             refusal = release(state.config, len(state.survivors)) if release is not None else None
@@ -268,28 +224,26 @@ class SecureAggregator:
     def applied(self, cohort_id: str) -> None:
         """The caller made the cohort's step durable: mark it, and drop its masked inputs."""
         with self._lock:
-            state = self._cohort(cohort_id)
+            state = self.registry.get(cohort_id)
             if state.phase is Phase.APPLIED:
                 return
             before = state.phase
             state.mark_applied()
-            self._after(state, before)
+            self.registry.record(state, before)
             self.journal.forget_inputs(state)
 
     def abandon(self, cohort_id: str, reason: str) -> None:
         """Give up on a cohort whose step the caller cannot apply (it applies nothing; members re-queue)."""
         with self._lock:
-            state = self._cohort(cohort_id)
+            state = self.registry.get(cohort_id)
             before = state.phase
             state.abandon(reason)
-            self._after(state, before)
+            self.registry.record(state, before)
 
     def cohorts(self, expert: str | None = None) -> list[dict[str, Any]]:
         """Every known cohort's phase and members (for the dashboard and the tests; no secrets, no inputs)."""
         with self._lock:
-            return [{"cohort_id": c, "expert": s.config.expert, "phase": s.phase.value,
-                     "members": list(s.config.members), "inputs": len(s.masked), "reason": s.reason}
-                    for c, s in self._cohorts.items() if expert is None or s.config.expert == expert]
+            return self.registry.listing(expert)
 
 
 def _field(body: Any, name: str) -> Any:

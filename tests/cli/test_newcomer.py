@@ -58,7 +58,7 @@ def test_the_light_name_lists_are_the_registries_keys():
 def test_save_gateway_without_a_path_writes_gateway_model_npz_here(start_coordinator, tmp_path):  # noqa: F811
     _, url = start_coordinator()
     adapter = make_adapter()
-    CoordinatorClient(url).create_expert("e", adapter, expert_spec())
+    CoordinatorClient(url).experts.create("e", adapter, expert_spec())
     here = tmp_path / "somewhere"
     here.mkdir()
     result = subprocess.run([sys.executable, str(ROOT / "get_gateway_model.py"), "--coordinator-url", url,

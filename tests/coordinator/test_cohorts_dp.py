@@ -15,7 +15,6 @@ from privacy.secagg.session import CohortSession
 from privacy.secagg.vector import flatten
 from protocol.tensors import loads, manifest_of
 from protocol.client import CoordinatorClient
-from protocol.cohorts import CohortClient
 from tests.helpers import expert_spec, make_adapter, put_expert, random_like, serve_on_loopback
 
 NAME = "private_expert"
@@ -33,7 +32,7 @@ def dp_secure_app(make_app):
                        dp_noise=SIGMA, dp_clip=CLIP, secagg=SecAggSettings(4, input_timeout=2.0), **extra)
         server, url = serve_on_loopback(app)
         servers.append(server)
-        return app, CohortClient(CoordinatorClient(url))
+        return app, CoordinatorClient(url).cohorts
 
     yield start
     for server in servers:

@@ -27,7 +27,7 @@ def root(tmp_path):
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_port}"
     admin = CoordinatorClient(url, token=app.extensions["fedmoe_auth"].admin_token)
-    admin.create_expert("e1", make_adapter(), expert_spec())
+    admin.experts.create("e1", make_adapter(), expert_spec())
     yield url, (tmp_path / "root" / "join_token").read_text().strip()
     server.shutdown()
     server.server_close()
@@ -169,11 +169,11 @@ def test_a_stale_pull_gets_the_cached_weights_at_once_and_the_new_version_after_
     assert first.status_code == 200 and first.headers["X-FedMoE-Version"] == "0"  # nothing cached: waited
 
     at_root = CoordinatorClient(url, token=join)
-    at_root.register_worker("w-root", "e1", {"id": "m", "fingerprint": FINGERPRINT})
+    at_root.workers.register("w-root", "e1", {"id": "m", "fingerprint": FINGERPRINT})
     delta = random_like(make_adapter(), seed=5)
-    at_root.push_update("e1", dumps(delta), {"update_id": "root-1", "base_version": 0, "num_samples": 4,
+    at_root.updates.push("e1", dumps(delta), {"update_id": "root-1", "base_version": 0, "num_samples": 4,
                                              "worker_id": "w-root"})
-    assert at_root.expert("e1")["version"] == 1
+    assert at_root.experts.get("e1")["version"] == 1
     cache = app.extensions["fedmoe"].cache
     cache.revalidate_seconds = 0.0  # every pull finds the copy stale
     fetched = cache.upstream_fetches

@@ -18,13 +18,13 @@ def test_workers_creating_an_expert_together_send_it_upstream_once(tmp_path):
 
         relay.upstream.create_expert_from_file = counted
         for i in range(3):
-            at_relay.register_worker(f"c{i}", "e2", {"id": "m", "fingerprint": FINGERPRINT})
+            at_relay.workers.register(f"c{i}", "e2", {"id": "m", "fingerprint": FINGERPRINT})
         answers: list[int] = []
         start = threading.Barrier(3)
 
         def create() -> None:
             start.wait()
-            answers.append(at_relay.create_expert("e2", make_adapter(seed=5), expert_spec())["version"])
+            answers.append(at_relay.experts.create("e2", make_adapter(seed=5), expert_spec())["version"])
 
         threads = [threading.Thread(target=create) for _ in range(3)]
         for t in threads:
@@ -32,4 +32,4 @@ def test_workers_creating_an_expert_together_send_it_upstream_once(tmp_path):
         for t in threads:
             t.join(timeout=60)
         assert uploads == ["e2"] and answers == [0, 0, 0]
-        assert at_root.expert("e2")["version"] == 0
+        assert at_root.experts.get("e2")["version"] == 0

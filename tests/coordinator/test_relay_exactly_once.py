@@ -40,7 +40,7 @@ def root_on_loopback(tmp_path):
     url = f"http://127.0.0.1:{server.server_port}"
     admin = CoordinatorClient(url, token=app.extensions["fedmoe_auth"].admin_token)
     try:
-        admin.create_expert("e1", make_adapter(), expert_spec())
+        admin.experts.create("e1", make_adapter(), expert_spec())
         yield app, url, admin, (tmp_path / "root" / "join_token").read_text().strip()
     finally:
         server.shutdown()
@@ -90,7 +90,7 @@ def push(app, token, delta, update_id, samples, worker_id):
 
 
 def root_weights(admin):
-    return admin.pull_weights("e1").tensors
+    return admin.experts.pull("e1").tensors
 
 
 def test_an_update_pushed_to_two_relays_and_the_root_is_applied_once(root, relays):
@@ -120,7 +120,7 @@ def test_an_update_pushed_to_two_relays_and_the_root_is_applied_once(root, relay
     assert again.json["relayed_in"].startswith("r1.")
     assert push(root_app, a[root_app], d_v, "U", 5, "wa").status_code == 409  # same id, other bytes
 
-    info = admin.expert("e1")
+    info = admin.experts.get("e1")
     assert info["samples_seen"] == 3 + 5 + 7 and info["updates_applied"] == 3
     got = root_weights(admin)
     for k in w0:
@@ -143,7 +143,7 @@ def test_a_batch_whose_members_all_reached_the_root_is_dropped_whole(root, relay
     assert push(root_app, token_at(root_app, join, "wa"), d, "U", 5, "wa").status_code == 202
     assert push(r1, token_at(r1, join, "wa"), d, "U", 5, "wa").status_code == 202
     assert r1.extensions["fedmoe"].forwarder.forward_once() == 0
-    assert admin.expert("e1")["samples_seen"] == 5
+    assert admin.experts.get("e1")["samples_seen"] == 5
     assert r1.extensions["fedmoe"].store.experts_with_work() == []
 
 
@@ -169,7 +169,7 @@ def test_a_superseded_batch_gives_back_the_residual_it_was_encoded_on(root, tmp_
         for k in w0:
             through_relay = got[k] - w0[k] - d2[k] + residual[k]
             assert torch.allclose(through_relay, d1[k] + d3[k], atol=1e-5), k
-        assert admin.expert("e1")["samples_seen"] == 12
+        assert admin.experts.get("e1")["samples_seen"] == 12
     finally:
         relay.extensions["fedmoe"].close()
 
@@ -226,7 +226,7 @@ def test_pruning_keeps_the_relay_store_bounded_and_a_restart_never_reuses_a_batc
         assert service.update_status("U8")["forwarded_as"].endswith(".e1.10")
     finally:
         service.close()
-    assert admin.expert("e1")["samples_seen"] == 9 * 2
+    assert admin.experts.get("e1")["samples_seen"] == 9 * 2
 
 
 def test_a_relay_store_from_before_prev_residual_opens(tmp_path):
@@ -271,9 +271,9 @@ def test_a_refused_batch_costs_the_root_no_aggregation_step_and_records_nothing(
     assert prepared == []  # the step it would have completed (fedasync: every update) was never computed
     assert c.store.rows.update("r1.x.e1.1") is None and c.store.rows.update("V") is None
     assert c.store.rows.recent_norms("e1", 100) == norms
-    info = admin.expert("e1")
+    info = admin.experts.get("e1")
     assert (info["version"], info["updates_applied"], info["samples_seen"]) == (1, 1, 5)
     assert [e["kind"] for e in c.events(100, after=last_event)] == ["update_rejected"]  # only the audit row
     assert batch("r1.x.e1.2", {"V": "b3-" + "2" * 64}).status_code == 202  # the rest, re-sent: applied
-    assert prepared == ["r1.x.e1.2"] and admin.expert("e1")["version"] == 2
+    assert prepared == ["r1.x.e1.2"] and admin.experts.get("e1")["version"] == 2
     assert batch("r1.x.e1.2", {"V": "b3-" + "2" * 64}).status_code == 200  # its retry: not refused for its own members

@@ -16,7 +16,8 @@ import torch
 from coordinator.storage.blobs import BlobStore
 from coordinator.checks.norm_check import NormPolicy
 from coordinator.relay.checks import RelayChecks
-from coordinator.relay.relay_store import Batch, RelayStore
+from coordinator.relay.relay_store import RelayStore
+from coordinator.relay.relay_store_schema import Batch
 from coordinator.checks.update_limits import UpdateLimits
 from protocol.errors import InvalidUpdate
 from protocol.tensors import dumps, loads
@@ -33,7 +34,7 @@ def poison(adapter: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def send(client, worker: str, update_id: str, delta, samples: int) -> str:
-    client.push_update("e1", dumps(delta), {"update_id": update_id, "base_version": 0, "num_samples": samples,
+    client.updates.push("e1", dumps(delta), {"update_id": update_id, "base_version": 0, "num_samples": samples,
                                             "worker_id": worker})
     return update_id
 
@@ -46,7 +47,7 @@ def finite(tensors: dict[str, torch.Tensor]) -> bool:
 def test_a_poisoning_worker_costs_no_honest_update_and_no_pull_holds_inf(tmp_path, site_model):
     with relay_sites(tmp_path, site_model=site_model) as (at_root, relay, at_relay, _):
         for worker in ("evil", *HONEST):
-            at_relay.register_worker(worker, "e1", BASE)
+            at_relay.workers.register(worker, "e1", BASE)
         relay_fetches(relay)  # version 0, frozen: the relay learns of the root's next versions late, as over a WAN
         adapter = make_adapter()
         acked, evil, pulls = [], [], []
@@ -58,13 +59,13 @@ def test_a_poisoning_worker_costs_no_honest_update_and_no_pull_holds_inf(tmp_pat
             except InvalidUpdate as exc:
                 evil.append(exc.details["reason"])
             relay.forwarder.flush()
-            pulls.append(at_relay.pull_weights("e1", worker_id="h1").tensors)
+            pulls.append(at_relay.experts.pull("e1", worker_id="h1").tensors)
             if round_ == 1:
                 relay_fetches(relay)  # the relay now holds the version the first poisoned batch made
 
-        assert [at_root.update_status(u)["status"] for u in acked] == ["applied"] * 9
+        assert [at_root.updates.status(u)["status"] for u in acked] == ["applied"] * 9
         assert [relay.update_status(u)["status"] for u in acked] == ["forwarded"] * 9
-        assert all(finite(p) for p in pulls) and finite(at_root.pull_weights("e1", worker_id="w-root").tensors)
+        assert all(finite(p) for p in pulls) and finite(at_root.experts.pull("e1", worker_id="w-root").tensors)
         # the first poisoned update is one the root takes (its sum with the weights is finite): applied. The
         # second: a plain relay cannot know yet that the root's weights are 3e38 (its cache is a version behind),
         # acknowledges it, and the root refuses the batch carrying it, which is split until it is alone; a site
@@ -72,7 +73,7 @@ def test_a_poisoning_worker_costs_no_honest_update_and_no_pull_holds_inf(tmp_pat
         # 202. The third is refused before the 202 by both, from the version they hold.
         assert evil == (["evil-0", "evil-1", "result_not_finite"] if not site_model else
                         ["evil-0", "result_not_finite", "result_not_finite"])
-        assert at_root.update_status("evil-0")["status"] == "applied"
+        assert at_root.updates.status("evil-0")["status"] == "applied"
         refusals = {e["update_id"]: e for e in relay.events(50, kind="update_rejected")}
         assert set(refusals) == ({"evil-1", "evil-2"})
         assert all(e["worker_id"] == "evil" and e["detail"]["reason"] == "result_not_finite"
@@ -126,7 +127,7 @@ def test_a_refused_batch_is_bisected_and_the_residual_owes_exactly_the_honest_up
             if k == first:
                 keep[0, 0] = False  # 3e38 + a small step is 3e38 in float32: nothing to compare there
             assert torch.allclose(owed[keep], (d1[k] + d2[k])[keep], atol=1e-5), k
-        assert admin.expert("e1")["samples_seen"] == 1 + 4 + 4
+        assert admin.experts.get("e1")["samples_seen"] == 1 + 4 + 4
         assert set(service.blobs.digests()) == service.store.referenced_blobs()
     finally:
         service.close()
@@ -147,7 +148,7 @@ def test_a_batch_refused_by_a_request_rule_is_kept_and_sent_again_not_dropped(ro
         assert service.update_status("U1")["status"] == "pending" and service.store.pending_batch("e1") is not None
         service.upstream.relay_token = own
         assert service.forwarder.forward_once() == 1
-        assert service.update_status("U1")["status"] == "forwarded" and admin.expert("e1")["samples_seen"] == 4
+        assert service.update_status("U1")["status"] == "forwarded" and admin.experts.get("e1")["samples_seen"] == 4
     finally:
         service.close()
 
@@ -157,7 +158,7 @@ def test_the_roots_norm_check_applies_at_the_relay_before_the_202(tmp_path, mode
     root_settings = {"norm_check": mode, "norm_warmup": 1, "norm_factor": 10.0, "staleness_decay": 0.0}
     with relay_sites(tmp_path, root=root_settings) as (at_root, relay, at_relay, _):
         assert relay.checks.limits == UpdateLimits(1.0, NormPolicy(mode, 10.0, 20, 1))  # learned when it joined
-        w0 = at_root.pull_weights("e1", worker_id="w-root").tensors
+        w0 = at_root.experts.pull("e1", worker_id="w-root").tensors
         small, big = random_like(make_adapter(), 1), random_like(make_adapter(), 2, scale=100.0)
         send(at_relay, "w1", "U1", small, 4)
         norm = lambda d: float(torch.sqrt(sum((t.double() ** 2).sum() for t in d.values())))  # noqa: E731
@@ -171,7 +172,7 @@ def test_the_roots_norm_check_applies_at_the_relay_before_the_202(tmp_path, mode
             scale = 10.0 * norm(small) / norm(big)
             expected = {k: w0[k] + (small[k] + scale * big[k]) / 2 for k in w0}  # FedBuff's mean of the two
         assert relay.forwarder.flush() == 1
-        got = at_root.pull_weights("e1", worker_id="w-root").tensors
+        got = at_root.experts.pull("e1", worker_id="w-root").tensors
         assert all(torch.allclose(got[k], expected[k], atol=1e-5) for k in w0)
 
 

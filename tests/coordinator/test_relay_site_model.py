@@ -18,14 +18,14 @@ BASE = {"id": "m", "fingerprint": FINGERPRINT}
 @pytest.fixture
 def site(tmp_path):
     with relay_sites(tmp_path, site_model=True) as (at_root, relay, at_relay, _):
-        at_relay.register_worker("w2", "e1", BASE)
+        at_relay.workers.register("w2", "e1", BASE)
         relay_fetches(relay)
         yield at_root, relay, at_relay
 
 
 def push(client, worker: str, seed: int, base_version: int = 0) -> dict[str, torch.Tensor]:
     delta = random_like(make_adapter(), seed)
-    client.push_update("e1", dumps(delta), {"update_id": f"{worker}-{seed}", "base_version": base_version,
+    client.updates.push("e1", dumps(delta), {"update_id": f"{worker}-{seed}", "base_version": base_version,
                                             "num_samples": 4, "worker_id": worker})
     return delta
 
@@ -44,39 +44,39 @@ def close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 def test_workers_pull_their_sites_updates_before_they_are_forwarded(site):
     at_root, relay, at_relay = site
-    root = at_root.pull_weights("e1", worker_id="w-root")
-    first = at_relay.pull_weights("e1", worker_id="w1")
+    root = at_root.experts.pull("e1", worker_id="w-root")
+    first = at_relay.experts.pull("e1", worker_id="w1")
     assert first.version == 0 and close(first.tensors, root.tensors)
-    at_relay.pull_weights("e1", worker_id="w2")
+    at_relay.experts.pull("e1", worker_id="w2")
     d1 = push(at_relay, "w1", 1)
-    seen_by_w2 = at_relay.pull_weights("e1", worker_id="w2")
+    seen_by_w2 = at_relay.experts.pull("e1", worker_id="w2")
     # w1's step is in w2's next pull, under the root's version number and an ETag of the site's own bytes
     assert seen_by_w2.version == 0 and seen_by_w2.etag != root.etag
     assert close(seen_by_w2.tensors, plus(root.tensors, (d1, 1.0)))
-    assert at_relay.pull_weights("e1", etag=seen_by_w2.etag, worker_id="w2").tensors is None  # 304 on the site's ETag
+    assert at_relay.experts.pull("e1", etag=seen_by_w2.etag, worker_id="w2").tensors is None  # 304 on the site's ETag
     d2 = push(at_relay, "w2", 2)  # w2 pulled after d1: nothing it has not seen
     # w1 last pulled before d1 and d2: its update is two site changes old and weighs s(2)
     d3 = push(at_relay, "w1", 3)
     expected = plus(root.tensors, (d1, 1.0), (d2, 1.0), (d3, staleness_weight(2, 0.1)))
-    assert close(at_relay.pull_weights("e1", worker_id="w1").tensors, expected)
-    assert at_root.expert("e1")["version"] == 0  # nothing forwarded yet
+    assert close(at_relay.experts.pull("e1", worker_id="w1").tensors, expected)
+    assert at_root.experts.get("e1")["version"] == 0  # nothing forwarded yet
 
 
 def test_a_batch_is_the_weighted_sum_and_the_new_root_version_replaces_it(site):
     at_root, relay, at_relay = site
-    root = at_root.pull_weights("e1", worker_id="w-root").tensors
-    at_relay.pull_weights("e1", worker_id="w1")
-    at_relay.pull_weights("e1", worker_id="w2")
+    root = at_root.experts.pull("e1", worker_id="w-root").tensors
+    at_relay.experts.pull("e1", worker_id="w1")
+    at_relay.experts.pull("e1", worker_id="w2")
     d1, d2 = push(at_relay, "w1", 1), push(at_relay, "w2", 2)
     assert relay.forwarder.flush() == 1
     # the root (FedAsync, staleness 0) added the site's progress in full: the sum, not FedBuff's mean
-    v1 = at_root.pull_weights("e1", worker_id="w-root")
+    v1 = at_root.experts.pull("e1", worker_id="w-root")
     assert v1.version == 1 and close(v1.tensors, plus(root, (d1, 1.0), (d2, staleness_weight(1, 0.1))))
     # until the relay holds version 1 its workers still see the batch, on version 0
-    before = at_relay.pull_weights("e1", worker_id="w1")
+    before = at_relay.experts.pull("e1", worker_id="w1")
     assert before.version == 0 and close(before.tensors, v1.tensors)
     relay_fetches(relay)
-    after = at_relay.pull_weights("e1", worker_id="w1")
+    after = at_relay.experts.pull("e1", worker_id="w1")
     # version 1 includes the batch: nothing is owed, the site's weights are the root's (HierFAVG's reset)
     assert after.version == 1 and all(torch.equal(after.tensors[k], v1.tensors[k]) for k in v1.tensors)
 
@@ -85,17 +85,17 @@ def test_a_batch_a_fedbuff_root_holds_back_stays_owed_until_a_version_includes_i
     with relay_sites(tmp_path, root={"aggregation": "fedbuff", "buffer_size": 2}, site_model=True) as (
             at_root, relay, at_relay, _):
         relay_fetches(relay)
-        root = at_root.pull_weights("e1", worker_id="w-root").tensors
-        at_relay.pull_weights("e1", worker_id="w1")
+        root = at_root.experts.pull("e1", worker_id="w-root").tensors
+        at_relay.experts.pull("e1", worker_id="w1")
         d1 = push(at_relay, "w1", 1)
         relay.forwarder.flush()  # buffered at the root (one of two): no applied_version yet
-        assert at_root.expert("e1")["version"] == 0
+        assert at_root.experts.get("e1")["version"] == 0
         relay_fetches(relay)
-        assert close(at_relay.pull_weights("e1", worker_id="w1").tensors, plus(root, (d1, 1.0)))
+        assert close(at_relay.experts.pull("e1", worker_id="w1").tensors, plus(root, (d1, 1.0)))
         assert new_root_version(at_root, 7) == 1  # the buffer's second update: version 1 holds both
         relay_fetches(relay)
-        pulled = at_relay.pull_weights("e1", worker_id="w1")
-        v1 = at_root.pull_weights("e1", worker_id="w-root")
+        pulled = at_relay.experts.pull("e1", worker_id="w1")
+        v1 = at_root.experts.pull("e1", worker_id="w-root")
         # the relay asked the root which version applied its batch: 1, so nothing is owed any more
         assert pulled.version == 1 and all(torch.equal(pulled.tensors[k], v1.tensors[k]) for k in v1.tensors)
         assert relay.site._sites["e1"].pending == []
@@ -104,14 +104,14 @@ def test_a_batch_a_fedbuff_root_holds_back_stays_owed_until_a_version_includes_i
 def test_diff_pulls_are_refused_so_workers_pull_the_sites_weights_in_full(site):
     _, relay, at_relay = site
     with pytest.raises(NotFound, match="pull them in full"):
-        at_relay.pull_diff("e1", 0, "int8", worker_id="w1")
+        at_relay.experts.pull_diff("e1", 0, "int8", worker_id="w1")
     assert relay.diffs_unavailable == 1
 
 
 def test_after_a_restart_the_site_model_is_rebuilt_from_the_queue(site):
     at_root, relay, at_relay = site
-    root = at_root.pull_weights("e1", worker_id="w-root").tensors
-    at_relay.pull_weights("e1", worker_id="w1")
+    root = at_root.experts.pull("e1", worker_id="w-root").tensors
+    at_relay.experts.pull("e1", worker_id="w1")
     d1, d2 = push(at_relay, "w1", 1), push(at_relay, "w2", 2)  # w2 never pulled: weight 1
     fresh = SiteModel(relay.store, relay.blobs, relay.cache.get, lambda update_id: None, 0.1)
     entry, body = fresh.weights("e1", None)

@@ -64,7 +64,7 @@ def test_an_upload_through_a_relay_is_queued_forwarded_and_applied_once(root, tm
 
         assert service.forwarder.forward_once() == 1
         assert service.forwarder.forward_once() == 0
-        info = admin.expert("e1")
+        info = admin.experts.get("e1")
         assert (info["version"], info["updates_applied"], info["samples_seen"]) == (1, 1, 7)
         got = root_weights(admin)
         for k in w0:
@@ -97,7 +97,7 @@ def test_a_relay_restarted_mid_upload_continues_from_the_acknowledged_offset(roo
         assert put_chunk(worker, upload_id, body, third, len(body) - 1, expert="e1").status_code == 200
         assert complete(worker, upload_id, expert="e1").status_code == 202
         assert service.forwarder.forward_once() == 1
-        info = admin.expert("e1")
+        info = admin.experts.get("e1")
         assert (info["updates_applied"], info["samples_seen"]) == (1, 3)
     finally:
         service.close()
@@ -183,19 +183,19 @@ def test_an_upload_finished_after_a_one_shot_push_of_the_same_update_is_its_dupl
         other = dumps(random_like(make_adapter(), 7))  # a different body under that id is refused at the open
         assert error(open_upload(worker, other, meta, expert="e1")) == (409, "conflict")
         assert service.forwarder.forward_once() == 1
-        assert admin.expert("e1")["samples_seen"] == 4
+        assert admin.experts.get("e1")["samples_seen"] == 4
     finally:
         service.close()
 
 
 def test_a_relay_forwards_a_large_batch_as_an_upload_and_one_refused_for_a_member_is_superseded(root, tmp_path):
     """Upstream, the relay's batches of at least ``UploadPolicy.threshold`` bytes go through the root's upload
-    routes (the forwarder pushes with CoordinatorClient.push_update); a 409 members_applied at the finish drops
+    routes (the forwarder pushes with client.updates.push); a 409 members_applied at the finish drops
     the root's upload and the relay re-sends the rest, as for a one-shot batch."""
     root_app, _, admin, join = root
     relay = make_relay(root, tmp_path, "r1")
     service = relay.extensions["fedmoe"]
-    service.upstream.upload = UploadPolicy(threshold=1, first_chunk=256, min_chunk=256, max_chunk=256)
+    service.upstream.updates.policy = UploadPolicy(threshold=1, first_chunk=256, min_chunk=256, max_chunk=256)
     try:
         w0 = root_weights(admin)
         d1, d2 = random_like(make_adapter(), 8), random_like(make_adapter(), 9)
@@ -204,9 +204,9 @@ def test_a_relay_forwards_a_large_batch_as_an_upload_and_one_refused_for_a_membe
         assert push(relay, token, d2, "U2", 4, "wa").status_code == 202
         assert push(root_app, token_at(root_app, join, "wa"), d2, "U2", 4, "wa").status_code == 202  # failed over
         assert service.forwarder.forward_once() == 1  # {U1, U2} refused at the finish for U2; {U1} sent
-        assert service.upstream.last_upload is not None and service.upstream.last_upload.chunks > 1
+        assert service.upstream.updates.last_upload is not None and service.upstream.updates.last_upload.chunks > 1
         assert service.update_status("U2")["status"] == "applied_elsewhere"
-        info = admin.expert("e1")
+        info = admin.experts.get("e1")
         assert (info["updates_applied"], info["samples_seen"]) == (2, 7)
         got = root_weights(admin)
         for k in w0:

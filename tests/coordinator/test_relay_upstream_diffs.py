@@ -15,13 +15,13 @@ def sites(tmp_path):
     """(root client as a worker, relay service, relay client as a worker, the upstream requests the relay sent)."""
     with relay_sites(tmp_path, upstream_diffs=DiffPulls("fp16", full_every=3)) as (at_root, relay, at_relay, _):
         calls: list[str] = []
-        original = relay.upstream._request
+        original = relay.upstream.transport.request
 
         def counted(method, path, **kwargs):
             calls.append(f"{method} {path}" + ("?since" if "since" in (kwargs.get("params") or {}) else ""))
             return original(method, path, **kwargs)
 
-        relay.upstream._request = counted
+        relay.upstream.transport.request = counted
         yield at_root, relay, at_relay, calls
 
 
@@ -35,8 +35,8 @@ def test_new_versions_come_as_diffs_with_a_full_fetch_every_third_time(sites):
         relay_fetches(relay)
         weights = [c for c in calls if "/weights" in c]
         kinds.append("diff" if weights == ["GET /experts/e1/weights?since"] else "full")
-        pulled = at_relay.pull_weights("e1", worker_id="w1")
-        exact = at_root.pull_weights("e1", worker_id="w-root")
+        pulled = at_relay.experts.pull("e1", worker_id="w1")
+        exact = at_root.experts.pull("e1", worker_id="w-root")
         assert pulled.version == exact.version == version
         # the root's weights within fp16's error of the diffs since the last full fetch, under an ETag of their own
         assert all(torch.allclose(pulled.tensors[k], exact.tensors[k], rtol=0, atol=2e-3) for k in exact.tensors)
@@ -46,7 +46,7 @@ def test_new_versions_come_as_diffs_with_a_full_fetch_every_third_time(sites):
         else:
             assert pulled.etag == exact.etag
             assert all(torch.equal(pulled.tensors[k], exact.tensors[k]) for k in exact.tensors)
-        assert at_relay.pull_weights("e1", etag=pulled.etag, worker_id="w1").tensors is None  # 304 on our ETag
+        assert at_relay.experts.pull("e1", etag=pulled.etag, worker_id="w1").tensors is None  # 304 on our ETag
     assert kinds == ["diff", "diff", "full", "diff", "diff"]
     assert relay.cache.diff_fetches == 4 and relay.cache.upstream_fetches == 2
 
@@ -63,7 +63,7 @@ def test_nothing_new_costs_no_body_and_a_pruned_base_falls_back_to_a_full_fetch(
     def gone(*args, **kwargs):
         raise NotFound("version 0 is no longer kept")
 
-    monkeypatch.setattr(relay.upstream, "pull_diff", gone)
+    monkeypatch.setattr(relay.upstream.experts, "pull_diff", gone)
     relay_fetches(relay)
     assert relay.cache.known("e1").version == 1 and relay.cache.upstream_fetches == 2
 

@@ -9,7 +9,8 @@ import torch
 
 from coordinator.storage.blobs import BlobStore
 from coordinator.relay.checks import RelayChecks
-from coordinator.relay.relay_store import CachedWeights, RelayStore
+from coordinator.relay.relay_store import RelayStore
+from coordinator.relay.relay_store_schema import CachedWeights
 from coordinator.checks.update_limits import SAFE_MAGNITUDE, UpdateLimits, headroom, peak_magnitude, surely_finite
 from protocol.errors import InvalidUpdate
 from protocol.streaming import FileTensorsOnce

@@ -1,4 +1,4 @@
-"""A chunk written by the front straight into its upload's file (coordinator/http/upload_placement.py, UploadStore.place_chunk).
+"""A chunk written by the front straight into its upload's file (coordinator/api/upload_placement.py, UploadStore.place_chunk).
 
 The front's part is played here as it plays it: ask the placer with the request's head, write (some of) the body
 into the place and feed its hashers, hand the app the SpooledBody, then release the place.
@@ -11,8 +11,8 @@ import pytest
 from werkzeug.test import EnvironBuilder
 
 from coordinator.http.wsgi import SPOOLED_BODY
-from coordinator.http.bodies import BodyPlace, SpooledBody
-from coordinator.http.upload_placement import UploadPlacer
+from coordinator.storage.incoming import BodyPlace, SpooledBody
+from coordinator.api.upload_placement import UploadPlacer
 from protocol.integrity import content_id, new_hasher
 from tests.coordinator.test_uploads import ADAPTER, body_of, error, open_upload, register, sha
 from tests.helpers import put_expert, update_meta

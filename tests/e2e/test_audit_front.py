@@ -16,7 +16,7 @@ SPOOL_IN_MEMORY (authentication, the route's own limit: the probe's 4 MiB, JSON 
 413 at once; cap the receive buffers held by bodies in flight (a budget shared by all connections: past it, read
 with the stream's bounded buffer or wait), and release DirectBody's buffers in ``_receive_direct``'s ``finally``.
 
-Fixed (branch front2): coordinator/http/admission.py answers from the head (root and relay); front_bodies.BufferBudget
+Fixed (branch front2): coordinator/api/admission.py answers from the head (root and relay); front_bodies.BufferBudget
 bounds DirectBody's buffers (12 MiB in all; past it the stream, with 64 KiB reads, reads the body) and drops a failed
 body's; the chunk-size fixes and the stall timer are in front.py. The tests below ran as strict xfails until then.
 """
@@ -229,7 +229,7 @@ def test_a_request_over_the_rate_limit_gets_its_429_from_the_head_and_an_admitte
     _, url = start_coordinator("--rate-limit", "2")  # 2 requests a minute per worker, 2 at most at once
     join = (tmp_path / "coordinator" / "join_token").read_text().strip()
     admin = CoordinatorClient(url)
-    admin.create_expert("e", make_adapter(layers=8, d_in=4096, d_out=64), expert_spec())  # ~2.3 MiB bodies
+    admin.experts.create("e", make_adapter(layers=8, d_in=4096, d_out=64), expert_spec())  # ~2.3 MiB bodies
     registered = requests.post(f"{url}/api/v1/workers", headers={"Authorization": f"Bearer {join}"}, timeout=60,
                                json={"worker_id": "w", "specialty": "e", "base_model": expert_spec()["base_model"]})
     token = registered.json()["token"]  # the join token's bucket is its address's, not the worker's

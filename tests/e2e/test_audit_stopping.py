@@ -50,5 +50,5 @@ def test_a_second_signal_mid_step_stops_at_once_and_pushes_nothing(start_coordin
 
     assert not STOP.armed and len(steps) == 5
     assert records == []  # no final push was made
-    info = CoordinatorClient(url).expert("sql_expert")
+    info = CoordinatorClient(url).experts.get("sql_expert")
     assert info["updates_applied"] == 0 and info["samples_seen"] == 0

@@ -52,7 +52,7 @@ class Federation:
 
     def create_and_push(self, server: CoordinatorProcess, pushes: int) -> str:
         """Expert "sql" and ``pushes`` acknowledged updates through ``server`` (one sample each); the worker's token."""
-        CoordinatorClient(server.url, token=admin(server)["Authorization"].split()[1]).create_expert(
+        CoordinatorClient(server.url, token=admin(server)["Authorization"].split()[1]).experts.create(
             "sql", random_tensors(MANIFEST, 7, 0.01), SPEC)
         token = register(server, "w1")
         for n in range(pushes):
@@ -205,7 +205,7 @@ def test_a_table_lock_is_a_503_with_retry_after_within_the_bounded_wait_and_heal
 
     try:
         server.start()
-        CoordinatorClient(server.url, token=server.headers["Authorization"].split()[1]).create_expert(
+        CoordinatorClient(server.url, token=server.headers["Authorization"].split()[1]).experts.create(
             "sql", random_tensors(MANIFEST, 7, 0.01), SPEC)
         token = register(server, "w1")
         assert push(server, token, "w1", 0, update_body(0), 1).status_code == 202

@@ -30,16 +30,16 @@ def test_push_pull_and_save_gateway_over_real_http(start_coordinator, tmp_path):
     proc, url = start_coordinator()
     client = CoordinatorClient(url)
     adapter = make_adapter()
-    assert client.create_expert("python_expert", adapter, expert_spec())["version"] == 0
+    assert client.experts.create("python_expert", adapter, expert_spec())["version"] == 0
     delta = random_like(adapter, 1)
     meta = update_meta(num_samples=5)
-    assert client.push_update("python_expert", dumps(delta), meta)["applied_version"] == 1
-    assert client.push_update("python_expert", dumps(delta), meta)["applied_version"] == 1  # retry: once
+    assert client.updates.push("python_expert", dumps(delta), meta)["applied_version"] == 1
+    assert client.updates.push("python_expert", dumps(delta), meta)["applied_version"] == 1  # retry: once
 
-    pulled = client.pull_weights("python_expert")
+    pulled = client.experts.pull("python_expert")
     assert pulled.version == 1
     assert all(torch.allclose(pulled.tensors[k], adapter[k] + delta[k]) for k in adapter)
-    assert client.pull_weights("python_expert", etag=pulled.etag).tensors is None  # 304
+    assert client.experts.pull("python_expert", etag=pulled.etag).tensors is None  # 304
 
     listing = run_gateway_tool("--coordinator-url", url, "--list-experts")
     assert listing.returncode == 0
@@ -59,15 +59,15 @@ def test_push_pull_and_save_gateway_over_real_http(start_coordinator, tmp_path):
 def test_bad_input_over_http_is_4xx_and_server_survives(start_coordinator):
     proc, url = start_coordinator()
     client = CoordinatorClient(url)
-    client.create_expert("e", make_adapter(), expert_spec())
+    client.experts.create("e", make_adapter(), expert_spec())
     try:
-        client.push_update("e", b"\x80\x04not safetensors", update_meta())
+        client.updates.push("e", b"\x80\x04not safetensors", update_meta())
     except InvalidPayload as exc:
         assert "safetensors" in str(exc)
     else:
         raise AssertionError("a pickle-like body was accepted")
     try:
-        client.pull_weights("nobody")
+        client.experts.pull("nobody")
     except NotFound as exc:
         assert "nobody" in str(exc)
     else:
@@ -81,13 +81,13 @@ def test_restart_on_the_same_data_dir_keeps_everything(start_coordinator, tmp_pa
     proc, url = start_coordinator()
     client = CoordinatorClient(url)
     adapter = make_adapter()
-    client.create_expert("e", adapter, expert_spec())
-    client.push_update("e", dumps(random_like(adapter, 1)), update_meta())
-    before = client.pull_weights("e")
+    client.experts.create("e", adapter, expert_spec())
+    client.updates.push("e", dumps(random_like(adapter, 1)), update_meta())
+    before = client.experts.pull("e")
     proc.stop()
 
     _, url = start_coordinator()
-    after = CoordinatorClient(url).pull_weights("e")
+    after = CoordinatorClient(url).experts.pull("e")
     assert after.version == before.version == 1 and after.etag == before.etag
 
 
@@ -100,7 +100,7 @@ def test_gateway_tool_gives_one_clear_line_when_unreachable():
 
 def test_gateway_tool_rejects_unknown_extension(start_coordinator, tmp_path):
     _, url = start_coordinator()
-    CoordinatorClient(url).create_expert("e", make_adapter(), expert_spec())
+    CoordinatorClient(url).experts.create("e", make_adapter(), expert_spec())
     result = run_gateway_tool("--coordinator-url", url, "--save-gateway", str(tmp_path / "g.pt"))
     assert result.returncode == 2 and ".npz" in result.stderr and not (tmp_path / "g.pt").exists()
 
@@ -128,8 +128,8 @@ def test_gateway_tool_exports_experts_and_local_merges(start_coordinator, tmp_pa
     _, url = start_coordinator()
     client = CoordinatorClient(url)
     a, b = make_adapter(seed=1), make_adapter(seed=2)
-    client.create_expert("a", a, expert_spec())
-    client.create_expert("b", b, expert_spec())
+    client.experts.create("a", a, expert_spec())
+    client.experts.create("b", b, expert_spec())
 
     out = tmp_path / "a.safetensors"
     result = run_gateway_tool("--coordinator-url", url, "--save-gateway", str(out), "--expert", "a")

@@ -105,15 +105,15 @@ def test_dashboard_renders_experts_workers_and_loss_charts(start_coordinator, tm
     _, url = start_coordinator()
     client = CoordinatorClient(url)
     adapter = make_adapter()
-    client.register_worker("worker-a", EXPERTS[0], expert_spec()["base_model"], 5.0)
+    client.workers.register("worker-a", EXPERTS[0], expert_spec()["base_model"], 5.0)
     for name in EXPERTS:
-        client.create_expert(name, adapter, expert_spec())
+        client.experts.create(name, adapter, expert_spec())
     before = counters(url)
     for version, loss in enumerate(LOSSES):
-        client.push_update(EXPERTS[0], dumps(random_like(adapter, version)),
+        client.updates.push(EXPERTS[0], dumps(random_like(adapter, version)),
                            update_meta(base_version=version, worker_id="worker-a", train_loss=loss))
-    client.push_update(EXPERTS[1], dumps(random_like(adapter, 9)), update_meta(train_loss=1.5))
-    client.heartbeat("worker-a")
+    client.updates.push(EXPERTS[1], dumps(random_like(adapter, 9)), update_meta(train_loss=1.5))
+    client.workers.heartbeat("worker-a")
     after = counters(url)
     accepted = ("fedmoe_updates_total", (("expert", EXPERTS[0]), ("outcome", "accepted")))
     assert after[accepted] - before.get(accepted, 0) == len(LOSSES)

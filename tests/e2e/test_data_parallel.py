@@ -74,12 +74,12 @@ def test_two_gloo_ranks_act_as_one_worker_and_push_the_single_process_update(sta
         assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first), stage
 
     client = CoordinatorClient(url)
-    assert [w["worker_id"] for w in client.list_workers()] == ["dp-worker"]
-    expert = client.expert("sql_expert")
+    assert [w["worker_id"] for w in client.workers.list()] == ["dp-worker"]
+    expert = client.experts.get("sql_expert")
     assert expert["version"] == 2 and expert["samples_seen"] == 2 * 2 * 7  # global batches, counted once
 
     initial, single, single_grads = single_process_run()
-    v0, v1 = (client.pull_weights("sql_expert", version=v).tensors for v in (0, 1))
+    v0, v1 = (client.experts.pull("sql_expert", version=v).tensors for v in (0, 1))
     assert all(torch.equal(v0[k], initial[k]) for k in initial)
     pushed = {k: v1[k] - v0[k] for k in v0}
     expected = {k: single[k] - initial[k] for k in initial}

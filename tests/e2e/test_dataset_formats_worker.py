@@ -48,7 +48,7 @@ def test_a_worker_trains_on_the_format_and_its_updates_reach_the_coordinator(coo
     assert code == 0, err
     records = [json.loads(line) for line in results.read_text().splitlines()]
     pushed = [r for r in records if r.get("bytes_sent")]
-    listed = {e["name"]: e for e in CoordinatorClient(coordinator).list_experts()}
+    listed = {e["name"]: e for e in CoordinatorClient(coordinator).experts.list()}
     assert listed[expert]["version"] == len(pushed) >= 1
     assert listed[expert]["samples_seen"] == sum(r["samples"] for r in pushed) > 0
     assert "held-out loss at end" in err

@@ -78,15 +78,15 @@ def test_the_coordinator_ends_with_the_weights_the_worker_trained(start_coordina
     assert f"sync {flush['sync']} (final):" in output and "the final flush with the residual" in output
 
     client = CoordinatorClient(url)
-    info = client.expert("sql_expert")
+    info = client.experts.get("sql_expert")
     assert info["version"] == info["updates_applied"] == len(pushed)
     assert info["samples_seen"] == sum(r["samples"] for r in pushed)
-    coordinator = client.pull_weights("sql_expert").tensors
+    coordinator = client.experts.pull("sql_expert").tensors
     local, progress = final_local_adapter(state)
     assert progress["global_step"] == sum(r["steps"] for r in pushed)
     gap = max_abs_diff(coordinator, local)
     assert gap < 1e-5  # fp32 sums of the updates; without the flush, the whole residual would be missing:
-    before_flush = client.pull_weights("sql_expert", version=info["version"] - 1).tensors
+    before_flush = client.experts.pull("sql_expert", version=info["version"] - 1).tensors
     assert max_abs_diff(before_flush, local) > 1000 * gap
 
 
@@ -119,7 +119,7 @@ def test_one_worker_ends_where_local_training_of_the_same_steps_ends(start_coord
 
     alone = LoraTrainer(load_base_model("tiny-qwen2"), LoraSettings(rank=4), settings, train)
     alone.train_steps(trainer.global_step)
-    coordinator, local = client.pull_weights("sql_expert").tensors, trainer.adapter_state()
+    coordinator, local = client.experts.pull("sql_expert").tensors, trainer.adapter_state()
     assert trainer.global_step == 32 and max_abs_diff(local, alone.adapter_state()) < 1e-4
     assert max_abs_diff(coordinator, alone.adapter_state()) < 1e-4
     assert max_abs_diff(coordinator, local) < 1e-5
@@ -166,7 +166,7 @@ def test_a_signal_mid_step_ends_the_run_after_that_step_and_counts_it(start_coor
     assert steps == [1, 2, 3, 4, 5] and summary.steps == 5 and trainer.global_step == 5
     (final,) = records
     assert final["final"] and final["steps"] == 5 and final["samples"] == 10
-    info = CoordinatorClient(url).expert("sql_expert")
+    info = CoordinatorClient(url).experts.get("sql_expert")
     assert info["samples_seen"] == 10 and info["updates_applied"] == 1
-    gap = max_abs_diff(CoordinatorClient(url).pull_weights("sql_expert").tensors, trainer.adapter_state())
+    gap = max_abs_diff(CoordinatorClient(url).experts.pull("sql_expert").tensors, trainer.adapter_state())
     assert gap < 1e-6  # the fifth step's weights arrived with it

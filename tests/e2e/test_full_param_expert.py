@@ -33,7 +33,7 @@ def test_full_parameter_expert_trains_compressed_syncs_and_exports(start_coordin
     base = load_base_model("tiny-qwen2")
     params = dict(base.model.named_parameters())
     client = CoordinatorClient(url)
-    (expert,) = client.list_experts()
+    (expert,) = client.experts.list()
     records = [json.loads(line) for line in results.read_text().splitlines()]
     pushed = [r for r in records if r.get("bytes_sent")]
     assert expert["kind"] == "full" and expert["lora"] is None
@@ -44,7 +44,7 @@ def test_full_parameter_expert_trains_compressed_syncs_and_exports(start_coordin
     assert flush["final"] and flush["codec"] == "safetensors"
     assert any(r["pulled"] and 0 < r["bytes_down"] < 0.6 * 4 * expert["full"]["num_parameters"]
                for r in records)  # at least one fp16 difference pull
-    weights = client.pull_weights("sql_expert").tensors
+    weights = client.experts.pull("sql_expert").tensors
     assert sorted(weights) == sorted(params)
 
     heldout = split_examples(load_examples(sample_dataset_path("sql_expert")))[1][:16]

@@ -19,22 +19,22 @@ def test_a_restarted_worker_renews_its_id_with_its_kept_token_and_a_stranger_can
     proc, url = start_coordinator()
     join = (tmp_path / "coordinator" / "join_token").read_text().strip()
     first = CoordinatorClient(url, token=join)  # a worker on another machine, given only the join token
-    first.register_worker("w1", "e", BASE)
-    first.create_expert("e", make_adapter(), expert_spec())
+    first.workers.register("w1", "e", BASE)
+    first.experts.create("e", make_adapter(), expert_spec())
     kept = config_dir() / WORKER_TOKENS_FILE
     assert stat.S_IMODE(os.stat(kept).st_mode) == 0o600 and join not in kept.read_text()
 
     restarted = CoordinatorClient(url, token=join)  # the same machine after a restart: a new process
-    restarted.register_worker("w1", "e", BASE)
+    restarted.workers.register("w1", "e", BASE)
     meta = update_meta()  # no worker_id: the token says who
-    assert restarted.push_update("e", dumps(random_like(make_adapter(), seed=5)), meta)["status"] in ("pending",
+    assert restarted.updates.push("e", dumps(random_like(make_adapter(), seed=5)), meta)["status"] in ("pending",
                                                                                                       "applied")
-    assert {w["worker_id"]: w["updates_sent"] for w in restarted.list_workers()} == {"w1": 1}
+    assert {w["worker_id"]: w["updates_sent"] for w in restarted.workers.list()} == {"w1": 1}
 
     monkeypatch.setenv("FEDMOE_CONFIG_DIR", str(tmp_path / "elsewhere"))  # another machine, same join token
     with pytest.raises(Forbidden, match="another --worker-id"):
-        CoordinatorClient(url, token=join).register_worker("w1", "e", BASE)
-    CoordinatorClient(url, token=join).register_worker("w2", "e", BASE)
+        CoordinatorClient(url, token=join).workers.register("w1", "e", BASE)
+    CoordinatorClient(url, token=join).workers.register("w2", "e", BASE)
     assert "Traceback" not in "".join(proc.log)
 
 

@@ -71,13 +71,13 @@ def test_dp_budget_refuses_the_push_past_it_at_a_real_coordinator(start_coordina
     _, url = start_coordinator("--dp-noise", str(sigma), "--dp-clip", "1", "--dp-budget", f"{(two + three) / 2:.6f}")
     client = CoordinatorClient(url)
     initial = make_adapter()
-    client.create_expert("private_expert", initial, expert_spec())
+    client.experts.create("private_expert", initial, expert_spec())
     for version in range(2):
-        client.push_update("private_expert", dumps(random_like(initial, version)), update_meta(version, worker_id="w1"))
+        client.updates.push("private_expert", dumps(random_like(initial, version)), update_meta(version, worker_id="w1"))
     with pytest.raises(Conflict) as refused:
-        client.push_update("private_expert", dumps(random_like(initial, 5)), update_meta(2, worker_id="w1"))
+        client.updates.push("private_expert", dumps(random_like(initial, 5)), update_meta(2, worker_id="w1"))
     assert refused.value.code == "privacy_budget_spent"
-    shown = client.expert("private_expert")
+    shown = client.experts.get("private_expert")
     assert shown["version"] == 2
     assert shown["privacy"]["dp_fedavg"]["epsilon"] == pytest.approx(two, abs=1e-5)
 
@@ -92,9 +92,9 @@ def test_min_dp_noise_stops_at_joining_a_coordinator_without_dp_with_nothing_fro
     (error,) = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert "--min-dp-noise 1" in error and "adds no worker-level differential privacy noise" in error
     client = CoordinatorClient(url)
-    shown = client.expert("sql_expert")
+    shown = client.experts.get("sql_expert")
     assert shown["version"] == 0 and shown["updates_applied"] == 0 and shown["pending_updates"] == 0, shown
-    assert "sql_expert" not in client.profiles()["profiles"] and records == []
+    assert "sql_expert" not in client.gateway.profiles()["profiles"] and records == []
 
 
 def test_min_dp_noise_at_or_below_the_coordinators_sigma_trains_and_pushes(start_coordinator, tmp_path):
@@ -103,6 +103,6 @@ def test_min_dp_noise_at_or_below_the_coordinators_sigma_trains_and_pushes(start
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r for r in records if r.get("bytes_sent")], records
     client = CoordinatorClient(url)
-    shown = client.expert("sql_expert")
+    shown = client.experts.get("sql_expert")
     assert shown["privacy"]["dp_fedavg"]["steps"] >= 1 and shown["version"] >= 1
-    assert "sql_expert" in client.profiles()["profiles"]  # what the refused worker above never sent
+    assert "sql_expert" in client.gateway.profiles()["profiles"]  # what the refused worker above never sent

@@ -52,7 +52,7 @@ def start_pair(tmp_path: Path, *relay_flags: str, root_flags: tuple[str, ...] = 
 def worker_client(url: str, tmp_path: Path, worker_id: str, attempts: int = 3) -> CoordinatorClient:
     client = CoordinatorClient(url, token=(tmp_path / "join").read_text().strip(),
                                retry=RetryPolicy(attempts=attempts, base_delay=0.1, max_delay=0.5))
-    client.register_worker(worker_id, "e1", BASE)
+    client.workers.register(worker_id, "e1", BASE)
     return client
 
 
@@ -83,29 +83,29 @@ def test_relay_forwards_one_sample_weighted_mean_and_serves_pulls_from_its_cache
     try:
         adapter = make_adapter()
         clients = [worker_client(relay.url, tmp_path, f"w{i}") for i in range(3)]
-        assert clients[0].create_expert("e1", adapter, expert_spec())["version"] == 0
+        assert clients[0].experts.create("e1", adapter, expert_spec())["version"] == 0
         for c in clients[1:]:  # answered from the relay's cache: the adapter does not go upstream again
-            assert c.create_expert("e1", adapter, expert_spec())["version"] == 0
+            assert c.experts.create("e1", adapter, expert_spec())["version"] == 0
         deltas, samples = [random_like(adapter, i) for i in range(3)], [10, 20, 30]
         for i, c in enumerate(clients):
             meta = {"update_id": f"u{i}", "base_version": 0, "num_samples": samples[i], "worker_id": f"w{i}"}
-            assert c.push_update("e1", dumps(deltas[i]), meta)["status"] == "queued"
-        retry = clients[0].push_update("e1", dumps(deltas[0]), {"update_id": "u0", "base_version": 0,
+            assert c.updates.push("e1", dumps(deltas[i]), meta)["status"] == "queued"
+        retry = clients[0].updates.push("e1", dumps(deltas[0]), {"update_id": "u0", "base_version": 0,
                                                                 "num_samples": 10, "worker_id": "w0"})
         assert retry["update_id"] == "u0"
         assert forward_now(relay)["delivered"] == 1
         root_admin = admin(root)
-        expert = root_admin.expert("e1")
+        expert = root_admin.experts.get("e1")
         assert expert["samples_seen"] == 60 and expert["updates_applied"] == 1  # one combined update for three
-        weights = root_admin.pull_weights("e1").tensors
+        weights = root_admin.experts.pull("e1").tensors
         for k in adapter:  # FedBuff's sample-weighted mean, applied once by the root (fedasync, lr 1)
             expected = adapter[k] + sum(n / 60 * d[k] for n, d in zip(samples, deltas))
             assert (weights[k] - expected).abs().max() < 1e-6
         # the relay revalidates its cache upstream at most once a second: version 1 shows up then
-        pulled = wait_for(lambda: (p := clients[1].pull_weights("e1", worker_id="w1")).version == 1 and p)
+        pulled = wait_for(lambda: (p := clients[1].experts.pull("e1", worker_id="w1")).version == 1 and p)
         assert all((pulled.tensors[k] == weights[k]).all() for k in weights)
-        assert clients[2].pull_weights("e1", etag=pulled.etag, worker_id="w2").tensors is None  # 304
-        status = clients[0].update_status("u0")
+        assert clients[2].experts.pull("e1", etag=pulled.etag, worker_id="w2").tensors is None  # 304
+        status = clients[0].updates.status("u0")
         assert status["status"] == "forwarded" and status["forwarded_as"].startswith("site-a.")
         assert forward_now(relay)["delivered"] == 0  # nothing queued; the cycle reports to the root
         (site,) = requests.get(f"{root.url}/api/v1/relays", headers=root.headers, timeout=10).json()["relays"]
@@ -116,10 +116,10 @@ def test_relay_forwards_one_sample_weighted_mean_and_serves_pulls_from_its_cache
         # --forward-on-exit (what run_worker.py --can-relay starts its relay with): an update acknowledged after the
         # last forward goes upstream when the relay is stopped, instead of waiting in its data dir for a restart
         meta = {"update_id": "u-late", "base_version": 1, "num_samples": 5, "worker_id": "w1"}
-        assert clients[1].push_update("e1", dumps(deltas[1]), meta)["status"] == "queued"
+        assert clients[1].updates.push("e1", dumps(deltas[1]), meta)["status"] == "queued"
         relay.stop(timeout=120)
         assert relay.proc.returncode == 0
-        assert root_admin.expert("e1")["samples_seen"] == 65 and root_admin.expert("e1")["updates_applied"] == 2
+        assert root_admin.experts.get("e1")["samples_seen"] == 65 and root_admin.experts.get("e1")["updates_applied"] == 2
     finally:
         relay.stop()
         root.stop()
@@ -158,9 +158,9 @@ def test_a_relay_with_tls_answers_https_and_tells_a_plain_http_client_to_use_it(
     try:
         assert relay.url.startswith("https://")  # the relay says what it serves
         worker = CoordinatorClient(relay.url, ca_cert=cert, token=(tmp_path / "join").read_text().strip())
-        worker.register_worker("w0", "e1", BASE)
+        worker.workers.register("w0", "e1", BASE)
         assert worker.health()["role"] == "relay"
-        assert worker.create_expert("e1", make_adapter(), expert_spec())["version"] == 0
+        assert worker.experts.create("e1", make_adapter(), expert_spec())["version"] == 0
         with pytest.raises(TLSFailure, match=f"speaks TLS.*use {relay.url}"):
             CoordinatorClient(relay.url.replace("https://", "http://"),
                               retry=RetryPolicy(attempts=3, base_delay=5.0)).health()
@@ -173,7 +173,7 @@ def test_a_root_of_another_base_model_stops_the_relay_with_one_line(tmp_path):
     root = CoordinatorProcess(tmp_path / "root")
     root.start()
     try:
-        admin(root).create_expert("e1", make_adapter(), expert_spec())
+        admin(root).experts.create("e1", make_adapter(), expert_spec())
         join = tmp_path / "join"
         join.write_text((tmp_path / "root" / "join_token").read_text())
         done = subprocess.run(
@@ -197,24 +197,24 @@ def test_an_unreachable_root_queues_answers_507_when_full_and_forwards_later(tmp
     try:
         adapter = make_adapter()
         client = worker_client(relay.url, tmp_path, "w0", attempts=1)
-        client.create_expert("e1", adapter, expert_spec())
-        client.pull_weights("e1", worker_id="w0")  # the relay caches version 0
+        client.experts.create("e1", adapter, expert_spec())
+        client.experts.pull("e1", worker_id="w0")  # the relay caches version 0
         root.stop()
         acked, n = 0, 0
         with pytest.raises(Unavailable, match="HTTP 507"):  # the client retries a 507 like any 5xx
             while n < 20:  # each update is ~1.3 KB: the fourth does not fit in 4 KiB
                 n += 1
-                client.push_update("e1", dumps(random_like(adapter, n)), {"update_id": f"u{n}", "base_version": 0,
+                client.updates.push("e1", dumps(random_like(adapter, n)), {"update_id": f"u{n}", "base_version": 0,
                                                                             "num_samples": n, "worker_id": "w0"})
                 acked += n
         assert 0 < acked and n <= 4
         down = forward_now(relay)  # builds the batch, cannot send it: it stays recorded
         assert down["delivered"] == 0 and down["upstream_reachable"] is False and down["queued_bytes"] > 0
         assert requests.get(f"{relay.url}/api/v1/health", timeout=10).json()["upstream_reachable"] is False
-        assert client.pull_weights("e1", worker_id="w0").version == 0  # served from the cache meanwhile
+        assert client.experts.pull("e1", worker_id="w0").version == 0  # served from the cache meanwhile
         root.start()  # the same port and data dir
         assert forward_now(relay)["delivered"] == 1
-        expert = admin(root).expert("e1")
+        expert = admin(root).experts.get("e1")
         assert expert["samples_seen"] == acked and expert["updates_applied"] == 1
     finally:
         relay.stop()
@@ -246,11 +246,11 @@ url, token = sys.argv[1], sys.argv[2]
 adapter, pushed, samples = make_adapter(rank=8, d_in=256, d_out=256), 0, 0
 for w in range(3):
     c = CoordinatorClient(url, token=token)
-    c.register_worker(f"site-w{w}", "e1", expert_spec()["base_model"])
-    c.create_expert("e1", adapter, expert_spec(rank=8))
+    c.workers.register(f"site-w{w}", "e1", expert_spec()["base_model"])
+    c.experts.create("e1", adapter, expert_spec(rank=8))
     for n in range(2):
         body = dumps(random_like(adapter, 10 * w + n))
-        c.push_update("e1", body, {"update_id": f"w{w}-{n}", "base_version": 0, "num_samples": 1 + w + 3 * n,
+        c.updates.push("e1", body, {"update_id": f"w{w}-{n}", "base_version": 0, "num_samples": 1 + w + 3 * n,
                                    "worker_id": f"site-w{w}"})
         pushed, samples = pushed + len(body), samples + 1 + w + 3 * n
 print(json.dumps({"pushed": pushed, "samples": samples}))
@@ -269,7 +269,7 @@ def test_a_relay_inside_an_emulated_site_sends_less_over_the_wan(tmp_path):
     root.start()
     relay_proc = None
     try:
-        admin(root).create_expert("e1", make_adapter(rank=8, d_in=256, d_out=256), expert_spec(rank=8))
+        admin(root).experts.create("e1", make_adapter(rank=8, d_in=256, d_out=256), expert_spec(rank=8))
         join = (tmp_path / "root" / "join_token").read_text().strip()
         (tmp_path / "join").write_text(join)
         with WanLink(("127.0.0.1", int(root.url.rsplit(":", 1)[1])), WAN_MBIT, WAN_RTT_MS) as link:
@@ -285,7 +285,7 @@ def test_a_relay_inside_an_emulated_site_sends_less_over_the_wan(tmp_path):
                                  capture_output=True, text=True, timeout=300, cwd=ROOT, env=env())
             assert out.returncode == 0, out.stderr
             sent = json.loads(out.stdout.strip().splitlines()[-1])
-            wait_for(lambda: admin(root).expert("e1")["samples_seen"] == sent["samples"])
+            wait_for(lambda: admin(root).experts.get("e1")["samples_seen"] == sent["samples"])
             ingress = link.proxy.bytes_to_target
         assert ingress < sent["pushed"] / 2  # 6 pushes crossed the WAN as at most a few combined updates
     finally:
@@ -309,26 +309,26 @@ def test_one_update_id_pushed_to_two_relays_and_the_root_is_applied_once(tmp_pat
         relay_b.start()
         adapter = make_adapter()
         direct, via_a, via_b = (worker_client(c.url, tmp_path, "w0") for c in (root, relay_a, relay_b))
-        direct.create_expert("e1", adapter, expert_spec())
+        direct.experts.create("e1", adapter, expert_spec())
         other = worker_client(relay_b.url, tmp_path, "w1")
         d_u, d_v = random_like(adapter, 1), random_like(adapter, 2)
         meta_u = {"update_id": "w0-u1", "base_version": 0, "num_samples": 5, "worker_id": "w0"}
         for client in (via_a, via_b, direct):
-            client.push_update("e1", dumps(d_u), meta_u)
-        other.push_update("e1", dumps(d_v), {"update_id": "w1-v1", "base_version": 0, "num_samples": 7,
+            client.updates.push("e1", dumps(d_u), meta_u)
+        other.updates.push("e1", dumps(d_v), {"update_id": "w1-v1", "base_version": 0, "num_samples": 7,
                                              "worker_id": "w1"})
         assert forward_now(relay_a)["delivered"] == 0  # its only member is at the root already
         assert forward_now(relay_b)["delivered"] == 1  # {u1, v1} refused for u1; {v1} sent
-        assert via_a.update_status("w0-u1")["status"] == "applied_elsewhere"
-        assert via_b.update_status("w0-u1")["status"] == "applied_elsewhere"
-        assert via_b.update_status("w1-v1")["status"] == "forwarded"
+        assert via_a.updates.status("w0-u1")["status"] == "applied_elsewhere"
+        assert via_b.updates.status("w0-u1")["status"] == "applied_elsewhere"
+        assert via_b.updates.status("w1-v1")["status"] == "forwarded"
         root_admin = admin(root)
-        expert = root_admin.expert("e1")
+        expert = root_admin.experts.get("e1")
         assert expert["samples_seen"] == 5 + 7 and expert["updates_applied"] == 2
-        weights = root_admin.pull_weights("e1").tensors
+        weights = root_admin.experts.pull("e1").tensors
         for k in adapter:  # fedasync, lr 1, no staleness decay: each delta added once
             assert (weights[k] - (adapter[k] + d_u[k] + d_v[k])).abs().max() < 1e-6, k
-        assert direct.update_status("w1-v1")["status"] == "applied"  # the root knows relayed members by id
+        assert direct.updates.status("w1-v1")["status"] == "applied"  # the root knows relayed members by id
     finally:
         relay_b.stop()
         relay_a.stop()
@@ -345,17 +345,17 @@ def test_a_dp_root_gets_each_workers_update_from_its_relay_and_clips_it_as_that_
     try:
         adapter = make_adapter()
         clients = [worker_client(relay.url, tmp_path, f"w{i}") for i in range(2)]
-        clients[0].create_expert("e1", adapter, expert_spec())
+        clients[0].experts.create("e1", adapter, expert_spec())
         big, small = random_like(adapter, 1), random_like(adapter, 2, scale=0.001)
         assert update_norm(big) > 0.5 > update_norm(small)
         for i, (c, delta) in enumerate(zip(clients, (big, small))):
             meta = {"update_id": f"u{i}", "base_version": 0, "num_samples": 10 * (i + 1), "worker_id": f"w{i}"}
-            assert c.push_update("e1", dumps(delta), meta)["status"] == "queued"
+            assert c.updates.push("e1", dumps(delta), meta)["status"] == "queued"
         assert forward_now(relay)["delivered"] == 2  # one batch per worker
         root_admin = admin(root)
-        expert = root_admin.expert("e1")
+        expert = root_admin.experts.get("e1")
         assert expert["version"] == 1 and expert["privacy"]["dp_fedavg"]["steps"] == 1
-        weights = root_admin.pull_weights("e1").tensors
+        weights = root_admin.experts.pull("e1").tensors
         scale = 0.5 / update_norm(big)
         for k in adapter:  # equal weights over K = 2, whatever the sample counts; no int8 rounding on the way
             assert (weights[k] - (adapter[k] + (scale * big[k] + small[k]) / 2)).abs().max() < 1e-5

@@ -41,7 +41,7 @@ def test_an_upload_broken_by_a_relay_crash_resumes_at_the_restarted_relay_and_is
     try:
         adapter = make_adapter(**ADAPTER)
         root_admin = admin(root)
-        root_admin.create_expert("e1", adapter, expert_spec(rank=16))
+        root_admin.experts.create("e1", adapter, expert_spec(rank=16))
         delta = random_like(adapter, seed=3, scale=0.01)
         body = dumps(delta)
         meta = {"update_id": "w0-big-1", "base_version": 0, "num_samples": 9, "worker_id": "w0"}
@@ -58,23 +58,23 @@ def test_an_upload_broken_by_a_relay_crash_resumes_at_the_restarted_relay_and_is
         with proxy:
             client = CoordinatorClient(proxy.url(), token=token, upload=FIXED_CHUNKS,
                                        retry=RetryPolicy(attempts=4, base_delay=0.05))
-            status = client.push_update("e1", body, meta)
-        assert proxy.cuts == 1 and client.last_upload.resumes == 1
+            status = client.updates.push("e1", body, meta)
+        assert proxy.cuts == 1 and client.updates.last_upload.resumes == 1
         assert status["status"] == "queued" and status["relay"] == "site-a"
         # the chunks acknowledged before the crash were kept: at most one chunk was sent again
-        assert client.last_upload.resent <= CHUNK
+        assert client.updates.last_upload.resent <= CHUNK
         assert proxy.bytes_after_cut <= len(body) - cut_at + CHUNK + HEADERS
 
         assert forward_now(relay)["delivered"] == 1
-        again = CoordinatorClient(relay.url, token=token).push_update("e1", body, meta)  # one-shot, same id
+        again = CoordinatorClient(relay.url, token=token).updates.push("e1", body, meta)  # one-shot, same id
         assert again["update_id"] == meta["update_id"] and again["status"] == "forwarded"
         assert forward_now(relay)["delivered"] == 0
-        info = root_admin.expert("e1")
+        info = root_admin.experts.get("e1")
         assert (info["version"], info["updates_applied"], info["samples_seen"]) == (1, 1, 9)
-        weights = root_admin.pull_weights("e1").tensors
+        weights = root_admin.experts.pull("e1").tensors
         for k in adapter:  # fedasync, lr 1, no staleness decay, lossless forwarding: w0 + delta, once
             assert (weights[k] - (adapter[k] + delta[k])).abs().max() < 1e-6, k
-        assert root_admin.update_status(meta["update_id"])["relayed_in"].startswith("site-a.")
+        assert root_admin.updates.status(meta["update_id"])["relayed_in"].startswith("site-a.")
         assert not list((tmp_path / "relay" / "uploads").glob("*.part"))
     finally:
         relay.stop()

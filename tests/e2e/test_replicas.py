@@ -101,7 +101,7 @@ def update_body(seed: int) -> bytes:
 
 def test_two_replicas_serve_one_federation(replicas):
     a, b = replicas
-    CoordinatorClient(a.url, token=admin(a)["Authorization"].split()[1]).create_expert(
+    CoordinatorClient(a.url, token=admin(a)["Authorization"].split()[1]).experts.create(
         "sql", random_tensors(MANIFEST, 7, 0.01), SPEC)
     token = register(a, "w1")  # issued by replica a, good at replica b (tokens live in PostgreSQL)
     bodies = [update_body(i) for i in range(4)]
@@ -124,7 +124,7 @@ def test_two_replicas_serve_one_federation(replicas):
                             allow_redirects=False, timeout=30)
     assert redirect.status_code == 307 and redirect.headers["Location"].startswith(os.environ["AWS_ENDPOINT_URL"])
     assert redirect.headers["ETag"] == plain[0].headers["ETag"]
-    pulled = CoordinatorClient(b.url, token=admin(b)["Authorization"].split()[1]).pull_weights("sql")
+    pulled = CoordinatorClient(b.url, token=admin(b)["Authorization"].split()[1]).experts.pull("sql")
     assert pulled.version == 2 and pulled.etag == plain[0].headers["ETag"]
     expected = loads(plain[0].content)
     assert all(torch.equal(pulled.tensors[k], expected[k]) for k in expected)
@@ -132,7 +132,7 @@ def test_two_replicas_serve_one_federation(replicas):
 
 def test_kill_9_of_a_replica_loses_nothing_acknowledged(replicas):
     a, b = replicas
-    CoordinatorClient(a.url, token=admin(a)["Authorization"].split()[1]).create_expert(
+    CoordinatorClient(a.url, token=admin(a)["Authorization"].split()[1]).experts.create(
         "sql", random_tensors(MANIFEST, 7, 0.01), SPEC)
     token = register(a, "w1")
     bodies = [update_body(i) for i in range(3)]
@@ -178,7 +178,7 @@ def test_a_database_that_goes_down_is_a_503_with_retry_after_and_one_log_line(tm
     try:
         server.start()
         headers = server.headers
-        CoordinatorClient(server.url, token=headers["Authorization"].split()[1]).create_expert(
+        CoordinatorClient(server.url, token=headers["Authorization"].split()[1]).experts.create(
             "sql", random_tensors(MANIFEST, 7, 0.01), SPEC)
         token = register(server, "w1")
         assert push(server, token, "w1", 0, update_body(0), 1).status_code == 202

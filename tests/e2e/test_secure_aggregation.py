@@ -23,7 +23,6 @@ from privacy.secagg.errors import BadSecAggMessage
 from privacy.secagg.session import CohortSession
 from privacy.secagg.vector import flatten
 from protocol.client import CoordinatorClient
-from protocol.cohorts import CohortClient
 from protocol.tensors import manifest_of
 from tests.e2e.test_relay import admin, forward_now, start_pair, worker_client
 from tests.helpers import expert_spec, make_adapter, random_like
@@ -89,15 +88,15 @@ def run_one_round(start_coordinator, base, *flags):
         wait_for(lambda: all(w.secure.session.can_submit for w in workers), what="the cohort's keys and shares")
     one_round(workers)
     client = CoordinatorClient(url)
-    wait_for(lambda: client.expert(EXPERT)["version"] == 1, what="the expert's version 1")
-    weights = client.pull_weights(EXPERT).tensors
+    wait_for(lambda: client.experts.get(EXPERT)["version"] == 1, what="the expert's version 1")
+    weights = client.experts.pull(EXPERT).tensors
     if secure:
         close_sessions(workers)
     return url, client, workers, weights
 
 
 def accepted_updates(client):
-    return [e["message"].split()[1] for e in client._json("GET", "/events", params={"kind": "update_accepted"})["events"]]
+    return [e["message"].split()[1] for e in client.transport.json("GET", "/events", params={"kind": "update_accepted"})["events"]]
 
 
 def test_four_workers_with_secure_aggregation_equal_plain_fedbuff_up_to_quantisation(start_coordinator, base, tmp_path):
@@ -107,10 +106,10 @@ def test_four_workers_with_secure_aggregation_equal_plain_fedbuff_up_to_quantisa
     assert plain.keys() == secure.keys()
     worst = max(float((plain[k] - secure[k]).abs().max()) for k in plain)
     assert 0 < worst < 1e-5, worst  # equal up to quantisation (not bit-equal: the sum went through Z_2^32)
-    info = client.expert(EXPERT)
+    info = client.experts.get(EXPERT)
     assert info["updates_applied"] == 1 and info["samples_seen"] == 4 * 2 * 2  # one cohort: 4 workers x 2 steps x 2
     assert all(w.secure.owed.carried is None for w in workers)  # every worker learned its input counted
-    (cohort,) = [c for c in client._json("GET", "/cohorts")["cohorts"] if c["phase"] == "applied"]
+    (cohort,) = [c for c in client.transport.json("GET", "/cohorts")["cohorts"] if c["phase"] == "applied"]
     assert sorted(cohort["members"]) == WORKERS
     # The coordinator accepted one update, the cohort's: no worker's own update id ever reached it as an update.
     assert accepted_updates(client) == [f"secagg-{cohort['cohort_id']}"]
@@ -122,7 +121,7 @@ def test_a_member_dropping_after_the_key_rounds_is_recovered_and_no_input_is_rea
     _, url = start_coordinator(*SECURE, "--secagg-input-timeout", "10", "--data-dir", str(data_dir))
     workers = make_workers(base, url, secure=True)
     client = CoordinatorClient(url)
-    before = client.pull_weights(EXPERT).tensors
+    before = client.experts.pull(EXPERT).tensors
     for worker in workers[:3]:  # trained before the input round opens: its deadline is then only waited on
         worker.interval.add(worker.trainer.train_steps(2))
     wait_for(lambda: all(w.secure.session.can_submit for w in workers), what="the cohort's keys and shares")
@@ -133,29 +132,29 @@ def test_a_member_dropping_after_the_key_rounds_is_recovered_and_no_input_is_rea
     # While the cohort waits for w3, what the coordinator holds of each input is masked: not decodable alone,
     # and uncorrelated with the member's delta.
     stored = sorted((data_dir / "secagg" / cohort_id).glob("*.u32"))
-    assert len(stored) == 3, client._json("GET", "/cohorts")
+    assert len(stored) == 3, client.transport.json("GET", "/cohorts")
     deltas = [w.secure.owed.in_flight[cohort_id].copy() for w in workers[:3]]
     for path, delta in zip(stored, deltas):
         masked = np.frombuffer(path.read_bytes(), dtype="<u4")
         with pytest.raises(BadSecAggMessage, match="masks did not cancel"):
             quant.decode_sum(masked.copy())  # its weight field is masked too
         assert abs(np.corrcoef(masked[:-1].view(np.int32).astype(np.float64), delta)[0, 1]) < 0.05
-    wait_for(lambda: client.expert(EXPERT)["version"] == 1, what="the cohort recovered without w3")
+    wait_for(lambda: client.experts.get(EXPERT)["version"] == 1, what="the cohort recovered without w3")
     close_sessions(workers[:3])
-    after = client.pull_weights(EXPERT).tensors
+    after = client.experts.pull(EXPERT).tensors
     manifest = workers[0].pipeline.manifest()
     step = flatten({k: after[k] - before[k] for k in after}, manifest)
-    cohorts = {c["cohort_id"]: c for c in client._json("GET", "/cohorts")["cohorts"]}
+    cohorts = {c["cohort_id"]: c for c in client.transport.json("GET", "/cohorts")["cohorts"]}
     cohort = cohorts[cohort_id]
     assert cohort["phase"] == "applied" and cohort["inputs"] == 3, cohort
-    assert client.expert(EXPERT)["samples_seen"] == 3 * 2 * 2  # w3's samples are not counted
+    assert client.experts.get(EXPERT)["samples_seen"] == 3 * 2 * 2  # w3's samples are not counted
     assert accepted_updates(client) == [f"secagg-{cohort_id}"]
     assert all(w.secure.owed.carried is None for w in workers[:3])
     # The step is the three survivors' mean delta (equal sample counts), up to quantisation: w3's masks cancelled.
     assert 0 < np.abs(step - np.mean(deltas, axis=0)).max() < 1e-5
     # A push in the clear to a secure-aggregation expert is refused, with a message saying what to do.
     with pytest.raises(Forbidden, match="only through secure-aggregation cohorts") as refused:
-        client.push_update(EXPERT, b"x" * 16, {"update_id": "w0-clear", "base_version": 1, "num_samples": 1,
+        client.updates.push(EXPERT, b"x" * 16, {"update_id": "w0-clear", "base_version": 1, "num_samples": 1,
                                                "worker_id": "w0"})
     assert refused.value.status == 403
 
@@ -167,7 +166,7 @@ def advance_all(sessions):
 
 def member_sessions(clients, expert):
     """The protocol's own member sessions over HTTP, one per registered client (no training: random deltas)."""
-    return [CohortSession(CohortClient(c), expert, name) for c, name in zip(clients, WORKERS)]
+    return [CohortSession(c.cohorts, expert, name) for c, name in zip(clients, WORKERS)]
 
 
 def random_deltas(adapter, manifest, count):
@@ -175,7 +174,7 @@ def random_deltas(adapter, manifest, count):
 
 
 def root_step(root_admin, adapter, manifest):
-    return flatten({k: v - adapter[k] for k, v in root_admin.pull_weights("e1").tensors.items()}, manifest)
+    return flatten({k: v - adapter[k] for k, v in root_admin.experts.pull("e1").tensors.items()}, manifest)
 
 
 def cohort_ready_to_submit(url: str, tmp_path) -> tuple:
@@ -183,7 +182,7 @@ def cohort_ready_to_submit(url: str, tmp_path) -> tuple:
     (adapter, manifest, clients, sessions, deltas)."""
     adapter = make_adapter()
     clients = [worker_client(url, tmp_path, name) for name in WORKERS]
-    clients[0].create_expert("e1", adapter, expert_spec())
+    clients[0].experts.create("e1", adapter, expert_spec())
     manifest = manifest_of(adapter)
     sessions = member_sessions(clients, "e1")
     wait_for(lambda: advance_all(sessions) or all(s.can_submit for s in sessions), what="the cohort's shares")
@@ -199,7 +198,7 @@ def test_a_relay_unmasks_its_sites_cohort_and_forwards_only_the_sum(tmp_path):
         wait_for(lambda: advance_all(sessions) or all(s.outcome for s in sessions), what="the relay to unmask its cohort")
         assert forward_now(relay)["delivered"] == 1
         root_admin = admin(root)
-        assert root_admin.expert("e1")["samples_seen"] == 40 and root_admin.expert("e1")["updates_applied"] == 1
+        assert root_admin.experts.get("e1")["samples_seen"] == 40 and root_admin.experts.get("e1")["updates_applied"] == 1
         step = root_step(root_admin, adapter, manifest)
         assert 0 < np.abs(step - np.mean(deltas, axis=0)).max() < 1e-6  # the cohort's mean, up to quantisation
         # The relay accepted only the cohort's sum, and the root only the relay's batch of it.
@@ -207,7 +206,7 @@ def test_a_relay_unmasks_its_sites_cohort_and_forwards_only_the_sum(tmp_path):
         assert [u.startswith("secagg-e1-") for u in accepted_updates(relay_admin)] == [True]
         assert [u.startswith("site-a.") for u in accepted_updates(root_admin)] == [True]
         with pytest.raises(Forbidden, match="only through secure-aggregation cohorts"):
-            clients[0].push_update("e1", b"x" * 16, {"update_id": "w0-clear", "base_version": 1, "num_samples": 1,
+            clients[0].updates.push("e1", b"x" * 16, {"update_id": "w0-clear", "base_version": 1, "num_samples": 1,
                                                      "worker_id": "w0"})
     finally:
         relay.stop()
@@ -225,15 +224,15 @@ def test_kill_9_mid_cohort_loses_no_acknowledged_input_and_applies_no_partial_su
         root.kill()
         root.start()  # same data dir, a new port: the members follow it
         for client in clients:
-            client.base_url = root.url
+            client.transport.base_url = root.url
         root_admin = admin(root)
-        (cohort,) = root_admin._json("GET", "/cohorts")["cohorts"]
+        (cohort,) = root_admin.transport.json("GET", "/cohorts")["cohorts"]
         assert cohort["phase"] == "mask" and cohort["inputs"] == 2, cohort  # resumed, both inputs kept
-        assert root_admin.expert("e1")["version"] == 0  # nothing applied with masks left in it
+        assert root_admin.experts.get("e1")["version"] == 0  # nothing applied with masks left in it
         for i in (2, 3):
             sessions[i].submit(deltas[i], 10, {"base_version": 0, "update_id": f"u{i}"}, rounding_seed=i)
         wait_for(lambda: advance_all(sessions) or all(s.outcome for s in sessions), what="the resumed cohort")
-        assert root_admin.expert("e1")["samples_seen"] == 40 and root_admin.expert("e1")["updates_applied"] == 1
+        assert root_admin.experts.get("e1")["samples_seen"] == 40 and root_admin.experts.get("e1")["updates_applied"] == 1
         assert 0 < np.abs(root_step(root_admin, adapter, manifest) - np.mean(deltas, axis=0)).max() < 1e-6
     finally:
         root.stop()
@@ -250,18 +249,18 @@ def test_kill_9_of_a_relay_mid_cohort_loses_no_acknowledged_input_and_forwards_n
         relay.kill()
         relay.start()  # same data dir, a new port: the members follow it
         for client in clients:
-            client.base_url = relay.url
+            client.transport.base_url = relay.url
         relay_admin = CoordinatorClient(relay.url, token=(relay.data_dir / "admin_token").read_text().strip())
-        (cohort,) = relay_admin._json("GET", "/cohorts")["cohorts"]
+        (cohort,) = relay_admin.transport.json("GET", "/cohorts")["cohorts"]
         assert cohort["phase"] == "mask" and cohort["inputs"] == 2, cohort  # resumed, both inputs kept
         assert forward_now(relay)["delivered"] == 0  # nothing to forward: no sum exists while masks remain
         root_admin = admin(root)
-        assert root_admin.expert("e1")["version"] == 0
+        assert root_admin.experts.get("e1")["version"] == 0
         for i in (2, 3):
             sessions[i].submit(deltas[i], 10, {"base_version": 0, "update_id": f"u{i}"}, rounding_seed=i)
         wait_for(lambda: advance_all(sessions) or all(s.outcome for s in sessions), what="the resumed relay cohort")
         assert forward_now(relay)["delivered"] == 1
-        info = root_admin.expert("e1")
+        info = root_admin.experts.get("e1")
         assert info["samples_seen"] == 40 and info["updates_applied"] == 1 and info["version"] == 1
         step = root_step(root_admin, adapter, manifest)
         assert np.isfinite(step).all()

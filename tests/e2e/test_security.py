@@ -50,8 +50,8 @@ def test_bad_credentials_and_digests_are_4xx_never_5xx(start_coordinator, tmp_pa
     proc, url = start_coordinator()
     join = (tmp_path / "coordinator" / "join_token").read_text().strip()
     admin = CoordinatorClient(url)  # finds the admin token the coordinator recorded for this machine
-    admin.create_expert("e", make_adapter(), expert_spec())
-    admin.create_expert("f", make_adapter(), expert_spec())
+    admin.experts.create("e", make_adapter(), expert_spec())
+    admin.experts.create("f", make_adapter(), expert_spec())
     w1 = register(url, join, "w1", "e")
     wrong_digest = update_meta(worker_id="w1")
     cases = {
@@ -64,7 +64,7 @@ def test_bad_credentials_and_digests_are_4xx_never_5xx(start_coordinator, tmp_pa
         "malformed digest": (push(url, w1, digest="sha1=abc"), 400),
         "no digest from a worker": (push(url, w1, digest=None), 400),
     }
-    admin.revoke_worker("w1")
+    admin.workers.revoke("w1")
     cases["revoked worker"] = (push(url, w1), 401)
     cases["revoked worker registering"] = (requests.post(
         f"{url}/api/v1/workers", json={"worker_id": "w1", "specialty": "e", "base_model": BASE},
@@ -72,8 +72,8 @@ def test_bad_credentials_and_digests_are_4xx_never_5xx(start_coordinator, tmp_pa
     got = {name: (r.status_code, r.json()["error"]["code"]) for name, (r, _) in cases.items()}
     assert {name: status for name, (status, _) in got.items()} == {name: want for name, (_, want) in cases.items()}
     with pytest.raises(Exception, match="no update"):  # the damaged push left nothing behind
-        admin.update_status(wrong_digest["update_id"])
-    assert admin.expert("e")["version"] == 0
+        admin.updates.status(wrong_digest["update_id"])
+    assert admin.experts.get("e")["version"] == 0
     assert admin.health()["status"] == "ok"
     assert "Traceback" not in "".join(proc.log)
 
@@ -94,16 +94,16 @@ def test_expired_worker_token_is_401_and_the_client_renews_it(start_coordinator,
     _, url = start_coordinator("--token-ttl-hours", str(1.5 / 3600))
     join = (tmp_path / "coordinator" / "join_token").read_text().strip()
     remote = CoordinatorClient(url, token=join)  # a worker elsewhere, given only the join token
-    remote.register_worker("w1", "e", BASE)
-    remote.create_expert("e", make_adapter(), expert_spec())
+    remote.workers.register("w1", "e", BASE)
+    remote.experts.create("e", make_adapter(), expert_spec())
     old = register(url, join, "w2", "e")
     wait_until_expired(url, old)
     r = push(url, old, meta=update_meta(worker_id="w2"))
     assert (r.status_code, r.json()["error"]["details"]) == (401, {"reason": "expired"})
-    status = remote.push_update("e", dumps(random_like(make_adapter(), seed=4)), update_meta(worker_id="w1"))
+    status = remote.updates.push("e", dumps(random_like(make_adapter(), seed=4)), update_meta(worker_id="w1"))
     assert status["status"] in ("pending", "applied")
     with pytest.raises(Unauthorized, match=r"token from --token"):
-        CoordinatorClient(url, token="fmadm_wrong").list_experts()
+        CoordinatorClient(url, token="fmadm_wrong").experts.list()
 
 
 def test_the_local_entry_is_withdrawn_when_the_coordinator_stops(start_coordinator):
@@ -130,7 +130,7 @@ def test_remote_tool_needs_a_token_and_an_admin_can_revoke(start_coordinator, tm
     revoked = run_tool("--coordinator-url", url, "--revoke-worker", "w9",
                        extra_env=elsewhere | {"FEDMOE_TOKEN": admin_token})
     assert revoked.returncode == 0 and "revoked worker w9" in revoked.stdout
-    assert [(w["worker_id"], w["revoked"]) for w in CoordinatorClient(url).list_workers()] == [("w9", True)]
+    assert [(w["worker_id"], w["revoked"]) for w in CoordinatorClient(url).workers.list()] == [("w9", True)]
 
 
 def self_signed(tmp_path: Path) -> tuple[Path, Path]:
@@ -144,13 +144,13 @@ def self_signed(tmp_path: Path) -> tuple[Path, Path]:
 def count_requests(client: CoordinatorClient) -> list[int]:
     """[number of HTTP requests the client has sent so far]; the requests still go out unchanged."""
     sent = [0]
-    send = client.session.request
+    send = client.transport.session.request
 
     def counting(*args, **kwargs):
         sent[0] += 1
         return send(*args, **kwargs)
 
-    client.session.request = counting  # type: ignore[method-assign]
+    client.transport.session.request = counting  # type: ignore[method-assign]
     return sent
 
 
@@ -159,8 +159,8 @@ def test_tls_with_ca_cert_works_and_without_it_fails_in_one_line(start_coordinat
     _, url = start_coordinator("--tls-cert", str(cert), "--tls-key", str(key))
     assert url.startswith("https://")
     client = CoordinatorClient(url, ca_cert=cert)
-    client.create_expert("e", make_adapter(), expert_spec())
-    assert [e["name"] for e in client.list_experts()] == ["e"]
+    client.experts.create("e", make_adapter(), expert_spec())
+    assert [e["name"] for e in client.experts.list()] == ["e"]
     untrusting = CoordinatorClient(url, retry=RetryPolicy(attempts=3, base_delay=1.0))
     attempts = count_requests(untrusting)
     with pytest.raises(TLSFailure, match=r"not trusted .*--ca-cert"):
@@ -188,7 +188,7 @@ def test_a_stalled_client_is_cut_off_by_the_socket_timeout(start_coordinator):
     answer = http.client.HTTPResponse(slow)  # within slow's 20 s timeout, or it raises
     answer.begin()
     assert (answer.status, json.loads(answer.read())["error"]["code"]) == (408, "request_timeout")
-    assert CoordinatorClient(url).list_experts() == []
+    assert CoordinatorClient(url).experts.list() == []
     assert "Traceback" not in "".join(proc.log)
 
 

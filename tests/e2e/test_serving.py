@@ -61,9 +61,9 @@ def federation(tmp_path_factory):
     adapters = {}
     for seed, name in enumerate(EXPERTS):
         adapters[name] = lora_adapter(base.model, seed)
-        client.create_expert(name, adapters[name], spec(base.fingerprint))
+        client.experts.create(name, adapters[name], spec(base.fingerprint))
         prompts = prompts_of(name)
-        client.put_profile(name, "w-" + name, profile_to_json(text_profile(prompts), len(prompts)))
+        client.experts.put_profile(name, "w-" + name, profile_to_json(text_profile(prompts), len(prompts)))
     keys = tmp / "keys.txt"
     keys.write_text(f"# test keys\n{KEY}\n")
     server = spawn(str(ROOT / "serve.py"), "--coordinator-url", url, "--port", "0", "--api-key-file", str(keys),
@@ -291,7 +291,7 @@ def test_new_versions_swap_in_during_traffic_and_no_request_fails(federation, oa
     try:
         while len(seen) < 3:
             time.sleep(0.05)
-        result = coordinator.push_update("python_expert", dumps(delta), {
+        result = coordinator.updates.push("python_expert", dumps(delta), {
             "update_id": "swap-1", "base_version": 0, "num_samples": 10, "train_loss": 1.0})
         assert result["applied_version"] == 1
         deadline = time.monotonic() + 60
@@ -316,7 +316,7 @@ def test_new_versions_swap_in_during_traffic_and_no_request_fails(federation, oa
 
 def test_a_new_expert_appears_within_a_poll_interval(federation, oai):
     base = federation["base"]
-    federation["coordinator"].create_expert("new_expert", lora_adapter(base.model, 7), spec(base.fingerprint))
+    federation["coordinator"].experts.create("new_expert", lora_adapter(base.model, 7), spec(base.fingerprint))
     deadline = time.monotonic() + 30
     while "new_expert" not in {m.id for m in oai.models.list()}:
         assert time.monotonic() < deadline, "new_expert never appeared in /v1/models"

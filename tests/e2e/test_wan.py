@@ -50,7 +50,7 @@ def expert_server(tmp_path_factory):
     use experts of their own, "f" and "g")."""
     for url in module_coordinator(tmp_path_factory):
         adapter = make_adapter(**ADAPTER)
-        CoordinatorClient(url).create_expert("e", adapter, expert_spec(rank=16))
+        CoordinatorClient(url).experts.create("e", adapter, expert_spec(rank=16))
         yield url, adapter
 
 
@@ -73,7 +73,7 @@ PULL = """
 import hashlib, json, sys
 from protocol.client import CoordinatorClient
 from protocol.tensors import save_file
-pulled = CoordinatorClient(sys.argv[1], token=sys.argv[2]).pull_weights("e")
+pulled = CoordinatorClient(sys.argv[1], token=sys.argv[2]).experts.pull("e")
 save_file(pulled.tensors, sys.argv[3])
 print(json.dumps({"version": pulled.version, "etag": pulled.etag, "nbytes": pulled.nbytes}))
 """
@@ -101,7 +101,7 @@ def test_interrupted_pull_resumes_where_it_stopped(expert_server) -> None:
     size = len(requests.get(f"{url}/api/v1/experts/e/weights", headers=admin_headers(url), timeout=30).content)
     port = int(url.rsplit(":", 1)[1])
     with DelayProxy(("127.0.0.1", port), one_way_s=0.0, cut_after=size * 6 // 10) as proxy:  # every connection dies at 60%
-        pulled = CoordinatorClient(proxy.url(), token=local_token(url)).pull_weights("e")
+        pulled = CoordinatorClient(proxy.url(), token=local_token(url)).experts.pull("e")
         sent = proxy.bytes_to_client
     assert pulled.resumes == 1 and pulled.nbytes == size
     assert sent < size + 4096  # headers twice, but no body byte sent twice
@@ -126,7 +126,7 @@ def test_resume_starts_over_when_the_weights_changed(expert_server) -> None:
     """A stale If-Range gets the whole new body (200), and the pull restarts on it from byte 0."""
     url, _ = expert_server
     other = make_adapter(**ADAPTER, seed=7)
-    CoordinatorClient(url).create_expert("f", other, expert_spec(rank=16))
+    CoordinatorClient(url).experts.create("f", other, expert_spec(rank=16))
     headers, port = admin_headers(url), int(url.rsplit(":", 1)[1])
     size = len(requests.get(f"{url}/api/v1/experts/e/weights", headers=headers, timeout=30).content)
     with DelayProxy(("127.0.0.1", port), one_way_s=0.0, cut_after=size // 2) as proxy:
@@ -165,13 +165,13 @@ def test_delay_proxy_delays_each_direction_without_namespaces() -> None:
 def test_interrupted_gateway_pull_resumes(expert_server) -> None:
     url, adapter = expert_server
     admin = CoordinatorClient(url)
-    admin.create_expert("g", adapter, expert_spec(rank=16))  # its own: "e" stays as the other tests read it
-    admin.push_update("g", dumps({k: torch.full_like(v, 0.01) for k, v in adapter.items()}), update_meta(num_samples=5))
-    want = admin.gateway_tensors()
+    admin.experts.create("g", adapter, expert_spec(rank=16))  # its own: "e" stays as the other tests read it
+    admin.updates.push("g", dumps({k: torch.full_like(v, 0.01) for k, v in adapter.items()}), update_meta(num_samples=5))
+    want = admin.gateway.tensors()
     size = len(requests.get(f"{url}/api/v1/gateway/weights?format=safetensors", headers=admin_headers(url),
                             timeout=30).content)
     with DelayProxy(("127.0.0.1", int(url.rsplit(":", 1)[1])), one_way_s=0.0, cut_after=size * 7 // 10) as proxy:
-        got = CoordinatorClient(proxy.url(), token=local_token(url)).gateway_tensors()
+        got = CoordinatorClient(proxy.url(), token=local_token(url)).gateway.tensors()
         sent, connections = proxy.bytes_to_client, proxy.connections
     assert connections == 2 and size < sent < size + 4096  # cut once, resumed, no body byte twice
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

@@ -93,7 +93,7 @@ def test_auto_compression_switches_codecs_and_keeps_local_equal_to_the_experts_p
     worker.links.up, worker.links.down = LinkEstimate(30_000.0, observed=1), LinkEstimate(1e9, observed=1)
     worker.interval.add(trainer.train_steps(1))
     assert worker.sync()["codec"] == "int8"  # leaves a residual
-    server = worker.client.pull_weights("sql_expert").tensors
+    server = worker.client.experts.pull("sql_expert").tensors
     local, residual = trainer.adapter_state(), encoder.state_dict()
     assert all(torch.allclose(local[k], server[k] + residual.get(k, 0), atol=1e-6) for k in local)
 

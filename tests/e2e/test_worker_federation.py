@@ -57,10 +57,10 @@ def test_two_worker_processes_train_their_experts_and_the_gateway_loads(start_co
         assert proc.returncode == 0, outputs[specialty]
 
     client = CoordinatorClient(url)
-    listed = {w["specialty"]: w for w in client.list_workers()}
+    listed = {w["specialty"]: w for w in client.workers.list()}
     assert {s: (w["status"], w["sync_interval"]) for s, w in listed.items()} == {s: ("alive", 3) for s in workers}
     assert all(w["bytes_up"] > 0 and w["bytes_down"] > 0 for w in listed.values())
-    experts = {e["name"]: e for e in client.list_experts()}
+    experts = {e["name"]: e for e in client.experts.list()}
     for specialty in workers:
         records = [json.loads(line) for line in (tmp_path / f"{specialty}.jsonl").read_text().splitlines()]
         pushed = [r for r in records if r.get("bytes_sent")]
@@ -69,14 +69,14 @@ def test_two_worker_processes_train_their_experts_and_the_gateway_loads(start_co
         assert_one_console_line_per_sync(outputs[specialty], records, as_json=specialty == "sql_expert")
 
         heldout = split_examples(load_examples(sample_dataset_path(specialty)))[1]
-        trained = client.pull_weights(specialty).tensors
+        trained = client.experts.pull(specialty).tensors
         base_loss = adapter_loss(tiny_base, heldout)
         expert_loss = adapter_loss(tiny_base, heldout, trained, experts[specialty]["lora"])
         assert expert_loss < base_loss - 0.1, (specialty, base_loss, expert_loss)
 
     for specialty in workers:  # each worker sent a profile of its data when it joined
         heldout = split_examples(load_examples(sample_dataset_path(specialty)))[1]
-        routed = [client.route(e.prompt)["target"] for e in heldout]
+        routed = [client.gateway.route(e.prompt)["target"] for e in heldout]
         assert routed.count(specialty) >= 0.9 * len(heldout), routed
 
     out = tmp_path / "gateway.npz"
@@ -116,9 +116,9 @@ def test_worker_keeps_training_while_the_coordinator_is_down_and_delivers_once(s
 
     start_coordinator("--staleness-decay", "0", "--port", port)  # same data dir, same address
     assert worker.sync()["delivered"] and not worker.outbox
-    info = client.expert("sql_expert")
+    info = client.experts.get("sql_expert")
     assert info["version"] == 3 and info["updates_applied"] == 3 and info["samples_seen"] == 12
-    pulled = loads(client._request("GET", "/experts/sql_expert/weights").content)
+    pulled = loads(client.transport.request("GET", "/experts/sql_expert/weights").content)
     assert all(torch.allclose(pulled[k], local[k], atol=1e-6) for k in local)  # nothing lost, nothing doubled
 
 
@@ -141,16 +141,16 @@ def test_compressed_pushes_and_diff_pulls_stay_close_to_the_experts_weights(star
     assert all(r["ratio"] > 10 for r in records)  # topk 10% + int8 of the fp32 delta
     full = records[1]["bytes_down"]  # pulls 2..6: diff, full (3rd), diff, diff, full (6th)
     assert records[0]["bytes_down"] < full * 0.6 and records[2]["bytes_down"] < full * 0.6
-    server = client.pull_weights("docs_expert").tensors
+    server = client.experts.pull("docs_expert").tensors
     local, residual = trainer.adapter_state(), worker.encoder.state_dict()
     assert worker.encoder.residual_norm() > 0  # topk 10% leaves most of each delta behind ...
     # ... which the worker keeps in its weights (local = pulled + undelivered residual); the last pull was full
     assert all(torch.allclose(local[k], server[k] + residual[k], atol=1e-6) for k in local)
     worker.interval.add(trainer.train_steps(1))
     worker.sync()  # a diff pull: close to the server's weights, within fp16 rounding
-    server, local, residual = client.pull_weights("docs_expert").tensors, trainer.adapter_state(), worker.encoder.state_dict()
+    server, local, residual = client.experts.pull("docs_expert").tensors, trainer.adapter_state(), worker.encoder.state_dict()
     assert all(torch.allclose(local[k], server[k] + residual[k], atol=1e-3) for k in local)
-    (w,) = client.list_workers()
+    (w,) = client.workers.list()
     # 7 pulls of the worker, and this test's own 2: a pull is counted for the token's worker (docs/identity.md)
     assert w["bytes_up_raw"] > 10 * w["bytes_up"] and w["pulls"] == 7 + 2
 
@@ -168,7 +168,7 @@ def test_ctrl_c_pushes_what_was_trained_then_exits(start_coordinator, tmp_path):
     worker.wait_for(re.compile(r"training: the first \d+ step"), timeout=120)  # trained something
     worker.proc.send_signal(signal.SIGINT)
     assert worker.proc.wait(timeout=300) == 0, "".join(worker.log)
-    info = CoordinatorClient(url).expert("sql_expert")
+    info = CoordinatorClient(url).experts.get("sql_expert")
     assert info["version"] == 1 and info["samples_seen"] > 0
     assert "Traceback" not in "".join(worker.log)
 
@@ -199,13 +199,13 @@ def test_generate_and_merged_export_with_the_tiny_base_model(start_coordinator, 
     model = AutoModelForCausalLM.from_pretrained(merged)
     ids = torch.tensor([[1, 2, 3, 4]])
     from gateway.export import merged_copy
-    reference = merged_copy(tiny_base.model, client_gateway_tensors(url), CoordinatorClient(url).gateway_info()["lora"])
+    reference = merged_copy(tiny_base.model, client_gateway_tensors(url), CoordinatorClient(url).gateway.info()["lora"])
     with torch.no_grad():
         assert torch.allclose(model(ids).logits, reference(ids).logits, atol=1e-4)
 
 
 def client_gateway_tensors(url: str):
-    return loads(CoordinatorClient(url).gateway_weights("safetensors"))
+    return loads(CoordinatorClient(url).gateway.weights("safetensors"))
 
 
 @pytest.mark.parametrize("codec", ["int8", "safetensors"])
@@ -223,9 +223,9 @@ def test_a_nan_update_is_dropped_and_the_worker_resyncs(start_coordinator, codec
     worker.interval.add(trainer.train_steps(1))
     worker.state.reference = {k: torch.full_like(v, float("nan")) for k, v in worker.state.reference.items()}  # diverged
     worker.sync()
-    assert client.expert("sql_expert")["version"] == 0  # nothing poisoned the expert
+    assert client.experts.get("sql_expert")["version"] == 0  # nothing poisoned the expert
     worker.interval.add(trainer.train_steps(1))
-    assert worker.sync()["delivered"] and client.expert("sql_expert")["version"] == 1  # and it goes on
+    assert worker.sync()["delivered"] and client.experts.get("sql_expert")["version"] == 1  # and it goes on
 
 
 def test_max_steps_stops_after_exactly_that_many_optimiser_steps_and_pushes_them(start_coordinator):
@@ -242,9 +242,9 @@ def test_max_steps_stops_after_exactly_that_many_optimiser_steps_and_pushes_them
     worker.joining.join()
     summary = worker.run()
     assert summary.steps == trainer.global_step == 3
-    info = client.expert("sql_expert")  # the final push carried all three steps
+    info = client.experts.get("sql_expert")  # the final push carried all three steps
     assert (info["version"], info["updates_applied"], info["samples_seen"]) == (1, 1, 3 * 2)
-    pulled = client.pull_weights("sql_expert").tensors
+    pulled = client.experts.pull("sql_expert").tensors
     local = trainer.adapter_state()
     assert all(torch.allclose(pulled[k], local[k], atol=1e-6) for k in local)
 
@@ -274,8 +274,8 @@ def test_early_stopping_scores_each_pulled_version_and_stops_when_patience_runs_
     assert worker.pipeline.early_stopped and trainer.global_step < 500
     assert [(r["version"], r["best_version"], r["versions_since_best"]) for r in scored] == [(1, 0, 1)]
     # it stopped right after that sync: the final sync ran, with nothing trained since to push
-    assert records[-1]["final"] and "update_id" not in records[-1] and client.expert("sql_expert")["version"] == 1
-    version_1 = client.pull_weights("sql_expert", version=1).tensors
+    assert records[-1]["final"] and "update_id" not in records[-1] and client.experts.get("sql_expert")["version"] == 1
+    version_1 = client.experts.pull("sql_expert", version=1).tensors
     expected = adapter_loss(tiny_base, heldout, version_1, trainer.lora_config, max_seq_len=32)
     assert scored[0]["heldout_loss"] == pytest.approx(expected, rel=1e-4)
 

@@ -72,11 +72,11 @@ def test_overlapped_syncs_keep_training_made_meanwhile_exactly_once(start_coordi
 
     assert all(r["steps_during_sync"] >= 1 and r["background_seconds"] > 0 for r in records[:3])
     assert all(r["blocked_seconds"] < r["sync_seconds"] for r in records[:3])
-    server = client.pull_weights("sql_expert").tensors
+    server = client.experts.pull("sql_expert").tensors
     local = trainer.adapter_state()
     assert all(torch.allclose(server[k], start[k] + trained[k], atol=1e-5) for k in start)  # nothing lost or doubled
     assert all(torch.allclose(server[k], local[k], atol=1e-6) for k in start)
-    info = client.expert("sql_expert")
+    info = client.experts.get("sql_expert")
     assert info["updates_applied"] == 4 and info["samples_seen"] == worker.totals.samples
     saved = load_checkpoint(tmp_path / "state", worker.pipeline.identity)
     assert saved.progress["syncs"] == 4 and saved.progress["global_step"] == trainer.global_step
@@ -107,8 +107,8 @@ def test_a_killed_worker_resumes_from_its_checkpoint_and_nothing_counts_twice(st
 
     pushed = {r["update_id"]: r["samples"] for r in records if "update_id" in r} | queued
     client = CoordinatorClient(url)
-    assert all(client.update_status(u)["status"] == "applied" for u in pushed)
-    info = client.expert("sql_expert")
+    assert all(client.updates.status(u)["status"] == "applied" for u in pushed)
+    info = client.experts.get("sql_expert")
     assert info["updates_applied"] == info["version"] == len(pushed)
     assert info["samples_seen"] == sum(pushed.values())
 
@@ -172,9 +172,9 @@ def test_resuming_against_a_coordinator_that_lost_the_expert_counts_nothing_twic
     _, new_url = start_coordinator(data_dir=tmp_path / "new")  # an empty data dir: no expert, no history
     second = new_worker(new_url)
     second.joining.join()
-    info = second.client.expert("sql_expert")
+    info = second.client.experts.get("sql_expert")
     assert info["version"] == 0 and info["updates_applied"] == 0 and not second.outbox
-    created = second.client.pull_weights("sql_expert").tensors
+    created = second.client.experts.pull("sql_expert").tensors
     assert all(torch.allclose(created[k], trained[k], atol=1e-6) for k in trained)  # from our checkpoint
     local = second.trainer.adapter_state()  # which already holds the residual: not added a second time
     assert second.encoder.residual_norm() == 0 and all(torch.allclose(local[k], created[k]) for k in local)
@@ -216,8 +216,8 @@ def test_a_checkpoint_writes_only_what_a_resume_needs_and_resumes_from_it(start_
     assert trainer.global_step == saved.progress["global_step"] and worker.syncs == 2
     worker.train_step()
     worker.sync(final=True)
-    info = client.expert("sql_expert")
+    info = client.experts.get("sql_expert")
     assert info["updates_applied"] == 3 and info["samples_seen"] == 3 * 2  # batch 2, one step per update
     tolerance = 1e-3 if pull_codec else 1e-6  # an fp16 diff pull after the restart is off by fp16's rounding
-    assert all(torch.allclose(client.pull_weights("sql_expert").tensors[k], v, atol=tolerance)
+    assert all(torch.allclose(client.experts.pull("sql_expert").tensors[k], v, atol=tolerance)
                for k, v in trainer.adapter_state().items())

@@ -159,7 +159,7 @@ def test_a_worker_never_joins_the_key_round_of_a_dp_cohort_without_sigma(tmp_pat
         sessions[3].advance()  # the fourth join forms the cohort: its config is refused
     assert sessions[3].member is None
     [cohort] = agg.cohorts()
-    assert cohort["phase"] == "advertise" and agg._cohorts[cohort["cohort_id"]].keys == {}
+    assert cohort["phase"] == "advertise" and agg.registry.get(cohort["cohort_id"]).keys == {}
 
 
 def test_a_cohort_is_booked_once_at_sigma_sqrt_s_over_k_and_survives_a_restart(tmp_path):
@@ -213,5 +213,5 @@ def test_a_worker_with_min_dp_noise_posts_no_keys_to_a_cohort_below_it(tmp_path,
             session.advance()  # the others post their keys
     with pytest.raises(SecAggRefused):
         sessions[3].advance()  # asked again at the next poll: still no
-    assert sessions[3].member is None and WORKERS[3] not in agg._cohorts[cohort["cohort_id"]].keys
-    assert set(agg._cohorts[cohort["cohort_id"]].keys) == set(WORKERS[:3])
+    assert sessions[3].member is None and WORKERS[3] not in agg.registry.get(cohort["cohort_id"]).keys
+    assert set(agg.registry.get(cohort["cohort_id"]).keys) == set(WORKERS[:3])

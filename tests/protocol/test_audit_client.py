@@ -4,7 +4,7 @@ sent every heartbeat with the join token, and the coordinator refused each one w
 Sent: ``CoordinatorClient(url, token=<join token>)``, ``register_worker(...)``, then ``heartbeat(worker_id)``.
 Came back: 403 "the join token can only register workers and read" (the relay logged 18 in 90 s of one worker):
 ``_token_for(worker, expert=None)`` compared the worker token's specialty with None and fell back to the join token.
-Fix: protocol/client.py, ``_token_for`` (a call that names no expert uses the worker's own token).
+Fix: ``Workers.token_for`` in protocol/client/workers.py (a call that names no expert uses the worker's own token).
 """
 from __future__ import annotations
 
@@ -33,13 +33,13 @@ def root(tmp_path):
 def test_a_worker_that_joined_with_the_join_token_heartbeats_with_its_own_token(root):
     url, join, app = root
     client = CoordinatorClient(url, token=join)
-    client.register_worker("w1", "sql_expert", {"id": "m", "fingerprint": FINGERPRINT}, 5.0)
+    client.workers.register("w1", "sql_expert", {"id": "m", "fingerprint": FINGERPRINT}, 5.0)
 
-    client.heartbeat("w1")  # was Forbidden: sent with the join token
+    client.workers.heartbeat("w1")  # was Forbidden: sent with the join token
 
-    assert client._token_for("w1", None)[1] == "w1"
-    assert client._token_for("w1", "sql_expert")[1] == "w1"
-    assert client._token_for("w1", "other_expert") == (join, None)  # another expert's call is not this token's
+    assert client.workers.token_for("w1", None)[1] == "w1"
+    assert client.workers.token_for("w1", "sql_expert")[1] == "w1"
+    assert client.workers.token_for("w1", "other_expert") == (join, None)  # another expert's call is not this token's
 
 
 def test_a_coordinator_that_answered_plain_http_is_not_probed_for_tls_when_it_drops_a_connection():

@@ -90,9 +90,9 @@ def test_a_corrupt_file_counts_as_empty_and_is_rewritten(config_dir):
 
 def test_a_client_made_before_its_coordinator_started_finds_the_token_later():
     client = CoordinatorClient("http://127.0.0.1:9100")
-    assert client.token is None
+    assert client.transport.token is None
     publish_local_token("127.0.0.1", 9100, "late")
-    assert client.token == "late"
+    assert client.transport.token == "late"
     publish_local_token("127.0.0.1", 9100, "restarted-on-a-new-data-dir")
-    assert client.token == "restarted-on-a-new-data-dir"
-    assert CoordinatorClient("http://127.0.0.1:9100", token="given").token == "given"
+    assert client.transport.token == "restarted-on-a-new-data-dir"
+    assert CoordinatorClient("http://127.0.0.1:9100", token="given").transport.token == "given"

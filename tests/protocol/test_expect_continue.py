@@ -28,7 +28,7 @@ ADAPTER = make_adapter(layers=8, d_in=8192, d_out=64)  # ~4.4 MiB as safetensors
 def coordinator() -> Iterator[CoordinatorProcess]:
     with tempfile.TemporaryDirectory(prefix="fedmoe-expect-", dir=SCRATCH_DIR) as scratch, \
             coordinator_process(Path(scratch) / "data") as server:
-        CoordinatorClient(server.url).create_expert("e", ADAPTER, expert_spec())
+        CoordinatorClient(server.url).experts.create("e", ADAPTER, expert_spec())
         yield server
 
 
@@ -43,11 +43,11 @@ def test_a_push_refused_from_its_head_sends_no_body(coordinator):
     assert len(body) >= EXPECT_FROM
     proxy, client = through_proxy(coordinator, token="not-a-token")
     with pytest.raises(Unauthorized):
-        client.push_update("e", body, update_meta())
+        client.updates.push("e", body, update_meta())
     assert proxy.bytes_to_target < 16 << 10  # the head only (was the whole 4.4 MiB body: requests sends it anyway)
 
     proxy, admin = through_proxy(coordinator, coordinator.headers["Authorization"].split()[1])  # accepted: the body follows "100 Continue", the push lands
-    assert admin.push_update("e", body, update_meta())["status"] in ("pending", "applied")
+    assert admin.updates.push("e", body, update_meta())["status"] in ("pending", "applied")
     assert len(body) < proxy.bytes_to_target < len(body) + (16 << 10)
 
 

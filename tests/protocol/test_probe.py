@@ -80,7 +80,7 @@ def test_the_client_joins_the_best_fails_over_and_fails_back(servers):
     a.stop()
     assert client.health()["status"] == "ok" and client.base_url == b.url  # failed over within the call
     a.start()
-    client.failback_seconds = 0  # the next call re-probes
+    client.transport.failback_seconds = 0  # the next call re-probes
     client.health()
     assert client.base_url == a.url
     a.stop()

@@ -64,9 +64,9 @@ def _setup(url: str, e: str = "e") -> tuple[dict[str, torch.Tensor], bytes]:
     adapter = make_adapter(**ADAPTER)
     admin = CoordinatorClient(url)
     for name in (e, f"ref-{e}"):
-        admin.create_expert(name, adapter, expert_spec(rank=16))
+        admin.experts.create(name, adapter, expert_spec(rank=16))
     delta = random_like(adapter, seed=3, scale=0.01)
-    admin.push_update(f"ref-{e}", dumps(delta), update_meta())
+    admin.updates.push(f"ref-{e}", dumps(delta), update_meta())
     return adapter, dumps(delta)
 
 
@@ -76,9 +76,9 @@ def _port(url: str) -> tuple[str, int]:
 
 def _assert_applied_once_like_ref(url: str, e: str = "e") -> None:
     admin = CoordinatorClient(url)
-    info = admin.expert(e)
+    info = admin.experts.get(e)
     assert info["updates_applied"] == 1 and info["version"] == 1
-    got, want = admin.pull_weights(e).tensors, admin.pull_weights(f"ref-{e}").tensors
+    got, want = admin.experts.pull(e).tensors, admin.experts.pull(f"ref-{e}").tensors
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
@@ -88,14 +88,14 @@ def test_a_push_broken_at_90_percent_sends_only_the_rest_and_is_applied_once(sha
     with CutProxy(_port(shared.url), cut_at=cut_at) as proxy:
         client = CoordinatorClient(proxy.url(), token=local_token(shared.url), upload=FIXED_CHUNKS,
                                    retry=FAST_RETRY)
-        status = client.push_update(e, body, update_meta())
+        status = client.updates.push(e, body, update_meta())
         after_cut, total = proxy.bytes_after_cut, proxy.bytes_to_target
-    assert proxy.cuts == 1 and client.last_upload.resumes == 1
+    assert proxy.cuts == 1 and client.updates.last_upload.resumes == 1
     assert status["status"] == "applied"
     # Resuming sent the rest from the last acknowledged chunk: at most one chunk more than the bytes left.
     assert after_cut <= len(body) - cut_at + CHUNK + HEADERS
     assert total <= len(body) + CHUNK + 16 * HEADERS
-    assert client.last_upload.resent <= CHUNK
+    assert client.updates.last_upload.resent <= CHUNK
     _assert_applied_once_like_ref(shared.url, e)
 
 
@@ -104,9 +104,9 @@ def test_a_one_shot_push_broken_at_90_percent_sends_everything_again(shared, e) 
     _, body = _setup(shared.url, e)
     with CutProxy(_port(shared.url), cut_at=len(body) * 9 // 10) as proxy:
         client = CoordinatorClient(proxy.url(), token=local_token(shared.url), retry=FAST_RETRY)
-        client.push_update(e, body, update_meta())
+        client.updates.push(e, body, update_meta())
         after_cut = proxy.bytes_after_cut
-    assert client.last_upload is None  # 2 MiB is under the default threshold (8 MiB): one request
+    assert client.updates.last_upload is None  # 2 MiB is under the default threshold (8 MiB): one request
     assert after_cut >= len(body)
     _assert_applied_once_like_ref(shared.url, e)
 
@@ -126,8 +126,8 @@ def test_acknowledged_chunks_survive_a_kill_9_of_the_coordinator(coordinator: Co
     with proxy:
         client = CoordinatorClient(proxy.url(), token=local_token(coordinator.url), upload=FIXED_CHUNKS,
                                    retry=FAST_RETRY)
-        client.push_update("e", body, update_meta())
-    assert proxy.cuts == 1 and client.last_upload.resumes == 1
+        client.updates.push("e", body, update_meta())
+    assert proxy.cuts == 1 and client.updates.last_upload.resumes == 1
     assert proxy.bytes_after_cut <= len(body) - len(body) // 2 + CHUNK + HEADERS
     _assert_applied_once_like_ref(coordinator.url)
 
@@ -140,7 +140,7 @@ def test_a_coordinator_gone_for_good_fails_after_bounded_retries(coordinator: Co
         client = CoordinatorClient(proxy.url(), token=local_token(coordinator.url), upload=FIXED_CHUNKS,
                                    retry=RetryPolicy(attempts=2, base_delay=0.01), timeout=(2.0, 10.0))
         with pytest.raises(Unavailable, match="gave up"):
-            client.push_update("e", body, update_meta())
+            client.updates.push("e", body, update_meta())
 
 
 # chunks over SPOOL_IN_MEMORY reach the application as the front's spool file, already hashed; the upload store
@@ -153,8 +153,8 @@ def test_chunks_the_front_spooled_and_chunks_it_did_not_make_one_update_applied_
     policy = UploadPolicy(threshold=1, first_chunk=SPOOLED_CHUNK, min_chunk=SPOOLED_CHUNK, max_chunk=SPOOLED_CHUNK,
                           max_fraction=1.0)
     client = CoordinatorClient(shared.url, token=local_token(shared.url), upload=policy)
-    client.push_update(e, body, update_meta())
-    stats = client.last_upload
+    client.updates.push(e, body, update_meta())
+    stats = client.updates.last_upload
     assert stats.chunks == 2 and stats.resumes == 0  # one spooled chunk (1.06 MiB), one kept in memory (~0.94 MiB)
     _assert_applied_once_like_ref(shared.url, e)
 
@@ -185,7 +185,7 @@ def test_a_damaged_spooled_chunk_is_refused_and_the_next_one_starts_from_the_sam
 
 
 def test_a_chunk_cut_short_mid_body_is_not_kept_and_the_upload_goes_on(shared, e) -> None:
-    """The front writes a large chunk straight into the upload's file (coordinator/http/upload_placement.py); a client that
+    """The front writes a large chunk straight into the upload's file (coordinator/api/upload_placement.py); a client that
     goes away mid-body leaves nothing past the offset, and the upload is free for the next try at once."""
     _, body = _setup(shared.url, e)
     token = local_token(shared.url)

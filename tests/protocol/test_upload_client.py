@@ -29,7 +29,7 @@ FAST_RETRY = RetryPolicy(attempts=4, base_delay=0.01)
 @pytest.fixture
 def url():
     with running_coordinator(gateway_interval=3600) as url:
-        CoordinatorClient(url).create_expert("e", ADAPTER, expert_spec(rank=8))
+        CoordinatorClient(url).experts.create("e", ADAPTER, expert_spec(rank=8))
         yield url
 
 
@@ -40,21 +40,21 @@ def _port(url: str) -> tuple[str, int]:
 def test_bodies_under_the_threshold_go_in_one_request_and_larger_ones_in_chunks(url):
     first, second = dumps(random_like(ADAPTER, 1, scale=0.01)), dumps(random_like(ADAPTER, 2, scale=0.01))
     one_shot = CoordinatorClient(url, upload=UploadPolicy(threshold=len(first) + 1))
-    assert one_shot.push_update("e", first, update_meta())["status"] == "applied"
-    assert one_shot.last_upload is None
+    assert one_shot.updates.push("e", first, update_meta())["status"] == "applied"
+    assert one_shot.updates.last_upload is None
     chunked = CoordinatorClient(url, upload=FIXED)
-    assert chunked.push_update("e", second, update_meta(base_version=1))["status"] == "applied"
-    assert chunked.last_upload.chunks == -(-len(second) // CHUNK) and chunked.last_upload.resent == 0
-    assert CoordinatorClient(url).expert("e")["updates_applied"] == 2
+    assert chunked.updates.push("e", second, update_meta(base_version=1))["status"] == "applied"
+    assert chunked.updates.last_upload.chunks == -(-len(second) // CHUNK) and chunked.updates.last_upload.resent == 0
+    assert CoordinatorClient(url).experts.get("e")["updates_applied"] == 2
 
 
 def test_a_break_mid_chunk_on_the_threaded_server_resumes_from_the_last_chunk(url):
     body = dumps(random_like(ADAPTER, 2, scale=0.01))
     with CutProxy(_port(url), cut_at=len(body) // 2) as proxy:
         client = CoordinatorClient(proxy.url(), token=local_token(url), upload=FIXED, retry=FAST_RETRY)
-        client.push_update("e", body, update_meta())
-    assert client.last_upload.resumes == 1 and client.last_upload.resent <= CHUNK
-    assert CoordinatorClient(url).expert("e")["updates_applied"] == 1
+        client.updates.push("e", body, update_meta())
+    assert client.updates.last_upload.resumes == 1 and client.updates.last_upload.resent <= CHUNK
+    assert CoordinatorClient(url).experts.get("e")["updates_applied"] == 1
 
 
 def test_an_upload_that_expired_mid_push_is_opened_again_and_applied_once(tmp_path):
@@ -67,7 +67,7 @@ def test_an_upload_that_expired_mid_push_is_opened_again_and_applied_once(tmp_pa
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_port}"
     try:
-        CoordinatorClient(url).create_expert("e", ADAPTER, expert_spec(rank=8))
+        CoordinatorClient(url).experts.create("e", ADAPTER, expert_spec(rank=8))
         body, meta = dumps(random_like(ADAPTER, 2, scale=0.01)), update_meta()
 
         def link_down_for_an_hour() -> None:
@@ -75,10 +75,10 @@ def test_an_upload_that_expired_mid_push_is_opened_again_and_applied_once(tmp_pa
 
         with CutProxy(_port(url), cut_at=len(body) // 2, on_cut=link_down_for_an_hour) as proxy:
             client = CoordinatorClient(proxy.url(), upload=FIXED, retry=FAST_RETRY)
-            status = client.push_update("e", body, meta)
-        assert status["status"] == "applied" and client.last_upload.reopened == 1
-        assert client.last_upload.sent >= len(body) + len(body) // 2 - 2 * CHUNK  # started over after the break
-        info = CoordinatorClient(url).expert("e")
+            status = client.updates.push("e", body, meta)
+        assert status["status"] == "applied" and client.updates.last_upload.reopened == 1
+        assert client.updates.last_upload.sent >= len(body) + len(body) // 2 - 2 * CHUNK  # started over after the break
+        info = CoordinatorClient(url).experts.get("e")
         assert (info["version"], info["updates_applied"]) == (1, 1)
         assert store.open_count() == 0 and not list(store.root.glob("*.part"))  # the expired one was swept
     finally:
@@ -90,10 +90,10 @@ def test_an_upload_that_expired_mid_push_is_opened_again_and_applied_once(tmp_pa
 def test_a_push_already_recorded_sends_no_chunk(url):
     body, meta = dumps(random_like(ADAPTER, 2, scale=0.01)), update_meta()
     client = CoordinatorClient(url, upload=FIXED)
-    first = client.push_update("e", body, meta)
-    again = client.push_update("e", body, meta)  # e.g. a restarted worker pushing its pending update again
-    assert again["update_id"] == first["update_id"] and client.last_upload.sent == 0
-    assert CoordinatorClient(url).expert("e")["updates_applied"] == 1
+    first = client.updates.push("e", body, meta)
+    again = client.updates.push("e", body, meta)  # e.g. a restarted worker pushing its pending update again
+    assert again["update_id"] == first["update_id"] and client.updates.last_upload.sent == 0
+    assert CoordinatorClient(url).experts.get("e")["updates_applied"] == 1
 
 
 def test_upload_policy_checks_its_settings():
@@ -117,12 +117,12 @@ def test_a_coordinator_without_upload_routes_gets_a_one_shot_push(tmp_path):
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_port}"
     try:
-        CoordinatorClient(url).create_expert("e", ADAPTER, expert_spec(rank=8))
+        CoordinatorClient(url).experts.create("e", ADAPTER, expert_spec(rank=8))
         client = CoordinatorClient(url, upload=FIXED)
-        assert client.push_update("e", dumps(random_like(ADAPTER, 2, scale=0.01)), update_meta())["status"] == "applied"
-        assert client.last_upload.chunks == 0
+        assert client.updates.push("e", dumps(random_like(ADAPTER, 2, scale=0.01)), update_meta())["status"] == "applied"
+        assert client.updates.last_upload.chunks == 0
         with pytest.raises(NotFound, match="no expert named 'nope'"):  # a real 404 stays one
-            client.push_update("nope", dumps(random_like(ADAPTER, 2)), update_meta())
+            client.updates.push("nope", dumps(random_like(ADAPTER, 2)), update_meta())
     finally:
         server.shutdown()
         server.server_close()
@@ -136,7 +136,7 @@ def crowded(tmp_path):
                                        extra={"MAX_OPEN_UPLOADS": 2}))
     server, url = serve_on_loopback(app)
     try:
-        CoordinatorClient(url, token=app.extensions["fedmoe_auth"].admin_token).create_expert(
+        CoordinatorClient(url, token=app.extensions["fedmoe_auth"].admin_token).experts.create(
             "e", ADAPTER, expert_spec(rank=8))
         yield app, url, (tmp_path / "data" / "join_token").read_text().strip()
     finally:
@@ -168,9 +168,9 @@ def test_an_open_refused_at_the_limit_of_open_uploads_falls_back_to_a_one_shot_p
     for other in ("w2", "w3"):  # the two open uploads the coordinator holds, both fresh: neither may be evicted
         _open_empty(url, _register(url, join, other), other)
     body = dumps(random_like(ADAPTER, 3, scale=0.01))
-    status = worker.push_update("e", body, update_meta(worker_id="w1"))
-    assert status["status"] == "applied" and worker.last_upload.chunks == 0  # no chunk: one request
-    assert CoordinatorClient(url, token=app.extensions["fedmoe_auth"].admin_token).expert("e")["updates_applied"] == 1
+    status = worker.updates.push("e", body, update_meta(worker_id="w1"))
+    assert status["status"] == "applied" and worker.updates.last_upload.chunks == 0  # no chunk: one request
+    assert CoordinatorClient(url, token=app.extensions["fedmoe_auth"].admin_token).experts.get("e")["updates_applied"] == 1
 
 
 def test_an_open_refused_for_the_workers_own_limit_falls_back_to_a_one_shot_push(crowded):
@@ -184,11 +184,11 @@ def test_an_open_refused_for_the_workers_own_limit_falls_back_to_a_one_shot_push
     for upload in held:
         upload.lock.acquire()  # as a chunk arriving holds it (UploadStore.place_chunk)
     try:
-        status = worker.push_update("e", dumps(random_like(ADAPTER, 4, scale=0.01)), update_meta(worker_id="w1"))
+        status = worker.updates.push("e", dumps(random_like(ADAPTER, 4, scale=0.01)), update_meta(worker_id="w1"))
     finally:
         for upload in held:
             upload.lock.release()
-    assert status["status"] == "applied" and worker.last_upload.chunks == 0
+    assert status["status"] == "applied" and worker.updates.last_upload.chunks == 0
 
 
 class _FakeCoordinator:

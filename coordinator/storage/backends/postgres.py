@@ -1,6 +1,6 @@
 """The manifest in PostgreSQL (``--manifest postgresql://...``), so several coordinators share one federation.
 
-The SQL is ManifestStore's own (coordinator/storage/manifest.py, coordinator/access/audit.py): one schema and one set
+The SQL is ManifestStore's own (coordinator/storage/manifest.py, coordinator/storage/audit_log.py): one schema and one set
 of queries for both engines, through a thin connection that speaks SQLite's dialect to the store
 and PostgreSQL's to the server (``?`` placeholders, ``LIMIT -1``, AUTOINCREMENT, lastrowid).
 
@@ -37,13 +37,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import psycopg
-from psycopg.rows import dict_row, tuple_row
+from psycopg.rows import dict_row
 
-from coordinator.access.audit import AUDIT_SCHEMA
+from coordinator.storage.audit_log import AUDIT_SCHEMA
 from coordinator.storage.backends.errors import BackendUnavailable, log_outage
 from coordinator.storage.sqldb import Row
-from coordinator.storage.manifest import SCHEMA, ManifestStore
-from coordinator.access.tokens import TokenStore
+from coordinator.storage.manifest import ManifestStore
+from coordinator.storage.manifest_schema import SCHEMA
 from protocol.errors import Conflict
 
 log = logging.getLogger(__name__)
@@ -288,33 +288,6 @@ class PostgresManifestStore(ManifestStore):
     def recent_norms(self, expert: str, n: int) -> list[float]:
         with self._guarded():
             return super().recent_norms(expert, n)
-
-
-class PostgresTokenStore(TokenStore):
-    """Worker tokens and revocations in PostgreSQL, so a token issued by one replica is good at every other.
-
-    Each replica keeps its cache of tokens seen valid (coordinator/access/tokens.py); a revocation reaches
-    the other replicas' caches only when those entries expire from it (see docs/scale.md).
-    """
-
-    def __init__(self, url: str, *args: Any, **kwargs: Any) -> None:
-        self.url = url
-        super().__init__(*args, **kwargs)
-
-    @contextlib.contextmanager
-    def _db(self) -> Iterator[Any]:
-        try:
-            db = PgConnection(self.url, rows=tuple_row)
-        except BackendUnavailable:
-            raise
-        try:
-            yield db
-        except (psycopg.errors.LockNotAvailable, psycopg.errors.QueryCanceled) as exc:
-            raise busy(self.url, exc) from None
-        except psycopg.OperationalError as exc:
-            raise unavailable(self.url, exc) from None
-        finally:
-            db.close()
 
 
 class ExpertLocks:

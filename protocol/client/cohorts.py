@@ -1,6 +1,6 @@
 """The worker's side of the secure-aggregation routes: a ``privacy.secagg.session.CohortTransport`` over HTTP.
 
-Each method is one request through ``CoordinatorClient`` (its token, retries, timeouts and failover),
+Each method is one request through the client's ``Transport`` (its token, retries, timeouts and failover),
 answering the JSON the coordinator's (or a relay's) ``SecureAggregator`` answered. Every request names
 the worker; with auth on, a worker token may only name its own id.
 
@@ -15,23 +15,21 @@ the worker; with auth on, a worker token may only name its own id.
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from protocol.client.transport import Transport
 from protocol.integrity import DIGEST_HEADER, digest_header
 from protocol.schemas import UPDATE_HEADER
 
-if TYPE_CHECKING:
-    from protocol.client import CoordinatorClient
 
+class Cohorts:
+    """Secure-aggregation calls of a worker (``client.cohorts``), each naming the worker it is made for."""
 
-class CohortClient:
-    """Secure-aggregation calls of one worker, through its ``CoordinatorClient``."""
-
-    def __init__(self, client: CoordinatorClient) -> None:
-        self.client = client
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
 
     def _json(self, method: str, path: str, worker: str, **kwargs: Any) -> dict[str, Any]:
-        answer = self.client._json(method, path, worker=worker, **kwargs)
+        answer = self.transport.json(method, path, worker=worker, **kwargs)
         if not isinstance(answer, dict):
             raise ValueError(f"{method} {path} answered {type(answer).__name__}, not a JSON object")
         return answer

@@ -22,7 +22,7 @@ from typing import Any
 from flask import Flask
 
 from coordinator.access.auth import bearer_token
-from coordinator.http.bodies import BodyPlace
+from coordinator.storage.incoming import BodyPlace
 from coordinator.access.tokens import ADMIN, RELAY, WORKER
 from coordinator.storage.upload_files import UploadStore
 from coordinator.api.uploads import chunk_range, owner_of
