@@ -12,7 +12,8 @@ The coordinator's default sets alpha = 1 / N and grace = N - 1 for N workers on 
 full weight their N updates add up to an N-times larger step from stale bases, which overshoots and oscillates;
 at 1 / N they add up to their mean, FedAvg's step. While one worker trains, the other N - 1 push, so an update
 N - 1 versions old is on time: discounting it too (grace 0) shrank that mean step to 0.67 of FedAvg's at N = 6
-(decay 0.1); only lateness beyond a round of the others counts. Measured in docs/aggregation.md.
+(decay 0.1); only lateness beyond a round of the others counts (docs/history/benchmarks.md, "Several workers
+on one expert").
 
 Given several updates it applies them one after another, each with its own staleness weight, in place on
 ``current`` (no copy of the model).
