@@ -240,7 +240,7 @@ class CoordinatorConfig:
 
 
 def _async_alpha(text: str) -> float | None:
-    """``auto`` (None: 1 / active workers, decided at each step) or a number in (0, 1]."""
+    """``auto`` (None: 1 / the expert's workers, decided at each step) or a number in (0, 1]."""
     if text.strip().lower() == "auto":
         return None
     try:
