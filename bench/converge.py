@@ -6,7 +6,8 @@ processes train one expert against a real coordinator (in this process, on loopb
 ``--steps`` optimiser steps (``--max-steps``), pushing every ``--sync-interval`` seconds. Every arm gets the
 same model, LoRA, lr, batch, sequence length and data order; what differs is how updates are combined:
 
-- ``default``: the coordinator's defaults (fedasync, alpha = 1 / the workers alive on the expert);
+- ``default``: the coordinator's defaults (fedasync, alpha = 1 / N and staleness grace N - 1 for the N workers on
+  the expert);
 - ``original``: ``--async-alpha 1``, the original tool's rule (each update at full weight as it arrives);
 - ``fedbuff``: ``--aggregation fedbuff --buffer-size N``;
 - ``flower``: Flower's FedAvg (bench/flower_baseline.py, its own virtualenv, requirements-bench.txt) on the same
@@ -82,6 +83,9 @@ class Curve:
     """{"steps": all workers' optimiser steps so far, "version" or "round", "loss", "loss_without_end"}."""
     wall_seconds: float
     versions: int = 0
+    steps_log: list[dict[str, Any]] | None = None
+    """FedMoE: each version's step as the coordinator's audit log has it (seconds since the first version, update
+    ids, staleness, alpha, staleness grace, workers counted and alive), to see why a version rose."""
 
     def summary(self, base: float, reference: float | None) -> dict[str, Any]:
         losses = [p["loss"] for p in self.points]
@@ -138,6 +142,7 @@ def run_fedmoe(lab: Lab, plan: Plan, arm: str, shards: list[Path], heldout: list
         client = CoordinatorClient(url)
         versions = client.experts.get(plan.domain)["versions"]
         lora = client.experts.get(plan.domain)["lora"]
+        steps_log = version_steps(client, plan.domain)
         points = []
         for entry in scored_versions(versions, plan.max_evals, plan.batch_size):
             adapter = client.experts.pull(plan.domain, version=entry["version"]).tensors
@@ -145,7 +150,17 @@ def run_fedmoe(lab: Lab, plan: Plan, arm: str, shards: list[Path], heldout: list
                            **loss_pair(lab.losses(heldout, adapter, lora))})
             log.info("%s x%d: version %d (%d steps) held-out %.4f", arm, len(shards), entry["version"],
                      entry["steps"], points[-1]["loss"])
-    return Curve(arm, len(shards), points, wall, versions=len(versions) - 1)
+    return Curve(arm, len(shards), points, wall, versions=len(versions) - 1, steps_log=steps_log)
+
+
+def version_steps(client: CoordinatorClient, expert: str) -> list[dict[str, Any]]:
+    """The expert's version_applied events, oldest first (the newest 500), each reduced to what weighed its updates."""
+    events = sorted((e for e in client.events("version_applied", limit=500) if e["expert"] == expert),
+                    key=lambda e: e["detail"]["version"])
+    t0 = events[0]["time"] if events else 0.0
+    keys = ("version", "update_ids", "staleness", "alpha", "staleness_grace", "workers_counted", "workers_alive")
+    return [{"seconds": round(e["time"] - t0, 1), **{k: e["detail"][k] for k in keys if k in e["detail"]}}
+            for e in events]
 
 
 def scored_versions(versions: list[dict[str, Any]], limit: int, batch_size: int) -> list[dict[str, Any]]:

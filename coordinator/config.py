@@ -35,8 +35,9 @@ class CoordinatorConfig:
     server_lr: float = option(1.0, "step size on aggregated deltas")
     async_alpha: float | None = option(
         None, "fedasync's mixing weight alpha (Xie et al. 2019): each update is applied at alpha x server-lr / (1 + "
-              "decay x staleness); 1 is the original tool's rule (default: auto = 1 / the workers alive on the "
-              "expert, so N workers' updates add up to their mean, not N times it)",
+              "decay x staleness); 1 is the original tool's rule (default: auto = 1 / N for the N workers on the "
+              "expert, alive or stale, so N workers' updates add up to their mean, not N times it; staleness up to "
+              "N - 1 then counts as on time)",
         metavar="ALPHA|auto", parse=lambda text, flag: _async_alpha(text))
     staleness_decay: float = option(0.1, "updates weigh 1/(1 + decay * staleness), staleness = versions behind")
     buffer_size: int = option(3, "K updates per fedbuff step")
@@ -239,7 +240,7 @@ class CoordinatorConfig:
 
 
 def _async_alpha(text: str) -> float | None:
-    """``auto`` (None: 1 / active workers, decided at each step) or a number in (0, 1]."""
+    """``auto`` (None: 1 / the expert's workers, decided at each step) or a number in (0, 1]."""
     if text.strip().lower() == "auto":
         return None
     try:

@@ -21,3 +21,16 @@ def active_workers(workers: Iterable[Mapping[str, Any]], specialty: str, now: fl
     now = time.time() if now is None else now
     return sum(1 for w in workers if w["specialty"] == specialty
                and liveness(now - w["last_seen"], w["sync_interval"]) == "alive")
+
+
+def workers_on_expert(workers: Iterable[Mapping[str, Any]], specialty: str, now: float | None = None) -> int:
+    """fedasync's N: the registered workers of ``specialty`` not gone (alive or stale: heard from within 20 syncs).
+
+    Not only the alive ones: a worker is heard from when it syncs, and a sync waits for the optimiser step in
+    progress, so a worker whose steps take longer than 3 sync intervals (six smollm2 workers sharing 2 cores took
+    ~2 minutes a step at 30 s syncs) looked dead between its pushes, N dropped and its next update went in at 1/2 or
+    more. Counting too many only makes a step smaller (a worker that finished still counts, for 5 minutes at
+    least, so its share of the mean stays 1/N as in FedAvg); counting too few overshoots."""
+    now = time.time() if now is None else now
+    return sum(1 for w in workers if w["specialty"] == specialty
+               and liveness(now - w["last_seen"], w["sync_interval"]) != "gone")

@@ -27,7 +27,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.storage.expert_store import ExpertStore, StaleAggregation
 from coordinator.checks.flat_weights import load_flat, save_flat
 from coordinator.privacy_ledger import PrivacyLedgers
-from coordinator.liveness import active_workers
+from coordinator.liveness import active_workers, workers_on_expert
 from coordinator.recovery import quarantine_updates
 from coordinator.storage.manifest_schema import ExpertRow, UpdateRow, parsed_manifest
 from coordinator.checks.update_limits import as_clipped, check_step_result
@@ -45,6 +45,7 @@ class PreparedStep:
     base_version: int
     weights: StateDict
     updates: list[Update]
+    params: AggregationParams
 
 
 class AggregationSteps:
@@ -89,12 +90,14 @@ class AggregationSteps:
         if len(pending) != self.updates_per_step - 1:
             return None
         expert = self.store.require_expert(name)
-        new, updates = self._candidate(expert, pending, (stored, body))
+        new, updates, params = self._candidate(expert, pending, (stored, body))
         check_step_result(new, stored["update_id"], name)  # InvalidUpdate (422): nothing recorded
-        return PreparedStep([u.update_id for u in pending] + [stored["update_id"]], expert.version, new, updates)
+        return PreparedStep([u.update_id for u in pending] + [stored["update_id"]], expert.version, new, updates,
+                            params)
 
     def _candidate(self, expert: ExpertRow, recorded: list[UpdateRow],
-                   incoming: tuple[dict[str, Any], Path] | None = None) -> tuple[StateDict, list[Update]]:
+                   incoming: tuple[dict[str, Any], Path] | None = None
+                   ) -> tuple[StateDict, list[Update], AggregationParams]:
         """The expert's next weights from recorded updates and, if given, one not yet recorded
         (its stored meta and temp file). Payloads are read tensor by tensor while aggregating."""
         manifest = list(parsed_manifest(expert.manifest))
@@ -108,15 +111,25 @@ class AggregationSteps:
             updates = [Update(delta=self._deltas(meta, path, manifest), num_samples=meta["num_samples"],
                               staleness=max(0, expert.version - meta["base_version"]),
                               contributor=meta.get("worker_id") or meta["update_id"]) for meta, path in entries]
-            return self._aggregate_fn(current, updates, self.params_for(expert.name)), updates
+            params = self.params_for(expert.name)
+            return self._aggregate_fn(current, updates, params), updates, params
 
     def params_for(self, name: str) -> AggregationParams:
-        """The step's parameters: with ``--async-alpha auto`` (fedasync's default), alpha = 1 / N for the N workers
-        alive on the expert (at least 1: a push from an unregistered client counts whole)."""
+        """The step's parameters: with ``--async-alpha auto`` (fedasync's default), alpha = 1 / N and staleness
+        grace N - 1 for the N workers on the expert (``liveness.workers_on_expert``; at least 1: a push from an
+        unregistered client counts whole). A fixed --async-alpha keeps grace 0, the original staleness rule."""
         if self.async_alpha is not None:
             return self.params if self.async_alpha == 1.0 else replace(self.params, alpha=self.async_alpha)
-        active = active_workers(self.store.rows.workers(), name)
-        return replace(self.params, alpha=1.0 / max(1, active))
+        n = max(1, workers_on_expert(self.store.rows.workers(), name))
+        return replace(self.params, alpha=1.0 / n, staleness_grace=n - 1)
+
+    def _weighting(self, name: str, params: AggregationParams) -> dict[str, Any]:
+        """What a version_applied event says of the step's weights (and, with auto alpha, the workers counted)."""
+        detail: dict[str, Any] = {"alpha": params.alpha, "staleness_grace": params.staleness_grace}
+        if self.async_alpha is None:
+            workers = self.store.rows.workers()
+            detail |= {"workers_counted": workers_on_expert(workers, name), "workers_alive": active_workers(workers, name)}
+        return detail
 
     def run(self, name: str) -> None:
         """Apply whatever steps the pending updates of ``name`` make up."""
@@ -140,10 +153,10 @@ class AggregationSteps:
         started = time.perf_counter()
         expert = self.store.require_expert(name)
         if prepared is not None and prepared.base_version == expert.version:
-            new, updates = prepared.weights, prepared.updates
+            new, updates, params = prepared.weights, prepared.updates, prepared.params
         else:
             try:
-                new, updates = self._candidate(expert, batch)
+                new, updates, params = self._candidate(expert, batch)
             except (InvalidPayload, PayloadError, FileNotFoundError):  # raw payloads are opened here, others decoded
                 if all(self._still_pending(u) for u in batch):
                     raise
@@ -159,8 +172,8 @@ class AggregationSteps:
         loss = _mean_loss(batch)
         try:
             self.store.commit_version(name, expert.version + 1, written, batch, loss, events=(audit.version_applied(
-                name, expert.version + 1, [u.update_id for u in batch], [u.staleness for u in updates], loss),),
-                durable=False)  # callers sync after letting go of the expert's lock
+                name, expert.version + 1, [u.update_id for u in batch], [u.staleness for u in updates], loss,
+                self._weighting(name, params)),), durable=False)  # callers sync after letting go of the expert's lock
         except StaleAggregation as exc:
             log.warning("dropped an aggregation step of %s: %s", name, exc)
             return False

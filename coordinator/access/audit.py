@@ -5,6 +5,7 @@ manifest writes an event in the same transaction as the change it records.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from coordinator.storage.audit_log import Event
@@ -54,10 +55,11 @@ def update_duplicate(name: str, worker_id: str | None, update_id: str, status: s
 
 
 def version_applied(name: str, version: int, update_ids: list[str], staleness: list[int],
-                    train_loss: float | None) -> Event:
+                    train_loss: float | None, weighting: Mapping[str, Any] | None = None) -> Event:
+    """``weighting``: the step's alpha and staleness grace (and the workers counted for them), when known."""
     return Event("version_applied", f"expert {name} -> version {version} from {len(update_ids)} update(s)",
                  expert=name, detail={"version": version, "num_updates": len(update_ids), "train_loss": train_loss,
-                                      "update_ids": update_ids, "staleness": staleness})
+                                      "update_ids": update_ids, "staleness": staleness, **(weighting or {})})
 
 
 def rejection_event(expert: str, status: int, code: str, message: str, details: dict[str, Any],

@@ -37,7 +37,11 @@ class AggregationParams:
     """Stale updates are weighted by 1 / (1 + staleness_decay * staleness)."""
     alpha: float = 1.0
     """fedasync's mixing weight (Xie et al. 2019) in (0, 1]: the share of each update applied as it arrives.
-    The coordinator sets it per step (``--async-alpha``; by default 1 / the expert's active workers)."""
+    The coordinator sets it per step (``--async-alpha``; by default 1 / the workers on the expert)."""
+    staleness_grace: int = 0
+    """fedasync: versions of staleness that are on time, not discounted (Xie et al.'s hinge function): with N
+    workers on an expert an update is normally N - 1 versions old, the others having pushed while it trained.
+    The coordinator's default sets it to N - 1; 0 discounts every version (the original rule)."""
 
     def __post_init__(self) -> None:
         if not self.server_lr > 0:
@@ -46,11 +50,16 @@ class AggregationParams:
             raise ValueError(f"staleness_decay must be >= 0, got {self.staleness_decay}")
         if not 0 < self.alpha <= 1:
             raise ValueError(f"alpha must be in (0, 1], got {self.alpha}")
+        if self.staleness_grace < 0:
+            raise ValueError(f"staleness_grace must be >= 0, got {self.staleness_grace}")
 
 
-def staleness_weight(staleness: int, decay: float) -> float:
-    """The original system's rule: older updates count less, smoothly."""
-    return 1.0 / (1.0 + decay * staleness)
+def staleness_weight(staleness: int, decay: float, grace: int = 0) -> float:
+    """Older updates count less, smoothly: 1 / (1 + decay * staleness), the original system's rule.
+
+    With ``grace`` b > 0 it is Xie et al.'s hinge function (Asynchronous Federated Optimization, 2019, sec. 5):
+    1 up to b versions behind, then 1 / (1 + decay * (staleness - b)); only lateness beyond b counts."""
+    return 1.0 / (1.0 + decay * max(0, staleness - grace))
 
 
 def tensors_of(delta: Mapping[str, torch.Tensor]) -> Iterable[tuple[str, torch.Tensor]]:
