@@ -11,6 +11,7 @@ import get_gateway_model
 from protocol.client import CoordinatorClient, RetryPolicy
 from protocol.errors import InvalidPayload, NotFound, Unavailable
 from protocol.tensors import dumps
+from tests import launcher
 from tests.e2e.conftest import ROOT, admin_headers, env
 from tests.helpers import expert_spec, make_adapter, random_like, run_main, update_meta
 
@@ -118,9 +119,9 @@ def test_client_gives_up_with_unavailable():
 def test_port_in_use_is_one_clear_error(start_coordinator, tmp_path):
     _, url = start_coordinator()
     port = url.rsplit(":", 1)[1]
-    result = subprocess.run([sys.executable, str(ROOT / "run_coordinator.py"), "--host", "127.0.0.1",
-                             "--port", port, "--data-dir", str(tmp_path / "other")],
-                            cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    result = launcher.run([sys.executable, str(ROOT / "run_coordinator.py"), "--host", "127.0.0.1",
+                           "--port", port, "--data-dir", str(tmp_path / "other")],
+                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and "cannot listen" in result.stderr and "Traceback" not in result.stderr
 
 
