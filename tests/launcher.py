@@ -50,6 +50,9 @@ PRELOAD = ("torch", "numpy", "scipy", "numba", "llvmlite", "flask", "werkzeug", 
 MAX_LAUNCHERS = 3
 """Launchers per test process (one per distinct environment; each holds ~450 MB, mostly shared with its forks)."""
 PR_SET_PDEATHSIG = 1
+CLONE_NEWNET = 0x40000000
+NETNS_EXEC = ["ip", "netns", "exec"]
+"""A command inside a network namespace (bench/wanemu): the fork enters the namespace as `ip netns exec` would."""
 
 _launchers: dict[tuple, "_Launcher | None"] = {}
 _lock = threading.RLock()
@@ -111,6 +114,8 @@ def _ctrl_c_enabled() -> None:
 
 
 def _forkable(args: Any) -> bool:
+    if isinstance(args, (list, tuple)) and list(args[:3]) == NETNS_EXEC:  # `ip netns exec NAME python ...`
+        args = args[4:]
     return (enabled() and isinstance(args, (list, tuple)) and len(args) >= 2 and args[0] == sys.executable
             and (str(args[1]).endswith(".py") or (args[1] == "-m" and len(args) >= 3)))
 
@@ -145,7 +150,10 @@ class _Launcher:
         ends = _Ends(stdin, stdout, stderr)
         status_r, status_w = os.pipe()
         try:
-            request = json.dumps({"args": args[1:], "cwd": cwd, "env": env, "new_session": new_session}).encode()
+            netns = args[3] if args[:3] == NETNS_EXEC else None
+            script = args[5:] if netns else args[1:]
+            request = json.dumps({"args": script, "cwd": cwd, "env": env, "new_session": new_session,
+                                  "netns": netns}).encode()
             with self.lock:
                 socket.send_fds(self.control, [request], [*ends.child_fds(), status_w])
         finally:
@@ -324,11 +332,20 @@ def _become_script(request: dict[str, Any], fds: list[int]) -> None:
         os.close(fd)
     if request["new_session"]:
         os.setsid()
+    if request["netns"]:
+        _enter_network_namespace(request["netns"])
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
     if "numpy" in sys.modules:  # `random` reseeds itself in a fork; numpy's global generator would be shared
         sys.modules["numpy"].random.seed()
+
+
+def _enter_network_namespace(name: str) -> None:
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:
+        raise OSError(ctypes.get_errno(), f"setns into network namespace {name}")
+    os.close(fd)
 
 
 def _run_script(args: list[str]) -> None:

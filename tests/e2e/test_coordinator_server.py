@@ -23,8 +23,8 @@ def run_gateway_tool(*args: str, in_process: bool = True) -> subprocess.Complete
     if in_process:
         code, stdout, stderr = run_main(get_gateway_model.main, *args)
         return subprocess.CompletedProcess(["get_gateway_model.py", *args], code, stdout, stderr)
-    return subprocess.run([sys.executable, str(ROOT / "get_gateway_model.py"), *args], cwd=ROOT, env=env(),
-                          capture_output=True, text=True, timeout=300)
+    return launcher.run([sys.executable, str(ROOT / "get_gateway_model.py"), *args], cwd=ROOT, env=env(),
+                        capture_output=True, text=True, timeout=300)
 
 
 def test_push_pull_and_save_gateway_over_real_http(start_coordinator, tmp_path):
