@@ -281,6 +281,11 @@ def _open(fd: int | None, mode: str, text: bool) -> Any:
     return io.open(fd, mode, encoding="utf-8" if text else None) if text else io.open(fd, mode + "b")
 
 
+def count_cpu(seconds: float) -> None:
+    """Add CPU seconds of processes this test process started but does not wait for itself."""
+    _add_cpu(seconds)
+
+
 def _add_cpu(seconds: float) -> None:
     with _lock:
         _cpu[0] += seconds
