@@ -14,8 +14,8 @@ preloaded imports; each script's start-up path itself stays checked by the tests
 subprocess (tests/cli/, tests/e2e/test_documented_commands.py).
 
 A launcher's imports read some environment variables once (OMP_NUM_THREADS, HF_HUB_OFFLINE, ...), so a
-launcher serves only the environment it was started with, ``FEDMOE_*`` variables aside (the project reads
-those at run time); another environment gets a launcher of its own, and past ``MAX_LAUNCHERS`` a plain
+launcher serves only the environment it was started with, ``RUN_TIME_VARIABLES`` aside (``FEDMOE_*``: the
+project reads those at run time); another environment gets a launcher of its own, and past ``MAX_LAUNCHERS`` a plain
 subprocess. ``FEDMOE_TEST_FORK=0`` turns the launcher off: every launch is ``subprocess.Popen``.
 
 Between the launcher and the script sits one small waiting process (the launcher's fork, the script's parent):
@@ -49,6 +49,9 @@ PRELOAD = ("torch", "numpy", "scipy", "numba", "llvmlite", "flask", "werkzeug", 
 """Third-party packages the coordinator, relay, worker and serve processes import (measured: ~10 CPU s in all)."""
 MAX_LAUNCHERS = 3
 """Launchers per test process (one per distinct environment; each holds ~450 MB, mostly shared with its forks)."""
+RUN_TIME_VARIABLES = ("FEDMOE_", "PYTEST_CURRENT_TEST")
+"""Environment variables no preloaded package reads at import: they do not call for a launcher of their own
+(pytest sets PYTEST_CURRENT_TEST to each test's name)."""
 PR_SET_PDEATHSIG = 1
 CLONE_NEWNET = 0x40000000
 NETNS_EXEC = ["ip", "netns", "exec"]
@@ -122,7 +125,7 @@ def _forkable(args: Any) -> bool:
 
 def _launcher_for(env: dict[str, str] | None) -> "_Launcher | None":
     env = dict(os.environ if env is None else env)
-    key = tuple(sorted((k, v) for k, v in env.items() if not k.startswith("FEDMOE_")))
+    key = tuple(sorted((k, v) for k, v in env.items() if not k.startswith(RUN_TIME_VARIABLES)))
     with _lock:
         if key not in _launchers:
             _launchers[key] = _Launcher(env) if len(_launchers) < MAX_LAUNCHERS else None

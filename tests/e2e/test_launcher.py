@@ -59,6 +59,16 @@ def test_a_forked_script_is_signalled_and_waited_for_like_a_popen(probe, tmp_pat
     proc.stdout.close()
 
 
+def test_tests_share_one_launcher(probe, tmp_path, monkeypatch):
+    """pytest names the running test in PYTEST_CURRENT_TEST: a launcher per test would import ~10 CPU s each."""
+    launchers = []
+    for n in range(2):
+        monkeypatch.setenv("PYTEST_CURRENT_TEST", f"test {n}")
+        assert launcher.run([sys.executable, str(probe), "0"], env=env(), capture_output=True, timeout=120).returncode == 0
+        launchers.append(len(launcher._launchers))
+    assert launchers[1] == launchers[0]  # was one more: a launcher for the second test's environment
+
+
 def test_any_other_command_is_a_plain_subprocess(tmp_path):
     done = launcher.run([sys.executable, "-c", "print(6 * 7)"], capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stdout) == (0, "42\n")
