@@ -119,6 +119,10 @@ def _ctrl_c_enabled() -> None:
 def _forkable(args: Any) -> bool:
     if isinstance(args, (list, tuple)) and list(args[:3]) == NETNS_EXEC:  # `ip netns exec NAME python ...`
         args = args[4:]
+    if isinstance(args, (list, tuple)) and any(str(arg).startswith("s3://") for arg in args):
+        # Not yet understood: a forked coordinator on an S3 blob store answered 503 where a plain one made its lost
+        # bucket again (tests/e2e/test_backend_faults.py::test_a_bucket_lost_while_running_...); plain until found.
+        return False
     return (enabled() and isinstance(args, (list, tuple)) and len(args) >= 2 and args[0] == sys.executable
             and (str(args[1]).endswith(".py") or (args[1] == "-m" and len(args) >= 3)))
 
