@@ -43,7 +43,9 @@ typecheck: $(STAMP)  ## mypy over the packages, entry scripts, bench/ and script
 # quiet 2-core machine: 9 min 18 s (1,638 tests, 1,100 CPU s) against ~29 min serial; 2026-11-26, 1,817 tests:
 # 10 min 45 s quiet, then 1,334 -> 956 CPU s under load by running each command's process once (docs/testing.md),
 # an estimated 7 min 40 s - 8 min 15 s quiet; measured quiet after the merge: 8 min 14 s (1,824 tests, 964 CPU s).
-# tests/conftest.py keeps a module's shared fixture on one process and starts the long tests first.
+# tests/conftest.py keeps a module's shared fixture on one process and starts the long tests first; the scripts the
+# real-process tests start are forked from tests/launcher.py, which imports torch, transformers and peft once per
+# test process (FEDMOE_TEST_FORK=0: plain subprocesses; docs/testing.md).
 TEST_JOBS ?= 4
 TEST_FAST_JOBS ?= 2
 test: $(STAMP) $(CHROMIUM)  ## the test suite: unit and real-process (e2e) tiers, offline; the browser test is required here

@@ -170,6 +170,9 @@ class CoordinatorProcess:
     (all starts) collects in ``log``; the pipe is drained on a thread, since a full pipe would block it.
     """
 
+    popen: Callable[..., Any] = subprocess.Popen
+    """How the process starts: ``subprocess.Popen``; the test suite puts its launcher here (tests/launcher.py)."""
+
     def __init__(self, data_dir: Path, *flags: str, new_session: bool = False) -> None:
         self.data_dir = data_dir
         self.flags = flags
@@ -198,7 +201,7 @@ class CoordinatorProcess:
         # FEDMOE_BENCH_SERVER_ROOT: another checkout's coordinator, for an A/B ratio in one run (docs/history/scale.md)
         root = Path(os.environ.get("FEDMOE_BENCH_SERVER_ROOT") or ROOT)
         env = {**os.environ, "PYTHONPATH": str(root), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(
+        self.proc = type(self).popen(
             [sys.executable, str(root / "run_coordinator.py"), "--host", "127.0.0.1", "--port", "0",
              "--data-dir", str(self.data_dir), *self.flags],
             cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +21,7 @@ from coordinator.storage.expert_store import ExpertStore
 from coordinator.quarantine import quarantine_command
 from coordinator.recovery import RecoveryRefused, StoreMismatch, recover
 from coordinator.storage.manifest import ManifestStore
+from tests import launcher
 from tests.helpers import make_adapter, push, put_expert, random_like, update_meta
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -111,18 +111,18 @@ def test_the_admin_command_on_the_command_line(federation):
     federation["paths"]["update"].unlink()
     run = [sys.executable, str(ROOT / "run_coordinator.py"), "--data-dir", str(federation["data"]),
            "--aggregation", "fedbuff", "--buffer-size", "2", "--quarantine"]
-    healthy = subprocess.run(run + ["f"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    healthy = launcher.run(run + ["f"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert healthy.returncode == 2 and healthy.stderr.count("\n") == 1 and "nothing was changed" in healthy.stderr
-    done = subprocess.run(run + ["e"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    done = launcher.run(run + ["e"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert done.stdout == f"1 pending update(s) of 'e' set aside: {federation['update_id']}\n"
 
 
 def test_a_database_that_is_down_at_start_is_one_line(tmp_path):
     """Was a traceback of BackendUnavailable: a replica started before its PostgreSQL answers."""
-    run = subprocess.run([sys.executable, str(ROOT / "run_coordinator.py"), "--data-dir", str(tmp_path / "d"),
-                          "--port", "0", "--manifest", "postgresql://postgres@127.0.0.1:1/fedmoe"],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    run = launcher.run([sys.executable, str(ROOT / "run_coordinator.py"), "--data-dir", str(tmp_path / "d"),
+                        "--port", "0", "--manifest", "postgresql://postgres@127.0.0.1:1/fedmoe"],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
     errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "PostgreSQL" in errors[0] and "not answering" in errors[0], run.stderr

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from protocol.credentials import local_token
+from tests import launcher
 
 ROOT = Path(__file__).resolve().parents[2]
 LISTENING = re.compile(r"listening on (https?://[\d.]+:\d+)")
@@ -33,7 +34,7 @@ def env() -> dict[str, str]:
 
 @dataclass
 class Process:
-    proc: subprocess.Popen
+    proc: subprocess.Popen | launcher.LaunchedProcess
     lines: "queue.Queue[str]" = field(default_factory=queue.Queue)
     log: list[str] = field(default_factory=list)
 
@@ -72,8 +73,10 @@ def ctrl_c_enabled() -> None:
 
 
 def spawn(*args: str, cwd: Path = ROOT) -> Process:
-    proc = subprocess.Popen([sys.executable, *args], cwd=cwd, env=env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, preexec_fn=ctrl_c_enabled)
+    """``python *args`` as a process of its own, forked from a launcher that imported torch & co. once
+    (tests/launcher.py)."""
+    proc = launcher.popen([sys.executable, *args], cwd=cwd, env=env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, preexec_fn=ctrl_c_enabled)
     return Process(proc)
 
 

@@ -14,6 +14,7 @@ import sys
 
 import requests
 
+from tests import launcher
 from tests.e2e.conftest import ROOT, admin_headers, env
 from tests.helpers import expert_spec, make_adapter
 from protocol.schemas import EXPERT_HEADER
@@ -21,8 +22,8 @@ from protocol.tensors import dumps
 
 
 def _run_coordinator(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "run_coordinator.py"), "--host", "127.0.0.1", "--port", "0",
-                           *args], env=env(), capture_output=True, text=True, timeout=timeout)
+    return launcher.run([sys.executable, str(ROOT / "run_coordinator.py"), "--host", "127.0.0.1", "--port", "0",
+                         *args], env=env(), capture_output=True, text=True, timeout=timeout)
 
 
 def _create_expert(url: str) -> bytes:

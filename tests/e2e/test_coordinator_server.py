@@ -11,6 +11,7 @@ import get_gateway_model
 from protocol.client import CoordinatorClient, RetryPolicy
 from protocol.errors import InvalidPayload, NotFound, Unavailable
 from protocol.tensors import dumps
+from tests import launcher
 from tests.e2e.conftest import ROOT, admin_headers, env
 from tests.helpers import expert_spec, make_adapter, random_like, run_main, update_meta
 
@@ -22,8 +23,8 @@ def run_gateway_tool(*args: str, in_process: bool = True) -> subprocess.Complete
     if in_process:
         code, stdout, stderr = run_main(get_gateway_model.main, *args)
         return subprocess.CompletedProcess(["get_gateway_model.py", *args], code, stdout, stderr)
-    return subprocess.run([sys.executable, str(ROOT / "get_gateway_model.py"), *args], cwd=ROOT, env=env(),
-                          capture_output=True, text=True, timeout=300)
+    return launcher.run([sys.executable, str(ROOT / "get_gateway_model.py"), *args], cwd=ROOT, env=env(),
+                        capture_output=True, text=True, timeout=300)
 
 
 def test_push_pull_and_save_gateway_over_real_http(start_coordinator, tmp_path):
@@ -118,9 +119,9 @@ def test_client_gives_up_with_unavailable():
 def test_port_in_use_is_one_clear_error(start_coordinator, tmp_path):
     _, url = start_coordinator()
     port = url.rsplit(":", 1)[1]
-    result = subprocess.run([sys.executable, str(ROOT / "run_coordinator.py"), "--host", "127.0.0.1",
-                             "--port", port, "--data-dir", str(tmp_path / "other")],
-                            cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    result = launcher.run([sys.executable, str(ROOT / "run_coordinator.py"), "--host", "127.0.0.1",
+                           "--port", port, "--data-dir", str(tmp_path / "other")],
+                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and "cannot listen" in result.stderr and "Traceback" not in result.stderr
 
 

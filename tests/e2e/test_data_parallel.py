@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from protocol.client import CoordinatorClient
 import tests.e2e.data_parallel_rank as rank_script
+from tests import launcher
 from tests.e2e.conftest import ROOT, env
 from worker.data import load_examples, sample_dataset_path, split_examples
 from models.loading import load_base_model
@@ -35,9 +36,9 @@ def rank_environment(rank: int, port: int) -> dict[str, str]:
 def run_two_ranks(url: str, out, monkeypatch, strategy: str = "ddp") -> None:
     """Rank 1 in a fresh process, rank 0 here (saves one start-up of torch and transformers)."""
     port = free_port()
-    other = subprocess.Popen([sys.executable, str(RANK_SCRIPT), url, str(out), strategy], cwd=ROOT,
-                             env={**env(), **rank_environment(1, port), "OMP_NUM_THREADS": "1"},
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    other = launcher.popen([sys.executable, str(RANK_SCRIPT), url, str(out), strategy], cwd=ROOT,
+                           env={**env(), **rank_environment(1, port), "OMP_NUM_THREADS": "1"},
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     threads = torch.get_num_threads()
     try:
         for key, value in rank_environment(0, port).items():

@@ -20,6 +20,7 @@ import torch
 
 from protocol.client import CoordinatorClient
 from protocol.tensors import load_file
+from tests import launcher
 from tests.e2e.conftest import ROOT, env
 from worker.checkpoint import MANIFEST
 from worker.data import load_examples, sample_dataset_path, split_examples
@@ -51,10 +52,10 @@ def test_the_coordinator_ends_with_the_weights_the_worker_trained(start_coordina
     _, url = start_coordinator()
     results, state = tmp_path / "results.jsonl", tmp_path / "state"
     duration = "12" if ending == "duration" else "600"
-    proc = subprocess.Popen([sys.executable, str(ROOT / "run_worker.py"), "--coordinator-url", url, *FLAGS,
-                             "--duration", duration, "--sync-interval", "2", "--results", str(results),
-                             "--state-dir", str(state)], env=env() | {"OMP_NUM_THREADS": "1"}, cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = launcher.popen([sys.executable, str(ROOT / "run_worker.py"), "--coordinator-url", url, *FLAGS,
+                           "--duration", duration, "--sync-interval", "2", "--results", str(results),
+                           "--state-dir", str(state)], env=env() | {"OMP_NUM_THREADS": "1"}, cwd=ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if ending == "sigterm":
         deadline = time.monotonic() + 240
         while len([r for r in records_of(results) if r.get("steps")]) < 4 and proc.poll() is None:

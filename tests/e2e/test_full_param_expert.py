@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 import get_gateway_model
 from protocol.client import CoordinatorClient
+from tests import launcher
 from tests.e2e.conftest import ROOT, env
 from worker.data import load_examples, sample_dataset_path, split_examples
 from models.loading import load_base_model
@@ -17,8 +18,8 @@ from worker.trainer import evaluate_loss
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env() | {"OMP_NUM_THREADS": "1"},
-                          capture_output=True, text=True, timeout=180)
+    return launcher.run([sys.executable, *args], cwd=ROOT, env=env() | {"OMP_NUM_THREADS": "1"},
+                        capture_output=True, text=True, timeout=180)
 
 
 def test_full_parameter_expert_trains_compressed_syncs_and_exports(start_coordinator, tmp_path, capsys):

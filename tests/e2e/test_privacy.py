@@ -13,18 +13,19 @@ from privacy.accountant import GaussianSteps, epsilon_spent
 from protocol.client import CoordinatorClient
 from protocol.errors import Conflict
 from protocol.tensors import dumps
+from tests import launcher
 from tests.e2e.conftest import ROOT, env
 from tests.helpers import expert_spec, make_adapter, random_like, run_main, update_meta
 
 
 def run_worker(url: str, tmp_path, *extra: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
     results = tmp_path / "results.jsonl"
-    proc = subprocess.run([sys.executable, str(ROOT / "run_worker.py"), "--coordinator-url", url,
-                           "--specialty", "sql_expert", "--base-model", "tiny-qwen2", "--duration", "6",
-                           "--sync-interval", "2", "--lora-rank", "4", "--batch-size", "4", "--max-seq-len", "64",
-                           "--threads", "1", "--no-heldout-eval", "--results", str(results),
-                           "--state-dir", str(tmp_path / "state"), *extra],
-                          env=env() | {"OMP_NUM_THREADS": "1"}, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = launcher.run([sys.executable, str(ROOT / "run_worker.py"), "--coordinator-url", url,
+                         "--specialty", "sql_expert", "--base-model", "tiny-qwen2", "--duration", "6",
+                         "--sync-interval", "2", "--lora-rank", "4", "--batch-size", "4", "--max-seq-len", "64",
+                         "--threads", "1", "--no-heldout-eval", "--results", str(results),
+                         "--state-dir", str(tmp_path / "state"), *extra],
+                        env=env() | {"OMP_NUM_THREADS": "1"}, cwd=ROOT, capture_output=True, text=True, timeout=300)
     records = [json.loads(line) for line in results.read_text().splitlines()] if results.is_file() else []
     return proc, records
 

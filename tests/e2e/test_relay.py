@@ -25,6 +25,7 @@ from protocol.client import CoordinatorClient, RetryPolicy
 from protocol.errors import Unavailable
 from privacy.dp import update_norm
 from protocol.tensors import dumps
+from tests import launcher
 from tests.e2e.conftest import ROOT, env
 from tests.e2e.test_wan import namespaces  # noqa: F401 - the fixture: skips where namespaces are not permitted
 from tests.helpers import FINGERPRINT, expert_spec, make_adapter, random_like
@@ -176,7 +177,7 @@ def test_a_root_of_another_base_model_stops_the_relay_with_one_line(tmp_path):
         admin(root).experts.create("e1", make_adapter(), expert_spec())
         join = tmp_path / "join"
         join.write_text((tmp_path / "root" / "join_token").read_text())
-        done = subprocess.run(
+        done = launcher.run(
             [sys.executable, str(ROOT / "run_coordinator.py"), "--port", "0", "--host", "127.0.0.1", "--data-dir",
              str(tmp_path / "relay"), "--upstream", root.url, "--join-token-file", str(join),
              "--relay-join-token-file", str(tmp_path / "root" / "relay_join_token"),

@@ -15,6 +15,7 @@ from gateway.generate import generate as reference_answer
 from protocol.profiles import profile_to_json, text_profile
 from protocol.client import CoordinatorClient
 from protocol.tensors import dumps
+from tests import launcher
 from tests.e2e.conftest import LISTENING, ROOT, spawn
 from models.loading import load_base_model
 
@@ -333,13 +334,12 @@ def test_a_new_expert_appears_within_a_poll_interval(federation, oai):
     (["--coordinator-url", "http://127.0.0.1:9", "--port", "0"], "coordinator"),
 ])
 def test_bad_flags_end_with_one_line_and_exit_2(tmp_path, flags, message):
-    import subprocess
     import sys
 
     from tests.e2e.conftest import env
 
-    done = subprocess.run([sys.executable, str(ROOT / "serve.py"), "--api-key-file", str(tmp_path / "k"), *flags],
-                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    done = launcher.run([sys.executable, str(ROOT / "serve.py"), "--api-key-file", str(tmp_path / "k"), *flags],
+                        cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and message in errors[0] and "Traceback" not in done.stderr, done.stderr

@@ -21,6 +21,7 @@ from bench.wanemu import NamespaceUnavailable, WanLink, check_available, list_na
 from bench.wanemu.namespaces import PREFIX
 from coordinator.api.app import create_app
 from coordinator.config import CoordinatorConfig
+from tests import launcher
 from tests.e2e.conftest import ROOT, env
 from tests.helpers import serve_on_loopback
 
@@ -101,8 +102,8 @@ def test_three_sites_group_themselves_behind_their_own_relays_and_lose_nothing(n
         for site, link in enumerate(links):
             for i in range(WORKERS):
                 with (tmp_path / f"s{site}-w{i}.log").open("w") as out:
-                    procs.append(link.site.popen(worker(site, i, link.url, tmp_path), cwd=ROOT, env={**env(), **tokens},
-                                                 stdout=subprocess.DEVNULL, stderr=out))
+                    procs.append(launcher.popen(link.site.command(worker(site, i, link.url, tmp_path)), cwd=ROOT,
+                                                env={**env(), **tokens}, stdout=subprocess.DEVNULL, stderr=out))
         wait_for("every worker joined and every relay registered", lambda: set(names) <= {w["worker_id"] for w in get("workers")["workers"]}
                  and sum(1 for r in get("relays")["relays"] if r.get("url")) == SITES, START_BOUND_S)
         formed = wait_for(f"the plan {expected}", lambda: [{k: g[k] for k in ("members", "relay_id")}

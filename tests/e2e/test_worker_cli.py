@@ -9,11 +9,13 @@ import sys
 import pytest
 
 import run_worker as script
+from tests import launcher
 from tests.e2e.conftest import ROOT, env
 from tests.helpers import run_main
 
 FROM_THE_SHELL = "cannot reach the coordinator"
-"""The case run as its own process: it goes furthest (flags, data, model load, the first request). 300 s is a
+"""The case run as its own process (forked from tests/launcher.py: tests/cli/test_worker_startup.py runs the
+script from the shell): it goes furthest (flags, data, model load, the first request). 300 s is a
 deadline, not a speed check: on a machine at load 12 the imports alone took over 60 s and the old 90 s ran out."""
 
 
@@ -21,8 +23,8 @@ def run_worker(*args: str, timeout: float = 300, in_process: bool = True) -> sub
     if in_process:
         code, stdout, stderr = run_main(script.main, *args)
         return subprocess.CompletedProcess(["run_worker.py", *args], code, stdout, stderr)
-    return subprocess.run([sys.executable, str(ROOT / "run_worker.py"), *args], cwd=ROOT, env=env(),
-                          capture_output=True, text=True, timeout=timeout)
+    return launcher.run([sys.executable, str(ROOT / "run_worker.py"), *args], cwd=ROOT, env=env(),
+                        capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -14,6 +14,7 @@ import get_gateway_model
 from protocol.client import CoordinatorClient, RetryPolicy
 from protocol.schemas import RAW_CODEC
 from protocol.tensors import loads
+from tests import launcher
 from tests.e2e.conftest import ROOT, env
 from tests.helpers import run_main
 from worker.data import load_examples, sample_dataset_path, split_examples
@@ -49,8 +50,8 @@ def test_two_worker_processes_train_their_experts_and_the_gateway_loads(start_co
                "--lora-rank", "4", "--results", str(tmp_path / f"{specialty}.jsonl"),
                "--state-dir", str(tmp_path / f"{specialty}.state")]
         cmd += ["--log-format", "json"] if specialty == "sql_expert" else []
-        workers[specialty] = subprocess.Popen(cmd, env=env() | {"OMP_NUM_THREADS": "1"}, cwd=ROOT,
-                                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        workers[specialty] = launcher.popen(cmd, env=env() | {"OMP_NUM_THREADS": "1"}, cwd=ROOT,
+                                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     outputs = {}
     for specialty, proc in workers.items():
         outputs[specialty], _ = proc.communicate(timeout=180)

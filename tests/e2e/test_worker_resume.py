@@ -12,6 +12,7 @@ import torch
 from protocol.client import CoordinatorClient
 from protocol.schemas import RAW_CODEC
 from protocol.tensors import load_file
+from tests import launcher
 from tests.e2e.conftest import ROOT, Process, env
 from worker.checkpoint import MANIFEST, load_checkpoint
 from worker.data import load_examples, sample_dataset_path, split_examples
@@ -25,8 +26,8 @@ SMALL = ("--base-model", "tiny-qwen2", "--batch-size", "2", "--max-seq-len", "64
 
 def spawn_worker(*args: str) -> Process:
     """run_worker.py with one OpenMP thread: on a loaded 2-core machine more threads only spin."""
-    return Process(subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env() | {"OMP_NUM_THREADS": "1"},
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return Process(launcher.popen([sys.executable, *args], cwd=ROOT, env=env() | {"OMP_NUM_THREADS": "1"},
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
 
 
 @pytest.fixture(autouse=True)

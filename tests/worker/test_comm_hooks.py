@@ -7,10 +7,10 @@ import math
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from tests.worker import comm_ranks
+from tests.worker.conftest import spawn_ranks
 from tests.worker.test_strategies import free_port, single_process
 from worker.comm_hooks import CommMeter
 
@@ -19,7 +19,7 @@ from worker.comm_hooks import CommMeter
 def codec_runs(tmp_path_factory):
     """{codec: its three --results step lines}, and rank 0's first-step gradients per codec."""
     out = tmp_path_factory.mktemp("comm")
-    mp.spawn(comm_ranks.main, args=(free_port(), str(out), list(comm_ranks.CODECS)), nprocs=2)
+    spawn_ranks(comm_ranks.main, free_port(), str(out), list(comm_ranks.CODECS))
     lines = {name: [json.loads(line) for line in (out / f"{name}.jsonl").read_text().splitlines()]
              for name in comm_ranks.CODECS}
     grads = {name: load_file(out / f"{name}-grads.safetensors") for name in comm_ranks.CODECS}

@@ -5,9 +5,9 @@ import json
 from types import SimpleNamespace
 
 import pytest
-import torch.multiprocessing as mp
 
 from tests.worker import strategy_ranks
+from tests.worker.conftest import spawn_ranks
 from tests.worker.test_strategies import free_port
 from worker.profiling import STEP_LABEL, ProfileSettings, describe, intersect, length, summarize, union
 
@@ -15,7 +15,7 @@ from worker.profiling import STEP_LABEL, ProfileSettings, describe, intersect, l
 @pytest.fixture(scope="module")
 def profiled(tmp_path_factory):
     out = tmp_path_factory.mktemp("profile")
-    mp.spawn(strategy_ranks.profile_main, args=(free_port(), str(out)), nprocs=2)
+    spawn_ranks(strategy_ranks.profile_main, free_port(), str(out))
     return out
 
 

@@ -8,10 +8,10 @@ import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from tests.worker import strategy_ranks
+from tests.worker.conftest import spawn_ranks
 from worker.distributed import DistributedSetupError
 from models.loading import load_base_model
 from worker.strategies import ParallelSettings, choose_strategy, decoder_layers
@@ -37,7 +37,7 @@ def free_port() -> int:
 def two_rank_run(tmp_path_factory):
     """Every case of strategy_ranks.CASES trained on two spawned ranks; (output dir, rank 0 and 1 reports)."""
     out = tmp_path_factory.mktemp("ranks")
-    mp.spawn(strategy_ranks.main, args=(free_port(), str(out), list(strategy_ranks.CASES)), nprocs=2)
+    spawn_ranks(strategy_ranks.main, free_port(), str(out), list(strategy_ranks.CASES))
     return out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
