@@ -6,8 +6,9 @@ from worker.checkpoint import CheckpointError
 from worker.data import DatasetError
 from worker.distributed import DistributedSetupError
 from worker.errors import WorkerError
+from worker.privacy_floor import PrivacyFloorError
 
-ERRORS = (CheckpointError, DatasetError, DistributedSetupError)
+ERRORS = (CheckpointError, DatasetError, DistributedSetupError, PrivacyFloorError)
 
 
 def test_every_worker_error_has_the_one_root_and_keeps_its_old_bases():
