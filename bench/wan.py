@@ -76,6 +76,7 @@ from bench.wan_flower import FlowerRun, FlowerUnavailable, check_flower, run_flo
 from bench.wan_setup import (PRESETS, ROOT, SCENARIOS, SPECIALTY, CpuCapUnavailable, Settings, check_cpu_cap,
                              cpu_capped, link_seconds, write_shards)
 from bench.wanemu import NamespaceUnavailable, WanLink, check_available
+from coordinator.aggregation.base import staleness_weight
 from protocol.cli import comma_list, option
 from protocol.client import CoordinatorClient
 from protocol.credentials import TOKEN_ENV
@@ -365,9 +366,9 @@ def step_clock(records: list[dict[str, Any]], t0: float, workers: int) -> list[l
 
 def contributions(url: str, staleness_decay: float) -> dict[str, dict[str, Any]]:
     """Per worker, from the root's audit log: updates applied, their staleness (versions behind when applied), and
-    its share of the expert's steps, each update weighted as FedAsync weighs it, 1 / (1 + decay * staleness) (the
-    common alpha = 1 / active workers is the same for all and cancels in the share). A flat mode's update ids
-    start with the worker id (worker/federation.py)."""
+    its share of the expert's steps, each update weighted as FedAsync weighed it: the alpha and staleness grace its
+    version's event records (coordinator/aggregation/fedasync.py; an event without them: alpha 1, no grace) times
+    ``staleness_weight``. A flat mode's update ids start with the worker id (worker/federation.py)."""
     client = CoordinatorClient(url)
     try:
         events = client.events("version_applied", limit=500)
@@ -375,12 +376,13 @@ def contributions(url: str, staleness_decay: float) -> dict[str, dict[str, Any]]
         client.close()
     per: dict[str, dict[str, Any]] = {}
     for event in events:
+        alpha, grace = event["detail"].get("alpha", 1.0), event["detail"].get("staleness_grace", 0)
         for update_id, tau in zip(event["detail"]["update_ids"], event["detail"]["staleness"]):
             worker = update_id.rsplit("-", 1)[0]
             row = per.setdefault(worker, {"updates": 0, "staleness": [], "weight": 0.0})
             row["updates"] += 1
             row["staleness"].append(tau)
-            row["weight"] += 1 / (1 + staleness_decay * tau)
+            row["weight"] += alpha * staleness_weight(tau, staleness_decay, grace)
     total = sum(r["weight"] for r in per.values()) or 1.0
     return {w: {"updates": r["updates"], "staleness_median": statistics.median(r["staleness"]),
                 "staleness_max": max(r["staleness"]), "share": round(r["weight"] / total, 3)}

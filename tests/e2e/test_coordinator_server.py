@@ -56,6 +56,11 @@ def test_push_pull_and_save_gateway_over_real_http(start_coordinator, tmp_path):
     assert npz[key].shape[0] == 2  # one expert of rank 2: the exact gateway keeps rank 2
     assert not list(tmp_path.glob(".*.part"))
 
+    from bench.wan import contributions  # reads the version events' alpha and staleness grace
+
+    assert contributions(url, 0.1) == {meta["update_id"]: {"updates": 1, "staleness_median": 0, "staleness_max": 0,
+                                                           "share": 1.0}}
+
 
 def test_bad_input_over_http_is_4xx_and_server_survives(start_coordinator):
     proc, url = start_coordinator()
