@@ -45,7 +45,8 @@ class PreparedStep:
     base_version: int
     weights: StateDict
     updates: list[Update]
-    params: AggregationParams
+    weighting: dict[str, Any]
+    """What the step's version_applied event says of its weights (``params_for``)."""
 
 
 class AggregationSteps:
@@ -90,14 +91,14 @@ class AggregationSteps:
         if len(pending) != self.updates_per_step - 1:
             return None
         expert = self.store.require_expert(name)
-        new, updates, params = self._candidate(expert, pending, (stored, body))
+        new, updates, weighting = self._candidate(expert, pending, (stored, body))
         check_step_result(new, stored["update_id"], name)  # InvalidUpdate (422): nothing recorded
         return PreparedStep([u.update_id for u in pending] + [stored["update_id"]], expert.version, new, updates,
-                            params)
+                            weighting)
 
     def _candidate(self, expert: ExpertRow, recorded: list[UpdateRow],
                    incoming: tuple[dict[str, Any], Path] | None = None
-                   ) -> tuple[StateDict, list[Update], AggregationParams]:
+                   ) -> tuple[StateDict, list[Update], dict[str, Any]]:
         """The expert's next weights from recorded updates and, if given, one not yet recorded
         (its stored meta and temp file). Payloads are read tensor by tensor while aggregating."""
         manifest = list(parsed_manifest(expert.manifest))
@@ -111,25 +112,24 @@ class AggregationSteps:
             updates = [Update(delta=self._deltas(meta, path, manifest), num_samples=meta["num_samples"],
                               staleness=max(0, expert.version - meta["base_version"]),
                               contributor=meta.get("worker_id") or meta["update_id"]) for meta, path in entries]
-            params = self.params_for(expert.name)
-            return self._aggregate_fn(current, updates, params), updates, params
+            params, weighting = self.params_for(expert.name)
+            return self._aggregate_fn(current, updates, params), updates, weighting
 
-    def params_for(self, name: str) -> AggregationParams:
-        """The step's parameters: with ``--async-alpha auto`` (fedasync's default), alpha = 1 / N and staleness
-        grace N - 1 for the N workers on the expert (``liveness.workers_on_expert``; at least 1: a push from an
-        unregistered client counts whole). A fixed --async-alpha keeps grace 0, the original staleness rule."""
+    def params_for(self, name: str) -> tuple[AggregationParams, dict[str, Any]]:
+        """The step's parameters, and what its version_applied event says of them: with ``--async-alpha auto``
+        (fedasync's default), alpha = 1 / N and staleness grace N - 1 for the N workers on the expert
+        (``liveness.workers_on_expert``; at least 1: a push from an unregistered client counts whole), with the
+        workers counted and alive, from one read of the workers. A fixed --async-alpha keeps grace 0, the original
+        staleness rule."""
         if self.async_alpha is not None:
-            return self.params if self.async_alpha == 1.0 else replace(self.params, alpha=self.async_alpha)
-        n = max(1, workers_on_expert(self.store.rows.workers(), name))
-        return replace(self.params, alpha=1.0 / n, staleness_grace=n - 1)
-
-    def _weighting(self, name: str, params: AggregationParams) -> dict[str, Any]:
-        """What a version_applied event says of the step's weights (and, with auto alpha, the workers counted)."""
-        detail: dict[str, Any] = {"alpha": params.alpha, "staleness_grace": params.staleness_grace}
-        if self.async_alpha is None:
-            workers = self.store.rows.workers()
-            detail |= {"workers_counted": workers_on_expert(workers, name), "workers_alive": active_workers(workers, name)}
-        return detail
+            params = self.params if self.async_alpha == 1.0 else replace(self.params, alpha=self.async_alpha)
+            return params, {"alpha": params.alpha, "staleness_grace": params.staleness_grace}
+        workers = self.store.rows.workers()
+        counted = workers_on_expert(workers, name)
+        n = max(1, counted)
+        params = replace(self.params, alpha=1.0 / n, staleness_grace=n - 1)
+        return params, {"alpha": params.alpha, "staleness_grace": params.staleness_grace, "workers_counted": counted,
+                        "workers_alive": active_workers(workers, name)}
 
     def run(self, name: str) -> None:
         """Apply whatever steps the pending updates of ``name`` make up."""
@@ -153,10 +153,10 @@ class AggregationSteps:
         started = time.perf_counter()
         expert = self.store.require_expert(name)
         if prepared is not None and prepared.base_version == expert.version:
-            new, updates, params = prepared.weights, prepared.updates, prepared.params
+            new, updates, weighting = prepared.weights, prepared.updates, prepared.weighting
         else:
             try:
-                new, updates, params = self._candidate(expert, batch)
+                new, updates, weighting = self._candidate(expert, batch)
             except (InvalidPayload, PayloadError, FileNotFoundError):  # raw payloads are opened here, others decoded
                 if all(self._still_pending(u) for u in batch):
                     raise
@@ -173,7 +173,7 @@ class AggregationSteps:
         try:
             self.store.commit_version(name, expert.version + 1, written, batch, loss, events=(audit.version_applied(
                 name, expert.version + 1, [u.update_id for u in batch], [u.staleness for u in updates], loss,
-                self._weighting(name, params)),), durable=False)  # callers sync after letting go of the expert's lock
+                weighting),), durable=False)  # callers sync after letting go of the expert's lock
         except StaleAggregation as exc:
             log.warning("dropped an aggregation step of %s: %s", name, exc)
             return False

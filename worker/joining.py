@@ -42,7 +42,8 @@ class Joining:
                                                  s.sync_interval)
             pipeline.placement.follow()  # before the first pull: the worker starts at the coordinator the root assigns
         info = self._join_expert()
-        if s.min_dp_noise is not None:  # before our profile, queued updates or anything else drawn from our data
+        if s.min_dp_noise is not None:  # before our profile, queued updates or anything else drawn from our data;
+            # asked afresh: a relay answers the create above from its cache, this one from its root
             check_expert(s.specialty, pipeline.client.experts.get(s.specialty), s.min_dp_noise)
         if resumed and info["version"] < pipeline.state.version:
             self._forget_history(info["version"])

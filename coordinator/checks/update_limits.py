@@ -58,7 +58,7 @@ class UpdateLimits:
             norm = NormPolicy(str(raw["mode"]), float(raw["factor"]), int(raw["history"]), int(raw["warmup"]))
             dp = data.get("dp", False)  # a root before relays took DP updates does not say
             limits = cls(float(data["server_lr"]), norm, dp=dp)
-        except (TypeError, KeyError, ValueError, AttributeError) as exc:
+        except (TypeError, KeyError, ValueError) as exc:
             raise ValueError(f"not update limits: {data!r:.200} ({exc})") from None
         if not isinstance(dp, bool):
             raise ValueError(f"update limits: dp must be true or false, got {dp!r:.50}")

@@ -200,8 +200,8 @@ class Forwarder:
         # Under the root's worker-level DP, the root clips each worker's contribution: a batch is one worker's update,
         # forwarded lossless (an error-feedback residual would carry one worker's update into another's).
         private = self.checks.limits.dp
-        queued = self.store.next_members(expert, 1 if private else MAX_BATCH_MEMBERS)  # the rest go in the next ones
-        queued = queued[:1] if private else queued  # a refused batch's half from before the root ran DP, too
+        queued = self.store.next_members(expert, MAX_BATCH_MEMBERS)  # the rest go in the next batches
+        queued = queued[:1] if private else queued  # (a refused batch's half from before the root ran DP, too)
         if not queued:
             return None
         # The version staleness is measured against, and the batch's base: the cached one, revalidated in the
