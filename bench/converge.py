@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -73,6 +74,8 @@ class Plan:
     sync_interval: float
     max_evals: int
     """Versions scored per FedMoE arm at most, evenly spread, first and last always."""
+    worker_flags: tuple[str, ...] = ()
+    """More run_worker.py flags for every FedMoE worker (e.g. lossless codecs, to see what compression costs)."""
 
 
 @dataclass
@@ -115,7 +118,7 @@ def worker_command(plan: Plan, url: str, shard: Path, index: int, work: Path) ->
             "--max-steps", str(plan.steps), "--duration", "86400", "--sync-interval", str(plan.sync_interval),
             "--lr", str(plan.lr), "--batch-size", str(plan.batch_size), "--max-seq-len", str(plan.max_seq_len),
             "--seed", "0", "--threads", "1", "--no-heldout-eval", "--state-dir", str(work / f"state-{index}"),
-            "--results", str(work / f"results-{index}.jsonl"), "--log-format", "json"]
+            "--results", str(work / f"results-{index}.jsonl"), "--log-format", "json", *plan.worker_flags]
 
 
 def run_fedmoe(lab: Lab, plan: Plan, arm: str, shards: list[Path], heldout: list[Example], work: Path) -> Curve:
@@ -247,6 +250,8 @@ class Settings:
     flower_python: Path = option(FLOWER_PYTHON, "the interpreter of Flower's own virtualenv", type=Path)
     flower_parallel: int = option(1, "Flower clients trained at once (each a model copy in memory; FedAvg's result is "
                                   "the same)")
+    worker_flags: str = option("", "more run_worker.py flags for every FedMoE worker, one string (e.g. "
+                               "'--compression safetensors --pull-compression full': lossless both ways)")
 
     def __post_init__(self) -> None:
         if self.steps % self.local_steps:
@@ -257,7 +262,7 @@ class Settings:
 
     def plan(self) -> Plan:
         return Plan(self.base_model, self.domain, self.steps, self.local_steps, self.lr, self.batch_size,
-                    self.max_seq_len, self.sync_interval, self.max_evals)
+                    self.max_seq_len, self.sync_interval, self.max_evals, tuple(shlex.split(self.worker_flags)))
 
 
 def run(s: Settings, ctx: Run) -> int:

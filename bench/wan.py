@@ -181,8 +181,10 @@ MODES: dict[str, Mode] = {
 SWEEP_INTERVALS = (3, 10, 30)
 FLOWER_STEPS = (3, 10, 30)
 for _interval in SWEEP_INTERVALS:
-    # fp32 both ways: the worker's defaults when these were measured (int8 both ways since 2026-11-29)
-    MODES[f"flat defaults sync {_interval}s"] = Mode(LOSSLESS, sync_interval=_interval, overlap=True)
+    # the worker's own defaults: int8 pushes with error feedback, int8 diff pulls (since 2026-11-29), overlap on
+    MODES[f"flat defaults sync {_interval}s"] = Mode([], sync_interval=_interval, overlap=True)
+    # fp32 both ways: the worker's defaults before 2026-11-29 (bench/results/history: the first baseline runs)
+    MODES[f"flat fp32 sync {_interval}s"] = Mode(LOSSLESS, sync_interval=_interval, overlap=True)
     MODES[f"flat randomk+terngrad defaults sync {_interval}s"] = Mode(RANDOMK_TERNGRAD, sync_interval=_interval,
                                                                        overlap=True)
 for _steps in FLOWER_STEPS:
@@ -201,13 +203,18 @@ MODES["hetero flower fedavg 10 steps/round"] = Mode([], scenario="hetero", flowe
 MODES["relays+adaptive self-formed (int8 both ways; site model)"] = Mode(
     AUTO, self_formed=[*INT8_BOTH_WAYS, "--site-model"], needs="--follow-placement",
     root=SITES_FEDBUFF)
+# the site-model relays as a user would run them: sync overlapped with training (the worker's default; the preset's
+# --no-overlap was tuned when the link, not the CPU, bounded a step) every 3 s on the site's fast LAN
+MODES["relays+adaptive (int8 both ways; site model; overlap)"] = Mode(
+    AUTO, relays=[*INT8_BOTH_WAYS, "--site-model"], needs="--sync-budget", root=SITES_FEDBUFF, sync_interval=3,
+    overlap=True)
 HETERO_MODES = ["homogeneous fedmoe paced", "hetero fedmoe paced", "hetero flower fedavg 10 steps/round"]
 
 DEFAULT_MODES = {"tiny-qwen2": ["flat", "flat topk+int8", "relays + topk+int8 upstream", "relays+adaptive"],
                  "smollm2-135m": [*(f"flat defaults sync {i}s" for i in SWEEP_INTERVALS),
                                   "flat randomk+terngrad defaults sync 10s",
                                   *(f"flower fedavg {n} steps/round" for n in FLOWER_STEPS),
-                                  "relays+adaptive (int8 both ways; site model)"]}
+                                  "relays+adaptive (int8 both ways; site model; overlap)"]}
 
 
 @dataclass
