@@ -22,6 +22,9 @@ REPORT_COUNTERS = ("bytes_received", "bytes_forwarded", "updates_received", "upd
                    "batches_forwarded", "queued_updates", "queued_bytes", "bytes_served", "bytes_fetched",
                    "diff_bytes_served", "diffs_unavailable", "full_fetches", "diff_fetches")
 MAX_REPORTED_WORKERS = 10_000
+FRESH_REPORT_SECONDS = 300.0
+"""A relay whose last report is older than this no longer counts as a source of an expert's updates (its reports
+come every forward interval, 5-30 s)."""
 
 
 class RelayRegistry:
@@ -41,6 +44,17 @@ class RelayRegistry:
             entry = self._relays.setdefault(relay_id, {"relay_id": relay_id, "url": None, "base_model": None,
                                                        "registered_at": None})
             entry |= {"workers": workers, "stats": stats, "last_report": time.time()}
+
+    def sources_on(self, specialty: str, now: float | None = None) -> int:
+        """Relays that forward updates of ``specialty``: a fresh report listing a worker of it that is not gone.
+
+        fedasync's N at the root (coordinator.steps) counts each as one source: a relay's batch is its site's
+        mean (FedBuff's, coordinator/relay/forwarder.py), as one direct worker's update is that worker's."""
+        now = time.time() if now is None else now
+        with self._lock:
+            return sum(1 for r in self._relays.values()
+                       if r.get("last_report") is not None and now - r["last_report"] <= FRESH_REPORT_SECONDS
+                       and any(w.get("specialty") == specialty and w.get("status") != "gone" for w in r["workers"]))
 
     def tree(self) -> list[dict[str, Any]]:
         with self._lock:

@@ -44,6 +44,7 @@ from coordinator.steps import AggregationSteps
 from coordinator.storage.manifest import RELAYED, ManifestStore, members_applied
 from coordinator.storage.manifest_schema import ExpertRow, UpdateRow, parsed_manifest
 from coordinator.checks.update_limits import NORM_SCALE
+from coordinator.relay_registry import RelayRegistry
 from protocol.errors import BadRequest, Conflict, InsufficientStorage, InvalidPayload, NotFound, PayloadTooLarge
 from protocol.files import private_dir, private_file
 from protocol.integrity import DEFAULT_ALGORITHM, DIGEST_HEADER, Readable, algorithm_of, hex_of
@@ -69,7 +70,10 @@ class Coordinator:
         self.routing = ExpertRouting(self.store, config.route_threshold)
         self.privacy = PrivacyLedgers(config.data_dir, config.dp)
         """Each expert's DP-FedAvg ledger (--dp-noise) and its workers' DP-SGD claims."""
-        self.steps = AggregationSteps(self.store, config, self._stepped, ledgers=self.privacy)
+        self.relays = RelayRegistry()
+        """Relays below this root and their latest reports (soft state; coordinator/api/relays.py fills it)."""
+        self.steps = AggregationSteps(self.store, config, self._stepped, ledgers=self.privacy,
+                                      relay_sources=self.relays.sources_on)
         self.on_aggregated: Callable[[float], None] = lambda seconds: None
         """Called with the seconds each aggregation step took (metrics hook)."""
         self.on_close: list[Callable[[], None]] = []

@@ -60,10 +60,13 @@ class AggregationSteps:
     """
 
     def __init__(self, store: ExpertStore, config: CoordinatorConfig, on_step: Callable[[float], None],
-                 ledgers: PrivacyLedgers | None = None) -> None:
+                 ledgers: PrivacyLedgers | None = None,
+                 relay_sources: Callable[[str], int] = lambda specialty: 0) -> None:
         """``on_step(seconds)`` is called after each committed step (metrics, gateway rebuild); with --dp-noise,
-        ``ledgers`` books every step before it is committed."""
+        ``ledgers`` books every step before it is committed; ``relay_sources(expert)``: the relays forwarding that
+        expert's updates (coordinator.relay_registry), each one more source in fedasync's N."""
         self.store = store
+        self.relay_sources = relay_sources
         self.updates_per_step = config.updates_per_step
         self.params = AggregationParams(config.server_lr, config.staleness_decay)
         self.async_alpha = config.async_alpha if config.aggregation == "fedasync" else 1.0
@@ -117,19 +120,20 @@ class AggregationSteps:
 
     def params_for(self, name: str) -> tuple[AggregationParams, dict[str, Any]]:
         """The step's parameters, and what its version_applied event says of them: with ``--async-alpha auto``
-        (fedasync's default), alpha = 1 / N and staleness grace N - 1 for the N workers on the expert
-        (``liveness.workers_on_expert``; at least 1: a push from an unregistered client counts whole), with the
-        workers counted and alive, from one read of the workers. A fixed --async-alpha keeps grace 0, the original
+        (fedasync's default), alpha = 1 / N and staleness grace N - 1 for the N sources of the expert's updates:
+        its workers registered here (``liveness.workers_on_expert``) and the relays forwarding its site's mean (at
+        least 1: a push from an unregistered client counts whole), with the workers counted and alive and the
+        relays counted, from one read of the workers. A fixed --async-alpha keeps grace 0, the original
         staleness rule."""
         if self.async_alpha is not None:
             params = self.params if self.async_alpha == 1.0 else replace(self.params, alpha=self.async_alpha)
             return params, {"alpha": params.alpha, "staleness_grace": params.staleness_grace}
         workers = self.store.rows.workers()
-        counted = workers_on_expert(workers, name)
-        n = max(1, counted)
+        counted, relays = workers_on_expert(workers, name), self.relay_sources(name)
+        n = max(1, counted + relays)
         params = replace(self.params, alpha=1.0 / n, staleness_grace=n - 1)
         return params, {"alpha": params.alpha, "staleness_grace": params.staleness_grace, "workers_counted": counted,
-                        "workers_alive": active_workers(workers, name)}
+                        "workers_alive": active_workers(workers, name), "relays_counted": relays}
 
     def run(self, name: str) -> None:
         """Apply whatever steps the pending updates of ``name`` make up."""

@@ -118,5 +118,5 @@ bp.add_url_rule("/probe", "probe_upload", probe_upload, methods=["POST"])
 
 
 def install(app: Flask) -> None:
-    app.extensions["fedmoe_relays"] = RelayRegistry()
+    app.extensions["fedmoe_relays"] = app.extensions["fedmoe"].relays  # the service's: aggregation counts relays
     app.register_blueprint(bp)

@@ -1,13 +1,16 @@
 """fedasync's mixing weight: by default 1 / the N workers on the expert, so N workers' updates add up to their mean,
 with staleness up to N - 1 on time (Xie et al.'s hinge); ``--async-alpha 1`` keeps the original tool's rule."""
+import time
+
 import pytest
 import torch
 
 from coordinator.aggregation import AGGREGATORS, AggregationParams, Update, staleness_weight
 from coordinator.config import CoordinatorConfig, _async_alpha
 from coordinator.liveness import active_workers, workers_on_expert
+from coordinator.relay_registry import FRESH_REPORT_SECONDS
 from protocol.tensors import loads
-from tests.helpers import FINGERPRINT, make_adapter, push, put_expert, random_like, update_meta
+from tests.helpers import FINGERPRINT, make_adapter, push, put_expert, random_like, relay_join_token, update_meta
 
 BASE = {"id": "tiny-test", "fingerprint": FINGERPRINT}
 
@@ -157,3 +160,28 @@ def test_bad_async_alpha_names_the_flag(text, words):
     assert words in str(info.value)
     with pytest.raises(ValueError, match="--async-alpha"):
         CoordinatorConfig(async_alpha=0.0)
+
+
+def test_a_relay_forwarding_the_expert_counts_as_one_more_source(make_app):
+    """A relay's batch is its site's mean: with one direct worker and one relay reporting two workers of the expert,
+    each update counts 1/2 (the root used to count only its own workers: alpha 1, the sum of the two means)."""
+    app = make_app()
+    client = app.test_client()
+    put_expert(client, "e", make_adapter())
+    register(client, "direct", "e")
+    body = {"relay_id": "site-a", "url": "http://10.0.0.2:5001", "base_model": BASE}
+    relay = app.test_client(token=app.test_client(token=relay_join_token(app.extensions["fedmoe"].config.data_dir))
+                            .post("/api/v1/relays", json=body).get_json()["token"])
+    site = [{"worker_id": "s1", "specialty": "e"}, {"worker_id": "s2", "specialty": "e"},
+            {"worker_id": "s3", "specialty": "other", "status": "alive"}]
+    assert relay.post("/api/v1/relays/site-a/report", json={"workers": site}).status_code == 200
+    before, delta = pushed_step(client, "e", 1)
+    assert moved_by(client, "e", before, delta) == pytest.approx(0.5, abs=1e-5)
+    detail = client.get("/api/v1/events?kind=version_applied").get_json()["events"][0]["detail"]
+    assert (detail["workers_counted"], detail["relays_counted"], detail["alpha"]) == (1, 1, 0.5)
+    registry = app.extensions["fedmoe"].relays
+    assert registry.sources_on("other") == 1 and registry.sources_on("nobody's") == 0
+    assert registry.sources_on("e", now=time.time() + FRESH_REPORT_SECONDS + 1) == 0  # a relay long silent: gone
+    relay.post("/api/v1/relays/site-a/report", json={"workers": [{"worker_id": "s1", "specialty": "e",
+                                                                    "status": "gone"}]})
+    assert registry.sources_on("e") == 0  # its only worker of "e" is gone
