@@ -110,7 +110,18 @@ SCHEMAS: dict[str, Any] = {
                                    "additionalProperties": {"type": "string"},
                                    "description": "A relay's combined update only (relay or admin token): worker "
                                                   "update id -> content id of its body. 409 (reason "
-                                                  "members_applied, details.members) if the root has one."}},
+                                                  "members_applied, details.members) if the root has one."},
+                       "dp_cohort": _ref("DPCohortSum")},
+    },
+    "DPCohortSum": {
+        "type": "object", "required": ["cohort", "members", "survivors", "noise_multiplier", "clip_norm"],
+        "description": "A relay's batch that is one DP cohort's unmasked sum (its one member is ``cohort``).",
+        "properties": {"cohort": {"type": "string", "minLength": 1, "maxLength": 128},
+                       "members": {"type": "integer", "minimum": 2, "maximum": 1024},
+                       "survivors": {"type": "integer", "minimum": 1, "maximum": 1024},
+                       "noise_multiplier": {"type": "number", "exclusiveMinimum": 0},
+                       "clip_norm": {"type": "number", "exclusiveMinimum": 0}},
+        "additionalProperties": False,
     },
     "Expert": {
         "type": "object", "required": ["name", "version", "updates_applied", "samples_seen", "pending_updates"],
@@ -405,6 +416,16 @@ _relays: dict[str, Any] = {  # coordinator/api/relays.py; docs/history/wan.md, "
                                "403": _error("The relay id is active, or the token may not register relays."),
                                "409": _error("The relay's base model differs from an expert's."),
                                "413": _error("JSON body over 1 MiB.")}}},
+    "/experts/{name}/dp-cohorts": {"post": {
+        "operationId": "bookDPCohort",
+        "summary": "A relay (relay token) books one of its DP cohorts' steps before unmasking it; once per cohort.",
+        "parameters": [EXPERT_NAME],
+        "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("DPCohortSum")}}},
+        "responses": {"200": _json({"type": "object", "required": ["cohort", "booked"]}, "Booked (or already)."),
+                      "400": BAD_REQUEST, "403": _error("Not a relay's token."), "404": _error("No such expert."),
+                      "409": _error("privacy_budget_spent; dp_cohort_mismatch (sigma or C not this root's); "
+                                    "dp_relay_batch (this root does not run DP with secure aggregation)."),
+                      "413": _error("JSON body over 1 MiB.")}}},
     "/relays/{relay_id}/report": {"post": {
         "operationId": "relayReport", "summary": "A relay reports its workers and byte counters.",
         "parameters": [_path_param("relay_id", NAME_PATTERN, "site-a", "The relay's id.")],
