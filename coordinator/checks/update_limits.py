@@ -72,9 +72,9 @@ class UpdateLimits:
                          clip_norm=clip)
         except (TypeError, KeyError, ValueError) as exc:
             raise ValueError(f"not update limits: {data!r:.200} ({exc})") from None
-        if not isinstance(dp, bool) or not isinstance(secure, bool):
-            raise ValueError(f"update limits: dp and secure_aggregation must be true or false, got {dp!r:.50}, "
-                             f"{secure!r:.50}")
+        for name, flag in (("dp", dp), ("secure_aggregation", secure)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"update limits: {name} must be true or false, got {flag!r:.50}")
         if any(v is not None and not (math.isfinite(v) and v > 0) for v in (sigma, clip)):
             raise ValueError(f"update limits: noise_multiplier and clip_norm must be positive, got {sigma}, {clip}")
         if not limits.server_lr > 0 or norm.mode not in ("off", "reject", "clip") or not norm.factor > 1 \
