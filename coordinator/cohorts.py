@@ -12,7 +12,8 @@ individual update.
 With --dp-noise at the root, cohorts are DP cohorts (``privacy.secagg.noise``: the members clip their update
 and add their share of the noise) and each cohort's step is booked in the expert's privacy ledger before its
 masks come off; a cohort the budget cannot pay for is abandoned unopened, and joining is refused (409) once
-the budget is spent.
+the budget is spent. A relay under such a root forms its site's cohorts with the root's sigma and C, has the root
+book each before unmasking it (coordinator/relay/dp_cohorts.py), and forwards its sum marked ``dp_cohort``.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import io
 import logging
 import threading
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from flask import Blueprint, Flask, Response, current_app, jsonify, request
@@ -33,6 +35,7 @@ from privacy.secagg.errors import BadSecAggMessage
 from privacy.secagg.journal import CohortJournal
 from privacy.secagg.noise import CohortNoise
 from privacy.secagg.vector import manifest_numel, unflatten
+from protocol.dp_cohort import DPCohortSum
 from protocol.errors import BadRequest, Forbidden, NotFound, PayloadTooLarge, PrivacyBudgetSpent
 from protocol.integrity import DIGEST_HEADER, hash_bytes, parse_digest
 from protocol.schemas import API_PREFIX, RAW_CODEC, UPDATE_HEADER, UpdateMeta, check_name, parse_header_json
@@ -68,11 +71,38 @@ def refuse_clear_push(meta: UpdateMeta) -> None:
             "--secure-aggregation (its update is then masked, and only the cohort's sum is seen here)")
 
 
+Booking = Callable[[CohortConfig, int], "str | None"]
+"""Asked before a DP cohort's masks come off (``SecureAggregator.ready``'s release): None once its step is booked,
+the reason to abandon it unopened if it cannot be, ``ReleaseDeferred`` to ask again at the next tick."""
+
+
+def dp_cohort_sum(config: CohortConfig, survivors: int) -> DPCohortSum | None:
+    """What a DP cohort's step is booked and forwarded as (None for a cohort without DP)."""
+    if config.dp is None:
+        return None
+    return DPCohortSum(cohort_update_id(config.cohort_id), len(config.members), survivors,
+                       config.dp.noise_multiplier, config.dp.clip_norm)
+
+
+def ledger_booking(ledgers: PrivacyLedgers) -> Booking:
+    """The root's booking: in its own ledger, before the masks come off (a sum seen is privacy spent)."""
+
+    def book(config: CohortConfig, survivors: int) -> str | None:
+        try:
+            ledgers.book_cohort(config.expert, cohort_update_id(config.cohort_id), survivors, len(config.members))
+        except PrivacyBudgetSpent as exc:
+            log.error("cohort %s of %s abandoned unopened: %s", config.cohort_id, config.expert, exc.message)
+            return f"the expert's privacy budget is spent: {exc.message}"
+        return None
+
+    return book
+
+
 class CohortApplier:
     """The background loop: deadlines, then every unmasked cohort handed to the host as one update."""
 
-    def __init__(self, aggregator: SecureAggregator, host: CohortHost, ledgers: PrivacyLedgers | None = None) -> None:
-        self.aggregator, self.host, self.ledgers = aggregator, host, ledgers
+    def __init__(self, aggregator: SecureAggregator, host: CohortHost, booking: Booking | None = None) -> None:
+        self.aggregator, self.host, self.booking = aggregator, host, booking
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fedmoe-secagg", daemon=True)
 
@@ -92,18 +122,8 @@ class CohortApplier:
 
     def run_once(self) -> None:
         self.aggregator.tick()
-        for ready in self.aggregator.ready(self.book if self.ledgers is not None else None):
+        for ready in self.aggregator.ready(self.booking):
             self.apply(ready)
-
-    def book(self, config: CohortConfig, survivors: int) -> str | None:
-        """Book a DP cohort's step before its masks come off; the reason to abandon it if the budget cannot pay."""
-        assert self.ledgers is not None
-        try:
-            self.ledgers.book_cohort(config.expert, cohort_update_id(config.cohort_id), survivors, len(config.members))
-        except PrivacyBudgetSpent as exc:
-            log.error("cohort %s of %s abandoned unopened: %s", config.cohort_id, config.expert, exc.message)
-            return f"the expert's privacy budget is spent: {exc.message}"
-        return None
 
     def apply(self, ready: CohortSum) -> None:
         config = ready.config
@@ -113,7 +133,8 @@ class CohortApplier:
         base = min(int(m.get("base_version", 0)) for m in ready.meta.values())
         meta = UpdateMeta(update_id=ready.update_id, base_version=base, num_samples=ready.weight, codec=RAW_CODEC,
                           members={m.get("update_id", f"{config.cohort_id}-{w}"): m["digest"]
-                                   for w, m in ready.meta.items()})
+                                   for w, m in ready.meta.items()},
+                          dp_cohort=dp_cohort_sum(config, len(ready.members)))  # a relay forwards it marked so
         try:
             self.host.submit_update(config.expert, meta, body)
         except REFUSALS as exc:  # refused for good (not finite, norm rejected): nothing applied, members re-queue
@@ -126,16 +147,21 @@ class CohortApplier:
 
 
 def install(app: Flask, host: CohortHost, settings: SecAggSettings, data_dir: Path,
-            ledgers: PrivacyLedgers | None = None) -> CohortApplier:
+            ledgers: PrivacyLedgers | None = None, booking: Booking | None = None) -> CohortApplier:
     """Mount the cohort routes over an aggregator journalled in ``data_dir/secagg``, and start its applier.
-    ``ledgers`` with DP settings (the root's --dp-noise) makes every cohort a DP cohort, booked there."""
+
+    At the root, ``ledgers`` with DP settings (its --dp-noise) makes every cohort a DP cohort, booked there. A relay
+    passes its own ``booking`` (at its root, coordinator/relay/dp_cohorts.py) and announces the root's sigma and C
+    to the aggregator once it has learned them (``SecureAggregator.announce_dp``)."""
     journal = CohortJournal(data_dir / "secagg")
     dp = ledgers.dp if ledgers is not None else None
     noise = CohortNoise(dp.noise_multiplier, dp.clip_norm) if dp is not None else None
     aggregator = SecureAggregator(journal, settings, lambda expert: manifest_numel(host.manifest(expert)), dp=noise)
-    applier = CohortApplier(aggregator, host, ledgers if dp is not None else None)
+    if dp is not None and ledgers is not None:
+        booking = ledger_booking(ledgers)
+    applier = CohortApplier(aggregator, host, booking)
     app.extensions[EXTENSION] = aggregator
-    app.extensions[LEDGERS] = applier.ledgers
+    app.extensions[LEDGERS] = ledgers if dp is not None else None
     app.extensions["fedmoe_secagg_host"] = host
     app.register_blueprint(bp)
     applier.start()

@@ -20,7 +20,8 @@ from typing import Any
 
 from privacy.accountant import PrivacyLedger
 from privacy.dp import DPFedAvgSettings, effective_noise_multiplier
-from protocol.errors import PrivacyBudgetSpent
+from protocol.dp_cohort import DPCohortSum
+from protocol.errors import Conflict, PrivacyBudgetSpent
 from protocol.files import write_atomically
 
 LEDGER_FILE = "privacy.json"
@@ -84,6 +85,20 @@ class PrivacyLedgers:
             booked.append(update_id)
             del booked[:-BOOKED_KEPT]
             self._save()
+
+    def book_relay_cohort(self, name: str, claim: DPCohortSum) -> None:
+        """Book a relay's DP cohort (``book_cohort``, keyed by its cohort's update id: once across retries, restarts
+        and the relay's own booking before it unmasked), after checking it was noised with this root's sigma and C:
+        Conflict (409 ``dp_cohort_mismatch``) if not, PrivacyBudgetSpent (409) if the budget cannot pay for it."""
+        assert self.dp is not None
+        if (claim.noise_multiplier, claim.clip_norm) != (self.dp.noise_multiplier, self.dp.clip_norm):
+            raise Conflict(f"cohort {claim.cohort!r} of expert {name!r} was noised with sigma {claim.noise_multiplier:g} "
+                           f"and clipped to C {claim.clip_norm:g}, but this coordinator runs --dp-noise "
+                           f"{self.dp.noise_multiplier:g} --dp-clip {self.dp.clip_norm:g}: its step would not be the "
+                           "one booked. Restart the relay so that it learns this root's settings",
+                           reason="dp_cohort_mismatch", noise_multiplier=self.dp.noise_multiplier,
+                           clip_norm=self.dp.clip_norm)
+        self.book_cohort(name, claim.cohort, claim.survivors, claim.members)
 
     def booked(self, name: str, update_id: str) -> bool:
         """Whether ``update_id`` is a cohort of ``name`` booked here (its sum may be applied without another check)."""

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from protocol.dp_cohort import DPCohortSum
 from protocol.errors import BadRequest
 from protocol.integrity import is_content_id
 
@@ -243,6 +244,8 @@ class UpdateMeta:
     the relay received. The root records them with the batch and refuses (409) a batch naming one it has seen."""
     privacy: dict[str, Any] | None = None
     """A worker training with --dp-sgd: the (epsilon, delta) its training data has spent so far (PRIVACY_FIELDS)."""
+    dp_cohort: DPCohortSum | None = None
+    """A relay's batch that is one DP cohort's unmasked sum (protocol/dp_cohort.py); it carries ``members`` too."""
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> "UpdateMeta":
@@ -273,14 +276,18 @@ class UpdateMeta:
         if members is not None:
             _check_members(members, update_id, where)
         privacy = obj.get("privacy")
+        dp_cohort = obj.get("dp_cohort")
+        if dp_cohort is not None and members is None:
+            raise BadRequest(f"{where}: dp_cohort is a relay batch's field and comes with its members")
         return cls(update_id=update_id, base_version=base_version, num_samples=num_samples,
                    train_loss=None if loss is None else float(loss), codec=codec,
                    codec_config=config, worker_id=worker_id, members=members,
-                   privacy=None if privacy is None else parse_privacy_claim(privacy, where))
+                   privacy=None if privacy is None else parse_privacy_claim(privacy, where),
+                   dp_cohort=None if dp_cohort is None else DPCohortSum.from_json(dp_cohort, where))
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
-        for optional in ("members", "privacy"):  # absent unless used: stored metadata stays as it was
+        for optional in ("members", "privacy", "dp_cohort"):  # absent unless used: stored metadata stays as it was
             if out[optional] is None:
                 del out[optional]
         return out

@@ -56,6 +56,7 @@ RULES: dict[str, str] = {
     "relays.probe": PUBLIC, "api.probe": PUBLIC,  # protocol/probe.py: throughput, before a worker has a token
     "relays.probe_upload": READ, "api.probe_upload": READ,  # bytes in: only for callers with a token
     "relays.register_relay": JOIN_ONLY, "relays.list_relays": READ, "relays.relay_report": SELF,
+    "relays.book_dp_cohort": EXPERT,  # relay (or admin) tokens only, checked in the view
     "placement.report_probes": SELF, "placement.placement_view": READ,  # coordinator/api/placement.py
     # secure aggregation (coordinator.cohorts): joining names the expert; a cohort's rounds need the worker's own
     # token (the view takes the worker id from it), never the join token

@@ -58,7 +58,18 @@ SCHEMAS: dict[str, Any] = {
                                    "additionalProperties": {"type": "string"},
                                    "description": "A relay's combined update only (relay or admin token): worker "
                                                   "update id -> content id of its body. 409 (reason "
-                                                  "members_applied, details.members) if the root has one."}},
+                                                  "members_applied, details.members) if the root has one."},
+                       "dp_cohort": schema_ref("DPCohortSum")},
+    },
+    "DPCohortSum": {
+        "type": "object", "required": ["cohort", "members", "survivors", "noise_multiplier", "clip_norm"],
+        "description": "A relay's batch that is one DP cohort's unmasked sum (its one member is ``cohort``).",
+        "properties": {"cohort": {"type": "string", "minLength": 1, "maxLength": 128},
+                       "members": {"type": "integer", "minimum": 2, "maximum": 1024},
+                       "survivors": {"type": "integer", "minimum": 1, "maximum": 1024},
+                       "noise_multiplier": {"type": "number", "exclusiveMinimum": 0},
+                       "clip_norm": {"type": "number", "exclusiveMinimum": 0}},
+        "additionalProperties": False,
     },
     "Expert": {
         "type": "object", "required": ["name", "version", "updates_applied", "samples_seen", "pending_updates"],

@@ -107,6 +107,16 @@ RELAY_PATHS: dict[str, Any] = {  # coordinator/api/relays.py; docs/history/wan.m
                                "403": error_response("The relay id is active, or the token may not register relays."),
                                "409": error_response("The relay's base model differs from an expert's."),
                                "413": error_response("JSON body over 1 MiB.")}}},
+    "/experts/{name}/dp-cohorts": {"post": {
+        "operationId": "bookDPCohort",
+        "summary": "A relay (relay token) books one of its DP cohorts' steps before unmasking it; once per cohort.",
+        "parameters": [EXPERT_NAME],
+        "requestBody": {"required": True, "content": {"application/json": {"schema": schema_ref("DPCohortSum")}}},
+        "responses": {"200": json_response({"type": "object", "required": ["cohort", "booked"]}, "Booked (or already)."),
+                      "400": BAD_REQUEST, "403": error_response("Not a relay's token."), "404": error_response("No such expert."),
+                      "409": error_response("privacy_budget_spent; dp_cohort_mismatch (sigma or C not this root's); "
+                                    "dp_relay_batch (this root does not run DP with secure aggregation)."),
+                      "413": error_response("JSON body over 1 MiB.")}}},
     "/relays/{relay_id}/report": {"post": {
         "operationId": "relayReport", "summary": "A relay reports its workers and byte counters.",
         "parameters": [path_param("relay_id", NAME_PATTERN, "site-a", "The relay's id.")],

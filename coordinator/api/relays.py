@@ -2,6 +2,7 @@
 
     POST /api/v1/relays                 a relay registers (the relay join token) -> its relay-scoped token
     POST /api/v1/relays/<id>/report     each forward interval: its workers and byte counts
+    POST /api/v1/experts/<name>/dp-cohorts   a relay books a DP cohort's step before unmasking it
     GET  /api/v1/relays                 the tree: relays, their workers, bytes saved (how workers find relays)
     GET  /api/v1/probe, POST /api/v1/probe   bytes to time a link with (root and relay alike)
 """
@@ -14,6 +15,7 @@ from coordinator.access.tokens import ADMIN, RELAY, relay_key
 from coordinator.api.requests import coordinator, json_body
 from coordinator.checks.update_limits import UpdateLimits
 from coordinator.relay_registry import MAX_REPORTED_WORKERS, REPORT_COUNTERS, RelayRegistry
+from protocol.dp_cohort import DPCohortSum
 from protocol.errors import BadRequest, Conflict, Forbidden, PayloadTooLarge
 from protocol.probe import MAX_PROBE_BYTES
 from protocol.schemas import API_PREFIX, BaseModelSpec, ExpertSpec, check_name, is_finite_number
@@ -48,7 +50,11 @@ def register_relay() -> tuple[Response, int]:
         token = auth.tokens.issue(relay_key(relay_id), "*", principal(), role=RELAY)
     registry().registered(relay_id, url, None if spec is None else {"id": spec.id, "fingerprint": spec.fingerprint})
     config = coordinator().config
-    limits = UpdateLimits(config.server_lr, config.norm_policy, dp=config.dp is not None).to_json()  # refused at the relay
+    dp = config.dp
+    limits = UpdateLimits(config.server_lr, config.norm_policy, dp=dp is not None,  # refused at the relay
+                          secure_aggregation=config.secure_aggregation,  # with dp: the relay's cohorts are DP cohorts
+                          noise_multiplier=None if dp is None else dp.noise_multiplier,
+                          clip_norm=None if dp is None else dp.clip_norm).to_json()
     return jsonify({"relay_id": relay_id, "experts": coordinator().list_experts(), "limits": limits} | token), 200
 
 
@@ -79,6 +85,22 @@ def relay_report(relay_id: str) -> Response:
         counters[key] = int(value)
     registry().report(check_name(relay_id, "relay_id"), clean, counters)
     return jsonify({"relay_id": relay_id, "status": "ok"})
+
+
+@bp.post("/experts/<name>/dp-cohorts")
+def book_dp_cohort(name: str) -> Response:
+    """A relay books one of its DP cohorts' steps before it unmasks the cohort (coordinator/relay/dp_cohorts.py): 409
+    (privacy_budget_spent, dp_cohort_mismatch, dp_relay_batch) if this root will not take the cohort's sum."""
+    if principal().role not in (ADMIN, RELAY):
+        raise Forbidden("only a relay's token may book a DP cohort")
+    service = coordinator()
+    service.require_expert(check_name(name, "expert name"))
+    claim = DPCohortSum.from_json(json_body(), "a DP cohort")
+    if service.config.dp is None or not service.config.secure_aggregation:
+        raise Conflict("this coordinator does not run --dp-noise with --secure-aggregation, so it takes no DP "
+                       "cohort's sum; restart the relay so that it learns the root's settings", reason="dp_relay_batch")
+    service.privacy.book_relay_cohort(name, claim)
+    return jsonify({"cohort": claim.cohort, "booked": True, "privacy": service.privacy.report(name)})
 
 
 @bp.get("/relays")

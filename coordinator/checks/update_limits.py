@@ -16,6 +16,7 @@ every combination of them.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -46,9 +47,17 @@ class UpdateLimits:
     dp: bool = False
     """The root runs worker-level DP (--dp-noise): it clips each worker's update, so a relay forwards one worker's
     update per batch, lossless (coordinator/relay/forwarder.py)."""
+    secure_aggregation: bool = False
+    """The root runs --secure-aggregation: with ``dp``, a relay must too (its cohorts are DP cohorts)."""
+    noise_multiplier: float | None = None
+    """With ``dp``: the root's sigma (--dp-noise), announced in a relay's DP cohorts."""
+    clip_norm: float | None = None
+    """With ``dp``: the root's C (--dp-clip)."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"server_lr": self.server_lr, "norm": asdict(self.norm), "dp": self.dp}
+        return {"server_lr": self.server_lr, "norm": asdict(self.norm), "dp": self.dp,
+                "secure_aggregation": self.secure_aggregation, "noise_multiplier": self.noise_multiplier,
+                "clip_norm": self.clip_norm}
 
     @classmethod
     def from_json(cls, data: Any) -> UpdateLimits:
@@ -57,11 +66,17 @@ class UpdateLimits:
             raw = data["norm"]
             norm = NormPolicy(str(raw["mode"]), float(raw["factor"]), int(raw["history"]), int(raw["warmup"]))
             dp = data.get("dp", False)  # a root before relays took DP updates does not say
-            limits = cls(float(data["server_lr"]), norm, dp=dp)
+            secure = data.get("secure_aggregation", False)  # nor one before relays ran DP cohorts
+            sigma, clip = (None if data.get(k) is None else float(data[k]) for k in ("noise_multiplier", "clip_norm"))
+            limits = cls(float(data["server_lr"]), norm, dp=dp, secure_aggregation=secure, noise_multiplier=sigma,
+                         clip_norm=clip)
         except (TypeError, KeyError, ValueError) as exc:
             raise ValueError(f"not update limits: {data!r:.200} ({exc})") from None
-        if not isinstance(dp, bool):
-            raise ValueError(f"update limits: dp must be true or false, got {dp!r:.50}")
+        for name, flag in (("dp", dp), ("secure_aggregation", secure)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"update limits: {name} must be true or false, got {flag!r:.50}")
+        if any(v is not None and not (math.isfinite(v) and v > 0) for v in (sigma, clip)):
+            raise ValueError(f"update limits: noise_multiplier and clip_norm must be positive, got {sigma}, {clip}")
         if not limits.server_lr > 0 or norm.mode not in ("off", "reject", "clip") or not norm.factor > 1 \
                 or not 1 <= norm.warmup <= norm.history:
             raise ValueError(f"update limits out of range: {data!r:.200}")

@@ -222,7 +222,9 @@ class Forwarder:
                 "codec": RAW_CODEC if private else self.policy.codec,
                 "codec_config": {} if private else self.policy.codec_config or {},
                 "members": {u.update_id: u.body_digest for u in queued}}
-        if private and queued[0].meta.get("worker_id"):
+        if private and queued[0].meta.get("dp_cohort"):  # a DP cohort's sum (coordinator/relay/dp_cohorts.py)
+            meta["dp_cohort"] = queued[0].meta["dp_cohort"]
+        elif private and queued[0].meta.get("worker_id"):
             meta["worker_id"] = queued[0].meta["worker_id"]  # whose contribution the root clips
         old_residual = self.store.residual(expert)
         with self.blobs_guard:  # adopted and recorded together: a sweep never sees them unreferenced

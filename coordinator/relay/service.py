@@ -26,6 +26,7 @@ from coordinator.storage.blobs import BlobStore, storage_errors
 from coordinator.config import CoordinatorConfig
 from coordinator.diffs import DiffCache
 from coordinator.relay.checks import RelayChecks
+from coordinator.relay.dp_cohorts import cohort_noise
 from coordinator.relay.diffs import CachedVersions
 from coordinator.relay.forwarder import Forwarder, ForwardPolicy
 from coordinator.relay.site import SITE_WEIGHT, SiteModel
@@ -34,6 +35,7 @@ from coordinator.relay.upstream import DiffPulls, RelayStartError, UpstreamClien
 from coordinator.liveness import liveness
 from coordinator.service import check_body_size, receive_checked
 from coordinator.checks.update_limits import NORM_SCALE, as_clipped
+from privacy.secagg.aggregator import SecureAggregator
 from protocol.errors import Conflict, InsufficientStorage, NotFound, Unavailable
 from protocol.files import private_dir
 from protocol.integrity import Readable, algorithm_of
@@ -131,6 +133,8 @@ class RelayService:
         """Diff pulls answered 404 (a ``since`` not held here): the worker pulls full weights from the cache."""
         self.on_close: list[Callable[[], None]] = []
         """Stopped before the rest (e.g. the secure-aggregation applier, coordinator.cohorts)."""
+        self.cohort_aggregator: SecureAggregator | None = None
+        """With --secure-aggregation: the site's cohorts, told the root's DP settings once they are known."""
         _remove_orphan_blobs(self.store, self.blobs)
 
     def join_upstream(self) -> dict[str, Any]:
@@ -146,6 +150,11 @@ class RelayService:
                                       f"{exc}") from None
             log.warning("upstream unreachable (%s); accepting and queueing, forwarding once it is back", exc)
             info = {}
+        # the site's cohorts take the root's DP settings as last learned (coordinator/relay/dp_cohorts.py);
+        # RelayStartError if this relay's --secure-aggregation cannot work with the root's DP
+        noise = cohort_noise(self.checks.limits, self.config.secagg is not None)
+        if self.cohort_aggregator is not None:
+            self.cohort_aggregator.announce_dp(noise)
         self.forwarder.start()
         return info
 

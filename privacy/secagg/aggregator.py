@@ -54,6 +54,11 @@ class CohortSum:
         return cohort_update_id(self.config.cohort_id)
 
 
+class ReleaseDeferred(Exception):
+    """Raised by a ``ready`` release check that cannot answer now (a relay's root unreachable): the cohort keeps its
+    masks and is asked about again at the next ``ready``."""
+
+
 def cohort_update_id(cohort_id: str) -> str:
     """The update id a cohort's step is recorded under (the host's exactly-once key)."""
     return f"secagg-{cohort_id}"
@@ -73,6 +78,11 @@ class SecureAggregator:
         self._forming: dict[str, list[str]] = {}
         for state in journal.load_all():  # resume: deadlines restart from now, which only waits longer
             self.registry.adopt(state)
+
+    def announce_dp(self, dp: CohortNoise | None) -> None:
+        """Form every later cohort with ``dp`` (a relay learns its root's sigma and C only when it joins it)."""
+        with self._lock:
+            self.dp = dp
 
     # forming ---------------------------------------------------------------------------
 
@@ -200,12 +210,17 @@ class SecureAggregator:
         """Every cohort whose masks can be removed, unmasked (the caller applies each, then ``applied``).
 
         ``release(config, survivors)``, if given, is asked before a cohort's masks come off: a reason (str)
-        abandons it unopened. With DP, that is where its step is booked: a sum seen is privacy spent."""
+        abandons it unopened, ``ReleaseDeferred`` leaves it masked until the next call. With DP, that is where its
+        step is booked: a sum seen is privacy spent."""
         with self._lock:
             states = self.registry.unmaskable()
         out = []
         for state in states:
-            refusal = release(state.config, len(state.survivors)) if release is not None else None
+            try:
+                refusal = release(state.config, len(state.survivors)) if release is not None else None
+            except ReleaseDeferred as exc:
+                log.warning("cohort %s keeps its masks for now: %s", state.config.cohort_id, exc)
+                continue
             if refusal is None:
                 out.append(self._unmask(state))
             else:

@@ -80,3 +80,17 @@ def test_the_roots_dp_reaches_a_relay_and_an_older_roots_answer_means_none():
     assert UpdateLimits.from_json(older).dp is False
     with pytest.raises(ValueError, match="dp must be true or false"):
         UpdateLimits.from_json(limits.to_json() | {"dp": "yes"})
+
+
+def test_the_roots_dp_settings_under_secure_aggregation_reach_a_relay_and_are_checked():
+    """What a relay's DP cohorts announce to their members comes from here (coordinator/relay/dp_cohorts.py)."""
+    limits = UpdateLimits(dp=True, secure_aggregation=True, noise_multiplier=1.5, clip_norm=0.25)
+    assert UpdateLimits.from_json(limits.to_json()) == limits
+    older = {k: v for k, v in limits.to_json().items() if k not in ("secure_aggregation", "noise_multiplier",
+                                                                    "clip_norm")}
+    assert UpdateLimits.from_json(older) == UpdateLimits(dp=True)  # a root before relays ran DP cohorts
+    with pytest.raises(ValueError, match="secure_aggregation must be true or false"):
+        UpdateLimits.from_json(limits.to_json() | {"secure_aggregation": 1})
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="noise_multiplier and clip_norm must be positive"):
+            UpdateLimits.from_json(limits.to_json() | {"clip_norm": bad})
