@@ -35,9 +35,9 @@ class CoordinatorConfig:
     server_lr: float = option(1.0, "step size on aggregated deltas")
     async_alpha: float | None = option(
         None, "fedasync's mixing weight alpha (Xie et al. 2019): each update is applied at alpha x server-lr / (1 + "
-              "decay x staleness); 1 is the original tool's rule (default: auto = 1 / N for the N workers on the "
-              "expert, alive or stale, so N workers' updates add up to their mean, not N times it; staleness up to "
-              "N - 1 then counts as on time)",
+              "decay x staleness); 1 is the original tool's rule (default: auto = 1 / N for the N sources of the "
+              "expert's updates: its workers here, alive or stale, and each relay forwarding it, so N sources' "
+              "updates add up to their mean, not N times it; staleness up to N - 1 then counts as on time)",
         metavar="ALPHA|auto", parse=lambda text, flag: _async_alpha(text))
     staleness_decay: float = option(0.1, "updates weigh 1/(1 + decay * staleness), staleness = versions behind")
     buffer_size: int = option(3, "K updates per fedbuff step")
