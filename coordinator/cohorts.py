@@ -71,6 +71,12 @@ def refuse_clear_push(meta: UpdateMeta) -> None:
             "--secure-aggregation (its update is then masked, and only the cohort's sum is seen here)")
 
 
+class BudgetCheck(Protocol):
+    """What a cohort join is checked against: PrivacyBudgetSpent once the expert's budget is spent."""
+
+    def check_budget(self, name: str) -> None: ...
+
+
 Booking = Callable[[CohortConfig, int], "str | None"]
 """Asked before a DP cohort's masks come off (``SecureAggregator.ready``'s release): None once its step is booked,
 the reason to abandon it unopened if it cannot be, ``ReleaseDeferred`` to ask again at the next tick."""
@@ -147,12 +153,14 @@ class CohortApplier:
 
 
 def install(app: Flask, host: CohortHost, settings: SecAggSettings, data_dir: Path,
-            ledgers: PrivacyLedgers | None = None, booking: Booking | None = None) -> CohortApplier:
+            ledgers: PrivacyLedgers | None = None, booking: Booking | None = None,
+            budgets: BudgetCheck | None = None) -> CohortApplier:
     """Mount the cohort routes over an aggregator journalled in ``data_dir/secagg``, and start its applier.
 
     At the root, ``ledgers`` with DP settings (its --dp-noise) makes every cohort a DP cohort, booked there. A relay
     passes its own ``booking`` (at its root, coordinator/relay/dp_cohorts.py) and announces the root's sigma and C
-    to the aggregator once it has learned them (``SecureAggregator.announce_dp``)."""
+    to the aggregator once it has learned them (``SecureAggregator.announce_dp``), and ``budgets``, what its root
+    said of spent budgets, which a join is checked against as the root checks its ledgers."""
     journal = CohortJournal(data_dir / "secagg")
     dp = ledgers.dp if ledgers is not None else None
     noise = CohortNoise(dp.noise_multiplier, dp.clip_norm) if dp is not None else None
@@ -161,7 +169,7 @@ def install(app: Flask, host: CohortHost, settings: SecAggSettings, data_dir: Pa
         booking = ledger_booking(ledgers)
     applier = CohortApplier(aggregator, host, booking)
     app.extensions[EXTENSION] = aggregator
-    app.extensions[LEDGERS] = ledgers if dp is not None else None
+    app.extensions[LEDGERS] = ledgers if dp is not None else budgets
     app.extensions["fedmoe_secagg_host"] = host
     app.register_blueprint(bp)
     applier.start()

@@ -26,7 +26,7 @@ from coordinator.api.app import StrictJSONProvider, log_requests_at_debug, regis
 from coordinator.access.auth import acting_worker, check_may_carry_members
 from coordinator.errors import REFUSALS, as_http_error
 from coordinator.relay.relay_store_schema import CachedWeights
-from coordinator.relay.dp_cohorts import upstream_booking
+from coordinator.relay.dp_cohorts import SpentBudgets, upstream_booking
 from coordinator.relay.service import RelayConfig, RelayService
 from coordinator.cohorts import refuse_clear_push
 from coordinator.api.relays import probe_body, probe_upload
@@ -195,9 +195,10 @@ def create_relay_app(config: RelayConfig, port: int | None = None) -> Flask:
     app.register_blueprint(bp)
     uploads.install(app, app.extensions["fedmoe"])  # the root's resumable upload routes, finishing into the relay
     if config.coordinator.secagg is not None:  # the site's cohorts, unmasked here; only their sums go upstream
-        service = app.extensions["fedmoe"]
+        service, budgets = app.extensions["fedmoe"], SpentBudgets()
         applier = cohorts.install(app, service, config.coordinator.secagg, config.coordinator.data_dir,
-                                  booking=upstream_booking(service.upstream))  # under a DP root: booked there first
+                                  booking=upstream_booking(service.upstream, budgets),  # under a DP root: booked
+                                  budgets=budgets)  # there first; a join refused once the root said it is spent
         service.cohort_aggregator = applier.aggregator  # told the root's DP settings when it joins the root
         service.on_close.append(applier.close)
     log_requests_at_debug(app)

@@ -15,6 +15,7 @@ Combinations that cannot work stop the relay at start with one line (``cohort_no
 from __future__ import annotations
 
 import logging
+import threading
 
 from coordinator.checks.update_limits import UpdateLimits
 from coordinator.cohorts import Booking, dp_cohort_sum
@@ -22,7 +23,7 @@ from coordinator.relay.upstream import RelayStartError, UpstreamClient
 from privacy.secagg.aggregator import ReleaseDeferred
 from privacy.secagg.config import CohortConfig
 from privacy.secagg.noise import CohortNoise
-from protocol.errors import BadRequest, Conflict, FedMoEError, NotFound, Unavailable
+from protocol.errors import BadRequest, Conflict, FedMoEError, NotFound, PrivacyBudgetSpent, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +49,32 @@ def cohort_noise(limits: UpdateLimits, secure_aggregation: bool) -> CohortNoise 
     return CohortNoise(limits.noise_multiplier, limits.clip_norm)
 
 
-def upstream_booking(upstream: UpstreamClient) -> Booking:
-    """Book each DP cohort's step at the root before this relay unmasks it (see the module's docstring)."""
+class SpentBudgets:
+    """Experts whose privacy budget the root said is spent (it refused a booking so), in memory.
+
+    The cohort routes ask ``check_budget`` before a worker joins a cohort, as the root's own ledgers are asked: a
+    cohort formed now could never be booked, so the join is refused (409 privacy_budget_spent) instead of rounds
+    of cohorts each abandoned at booking. A spent budget does not come back (docs/privacy.md, "Budget"); a relay
+    restarted learns it again from its first refused booking."""
+
+    def __init__(self) -> None:
+        self._spent: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def spent(self, expert: str, message: str) -> None:
+        with self._lock:
+            self._spent[expert] = message
+
+    def check_budget(self, expert: str) -> None:
+        with self._lock:
+            message = self._spent.get(expert)
+        if message is not None:
+            raise PrivacyBudgetSpent(f"expert {expert!r}: the root refused its last DP cohort: {message}")
+
+
+def upstream_booking(upstream: UpstreamClient, budgets: SpentBudgets | None = None) -> Booking:
+    """Book each DP cohort's step at the root before this relay unmasks it (see the module's docstring); a refusal
+    as spent is remembered in ``budgets``."""
 
     def book(config: CohortConfig, survivors: int) -> str | None:
         claim = dp_cohort_sum(config, survivors)
@@ -58,6 +83,8 @@ def upstream_booking(upstream: UpstreamClient) -> Booking:
         try:
             upstream.transport.json("POST", f"/experts/{config.expert}/dp-cohorts", json=claim.to_json())
         except (Conflict, NotFound, BadRequest) as exc:  # budget spent, sigma or C changed, expert gone: never
+            if isinstance(exc, PrivacyBudgetSpent) and budgets is not None:
+                budgets.spent(config.expert, exc.message)
             log.error("cohort %s of %s abandoned unopened: the root refused to book its DP step: %s",
                       config.cohort_id, config.expert, exc.message)
             return f"the root refused to book its DP step ({exc.code}): {exc.message}"

@@ -17,7 +17,7 @@ import requests
 from bench.common import CoordinatorProcess
 from privacy.secagg.noise import CohortNoise
 from privacy.secagg.vector import flatten
-from protocol.errors import Conflict
+from protocol.errors import Conflict, PrivacyBudgetSpent
 from protocol.tensors import dumps, manifest_of
 from tests import launcher
 from tests.e2e.conftest import ROOT, env
@@ -100,7 +100,7 @@ def test_a_relays_dp_cohort_is_booked_once_and_applied_as_the_clipped_sum_over_k
 def test_a_relays_dp_cohort_the_budget_cannot_pay_for_is_abandoned_unopened(tmp_path):
     """--dp-budget 8 with sigma 1e-9: no step fits. The root refuses to book the relay's cohort (409
     privacy_budget_spent), so the relay abandons it with its masks on: nothing is forwarded or booked, and every
-    member learns its input was not counted (it keeps its delta for a later cohort)."""
+    member learns its input was not counted (it keeps its delta for a later cohort); a later join is refused."""
     adapter, _, deltas, c = site_deltas()
     root, relay = start_pair(tmp_path, *SECURE, "--forward-interval", "3600",
                              root_flags=(*SECURE, "--dp-noise", "1e-9", "--dp-clip", str(c), "--dp-budget", "8"))
@@ -115,6 +115,10 @@ def test_a_relays_dp_cohort_the_budget_cannot_pay_for_is_abandoned_unopened(tmp_
         (cohort,) = requests.get(f"{relay.url}/api/v1/cohorts", headers=relay.headers, timeout=10).json()["cohorts"]
         assert cohort["phase"] == "abandoned"
         assert accepted_updates(admin(relay)) == []  # no sum was ever made at the relay
+        # told so once, the relay refuses new cohorts of the expert, as the root does, instead of forming more
+        # that each end abandoned at booking
+        with pytest.raises(PrivacyBudgetSpent):
+            worker_client(relay.url, tmp_path, WORKERS[0]).cohorts.join("e1", WORKERS[0])
     finally:
         relay.stop()
         root.stop()
