@@ -300,7 +300,8 @@ def test_one_update_id_pushed_to_two_relays_and_the_root_is_applied_once(tmp_pat
     """A worker whose 202s were lost failed over twice: the same update reached relay a, relay b and the root.
     The root recorded it directly; each relay's batch naming it is refused (409 with the id), the relay drops it
     and re-sends the rest, so the root's expert shows it once, in samples and in the weights."""
-    root, relay_a = start_pair(tmp_path, "--forward-interval", "3600")
+    # --async-alpha 1: each update whole (this is about exactly once; how relays count in alpha: test_async_alpha.py)
+    root, relay_a = start_pair(tmp_path, "--forward-interval", "3600", root_flags=("--async-alpha", "1"))
     relay_b = CoordinatorProcess(tmp_path / "relay-b", "--upstream", root.url, "--join-token-file",
                                  str(tmp_path / "join"), "--relay-join-token-file",
                                  str(tmp_path / "root" / "relay_join_token"), "--relay-id", "site-b",
