@@ -34,7 +34,8 @@ BASE = {"id": "m", "fingerprint": FINGERPRINT}
 def root_on_loopback(tmp_path):
     """A root applying each update in full (fedasync, lr 1, no staleness decay): weights = w0 + sum of deltas.
     Yields (app, url, admin client, join token)."""
-    app = create_app(CoordinatorConfig(data_dir=tmp_path / "root", gateway_interval=0, staleness_decay=0.0))
+    app = create_app(CoordinatorConfig(data_dir=tmp_path / "root", gateway_interval=0, staleness_decay=0.0,
+                                     async_alpha=1.0))  # each update whole: exactly once, not how relays count
     server = make_server("127.0.0.1", 0, app, threaded=True)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_port}"
