@@ -23,6 +23,7 @@ from privacy.dp import DPFedAvgSettings, effective_noise_multiplier
 from protocol.dp_cohort import DPCohortSum
 from protocol.errors import Conflict, PrivacyBudgetSpent
 from protocol.files import write_atomically
+from protocol.schemas import UpdateMeta
 
 LEDGER_FILE = "privacy.json"
 BOOKED_KEPT = 64
@@ -139,3 +140,37 @@ class PrivacyLedgers:
                        "dp_sgd": self._claims.get(name) or {},
                        **({"cohorts_booked": self._booked[name]} if self._booked.get(name) else {})} for name in names}
         write_atomically(self.path, (json.dumps(data, indent=1) + "\n").encode())
+
+    def admit_update(self, name: str, meta: UpdateMeta, secure_aggregation: bool) -> None:
+        """A push under --dp-noise (``secure_aggregation``: the root runs that too): 409 once the expert's
+        --dp-budget is spent; a relay's combined update of several workers is refused, since clipping it as one
+        contribution would let each of its workers move the step by up to 2C. A relay batch of one worker's
+        update, naming that worker, is that worker's contribution (relays learn that this root runs DP and
+        forward so), unless this root runs --secure-aggregation: its steps then clip nothing, and a relay's
+        batch must be one of its DP cohorts' sums (``dp_cohort``), booked here before it is applied."""
+        if self.dp is None:
+            return
+        if meta.members and self.booked(name, meta.update_id):
+            return  # this coordinator's own secure-aggregation cohort, booked before its masks came off
+        if meta.dp_cohort is not None and secure_aggregation:
+            if set(meta.members or ()) != {meta.dp_cohort.cohort}:
+                raise Conflict(f"a DP cohort's sum for expert {name!r} carries exactly one member, its cohort "
+                               f"{meta.dp_cohort.cohort!r}; got {sorted(meta.members or ())[:4]}",
+                               reason="dp_relay_batch")
+            self.book_relay_cohort(name, meta.dp_cohort)  # 409: sigma or C not ours, or the budget spent
+            return
+        if meta.dp_cohort is not None:
+            raise Conflict(f"expert {name!r} is trained with --dp-noise without --secure-aggregation here: this "
+                           "coordinator clips and noises each worker's update itself and takes no cohort's sum; start "
+                           "the relay without --secure-aggregation (it then forwards each worker's update)",
+                           reason="dp_relay_batch")
+        if secure_aggregation and meta.members:
+            raise Conflict(f"expert {name!r} is trained with worker-level differential privacy under secure "
+                           "aggregation: this coordinator clips and noises nothing itself, so a relay's batch must be "
+                           "the sum of one of its DP cohorts; start the relay with --secure-aggregation as well",
+                           reason="dp_relay_batch")
+        if meta.members and not (len(meta.members) == 1 and meta.worker_id):
+            raise Conflict(f"expert {name!r} is trained with worker-level differential privacy (--dp-noise): a "
+                           "relay's combined update cannot be clipped per worker; connect these workers to this "
+                           "coordinator directly", reason="dp_relay_batch")
+        self.check_budget(name)

@@ -203,7 +203,7 @@ class Coordinator:
                 raise Conflict(f"base_version {meta.base_version} is ahead of expert {name!r}, "
                                f"which is at version {expert.version}")
             self._refuse_recorded_members(meta)  # before the body is decoded: a refused relay batch costs nothing
-            self._check_private(name, meta)
+            self.privacy.admit_update(name, meta, self.config.secure_aggregation)
             manifest = list(parsed_manifest(expert.manifest))
             # int8 bodies are checked and measured from their codes (coordinator/checks/fused_check.py); others are
             # decoded tensor by tensor. Either way nothing decoded is kept while we wait for the expert's
@@ -242,39 +242,6 @@ class Coordinator:
         # the row as recorded, pending. Exact when its step failed (the newest update is in the last step); when the
         # database is held up and its status is not read back, a step may have applied it meanwhile.
         return _status(recorded, expert.version), True
-
-    def _check_private(self, name: str, meta: UpdateMeta) -> None:
-        """With --dp-noise: 409 once the expert's --dp-budget is spent; a relay's combined update of several workers
-        is refused, since clipping it as one contribution would let each of its workers move the step by up to 2C.
-        A relay batch of one worker's update, naming that worker, is that worker's contribution (relays learn that
-        this root runs DP and forward so), unless this root runs --secure-aggregation: its steps then clip nothing,
-        and a relay's batch must be one of its DP cohorts' sums (``dp_cohort``), booked here before it is applied."""
-        if self.config.dp is None:
-            return
-        if meta.members and self.privacy.booked(name, meta.update_id):
-            return  # this coordinator's own secure-aggregation cohort, booked before its masks came off
-        if meta.dp_cohort is not None and self.config.secure_aggregation:
-            if set(meta.members or ()) != {meta.dp_cohort.cohort}:
-                raise Conflict(f"a DP cohort's sum for expert {name!r} carries exactly one member, its cohort "
-                               f"{meta.dp_cohort.cohort!r}; got {sorted(meta.members or ())[:4]}",
-                               reason="dp_relay_batch")
-            self.privacy.book_relay_cohort(name, meta.dp_cohort)  # 409: sigma or C not ours, or the budget spent
-            return
-        if meta.dp_cohort is not None:
-            raise Conflict(f"expert {name!r} is trained with --dp-noise without --secure-aggregation here: this "
-                           "coordinator clips and noises each worker's update itself and takes no cohort's sum; start "
-                           "the relay without --secure-aggregation (it then forwards each worker's update)",
-                           reason="dp_relay_batch")
-        if self.config.secure_aggregation and meta.members:
-            raise Conflict(f"expert {name!r} is trained with worker-level differential privacy under secure "
-                           "aggregation: this coordinator clips and noises nothing itself, so a relay's batch must be "
-                           "the sum of one of its DP cohorts; start the relay with --secure-aggregation as well",
-                           reason="dp_relay_batch")
-        if meta.members and not (len(meta.members) == 1 and meta.worker_id):
-            raise Conflict(f"expert {name!r} is trained with worker-level differential privacy (--dp-noise): a "
-                           "relay's combined update cannot be clipped per worker; connect these workers to this "
-                           "coordinator directly", reason="dp_relay_batch")
-        self.privacy.check_budget(name)
 
     def _refuse_recorded_members(self, meta: UpdateMeta) -> None:
         """A relay batch naming an update recorded here is refused whole (409 members_applied) before its step is
