@@ -110,7 +110,8 @@ def test_accept_duplicate_version_creation_and_registration_are_logged(client):
     assert accepted["detail"]["num_samples"] == 10 and accepted["detail"]["norm"] > 0
     assert applied["detail"] | {"update_ids": None, "staleness": None} == {
         "version": 1, "num_updates": 1, "train_loss": 1.5, "update_ids": None, "staleness": None,
-        "alpha": 1.0, "staleness_grace": 0, "workers_counted": 1, "workers_alive": 1}  # w1 alone on "e"
+        "alpha": 1.0, "staleness_grace": 0, "workers_counted": 1, "workers_alive": 1,
+        "relays_counted": 0}  # w1 alone on "e", no relay
     assert applied["detail"]["update_ids"] == [meta["update_id"]]
     assert duplicate["update_id"] == meta["update_id"] and duplicate["worker_id"] == "w1"
     assert log[4]["worker_id"] == "w1" and log[4]["expert"] == "e"
