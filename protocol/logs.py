@@ -45,12 +45,26 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
+class StderrHandler(logging.StreamHandler):
+    """Writes each record to ``sys.stderr`` as it is when the record is emitted, as logging's own last-resort
+    handler does, not to the stream stderr was at set-up: a program (or a test harness) that swaps stderr later
+    gets the lines, and a background thread never writes to a stream closed since (a "--- Logging error ---")."""
+
+    def __init__(self) -> None:
+        logging.Handler.__init__(self)
+
+    @property
+    def stream(self) -> TextIO:
+        return sys.stderr
+
+
 def configure_logging(log_format: str = "text", level: int = logging.INFO, stream: TextIO | None = None) -> None:
-    """Send the root logger's records to ``stream`` (stderr) as text lines or JSON objects."""
+    """Send the root logger's records to ``stream`` (default: stderr, whatever it is at each record) as text lines
+    or JSON objects."""
     if log_format not in LOG_FORMATS:
         raise ValueError(f"--log-format must be one of {', '.join(LOG_FORMATS)}, got {log_format!r}")
+    handler = logging.StreamHandler(stream) if stream is not None else StderrHandler()
     stream = stream or sys.stderr
-    handler = logging.StreamHandler(stream)
     if log_format == "json":
         handler.setFormatter(JsonFormatter())
     else:

@@ -2,6 +2,7 @@
 import io
 import json
 import logging
+import sys
 
 import pytest
 
@@ -67,3 +68,16 @@ def test_hugging_face_warnings_are_printed_once_in_our_format(root_logging, capf
     assert stream.getvalue().count("Retrying in 1s") == 1
     assert "WARNING huggingface_hub.utils._http: Retrying in 1s" in stream.getvalue()
     assert "Retrying" not in capfd.readouterr().err  # the library's own stderr handler is gone
+
+
+def test_by_default_lines_go_to_stderr_as_it_is_when_each_is_written(root_logging, monkeypatch):
+    """A handler bound to the stderr of its set-up wrote to a closed stream once that stderr was swapped and closed
+    (a test's capture; a program that redirects stderr): "--- Logging error --- I/O operation on closed file"."""
+    first, second = io.StringIO(), io.StringIO()
+    monkeypatch.setattr(sys, "stderr", first)
+    configure_logging("text")
+    logging.getLogger("fedmoe.test").warning("one")
+    monkeypatch.setattr(sys, "stderr", second)
+    first.close()
+    logging.getLogger("fedmoe.test").warning("two")
+    assert second.getvalue().rstrip().endswith("WARNING fedmoe.test: two")
