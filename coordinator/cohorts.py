@@ -45,7 +45,8 @@ log = logging.getLogger(__name__)
 bp = Blueprint("cohorts", __name__, url_prefix=API_PREFIX)
 TICK_SECONDS = 0.5
 EXTENSION = "fedmoe_secagg"
-LEDGERS = "fedmoe_secagg_ledgers"
+BUDGETS = "fedmoe_secagg_budgets"
+"""The BudgetCheck a join is checked against: the root's ledgers under DP, a relay's SpentBudgets, or None."""
 
 
 class SecureAggregationRequired(Forbidden):
@@ -169,7 +170,7 @@ def install(app: Flask, host: CohortHost, settings: SecAggSettings, data_dir: Pa
         booking = ledger_booking(ledgers)
     applier = CohortApplier(aggregator, host, booking)
     app.extensions[EXTENSION] = aggregator
-    app.extensions[LEDGERS] = ledgers if dp is not None else budgets
+    app.extensions[BUDGETS] = ledgers if dp is not None else budgets
     app.extensions["fedmoe_secagg_host"] = host
     app.register_blueprint(bp)
     applier.start()
@@ -201,9 +202,9 @@ def _json() -> dict[str, Any]:
 def join(name: str) -> Response:
     check_name(name, "expert name")
     current_app.extensions["fedmoe_secagg_host"].manifest(name)  # 404 for an unknown expert
-    ledgers = current_app.extensions.get(LEDGERS)
-    if ledgers is not None:  # 409 privacy_budget_spent: a cohort formed now could never be applied
-        ledgers.check_budget(name)
+    budgets = current_app.extensions.get(BUDGETS)
+    if budgets is not None:  # 409 privacy_budget_spent: a cohort formed now could never be applied
+        budgets.check_budget(name)
     return jsonify(aggregator().join(name, _worker(_json().get("worker_id"))))
 
 
