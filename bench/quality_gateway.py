@@ -31,7 +31,7 @@ import statistics
 import sys
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -233,7 +233,10 @@ def routed(choices: Sequence[str], per_method: Mapping[str, Losses], domains: Se
     return out
 
 
-def run_suite(lab: Lab, domains: Sequence[RealDomain], s: Settings) -> dict[str, Any]:
+def run_suite(lab: Lab, domains: Sequence[RealDomain], s: Settings,
+              on_seed: Callable[[dict[str, Any], int], None] = lambda report, done: None) -> dict[str, Any]:
+    """Train and score every seed; after each seed ``on_seed(report so far, seeds done)``, so a long run that is
+    stopped keeps what it measured."""
     names = [d.name for d in domains]
     heldout = {d.name: d.heldout for d in domains}
     validation = {d.name: d.validation for d in domains}
@@ -272,6 +275,18 @@ def run_suite(lab: Lab, domains: Sequence[RealDomain], s: Settings) -> dict[str,
             soft_report["pass_at_1"] = pass_at_1_table(mixlab, domains, DEFAULT_THRESHOLD, s.pass_problems,
                                                        s.pass_tokens)
         log.info("seed %d evaluated", seed)
+        report = assemble(domains, per_seed, per_seed_lodo, soft_report, gains, tuned, deltas)
+        on_seed(report, seed + 1)
+    return report
+
+
+def assemble(domains: Sequence[RealDomain], per_seed: Sequence[Mapping[str, Losses]],
+             per_seed_lodo: Sequence[Mapping[str, Losses]], soft_report: dict[str, Any], gains: Sequence[float],
+             tuned: Mapping[str, Any], deltas: Sequence[Any]) -> dict[str, Any]:
+    """The report over the seeds scored so far (model-free: seconds)."""
+    names = [d.name for d in domains]
+    truth_v, top_v, conf_v = routing(domains, "validation")
+    truth_h, top_h, conf_h = routing(domains, "heldout")
     fitted = round(fit_threshold(conf_v, gains, floor=1 / len(domains)), 2)
     report = summarize(per_seed, names, truth_h, top_h, conf_h, fitted)
     report["leave_one_out"] = {m: {d: spread([mean_loss(seed[m][d]) for seed in per_seed_lodo])
@@ -284,7 +299,7 @@ def run_suite(lab: Lab, domains: Sequence[RealDomain], s: Settings) -> dict[str,
     report["router"]["validation"] = {"prompts": len(conf_v), "top1_accuracy": statistics.fmean(
         t == p for t, p in zip(truth_v, top_v)), "fitted_threshold": fitted,
         "gain_nats_routed_at_fitted": sum(g for g, c in zip(gains, conf_v) if c >= fitted)}
-    report["lam_tuned_on_validation"] = tuned
+    report["lam_tuned_on_validation"] = dict(tuned)
     report["router"]["calibration"] = calibrate_router(domains)
     report["codec_true_delta"] = true_delta_figures(deltas)
     return report
@@ -391,16 +406,31 @@ def run(s: Settings, ctx: Run) -> int:
         print(render_calibration(calibration))
         return 0
     lab = Lab(s.model)
-    report = run_suite(lab, domains, s)
     names = [d.name for d in domains]
-    out = {"benchmark": "quality_gateway", "base_model": s.model, "quick": ctx.quick, "settings": asdict(s),
-           "domains": {d.name: {"train": len(d.train), "validation": len(d.validation), "heldout": len(d.heldout)}
-                       for d in domains},
-           **report, "cost": quiet_estimate(lab.compute, time.perf_counter() - started)}
+
+    def document(report: Mapping[str, Any], seeds_done: int) -> dict[str, Any]:
+        return {"benchmark": "quality_gateway", "base_model": s.model, "quick": ctx.quick, "settings": asdict(s),
+                "seeds_done": seeds_done,
+                "domains": {d.name: {"train": len(d.train), "validation": len(d.validation),
+                                     "heldout": len(d.heldout)} for d in domains},
+                **report, "cost": quiet_estimate(lab.compute, time.perf_counter() - started)}
+
+    def checkpoint(report: dict[str, Any], seeds_done: int) -> None:
+        if seeds_done < s.seeds:  # the last seed's document is written below, as the result
+            ctx.write(document(report, seeds_done), partial_path(ctx.out))
+            log.info("seed %d of %d: partial results in %s", seeds_done, s.seeds, partial_path(ctx.out))
+
+    out = document(run_suite(lab, domains, s, checkpoint), s.seeds)
     ctx.write(out)
+    partial_path(ctx.out).unlink(missing_ok=True)
     print(render(out, names))
     log.info("wrote %s", ctx.out)
     return 0
+
+
+def partial_path(out: Path) -> Path:
+    """Where a run keeps the seeds it has scored so far (removed when the run completes)."""
+    return out.with_name(out.stem + ".partial.json")
 
 
 BENCH = Bench("quality_gateway", tags=("quality",), settings=Settings, run=run, quick=QUICK, cores=1)
