@@ -64,7 +64,8 @@ class RelayFlags:
     upstream_full_pull_every: int = option(10, "with --upstream-pull-compression, every N-th fetch is a full one",
                                            group=RELAY)
     site_model: bool = option(False, "serve the site's workers the root's weights plus their updates not yet in "
-                                     "them, and forward the sum of those updates (hierarchical FL's edge model; "
+                                     "them, each weighted as --async-alpha says (auto: 1 / the site's workers of "
+                                     "the expert), and forward their weighted sum (hierarchical FL's edge model; "
                                      "docs/wan.md)", group=RELAY)
     relay_id: str | None = option(None, "this relay's name at the root (default: host name and port)", group=RELAY)
     advertise_url: str | None = option(None, "URL workers reach this relay at, published at the root's "

@@ -43,9 +43,11 @@ def relay_join_token(root_data_dir) -> str:
 
 
 @contextmanager
-def relay_sites(tmp_path, root: dict[str, Any] | None = None, **relay_settings: Any):
+def relay_sites(tmp_path, root: dict[str, Any] | None = None, relay_coordinator: dict[str, Any] | None = None,
+                **relay_settings: Any):
     """A real root holding expert ``e1`` (``CoordinatorConfig`` settings ``root``) and a real relay ``r1`` under it
-    (``RelayConfig`` settings ``relay_settings``; forwarding only when a test asks), each on a loopback port. Yields (a client of the root
+    (``RelayConfig`` settings ``relay_settings``, its ``CoordinatorConfig`` settings ``relay_coordinator``; forwarding
+    only when a test asks), each on a loopback port. Yields (a client of the root
     registered as worker ``w-root``, the relay service, a client of the relay registered as ``w1``, the root URL)."""
     from coordinator.api.app import create_app
     from coordinator.config import CoordinatorConfig
@@ -62,7 +64,8 @@ def relay_sites(tmp_path, root: dict[str, Any] | None = None, **relay_settings: 
     join = (tmp_path / "root" / "join_token").read_text().strip()
     relay_app = create_relay_app(RelayConfig(upstream=root_url, join_token=join, relay_id="r1",
                                              relay_join_token=relay_join_token(tmp_path / "root"),
-                                             coordinator=CoordinatorConfig(data_dir=tmp_path / "relay"),
+                                             coordinator=CoordinatorConfig(data_dir=tmp_path / "relay",
+                                                                           **(relay_coordinator or {})),
                                              forward=ForwardPolicy(interval=3600), **relay_settings))
     relay = relay_app.extensions["fedmoe"]
     relay.join_upstream()

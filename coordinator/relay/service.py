@@ -121,7 +121,7 @@ class RelayService:
         self.cache = WeightsCache(self.store, self.blobs, self.upstream, config.revalidate_seconds,
                                   self.drop_unreferenced, diff_pulls=config.upstream_diffs)
         self.site = (SiteModel(self.store, self.blobs, self.cache.get, lambda update_id: self.upstream.updates.status(update_id).get("applied_version"),
-                               config.forward.staleness_decay) if config.site_model else None)
+                               config.forward.staleness_decay, config.coordinator.async_alpha) if config.site_model else None)
         self.forwarder = Forwarder(self.relay_id, self.store, self.blobs, self.upstream, self.cache, config.forward,
                                    self.drop_unreferenced, self.report, self.blobs_guard, self.checks, self.site)
         self.versions = CachedVersions(self.cache, self.blobs)

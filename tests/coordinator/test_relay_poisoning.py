@@ -45,7 +45,10 @@ def finite(tensors: dict[str, torch.Tensor]) -> bool:
 
 @pytest.mark.parametrize("site_model", [False, True], ids=["plain", "site_model"])
 def test_a_poisoning_worker_costs_no_honest_update_and_no_pull_holds_inf(tmp_path, site_model):
-    with relay_sites(tmp_path, site_model=site_model) as (at_root, relay, at_relay, _):
+    # the site model at --async-alpha 1 (each update whole): at the default 1 / N, five workers' poisoned deltas
+    # weigh 1/5 each and three of them never overflow, so the checks below would not be reached
+    with relay_sites(tmp_path, site_model=site_model, relay_coordinator={"async_alpha": 1.0}) as (
+            at_root, relay, at_relay, _):
         for worker in ("evil", *HONEST):
             at_relay.workers.register(worker, "e1", BASE)
         relay_fetches(relay)  # version 0, frozen: the relay learns of the root's next versions late, as over a WAN

@@ -52,12 +52,12 @@ def test_workers_pull_their_sites_updates_before_they_are_forwarded(site):
     seen_by_w2 = at_relay.experts.pull("e1", worker_id="w2")
     # w1's step is in w2's next pull, under the root's version number and an ETag of the site's own bytes
     assert seen_by_w2.version == 0 and seen_by_w2.etag != root.etag
-    assert close(seen_by_w2.tensors, plus(root.tensors, (d1, 1.0)))
+    assert close(seen_by_w2.tensors, plus(root.tensors, (d1, 0.5)))  # w1 and w2 are the site's workers: 1/2 each
     assert at_relay.experts.pull("e1", etag=seen_by_w2.etag, worker_id="w2").tensors is None  # 304 on the site's ETag
     d2 = push(at_relay, "w2", 2)  # w2 pulled after d1: nothing it has not seen
-    # w1 last pulled before d1 and d2: its update is two site changes old and weighs s(2)
+    # w1 last pulled before d1 and d2: its update is two site changes old, one past the grace of N - 1
     d3 = push(at_relay, "w1", 3)
-    expected = plus(root.tensors, (d1, 1.0), (d2, 1.0), (d3, staleness_weight(2, 0.1)))
+    expected = plus(root.tensors, (d1, 0.5), (d2, 0.5), (d3, staleness_weight(2, 0.1, grace=1) / 2))
     assert close(at_relay.experts.pull("e1", worker_id="w1").tensors, expected)
     assert at_root.experts.get("e1")["version"] == 0  # nothing forwarded yet
 
@@ -69,9 +69,11 @@ def test_a_batch_is_the_weighted_sum_and_the_new_root_version_replaces_it(site):
     at_relay.experts.pull("e1", worker_id="w2")
     d1, d2 = push(at_relay, "w1", 1), push(at_relay, "w2", 2)
     assert relay.forwarder.flush() == 1
-    # the root (FedAsync, staleness 0) added the site's progress in full: the sum, not FedBuff's mean
+    # the root (FedAsync, staleness 0, one source) added the site's progress in full: the batch is the site's
+    # weighted sum, in which its two workers' updates from the same weights count 1/2 each (w2's is one site change
+    # old: within the grace of N - 1), so together they move the expert by their mean
     v1 = at_root.experts.pull("e1", worker_id="w-root")
-    assert v1.version == 1 and close(v1.tensors, plus(root, (d1, 1.0), (d2, staleness_weight(1, 0.1))))
+    assert v1.version == 1 and close(v1.tensors, plus(root, (d1, 0.5), (d2, 0.5)))
     # until the relay holds version 1 its workers still see the batch, on version 0
     before = at_relay.experts.pull("e1", worker_id="w1")
     assert before.version == 0 and close(before.tensors, v1.tensors)
@@ -91,6 +93,7 @@ def test_a_batch_a_fedbuff_root_holds_back_stays_owed_until_a_version_includes_i
         relay.forwarder.flush()  # buffered at the root (one of two): no applied_version yet
         assert at_root.experts.get("e1")["version"] == 0
         relay_fetches(relay)
+        # w1 is this site's only worker of e1: its update counts whole
         assert close(at_relay.experts.pull("e1", worker_id="w1").tensors, plus(root, (d1, 1.0)))
         assert new_root_version(at_root, 7) == 1  # the buffer's second update: version 1 holds both
         relay_fetches(relay)
@@ -112,9 +115,10 @@ def test_after_a_restart_the_site_model_is_rebuilt_from_the_queue(site):
     at_root, relay, at_relay = site
     root = at_root.experts.pull("e1", worker_id="w-root").tensors
     at_relay.experts.pull("e1", worker_id="w1")
-    d1, d2 = push(at_relay, "w1", 1), push(at_relay, "w2", 2)  # w2 never pulled: weight 1
+    d1, d2 = push(at_relay, "w1", 1), push(at_relay, "w2", 2)  # w2 never pulled: staleness 0, 1/2
     fresh = SiteModel(relay.store, relay.blobs, relay.cache.get, lambda update_id: None, 0.1)
     entry, body = fresh.weights("e1", None)
     from protocol.tensors import loads
 
-    assert entry.version == 0 and close(loads(body), plus(root, (d1, 1.0), (d2, 1.0)))
+    assert entry.version == 0 and close(loads(body), plus(root, (d1, 0.5), (d2, 0.5)))
+
