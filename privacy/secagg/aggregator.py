@@ -76,6 +76,8 @@ class SecureAggregator:
         self.registry = CohortRegistry(journal, settings, clock)
         self._lock = threading.Lock()
         self._forming: dict[str, list[str]] = {}
+        self._deferred: set[str] = set()
+        """Cohorts whose release was deferred and not yet retried with success: warned about once, not every tick."""
         for state in journal.load_all():  # resume: deadlines restart from now, which only waits longer
             self.registry.adopt(state)
 
@@ -218,9 +220,14 @@ class SecureAggregator:
         for state in states:
             try:
                 refusal = release(state.config, len(state.survivors)) if release is not None else None
-            except ReleaseDeferred as exc:
-                log.warning("cohort %s keeps its masks for now: %s", state.config.cohort_id, exc)
+            except ReleaseDeferred as exc:  # e.g. the root is unreachable: once per cohort, not every tick of an outage
+                cohort = state.config.cohort_id
+                (log.debug if cohort in self._deferred else log.warning)(
+                    "cohort %s keeps its masks for now: %s", cohort, exc)
+                self._deferred.add(cohort)
                 continue
+            if self._deferred:
+                self._deferred.discard(state.config.cohort_id)
             if refusal is None:
                 out.append(self._unmask(state))
             else:

@@ -1,6 +1,7 @@
 """Distributed DP noise under secure aggregation (privacy.secagg.noise): members' sessions talk to a real
 ``SecureAggregator`` in this process, as in test_secagg_aggregator.py; the noise is drawn from the OS's entropy,
 as in production, so the statistical checks use tolerances of 5 or more standard errors."""
+import logging
 import math
 
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 from coordinator.privacy_ledger import PrivacyLedgers
 from privacy.accountant import GaussianSteps, epsilon_spent
 from privacy.dp import DPFedAvgSettings
-from privacy.secagg.aggregator import SecAggSettings, SecureAggregator
+from privacy.secagg.aggregator import ReleaseDeferred, SecAggSettings, SecureAggregator
 from privacy.secagg.config import CohortConfig
 from privacy.secagg.errors import BadSecAggMessage
 from privacy.secagg.journal import CohortJournal
@@ -215,3 +216,29 @@ def test_a_worker_with_min_dp_noise_posts_no_keys_to_a_cohort_below_it(tmp_path,
         sessions[3].advance()  # asked again at the next poll: still no
     assert sessions[3].member is None and WORKERS[3] not in agg.registry.get(cohort["cohort_id"]).keys
     assert set(agg.registry.get(cohort["cohort_id"]).keys) == set(WORKERS[:3])
+
+
+def test_a_release_deferred_through_an_outage_warns_once_and_unmasks_when_the_root_answers(tmp_path, caplog):
+    """A relay's cohort waits for its root to book the DP step: every tick of an outage asks again, but the log
+    says so once per cohort, not once per tick (a relay printed a warning per waiting cohort per tick)."""
+    clock = Clock()
+    agg = dp_aggregator(tmp_path, clock, CohortNoise(1.0, 1.0), 4)
+    sessions = open_sessions(agg)
+    for name, session in sessions.items():
+        session.submit(np.full(4, 0.1, dtype=np.float32), 10, {"base_version": 0}, rounding_seed=1)
+    finish(sessions)
+    root_answers = False
+
+    def release(config, survivors):
+        if not root_answers:
+            raise ReleaseDeferred("the root is unreachable")
+        return None
+
+    with caplog.at_level(logging.DEBUG, logger="privacy.secagg.aggregator"):
+        for _ in range(5):
+            assert agg.ready(release) == []
+        root_answers = True
+        [ready] = agg.ready(release)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "keeps its masks" in r.getMessage()]
+    assert len(warnings) == 1 and ready.config.cohort_id in warnings[0].getMessage()
+    assert sum("keeps its masks" in r.getMessage() for r in caplog.records) == 5  # the rest at DEBUG
