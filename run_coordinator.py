@@ -153,7 +153,7 @@ def _serve_relay(args: RelayFlags, base: CoordinatorConfig, options: ServeOption
     from compression.registry import make_codec
     from coordinator.relay.forwarder import ForwardPolicy
     from coordinator.relay.server import serve_relay
-    from coordinator.relay.service import RelayConfig
+    from coordinator.relay.config import RelayConfig
     from coordinator.relay.upstream import DiffPulls
     from protocol.schemas import RAW_CODEC
 

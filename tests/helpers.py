@@ -53,7 +53,7 @@ def relay_sites(tmp_path, root: dict[str, Any] | None = None, relay_coordinator:
     from coordinator.config import CoordinatorConfig
     from coordinator.relay.api import create_relay_app
     from coordinator.relay.forwarder import ForwardPolicy
-    from coordinator.relay.service import RelayConfig
+    from coordinator.relay.config import RelayConfig
     from protocol.client import CoordinatorClient
 
     base = {"id": "m", "fingerprint": FINGERPRINT}

@@ -27,7 +27,8 @@ from coordinator.access.auth import acting_worker, check_may_carry_members
 from coordinator.errors import REFUSALS, as_http_error
 from coordinator.relay.relay_store_schema import CachedWeights
 from coordinator.relay.dp_cohorts import SpentBudgets, upstream_booking
-from coordinator.relay.service import RelayConfig, RelayService
+from coordinator.relay.config import RelayConfig
+from coordinator.relay.service import RelayService
 from coordinator.cohorts import refuse_clear_push
 from coordinator.api.relays import probe_body, probe_upload
 from protocol.errors import Conflict

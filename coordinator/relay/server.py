@@ -14,7 +14,8 @@ from coordinator.http.listening import check_tls_files
 from coordinator.http.options import FrontOptions
 from coordinator.http.serve import bind, scheme, serve
 from coordinator.relay.api import create_relay_app
-from coordinator.relay.service import RelayConfig, RelayService
+from coordinator.relay.config import RelayConfig
+from coordinator.relay.service import RelayService
 
 log = logging.getLogger(__name__)
 

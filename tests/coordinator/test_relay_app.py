@@ -12,7 +12,7 @@ from coordinator.api.app import create_app
 from coordinator.config import CoordinatorConfig
 from coordinator.relay.api import create_relay_app
 from coordinator.relay.forwarder import ForwardPolicy, batch_update_id, combine
-from coordinator.relay.service import RelayConfig
+from coordinator.relay.config import RelayConfig
 from protocol.client import CoordinatorClient
 from protocol.integrity import DIGEST_HEADER, digest_header
 from protocol.schemas import UPDATE_HEADER

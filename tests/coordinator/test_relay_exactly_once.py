@@ -19,7 +19,7 @@ from coordinator.api.app import create_app
 from coordinator.config import CoordinatorConfig
 from coordinator.relay.api import create_relay_app
 from coordinator.relay.forwarder import ForwardPolicy
-from coordinator.relay.service import RelayConfig
+from coordinator.relay.config import RelayConfig
 from coordinator.relay.relay_store import RelayStore
 from protocol.client import CoordinatorClient
 from protocol.integrity import DIGEST_HEADER, digest_header
