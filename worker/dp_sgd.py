@@ -22,7 +22,7 @@ import math
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -106,6 +106,9 @@ class DPSGDTrainer(LoraTrainer):
     def __init__(self, base: BaseModel, lora: LoraSettings, train: TrainSettings, train_examples: Sequence[Example],
                  dp: DPSGDSettings, device: str = "cpu") -> None:
         check_dp_sgd_settings(lora, train)
+        # --gradient-checkpointing auto stays off: Opacus's per-example gradient hooks see no layer recomputed in
+        # the backward pass (a smollm2 worker at 4 x 128, where auto turns it on, failed its first DP-SGD step)
+        train = replace(train, gradient_checkpointing=False)
         self.dp = dp
         self.privacy = PrivacyLedger(delta=dp.delta, accountant=dp.accountant)
         super().__init__(base, lora, train, train_examples, device=device)

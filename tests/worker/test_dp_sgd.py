@@ -10,6 +10,7 @@ from worker.checkpoint import clone_optimizer_state
 from worker.data import collate, encode_example, load_examples, pad_token_id, sample_dataset_path
 from worker.dp_sgd import DPSGDSettings, DPSGDTrainer, check_dp_sgd_settings, per_example_loss
 from models.loading import load_base_model
+from worker.memory import want_checkpointing
 from worker.trainer import LoraSettings, TrainSettings
 
 LORA = LoraSettings(rank=4, alpha=8.0)
@@ -103,3 +104,16 @@ def test_dp_sgd_flag_parses_and_names_itself_when_wrong():
 def test_settings_dp_sgd_cannot_honour_are_refused(lora, train, match):
     with pytest.raises(PrivacyError, match=match):
         check_dp_sgd_settings(lora, train)
+
+
+def test_a_batch_large_enough_for_auto_checkpointing_trains_without_it(examples):
+    """--gradient-checkpointing auto turns checkpointing on for large micro-batches (smollm2 at 4 x 128); Opacus's
+    per-example hooks then found no gradient sample and the first DP-SGD step raised (bench.privacy on smollm2).
+    Under DP-SGD auto means off."""
+    train = TrainSettings(lr=1e-2, batch_size=16, max_seq_len=16384, seed=0)
+    base = load_base_model("tiny-qwen2")
+    assert want_checkpointing(None, base.model.config, train.batch_size, train.max_seq_len)  # auto would checkpoint
+    trainer = DPSGDTrainer(base, LORA, train, examples, DPSGDSettings(1.0, 1.0))
+    assert trainer.checkpointing is False
+    stats = trainer.train_steps(1)
+    assert stats.steps == 1 and trainer.privacy.epsilon() > 0
