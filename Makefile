@@ -60,7 +60,7 @@ test-fast: $(STAMP)  ## the unit tier, under a minute: no slow, e2e (real proces
 test-smollm2: smollm2  ## the real-model demo end to end (smollm2-135m, one step per worker; a few minutes)
 	FEDMOE_TEST_SMOLLM2=1 HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests/e2e/test_demo.py -k smollm2
 
-demo: smollm2  ## a local federation on a real model: coordinator + 3 smollm2-135m workers on DS-1000, loss table, answers (~5 min)
+demo: smollm2  ## a local federation on a real model: coordinator + 4 smollm2-135m workers (DS-1000, Spider SQL), loss table, answers
 	HF_HUB_OFFLINE=1 $(PY) scripts/demo.py --preset smollm2
 
 demo-tiny: $(STAMP)  ## the same on the random offline tiny-qwen2 preset and the sample data (~3 min)

@@ -1,5 +1,8 @@
 """What the real-model quality suites share: DS-1000 from data/ds1000, one loaded base model, losses.
 
+Spider's text-to-SQL domain (data/spider, ``spider_domain()``) is available too, but no suite loads it by
+default, so the results committed before it came stay comparable.
+
 Data: the three DS-1000 domains the repository ships (``data/ds1000/{train,heldout}/<domain>.jsonl``,
 CC BY-SA 4.0). ``heldout/`` is never trained on nor tuned on. Settings (merge lam, the router
 threshold) are tuned on a *validation* split carved from ``train/`` by the same family rule that
@@ -39,6 +42,8 @@ from worker.trainer import LoraSettings, LoraTrainer, TrainSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 DS1000_DATA = ROOT / "data" / "ds1000"
+SPIDER_DATA = ROOT / "data" / "spider"
+SPIDER_DOMAIN = "sql_expert"
 DOMAINS = ("numpy_expert", "pandas_expert", "sklearn_expert")
 REAL_MODEL = "smollm2-135m"
 SMOKE_MODEL = "tiny-qwen2"
@@ -56,7 +61,7 @@ class RealDomain:
 
 def _records(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
-        raise SystemExit(f"{path} is missing; the DS-1000 data ships in data/ds1000/ (see its README.md)")
+        raise SystemExit(f"{path} is missing; the data ships in the repository (see {path.parent.parent / 'README.md'})")
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
@@ -88,6 +93,26 @@ def ds1000_domains(directory: Path = DS1000_DATA) -> tuple[RealDomain, ...]:
         domains.append(RealDomain(name, _examples(train), _examples(validation),
                                   _examples(_records(directory / "heldout" / f"{name}.jsonl"))))
     return tuple(domains)
+
+
+@functools.lru_cache(maxsize=2)
+def spider_domain(directory: Path = SPIDER_DATA) -> RealDomain:
+    """Spider's text-to-SQL questions as one more domain, not loaded by any benchmark by default (their committed
+    results stay comparable): ``(*ds1000_domains(), spider_domain())`` adds it.
+
+    Every split is by whole databases: ``heldout/`` asks about databases no training question uses, and the
+    validation questions are those of train/'s databases named in ``data/spider/validation.json``.
+    """
+    path = directory / "validation.json"
+    if not path.is_file():
+        raise SystemExit(f"{path} is missing; regenerate it with data/spider/split.py (see data/spider/README.md)")
+    validation_dbs = set(json.loads(path.read_text(encoding="utf-8")).get(SPIDER_DOMAIN, ()))
+    records = _records(directory / "train" / f"{SPIDER_DOMAIN}.jsonl")
+    if not validation_dbs <= {r["db_id"] for r in records}:
+        raise SystemExit(f"{path} names databases that are not in train/; regenerate it with data/spider/split.py")
+    return RealDomain(SPIDER_DOMAIN, _examples([r for r in records if r["db_id"] not in validation_dbs]),
+                      _examples([r for r in records if r["db_id"] in validation_dbs]),
+                      _examples(_records(directory / "heldout" / f"{SPIDER_DOMAIN}.jsonl")))
 
 
 def shards(examples: Sequence[Example], n: int) -> list[list[Example]]:

@@ -7,7 +7,9 @@ mixture row (what serve.py's ``auto`` answers with) scores each prompt under the
 experts weighted by its probabilities, on serving's batched LoRA path (one copy of the base model
 holding every adapter). For DS-1000 domains, pass@1 is DS-1000's own check: the greedy answers of
 base, gateway, routed and mixture are executed with each problem's test harness in a sandbox
-(gateway/sandbox.py).
+(gateway/sandbox.py). Spider's databases are not shipped, so SQL answers get no pass@1; they get a
+weaker check instead: whether the answer compiles as a read-only query on its database's schema
+(gateway/sql_check.py: syntax and names right, not the result).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from bench.mixtures import generate_answers, mixed_losses, score_answers
 from gateway.export import merged_copy
+from gateway.sql_check import check_sql
 from gateway.router import mixture_weights
 from serving.batched_lora import AdapterBank
 from serving.choices import MIXTURE_TOP_K
@@ -34,7 +37,9 @@ from worker.evaluation import AnswerLoss, answer_losses, total
 from models.loading import BaseModel
 
 BASE, GATEWAY, ROUTED, MIXTURE = "base model", "gateway", "routed", "mixture"
-DS1000_HELDOUT = Path(__file__).resolve().parents[1] / "data" / "ds1000" / "heldout"
+DATA = Path(__file__).resolve().parents[1] / "data"
+DS1000_HELDOUT = DATA / "ds1000" / "heldout"
+SPIDER_HELDOUT = DATA / "spider" / "heldout"
 PASS_TOKENS = 96
 """Longest generated answer executed for pass@1."""
 
@@ -61,6 +66,8 @@ class Report:
     """specialty -> each held-out prompt's mixture weights (the router's top-3 probabilities)."""
     pass_at_1: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
     """model label -> specialty -> (passed, scored) held-out problems (DS-1000 domains only)."""
+    sql_compiles: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
+    """model label -> specialty -> (compiled, scored) held-out SQL answers (Spider domains only; not correctness)."""
     answers: dict[str, dict[str, str]] = field(default_factory=dict)
     """specialty -> {"base model": ..., "routed": ...} generated answers to the shown prompt."""
 
@@ -74,7 +81,9 @@ class Report:
                                            for label, row in self.losses.items()},
                 "routes": self.routes, "route_outcomes": self.outcomes, "answers": self.answers,
                 "pass_at_1": {label: {d: {"passed": p, "scored": n} for d, (p, n) in row.items()}
-                              for label, row in self.pass_at_1.items()}}
+                              for label, row in self.pass_at_1.items()},
+                "sql_compiles": {label: {d: {"compiled": p, "scored": n} for d, (p, n) in row.items()}
+                                 for label, row in self.sql_compiles.items()}}
 
 
 def shortest_prompt(examples: Sequence[Example]) -> int:
@@ -122,9 +131,9 @@ def evaluate(base: BaseModel, client: CoordinatorClient, heldout: Sequence[HeldO
                               for h in heldout}
     on_model(MIXTURE, time.perf_counter() - started)
     started = time.perf_counter()
-    report.pass_at_1 = pass_at_1(bank, base.tokenizer, heldout, report)
-    if report.pass_at_1:
-        on_model("pass@1 (generate, then run each answer's tests)", time.perf_counter() - started)
+    report.pass_at_1, report.sql_compiles = check_answers(bank, base.tokenizer, heldout, report)
+    if report.pass_at_1 or report.sql_compiles:
+        on_model("pass@1 and SQL check (generate, then check each answer)", time.perf_counter() - started)
     return report
 
 
@@ -132,40 +141,70 @@ def _mixes(report: Report, specialty: str) -> list[tuple[tuple[str, float], ...]
     return [tuple(w.items()) or ((GATEWAY, 1.0),) for w in report.mixtures[specialty]]
 
 
-def harnesses_of(examples: Sequence[Example]) -> list[str] | None:
-    """DS-1000's test harness (code_context) of each example, found by its prompt in data/ds1000/heldout/;
-    None when any example is not a DS-1000 held-out problem (e.g. the sample data)."""
+def _held_out_field(examples: Sequence[Example], directory: Path, key: str) -> list[str] | None:
+    """Each example's ``key`` from the held-out records in ``directory``, found by its prompt; None when any
+    example is not among them."""
     by_prompt = {}
-    for path in sorted(DS1000_HELDOUT.glob("*.jsonl")):
+    for path in sorted(directory.glob("*.jsonl")):
         for line in path.read_text(encoding="utf-8").splitlines():
             if line.strip():
                 record = json.loads(line)
-                if "code_context" in record:
-                    by_prompt[record["prompt"]] = record["code_context"]
+                if key in record:
+                    by_prompt[record["prompt"]] = record[key]
     found = [by_prompt.get(e.prompt) for e in examples]
     return None if any(c is None for c in found) else [c for c in found if c is not None]
 
 
-def pass_at_1(bank: AdapterBank, tokenizer: PreTrainedTokenizerBase, heldout: Sequence[HeldOut],
-              report: Report) -> dict[str, dict[str, tuple[int, int]]]:
-    """(passed, scored) per model and domain: every model's greedy answers generated together by serving's
-    engine, each run with its problem's harness in a sandbox. Empty without DS-1000 harnesses."""
-    contexts = {h.specialty: harnesses_of(h.examples) for h in heldout}
-    if any(c is None for c in contexts.values()):
-        return {}
+def harnesses_of(examples: Sequence[Example]) -> list[str] | None:
+    """DS-1000's test harness (code_context) of each example, found by its prompt in data/ds1000/heldout/;
+    None when any example is not a DS-1000 held-out problem (e.g. the sample data)."""
+    return _held_out_field(examples, DS1000_HELDOUT, "code_context")
+
+
+def schemas_of(examples: Sequence[Example]) -> list[str] | None:
+    """The CREATE TABLE statements of each example's database, found by its prompt in data/spider/heldout/;
+    None when any example is not a Spider held-out question."""
+    return _held_out_field(examples, SPIDER_HELDOUT, "schema_sql")
+
+
+Tally = dict[str, dict[str, tuple[int, int]]]
+"""model label -> specialty -> (passed, scored)."""
+
+
+def check_answers(bank: AdapterBank, tokenizer: PreTrainedTokenizerBase, heldout: Sequence[HeldOut],
+                  report: Report) -> tuple[Tally, Tally]:
+    """(pass@1 of the DS-1000 domains, compiled SQL answers of the Spider domains) per model and domain.
+
+    Every model's greedy answers are generated together by serving's engine; a DS-1000 answer runs with
+    its problem's harness in a sandbox, a SQL answer is compiled on its database's schema. A domain with
+    neither (the sample data) is not generated for.
+    """
+    harnesses = {h.specialty: c for h in heldout if (c := harnesses_of(h.examples)) is not None}
+    schemas = {h.specialty: s for h in heldout if h.specialty not in harnesses
+               and (s := schemas_of(h.examples)) is not None}
+    checked = [h for h in heldout if h.specialty in harnesses or h.specialty in schemas]
     plan = []
-    for h in heldout:
+    for h in checked:
         routed = [((_label(t), 1.0),) for t in report.routes[h.specialty]]
         for label, mixes in ((BASE, [()] * len(h.examples)), (GATEWAY, [((GATEWAY, 1.0),)] * len(h.examples)),
                              (ROUTED, routed), (MIXTURE, _mixes(report, h.specialty))):
             plan += [(label, h.specialty, i, mix) for i, mix in enumerate(mixes)]
+    if not plan:
+        return {}, {}
     answers = generate_answers(bank, tokenizer, [next(h for h in heldout if h.specialty == d).examples[i].prompt
                                                  for _, d, i, _ in plan], [m for *_, m in plan], PASS_TOKENS)
-    passed = score_answers(answers, [contexts[d][i] for _, d, i, _ in plan])  # type: ignore[index]
-    out: dict[str, dict[str, tuple[int, int]]] = {}
-    for (label, d, _, _), ok in zip(plan, passed):
+    runs = [(k, a) for k, a in zip(plan, answers) if k[1] in harnesses]
+    passed = score_answers([a for _, a in runs], [harnesses[d][i] for (_, d, i, _), _ in runs])
+    compiled = [check_sql(schemas[d][i], a).compiles for (_, d, i, _), a in zip(plan, answers) if d in schemas]
+    return (_tally([k for k, _ in runs], passed),
+            _tally([k for k in plan if k[1] in schemas], compiled))
+
+
+def _tally(plan: Sequence[tuple[str, str, int, object]], ok: Sequence[bool]) -> Tally:
+    out: Tally = {}
+    for (label, d, _, _), good in zip(plan, ok):
         p, n = out.setdefault(label, {}).get(d, (0, 0))
-        out[label][d] = (p + ok, n + 1)
+        out[label][d] = (p + good, n + 1)
     return out
 
 
@@ -211,13 +250,30 @@ def print_tables(report: Report, versions: Mapping[str, int]) -> None:
               f"{outcomes.count('wrong_expert')} to another domain's expert, {outcomes.count('fallback')} to the "
               "gateway", end="")
     print()
+    print_answer_checks(report, specialties)
+
+
+def print_answer_checks(report: Report, specialties: Sequence[str]) -> None:
+    """pass@1 (DS-1000 domains) and compiled SQL (Spider domains) in one table; "n/a" where a check does not apply."""
+    labels = list(report.pass_at_1) or list(report.sql_compiles)
+    if not labels:
+        return
+    print(f"\npass@1: DS-1000's own test of each greedy answer (<= {PASS_TOKENS} tokens), run in a sandbox"
+          + ("; for SQL, whether the query compiles on its database's schema (not whether it is right)"
+             if report.sql_compiles else "") + "\n")
+    print(f"{'model':<20}" + "".join(f"{d:>16}" for d in specialties))
+    for label in labels:
+        cells = []
+        for d in specialties:
+            p, n = report.pass_at_1.get(label, {}).get(d) or report.sql_compiles.get(label, {}).get(d) or (0, 0)
+            cells.append(f"{p}/{n}" if n else "n/a")
+        print(f"{label:<20}" + "".join(f"{c:>16}" for c in cells))
     if report.pass_at_1:
-        print(f"\npass@1: DS-1000's own test of each greedy answer (<= {PASS_TOKENS} tokens), run in a sandbox\n")
-        print(f"{'model':<20}" + "".join(f"{d:>16}" for d in specialties))
-        for label, row in report.pass_at_1.items():
-            print(f"{label:<20}" + "".join(f"{f'{row[d][0]}/{row[d][1]}':>16}" for d in specialties))
         print("(a 135M model fine-tuned for minutes passes few of these: the loss tables show what it learnt; "
               "this shows how far that is from working code)")
+    if report.sql_compiles:
+        print("(sql: Spider's databases are not shipped, so no execution accuracy; a query that compiles on the "
+              "schema has valid syntax and names only existing tables and columns, and can still be wrong)")
 
 
 def own_domain_gains(report: Report) -> dict[str, float]:
@@ -231,7 +287,8 @@ def print_answers(report: Report, heldout: Sequence[HeldOut], width: int = 48) -
         example = h.examples[h.shown]
         answers = report.answers[h.specialty]
         routed_to = report.routes[h.specialty][h.shown]
-        question = " ".join(example.prompt.replace("Problem:", "").split())
+        shown = example.prompt.rsplit("\nQuestion: ", 1)[-1]  # a Spider prompt: its question, not its schema
+        question = " ".join(shown.replace("Problem:", "").split())
         print(f"\n=== {h.specialty}: {textwrap.shorten(question, 150)}")
         print("reference: " + textwrap.shorten(" ".join(example.reference_code.split()), 120))
         left, right = _wrap(answers[BASE], width), _wrap(answers[ROUTED], width)

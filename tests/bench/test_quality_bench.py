@@ -14,7 +14,7 @@ import torch
 
 from bench.fedrounds import FedJob, run_central, run_fed
 from bench.fvc_sweep import Arm, parse_arm, pick, summarize_horizons
-from bench.realdata import DOMAINS, SMOKE_MODEL, Lab, ds1000_domains, shards
+from bench.realdata import DOMAINS, SMOKE_MODEL, Lab, ds1000_domains, shards, spider_domain
 from tests.helpers import run_main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,6 +62,17 @@ def test_the_committed_validation_ids_are_what_the_family_rule_carves():
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "match validation.json" in proc.stdout
+
+
+def test_the_spider_domain_holds_out_and_validates_on_whole_databases_no_benchmark_loads_by_default():
+    sql = spider_domain()
+    rows = [json.loads(line) for line in (ROOT / "data" / "spider" / "train" / "sql_expert.jsonl").read_text().splitlines()]
+    by_prompt = {r["prompt"]: r["db_id"] for r in rows}
+    assert sql.name == "sql_expert" and (len(sql.train), len(sql.validation), len(sql.heldout)) == (808, 120, 106)
+    assert {by_prompt[e.prompt] for e in sql.validation} == {"world_1"}
+    assert "world_1" not in {by_prompt[e.prompt] for e in sql.train}
+    assert not {e.prompt for e in sql.train + sql.validation} & {e.prompt for e in sql.heldout}
+    assert "sql_expert" not in [d.name for d in ds1000_domains()]  # committed results stay comparable
 
 
 def test_a_missing_validation_file_is_one_clear_line(tmp_path):
