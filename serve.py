@@ -6,7 +6,7 @@ Examples:
   python serve.py --port 8000 --api-key-file keys.txt --poll-interval 5 --max-tokens 512
 
 Then any OpenAI client works: base_url http://127.0.0.1:8000/v1, the key from --api-key-file,
-model = an expert's name, "gateway", or "auto" (routed per request).
+model = an expert's name, "gateway", "routed", "mixture", or "auto" (the measured best of them: the mixture).
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ class ServeFlags:
                                      "created with a random key if missing",
                                 default_factory=lambda: config_dir() / "serve-api-keys", type=Path)
     no_auth: bool = option(False, "no API key (only with a loopback --host)")
-    route_threshold: float | None = option(None, "confidence below which 'auto' answers with the gateway (default: "
+    route_threshold: float | None = option(None, "confidence below which 'routed' answers with the gateway (default: "
                                                  "the coordinator's)", type=float)
     threads: int | None = option(None, "torch threads for generation (default: torch's)", type=int)
 

@@ -181,8 +181,9 @@ def test_routed_picks_one_expert_by_the_profiles_and_falls_back_to_the_gateway(o
     assert reply.model_extra["fedmoe"]["requested"] == "routed"
     vague = ask(oai, "routed", "ok")  # no n-gram in common with anything: nothing to be confident about
     assert vague.headers["X-FedMoE-Expert"] == "gateway"
-    auto = ask(oai, "auto", SQL_PROMPT).parse()  # auto is the measured default: routed, for now
-    assert auto.model == "sql_expert" and auto.model_extra["fedmoe"]["route"]["method"] == "routed"
+    auto = ask(oai, "auto", SQL_PROMPT).parse()  # auto is the measured default: the top-3 mixture
+    assert auto.model_extra["fedmoe"]["route"]["method"] == "mixture"
+    assert auto.model_extra["fedmoe"]["requested"] == "auto"
 
 
 def weighted_sum(adapters: dict[str, dict], weights: dict[str, float]) -> dict:
