@@ -103,6 +103,8 @@ HEADLINES: dict[str, Callable[[Report], str]] = {
             ("transport", "pull_vs_socket"), ("transport", "push_vs_socket"), ("front", "requests_per_s"))),
     "privacy_tiny_qwen2": lambda r: "membership-inference AUC (loss attack): " + ", ".join(
         f"{arm} {a['attack']['loss']['auc']:.2f}" for arm, a in r["arms"].items() if "attack" in a),
+    "privacy": lambda r: "smollm2-135m, membership-inference AUC (loss attack): " + ", ".join(
+        f"{arm} {a['attack']['loss']['auc']:.2f}" for arm, a in r["arms"].items() if "attack" in a),
     "secagg": lambda r: "; ".join(
         f"{x['model']}: masked upload x{x['arms']['masked']['bytes_up_per_worker'] / x['arms']['plain']['bytes_up_per_worker']:.4f}"
         f" of plain, sum error {x['arms']['masked']['max_error']:.1e}" for x in r["results"]),
