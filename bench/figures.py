@@ -33,6 +33,12 @@ def _met(target: dict[str, Any]) -> str:
     return "met" if target.get("met") else "NOT met"
 
 
+def _attack_aucs(r: Report) -> str:
+    """bench.privacy's headline: the loss attack's AUC against what each arm's attacker holds."""
+    return "membership-inference AUC (loss attack): " + ", ".join(
+        f"{arm} {a['attack']['loss']['auc']:.2f}" for arm, a in r["arms"].items() if "attack" in a)
+
+
 HEADLINES: dict[str, Callable[[Report], str]] = {
     "adaptive": lambda r: (f"auto {r['summary']['verdict']['auto_mean']:.4f} vs the best rival "
                            f"{r['summary']['verdict']['best_mean']:.4f} ({r['summary']['verdict']['best']}; "
@@ -101,10 +107,8 @@ HEADLINES: dict[str, Callable[[Report], str]] = {
         f"{k} {r[part]['change_over_baseline'][k]:g}" for part, k in (
             ("hostile", "tls health p99 s"), ("hostile", "tls push p99 s"), ("hostile", "plain push p99 s"),
             ("transport", "pull_vs_socket"), ("transport", "push_vs_socket"), ("front", "requests_per_s"))),
-    "privacy_tiny_qwen2": lambda r: "membership-inference AUC (loss attack): " + ", ".join(
-        f"{arm} {a['attack']['loss']['auc']:.2f}" for arm, a in r["arms"].items() if "attack" in a),
-    "privacy": lambda r: "smollm2-135m, membership-inference AUC (loss attack): " + ", ".join(
-        f"{arm} {a['attack']['loss']['auc']:.2f}" for arm, a in r["arms"].items() if "attack" in a),
+    "privacy_tiny_qwen2": lambda r: _attack_aucs(r),
+    "privacy": lambda r: "smollm2-135m, " + _attack_aucs(r),
     "secagg": lambda r: "; ".join(
         f"{x['model']}: masked upload x{x['arms']['masked']['bytes_up_per_worker'] / x['arms']['plain']['bytes_up_per_worker']:.4f}"
         f" of plain, sum error {x['arms']['masked']['max_error']:.1e}" for x in r["results"]),

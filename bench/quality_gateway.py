@@ -174,7 +174,11 @@ def tune(lab: Lab, experts: Mapping[str, Adapter], base_val: Losses, expert_val:
     return tuned
 
 
-def routing(domains: Sequence[RealDomain], split: str) -> tuple[list[str], list[str | None], list[float]]:
+Routes = tuple[list[str], list[str | None], list[float]]
+"""``routing``'s answer for one split: true domain, top expert and confidence per prompt."""
+
+
+def routing(domains: Sequence[RealDomain], split: str) -> Routes:
     """(truth, top expert, confidence) per prompt of ``split``, routed on the training prompts' profiles.
 
     The top expert is None (confidence 0) for a prompt too short to compare (gateway.router.route).
@@ -242,8 +246,8 @@ def run_suite(lab: Lab, domains: Sequence[RealDomain], s: Settings,
     validation = {d.name: d.validation for d in domains}
     base = Adapter(None, None)
     base_held, base_val = split_losses(lab, base, heldout), split_losses(lab, base, validation)
-    truth_v, top_v, conf_v = routing(domains, "validation")
-    truth_h, top_h, conf_h = routing(domains, "heldout")
+    routes_v, routes_h = routing(domains, "validation"), routing(domains, "heldout")
+    top_v, top_h = routes_v[1], routes_h[1]
     gains = [0.0] * len(top_v)
     per_seed, per_seed_lodo, deltas, tuned, soft_report = [], [], [], {}, {}
     for seed in range(s.seeds):
@@ -275,18 +279,18 @@ def run_suite(lab: Lab, domains: Sequence[RealDomain], s: Settings,
             soft_report["pass_at_1"] = pass_at_1_table(mixlab, domains, DEFAULT_THRESHOLD, s.pass_problems,
                                                        s.pass_tokens)
         log.info("seed %d evaluated", seed)
-        report = assemble(domains, per_seed, per_seed_lodo, soft_report, gains, tuned, deltas)
+        report = assemble(domains, routes_v, routes_h, per_seed, per_seed_lodo, soft_report, gains, tuned, deltas)
         on_seed(report, seed + 1)
     return report
 
 
-def assemble(domains: Sequence[RealDomain], per_seed: Sequence[Mapping[str, Losses]],
-             per_seed_lodo: Sequence[Mapping[str, Losses]], soft_report: dict[str, Any], gains: Sequence[float],
-             tuned: Mapping[str, Any], deltas: Sequence[Any]) -> dict[str, Any]:
+def assemble(domains: Sequence[RealDomain], routes_v: Routes, routes_h: Routes,
+             per_seed: Sequence[Mapping[str, Losses]], per_seed_lodo: Sequence[Mapping[str, Losses]],
+             soft_report: dict[str, Any], gains: Sequence[float], tuned: Mapping[str, Any],
+             deltas: Sequence[Any]) -> dict[str, Any]:
     """The report over the seeds scored so far (model-free: seconds)."""
     names = [d.name for d in domains]
-    truth_v, top_v, conf_v = routing(domains, "validation")
-    truth_h, top_h, conf_h = routing(domains, "heldout")
+    (truth_v, top_v, conf_v), (truth_h, top_h, conf_h) = routes_v, routes_h
     fitted = round(fit_threshold(conf_v, gains, floor=1 / len(domains)), 2)
     report = summarize(per_seed, names, truth_h, top_h, conf_h, fitted)
     report["leave_one_out"] = {m: {d: spread([mean_loss(seed[m][d]) for seed in per_seed_lodo])

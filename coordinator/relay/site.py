@@ -19,7 +19,9 @@ N workers of the expert at this site (registered here, not gone): ``s(tau) / N``
 ``s(tau) = 1 / (1 + decay * max(0, tau - (N - 1)))`` and tau the site updates added since that worker last pulled.
 N workers training from the same site weights thus move it by their mean, FedAvg's step; at full weight their N
 updates added up to an N-times step, and in bench.wan the relay runs' held-out loss rose late (best 0.778, final
-0.866 at one site of 3 workers, where every flat run ended near its best). A forwarded batch is then the *sum* of its members' weighted deltas, the site's
+0.866 at one site of 3 workers, where every flat run ended near its best).
+
+A forwarded batch is then the *sum* of its members' weighted deltas, the site's
 progress since the last batch (with a lossy forward codec plus error feedback, what the root decodes, E_b; the
 codec's residual stays owed). When the relay takes a new root version R' that includes batch b (the root's
 ``applied_version``), ``owed`` drops E_b: the root decided how much of the site's progress to keep (averaged with

@@ -226,8 +226,7 @@ class SecureAggregator:
                     "cohort %s keeps its masks for now: %s", cohort, exc)
                 self._deferred.add(cohort)
                 continue
-            if self._deferred:
-                self._deferred.discard(state.config.cohort_id)
+            self._deferred.discard(state.config.cohort_id)
             if refusal is None:
                 out.append(self._unmask(state))
             else:
